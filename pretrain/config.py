@@ -1,0 +1,475 @@
+"""Typed experiment configuration: YAML files with ``base:`` inheritance and ``a.b=c`` overrides.
+
+Every key is checked against the dataclass schema below. An unknown key, a value of the wrong
+type or an impossible combination raises :class:`ConfigError` whose message names the key, the
+file it came from and, for unknown keys, the closest valid key. CLIs turn that into one line on
+stderr and exit code 2 (see :func:`cli_errors`).
+
+Each component receives only its own section: ``build_loader(cfg.data, ...)``,
+``create_model(**cfg.model...)``, ``deepspeed_config(cfg.optim, cfg.train, cfg.zero)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line."""
+
+
+# --------------------------------------------------------------------------------------- schema
+@dataclass
+class ModelConfig:
+    name: str = "vit_base_patch16_224"
+    num_classes: int = 1000
+    img_size: Optional[int] = None  # None: the resolution in the model name
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    representation_size: Optional[int] = None  # tanh pre-logits layer (the paper's pre-training head)
+    global_pool: Literal["token", "avg"] = "token"
+
+
+@dataclass
+class AugmentConfig:
+    # Inception-style random resized crop (the paper's pre-processing) + horizontal flip.
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    crop_ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333333])
+    hflip: float = 0.5
+    # AugReg recipe (Steiner et al. 2021): RandAugment(num_ops, magnitude), Mixup / CutMix.
+    randaugment_ops: int = 0  # 0 disables RandAugment
+    randaugment_magnitude: int = 10
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    # Normalisation: big_vision / the ViT paper map pixels to [-1, 1].
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    eval_crop_pct: float = 0.875
+
+
+@dataclass
+class DataConfig:
+    # Brace pattern ("shards/train-{000000..000127}.tar"), a list of URLs, or a manifest.json path.
+    train_shards: Union[str, list[str], None] = None
+    val_shards: Union[str, list[str], None] = None
+    img_size: Optional[int] = None  # None: the model's resolution
+    workers: int = 4
+    shuffle_buffer: int = 2000
+    multi_label: bool = False  # sigmoid targets from <key>.json labels (ImageNet-21k / JFT style)
+    allow_remote: bool = False  # permit pipe:, http(s)://, s3://, gs:// URLs
+    max_corrupt_rate: float = 0.01  # stop the run when more than this share of samples is bad
+    max_image_pixels: int = 89_478_485  # decompression-bomb guard (PIL's default limit)
+    prefetch_factor: int = 2
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 10_000
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    min_lr: float = 0.0
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    global_batch_size: int = 4096
+    micro_batch_size: int = 64  # per rank, per forward/backward
+    seed: int = 0
+    precision: Literal["bf16", "fp32"] = "bf16"
+    activation_checkpointing: bool = False
+    log_every_steps: int = 10
+    max_nonfinite_steps: int = 5  # this many non-finite losses in a row stop the run
+    output_dir: str = "runs/default"
+    compile: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 1
+    offload_optimizer: bool = False
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None: <train.output_dir>/checkpoints
+    every_steps: int = 1000
+    keep_last: int = 3
+    resume: bool = True  # resume automatically from the latest complete checkpoint
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "vitscale"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    jsonl: bool = True
+
+
+@dataclass
+class EvalConfig:
+    suite: Literal["cifar100", "vtab1k", "demo", "imagefolder", "shards"] = "cifar100"
+    protocol: Literal["finetune", "linear", "fewshot"] = "linear"
+    data_root: Optional[str] = None
+    img_size: Optional[int] = None  # None: the checkpoint's resolution
+    batch_size: int = 64
+    steps: int = 500  # fine-tune steps
+    lr: float = 0.01
+    warmup_steps: int = 100
+    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    fewshot_seeds: int = 3
+    workers: int = 2
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ------------------------------------------------------------------------------------- loading
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict, over: dict, origin: dict | None, src: str, prefix: str = "") -> dict:
+    """Deep-merge ``over`` into a copy of ``base``; record in ``origin`` (if given) where keys came from."""
+    out = dict(base)
+    for k, v in over.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v, origin, src, key + ".")
+        else:
+            out[k] = v
+            if origin is not None:
+                _record(origin, key, v, src)
+    return out
+
+
+def _record(origin: dict, key: str, value: Any, src: str) -> None:
+    origin[key] = src
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _record(origin, f"{key}.{k}", v, src)
+
+
+def _load_tree(path: Path, origin: dict, seen: tuple = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: 'base:' inheritance cycle through {' -> '.join(map(str, seen))}")
+    raw = _read_yaml(path)
+    base_ref = raw.pop("base", None)
+    tree: dict = {}
+    if base_ref is not None:
+        refs = base_ref if isinstance(base_ref, list) else [base_ref]
+        for ref in refs:
+            if not isinstance(ref, str):
+                raise ConfigError(f"{path}: 'base' must be a file name or a list of them, got {ref!r}")
+            # keys from a base keep the base file as their origin
+            tree = _merge(tree, _load_tree(path.parent / ref, origin, seen + (path,)), None, str(path))
+    return _merge(tree, raw, origin, str(path))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``optim.lr=3e-4`` -> (["optim", "lr"], 0.0003). Values are YAML scalars (or flow lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
+    key, value = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    # YAML 1.1 reads "3e-4" as a string; accept it as a float as users expect.
+    if isinstance(parsed, str):
+        with contextlib.suppress(ValueError):
+            parsed = float(parsed) if any(c in parsed for c in ".eE") and parsed.strip() else parsed
+    return key.split("."), parsed
+
+
+def apply_overrides(tree: dict, overrides, origin: dict) -> dict:
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = tree
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[p] = nxt
+            node = nxt
+        node[parts[-1]] = value
+        _record(origin, ".".join(parts), value, "command line")
+    return tree
+
+
+# ---------------------------------------------------------------------------------- validation
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return f"list of {_type_name(inner)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{where}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, key, where)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(inner, v, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key}: expected a mapping (section), got {value!r}")
+        return _build(tp, value, key + ".", {}, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise bad
+
+
+def _build(cls: type, tree: dict, prefix: str, origin: dict, default_where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        where = origin.get(key, default_where)
+        if k not in names:
+            valid = [f"{prefix}{n}" for n in names]
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+            raise ConfigError(f"{where}: unknown key '{key}'{hint}")
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}: {key}: expected a section (mapping), got {v!r}")
+            kwargs[k] = _build(tp, v, key + ".", origin, default_where)
+        else:
+            kwargs[k] = _coerce(tp, v, key, where)
+    return cls(**kwargs)
+
+
+def _check(cfg: Config, origin: dict, src: str) -> None:
+    """Impossible values; each message names the key and the file that set it."""
+
+    def fail(key: str, msg: str):
+        raise ConfigError(f"{origin.get(key, src)}: {key}: {msg}")
+
+    from pretrain.model import list_models, model_defaults  # no torch work at import time
+
+    m = cfg.model
+    if m.name not in list_models():
+        close = difflib.get_close_matches(m.name, list_models(), n=1, cutoff=0.4)
+        fail("model.name", f"unknown model {m.name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    d = model_defaults(m.name)
+    img = m.img_size or d["img_size"]
+    if img <= 0:
+        fail("model.img_size", f"must be positive, got {img}")
+    patch = d["patch_size"] * d.get("stem_stride", 1)
+    if img % patch:
+        fail("model.img_size", f"patch size {patch} of {m.name} does not divide image size {img}")
+    if m.num_classes < 0:
+        fail("model.num_classes", f"must be >= 0, got {m.num_classes}")
+    for key, val in (("model.drop_rate", m.drop_rate), ("model.drop_path_rate", m.drop_path_rate)):
+        if not 0.0 <= val < 1.0:
+            fail(key, f"must be in [0, 1), got {val}")
+    if cfg.data.img_size is not None and cfg.data.img_size != img:
+        fail("data.img_size", f"{cfg.data.img_size} differs from the model's image size {img}")
+    if cfg.data.workers < 0:
+        fail("data.workers", f"must be >= 0, got {cfg.data.workers}")
+    if not 0.0 <= cfg.data.max_corrupt_rate <= 1.0:
+        fail("data.max_corrupt_rate", f"must be in [0, 1], got {cfg.data.max_corrupt_rate}")
+    a = cfg.data.augment
+    if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
+        fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")
+    if len(a.mean) != 3 or len(a.std) != 3 or min(a.std) <= 0:
+        fail("data.augment.std", "mean and std need 3 channels, std > 0")
+    t = cfg.train
+    if t.steps < 0:
+        fail("train.steps", f"must be >= 0, got {t.steps}")
+    if t.micro_batch_size <= 0:
+        fail("train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
+    if t.global_batch_size <= 0:
+        fail("train.global_batch_size", f"must be positive, got {t.global_batch_size}")
+    if t.global_batch_size % t.micro_batch_size:
+        fail("train.global_batch_size",
+             f"{t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}")
+    if t.log_every_steps <= 0:
+        fail("train.log_every_steps", f"must be positive, got {t.log_every_steps}")
+    o = cfg.optim
+    if o.lr <= 0:
+        fail("optim.lr", f"must be positive, got {o.lr}")
+    if o.warmup_steps < 0:
+        fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        fail("optim.betas", f"must be two numbers in [0, 1), got {o.betas}")
+    if o.weight_decay < 0 or o.grad_clip < 0:
+        fail("optim.weight_decay" if o.weight_decay < 0 else "optim.grad_clip", "must be >= 0")
+    if not 0 <= o.label_smoothing < 1:
+        fail("optim.label_smoothing", f"must be in [0, 1), got {o.label_smoothing}")
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        fail("zero.stage", f"must be 0, 1, 2 or 3, got {cfg.zero.stage}")
+    if cfg.checkpoint.every_steps <= 0:
+        fail("checkpoint.every_steps", f"must be positive, got {cfg.checkpoint.every_steps}")
+    if cfg.checkpoint.keep_last < 1:
+        fail("checkpoint.keep_last", f"must be >= 1, got {cfg.checkpoint.keep_last}")
+
+
+def check_world_size(train: TrainConfig, world_size: int) -> int:
+    """Gradient-accumulation steps for this world size, or a ConfigError naming the batch keys."""
+    per_step = train.micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size x world size = {train.micro_batch_size} x {world_size} = {per_step}")
+    return train.global_batch_size // per_step
+
+
+def load_config(path: str | Path | None, overrides=()) -> Config:
+    """Load ``path`` (following ``base:``), apply ``a.b=c`` overrides, return a validated Config."""
+    origin: dict[str, str] = {}
+    src = str(path) if path is not None else "defaults"
+    tree = _load_tree(Path(path), origin) if path is not None else {}
+    tree = apply_overrides(tree, list(overrides), origin)
+    cfg = _build(Config, tree, "", origin, src)
+    _check(cfg, origin, src)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config (every key, defaults included) as YAML."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def from_dict(tree: dict) -> Config:
+    """Rebuild a Config from ``to_dict`` output (e.g. the copy stored in a checkpoint)."""
+    cfg = _build(Config, tree, "", {}, "stored config")
+    return cfg
+
+
+@contextlib.contextmanager
+def cli_errors(prog: str):
+    """Turn user mistakes into one line on stderr and exit code 2; no traceback."""
+    try:
+        yield
+    except (ConfigError, FileNotFoundError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv=None) -> None:
+    """``vit-config --config FILE [a.b=c ...] [--output resolved.yaml]``: validate and print."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="vit-config", description="Validate a config and print it resolved")
+    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("--output", help="write the resolved config here instead of printing it")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
+    args = ap.parse_args(argv)
+    with cli_errors("vit-config"):
+        cfg = load_config(args.config, args.overrides)
+    if args.output:
+        save_config(cfg, args.output)
+    else:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""vitscale: pretrain/transfer."""

@@ -1,0 +1,135 @@
+"""Config loading: inheritance, overrides, validation errors through the CLI (exit 2, one line)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain.config import (ConfigError, check_world_size, from_dict, load_config, parse_override,
+                             save_config, to_dict)
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pretrain.config", *args], capture_output=True, text=True,
+                          cwd=REPO)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_load_and_have_a_header(path):
+    cfg = load_config(path)
+    assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("# "), f"{path.name} must open with a comment saying what it trains"
+    assert "Expect" in path.read_text()
+
+
+def test_paper_recipes_follow_table3():
+    for name in ("vit_b16_in1k", "vit_l16_in21k", "vit_h14_jft"):
+        c = load_config(REPO / "configs" / f"{name}.yaml")
+        assert c.train.global_batch_size == 4096
+        assert c.optim.betas == [0.9, 0.999]
+        assert c.optim.warmup_steps == 10_000
+        assert c.model.img_size in (None, 224)
+    assert load_config(REPO / "configs/vit_h14_jft.yaml").zero.stage == 3
+
+
+def test_base_inheritance_deep_merges(tmp_path):
+    write(tmp_path / "base.yaml", "model: {name: vit_small_patch16_224, num_classes: 7}\noptim: {lr: 0.5, warmup_steps: 3}\n")
+    child = write(tmp_path / "child.yaml", "base: base.yaml\noptim: {lr: 0.25}\n")
+    c = load_config(child)
+    assert c.model.name == "vit_small_patch16_224" and c.model.num_classes == 7
+    assert c.optim.lr == 0.25 and c.optim.warmup_steps == 3  # sibling key kept by the deep merge
+
+
+def test_overrides_parse_yaml_scalars(tmp_path):
+    c = load_config(REPO / "configs/tiny_cpu.yaml",
+                    ["optim.lr=3e-4", "train.steps=7", "train.activation_checkpointing=true",
+                     "logging.wandb.tags=[a, b]", "model.img_size=null", "data.train_shards=x-{0..3}.tar"])
+    assert c.optim.lr == pytest.approx(3e-4) and isinstance(c.optim.lr, float)
+    assert c.train.steps == 7 and c.train.activation_checkpointing is True
+    assert c.logging.wandb.tags == ["a", "b"]
+    assert c.model.img_size is None
+    assert c.data.train_shards == "x-{0..3}.tar"
+    assert parse_override("a.b=1") == (["a", "b"], 1)
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    bad = write(tmp_path / "bad.yaml", "optim:\n  lr: 0.1\n  warmup_step: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    msg = str(e.value)
+    assert "optim.warmup_step" in msg and str(bad) in msg and "optim.warmup_steps" in msg
+
+
+def test_error_names_the_file_that_set_the_key(tmp_path):
+    write(tmp_path / "base.yaml", "train: {steps: -3}\n")
+    child = write(tmp_path / "child.yaml", "base: base.yaml\noptim: {lr: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"base\.yaml: train\.steps: must be >= 0"):
+        load_config(child)
+    with pytest.raises(ConfigError, match="command line: optim.lr"):
+        load_config(child, ["train.steps=1", "optim.lr=-1"])
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("zero: {stage: 5}\n", "zero.stage"),
+    ("train: {global_batch_size: 100, micro_batch_size: 32}\n", "train.global_batch_size"),
+    ("model: {name: vit_base_patch16_224, img_size: 100}\n", "patch size 16 of vit_base_patch16_224 does not divide"),
+    ("train: {steps: -1}\n", "train.steps"),
+    ("train: {steps: ten}\n", "train.steps: expected int"),
+    ("train: {precision: fp16}\n", "train.precision"),
+    ("logging: {wandb: {mode: loud}}\n", "logging.wandb.mode"),
+    ("model: {name: vit_base_patch61_224}\n", "did you mean 'vit_base_patch16_224'"),
+    ("data: {workers: 2.5}\n", "data.workers"),
+])
+def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
+    bad = write(tmp_path / "bad.yaml", text)
+    r = run_cli("--config", str(bad))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr  # one line, no traceback
+    assert needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_cli_unknown_key_missing_file_bad_yaml_bad_override(tmp_path):
+    cases = [
+        (["--config", str(write(tmp_path / "u.yaml", "modle: {name: x}\n"))], "did you mean 'model'"),
+        (["--config", str(tmp_path / "nope.yaml")], "config file not found"),
+        (["--config", str(write(tmp_path / "y.yaml", "model: [unclosed\n"))], "invalid YAML"),
+        (["--config", str(REPO / "configs/tiny_cpu.yaml"), "optim.lr"], "expected KEY=VALUE"),
+        (["--config", str(write(tmp_path / "c.yaml", "base: c.yaml\n"))], "cycle"),
+    ]
+    for args, needle in cases:
+        r = run_cli(*args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert needle in r.stderr
+
+
+def test_cli_prints_resolved_config():
+    r = run_cli("--config", str(REPO / "configs/tiny_cpu.yaml"), "train.seed=5")
+    assert r.returncode == 0, r.stderr
+    tree = yaml.safe_load(r.stdout)
+    assert tree["train"]["seed"] == 5 and tree["zero"]["stage"] == 2
+
+
+def test_resolved_config_round_trip(tmp_path):
+    c = load_config(REPO / "configs/vit_l16_in21k.yaml", ["train.seed=3"])
+    out = save_config(c, tmp_path / "run" / "config.yaml")
+    again = load_config(out)
+    assert to_dict(again) == to_dict(c)
+    assert from_dict(to_dict(c)) == c
+
+
+def test_world_size_divisibility():
+    c = load_config(REPO / "configs/tiny_cpu.yaml")
+    assert check_world_size(c.train, 2) == 1 and check_world_size(c.train, 1) == 2
+    with pytest.raises(ConfigError, match="micro_batch_size x world size = 32 x 3"):
+        check_world_size(c.train, 3)

@@ -1,0 +1,53 @@
+"""FLOP accounting: fvcore with attention vs published numbers and vs the analytic formula."""
+import pytest
+import torch
+
+from pretrain.flops import (analytic_flops, forward_flops, mfu, peak_tflops, train_flops_per_image)
+from pretrain.model import create_model
+
+
+def meta_model(name, **kw):
+    with torch.device("meta"):
+        return create_model(name, **kw)
+
+
+@pytest.mark.parametrize("name, gflops", [("vit_base_patch16_224", 17.58), ("vit_large_patch16_224", 61.6),
+                                          ("vit_huge_patch14_224", 167.4)])
+def test_fvcore_matches_published_forward_cost(name, gflops):
+    f = forward_flops(meta_model(name)) / 1e9
+    assert abs(f - gflops) / gflops < 0.005, f
+
+
+def test_attention_is_counted():
+    m = create_model("vit_tiny_patch16_224", img_size=64)
+    by_mod = forward_flops(m, by_module=True)
+    n, d = 17, 192
+    # qkv + Q K^T + A V + proj in one block: the SDPA handle adds the 2 n^2 d term
+    assert by_mod["blocks.0.attn"] == n * d * 3 * d + 2 * n * n * d + n * d * d
+
+
+@pytest.mark.parametrize("name, img, kw", [
+    ("vit_tiny_patch16_224", 64, {}),
+    ("vit_small_patch16_224", 96, {"global_pool": "avg"}),
+    ("vit_base_patch32_224", 224, {"num_classes": 21843}),
+    ("vit_base_patch16_224", 384, {}),
+    ("vit_base_r50_s16_224", 96, {"representation_size": 64, "num_classes": 10}),
+])
+def test_analytic_equals_fvcore(name, img, kw):
+    assert analytic_flops(name, img, **kw) == forward_flops(meta_model(name, img_size=img, **kw))
+
+
+def test_training_flops_and_mfu_arithmetic():
+    fwd = analytic_flops("vit_large_patch16_224")
+    model_f, hw_f = train_flops_per_image(fwd)
+    assert model_f == 6 * fwd and hw_f == model_f
+    blocks = analytic_flops("vit_large_patch16_224", breakdown=True)["blocks"]
+    _, hw_ckpt = train_flops_per_image(fwd, recompute_macs=blocks)
+    assert hw_ckpt == pytest.approx(6 * fwd + 2 * blocks)
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H100 PCIe") == pytest.approx(756.0)
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == pytest.approx(312.0)
+    assert peak_tflops("Some CPU") is None
+    # 400 img/s/GPU of ViT-L/16 on an H100: 6 * 61.6e9 * 400 / 989.4e12 = 14.9 %
+    assert mfu(model_f, 400, 989.4) == pytest.approx(6 * fwd * 400 / 989.4e12)
+    assert mfu(model_f, 400, None) is None

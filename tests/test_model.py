@@ -1,0 +1,190 @@
+"""The ViT family: forward/backward of every variant, timm parity, checkpointing, weight loading."""
+import pickle
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from pretrain.checkpoint import WeightsError, load_weights
+from pretrain.model import create_model, list_models, model_defaults, resize_pos_embed
+
+SMALL_ENOUGH = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
+                "vit_base_patch32_224", "vit_base_patch16_384", "vit_base_r50_s16_224"]
+BIG = ["vit_large_patch16_224", "vit_large_patch32_224", "vit_large_patch16_384", "vit_huge_patch14_224"]
+
+
+def test_registry_has_the_timm_names():
+    for name in SMALL_ENOUGH + BIG + ["vit_base_r50_s16_384"]:
+        assert name in list_models()
+    with pytest.raises(KeyError, match="unknown model"):
+        create_model("vit_giant_patch99_224")
+
+
+@pytest.mark.parametrize("name", SMALL_ENOUGH)
+def test_forward_backward_small_input(name):
+    torch.manual_seed(0)
+    patch = model_defaults(name)["patch_size"] * model_defaults(name).get("stem_stride", 1)
+    img = 2 * patch
+    m = create_model(name, num_classes=5, img_size=img, drop_path_rate=0.1, drop_rate=0.1)
+    x = torch.randn(2, 3, img, img)
+    out = m(x)
+    assert out.shape == (2, 5)
+    out.float().pow(2).sum().backward()  # head is zero-initialised: the loss's gradient reaches it
+    assert torch.isfinite(out).all()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert m.head.weight.grad.abs().sum() == 0  # d(sum out^2)/dW = 0 at W = 0, out = 0
+    m.zero_grad()
+    torch.nn.functional.cross_entropy(m(x), torch.tensor([1, 3])).backward()
+    assert m.head.weight.grad.abs().sum() > 0 and m.patch_embed.proj.weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", BIG)
+def test_big_variants_on_meta_device(name):
+    with torch.device("meta"):
+        m = create_model(name)
+        out = m(torch.empty(2, 3, *m.img_size))
+    assert out.shape == (2, 1000) and out.is_meta
+
+
+@pytest.mark.parametrize("name, millions", [("vit_base_patch16_224", 86.57), ("vit_large_patch16_224", 304.33),
+                                            ("vit_huge_patch14_224", 632.05)])
+def test_parameter_counts_match_table1(name, millions):
+    with torch.device("meta"):
+        m = create_model(name, num_classes=1000)
+    n = sum(p.numel() for p in m.parameters())
+    assert abs(n / 1e6 - millions) < 0.005, n
+
+
+def test_meta_build_and_no_deepspeed_import():
+    code = ("import sys, torch; import pretrain.model as M\n"
+            "with torch.device('meta'): m = M.create_model('vit_huge_patch14_224')\n"
+            "assert all(p.is_meta for p in m.parameters())\n"
+            "assert 'deepspeed' not in sys.modules, 'model code must not import deepspeed'\n"
+            "assert 'timm' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+PARITY = [("vit_tiny_patch16_224", dict(img_size=64)), ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
+          ("vit_base_patch32_224", dict(img_size=64, num_classes=10)),
+          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10))]
+
+
+@pytest.mark.parametrize("name, kw", PARITY, ids=[p[0] + "-" + str(p[1].get("global_pool", "token")) for p in PARITY])
+def test_timm_parity_both_ways(name, kw):
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, **kw).eval()
+    sd = {k: torch.randn_like(v) * 0.05 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(sd)
+    ours = create_model(name, **kw).eval()
+    assert set(ours.state_dict()) == set(sd)
+    ours.load_state_dict(sd, strict=True)
+    x = torch.randn(2, 3, kw["img_size"], kw["img_size"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    # and back: our weights into timm
+    ours2 = create_model(name, **kw).eval()
+    ref.load_state_dict(ours2.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(ours2(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_representation_size_adds_tanh_pre_logits():
+    m = create_model("vit_tiny_patch16_224", img_size=32, representation_size=48, num_classes=3)
+    assert m.state_dict()["pre_logits.fc.weight"].shape == (48, 192)
+    feats = m.forward_head(m.forward_features(torch.randn(2, 3, 32, 32)), pre_logits=True)
+    assert feats.shape == (2, 48) and feats.abs().max() <= 1.0  # tanh range
+
+
+def test_grad_checkpointing_same_loss_and_grads():
+    torch.manual_seed(0)
+    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=4)
+    torch.nn.init.normal_(m.head.weight, std=0.02)  # non-zero head so every gradient is non-trivial
+    x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 3])
+
+    def loss_and_grads(ckpt):
+        m.zero_grad()
+        m.set_grad_checkpointing(ckpt)
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    l0, g0 = loss_and_grads(False)
+    l1, g1 = loss_and_grads(True)
+    assert torch.equal(l0, l1)
+    for n in g0:
+        torch.testing.assert_close(g0[n], g1[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_pos_embed_resize_keeps_class_token_and_interpolates():
+    # an embedding linear in the grid position stays (nearly) linear after resizing
+    old = (4, 6)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, old[0]), torch.linspace(0, 1, old[1]), indexing="ij")
+    grid = torch.stack([yy, xx], -1).reshape(1, -1, 2)
+    cls = torch.tensor([[[7.0, -7.0]]])
+    pe = torch.cat([cls, grid], dim=1)
+    out = resize_pos_embed(pe, (8, 12), old_grid=old)
+    assert out.shape == (1, 1 + 96, 2)
+    assert torch.equal(out[:, :1], cls)
+    g = out[0, 1:].reshape(8, 12, 2)
+    assert torch.all(g[1:, :, 0] >= g[:-1, :, 0] - 1e-4) and torch.all(g[:, 1:, 1] >= g[:, :-1, 1] - 1e-4)
+    assert g[..., 0].min() > -0.1 and g[..., 0].max() < 1.1
+    assert torch.equal(resize_pos_embed(pe, old, old_grid=old), pe)
+    with pytest.raises(ValueError, match="not a square"):
+        resize_pos_embed(pe, (8, 8))
+
+
+def test_load_weights_224_to_384_and_formats(tmp_path):
+    src = create_model("vit_tiny_patch16_224", num_classes=10)
+    sd = src.state_dict()
+    # safetensors, .pth (weights_only) and a wrapped, DDP-prefixed dict all load
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    torch.save({"state_dict": {f"module.{k}": v for k, v in sd.items()}}, tmp_path / "w.pth")
+    for source in (sd, tmp_path / "w.safetensors", tmp_path / "w.pth"):
+        dst = create_model("vit_tiny_patch16_224", num_classes=10, img_size=384)
+        rep = load_weights(dst, source)
+        assert dst.pos_embed.shape == (1, 1 + 24 * 24, 192)
+        assert any("pos_embed" in r for r in rep.resized)
+        assert torch.equal(dst.pos_embed[:, 0], src.pos_embed[:, 0])
+        assert torch.equal(dst.blocks[3].mlp.fc1.weight, src.blocks[3].mlp.fc1.weight)
+        x = torch.randn(1, 3, 384, 384)
+        assert torch.isfinite(dst(x)).all()
+
+
+def test_load_weights_reports_keys_by_name(tmp_path):
+    src = create_model("vit_tiny_patch16_224", num_classes=10).state_dict()
+    dst = create_model("vit_tiny_patch16_224", num_classes=3)
+    src["extra.weight"] = torch.zeros(1)
+    del src["norm.bias"]
+    with pytest.raises(WeightsError) as e:
+        load_weights(dst, src)
+    msg = str(e.value)
+    assert "norm.bias" in msg and "extra.weight" in msg and "head.weight" in msg
+    before = dst.head.weight.clone()
+    rep = load_weights(dst, src, strict=False, exclude=("head.",))
+    assert rep.missing == ["norm.bias"] and rep.unexpected == ["extra.weight"]
+    assert "head.weight" in rep.skipped and torch.equal(dst.head.weight, before)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (open, ("/tmp/vitscale-should-not-exist", "w"))
+
+
+def test_load_weights_refuses_pickled_code(tmp_path):
+    import os
+    target = "/tmp/vitscale-should-not-exist"
+    if os.path.exists(target):
+        os.remove(target)
+    path = tmp_path / "evil.pth"
+    with open(path, "wb") as f:
+        pickle.dump({"pos_embed": _Evil()}, f)
+    with pytest.raises(WeightsError, match="not a plain tensor state dict"):
+        load_weights(create_model("vit_tiny_patch16_224", img_size=32), path)
+    assert not os.path.exists(target)
+    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+        load_weights(create_model("vit_tiny_patch16_224", img_size=32), tmp_path / "missing.safetensors")
