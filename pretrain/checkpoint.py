@@ -1,4 +1,182 @@
-"""Checkpoints: weights import (``load_weights``); save / resume / export arrive with training."""
+"""Checkpoints: save / auto-resume of training runs, and import of weights (``load_weights``).
+
+Layout of ``checkpoint.dir``::
+
+    latest                 tag of the newest complete checkpoint (written atomically, last)
+    step_00001000/
+        ...                DeepSpeed engine state (module, ZeRO optimizer shards, LR schedule)
+        rank_00000.json    per-rank state: data-loader position, Python/NumPy/torch RNG
+        run.json           step, resolved config, W&B run id, world size (rank 0)
+        COMPLETE           written by rank 0 after every rank finished writing
+
+A checkpoint counts only once ``COMPLETE`` exists, so a crash or ``kill -9`` in the middle of a
+save leaves the previous checkpoint as the one to resume from; half-written directories are
+removed by the next successful save. Nothing here is unpickled except DeepSpeed's own files.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
 from pretrain.weights import LoadReport, WeightsError, load_weights, read_state_dict
 
-__all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError"]
+__all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "save", "resume",
+           "latest_complete", "list_complete", "tag_for"]
+
+_TAG = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _step_of(path: Path) -> int:
+    m = _TAG.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def list_complete(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    tags = [p for p in d.iterdir() if p.is_dir() and _TAG.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(tags, key=_step_of)
+
+
+def latest_complete(ckpt_dir: str | Path) -> Optional[Path]:
+    """The checkpoint to resume from: ``latest`` if it names a complete one, else the newest
+    complete directory (``latest`` may lag behind when a kill hit between marker and pointer)."""
+    done = list_complete(ckpt_dir)
+    return done[-1] if done else None
+
+
+# ------------------------------------------------------------------------------------ RNG state
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# ---------------------------------------------------------------------------------- save/resume
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict, keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    import torch.distributed as dist
+
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag_for(step)
+    path = ckpt_dir / tag
+    if (path / COMPLETE).exists() and dist.get_rank() == 0:
+        (path / COMPLETE).unlink()  # re-saving the same step (e.g. SIGTERM right after a save)
+    dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)  # ends with a barrier
+    rank = dist.get_rank()
+    _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
+    if rank == 0:
+        _write_json(path / "run.json", {**run_info, "step": step, "world_size": dist.get_world_size()})
+        _fault_point("kill_in_save", step)
+    dist.barrier()
+    if rank == 0:
+        _write_json(path / COMPLETE, {"step": step})
+        tmp = ckpt_dir / "latest.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, ckpt_dir / "latest")
+        _prune(ckpt_dir, keep_last)
+    dist.barrier()
+    return path
+
+
+def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; drop older ones and any incomplete
+    directory left by a crash (never the newest complete one)."""
+    done = list_complete(ckpt_dir)
+    keep = {p.name for p in done[-keep_last:]}
+    newest = _step_of(done[-1]) if done else -1
+    for p in ckpt_dir.iterdir():
+        if not p.is_dir() or not _TAG.match(p.name) or p.name in keep:
+            continue
+        if (p / COMPLETE).exists() or _step_of(p) < newest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, dict]]:
+    """Load the newest complete checkpoint into ``engine``; returns (run_info, this rank's state)
+    or None when there is nothing to resume. Collective."""
+    import torch.distributed as dist
+
+    path = latest_complete(ckpt_dir)
+    if path is None:
+        return None
+    run_info = json.loads((path / "run.json").read_text())
+    if run_info["world_size"] != dist.get_world_size():
+        raise RuntimeError(
+            f"{path}: saved with world size {run_info['world_size']}, now {dist.get_world_size()}; "
+            "ZeRO optimizer shards are per rank (resume on the same world size, or export the "
+            "weights and start a new run from them)")
+    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
+    rank_state = json.loads((path / f"rank_{dist.get_rank():05d}.json").read_text())
+    set_rng_state(rank_state["rng"])
+    return run_info, rank_state
+
+
+# -------------------------------------------------------------------------------- fault points
+def fault_steps(name: str) -> list[int]:
+    """Test hooks from ``VITSCALE_FAULT``, e.g. ``kill_in_save:6`` or ``nan_loss:3,3,5``: the steps
+    at which fault ``name`` fires, once per listed entry. Empty (and free) in normal runs."""
+    spec = os.environ.get("VITSCALE_FAULT", "")
+    for part in spec.split(";"):
+        key, _, steps = part.partition(":")
+        if key == name and steps:
+            return [int(s) for s in steps.split(",")]
+    return []
+
+
+def _fault_point(name: str, step: int) -> None:
+    """``kill_in_save:STEP`` SIGKILLs rank 0 after DeepSpeed wrote its files but before the
+    checkpoint is marked complete, to prove a crash mid-save never loses the previous one."""
+    if step in fault_steps(name):
+        os.kill(os.getpid(), signal.SIGKILL)

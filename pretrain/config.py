@@ -98,7 +98,6 @@ class TrainConfig:
     log_every_steps: int = 10
     max_nonfinite_steps: int = 5  # this many non-finite losses in a row stop the run
     output_dir: str = "runs/default"
-    compile: bool = False
 
 
 @dataclass
@@ -443,12 +442,20 @@ def from_dict(tree: dict) -> Config:
     return cfg
 
 
+def image_size(model: ModelConfig) -> int:
+    """The model's input resolution: ``model.img_size`` or the one in the model's name."""
+    from pretrain.model import model_defaults
+
+    return model.img_size or model_defaults(model.name)["img_size"]
+
+
 @contextlib.contextmanager
-def cli_errors(prog: str):
-    """Turn user mistakes into one line on stderr and exit code 2; no traceback."""
+def cli_errors(prog: str, *user_errors: type):
+    """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on
+    stderr and exit code 2; no traceback."""
     try:
         yield
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, *user_errors) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{prog}: error: {msg}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,137 @@
+"""Metrics sinks (rank 0 only): W&B (online / offline / disabled) and ``metrics.jsonl``.
+
+The W&B run id is generated once and stored in every checkpoint, so a resumed job continues the
+same W&B run (``resume='allow'``) and its steps only increase. Run config carries world size,
+global batch, ZeRO stage and model FLOPs so W&B can draw scaling curves across runs of a group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pretrain.config import LoggingConfig
+from pretrain.flops import mfu
+
+
+class StepTimer:
+    """Wall time per logging window, split into data wait and compute.
+
+    ``data_wait_share`` is the fraction of the window spent waiting for the loader: above a few
+    percent the input pipeline, not the GPU, limits throughput.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.data_wait = 0.0
+        self.images = 0
+
+    def add_data_wait(self, seconds: float) -> None:
+        self.data_wait += seconds
+
+    def window(self) -> tuple[float, float]:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        return elapsed, self.data_wait / elapsed
+
+
+def throughput(images: int, elapsed: float, world_size: int, flops_model: float, flops_hw: float,
+               peak: Optional[float]) -> dict:
+    """img/s (global and per device), TFLOP/s per device, MFU and HFU from one logging window."""
+    ips = images / elapsed
+    per_dev = ips / world_size
+    out = {"images_per_sec": ips, "images_per_sec_per_device": per_dev,
+           "tflops_per_device": flops_model * per_dev / 1e12,
+           "hw_tflops_per_device": flops_hw * per_dev / 1e12}
+    m, h = mfu(flops_model, per_dev, peak), mfu(flops_hw, per_dev, peak)
+    if m is not None:
+        out["mfu"], out["hfu"] = m, h
+    return out
+
+
+def peak_memory_gb() -> float:
+    """Peak device memory (CUDA) or peak resident set size of this process (CPU)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    return kb / 2 ** 20
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks get a logger whose calls do nothing."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: str | Path, *, rank: int, run_config: dict,
+                 run_id: Optional[str] = None):
+        self.enabled = rank == 0
+        self.run_dir = Path(run_dir)
+        self.run_id = run_id
+        self.wandb_run = None
+        self._jsonl = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.jsonl:
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.wandb.mode != "disabled":
+            self._start_wandb(cfg, run_config)
+
+    def _start_wandb(self, cfg: LoggingConfig, run_config: dict) -> None:
+        import wandb
+
+        w = cfg.wandb
+        self.run_id = self.run_id or uuid.uuid4().hex[:12]
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.wandb_run = wandb.init(
+            mode=w.mode, project=w.project, entity=w.entity, group=w.group, name=w.name,
+            tags=list(w.tags) or None, id=self.run_id, resume="allow", dir=str(self.run_dir),
+            config=run_config, settings=wandb.Settings(console="off", x_disable_stats=False))
+        # one x-axis for everything: the optimizer step
+        self.wandb_run.define_metric("train/*", step_metric="train/step")
+        self.wandb_run.define_metric("transfer/*", step_metric="train/step")
+
+    @property
+    def wandb_dir(self) -> Optional[str]:
+        return self.wandb_run.dir.rsplit("/files", 1)[0] if self.wandb_run is not None else None
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **metrics}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log({"train/step": step, **{f"train/{k}": v for k, v in metrics.items()}},
+                                   step=step)
+            except Exception as e:  # W&B must never stop training (its service may die on SIGTERM)
+                self._drop_wandb(e)
+
+    def print(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        keys = ("loss", "lr", "grad_norm", "images_per_sec", "tflops_per_device", "mfu", "data_wait_share")
+        parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics and metrics[k] is not None]
+        print(f"step {step} " + " ".join(parts), file=sys.stderr, flush=True)
+
+    def _drop_wandb(self, err: Exception) -> None:
+        print(f"metrics: W&B disabled for the rest of this run ({type(err).__name__}: {err}); "
+              "metrics.jsonl continues", file=sys.stderr, flush=True)
+        self.wandb_run = None
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception as e:
+                self._drop_wandb(e)

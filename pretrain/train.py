@@ -1,0 +1,253 @@
+"""Pre-training entry point.
+
+    deepspeed [runner options] --module pretrain.train --config FILE [a.b=c ...]
+    python -m pretrain.train --config FILE [a.b=c ...]          # one process
+
+Setup lives in small builders; ``train_loop`` is the loop. Every rank runs the same code; only
+rank 0 writes metrics. Resumes automatically from the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pretrain import checkpoint
+from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
+                             save_config, to_dict)
+from pretrain.engine import init_distributed, initialize
+from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
+from pretrain.metrics import MetricsLogger, StepTimer, peak_memory_gb, throughput
+from pretrain.model import create_model
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class NonFiniteGuard:
+    """Skips micro-batches whose loss is non-finite on any rank; K in a row stop the run."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row, self.total, self.first_step = limit, 0, 0, None
+
+    def check(self, finite: bool, step: int) -> bool:
+        if finite:
+            self.in_a_row, self.first_step = 0, None
+            return True
+        self.total += 1
+        self.in_a_row += 1
+        self.first_step = step if self.first_step is None else self.first_step
+        if self.in_a_row >= self.limit:
+            raise NonFiniteLoss(f"{self.in_a_row} non-finite losses in a row at steps "
+                                f"{self.first_step}-{step}; lower optim.lr or check the data")
+        return False
+
+
+class Preemption:
+    """SIGTERM (preemption, scancel) asks for a checkpoint and a clean exit at the next step."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device) -> bool:
+        """All ranks stop together if any rank was signalled (one tiny all-reduce per step)."""
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# ------------------------------------------------------------------------------------- builders
+def check_machine(cfg: Config, world_size: int) -> int:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if cfg.train.precision == "bf16" and not acc.is_bf16_supported():
+        raise ConfigError(f"train.precision=bf16: this {acc.device_name()} device does not support bf16; "
+                          "use train.precision=fp32")
+    return check_world_size(cfg.train, world_size)
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    m = cfg.model
+    return create_model(m.name, num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
+                        drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
+                        global_pool=m.global_pool)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, multi_label: bool, smoothing: float) -> torch.Tensor:
+    logits = logits.float()
+    if multi_label:  # sigmoid cross-entropy over classes (ImageNet-21k / JFT)
+        return F.binary_cross_entropy_with_logits(logits, targets.float(), reduction="sum") / logits.shape[0]
+    return F.cross_entropy(logits, targets, label_smoothing=smoothing)  # soft targets (mixup) too
+
+
+def set_cpu_threads(local_world: int) -> None:
+    """On CPU, ranks share the cores: without this, 2 ranks x all cores thrash."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+# ----------------------------------------------------------------------------------------- loop
+def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step: int, rank: int,
+               world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float]) -> dict:
+    t, device = cfg.train, engine.device
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    guard, preempt, timer = NonFiniteGuard(t.max_nonfinite_steps), Preemption(), StepTimer()
+    batches = iter(loader)
+    loss_sum = torch.zeros(2, device=device)  # (sum of losses, count) since the last log
+    peak, history, step, stop = peak_tflops(), [], start_step, False
+    nan_faults = checkpoint.fault_steps("nan_loss")  # test hook, empty in real runs
+
+    def save(at: int) -> None:
+        checkpoint.save(engine, ckpt_dir, at, rank_state={"loader": loader.state_dict()},
+                        run_info={**run_info, "wandb_run_id": logger.run_id}, keep_last=cfg.checkpoint.keep_last)
+
+    while step < t.steps:
+        # --- one optimizer step: micro-batches until DeepSpeed reaches the accumulation boundary
+        done = False
+        while not done:
+            t0 = time.perf_counter()
+            images, targets = next(batches)
+            timer.add_data_wait(time.perf_counter() - t0)
+            images = images.to(device, dtype, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            loss = loss_fn(engine(images), targets, cfg.data.multi_label, cfg.optim.label_smoothing)
+            if step + 1 in nan_faults:
+                nan_faults.remove(step + 1)
+                loss = loss * float("nan")
+            # all ranks must agree to skip, or ZeRO's collectives would hang (a sync point)
+            finite = torch.isfinite(loss.detach()).float()
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not guard.check(bool(finite.item()), step + 1):
+                continue
+            done = engine.is_gradient_accumulation_boundary()
+            engine.backward(loss)
+            engine.step()
+            loss_sum += torch.stack([loss.detach(), torch.ones((), device=device)])
+            timer.images += images.shape[0] * world
+        step += 1
+
+        # --- log
+        if step % t.log_every_steps == 0 or step == t.steps:
+            dist.all_reduce(loss_sum)
+            elapsed, wait_share = timer.window()
+            gn = engine.get_global_grad_norm()
+            metrics = {"loss": (loss_sum[0] / loss_sum[1].clamp(min=1)).item(), "lr": engine.get_lr()[0],
+                       "grad_norm": float(gn) if gn is not None else None,
+                       "examples_seen": step * t.global_batch_size, "data_wait_share": wait_share,
+                       "peak_memory_gb": peak_memory_gb(), "nonfinite_skipped": guard.total,
+                       **throughput(timer.images, elapsed, world, *flops, peak),
+                       **{f"data/{k}": v for k, v in _sum_counters(loader.counters).items()}}
+            logger.log(step, metrics)
+            logger.print(step, metrics)
+            history.append(metrics["loss"])
+            loss_sum.zero_()
+            timer.reset()
+
+        # --- checkpoint (periodic, final, or on preemption)
+        stop = preempt.agreed(device)
+        if step % cfg.checkpoint.every_steps == 0 or step == t.steps or stop:
+            save(step)
+        if stop:
+            if rank == 0:
+                print(f"SIGTERM: saved checkpoint at step {step}; exiting", file=sys.stderr, flush=True)
+            break
+    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stop}
+
+
+def _sum_counters(counters: dict) -> dict:
+    """Loader counters summed over ranks (an all-gather of a small dict, only at log steps)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(counters))
+    total: dict = {}
+    for c in gathered:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+# ----------------------------------------------------------------------------------------- main
+def run(cfg: Config) -> dict:
+    from data_pipeline.loader import build_loader
+
+    rank, local_rank, world = init_distributed()
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_machine(cfg, world)
+    run_dir = Path(cfg.train.output_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    img = image_size(cfg.model)
+
+    torch.manual_seed(cfg.train.seed)  # same on every rank: identical initial weights (ZeRO-3 too)
+    model = build_model(cfg)
+    engine, ds_cfg = initialize(model, cfg.optim, cfg.train, cfg.zero, world)
+    loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=cfg.train.micro_batch_size,
+                          seed=cfg.train.seed, img_size=img, train=True)
+    if loader.num_classes != cfg.model.num_classes:
+        raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
+                          f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
+
+    resumed = checkpoint.resume(engine, ckpt_dir) if cfg.checkpoint.resume else None
+    start, run_id = 0, None
+    if resumed:
+        info, rank_state = resumed
+        start, run_id = info["step"], info.get("wandb_run_id")
+        loader.load_state_dict(rank_state["loader"])
+    else:
+        torch.manual_seed(cfg.train.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
+
+    fwd = analytic_flops(cfg.model.name, img, cfg.model.num_classes, cfg.model.global_pool,
+                         cfg.model.representation_size, breakdown=True)
+    flops = train_flops_per_image(fwd["total"], fwd["blocks"] if cfg.train.activation_checkpointing else 0)
+    run_config = {**to_dict(cfg), "world_size": world, "zero_stage": cfg.zero.stage,
+                  "global_batch_size": cfg.train.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
+                  "train_flops_per_image": flops[0], "gradient_accumulation": ds_cfg["gradient_accumulation_steps"]}
+    logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id)
+    if rank == 0:
+        save_config(cfg, run_dir / "config.yaml")
+        where = f"resuming from step {start}" if resumed else "starting from scratch"
+        print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
+              f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
+    t0 = time.time()
+    try:
+        result = train_loop(cfg, engine, loader, logger, start_step=start, rank=rank, world=world,
+                            ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops)
+    finally:
+        logger.close()
+    result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
+                  wandb_dir=logger.wandb_dir, world_size=world)
+    if rank == 0:
+        (run_dir / "summary.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    return result
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="vit-train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
+    args = ap.parse_args(argv)
+    from data_pipeline.loader import DataError
+
+    with cli_errors("vit-train", DataError, NonFiniteLoss):
+        cfg = load_config(args.config, args.overrides)
+        run(cfg)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Helpers for tests that start real multi-process jobs through the deepspeed runner (CPU, gloo)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PATH=f"{BIN}:{env.get('PATH', '')}")
+    env.pop("VITSCALE_FAULT", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def deepspeed_cmd(module: str, *args: str, ranks: int = 2) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+            "--module", module, *args]
+
+
+def run_job(cmd: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def start_job(cmd: list[str], log: Path, **env) -> subprocess.Popen:
+    """Start in its own session so the whole tree (runner, launcher, ranks) can be signalled."""
+    return subprocess.Popen(cmd, cwd=REPO, env=job_env(**env), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"job exited ({proc.returncode}) before {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    os.killpg(proc.pid, sig)
+
+
+def group_alive(proc: subprocess.Popen) -> bool:
+    """Any process of the job's session still running? (The runner itself dies at once on
+    SIGTERM; the launcher and the ranks go on to checkpoint.)"""
+    proc.poll()
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl as {step: record}; a step logged twice (re-run after a kill) keeps the last."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r
+    return out
+
+
+def wandb_records(path: Path):
+    """Protobuf records of a W&B offline ``.wandb`` file (LevelDB-log framing: 7-byte file header,
+    32 KiB blocks, each record chunk = crc32(4) + length(2) + type(1) + payload)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path}: not a W&B data file"
+    pos, block, chunks = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left_in_block = block - pos % block
+        if left_in_block < 7:  # block trailer padding
+            pos += left_in_block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        chunks += payload
+        if kind in (1, 4):  # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(chunks)
+            chunks = b""
+            yield rec

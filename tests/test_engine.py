@@ -1,0 +1,127 @@
+"""Training pieces as plain logic: DeepSpeed config dict, parameter groups, LR schedule, the
+non-finite guard, checkpoint bookkeeping and throughput arithmetic (no process group)."""
+import json
+
+import pytest
+import torch
+
+from pretrain import checkpoint
+from pretrain.config import ConfigError, load_config
+from pretrain.engine import deepspeed_config, lr_multiplier, param_groups
+from pretrain.flops import analytic_flops, train_flops_per_image
+from pretrain.metrics import throughput
+from pretrain.model import create_model
+from pretrain.train import NonFiniteGuard, NonFiniteLoss, loss_fn
+
+
+def cfg(*overrides):
+    return load_config("configs/tiny_cpu.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_config_per_stage(stage):
+    c = cfg(f"zero.stage={stage}", "train.global_batch_size=256", "train.micro_batch_size=16", "train.precision=bf16",
+            "optim.grad_clip=0.5")
+    ds = deepspeed_config(c.optim, c.train, c.zero, world_size=4)
+    assert ds["train_batch_size"] == 256 and ds["train_micro_batch_size_per_gpu"] == 16
+    assert ds["gradient_accumulation_steps"] == 4  # 256 / (16 x 4)
+    assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 0.5
+    z = ds["zero_optimization"]
+    assert z["stage"] == stage
+    assert ("overlap_comm" in z) == (stage >= 1)
+    assert ("stage3_prefetch_bucket_size" in z) == (stage == 3)
+    assert ("allgather_bucket_size" in z) == (stage in (1, 2))
+    json.dumps(ds)  # plain data
+
+
+def test_deepspeed_config_offload_and_errors():
+    c = cfg("zero.stage=2", "zero.offload_optimizer=true", "optim.grad_clip=0", "train.precision=fp32")
+    ds = deepspeed_config(c.optim, c.train, c.zero, world_size=2)
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "gradient_clipping" not in ds and ds["bf16"]["enabled"] is False
+    with pytest.raises(ConfigError, match="offload_optimizer needs zero.stage >= 1"):
+        c0 = cfg("zero.stage=0", "zero.offload_optimizer=true")
+        deepspeed_config(c0.optim, c0.train, c0.zero, 2)
+    with pytest.raises(ConfigError, match="not divisible"):
+        deepspeed_config(c.optim, c.train, c.zero, world_size=3)
+
+
+def test_param_groups_exclude_bias_norm_posembed_cls_from_decay():
+    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=3)
+    decay, no_decay = param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert {"pos_embed", "cls_token", "norm.weight", "blocks.0.norm1.weight", "blocks.0.attn.qkv.bias"} <= nd
+    assert {"blocks.0.attn.qkv.weight", "patch_embed.proj.weight", "head.weight"} <= d
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    assert len(d) + len(nd) == len(list(m.parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_lr_schedule_warmup_then_decay(schedule):
+    c = cfg(f"optim.schedule={schedule}", "optim.warmup_steps=10", "optim.lr=1.0", "optim.min_lr=0.0")
+    f = lr_multiplier(c.optim, total_steps=110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    vals = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+    assert f(110) == pytest.approx(0.0, abs=1e-9)
+    assert f(60) == pytest.approx(0.5)  # halfway: linear 0.5, cosine 0.5 too
+
+
+def test_nonfinite_guard_skips_then_stops_naming_steps():
+    g = NonFiniteGuard(limit=3)
+    assert g.check(True, 1) and not g.check(False, 2) and g.check(True, 3)
+    assert g.total == 1
+    g.check(False, 7)
+    g.check(False, 8)
+    with pytest.raises(NonFiniteLoss, match="3 non-finite losses in a row at steps 7-9"):
+        g.check(False, 9)
+
+
+def test_loss_functions():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    hard = torch.tensor([0, 1])
+    assert loss_fn(logits, hard, False, 0.0) == pytest.approx(torch.nn.functional.cross_entropy(logits, hard).item())
+    soft = torch.nn.functional.one_hot(hard, 3).float()
+    assert loss_fn(logits, soft, False, 0.0) == pytest.approx(loss_fn(logits, hard, False, 0.0).item())
+    multi = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(logits, multi, reduction="sum") / 2
+    assert loss_fn(logits, multi, True, 0.0) == pytest.approx(expected.item())
+
+
+def test_checkpoint_completeness_and_pruning(tmp_path):
+    for step, complete in [(2, True), (4, True), (6, True), (8, False)]:
+        d = tmp_path / checkpoint.tag_for(step)
+        d.mkdir()
+        if complete:
+            (d / checkpoint.COMPLETE).write_text("{}")
+    assert checkpoint.latest_complete(tmp_path).name == "step_00000006"
+    (tmp_path / "step_00000003").mkdir()  # a crash left this half-written, older than the newest
+    checkpoint._prune(tmp_path, keep_last=2)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    # the newest incomplete one may still be in the middle of being written: kept
+    assert left == ["step_00000004", "step_00000006", "step_00000008"]
+    assert checkpoint.latest_complete(tmp_path / "absent") is None
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+    state = checkpoint.rng_state()
+    json.dumps(state)
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    checkpoint.set_rng_state(json.loads(json.dumps(state)))
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_throughput_and_mfu_numbers():
+    fwd = analytic_flops("vit_large_patch16_224")
+    model_f, hw_f = train_flops_per_image(fwd, analytic_flops("vit_large_patch16_224", breakdown=True)["blocks"])
+    m = throughput(images=8 * 4000, elapsed=10.0, world_size=8, flops_model=model_f, flops_hw=hw_f, peak=989.4)
+    assert m["images_per_sec"] == 3200 and m["images_per_sec_per_device"] == 400
+    assert m["tflops_per_device"] == pytest.approx(model_f * 400 / 1e12)
+    assert m["mfu"] == pytest.approx(model_f * 400 / 989.4e12) and m["hfu"] > m["mfu"]
+    assert "mfu" not in throughput(100, 1.0, 1, model_f, hw_f, peak=None)

@@ -1,0 +1,55 @@
+"""`python -m pretrain.train` as one process: guard rails and one-line errors."""
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import REPO, job_env, metrics
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from data_pipeline.demo_data import write_demo_shards
+
+    out = tmp_path_factory.mktemp("demo1") / "train"
+    write_demo_shards(out, "train", n=256, shard_size=64)
+    return out / "manifest.json"
+
+
+def train(shards, run_dir, *extra, fault=None, timeout=240):
+    args = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
+            f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
+            "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *extra]
+    env = job_env(**({"VITSCALE_FAULT": fault} if fault else {}))
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_nonfinite_loss_is_skipped_and_counted(shards, tmp_path):
+    r = train(shards, tmp_path / "run", "train.steps=5", "train.log_every_steps=1", "checkpoint.every_steps=5",
+              "zero.stage=0", fault="nan_loss:3,3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3, 4, 5]  # the step was redone with the next batches, not lost
+    assert m[2]["nonfinite_skipped"] == 0 and m[3]["nonfinite_skipped"] == 2
+    assert all(v["loss"] == v["loss"] for v in m.values())  # no NaN reached the weights or the log
+
+
+def test_nonfinite_in_a_row_stops_naming_steps(shards, tmp_path):
+    r = train(shards, tmp_path / "run", "train.steps=5", "train.max_nonfinite_steps=3", "zero.stage=1",
+              fault="nan_loss:2,2,2")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == "vit-train: error: 3 non-finite losses in a row at steps 2-2; lower optim.lr or check the data"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.num_classes=7", "model.num_classes=7 but the shards have 10 classes"),
+    ("data.train_shards=/nonexistent/manifest.json", "/nonexistent"),
+    ("train.micro_batch_size=5", "train.global_batch_size"),
+])
+def test_user_errors_are_one_line(shards, tmp_path, override, needle):
+    r = train(shards, tmp_path / "run", "train.steps=2", override)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("vit-train: error:") and needle in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
