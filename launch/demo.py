@@ -1,0 +1,169 @@
+"""`make demo`: the whole system on one machine in a few minutes.
+
+1. writes the built-in demo shards (pre-training classes, and held-out classes for transfer)
+2. pre-trains ViT-Tiny/16 at 64 px on 2 local ranks through the deepspeed runner
+   (ZeRO-2, bf16 where the CPU or GPU supports it, W&B offline)
+3. evaluates transfer on the held-out classes (linear probe on frozen features)
+4. draws the loss / throughput curves and prints where everything is
+
+Every step is a real command a user could type (printed before it runs). Re-running after an
+interruption resumes: finished shards are kept and training continues from its last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def step(msg: str) -> None:
+    print(f"\n==> {msg}", flush=True)
+
+
+def run(cmd: list[str], env: dict | None = None) -> None:
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    r = subprocess.run(cmd, env=env)
+    if r.returncode != 0:
+        sys.exit(f"demo: step failed with exit code {r.returncode}: {cmd[0]} ... (re-run `make demo` to resume)")
+
+
+def bf16_ok() -> bool:
+    """bf16 where the hardware has it: any recent GPU, or a CPU with AVX-512 BF16 / AMX."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def write_shards(out: Path, samples: int) -> dict[str, Path]:
+    splits = {"train": ("demo", "train", samples), "transfer-train": ("demo-transfer", "train", None),
+              "transfer-test": ("demo-transfer", "test", None)}
+    paths = {}
+    for name, (source, split, n) in splits.items():
+        d = out / "shards" / name
+        paths[name] = d
+        if (d / "manifest.json").is_file():
+            print(f"{d}: already written", flush=True)
+            continue
+        cmd = [sys.executable, "-m", "data_pipeline.write_shards", "--source", source, "--split", split,
+               "--output", str(d), "--shard-size", "256", "--quiet"]
+        if n:
+            cmd += ["--limit", str(n)]
+        run(cmd)
+    return paths
+
+
+def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision: str, extra: list[str]) -> Path:
+    import torch
+
+    run_dir = out / "run"
+    gpus = torch.cuda.device_count()
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(min(gpus, ranks) if gpus else ranks),
+           "--module", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
+           f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
+           f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
+           f"checkpoint.every_steps={max(10, steps // 4)}", *extra]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    if not gpus:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    run(cmd, env)
+    return run_dir
+
+
+def transfer(out: Path, run_dir: Path, shards: dict[str, Path]) -> dict:
+    result = out / "transfer.json"
+    run([sys.executable, "-m", "pretrain.transfer", "--checkpoint", str(run_dir), "--suite", "demo",
+         "--protocol", "linear", "--data-root", str(shards["transfer-train"].parent), "--output", str(result)])
+    return json.loads(result.read_text())
+
+
+def plot(run_dir: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        recs[r["step"]] = r  # a step re-logged after a resume keeps its last value
+    steps = sorted(recs)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(steps, [recs[s]["loss"] for s in steps], marker=".")
+    a.set(xlabel="optimizer step", ylabel="training loss", title="loss")
+    b.plot(steps, [recs[s]["images_per_sec"] for s in steps], marker=".")
+    b.set(xlabel="optimizer step", ylabel="images / s (all ranks)", title="throughput")
+    fig.tight_layout()
+    path = out / "plots" / "training.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
+    s = json.loads((run_dir / "summary.json").read_text())
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ips = [r["images_per_sec"] for r in recs[1:]] or [recs[-1]["images_per_sec"]]
+    from pretrain.checkpoint import latest_complete
+
+    ckpt = latest_complete(s["checkpoint_dir"])
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    task = tr["results"][0] if "results" in tr else tr
+    acc, chance = task.get("accuracy"), task.get("chance")
+    lines = [
+        "", "vitscale demo: done", "",
+        f"  pre-training   {s['step']} steps on {s['world_size']} ranks"
+        + (f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") else ""),
+        f"  loss           {recs[0]['loss']:.3f} (step {recs[0]['step']}) -> {recs[-1]['loss']:.3f} (step {recs[-1]['step']})",
+        f"  throughput     {sum(ips) / len(ips):.1f} images/s over all ranks",
+        f"  transfer       linear probe on held-out classes: top-1 {acc:.1%} (chance {chance:.1%})"
+        if acc is not None and chance else f"  transfer       {json.dumps(task)[:200]}",
+        "",
+        f"  checkpoint     {ckpt}",
+        f"  metrics        {run_dir / 'metrics.jsonl'}",
+        f"  W&B (offline)  {wandb_runs[-1] if wandb_runs else '(disabled)'}",
+        f"                 upload with: wandb sync {run_dir / 'wandb'}/offline-run-*",
+        f"  plots          {plot_path}",
+        f"  transfer json  {out / 'transfer.json'}",
+        f"  export         python -m pretrain.export {run_dir} {out / 'vit_tiny_demo.safetensors'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="vit-demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="demo_out", help="where shards, run and results go")
+    ap.add_argument("--steps", type=int, default=200, help="pre-training optimizer steps")
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks (processes)")
+    ap.add_argument("--samples", type=int, default=4096, help="pre-training images to generate")
+    ap.add_argument("overrides", nargs="*", help="extra training overrides, e.g. optim.lr=3e-3")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    t0 = time.time()
+    precision = "bf16" if bf16_ok() else "fp32"
+    step("1/4 demo shards")
+    shards = write_shards(out, args.samples)
+    step(f"2/4 pre-training ViT-Tiny/16 @ 64 px, {args.ranks} ranks, ZeRO-2, {precision}")
+    run_dir = pretrain(out, shards["train"] / "manifest.json", args.steps, args.ranks, precision, args.overrides)
+    step("3/4 transfer: linear probe on the held-out demo classes")
+    tr = transfer(out, run_dir, shards)
+    step("4/4 plots")
+    p = plot(run_dir, out)
+    print(summarise(run_dir, tr, p, out))
+    print(f"\n  total time     {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
