@@ -3,6 +3,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vitscale-installed
+# the venv's tools first (deepspeed, ninja for DeepSpeed's JIT-built CPU op, console scripts)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: demo test install clean
 

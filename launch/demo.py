@@ -120,16 +120,16 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
 
     ckpt = latest_complete(s["checkpoint_dir"])
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    task = tr["results"][0] if "results" in tr else tr
-    acc, chance = task.get("accuracy"), task.get("chance")
+    task = next(iter(tr["tasks"].values()))
+    acc, chance = task["accuracy"], task["chance"]
     lines = [
         "", "vitscale demo: done", "",
         f"  pre-training   {s['step']} steps on {s['world_size']} ranks"
         + (f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") else ""),
         f"  loss           {recs[0]['loss']:.3f} (step {recs[0]['step']}) -> {recs[-1]['loss']:.3f} (step {recs[-1]['step']})",
         f"  throughput     {sum(ips) / len(ips):.1f} images/s over all ranks",
-        f"  transfer       linear probe on held-out classes: top-1 {acc:.1%} (chance {chance:.1%})"
-        if acc is not None and chance else f"  transfer       {json.dumps(task)[:200]}",
+        f"  transfer       linear probe on {task['num_classes']} held-out classes: top-1 {acc:.1%} "
+        f"(chance {chance:.1%}), step {tr['step']} checkpoint",
         "",
         f"  checkpoint     {ckpt}",
         f"  metrics        {run_dir / 'metrics.jsonl'}",

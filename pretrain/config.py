@@ -138,17 +138,39 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
+    """Transfer evaluation (``vit-transfer``, ``pretrain/transfer``). Plain keys are the settings
+    used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
     suite: Literal["cifar100", "vtab1k", "demo", "imagefolder", "shards"] = "cifar100"
     protocol: Literal["finetune", "linear", "fewshot"] = "linear"
     data_root: Optional[str] = None
-    img_size: Optional[int] = None  # None: the checkpoint's resolution
+    tasks: list[str] = field(default_factory=list)  # vtab1k: run only these (empty: all present)
+    img_size: Optional[int] = None  # None: the checkpoint's resolution; else pos-embed resized
+    pool: Literal["model", "token", "avg"] = "model"  # frozen features: model = its pre-logits
     batch_size: int = 64
-    steps: int = 500  # fine-tune steps
+    workers: int = 2
+    seed: int = 0
+    # fine-tune (ViT paper / big_vision): SGD momentum 0.9, no weight decay, cosine + warmup
+    steps: int = 500
     lr: float = 0.01
     warmup_steps: int = 100
+    grad_clip: float = 1.0  # 0 disables clipping
+    train_augment: Optional[bool] = None  # None: off for vtab1k (flips change structured labels)
+    # linear probe: multinomial logistic regression, L2 penalty on the weights
+    linear_l2: float = 1e-4
+    # few-shot: big_vision's regularised least squares to +-1 targets
     fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
     fewshot_seeds: int = 3
-    workers: int = 2
+    fewshot_l2: float = 1024.0  # big_vision's l2_reg = 2**10
+    # hyper-parameter sweep: select on train -> val, retrain on train+val, report test
+    sweep: Optional[bool] = None  # None: on for vtab1k (train800 -> val200), off otherwise
+    sweep_lr: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03])
+    sweep_linear_l2: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
+    sweep_fewshot_l2: list[float] = field(default_factory=lambda: [64.0, 256.0, 1024.0, 4096.0])
+    minival_fraction: float = 0.02  # val split cut from train where a suite has none (big_vision)
+    # results: log into the pre-training W&B run (same id, at the checkpoint's step)
+    wandb: bool = False
+    watch_poll_s: float = 30.0  # --watch: seconds between looks for new checkpoints
+    watch_idle_timeout_s: Optional[float] = None  # --watch: stop after this long without one
 
 
 @dataclass

@@ -64,7 +64,8 @@ def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints per-tensor progress
+        # it prints per-tensor progress and a progress bar
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
 

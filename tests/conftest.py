@@ -1,6 +1,7 @@
 """Shared pytest setup. Everything runs on CPU; checks that need a GPU carry the `gpu` marker and
 run only where CUDA is present (CI never has one)."""
 import os
+import sys
 
 import pytest
 import torch
@@ -8,6 +9,12 @@ import torch
 # Keep test processes off the network and out of W&B's servers.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# One ninja for every process: DeepSpeed JIT-builds its CPU comm op with whichever `ninja` is on
+# PATH, and ninja 1.11 (Debian) and 1.13 (the venv's) hash build commands differently, so mixing
+# them rebuilds the op (~1 min) on every switch.
+_bin = os.path.dirname(sys.executable)
+if not os.environ.get("PATH", "").startswith(_bin + os.pathsep):
+    os.environ["PATH"] = _bin + os.pathsep + os.environ.get("PATH", "")
 
 
 def pytest_configure(config):
@@ -22,3 +29,83 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------ data pipeline: real shards
+# Helpers are handed out as fixtures (``shard_kit``) so test files need not import conftest.
+import io  # noqa: E402
+import tarfile  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def _image_bytes(w: int = 20, h: int = 20, seed: int = 0, fmt: str = "JPEG") -> bytes:
+    """A real encoded image with some texture (flat images make JPEG checks meaningless)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((h, w, 3)) * 64 + rng.random(3) * 191).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, fmt)
+    return buf.getvalue()
+
+
+def _write_tar(path, samples) -> None:
+    """samples: list of (key, {ext: bytes}) written in order, members sorted by extension."""
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for ext in sorted(members):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(members[ext])
+                tar.addfile(info, io.BytesIO(members[ext]))
+
+
+def _make_shards(root, shards, classes, multi_label=False, prefix="train"):
+    """Write shards (a list of sample lists, see ``_write_tar``) and their manifest.json."""
+    from data_pipeline.manifest import FORMAT, VERSION, write_manifest
+
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, samples in enumerate(shards):
+        name = f"{prefix}-{i:06d}.tar"
+        _write_tar(root / name, samples)
+        entries.append({"name": name, "samples": len(samples), "bytes": (root / name).stat().st_size})
+    write_manifest(root, {"format": FORMAT, "version": VERSION, "split": prefix, "source": "test",
+                          "classes": list(classes), "multi_label": multi_label,
+                          "total": sum(e["samples"] for e in entries), "shards": entries})
+    return root
+
+
+def _id_shards(root, counts, size=20):
+    """Shards whose label *is* the sample's global id, so targets reveal exactly what was read."""
+    shards, gid = [], 0
+    for c in counts:
+        samples = []
+        for _ in range(c):
+            samples.append((f"{gid:06d}", {"jpg": _image_bytes(size, size, seed=gid), "cls": str(gid).encode()}))
+            gid += 1
+        shards.append(samples)
+    return _make_shards(root, shards, [f"s{i}" for i in range(gid)])
+
+
+@pytest.fixture(scope="session")
+def shard_kit():
+    return types.SimpleNamespace(image_bytes=_image_bytes, write_tar=_write_tar,
+                                 make_shards=_make_shards, id_shards=_id_shards)
+
+
+@pytest.fixture(scope="session")
+def demo_train(tmp_path_factory):
+    """384 demo images in 16 shards of 24 (real procedurally drawn JPEGs)."""
+    from data_pipeline.demo_data import write_demo_shards
+
+    out = tmp_path_factory.mktemp("demo") / "train"
+    write_demo_shards(out, split="train", n=384, shard_size=24)
+    return out
+
+
+@pytest.fixture(scope="session")
+def balanced_ids(tmp_path_factory):
+    """16 shards x 12 samples, label = sample id."""
+    return _id_shards(tmp_path_factory.mktemp("ids") / "shards", [12] * 16)

@@ -1,0 +1,153 @@
+"""``vit-transfer``: transfer evaluation of a pre-trained ViT (also ``python -m pretrain.transfer``).
+
+    vit-transfer --checkpoint PATH --suite cifar100|vtab1k|demo|imagefolder|shards \\
+                 --protocol finetune|linear|fewshot --data-root DIR --output results.json \\
+                 [--config FILE] [a.b=c ...]
+    vit-transfer --watch RUN_DIR --protocol fewshot --suite demo --output watch.json
+    deepspeed --num_gpus 8 --module pretrain.transfer --checkpoint ... --protocol finetune ...
+
+PATH: a run directory (any ZeRO stage), an exported .safetensors file or a timm state dict.
+Flags set the ``eval`` keys of the same name; everything else is ``eval.*`` / ``model.*`` /
+``zero.*`` keys in the config or as overrides (``eval.img_size=384 eval.steps=2500``).
+Results: ``--output`` (JSON), a Markdown table on stdout, W&B with ``eval.wandb=true``.
+A user mistake prints one line on stderr and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from pretrain.config import ConfigError, cli_errors, load_config
+from pretrain.transfer.checkpoints import ARCH_KEYS, load_pretrained
+from pretrain.transfer.errors import TransferError
+from pretrain.transfer.evaluate import check_eval, evaluate_checkpoint
+from pretrain.transfer.finetune import Dist
+from pretrain.transfer.results import log_wandb, markdown, write_json
+from pretrain.transfer.suites import build_tasks
+
+PROG = "vit-transfer"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage block too)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description=__doc__.splitlines()[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="run directory, .safetensors file or .pth/.bin state dict")
+    src.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a running pre-training job")
+    ap.add_argument("--suite", choices=["cifar100", "vtab1k", "demo", "imagefolder", "shards"])
+    ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot"])
+    ap.add_argument("--data-root", help="dataset folder (eval.data_root)")
+    ap.add_argument("--output", default="results.json", help="results JSON (default: results.json)")
+    ap.add_argument("--config", help="YAML config (eval / model / zero sections)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.img_size=384")
+    return ap
+
+
+def explicit_model_keys(config_path: Optional[str], overrides: list[str], model_cfg) -> dict:
+    """Architecture keys the user set (config file or override): they override what the
+    checkpoint says. Values come from the validated ``model_cfg``."""
+    from pretrain.config import _load_tree, apply_overrides
+
+    origin: dict = {}
+    tree = _load_tree(Path(config_path), origin) if config_path else {}
+    tree = apply_overrides(tree, list(overrides), origin)
+    given = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    return {k: getattr(model_cfg, k) for k in ARCH_KEYS if k in given}
+
+
+def setup_distributed(protocol: str) -> Dist:
+    """Under the deepspeed runner (WORLD_SIZE > 1) start the process group for fine-tuning."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    if protocol != "finetune":
+        raise TransferError(f"--protocol {protocol} runs in one process; start it without the deepspeed runner")
+    import torch
+
+    from pretrain.engine import init_distributed
+
+    rank, local_rank, world = init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return Dist(rank=rank, world=world, deepspeed=True)
+
+
+def _report(doc: dict, cfg, output: Optional[str] = None) -> None:
+    print(markdown(doc), flush=True)
+    if output:
+        print(f"{PROG}: results in {output}", file=sys.stderr)
+    if cfg.eval.wandb:
+        log_wandb(doc, cfg.logging.wandb, run_dir=doc.get("run_dir"))
+
+
+def run_once(args, cfg, user_arch: dict, dist: Dist) -> dict:
+    pre = load_pretrained(args.checkpoint, user_arch)
+    tasks, missing = build_tasks(cfg.eval, cfg.data)
+    doc = evaluate_checkpoint(cfg, pre, tasks, missing, dist=dist)
+    doc["run_dir"] = pre.run_dir
+    if dist.rank == 0:
+        write_json(args.output, doc)
+        _report(doc, cfg, args.output)
+    return doc
+
+
+def run_watch(args, cfg, user_arch: dict) -> list[dict]:
+    from pretrain.transfer.watch import watch
+
+    if cfg.eval.protocol == "finetune":
+        raise TransferError("--watch runs fewshot or linear (fine-tuning would compete with the training job)")
+    tasks, missing = build_tasks(cfg.eval, cfg.data)  # read once, reused for every checkpoint
+    out = Path(args.output)
+    docs: list[dict] = []
+    if out.is_file():  # a restarted watcher continues its file and skips the steps in it
+        try:
+            prev = json.loads(out.read_text())
+        except ValueError:
+            raise TransferError(f"{out}: exists but is not JSON; choose another --output") from None
+        if not isinstance(prev, dict) or prev.get("watch") != str(args.watch):
+            raise TransferError(f"{out}: exists and is not a --watch file of {args.watch}; choose another --output")
+        docs = prev["evaluations"]
+
+    def evaluate(step: int, path: Path) -> None:
+        pre = load_pretrained(path, user_arch)
+        doc = evaluate_checkpoint(cfg, pre, tasks, missing)
+        doc["run_dir"] = pre.run_dir or str(args.watch)
+        docs.append(doc)
+        docs.sort(key=lambda d: d.get("step") or 0)
+        write_json(out, {"watch": str(args.watch), "evaluations": docs})
+        _report(doc, cfg)
+
+    watch(args.watch, evaluate, poll_s=cfg.eval.watch_poll_s, idle_timeout_s=cfg.eval.watch_idle_timeout_s,
+          done=[d["step"] for d in docs if d.get("step") is not None])
+    return docs
+
+
+def main(argv=None) -> None:
+    args = parser().parse_intermixed_args(argv)  # overrides may sit between flags
+    from data_pipeline.errors import DataError
+
+    with cli_errors(PROG, TransferError, DataError, ConfigError):
+        cfg = load_config(args.config, args.overrides)
+        for flag, key in (("suite", "suite"), ("protocol", "protocol"), ("data_root", "data_root")):
+            if getattr(args, flag) is not None:
+                setattr(cfg.eval, key, getattr(args, flag))
+        check_eval(cfg.eval)
+        user_arch = explicit_model_keys(args.config, args.overrides, cfg.model)
+        if args.watch:
+            run_watch(args, cfg, user_arch)
+        else:
+            run_once(args, cfg, user_arch, setup_distributed(cfg.eval.protocol))
+
+
+if __name__ == "__main__":
+    main()

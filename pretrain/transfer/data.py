@@ -1,0 +1,290 @@
+"""Evaluation data as *splits*: anything that yields ``(images, labels)`` tensor batches.
+
+Protocols see only :class:`Split`; where the images live is the split's business:
+
+* :class:`ImageSet` (map-style) -- files on disk (VTAB-1k, ImageFolder), a uint8 pixel array
+  (CIFAR-100) or demo recipes drawn on the fly; decoded lazily in DataLoader workers, so a
+  20k-image VTAB test set never sits in memory at 224 px. :class:`Subset` selects indices
+  (CIFAR's minival) and shares its parent's images and cached features.
+* :class:`ShardSplit` -- our WebDataset shards + manifest.json, through ``data_pipeline.loader``.
+
+A :class:`View` says how images become tensors: resolution, resize mode, augmentation for
+training batches, normalisation. ``train=True`` gives an endless shuffled (augmented) stream,
+``train=False`` one ordered pass. With ``world > 1`` each rank gets a disjoint share.
+
+An unreadable image file is an error naming it (and the split-file line it came from), not a
+skipped sample: a benchmark number computed over a test set with holes is not comparable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+from pretrain.transfer.errors import TransferError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class View:
+    img_size: int
+    # "squash": resize straight to img_size x img_size -- low-resolution data (CIFAR's 32 px) and
+    # VTAB's structured tasks, whose labels (object location, distance) a crop would change.
+    # "crop": shorter side to img_size / crop_pct, then a center crop (natural photos).
+    resize: str = "squash"
+    crop_pct: float = 0.875
+    mean: tuple = (0.5, 0.5, 0.5)  # the ViT paper / big_vision map pixels to [-1, 1]
+    std: tuple = (0.5, 0.5, 0.5)
+    train_augment: bool = False  # random resized crop + flip on training batches
+    crop_scale: tuple = (0.08, 1.0)
+    crop_ratio: tuple = (0.75, 4 / 3)
+    hflip: float = 0.5
+
+
+def normalize(batch_u8: torch.Tensor, view: View) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 normalised, once per batch rather than per image."""
+    m = torch.tensor(view.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+    s = torch.tensor(view.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+    return batch_u8.float().sub_(m).div_(s)
+
+
+class _SampleTransform:
+    """PIL image -> uint8 (3, S, S) tensor; picklable for DataLoader workers."""
+
+    def __init__(self, view: View, train: bool):
+        self.view, self.train = view, train and view.train_augment
+        if self.train:
+            self.aug = v2.Compose([
+                v2.RandomResizedCrop(view.img_size, scale=view.crop_scale, ratio=view.crop_ratio, antialias=True),
+                v2.RandomHorizontalFlip(view.hflip)])
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        t = TF.pil_to_tensor(img.convert("RGB"))
+        s = self.view.img_size
+        if self.train:
+            return self.aug(t)
+        if self.view.resize == "squash":
+            return TF.resize(t, [s, s], antialias=True)
+        t = TF.resize(t, int(round(s / self.view.crop_pct)), antialias=True)
+        return TF.center_crop(t, [s, s])
+
+
+# ------------------------------------------------------------------------------------- splits
+class Split:
+    """A named set of labelled images that can be iterated as tensor batches."""
+
+    name: str
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def batches(self, view: View, *, batch_size: int, train: bool, seed: int = 0, rank: int = 0,
+                world: int = 1, workers: int = 0) -> Iterator[Batch]:
+        raise NotImplementedError
+
+
+class _Mapped(Dataset):
+    def __init__(self, images: "ImageSet", indices: np.ndarray, transform: _SampleTransform):
+        self.images, self.indices, self.transform = images, indices, transform
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        j = int(self.indices[i])
+        label = int(self.images.labels[j])
+        try:
+            return self.transform(self.images.image(j)), label, ""
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            # Raised inside a worker, an exception reaches the main process wrapped in a
+            # multi-line traceback; hand back the one-line reason instead (see _collate).
+            s = self.transform.view.img_size
+            return torch.zeros(3, s, s, dtype=torch.uint8), label, f"{self.images.describe(j)}: {e}"
+
+
+def _collate(samples):
+    errors = [e for _, _, e in samples if e]
+    if errors:
+        return None, None, errors[0]
+    return torch.stack([x for x, _, _ in samples]), torch.tensor([y for _, y, _ in samples]), ""
+
+
+class ImageSet(Split):
+    """Map-style images with integer ``labels`` (np.int64); subclasses implement ``image(i)``."""
+
+    def __init__(self, name: str, labels: Sequence[int]):
+        self.name = name
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def image(self, i: int) -> Image.Image:
+        raise NotImplementedError
+
+    def describe(self, i: int) -> str:
+        return f"{self.name}[{i}]"
+
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
+        return _iterate(self, np.arange(len(self)), view, batch_size=batch_size, train=train, seed=seed,
+                        rank=rank, world=world, workers=workers)
+
+
+def _iterate(images: ImageSet, indices: np.ndarray, view: View, *, batch_size: int, train: bool, seed: int,
+             rank: int, world: int, workers: int) -> Iterator[Batch]:
+    transform = _SampleTransform(view, train)
+    epoch = 0
+    while True:
+        if train:  # a new permutation per epoch; equal shares per rank (DDP needs equal counts)
+            order = indices[np.random.default_rng([seed, epoch]).permutation(len(indices))]
+            share = len(order) // world
+            mine = order[rank * share:(rank + 1) * share]
+        else:
+            mine = indices[rank::world]
+        if len(mine) == 0:
+            if train:
+                raise TransferError(f"{images.name}: {len(indices)} examples cannot feed {world} ranks")
+            return
+        loader = DataLoader(_Mapped(images, mine, transform), batch_size=min(batch_size, len(mine)),
+                            shuffle=False, drop_last=train, num_workers=workers, collate_fn=_collate,
+                            # worker seeds (augmentation) from (seed, epoch), not the global RNG
+                            generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        for x, y, err in loader:
+            if err:
+                raise TransferError(err)
+            yield normalize(x, view), y
+        if not train:
+            return
+        epoch += 1
+
+
+class FileImages(ImageSet):
+    """Image files (VTAB-1k, ImageFolder); ``where`` names the list each path came from."""
+
+    def __init__(self, name: str, paths: Sequence[str], labels: Sequence[int], where: Sequence[str] = ()):
+        super().__init__(name, labels)
+        self.paths, self.where = list(paths), list(where)
+
+    def image(self, i: int) -> Image.Image:
+        with Image.open(self.paths[i]) as im:  # convert() inside: closing the file frees the core
+            return im.convert("RGB")
+
+    def describe(self, i: int) -> str:
+        return f"{self.where[i]}: {self.paths[i]}" if self.where else self.paths[i]
+
+
+class ArrayImages(ImageSet):
+    """A uint8 (N, H, W, 3) pixel array (CIFAR-100)."""
+
+    def __init__(self, name: str, pixels: np.ndarray, labels: Sequence[int]):
+        super().__init__(name, labels)
+        self.pixels = pixels
+
+    def image(self, i: int) -> Image.Image:
+        return Image.fromarray(self.pixels[i], "RGB")
+
+
+class RecipeImages(ImageSet):
+    """Items with a ``load() -> PIL.Image`` (the built-in demo set draws its images on demand)."""
+
+    def __init__(self, name: str, items: Sequence, labels: Sequence[int]):
+        super().__init__(name, labels)
+        self.items = list(items)
+
+    def image(self, i: int) -> Image.Image:
+        return self.items[i].load()
+
+
+class Subset(ImageSet):
+    """Rows ``indices`` of ``parent``; features of a subset are sliced from the parent's."""
+
+    def __init__(self, name: str, parent: ImageSet, indices: Sequence[int]):
+        self.parent, self.indices = parent, np.asarray(indices, dtype=np.int64)
+        super().__init__(name, parent.labels[self.indices])
+
+    def image(self, i: int) -> Image.Image:
+        return self.parent.image(int(self.indices[i]))
+
+    def describe(self, i: int) -> str:
+        return self.parent.describe(int(self.indices[i]))
+
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
+        return _iterate(self.parent, self.indices, view, batch_size=batch_size, train=train, seed=seed,
+                        rank=rank, world=world, workers=workers)
+
+
+class Concat(ImageSet):
+    """``parts`` one after the other (VTAB's train800 + val200 = train800val200)."""
+
+    def __init__(self, name: str, parts: Sequence[ImageSet]):
+        self.parts = list(parts)
+        super().__init__(name, np.concatenate([p.labels for p in self.parts]))
+        self._starts = np.cumsum([0] + [len(p) for p in self.parts])
+
+    def _locate(self, i: int) -> tuple[ImageSet, int]:
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.parts[k], i - int(self._starts[k])
+
+    def image(self, i: int) -> Image.Image:
+        part, j = self._locate(i)
+        return part.image(j)
+
+    def describe(self, i: int) -> str:
+        part, j = self._locate(i)
+        return part.describe(j)
+
+
+def holdout(split: ImageSet, fraction: float, seed: int) -> tuple[Subset, Subset]:
+    """(train, minival) cut from ``split``, as big_vision's ``train[:98%]`` / ``train[98%:]`` --
+    but from a seeded permutation so a sorted-by-class file cannot leave classes out of one side.
+    (Streamed shards have no addressable rows: their suite takes a val/ split instead.)"""
+    n = len(split)
+    n_val = max(1, int(round(fraction * n)))
+    if n_val >= n:
+        raise TransferError(f"{split.name}: {n} examples are too few to hold out a validation split")
+    order = np.random.default_rng([seed, 7]).permutation(n)
+    return (Subset(f"{split.name}[train]", split, np.sort(order[n_val:])),
+            Subset(f"{split.name}[minival]", split, np.sort(order[:n_val])))
+
+
+class ShardSplit(Split):
+    """Our WebDataset shards (a manifest.json or its folder), via ``data_pipeline.loader``.
+    Images arrive decoded, resized (the loader's own eval crop / train augmentation) and
+    normalised with ``data.augment.mean/std``."""
+
+    def __init__(self, name: str, manifest, data_cfg):
+        from data_pipeline.manifest import resolve_shards
+
+        # one manifest (path or folder) or a list of them (train + val = trainval)
+        self.name, self.spec = name, [str(m) for m in manifest] if isinstance(manifest, list) else str(manifest)
+        self.data_cfg = data_cfg
+        self.shardset = resolve_shards(self.spec, allow_remote=data_cfg.allow_remote, key=f"{name} shards")
+        if self.shardset.multi_label:
+            raise TransferError(f"{manifest}: multi-label shards; transfer evaluation needs one label per image")
+
+    def __len__(self) -> int:
+        return self.shardset.total
+
+    @property
+    def num_classes(self) -> int:
+        return self.shardset.num_classes
+
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
+        from data_pipeline.loader import build_loader
+
+        aug = self.data_cfg.augment
+        if not view.train_augment:  # full image, no flip: scale 1 at ratio 1 is a center crop
+            aug = replace(aug, crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0], hflip=0.0, randaugment_ops=0,
+                          mixup_alpha=0.0, cutmix_alpha=0.0)
+        cfg = replace(self.data_cfg, train_shards=self.spec, val_shards=self.spec, workers=workers,
+                      img_size=None, augment=aug)
+        loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch_size, seed=seed,
+                              img_size=view.img_size, train=train)
+        return iter(loader)

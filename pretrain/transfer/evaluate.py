@@ -1,0 +1,103 @@
+"""One checkpoint x one suite x one protocol -> one results document.
+
+    pre = load_pretrained("run.safetensors")
+    tasks, missing = build_tasks(cfg.eval, cfg.data)
+    doc = evaluate_checkpoint(cfg, pre, tasks, missing)
+
+Each part receives its own settings: the protocol gets the ``eval`` section, views get
+``data.augment`` (normalisation, crop), fine-tuning under DeepSpeed gets ``zero``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import torch
+
+from pretrain.config import Config
+from pretrain.transfer.checkpoints import Pretrained, build_backbone
+from pretrain.transfer.data import View
+from pretrain.transfer.errors import TransferError
+from pretrain.transfer.features import FeatureCache
+from pretrain.transfer.fewshot import FewShot
+from pretrain.transfer.finetune import Dist, Finetune
+from pretrain.transfer.linear import LinearProbe
+from pretrain.transfer.results import assemble
+from pretrain.transfer.sweep import log_stderr, run_task
+
+
+def check_eval(ev) -> None:
+    """Values the schema's types cannot rule out; each message names the key."""
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise TransferError(f"eval.{key}: {msg}")
+
+    need(ev.batch_size > 0, "batch_size", f"must be positive, got {ev.batch_size}")
+    need(ev.workers >= 0, "workers", f"must be >= 0, got {ev.workers}")
+    need(ev.img_size is None or ev.img_size > 0, "img_size", f"must be positive, got {ev.img_size}")
+    if ev.protocol == "finetune":
+        need(ev.steps > 0, "steps", f"must be positive, got {ev.steps}")
+        need(0 <= ev.warmup_steps < ev.steps, "warmup_steps", f"must be in [0, eval.steps={ev.steps}), got {ev.warmup_steps}")
+        need(ev.lr > 0 and all(v > 0 for v in ev.sweep_lr), "lr", "learning rates must be positive")
+        need(ev.grad_clip >= 0, "grad_clip", f"must be >= 0, got {ev.grad_clip}")
+    need(ev.linear_l2 >= 0 and all(v >= 0 for v in ev.sweep_linear_l2), "linear_l2", "must be >= 0")
+    need(ev.fewshot_l2 > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "fewshot_l2", "must be > 0")
+    need(bool(ev.fewshot_shots) and all(k > 0 for k in ev.fewshot_shots), "fewshot_shots",
+         f"must be positive shot counts, got {ev.fewshot_shots}")
+    need(ev.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {ev.fewshot_seeds}")
+    need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
+    need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
+
+
+def make_view(task, img_size: int, ev, aug) -> View:
+    augment = task.augment if ev.train_augment is None else ev.train_augment
+    return View(img_size=img_size, resize=task.resize, crop_pct=aug.eval_crop_pct, mean=tuple(aug.mean),
+                std=tuple(aug.std), train_augment=augment, crop_scale=tuple(aug.crop_scale),
+                crop_ratio=tuple(aug.crop_ratio), hflip=aug.hflip)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.device, dist: Dist,
+                  log: Callable[[str], None]):
+    ev = cfg.eval
+
+    def view_of(task) -> View:
+        return make_view(task, img_size, ev, cfg.data.augment)
+
+    if ev.protocol == "finetune":
+        # bf16 only where it is native; CPU fine-tuning stays fp32
+        precision = cfg.train.precision if torch.cuda.is_available() else "fp32"
+        return Finetune(pre, img_size=img_size, ev=ev, view_of=view_of, device=device, precision=precision,
+                        zero=cfg.zero, grad_checkpointing=cfg.train.activation_checkpointing,
+                        drop_path_rate=cfg.model.drop_path_rate, dist_info=dist, log=log)
+    if dist.world > 1:
+        raise TransferError(f"--protocol {ev.protocol} runs in one process; start it without the deepspeed runner")
+    model = build_backbone(pre, img_size=img_size)
+    cache = FeatureCache(model, batch_size=ev.batch_size, pool=ev.pool, device=device, workers=ev.workers)
+    if ev.protocol == "linear":
+        return LinearProbe(cache, view_of, ev.linear_l2, list(ev.sweep_linear_l2))
+    return FewShot(cache, view_of, list(ev.fewshot_shots), ev.fewshot_seeds, ev.fewshot_l2, list(ev.sweep_fewshot_l2))
+
+
+def evaluate_checkpoint(cfg: Config, pre: Pretrained, tasks: list, missing: list[str], *, dist: Dist = Dist(),
+                        device: Optional[torch.device] = None, log: Callable[[str], None] = log_stderr) -> dict:
+    ev = cfg.eval
+    t0 = time.time()
+    if dist.rank != 0:  # every rank runs the same code; one of them speaks
+        log = lambda msg: None  # noqa: E731
+    img_size = ev.img_size or pre.img_size
+    device = device or default_device()
+    protocol = make_protocol(cfg, pre, img_size, device, dist, log)
+    sweep = ev.sweep if ev.sweep is not None else ev.suite == "vtab1k"
+    step = f"step {pre.step}" if pre.step is not None else "unknown step"
+    log(f"vit-transfer: {pre.arch['name']} ({step}) {ev.suite}/{ev.protocol} at {img_size} px on "
+        f"{len(tasks)} task(s)" + (f"; missing: {', '.join(missing)}" if missing else ""))
+    results = [run_task(protocol, t, sweep, log) for t in tasks]
+    return assemble(results, missing=missing, suite=ev.suite, protocol=ev.protocol, pre=pre, img_size=img_size,
+                    sweep=sweep, settings=dataclasses.asdict(ev), seconds=time.time() - t0)

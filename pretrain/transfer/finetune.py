@@ -1,0 +1,175 @@
+"""Fine-tuning, the ViT paper / big_vision recipe: SGD with momentum 0.9, no weight decay, global
+gradient-norm clipping at 1, cosine decay after a linear warmup, the pre-training head replaced by
+one zero-initialised linear layer, optionally at a higher resolution (position embeddings resized).
+
+One process: plain PyTorch (the CPU tests, one GPU). Started by the deepspeed runner
+(WORLD_SIZE > 1): model and SGD go through ``deepspeed.initialize`` with a ZeRO config built by
+``pretrain.engine.deepspeed_config`` from the run's ``zero`` section (stage 3 shards a ViT-H that
+would not fit one device with its optimizer state) and bf16 when ``train.precision`` says so.
+Every rank trains on its own share of each batch; accuracy is summed over ranks.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.config import OptimConfig, TrainConfig
+from pretrain.engine import lr_multiplier
+from pretrain.transfer.checkpoints import Pretrained, build_backbone
+from pretrain.transfer.errors import TransferError
+
+MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    deepspeed: bool = False  # True under the deepspeed runner
+
+
+class _Plain:
+    """One process: SGD, clipping and the schedule by hand; bf16 autocast on GPUs when asked."""
+
+    def __init__(self, model, opt, sched, clip: float, device: torch.device, bf16: bool):
+        self.model, self.opt, self.sched, self.clip, self.device = model.to(device), opt, sched, clip, device
+        self.amp = bf16 and device.type == "cuda"
+
+    def train_step(self, x, y) -> torch.Tensor:
+        self.model.train()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            logits = self.model(x.to(self.device, non_blocking=True))
+        loss = F.cross_entropy(logits.float(), y.to(self.device))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.sched.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def logits(self, x) -> torch.Tensor:
+        self.model.eval()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            return self.model(x.to(self.device, non_blocking=True)).float()
+
+
+class _DeepSpeed:
+    """The same step through a DeepSpeed engine (ZeRO stage from the run's config)."""
+
+    def __init__(self, model, opt, sched, *, lr: float, ev, zero, precision: str, world: int):
+        import deepspeed
+
+        from pretrain.engine import deepspeed_config
+
+        optim = OptimConfig(name="sgd", lr=lr, momentum=MOMENTUM, weight_decay=0.0, grad_clip=ev.grad_clip)
+        train = TrainConfig(steps=ev.steps, global_batch_size=ev.batch_size, micro_batch_size=ev.batch_size // world,
+                            precision=precision)
+        ds_cfg = deepspeed_config(optim, train, zero, world)  # clipping is DeepSpeed's here
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+        self.device = self.engine.device
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def train_step(self, x, y) -> torch.Tensor:
+        self.engine.train()
+        loss = F.cross_entropy(self.engine(x.to(self.device, self.dtype)).float(), y.to(self.device))
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def logits(self, x) -> torch.Tensor:
+        self.engine.eval()
+        return self.engine(x.to(self.device, self.dtype)).float()
+
+
+def top1(runner, split, view, *, batch_size: int, dist_info: Dist, workers: int = 0) -> float:
+    """Top-1 of ``runner`` on ``split``, each rank on its share, counts summed over ranks."""
+    import torch.distributed as dist
+
+    sync = dist_info.world > 1
+    device = runner.device
+    correct, total = 0, 0
+    it = iter(split.batches(view, batch_size=batch_size, train=False, rank=dist_info.rank, world=dist_info.world,
+                            workers=workers))
+    while True:
+        batch = next(it, None)
+        if sync:
+            # ZeRO-3 gathers parameters inside every forward: all ranks must run the same number
+            # of forwards, so a rank that ran out joins with a dummy batch (a collective per batch).
+            more = torch.tensor([float(batch is not None)], device=device)
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more.item():
+                break
+            if batch is None:
+                runner.logits(torch.zeros(1, 3, view.img_size, view.img_size))
+                continue
+        elif batch is None:
+            break
+        x, y = batch
+        correct += int((runner.logits(x).argmax(1).cpu() == y).sum())
+        total += len(y)
+    if sync:
+        counts = torch.tensor([correct, total], dtype=torch.float64, device=device)
+        dist.all_reduce(counts)
+        correct, total = int(counts[0]), int(counts[1])
+    if total == 0:
+        raise TransferError(f"{split.name}: no examples to evaluate")
+    return correct / total
+
+
+class Finetune:
+    name = "finetune"
+
+    def __init__(self, pre: Pretrained, *, img_size: int, ev, view_of, device: torch.device, precision: str,
+                 zero=None, grad_checkpointing: bool = False, drop_path_rate: float = 0.0, dist_info: Dist = Dist(),
+                 log=None):
+        if ev.batch_size % dist_info.world:
+            raise TransferError(f"eval.batch_size={ev.batch_size} is not divisible by the world size {dist_info.world}")
+        self.pre, self.img_size, self.ev, self.view_of, self.device = pre, img_size, ev, view_of, device
+        self.precision, self.zero, self.grad_ckpt, self.drop_path = precision, zero, grad_checkpointing, drop_path_rate
+        self.dist = dist_info
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def grid(self, sweep: bool) -> list[dict]:
+        return [{"lr": v} for v in self.ev.sweep_lr] if sweep else [{"lr": self.ev.lr}]
+
+    def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
+        ev, lr = self.ev, setting["lr"]
+        torch.manual_seed(ev.seed)  # same initial head / drop-path stream for every setting
+        model = build_backbone(self.pre, img_size=self.img_size, num_classes=task.num_classes, finetune=True,
+                               drop_path_rate=self.drop_path)
+        model.set_grad_checkpointing(self.grad_ckpt)
+        if not self.dist.deepspeed:
+            model.to(self.device)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, weight_decay=0.0)
+        schedule = OptimConfig(name="sgd", lr=lr, warmup_steps=ev.warmup_steps, schedule="cosine", min_lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, ev.steps))
+        if self.dist.deepspeed:
+            runner = _DeepSpeed(model, opt, sched, lr=lr, ev=ev, zero=self.zero, precision=self.precision,
+                                world=self.dist.world)
+        else:
+            runner = _Plain(model, opt, sched, ev.grad_clip, self.device, self.precision == "bf16")
+        view = self.view_of(task)
+        micro = ev.batch_size // self.dist.world
+        batches = fit.batches(view, batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,
+                              world=self.dist.world, workers=ev.workers)
+        recent = []
+        every = max(1, ev.steps // 5)
+        for step in range(1, ev.steps + 1):
+            x, y = next(batches)
+            recent.append(runner.train_step(x, y))
+            if step % every == 0 or step == ev.steps:
+                loss = float(torch.stack(recent).mean())  # one device sync per report, not per step
+                recent = []
+                if self.dist.rank == 0:
+                    self.log(f"  finetune {task.name} lr={lr:g}: step {step}/{ev.steps} loss {loss:.4f}")
+        acc = top1(runner, evaluate, view, batch_size=micro, dist_info=self.dist, workers=ev.workers)
+        del runner, model, opt
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return acc, {"final_loss": loss, "steps": ev.steps, "batch_size": ev.batch_size, "img_size": self.img_size}

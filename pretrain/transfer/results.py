@@ -1,0 +1,123 @@
+"""Results: one JSON document per evaluated checkpoint, a Markdown table, and W&B logging into the
+pre-training run.
+
+``results.json`` (``--watch`` writes ``{"watch": RUN_DIR, "evaluations": [document, ...]}``)::
+
+    {"checkpoint": ..., "checkpoint_kind": "run|safetensors|state_dict", "step": 1000,
+     "model": {"name": ..., "img_size": ..., "global_pool": ..., "representation_size": ...},
+     "suite": "vtab1k", "protocol": "linear", "img_size": 224, "sweep": true,
+     "settings": {the resolved eval section},
+     "tasks": {"caltech101": {"task", "group", "accuracy", "setting", "val_accuracy", "details",
+                              "num_classes", "chance", "num_train", "num_test", "seconds"}, ...},
+     "groups": {"natural": {"mean", "tasks", "of"}, ...},      # vtab1k only
+     "mean": 0.61, "missing": ["sun397", ...], "seconds": 812.0}
+
+W&B: the same run id as pre-training and the checkpoint's step as ``train/step`` -- the x-axis
+``pretrain.metrics`` defines for ``transfer/*`` -- so transfer curves sit beside the loss curve;
+W&B's own step counter is left alone, so a transfer result for an older step is never dropped
+as out of order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from pretrain.transfer import vtab
+from pretrain.transfer.sweep import TaskResult
+
+
+def assemble(results: list[TaskResult], *, missing: list[str], suite: str, protocol: str, pre, img_size: int,
+             sweep: bool, settings: dict, seconds: float) -> dict:
+    acc = {r.task: r.accuracy for r in results}
+    doc = {"checkpoint": pre.source, "checkpoint_kind": pre.kind, "step": pre.step, "model": dict(pre.arch),
+           "wandb_run_id": pre.wandb_run_id, "suite": suite, "protocol": protocol, "img_size": img_size,
+           "sweep": sweep, "settings": settings, "tasks": {r.task: r.to_dict() for r in results}}
+    if suite == "vtab1k":
+        summary = vtab.summarize(acc)
+        doc.update(groups=summary["groups"], mean=summary["mean"], missing=summary["missing"])
+    else:
+        doc.update(mean=sum(acc.values()) / len(acc) if acc else None, missing=list(missing))
+    doc["seconds"] = seconds
+    return doc
+
+
+def write_json(path: str | Path, obj) -> Path:
+    """Atomic: a reader (or a crash) never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def _setting(s: dict) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items())
+
+
+def markdown(doc: dict) -> str:
+    step = f"step {doc['step']}" if doc.get("step") is not None else "step ?"
+    lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}) -- {doc['suite']} / {doc['protocol']} "
+             f"at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else ""), "",
+             "| Task | Group | Top-1 (%) | Chance (%) | Setting | Details | Train | Test |",
+             "|---|---|---:|---:|---|---|---:|---:|"]
+    for name, r in doc["tasks"].items():
+        details = ""
+        if "shots" in r["details"]:  # few-shot: every shot count, mean over seeds
+            details = " / ".join(f"{k}-shot {_pct(v['mean'])}" for k, v in r["details"]["shots"].items())
+        lines.append(f"| {name} | {r['group'] or ''} | {_pct(r['accuracy'])} | {_pct(r['chance'])} "
+                     f"| {_setting(r['setting'])} | {details} | {r['num_train']} | {r['num_test']} |")
+    for g, s in (doc.get("groups") or {}).items():
+        lines.append(f"| **{g}** ({s['tasks']}/{s['of']}) | | {_pct(s['mean'])} | | | | | |")
+    if doc["suite"] == "vtab1k":
+        lines.append(f"| **mean** ({len(doc['tasks'])}/{len(vtab.TASKS)}) | | {_pct(doc['mean'])} | | | | | |")
+    elif len(doc["tasks"]) > 1:
+        lines.append(f"| **mean** | | {_pct(doc['mean'])} | | | | | |")
+    if doc.get("missing"):
+        lines += ["", f"Missing ({len(doc['missing'])}): {', '.join(doc['missing'])} -- means are over the tasks present."]
+    return "\n".join(lines)
+
+
+def wandb_metrics(doc: dict) -> dict:
+    prefix = f"transfer/{doc['suite']}/{doc['protocol']}"
+    m = {f"{prefix}/{t}": r["accuracy"] for t, r in doc["tasks"].items()}
+    for t, r in doc["tasks"].items():
+        for k, v in r["details"].get("shots", {}).items():
+            m[f"{prefix}/{t}_{k}shot"] = v["mean"]
+    for g, s in (doc.get("groups") or {}).items():
+        if s["mean"] is not None:
+            m[f"{prefix}/{g}"] = s["mean"]
+    if doc.get("mean") is not None:
+        m[f"{prefix}/mean"] = doc["mean"]
+    return m
+
+
+def log_wandb(doc: dict, wandb_cfg, *, run_dir: Optional[str] = None) -> Optional[str]:
+    """Log ``doc`` into the pre-training run (``doc['wandb_run_id']``); returns the run's path.
+    Without a run id (a foreign state dict) the results go to a new run, and stderr says so."""
+    if wandb_cfg.mode == "disabled":
+        print("vit-transfer: eval.wandb=true but logging.wandb.mode=disabled; not logging", file=sys.stderr)
+        return None
+    import wandb
+
+    run_id = doc.get("wandb_run_id")
+    if not run_id:
+        print(f"vit-transfer: {doc['checkpoint']} names no W&B run; logging to a new run", file=sys.stderr)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(id=run_id or None, resume="allow" if run_id else None, mode=wandb_cfg.mode,
+                     project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
+                     dir=run_dir or ".", settings=wandb.Settings(console="off"))
+    try:
+        run.define_metric("transfer/*", step_metric="train/step")
+        step = doc.get("step") or 0
+        run.log({"train/step": step, **wandb_metrics(doc)})
+        return run.dir
+    finally:
+        run.finish()

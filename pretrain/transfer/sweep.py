@@ -1,0 +1,67 @@
+"""Hyper-parameter selection, the VTAB-1k way, for any protocol and task.
+
+Every setting of the protocol's grid is fitted on ``task.train`` (VTAB's train800) and scored on
+``task.val`` (val200); the best one -- the first of equals, so ties resolve the same way on every
+run -- is refitted on ``task.trainval`` (train800val200) and only then scored on ``task.test``.
+The test split is touched exactly once, after the choice is made.
+
+A protocol is any object with ``name``, ``grid(sweep) -> [setting dict]`` and
+``fit_score(task, fit_split, eval_split, setting) -> (top-1, details)``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+from pretrain.transfer.errors import TransferError
+
+
+@dataclass
+class TaskResult:
+    task: str
+    group: Optional[str]
+    accuracy: float  # top-1 on test with the chosen setting, retrained on train+val
+    setting: dict
+    val_accuracy: list[dict] = field(default_factory=list)  # [{"setting", "accuracy"}] when swept
+    details: dict = field(default_factory=dict)
+    num_classes: int = 0
+    chance: float = 0.0  # 1 / num_classes: the floor an accuracy is read against
+    num_train: int = 0
+    num_test: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_task(protocol, task, sweep: bool, log: Callable[[str], None] = log_stderr) -> TaskResult:
+    t0 = time.time()
+    grid = protocol.grid(sweep)
+    if not grid:
+        raise TransferError(f"{protocol.name}: empty hyper-parameter grid (eval.sweep_*)")
+    val_scores: list[dict] = []
+    best = grid[0]
+    if len(grid) > 1:
+        if task.val is None:
+            raise TransferError(f"{task.name}: sweeping needs a validation split (add a val/ split or eval.sweep=false)")
+        best_acc = -1.0
+        for setting in grid:
+            acc, _ = protocol.fit_score(task, task.train, task.val, setting)
+            val_scores.append({"setting": dict(setting), "accuracy": acc})
+            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val top-1 {100 * acc:.2f}")
+            if acc > best_acc:  # strict: the first of equal settings wins
+                best, best_acc = setting, acc
+    acc, details = protocol.fit_score(task, task.trainval, task.test, best)
+    log(f"  {task.name} {protocol.name} {_fmt(best)}: test top-1 {100 * acc:.2f}")
+    return TaskResult(task.name, task.group, acc, dict(best), val_scores, details, task.num_classes,
+                      1.0 / task.num_classes, len(task.trainval), len(task.test), time.time() - t0)
+
+
+def _fmt(setting: dict) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items())

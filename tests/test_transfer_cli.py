@@ -1,0 +1,206 @@
+"""vit-transfer from every checkpoint format, its one-line errors, --watch and W&B logging."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import load_config, to_dict
+from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+from pretrain.transfer.cli import main
+from transfer_fixtures import one_thread  # noqa: F401  (autouse)
+from transfer_fixtures import (exported_metadata, save_safetensors, tiny_model, write_cifar100, write_imagefolder,
+                               write_vtab_task)
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["eval.workers=0", "eval.batch_size=16", "eval.fewshot_shots=[1,5]", "eval.fewshot_seeds=2"]
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory):
+    return write_imagefolder(tmp_path_factory.mktemp("if") / "colours", n_train=8, n_test=6)
+
+
+def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc") -> Path:
+    """A run directory in the layout ``pretrain.checkpoint`` writes at ZeRO stage 0: per step a
+    DeepSpeed module file, run.json and the COMPLETE marker; ``latest`` names the newest.
+    ``steps``: {step: complete?}."""
+    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=10",
+                             "zero.stage=0", f"train.steps={final}", f"train.output_dir={run}"])
+    ck = run / "checkpoints"
+    for step, complete in steps.items():
+        d = ck / f"step_{step:08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": model.state_dict()}, d / "mp_rank_00_model_states.pt")
+        (d / "run.json").write_text(json.dumps({"config": to_dict(cfg), "step": step, "wandb_run_id": run_id,
+                                                "world_size": 1}))
+        if complete:
+            (d / "COMPLETE").write_text(json.dumps({"step": step}))
+            (ck / "latest").write_text(d.name)
+    return run
+
+
+# ----------------------------------------------------------------------------- checkpoint formats
+def _timm_pth(path: Path):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(3)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=7)
+    torch.save(m.state_dict(), path)
+    return m
+
+
+@pytest.mark.parametrize("fmt", ["exported", "bare_safetensors", "timm_pth", "run_dir"])
+def test_every_checkpoint_format_loads_the_same_backbone(tmp_path, fmt):
+    model = tiny_model(32, seed=1)
+    if fmt == "exported":
+        src = save_safetensors(model, tmp_path / "m.safetensors", exported_metadata(
+            {"name": "vit_tiny_patch16_224", "img_size": 32}, step=300, grid=(2, 2), run_id="abc"))
+    elif fmt == "bare_safetensors":  # no metadata: the architecture is read from the tensors
+        src = save_safetensors(model, tmp_path / "m.safetensors")
+    elif fmt == "timm_pth":
+        model = _timm_pth(tmp_path / "m.pth")
+        src = tmp_path / "m.pth"
+    else:
+        src = write_run_dir(tmp_path / "run", model, {100: True, 200: True}, final=200)
+    pre = load_pretrained(src)
+    assert pre.arch["name"] == "vit_tiny_patch16_224" and pre.img_size == 32
+    assert pre.step == {"exported": 300, "run_dir": 200}.get(fmt)
+    assert pre.wandb_run_id == {"exported": "abc", "run_dir": "run123abc"}.get(fmt)
+    ours = build_backbone(pre, img_size=32).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():  # the same pre-logits features as the model the weights came from
+        ref = model.forward_head(model.forward_features(x), pre_logits=True)
+        assert torch.allclose(ours.forward_head(ours.forward_features(x), pre_logits=True), ref, atol=1e-5)
+
+
+def test_cli_fewshot_from_a_timm_state_dict_with_model_override(tmp_path, colours, capsys):
+    _timm_pth(tmp_path / "timm.pth")
+    out = tmp_path / "r.json"
+    main(["--checkpoint", str(tmp_path / "timm.pth"), "--suite", "imagefolder", "--protocol", "fewshot",
+          "--data-root", str(colours), "--output", str(out), "model.name=vit_tiny_patch16_224", *FAST])
+    doc = json.loads(out.read_text())
+    assert doc["checkpoint_kind"] == "state_dict" and doc["step"] is None and doc["img_size"] == 32
+    assert doc["tasks"]["colours"]["accuracy"] >= 0.75  # chance 0.25
+    assert "| colours |" in capsys.readouterr().out
+
+
+def test_cli_cifar100_linear_sweeps_on_the_minival_cut_from_train(tmp_path):
+    write_cifar100(tmp_path / "data", n_train=80, n_test=40)
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    out = tmp_path / "r.json"
+    main(["--checkpoint", str(ckpt), "--suite", "cifar100", "--protocol", "linear", "--data-root",
+          str(tmp_path / "data" / "cifar-100-python"), "--output", str(out), "eval.sweep=true",
+          "eval.sweep_linear_l2=[0.0001,1.0]", "eval.minival_fraction=0.25", *FAST])
+    r = json.loads(out.read_text())["tasks"]["cifar100"]
+    assert len(r["val_accuracy"]) == 2 and r["num_train"] == 80 and r["num_test"] == 40
+    assert r["accuracy"] >= 0.75  # 4 of the 100 fine labels in use: chance is 0.25 at best
+
+
+# ----------------------------------------------------------------------------------------- errors
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vit-transfer: error:"), err
+    return err[0]
+
+
+def test_user_mistakes_are_one_line_errors(tmp_path, colours, capsys):
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    vt = tmp_path / "vtab"
+    d = write_vtab_task(vt, "eurosat", counts=(4, 4), n_test=4)
+    base = ["--output", str(tmp_path / "r.json"), "eval.workers=0"]
+    assert "nope.pth: checkpoint not found" in _error(capsys, ["--checkpoint", str(tmp_path / "nope.pth"), "--suite", "demo", *base])
+    assert "junk.safetensors: not a readable checkpoint" in _error(
+        capsys, ["--checkpoint", str(tmp_path / "junk.safetensors"), "--suite", "demo", *base])
+    vtab = ["--checkpoint", str(ckpt), "--suite", "vtab1k", "--data-root", str(vt), *base]
+    assert "VTAB-1k task 'svhn' not found" in _error(capsys, [*vtab, "eval.tasks=[svhn]"])
+    assert "needs --data-root" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "cifar100", *base])
+    assert "unknown key 'eval.stepz'" in _error(capsys, [*vtab, "eval.stepz=3"])
+    assert "eval.warmup_steps" in _error(capsys, [*vtab, "--protocol", "finetune", "eval.steps=10", "eval.warmup_steps=10"])
+    (d / "test.txt").write_text("images/test_0000.png 1\nimages/test_0001.png\n")
+    assert "eurosat/test.txt:2: expected 'relative/path label'" in _error(capsys, vtab)
+    (d / "test.txt").unlink()
+    assert "eurosat/test.txt: split file not found" in _error(capsys, vtab)
+    assert "--suite: invalid choice" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "imagenet"])
+    bigger = save_safetensors(tiny_model(32), tmp_path / "b.safetensors")
+    assert "shape mismatch" in _error(capsys, ["--checkpoint", str(bigger), "--suite", "imagefolder", "--data-root",
+                                               str(colours), "model.name=vit_small_patch16_224", *base])
+
+
+def test_module_entry_point_prints_one_line_and_no_traceback(tmp_path):
+    (tmp_path / "bad.pth").write_bytes(b"not a torch file")
+    p = subprocess.run([sys.executable, "-m", "pretrain.transfer", "--checkpoint", str(tmp_path / "bad.pth"),
+                        "--suite", "demo", "--output", str(tmp_path / "r.json")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "bad.pth" in p.stderr
+
+
+# ------------------------------------------------------------------------------------------ watch
+def test_watch_evaluates_each_complete_checkpoint_once_and_stops_at_the_last(tmp_path, colours):
+    run = write_run_dir(tmp_path / "run", tiny_model(32), {10: True, 20: False}, final=20)
+    out = tmp_path / "watch.json"
+    seen_first: list = []
+
+    def trainer():  # the "training job": finishes checkpoint 20 after the watcher reported 10
+        deadline = time.time() + 60
+        while time.time() < deadline and not out.exists():
+            time.sleep(0.05)
+        seen_first.extend(d["step"] for d in json.loads(out.read_text())["evaluations"])
+        (run / "checkpoints" / "step_00000020" / "COMPLETE").write_text("{}")
+        (run / "checkpoints" / "latest").write_text("step_00000020")
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    argv = ["--watch", str(run), "--suite", "imagefolder", "--protocol", "fewshot", "--data-root", str(colours),
+            "--output", str(out), "eval.watch_poll_s=0.1", "eval.watch_idle_timeout_s=60", *FAST]
+    main(argv)
+    t.join()
+    assert seen_first == [10]  # the half-written step 20 was skipped until marked complete
+    docs = json.loads(out.read_text())["evaluations"]
+    assert [d["step"] for d in docs] == [10, 20] and all(d["wandb_run_id"] == "run123abc" for d in docs)
+    assert all(d["tasks"]["colours"]["accuracy"] >= 0.75 for d in docs)
+    main(argv)  # a restarted watcher finds nothing new and stops: the final step is done
+    assert [d["step"] for d in json.loads(out.read_text())["evaluations"]] == [10, 20]
+
+
+def test_watch_refuses_finetune(tmp_path, capsys):
+    run = write_run_dir(tmp_path / "run", tiny_model(32), {10: True}, final=10)
+    assert "--watch runs fewshot or linear" in _error(capsys, ["--watch", str(run), "--suite", "demo", "--protocol",
+                                                               "finetune", "--output", str(tmp_path / "w.json")])
+
+
+# -------------------------------------------------------------------------------------------- W&B
+def test_wandb_logs_into_the_pretraining_run_at_its_step(tmp_path, colours, monkeypatch):
+    from dist_utils import wandb_records
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors", exported_metadata(
+        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=4242, grid=(2, 2), run_id="pre0train1"))
+    main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "fewshot", "--data-root", str(colours),
+          "--output", str(tmp_path / "r.json"), "eval.wandb=true", "logging.wandb.mode=offline", *FAST])
+    runs = list((tmp_path / "wandb").glob("offline-run-*-pre0train1"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    logged: dict = {}
+    deadline = time.time() + 30
+    while "train/step" not in logged and time.time() < deadline:  # W&B's writer process may lag finish()
+        try:
+            for rec in wandb_records(next(runs[0].glob("*.wandb"))):
+                if rec.WhichOneof("record_type") == "history":
+                    logged.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        except Exception:  # a record still being written: read again
+            pass
+        time.sleep(0.2)
+    assert logged.get("train/step") == 4242, logged
+    acc = json.loads((tmp_path / "r.json").read_text())["tasks"]["colours"]["accuracy"]
+    assert logged["transfer/imagefolder/fewshot/colours"] == pytest.approx(acc)
+    assert "transfer/imagefolder/fewshot/colours_5shot" in logged

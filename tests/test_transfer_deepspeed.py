@@ -1,0 +1,29 @@
+"""Fine-tuning under the deepspeed runner: 2 CPU ranks (gloo), ZeRO-3, and a test set that leaves
+one rank a batch short (ZeRO-3's per-forward gathers would hang without the dummy batch)."""
+import json
+
+import pytest
+
+from dist_utils import deepspeed_cmd, run_job
+from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
+
+pytestmark = pytest.mark.slow
+
+
+def test_zero3_finetune_on_two_ranks_counts_every_test_image_once(tmp_path):
+    root = write_imagefolder(tmp_path / "colours", n_train=8, n_test=8)
+    (root / "test" / "red" / "extra.png").write_bytes((root / "test" / "red" / "000.png").read_bytes())  # 33
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors", exported_metadata(
+        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=9, grid=(2, 2)))
+    out = tmp_path / "r.json"
+    p = run_job(deepspeed_cmd("pretrain.transfer", "--checkpoint", str(ckpt), "--suite", "imagefolder",
+                              "--protocol", "finetune", "--data-root", str(root), "--output", str(out),
+                              "eval.workers=0", "eval.steps=12", "eval.warmup_steps=2", "eval.batch_size=16",
+                              "train.precision=fp32", "zero.stage=3"), timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())["tasks"]["colours"]
+    assert r["num_test"] == 33 and r["details"]["batch_size"] == 16
+    # every image counted once over the two ranks: accuracy is a multiple of 1/33
+    assert abs(r["accuracy"] * 33 - round(r["accuracy"] * 33)) < 1e-6
+    assert r["accuracy"] >= 0.75, r  # chance 0.25
+    assert p.stdout.count("| colours |") == 1  # rank 0 alone reports

@@ -1,0 +1,139 @@
+"""Each transfer protocol learns a learnable synthetic task far above chance: the solvers on
+separable features, then end to end from a checkpoint through images (colour-square classes,
+4 classes: chance is 25%). Also the resolution-change path of fine-tuning."""
+import numpy as np
+import pytest
+import torch
+
+from pretrain.config import load_config
+from pretrain.model import resize_pos_embed
+from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+from pretrain.transfer.evaluate import evaluate_checkpoint
+from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
+from pretrain.transfer.linear import fit_logistic
+from pretrain.transfer.suites import imagefolder
+from transfer_fixtures import one_thread  # noqa: F401  (autouse)
+from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
+
+
+def _clusters(n_per_class: int, classes: int = 5, dim: int = 64, seed: int = 0, spread: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, dim, generator=g) * 3
+    y = torch.arange(classes).repeat_interleave(n_per_class)
+    return centres[y] + spread * torch.randn(len(y), dim, generator=g), y
+
+
+# ------------------------------------------------------------------------------------ solvers
+def test_fewshot_ridge_is_far_above_chance_and_uses_the_test_labels():
+    Xall, yall = _clusters(70, seed=0)
+    Xtr, ytr, Xte, yte = Xall[::2], yall[::2], Xall[1::2], yall[1::2]
+    acc = fewshot_accuracy(Xtr, ytr, Xte, yte, num_classes=5, shots=[1, 5], seeds=3, l2=1024.0)
+    assert set(acc) == {1, 5} and all(len(v) == 3 for v in acc.values())
+    assert np.mean(acc[5]) > 0.95 and np.mean(acc[1]) > 0.6  # chance: 0.2
+    shuffled = yte[torch.randperm(len(yte), generator=torch.Generator().manual_seed(1))]
+    assert np.mean(fewshot_accuracy(Xtr, ytr, Xte, shuffled, 5, [5], 3, 1024.0)[5]) < 0.45
+
+
+def test_ridge_dual_form_equals_the_primal_solution():
+    """With fewer points than dimensions the solver takes the dual route; its predictions must be
+    those of the textbook primal ridge solution on the same whitened, bias-padded features."""
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(12, 40, generator=g), torch.arange(12) % 4
+    Xt = torch.randn(200, 40, generator=g)
+    pred = ridge_fit(X, y, 4, l2=3.0)(Xt)
+    Xd = X.double()
+    mean, std = Xd.mean(0), Xd.std(0, unbiased=False) + 1e-5
+    pad = lambda A: torch.cat([(A.double() - mean) / std, torch.full((len(A), 1), 100.0, dtype=torch.float64)], 1)  # noqa: E731
+    Y = 2.0 * torch.nn.functional.one_hot(y, 4).double() - 1
+    W = torch.linalg.solve(pad(X).T @ pad(X) + 3.0 * torch.eye(41, dtype=torch.float64), pad(X).T @ Y)
+    assert torch.equal(pred, (pad(Xt) @ W).argmax(1))
+
+
+def test_shot_sampling_is_per_class_and_seeded():
+    labels = np.array([0] * 10 + [1] * 10 + [2] * 3)
+    idx = sample_shots(labels, 3, shots=5, seed=0)
+    assert np.bincount(labels[idx]).tolist() == [5, 5, 3]  # a class with fewer gives all it has
+    assert len(set(idx.tolist())) == len(idx)
+    assert np.array_equal(idx, sample_shots(labels, 3, 5, seed=0))
+    assert not np.array_equal(idx, sample_shots(labels, 3, 5, seed=1))
+
+
+def test_logistic_probe_separates_clusters_and_l2_shrinks_weights():
+    Xall, yall = _clusters(60, classes=4, seed=2, spread=2.0)
+    Xtr, ytr, Xte, yte = Xall[::2], yall[::2], Xall[1::2], yall[1::2]
+    weak, strong = fit_logistic(Xtr, ytr, 4, l2=1e-4), fit_logistic(Xtr, ytr, 4, l2=1.0)
+    assert weak.accuracy(Xte, yte) > 0.95  # chance: 0.25
+    assert strong.weight.norm() < 0.5 * weak.weight.norm()
+
+
+# ---------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def colour_task(tmp_path_factory):
+    root = write_imagefolder(tmp_path_factory.mktemp("colours") / "colours", n_train=12, n_test=8)
+    return imagefolder(str(root), minival_fraction=0.25, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A fixed (randomly initialised) ViT-Tiny at 32 px, exported the way vit-export writes it."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    return save_safetensors(tiny_model(32), path, exported_metadata(
+        {"name": "vit_tiny_patch16_224", "img_size": 32, "global_pool": "token"}, step=5, grid=(2, 2)))
+
+
+def _run(ckpt, task, *overrides):
+    cfg = load_config(None, ["eval.workers=0", "eval.batch_size=16", *overrides])
+    return evaluate_checkpoint(cfg, load_pretrained(ckpt), [task], [], log=lambda m: None)
+
+
+@pytest.mark.parametrize("protocol", ["linear", "fewshot"])
+def test_frozen_feature_protocols_end_to_end(tiny_ckpt, colour_task, protocol):
+    doc = _run(tiny_ckpt, colour_task, f"eval.protocol={protocol}", "eval.fewshot_shots=[1,5,10]")
+    r = doc["tasks"]["colours"]
+    assert r["accuracy"] >= 0.75, r  # chance 0.25
+    assert doc["step"] == 5 and doc["img_size"] == 32 and r["num_test"] == 32
+    if protocol == "fewshot":
+        assert set(r["details"]["shots"]) == {"1", "5", "10"} and r["details"]["headline_shots"] == 10
+        assert len(r["details"]["shots"]["5"]["per_seed"]) == 3
+
+
+def test_finetune_end_to_end_at_a_higher_resolution(tiny_ckpt, colour_task):
+    """32 px checkpoint (2x2 grid) fine-tuned at 48 px (3x3): position embeddings resized, a new
+    zero head, SGD + cosine; learns the task."""
+    pre = load_pretrained(tiny_ckpt)
+    model = build_backbone(pre, img_size=48, num_classes=4, finetune=True)
+    assert model.pos_embed.shape == (1, 10, 192)
+    assert torch.equal(model.pos_embed, resize_pos_embed(pre.state_dict["pos_embed"], (3, 3), (2, 2)))
+    assert torch.equal(model.blocks[0].attn.qkv.weight, pre.state_dict["blocks.0.attn.qkv.weight"])
+    assert model.head.weight.abs().sum() == 0 and model.head.out_features == 4
+    doc = _run(tiny_ckpt, colour_task, "eval.protocol=finetune", "eval.img_size=48", "eval.steps=30",
+               "eval.warmup_steps=5", "eval.lr=0.01")
+    r = doc["tasks"]["colours"]
+    assert doc["img_size"] == 48 and r["details"]["img_size"] == 48 and r["setting"] == {"lr": 0.01}
+    assert r["accuracy"] >= 0.75 and r["details"]["final_loss"] < 0.5, r
+
+
+def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
+    """The ViT paper replaces the whole head (pre-logits too) when fine-tuning; frozen features
+    use the pre-logits representation (big_vision)."""
+    path = save_safetensors(tiny_model(32, representation_size=48), tmp_path / "rep.safetensors")
+    pre = load_pretrained(path)  # no metadata: architecture read from the tensors
+    assert pre.arch == {"name": "vit_tiny_patch16_224", "img_size": 32, "global_pool": "token",
+                        "representation_size": 48}
+    assert build_backbone(pre, img_size=32).num_features == 48
+    ft = build_backbone(pre, img_size=32, num_classes=3, finetune=True)
+    assert ft.num_features == 192 and isinstance(ft.pre_logits, torch.nn.Identity)
+
+
+def test_feature_pooling_choices():
+    """``model``: the model's own head input; ``token``: the normed [class] token; ``avg``: the
+    mean of the patch tokens."""
+    from pretrain.transfer.features import pooled
+
+    m = tiny_model(32).eval()
+    with torch.no_grad():
+        tokens = m.forward_features(torch.randn(3, 3, 32, 32))
+        assert torch.equal(pooled(m, tokens, "model"), m.forward_head(tokens, pre_logits=True))
+        assert torch.equal(pooled(m, tokens, "token"), tokens[:, 0])
+        assert torch.allclose(pooled(m, tokens, "avg"), tokens[:, 1:].mean(1))
+        assert not torch.allclose(pooled(m, tokens, "avg"), tokens[:, 0])
