@@ -46,9 +46,10 @@ def bf16_ok() -> bool:
         return False
 
 
-def write_shards(out: Path, samples: int) -> dict[str, Path]:
-    splits = {"train": ("demo", "train", samples), "transfer-train": ("demo-transfer", "train", None),
-              "transfer-test": ("demo-transfer", "test", None)}
+def write_shards(out: Path, samples: int, transfer_samples: int | None) -> dict[str, Path]:
+    test_n = transfer_samples // 2 if transfer_samples else None
+    splits = {"train": ("demo", "train", samples), "transfer-train": ("demo-transfer", "train", transfer_samples),
+              "transfer-test": ("demo-transfer", "test", test_n)}
     paths = {}
     for name, (source, split, n) in splits.items():
         d = out / "shards" / name
@@ -148,13 +149,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200, help="pre-training optimizer steps")
     ap.add_argument("--ranks", type=int, default=2, help="local ranks (processes)")
     ap.add_argument("--samples", type=int, default=4096, help="pre-training images to generate")
+    ap.add_argument("--transfer-samples", type=int, default=None,
+                    help="held-out-class training images (test gets half); default: the full split")
     ap.add_argument("overrides", nargs="*", help="extra training overrides, e.g. optim.lr=3e-3")
     args = ap.parse_args(argv)
     out = Path(args.out)
     t0 = time.time()
     precision = "bf16" if bf16_ok() else "fp32"
     step("1/4 demo shards")
-    shards = write_shards(out, args.samples)
+    shards = write_shards(out, args.samples, args.transfer_samples)
     step(f"2/4 pre-training ViT-Tiny/16 @ 64 px, {args.ranks} ranks, ZeRO-2, {precision}")
     run_dir = pretrain(out, shards["train"] / "manifest.json", args.steps, args.ranks, precision, args.overrides)
     step("3/4 transfer: linear probe on the held-out demo classes")

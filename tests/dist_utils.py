@@ -35,7 +35,7 @@ def deepspeed_cmd(module: str, *args: str, ranks: int = 2) -> list[str]:
             "--module", module, *args]
 
 
-def run_job(cmd: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:
+def run_job(cmd: list[str], timeout: int = 600, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,236 @@
+"""What one dataloader worker runs: its slot's shards -> shuffle buffer -> safe decode -> batches.
+
+A worker plays one *role* (0..workers-1) of its rank; slot = rank * workers + role. Each emitted
+batch carries ``meta``: the epoch, the role, how many samples the role's shuffle buffer has emitted
+so far this epoch (corrupt ones included), and the counter delta since the previous batch. The
+main process (``loader.ShardLoader``) keeps those numbers for the batches it has *yielded*, which
+is the whole resume state:
+
+* Fast-forward: a resumed role replays its epoch stream -- reading tar members, never decoding --
+  and discards the first ``emitted`` samples of the shuffle buffer's output. The buffer's choices
+  depend only on its seed and the arrival count, so it reaches exactly the state it had.
+* Rotation: the torch DataLoader asks worker 0, 1, 2, ... in turn, so after ``k`` batches of a
+  rank the next batch must come from role ``k % workers``; dataloader worker ``i`` therefore plays
+  role ``(i + k) % workers``. Every role yields the same number of batches per epoch, so the
+  round-robin stays aligned across later epochs too.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from data_pipeline.decode import BadSample, open_image, parse_label
+from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, TAG_SHUFFLE, Plan, mix_seed
+from data_pipeline.shard_reader import read_shard
+from data_pipeline.tally import Tally
+from data_pipeline.transforms import SampleTransform, mix_batch, normalized_batch
+
+SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
+
+
+@dataclass(frozen=True)
+class Settings:
+    augment: "AugmentConfig"  # noqa: F821 (pretrain.config; only attributes are read)
+    img_size: int
+    shuffle_buffer: int
+    max_image_pixels: int
+    multi_label: bool
+
+    def mixing(self, train: bool) -> bool:
+        return train and (self.augment.mixup_alpha > 0 or self.augment.cutmix_alpha > 0)
+
+
+@dataclass(frozen=True)
+class Start:
+    epoch: int
+    batch: int  # batches of this rank already yielded in ``epoch``
+    emitted: tuple  # per role: shuffle-buffer emissions consumed in ``epoch``
+
+
+class ShuffleBuffer:
+    """Reservoir-style shuffle whose choices depend only on the RNG and the arrival count."""
+
+    def __init__(self, size: int, rng: random.Random):
+        self.size, self.rng, self.items = size, rng, []
+
+    def __call__(self, source):
+        it = iter(source)
+        initial = min(SHUFFLE_INITIAL, self.size)
+        for item in it:
+            self.items.append(item)
+            if len(self.items) < self.size:  # grow by one extra read per emission until full
+                extra = next(it, None)
+                if extra is not None:
+                    self.items.append(extra)
+            if len(self.items) >= initial:
+                yield self._pop()
+        while self.items:
+            yield self._pop()
+
+    def _pop(self):
+        i = self.rng.randrange(len(self.items))
+        self.items[i], self.items[-1] = self.items[-1], self.items[i]
+        return self.items.pop()
+
+
+class _Starved(Exception):
+    pass
+
+
+class _SlotReader:
+    """A slot's shards in order; in training, further passes if bad samples ate the slot's slack
+    (so the rank still yields its promised batch count). Tracks what pass 0 has accounted for."""
+
+    def __init__(self, shards, tally: Tally, repeat: bool):
+        self.shards, self.tally, self.repeat = shards, tally, repeat
+        self.accounted = 0  # pass-0 samples read, or counted lost, so far
+        self.pass_no = 0
+
+    def passes(self):
+        """Yields one sample iterator per pass; the consumer exhausts each before the next."""
+        while True:
+            got = [0]
+            yield self._one_pass(got)
+            if not self.repeat:
+                return
+            if got[0] == 0:
+                raise _Starved()
+            self.pass_no += 1
+
+    def _one_pass(self, got):
+        first = self.pass_no == 0
+        for shard in self.shards:
+            # repeated passes re-read the same bytes: their shard events were counted already
+            n = 0
+            for sample in read_shard(shard, self.tally if first else Tally()):
+                n += 1
+                got[0] += 1
+                self.accounted += first
+                yield sample
+            if first:
+                self.accounted += max(0, shard.samples - n)  # lost samples count as accounted
+
+
+def shuffled(reader: _SlotReader, buffer: "ShuffleBuffer"):
+    """(pass, sample) in shuffled order; the buffer drains at the end of each pass so that no
+    repeated sample comes out while first-pass samples still wait in the buffer."""
+    for samples in reader.passes():
+        for raw in buffer(samples):
+            yield reader.pass_no, raw
+
+
+class SlotStream(IterableDataset):
+    def __init__(self, plan: Plan, rank: int, settings: Settings, start: Start, num_classes: int):
+        self.plan, self.rank, self.settings, self.start = plan, rank, settings, start
+        self.num_classes = num_classes
+        self.transform = SampleTransform(settings.augment, settings.img_size, plan.train)
+
+    def __iter__(self):
+        info = get_worker_info()
+        dl_id = info.id if info is not None else 0
+        W = self.plan.workers
+        if not self.plan.train:
+            yield from self._eval_pass(self.rank * W + dl_id, dl_id)
+            return
+        role = (dl_id + self.start.batch) % W
+        slot = self.rank * W + role
+        per_slot = self.plan.batches_per_slot()
+        epoch = self.start.epoch
+        done = max(0, -(-(self.start.batch - role) // W))  # batches this role yielded before resume
+        skip = self.start.emitted[role]
+        while True:
+            if done < per_slot:
+                for item in self._train_epoch(epoch, slot, role, done, skip, per_slot):
+                    yield item
+                    if "error" in item[2]:  # the main process raises; nothing more to read
+                        return
+            epoch, done, skip = epoch + 1, 0, 0
+
+    # -------------------------------------------------------------------------------- training
+    def _train_epoch(self, epoch, slot, role, done, skip, per_slot):
+        plan, s = self.plan, self.settings
+        tally = Tally()
+        tally.enabled = skip == 0  # events before the resume point were counted by the first run
+        reader = _SlotReader(plan.slot_shards(epoch, slot), tally, repeat=True)
+        buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(mix_seed(TAG_SHUFFLE, plan.seed, epoch, slot)))
+        images, labels, emitted = [], [], 0
+        try:
+            for pass_no, raw in shuffled(reader, buffer):
+                emitted += 1
+                if emitted <= skip:  # fast-forward: no decode
+                    tally.enabled = emitted == skip
+                    continue
+                seed = mix_seed(TAG_SAMPLE, plan.seed, epoch, raw.shard.index, raw.index, pass_no)
+                # a repeated pass meets the same bad samples again: they were counted the first time
+                item = self._decode(raw, seed, tally if pass_no == 0 else Tally())
+                if item is None:
+                    continue
+                if pass_no > 0:
+                    tally.add("repeated_for_balance")
+                images.append(item[0])
+                labels.append(item[1])
+                if len(images) < plan.batch_size:
+                    continue
+                done += 1
+                if done == per_slot:  # whatever the slot still holds is dropped for balance
+                    in_buffer = len(buffer.items) if pass_no == 0 else 0
+                    total = sum(sh.samples for sh in reader.shards)
+                    tally.add("dropped_for_balance", total - reader.accounted + in_buffer)
+                meta = {"epoch": epoch, "role": role, "emitted": emitted, "tally": tally.take()}
+                yield self._collate(images, labels, mix_seed(TAG_BATCH, plan.seed, epoch, slot, done)) + (meta,)
+                images, labels = [], []
+                if done == per_slot:
+                    return
+        except _Starved:
+            names = ", ".join(sh.name for sh in reader.shards)
+            yield None, None, {"error": f"rank {self.rank} reader slot {role}: none of its shards "
+                                        f"({names}) yielded a readable sample in epoch {epoch}",
+                               "tally": tally.take()}
+
+    # ------------------------------------------------------------------------------ evaluation
+    def _eval_pass(self, slot, role):
+        plan = self.plan
+        tally = Tally()
+        images, labels = [], []
+        (samples,) = _SlotReader(plan.slot_shards(0, slot), tally, repeat=False).passes()
+        for raw in samples:
+            item = self._decode(raw, 0, tally)
+            if item is not None:
+                images.append(item[0])
+                labels.append(item[1])
+            if len(images) == plan.batch_size:
+                yield self._collate(images, labels, 0) + ({"role": role, "tally": tally.take()},)
+                images, labels = [], []
+        delta = tally.take()
+        if images:
+            yield self._collate(images, labels, 0) + ({"role": role, "tally": delta},)
+        elif delta["counts"]:  # counters of a tail without good samples still reach the main process
+            yield None, None, {"role": role, "tally": delta}
+
+    # -------------------------------------------------------------------------------- samples
+    def _decode(self, raw, seed, tally):
+        try:
+            label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
+            img = open_image(raw.members, self.settings.max_image_pixels)
+            return self.transform(img, seed), label
+        except BadSample as e:
+            tally.bad(e.kind, raw.shard.name)
+            return None
+
+    def _collate(self, images, labels, batch_seed):
+        s = self.settings
+        x = normalized_batch(images, s.augment.mean, s.augment.std)
+        if s.multi_label:
+            y = torch.zeros(len(labels), self.num_classes)
+            for i, lab in enumerate(labels):
+                y[i, lab] = 1.0
+        else:
+            y = torch.tensor(labels, dtype=torch.int64)
+        if s.mixing(self.plan.train):
+            if y.dtype == torch.int64:
+                y = torch.nn.functional.one_hot(y, self.num_classes).float()
+            x, y = mix_batch(x, y, s.augment, batch_seed)
+        return x, y

@@ -1,0 +1,316 @@
+"""``vit-shards``: write WebDataset tar shards and ``manifest.json`` from a dataset.
+
+    vit-shards --source imagefolder:/data/imagenet21k/train --output /shards/in21k \\
+               --shard-size 1000 --resize-shorter 320 --workers 16
+    vit-shards --source cifar100:/data/cifar-100-python.tar.gz --split test --output /shards/c100-test
+    vit-shards --source filelist:labels.tsv --output /shards/jft      # path<TAB>3,17,512 = multi-label
+    vit-shards --source demo --output demo_out/shards/train            # built-in, no download
+    python -m data_pipeline.write_shards ...                           # the same
+
+Each sample is ``<key>.jpg`` (``.png``/``.webp`` when the source image is such and needs no
+re-encoding), ``<key>.cls`` (first label as text) and, for multi-label data, ``<key>.json``
+(``{"labels": [...]}``), so any stock ``webdataset.WebDataset`` reader reads the shards.
+``--resize-shorter S`` stores images with shorter side at most S: decoding a pre-resized JPEG is
+the single biggest saving of the training loader (see benchmarks/RESULTS.md). Files copied as
+they are (no resize needed) are checked by their header only; unreadable ones are skipped and
+counted in the manifest's ``skipped``, and the loader counts any that fail later.
+
+Crash safety: a shard is written under a temporary name and renamed when complete; the list of
+finished shards is kept in ``.vit-shards-progress.json`` and ``manifest.json`` is written last.
+Rerunning the same command after an interruption keeps the finished shards and continues; with a
+different source or options it refuses to mix the two jobs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+from PIL import Image
+
+from data_pipeline.errors import DataError
+from data_pipeline.manifest import FORMAT, MANIFEST_NAME, VERSION, write_manifest
+
+PROGRESS_NAME = ".vit-shards-progress.json"
+_KEEP = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # formats stored as they come
+# Formats read from sources (converted to JPEG unless kept); no plugin that runs external programs.
+_SOURCE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
+_TAR_BLOCK = 512
+
+
+def encode_item(args):
+    """(item, resize_shorter, quality) -> (bytes, ext) or (None, reason). Runs in worker processes."""
+    item, shorter, quality = args
+    try:
+        obj = item.load()
+    except OSError:
+        return None, "unreadable"
+    fmt = "JPEG"
+    if isinstance(obj, bytes):
+        try:
+            img = Image.open(io.BytesIO(obj), formats=_SOURCE_FORMATS)
+            fmt = img.format
+            if fmt in _KEEP and (shorter is None or min(img.size) <= shorter):
+                return obj, _KEEP[fmt]  # copied as-is: no generation loss, no encode cost
+            if fmt == "JPEG" and shorter:
+                img.draft("RGB", _resized(img.size, shorter))
+            img.load()
+        except Image.DecompressionBombError:
+            return None, "too_large"
+        except Exception:  # any decode failure of a source file: skipped and counted
+            return None, "unreadable"
+    else:
+        img = obj
+    if shorter is not None and min(img.size) > shorter:
+        img = img.resize(_resized(img.size, shorter), Image.BICUBIC, reducing_gap=3.0)
+    out_fmt = fmt if fmt in ("PNG", "WEBP") else "JPEG"
+    if img.mode not in (("RGB", "L") if out_fmt == "JPEG" else ("RGB", "RGBA", "L")):
+        img = img.convert("RGB")
+    buf = io.BytesIO()
+    if out_fmt == "PNG":
+        img.save(buf, "PNG")
+    elif out_fmt == "JPEG" and min(img.size) <= 64:
+        # Tiny images (CIFAR's 32 px): 4:2:0 chroma subsampling would halve an already tiny colour
+        # resolution; full-resolution chroma costs little at this size.
+        img.save(buf, "JPEG", quality=quality, subsampling=0)
+    else:
+        img.save(buf, out_fmt, quality=quality)
+    return buf.getvalue(), _KEEP[out_fmt]
+
+
+def _resized(size, shorter):
+    w, h = size
+    s = shorter / min(w, h)
+    return max(1, round(w * s)), max(1, round(h * s))
+
+
+def _member_bytes(n: int) -> int:
+    return _TAR_BLOCK + -(-n // _TAR_BLOCK) * _TAR_BLOCK
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+class _ShardSink:
+    """Writes samples into ``<split>-NNNNNN.tar`` files: each under a temporary name, fsynced and
+    renamed when complete, then recorded in the progress file (finished shards + where the next
+    one starts in the sample order + skip counts so far)."""
+
+    def __init__(self, out: Path, split: str, job: str, shards: list, skipped: Counter):
+        self.out, self.split, self.job, self.shards, self.skipped = out, split, job, shards, skipped
+        self.current = None  # (tmp path, file, TarWriter, name)
+        self.count = self.size = 0
+
+    def add(self, sample: dict, nbytes: int) -> None:
+        import webdataset as wds
+
+        if self.current is None:
+            name = f"{self.split}-{len(self.shards):06d}.tar"
+            tmp = self.out / f".{name}.tmp-{os.getpid()}"
+            f = open(tmp, "wb")
+            self.current, self.count, self.size = (tmp, f, wds.TarWriter(f, mtime=0), name), 0, 0
+        self.current[2].write(sample)
+        self.count, self.size = self.count + 1, self.size + nbytes
+
+    def finish(self, end: int) -> None:
+        tmp, f, writer, name = self.current
+        writer.close()
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, self.out / name)
+        self.shards.append({"name": name, "samples": self.count, "bytes": (self.out / name).stat().st_size,
+                            "end": end, "skipped": dict(self.skipped)})
+        _atomic_json(self.out / PROGRESS_NAME, {"job": self.job, "shards": self.shards})
+        self.current = None
+
+    def abandon(self) -> None:
+        """After an error or Ctrl-C: drop the unfinished shard (after kill -9 the next run does)."""
+        if self.current is not None:
+            tmp, f, writer, _ = self.current
+            with contextlib.suppress(Exception):
+                writer.close()
+            f.close()
+            tmp.unlink(missing_ok=True)
+            self.current = None
+
+
+def _finished_shards(out: Path, job: str) -> list:
+    """Shards an interrupted run of the same job completed (files still intact)."""
+    path = out / PROGRESS_NAME
+    if not path.exists():
+        return []
+    state = json.loads(path.read_text())
+    if state.get("job") != job:
+        raise DataError(f"{path}: an interrupted job with another source or options is in "
+                        "this folder; rerun that command, or use another --output")
+    shards = []
+    for rec in state["shards"]:
+        f = out / rec["name"]
+        if not f.is_file() or f.stat().st_size != rec["bytes"]:
+            break
+        shards.append(rec)
+    return shards
+
+
+def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 1000,
+                 max_shard_bytes: int | None = None, resize_shorter: int | None = None, quality: int = 95,
+                 workers: int = 1, shuffle_seed: int | None = 0, limit: int | None = None,
+                 progress: bool = True) -> dict:
+    """Write ``source`` (see ``sources.py``) as shards into ``out_dir``; return the manifest.
+    Idempotent: a finished job returns its manifest, an interrupted one is completed."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    options = {"split": split, "shard_size": shard_size, "max_shard_bytes": max_shard_bytes,
+               "resize_shorter": resize_shorter, "quality": quality, "shuffle_seed": shuffle_seed,
+               "limit": limit}
+    job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
+                       ).hexdigest()[:16]
+    manifest_path = out / MANIFEST_NAME
+    if manifest_path.exists():
+        done = json.loads(manifest_path.read_text())
+        if done.get("job") == job:
+            return done
+        raise DataError(f"{manifest_path}: the folder already holds shards of another source or options; "
+                        "use another --output or remove it")
+    shards = _finished_shards(out, job)
+    for stale in out.glob(".*.tar.tmp-*"):
+        stale.unlink()
+
+    order = list(range(len(source.items)))
+    if shuffle_seed is not None:  # class-sorted sources (imagefolder) must not stay sorted in shards
+        random.Random(shuffle_seed).shuffle(order)
+    order = order[:limit]
+    start = shards[-1]["end"] if shards else 0
+    sink = _ShardSink(out, split, job, shards, Counter(shards[-1]["skipped"] if shards else {}))
+    tasks = ((source.items[order[i]], resize_shorter, quality) for i in range(start, len(order)))
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context().Pool(workers)
+        results = pool.imap(encode_item, tasks, chunksize=16)  # in order: shard contents are deterministic
+    else:
+        results = map(encode_item, tasks)
+    try:
+        bar = tqdm(total=len(order), initial=start, disable=not progress, unit="img", desc=f"vit-shards {split}")
+        for i, (data, ext) in enumerate(results, start):
+            bar.update(1)
+            if data is None:
+                sink.skipped[ext] += 1
+                continue
+            item = source.items[order[i]]
+            sample = {"__key__": f"{i:09d}", ext: data}
+            if item.labels:
+                sample["cls"] = str(item.labels[0])
+            if source.multi_label:
+                sample["json"] = json.dumps({"labels": list(item.labels)})
+            need = sum(_member_bytes(len(v)) for k, v in sample.items() if k != "__key__")
+            if sink.current and (sink.count >= shard_size or
+                                 (max_shard_bytes and sink.size + need > max_shard_bytes)):
+                sink.finish(i)
+            sink.add(sample, need)
+        if sink.current:
+            sink.finish(len(order))
+        bar.close()
+    finally:
+        sink.abandon()
+        if pool is not None:
+            pool.terminate()
+    if not shards:
+        raise DataError(f"{source.description}: no readable images ({dict(sink.skipped)})")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "split": split, "source": source.description,
+        "classes": list(source.classes), "multi_label": bool(source.multi_label),
+        "total": sum(s["samples"] for s in shards),
+        "shards": [{k: s[k] for k in ("name", "samples", "bytes")} for s in shards],
+        "options": options, "skipped": dict(sink.skipped), "job": job,
+    }
+    write_manifest(out, manifest)  # last: its presence means every listed shard is complete
+    (out / PROGRESS_NAME).unlink(missing_ok=True)
+    return manifest
+
+
+# -------------------------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would also print the usage)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("b")
+    mult = units.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if t[-1:] in units else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 500000000 or 1G, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def main(argv=None) -> int:
+    from pretrain.config import cli_errors
+
+    p = _Parser(prog="vit-shards", description="Write WebDataset shards + manifest.json.")
+    p.add_argument("--source", required=True,
+                   help="imagefolder:DIR | cifar100:PATH | filelist:FILE | demo | demo-transfer")
+    p.add_argument("--output", required=True, help="folder for the shards and manifest.json")
+    p.add_argument("--split", default="train", help="shard name prefix; cifar100: train|test, "
+                   "demo: train|val, demo-transfer: train|test")
+    p.add_argument("--shard-size", type=_positive, default=1000, help="samples per shard")
+    p.add_argument("--max-shard-bytes", type=_bytes, default=None, help="also close a shard at this size (e.g. 1G)")
+    p.add_argument("--resize-shorter", type=_positive, default=None, help="store images with shorter side <= S")
+    p.add_argument("--quality", type=_positive, default=95, help="JPEG/WebP quality when re-encoding")
+    p.add_argument("--workers", type=_positive, default=1, help="encoding processes")
+    p.add_argument("--shuffle-seed", type=int, default=0, help="sample order in the shards (default 0)")
+    p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
+    p.add_argument("--limit", type=_positive, default=None, help="write only the first N samples (smoke tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.quality > 100:
+        p.error(f"argument --quality: expected 1..100, got {args.quality}")
+    from data_pipeline.sources import open_source
+
+    with cli_errors("vit-shards"):
+        try:
+            source = open_source(args.source, args.split)
+            split = args.split if not args.source.startswith("demo-transfer") else f"transfer-{args.split}"
+            m = write_shards(source, args.output, split=split, shard_size=args.shard_size,
+                             max_shard_bytes=args.max_shard_bytes, resize_shorter=args.resize_shorter,
+                             quality=args.quality, workers=args.workers,
+                             shuffle_seed=None if args.no_shuffle else args.shuffle_seed, limit=args.limit,
+                             progress=not args.quiet)
+        except OSError as e:  # unwritable output, disk full: still one line, not a traceback
+            raise DataError(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}") from None
+        except KeyboardInterrupt:
+            print("vit-shards: interrupted; rerun the same command to finish the job", file=sys.stderr)
+            raise SystemExit(130) from None
+    skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
+    print(f"{m['total']} samples in {len(m['shards'])} shards, {len(m['classes'])} classes -> "
+          f"{Path(args.output) / MANIFEST_NAME}{skipped}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

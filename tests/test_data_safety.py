@@ -1,0 +1,167 @@
+"""Hostile and broken data: pickle members, corrupt JPEGs, truncated tars, missing shards, bad
+labels, decompression bombs, the corrupt-rate threshold, remote URLs and manifest mistakes."""
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import subprocess
+import zlib
+
+import pytest
+
+from data_pipeline.errors import DataError, TooManyCorruptSamples
+from data_pipeline.loader import build_loader
+from pretrain.config import DataConfig
+
+
+def _cfg(root, **kw):
+    return DataConfig(train_shards=str(root), val_shards=str(root), workers=kw.pop("workers", 0),
+                      shuffle_buffer=kw.pop("shuffle_buffer", 8), **kw)
+
+
+def _samples(kit, start, n, **extra):
+    return [(f"{i:05d}", {"jpg": kit.image_bytes(16, 16, seed=i), "cls": str(i % 4).encode(), **extra})
+            for i in range(start, start + n)]
+
+
+def _run(loader, batches):
+    it = iter(loader)
+    return [next(it) for _ in range(batches)]
+
+
+class _Touch:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (subprocess.call, (["touch", self.path],))
+
+
+def test_pickle_members_are_never_unpickled(tmp_path, shard_kit):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Touch(str(marker)))
+    shards = [_samples(shard_kit, 0, 8, pyd=payload, pickle=payload, pth=payload),
+              _samples(shard_kit, 8, 8, pyd=payload)]
+    root = shard_kit.make_shards(tmp_path / "s", shards, list("abcd"))
+    loader = build_loader(_cfg(root, workers=2), world_size=1, batch_size=4, img_size=16)
+    batches = _run(loader, 4)
+    assert len(batches) == 4 and not marker.exists()
+    assert loader.counters["unsafe_member"] == 8 * 3 + 8 and loader.counters["samples"] == 16
+    # Prove the payload is live: the stock webdataset decoder *would* unpickle .pyd members.
+    import webdataset as wds
+
+    next(iter(wds.WebDataset(str(root / "train-000001.tar"), shardshuffle=False).decode()))
+    assert marker.exists()
+
+
+def test_corrupt_images_and_bad_labels_are_skipped_and_counted(tmp_path, shard_kit):
+    samples = _samples(shard_kit, 0, 40)
+    good_jpeg = samples[0][1]["jpg"]
+    samples[3][1]["jpg"] = good_jpeg[: len(good_jpeg) // 2]  # truncated JPEG
+    samples[7][1]["jpg"] = b"GIF89a not at all a jpeg"
+    samples[11][1]["cls"] = b"seven"
+    samples[13][1]["cls"] = b"99"  # outside the 4 classes
+    del samples[17][1]["jpg"]
+    root = shard_kit.make_shards(tmp_path / "s", [samples[:20], samples[20:]], list("abcd"))
+    loader = build_loader(_cfg(root, max_corrupt_rate=0.2), batch_size=5, img_size=16)
+    assert loader.batches_per_epoch == 8
+    batches = _run(loader, 8)  # the promised count, although 5 samples were bad
+    assert all(x.shape[0] == 5 for x, _ in batches)
+    c = loader.counters
+    assert c["corrupt_image"] == 2 and c["bad_label"] == 2 and c["no_image"] == 1
+    assert c["repeated_for_balance"] == 5 and c["samples"] == 40  # bad ones refilled from a second pass
+
+
+def test_truncated_tar_and_missing_shard(tmp_path, shard_kit):
+    shards = [_samples(shard_kit, 20 * k, 20) for k in range(4)]
+    root = shard_kit.make_shards(tmp_path / "s", shards, list("abcd"))
+    raw = (root / "train-000001.tar").read_bytes()
+    (root / "train-000001.tar").write_bytes(raw[: len(raw) // 2 + 100])
+    (root / "train-000002.tar").unlink()
+    loader = build_loader(_cfg(root, max_corrupt_rate=0.6), batch_size=10, img_size=16)
+    _run(loader, loader.batches_per_epoch)
+    c = loader.counters
+    assert c["missing_shard"] == 1 and c["truncated_tar"] == 1
+    assert 20 < c["lost_in_shard"] < 40 and c["samples"] == 80
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_corrupt_rate_threshold_names_worst_shard(tmp_path, shard_kit):
+    shards = [_samples(shard_kit, 30 * k, 30) for k in range(4)]
+    for i in range(0, 30, 6):  # 5 of 120 samples (4%) are corrupt, all in shard 2
+        shards[2][i][1]["jpg"] = b"\xff\xd8 garbage"
+    root = shard_kit.make_shards(tmp_path / "s", shards, list("abcd"))
+    ok = build_loader(_cfg(root, max_corrupt_rate=0.05, workers=2), batch_size=6, img_size=16)
+    _run(ok, ok.batches_per_epoch)
+    assert ok.counters["corrupt_image"] == 5
+    strict = build_loader(_cfg(root, max_corrupt_rate=0.01, workers=2), batch_size=6, img_size=16)
+    with pytest.raises(TooManyCorruptSamples, match=r"exceed data.max_corrupt_rate=0.01; worst shards: "
+                                                    r"train-000002.tar \(\d bad\)") as e:
+        _run(strict, strict.batches_per_epoch)
+    assert "\n" not in str(e.value)
+
+
+def test_slot_without_any_readable_shard_fails_loudly(tmp_path, shard_kit):
+    root = shard_kit.make_shards(tmp_path / "s", [_samples(shard_kit, 10 * k, 10) for k in range(2)], list("abcd"))
+    (root / "train-000000.tar").write_bytes(b"this is not a tar file" * 30)
+    loader = build_loader(_cfg(root, max_corrupt_rate=1.0), world_size=2, rank=0, batch_size=5, seed=0, img_size=16)
+    other = build_loader(_cfg(root, max_corrupt_rate=1.0), world_size=2, rank=1, batch_size=5, seed=0, img_size=16)
+    broken = [ld for ld in (loader, other) if ld.plan.slot_shards(0, ld.rank)[0].name == "train-000000.tar"][0]
+    with pytest.raises(TooManyCorruptSamples, match="none of its shards .*train-000000.tar"):
+        _run(broken, 1)
+
+
+def _png_header_only(w, h) -> bytes:
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_decompression_bombs_are_refused_before_decoding(tmp_path, shard_kit):
+    samples = _samples(shard_kit, 0, 12)
+    samples[2][1].pop("jpg")
+    samples[2][1]["png"] = _png_header_only(60000, 60000)  # 3.6 G pixels claimed by a 100-byte file
+    samples[5][1]["jpg"] = shard_kit.image_bytes(120, 100, seed=5)  # over the 10k-pixel limit below
+    root = shard_kit.make_shards(tmp_path / "s", [samples], list("abcd"))
+    loader = build_loader(_cfg(root, max_corrupt_rate=0.5, max_image_pixels=10_000), batch_size=5, img_size=16)
+    _run(loader, 2)
+    assert loader.counters["image_too_large"] == 2
+
+
+def test_remote_urls_need_allow_remote(tmp_path, shard_kit):
+    root = shard_kit.make_shards(tmp_path / "s", [_samples(shard_kit, 10 * k, 10) for k in range(2)], list("abcd"))
+    pattern = f"pipe:cat {root}/train-{{000000..000001}}.tar"
+    with pytest.raises(DataError, match="remote URL 'pipe:cat .*' needs data.allow_remote=true"):
+        build_loader(_cfg(pattern), batch_size=5, img_size=16)
+    with pytest.raises(DataError, match="needs data.allow_remote"):
+        build_loader(_cfg("https://example.com/shards/manifest.json"), batch_size=5, img_size=16)
+    loader = build_loader(_cfg(pattern, allow_remote=True), batch_size=5, img_size=16)  # manifest via pipe: too
+    assert [y.shape[0] for _, y in _run(loader, 4)] == [5] * 4 and loader.counters["samples"] == 20
+
+
+def test_manifest_mistakes_are_one_line_data_errors(tmp_path, shard_kit):
+    root = shard_kit.make_shards(tmp_path / "s", [_samples(shard_kit, 0, 10)], list("abcd"))
+    with pytest.raises(DataError, match="data.train_shards is not set"):
+        build_loader(DataConfig(), batch_size=2)
+    with pytest.raises(DataError, match=r"/nope/manifest.json: manifest not found"):
+        build_loader(_cfg(tmp_path / "nope" / "train-{000000..000003}.tar"), batch_size=2)
+    with pytest.raises(DataError, match="shard 'train-000007.tar' is not listed in this manifest"):
+        build_loader(_cfg(root / "train-000007.tar"), batch_size=2)
+    (root / "train-000000.tar").rename(root / "moved.tar")
+    with pytest.raises(DataError, match="no shards match .*none of the 1 files exists"):
+        build_loader(_cfg(root), batch_size=2)
+    (root / "moved.tar").rename(root / "train-000000.tar")
+    m = json.loads((root / "manifest.json").read_text())
+    m["total"] = 11
+    (root / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match=r"manifest.json: total: 11 differs from the sum of shard samples 10"):
+        build_loader(_cfg(root), batch_size=2)
+    (root / "manifest.json").write_text("{broken")
+    with pytest.raises(DataError, match="manifest.json: invalid JSON at line 1"):
+        build_loader(_cfg(root), batch_size=2)
+    (root / "manifest.json").unlink()
+    with pytest.raises(DataError, match="manifest not found") as e:
+        build_loader(_cfg(root / "train-000000.tar"), batch_size=2)
+    assert "\n" not in str(e.value)

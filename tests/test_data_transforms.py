@@ -1,0 +1,61 @@
+"""Decoding and transforms: PIL draft mode keeps the result of a full decode, crops keep their
+coordinates, Mixup/CutMix targets stay distributions."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+from data_pipeline.decode import draft, open_image
+from data_pipeline.demo_data import HUES, draw
+from data_pipeline.transforms import SampleTransform, mix_batch
+from pretrain.config import AugmentConfig
+
+
+def _big_smooth(fmt: str) -> bytes:
+    img = draw("star", HUES["star"], np.random.default_rng(0)).resize((640, 480), Image.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def test_draft_scales_jpeg_decode_only_when_enough_pixels_remain():
+    img, sx, sy = draft(open_image({"jpg": _big_smooth("JPEG")}, 10**9), 160, 120)
+    assert img.size == (160, 120) and sx == sy == 0.25
+    img, sx, _ = draft(open_image({"jpg": _big_smooth("JPEG")}, 10**9), 400, 300)  # 1/2 would be too small
+    assert img.size == (640, 480) and sx == 1.0
+    img, sx, _ = draft(open_image({"png": _big_smooth("PNG")}, 10**9), 160, 120)  # PNG has no DCT scaling
+    assert img.size == (640, 480) and sx == 1.0
+
+
+def test_drafted_transforms_match_full_decode():
+    jpeg, png = _big_smooth("JPEG"), _big_smooth("PNG")
+    for train, aug in ((False, AugmentConfig()), (True, AugmentConfig(crop_scale=[0.3, 1.0]))):
+        tf = SampleTransform(aug, 48, train=train)
+        for seed in range(4):
+            lazy = open_image({"jpg": jpeg}, 10**9)
+            a = tf(lazy, seed)
+            b = tf(open_image({"png": png}, 10**9), seed)  # same crop (same header size), full decode
+            assert lazy.size[0] < 640, "draft mode was not used"
+            assert a.shape == b.shape == (3, 48, 48) and a.dtype == torch.uint8
+            assert (a.float() - b.float()).abs().mean() < 5, (train, seed)
+
+
+def test_train_transform_is_a_function_of_the_seed():
+    tf = SampleTransform(AugmentConfig(randaugment_ops=2), 32, train=True)
+    png = _big_smooth("PNG")
+    a, b, c = (tf(open_image({"png": png}, 10**9), s) for s in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_cutmix_targets_follow_the_pasted_area():
+    x = torch.stack([torch.zeros(3, 16, 16), torch.ones(3, 16, 16)])
+    y = torch.eye(2)
+    for seed in range(5):
+        mx, my = mix_batch(x, y, AugmentConfig(cutmix_alpha=1.0), seed)
+        pasted = mx[0, 0].mean().item()  # image 0 is zeros: the ones came from image 1
+        assert abs(my[0, 1].item() - pasted) < 1e-6 and torch.allclose(my.sum(1), torch.ones(2))
+        mx, my = mix_batch(x, y, AugmentConfig(mixup_alpha=0.5), seed)
+        assert torch.allclose(mx[0], torch.full_like(mx[0], my[0, 1].item()))

@@ -1,0 +1,40 @@
+"""`make demo` at reduced size, end to end: shards -> 2-rank DeepSpeed pre-training -> transfer ->
+plots -> summary; a second invocation resumes instead of starting over."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import REPO, job_env
+
+pytestmark = pytest.mark.slow
+
+
+def demo(out, steps):
+    return subprocess.run([sys.executable, "-m", "launch.demo", "--out", str(out), "--steps", str(steps),
+                           "--samples", "768", "--transfer-samples", "240"],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_demo_end_to_end_and_resume(tmp_path):
+    out = tmp_path / "demo"
+    first = demo(out, 8)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    for name in ("train", "transfer-train", "transfer-test"):
+        assert (out / "shards" / name / "manifest.json").is_file()
+    assert "vitscale demo: done" in first.stdout
+
+    second = demo(out, 16)  # more steps: continues from step 8's checkpoint, reuses the shards
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    text = second.stdout
+    assert "already written" in text and "(resumed from step 8)" in text
+    assert "pre-training   16 steps on 2 ranks" in text
+    tr = json.loads((out / "transfer.json").read_text())
+    task = tr["tasks"]["demo"]
+    assert tr["step"] == 16 and task["chance"] == pytest.approx(1 / task["num_classes"])
+    assert task["accuracy"] > 2 * task["chance"], task  # even 16 steps of features beat chance easily
+    for line in ("checkpoint     ", "metrics        ", "W&B (offline)  ", "wandb sync ", "plots          "):
+        assert line in text
+    png = out / "plots" / "training.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

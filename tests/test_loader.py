@@ -1,0 +1,183 @@
+"""Streaming loader: split over (rank, worker), equal batch counts, reshuffling, exact resume,
+evaluation stream, targets. Shards whose label is the sample id let targets show what was read."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from data_pipeline.errors import DataError
+from data_pipeline.loader import build_loader
+from pretrain.config import AugmentConfig, DataConfig
+
+
+def _cfg(shards, **kw) -> DataConfig:
+    aug = kw.pop("augment", AugmentConfig())
+    return DataConfig(train_shards=str(shards), val_shards=str(shards), workers=kw.pop("workers", 2),
+                      shuffle_buffer=kw.pop("shuffle_buffer", 20), augment=aug, **kw)
+
+
+def _epoch_ids(cfg, world_size, batch_size, epoch=0):
+    """Sample ids each rank yields in one epoch (labels are ids), and the loaders."""
+    per_rank, loaders = [], []
+    for rank in range(world_size):
+        loader = build_loader(cfg, rank=rank, world_size=world_size, batch_size=batch_size, seed=3,
+                              img_size=16, epoch=epoch)
+        it = iter(loader)
+        ids = [int(t) for _ in range(loader.batches_per_epoch) for t in next(it)[1]]
+        assert loader.epoch == epoch + 1 and loader.state_dict()["batch"] == 0
+        per_rank.append(ids)
+        loaders.append(loader)
+    return per_rank, loaders
+
+
+def test_two_ranks_two_workers_read_every_sample_once(balanced_ids):
+    per_rank, loaders = _epoch_ids(_cfg(balanced_ids), world_size=2, batch_size=6)
+    assert [ld.batches_per_epoch for ld in loaders] == [16, 16]  # 4 slots x 48 samples / 6
+    everything = per_rank[0] + per_rank[1]
+    assert sorted(everything) == list(range(192))  # every shard read, none twice, nothing dropped
+    assert all(ld.counters == {"samples": 96} for ld in loaders)
+
+
+def test_unbalanced_shards_equal_batches_and_drops_are_counted(tmp_path, shard_kit):
+    counts = [12, 12, 12, 12, 12, 7, 30]  # 7 shards over 2 ranks x 2 workers
+    root = shard_kit.id_shards(tmp_path / "s", counts)
+    per_rank, loaders = _epoch_ids(_cfg(root), world_size=2, batch_size=5)
+    # Quota per slot: the smallest floor(7/4)=1 shard holds 7 samples -> 1 batch of 5 per slot.
+    assert [ld.batches_per_epoch for ld in loaders] == [2, 2] and [len(x) for x in per_rank] == [10, 10]
+    seen = per_rank[0] + per_rank[1]
+    assert len(seen) == len(set(seen))
+    dropped = sum(ld.counters["dropped_for_balance"] for ld in loaders)
+    assert dropped + len(seen) == sum(counts)
+
+
+def test_epochs_reshuffle_and_seed_changes_order(balanced_ids):
+    cfg = _cfg(balanced_ids, workers=0)
+    loader = build_loader(cfg, batch_size=8, seed=0, img_size=16)
+    it = iter(loader)
+    e0 = [int(t) for _ in range(24) for t in next(it)[1]]
+    e1 = [int(t) for _ in range(24) for t in next(it)[1]]
+    assert sorted(e0) == sorted(e1) == list(range(192)) and e0 != e1
+    other = build_loader(cfg, batch_size=8, seed=1, img_size=16)
+    assert [int(t) for t in next(iter(other))[1]] != e0[:8]
+
+
+@pytest.mark.parametrize("workers, cuts", [(2, [1, 5, 8, 11]), (0, [3, 8])])
+def test_exact_resume_bit_identical(demo_train, workers, cuts):
+    aug = AugmentConfig(randaugment_ops=2, mixup_alpha=0.8, cutmix_alpha=1.0)
+    cfg = _cfg(demo_train, workers=workers, augment=aug)
+
+    def make():
+        return build_loader(cfg, rank=1, world_size=2, batch_size=24, seed=5, img_size=32)
+
+    ref_loader = make()
+    assert ref_loader.batches_per_epoch == 8  # 192 samples per rank / 24
+    total = max(cuts) + 4  # runs into the second epoch; cut 8 is the epoch boundary
+    ref, states = [], []
+    it = iter(ref_loader)
+    for _ in range(total):
+        ref.append(next(it))
+        states.append(ref_loader.state_dict())
+    assert states[-1]["epoch"] == 1
+    assert ref[0][1].dtype == torch.float32 and ref[0][1].shape == (24, 10)  # mixup/cutmix: soft targets
+    for cut in cuts:
+        loader = make()
+        loader.load_state_dict(states[cut - 1])
+        it = iter(loader)
+        for k in range(cut, min(cut + 4, total)):
+            x, y = next(it)
+            assert torch.equal(x, ref[k][0]) and torch.equal(y, ref[k][1]), f"cut {cut}, batch {k}"
+        assert loader.counters["samples"] == min(cut + 4, total) * 24
+
+
+def test_workers0_leaves_global_rng_alone(demo_train):
+    loader = build_loader(_cfg(demo_train, workers=0), batch_size=4, img_size=16)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_resume_layout_mismatch(balanced_ids):
+    cfg = _cfg(balanced_ids)
+    loader = build_loader(cfg, rank=0, world_size=2, batch_size=6, img_size=16)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    other = build_loader(cfg, rank=0, world_size=4, batch_size=6, img_size=16)
+    with pytest.raises(DataError, match="world_size=2, now 4"):
+        other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)
+    assert other.state_dict()["epoch"] == 1 and other.state_dict()["batch"] == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_eval_stream_every_sample_once_deterministic(balanced_ids, world_size):
+    cfg = _cfg(balanced_ids)
+    seen = []
+    for rank in range(world_size):
+        loader = build_loader(cfg, rank=rank, world_size=world_size, batch_size=7, img_size=16, train=False)
+        batches = list(loader)
+        assert len(batches) <= loader.batches_per_epoch and len(batches) >= loader.batches_per_epoch - 2
+        again = list(loader)  # one pass per iteration, same content
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again)) and len(again) == len(batches)
+        seen += [int(t) for _, y in batches for t in y]
+    assert sorted(seen) == list(range(192))
+
+
+def test_eval_transform_is_center_crop(tmp_path, shard_kit):
+    from PIL import Image
+    import io
+    import numpy as np
+
+    img = np.zeros((40, 80, 3), np.uint8)
+    img[:, 20:60] = 255  # white centre square, black sides
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "PNG")
+    root = shard_kit.make_shards(tmp_path / "s", [[("a", {"png": buf.getvalue(), "cls": b"0"})]], ["x"])
+    aug = AugmentConfig(eval_crop_pct=1.0, mean=[0, 0, 0], std=[1, 1, 1])
+    x, y = next(iter(build_loader(_cfg(root, augment=aug, workers=0), batch_size=1, img_size=20, train=False)))
+    assert x.shape == (1, 3, 20, 20) and y.tolist() == [0]
+    assert x.mean() > 0.95 and x[..., 2:-2].min() > 0.99  # a left or right crop would be half black
+
+
+def test_multilabel_targets(tmp_path, shard_kit):
+    samples = []
+    for i in range(24):
+        labels = [i % 5, (i + 2) % 5] if i % 3 else []
+        samples.append((f"{i:04d}", {"jpg": shard_kit.image_bytes(16, 16, seed=i), "cls": str(i % 5).encode(),
+                                     "json": ('{"labels": %s}' % labels).encode()}))
+    root = shard_kit.make_shards(tmp_path / "s", [samples[:12], samples[12:]], list("abcde"), multi_label=True)
+    loader = build_loader(_cfg(root, multi_label=True, workers=0), batch_size=6, img_size=16)
+    assert loader.num_classes == 5
+    seen = 0
+    for _, (x, y) in zip(range(4), loader):
+        assert y.dtype == torch.float32 and y.shape == (6, 5)
+        assert set(y.unique().tolist()) <= {0.0, 1.0}
+        seen += int((y.sum(1) == 2).sum())
+    assert 0 < seen < 24  # a mix of two-label and empty label sets
+    mixed = build_loader(_cfg(root, multi_label=True, workers=0, augment=AugmentConfig(mixup_alpha=0.4)),
+                         batch_size=6, img_size=16)
+    _, y = next(iter(mixed))
+    assert y.min() >= 0 and y.max() <= 1 and not set(y.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_single_label_mixup_targets_sum_to_one(demo_train):
+    cfg = _cfg(demo_train, workers=0, augment=AugmentConfig(cutmix_alpha=1.0))
+    x, y = next(iter(build_loader(cfg, batch_size=8, img_size=32)))
+    assert y.shape == (8, 10) and torch.allclose(y.sum(1), torch.ones(8))
+    plain = build_loader(dataclasses.replace(cfg, augment=AugmentConfig()), batch_size=8, img_size=32)
+    x, y = next(iter(plain))
+    assert y.dtype == torch.int64 and x.dtype == torch.float32 and x.shape == (8, 3, 32, 32)
+    assert -1.0 <= x.min() < -0.5 and 0.5 < x.max() <= 1.0  # mean/std 0.5 map pixels to [-1, 1]
+    assert Counter(y.tolist()).most_common(1)[0][1] < 8
+
+
+def test_layout_that_cannot_feed_every_slot_is_a_data_error(balanced_ids):
+    with pytest.raises(DataError, match="16 shard.* cannot feed 8 rank.* x 4 worker"):
+        build_loader(_cfg(balanced_ids, workers=4), rank=0, world_size=8, batch_size=4)
+    with pytest.raises(DataError, match="fewer than batch_size=100"):
+        build_loader(_cfg(balanced_ids), rank=0, world_size=2, batch_size=100)
