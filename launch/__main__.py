@@ -1,0 +1,4 @@
+"""``python -m launch ...`` is ``vit-launch ...``."""
+from launch.cli import main
+
+main()

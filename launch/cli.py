@@ -1,0 +1,211 @@
+"""``vit-launch``: start pre-training through the deepspeed runner, on one node or many.
+
+    vit-launch [run] --config FILE [--hostfile H] [--num-nodes N] [--gpus-per-node G]
+               [--master-addr A] [--master-port P] [--include S | --exclude S]
+               [--gpu-memory-gb 80] [--skip-checks] [--dry-run] [a.b=c ...]
+    vit-launch check --config FILE [same resource options] [--world-size W] [a.b=c ...]
+    vit-launch slurm --config FILE --nodes N --gpus-per-node G [--partition P] [--time T]
+               [--launcher pdsh|srun] --output job.sbatch [a.b=c ...]
+    vit-launch sweep --config FILE --world-sizes 1,2,4,8 [--steps 50] [--scaling weak|strong]
+               [--dry-run] [a.b=c ...]
+
+``run`` validates the config, runs the pre-flight checks (``launch/preflight.py``, no GPU
+claimed) and then becomes the deepspeed runner (``exec``), so signals reach it directly.
+``--dry-run`` prints the exact command, shell-quoted, and exits 0 (config and hostfile are
+validated; data and disk checks are left to ``check``, which may run on another machine).
+Every user mistake is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pretrain.config import cli_errors, load_config
+
+PROG = "vit-launch"
+COMMANDS = ("run", "check", "slurm", "sweep")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (``vit-launch: error: ...``), exit 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _common(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                    help="device memory the estimate is checked against (default 80)")
+
+
+def _resources(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("where the ranks run (deepspeed runner options)")
+    g.add_argument("--hostfile", help="DeepSpeed hostfile: one 'HOST slots=N' line per node")
+    g.add_argument("--num-nodes", type=int, help="use the first N hosts of the hostfile")
+    g.add_argument("--gpus-per-node", type=int,
+                   help="ranks per node (default: all slots; without a hostfile this machine's GPUs, or 1)")
+    g.add_argument("--include", default="", help="runner --include, e.g. 'worker-0@worker-1:0,2'")
+    g.add_argument("--exclude", default="", help="runner --exclude, same format")
+    g.add_argument("--master-addr", help="address of rank 0's node (default: the runner's choice)")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
+
+
+def _parser(cmd: str) -> argparse.ArgumentParser:
+    ap = _Parser(prog=f"{PROG} {cmd}" if cmd != "run" else PROG,
+                 description="Start pre-training through the deepspeed runner, on one node or many. "
+                             f"Commands: {', '.join(COMMANDS)} (default: run). See launch/cli.py.")
+    _common(ap)
+    if cmd in ("run", "check"):
+        _resources(ap)
+    if cmd == "run":
+        ap.add_argument("--dry-run", action="store_true", help="print the command and exit 0")
+        ap.add_argument("--skip-checks", action="store_true", help="start without the pre-flight checks")
+    elif cmd == "check":
+        ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
+    elif cmd == "slurm":
+        ap.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+        ap.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
+        ap.add_argument("--partition", help="SLURM partition")
+        ap.add_argument("--time", help="time limit, e.g. 4:00:00 or 2-00:00:00")
+        ap.add_argument("--account", help="SLURM account")
+        ap.add_argument("--job-name", help="default: vitscale-<config name>")
+        ap.add_argument("--cpus-per-node", type=int, help="CPUs to request per node")
+        ap.add_argument("--launcher", default="pdsh", choices=["pdsh", "srun"],
+                        help="pdsh: runner on the first node over ssh (default); srun: one runner per node")
+        ap.add_argument("--master-port", type=int, help="default: 20000 + job id %% 20000")
+        ap.add_argument("--log-dir", default="logs", help="job output, hostfile (default logs/)")
+        ap.add_argument("--output", required=True, help="sbatch script to write")
+    elif cmd == "sweep":
+        ap.add_argument("--world-sizes", required=True, help="comma-separated, e.g. 1,2,4,8")
+        ap.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
+        ap.add_argument("--scaling", default="weak", choices=["weak", "strong"],
+                        help="weak: global batch = micro x world (default); strong: global batch fixed")
+        ap.add_argument("--group", help="W&B group (default: scaling-<config>-<time>)")
+        ap.add_argument("--output-root", help="folder of the runs (default: beside train.output_dir)")
+        ap.add_argument("--hostfile", help="for world sizes above one node")
+        ap.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the hostfile's slots)")
+        ap.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
+        ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+        ap.add_argument("--plot", default=None, help="scaling plot to write (default <root>/scaling.png)")
+    return ap
+
+
+def _spec(args):
+    from launch.runner import LaunchSpec
+
+    return LaunchSpec(config=args.config, overrides=list(args.overrides), hostfile=args.hostfile,
+                      num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node, master_addr=args.master_addr,
+                      master_port=args.master_port, include=args.include, exclude=args.exclude)
+
+
+def _preflight(cfg, world: int, gpu_memory_gb: float, header: str) -> bool:
+    from launch.preflight import report, run_checks
+
+    print(header, flush=True)
+    ok = report(run_checks(cfg, world, gpu_memory_gb=gpu_memory_gb), PROG, sys.stdout, sys.stderr)
+    sys.stdout.flush()
+    return ok
+
+
+def cmd_run(args) -> int:
+    from launch.runner import deepspeed_command, shell_join, spec_world_size
+
+    spec = _spec(args)
+    cfg = load_config(args.config, args.overrides)
+    cmd = deepspeed_command(spec)
+    world, nodes = spec_world_size(spec)
+    if args.dry_run:
+        print(shell_join(cmd))
+        return 0
+    if not args.skip_checks:
+        if not _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) on {nodes} node(s)"):
+            return 2
+    if not os.path.exists(cmd[0]):
+        print(f"{PROG}: error: deepspeed runner not found ({cmd[0]}); pip install deepspeed", file=sys.stderr)
+        return 2
+    print(f"$ {shell_join(cmd)}", flush=True)
+    os.execv(cmd[0], cmd)  # the runner replaces us: Ctrl-C / SIGTERM go straight to it
+    return 0  # not reached
+
+
+def cmd_check(args) -> int:
+    from launch.runner import spec_world_size
+
+    cfg = load_config(args.config, args.overrides)
+    if args.world_size is not None:
+        if args.world_size <= 0:
+            print(f"{PROG}: error: --world-size must be positive, got {args.world_size}", file=sys.stderr)
+            return 2
+        world, where = args.world_size, "--world-size"
+    else:
+        world, nodes = spec_world_size(_spec(args))
+        where = f"{nodes} node(s)"
+    ok = _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
+    return 0 if ok else 2
+
+
+def cmd_slurm(args) -> int:
+    from launch.slurm import SlurmJob, write
+
+    load_config(args.config, args.overrides)  # a bad key fails here, not after the queue wait
+    job = SlurmJob(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   overrides=list(args.overrides), partition=args.partition, time=args.time,
+                   account=args.account, job_name=args.job_name, cpus_per_node=args.cpus_per_node,
+                   launcher=args.launcher, master_port=args.master_port, gpu_memory_gb=args.gpu_memory_gb,
+                   log_dir=args.log_dir)
+    out = write(job, args.output)
+    print(f"wrote {out}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), launcher {args.launcher}; "
+          f"submit with: sbatch {out}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from launch import plot_scaling, sweep
+
+    cfg = load_config(args.config, args.overrides)
+    sizes = sweep.parse_world_sizes(args.world_sizes)
+    p = sweep.plan(cfg, args.config, list(args.overrides), sizes, steps=args.steps, scaling=args.scaling,
+                   group=args.group, root=args.output_root, hostfile=args.hostfile,
+                   gpus_per_node=args.gpus_per_node, master_port=args.master_port)
+    print(sweep.describe(p, cfg.train.micro_batch_size), flush=True)
+    if args.dry_run:
+        return 0
+    ok = True
+    for r in p.runs:  # every size passes pre-flight before the first job starts
+        run_cfg = load_config(args.config, r.command[r.command.index("--config") + 2:])
+        ok &= _preflight(run_cfg, r.world_size, args.gpu_memory_gb, f"pre-flight: world size {r.world_size}")
+    if not ok:
+        return 2
+    env = sweep.cpu_thread_env(p, args.hostfile)
+    if env:
+        print(f"CPU ranks: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for every rank of every size", flush=True)
+    results = sweep.execute(p, env)
+    done = [r.output_dir for r, code in results if code == 0]
+    if len(done) < 1:
+        print(f"{PROG}: error: no run of the sweep finished; see the output above", file=sys.stderr)
+        return 1
+    rows = plot_scaling.scaling_table([plot_scaling.load_run(d) for d in done])
+    print("\n" + plot_scaling.format_table(rows))
+    png = plot_scaling.plot(rows, args.plot or f"{p.root}/scaling.png", title=p.group)
+    print(f"plot: {png}\nredraw with: python -m launch.plot_scaling {' '.join(done)} --output {png}")
+    return 0 if len(done) == len(results) else 1
+
+
+def main(argv=None) -> None:
+    from data_pipeline.errors import DataError
+    from launch.plot_scaling import PlotError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
+    args = _parser(cmd).parse_intermixed_args(argv)
+    with cli_errors(PROG, DataError, PlotError, OSError):  # OSError: an unwritable --output, say
+        code = {"run": cmd_run, "check": cmd_check, "slurm": cmd_slurm, "sweep": cmd_sweep}[cmd](args)
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Pre-flight checks: everything that can be known to fail before a GPU is claimed.
+
+Run by ``vit-launch`` before it starts the deepspeed runner, by the generated sbatch script on the
+first node, and on its own as ``vit-launch check``. Only files, manifests and arithmetic: no CUDA
+call, no process group, no tar read beyond its first 512-byte header. Each finding is one line;
+a failure says what to change.
+
+    batch     global = micro x ranks x accumulation steps
+    shards    manifest readable, its classes = model.num_classes, shards >= ranks x workers,
+              every reader slot gets a full micro batch
+    manifest  every local tar exists, has the byte size the manifest recorded, starts with a tar header
+    run dir   output and checkpoint folders writable, room for a checkpoint (memory.checkpoint_bytes)
+    memory    per-GPU estimate (memory.estimate) against --gpu-memory-gb; over it is a warning
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pretrain.config import Config, ConfigError, check_world_size
+from launch import memory
+
+OK, WARN, FAIL = "ok", "warning", "error"
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str
+    topic: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.topic}: {self.message}"
+
+
+def _gb(x: float) -> str:
+    return f"{x / memory.GB:.2f} GB" if x < 10 * memory.GB else f"{x / memory.GB:.1f} GB"
+
+
+# ---------------------------------------------------------------------------------------- batch
+def check_batch(cfg: Config, world: int) -> list[Finding]:
+    t = cfg.train
+    try:
+        gas = check_world_size(t, world)
+    except ConfigError as e:
+        per = t.micro_batch_size * world
+        near = max(per, round(t.global_batch_size / per) * per)
+        return [Finding(FAIL, "batch", f"{e}; set train.global_batch_size={near} or change "
+                                       f"train.micro_batch_size / the number of ranks")]
+    return [Finding(OK, "batch", f"global {t.global_batch_size} = micro {t.micro_batch_size} x {world} rank(s) "
+                                 f"x {gas} accumulation step(s)")]
+
+
+# --------------------------------------------------------------------------------------- shards
+_TAR_MAGIC = (b"ustar\x0000", b"ustar  \x00")  # POSIX ustar / old GNU tar, at offset 257
+
+
+def _manifest_bytes(manifests) -> dict[str, Optional[int]]:
+    """Local shard path -> byte size recorded in its manifest (None when not recorded)."""
+    from data_pipeline.manifest import is_remote, local_path, parse_manifest
+
+    sizes: dict[str, Optional[int]] = {}
+    for murl in manifests:
+        if is_remote(murl):
+            continue
+        path = Path(local_path(murl))
+        m = parse_manifest(path.read_text(), str(path))
+        for s in m["shards"]:
+            b = s.get("bytes")
+            sizes[str(path.parent / s["name"])] = b if isinstance(b, int) else None
+    return sizes
+
+
+def _tar_problem(path: str, expected: Optional[int]) -> Optional[str]:
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if expected is not None and size != expected:
+        return f"{size} bytes, the manifest says {expected}"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if len(head) < 512 or head[257:265] not in _TAR_MAGIC:
+        return "does not start with a tar header"
+    return None
+
+
+def check_shards(cfg: Config, world: int) -> list[Finding]:
+    from data_pipeline.errors import DataError
+    from data_pipeline.manifest import is_remote, resolve_shards
+    from data_pipeline.plan import Plan
+
+    d = cfg.data
+    try:
+        shardset = resolve_shards(d.train_shards, allow_remote=d.allow_remote, key="data.train_shards")
+        sizes = _manifest_bytes(shardset.manifests)
+    except (DataError, OSError) as e:
+        return [Finding(FAIL, "shards", str(e).splitlines()[0])]
+    where = shardset.manifests[0] + (f" (+{len(shardset.manifests) - 1} more)" if len(shardset.manifests) > 1 else "")
+    out: list[Finding] = []
+    if shardset.num_classes != cfg.model.num_classes:  # train.py would stop here after building the model
+        out.append(Finding(FAIL, "shards", f"model.num_classes={cfg.model.num_classes} but {where} lists "
+                                           f"{shardset.num_classes} classes; set model.num_classes={shardset.num_classes}"))
+
+    # -- manifest against the tars: existence, byte size, header (never the whole file)
+    local = [s for s in shardset.shards if not is_remote(s.url)]
+    problems = [(s.url, p) for s in local if (p := _tar_problem(s.url, sizes.get(s.url))) is not None]
+    if problems:
+        url, why = problems[0]
+        out.append(Finding(FAIL, "manifest", f"{len(problems)} of {len(local)} shard(s) do not match {where}, "
+                                             f"first {url}: {why}; re-copy them or re-write the shards with vit-shards"))
+    elif local:
+        out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes"))
+    if len(local) < len(shardset.shards):
+        out.append(Finding(WARN, "manifest", f"{len(shardset.shards) - len(local)} remote shard(s) not checked "
+                                             "(only the loader reads them)"))
+
+    # -- reader slots: every (rank, worker) needs its own shard and a full batch (data_pipeline.plan)
+    workers = max(1, d.workers)
+    usable = len(shardset.shards) - len(problems)
+    slots = world * workers
+    if usable < slots:
+        fix = (f"lower data.workers to {usable // world}" if usable >= world
+               else f"write at least {world} shards (vit-shards --shard-size)")
+        out.append(Finding(FAIL, "shards", f"{usable} usable shard(s) cannot feed {world} rank(s) x {workers} "
+                                           f"worker(s) = {slots} reader slots: {fix} ({where})"))
+        return out
+    plan = Plan(shardset, world, workers, cfg.train.micro_batch_size, cfg.train.seed, True)
+    per_slot = plan.batches_per_slot()
+    if per_slot == 0:
+        out.append(Finding(FAIL, "shards", f"each of the {slots} reader slots gets fewer than "
+                                           f"train.micro_batch_size={cfg.train.micro_batch_size} samples from {where}: "
+                                           "use more data, a smaller micro batch or fewer data.workers"))
+        return out
+    steps = per_slot * workers * cfg.train.micro_batch_size * world // cfg.train.global_batch_size
+    out.append(Finding(OK, "shards", f"{len(shardset.shards)} shards, {shardset.total} samples ({where}); "
+                                     f"{slots} reader slot(s) = {world} rank(s) x {workers} worker(s); "
+                                     f"about {steps} step(s) per epoch"))
+    return out
+
+
+# -------------------------------------------------------------------------------------- run dir
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _writable(path: Path) -> Optional[str]:
+    """Why ``path`` (a folder to be) cannot be written, or None. Tries a real file: permission
+    bits say nothing on NFS or for root."""
+    anc = _existing_ancestor(path)
+    if not anc.is_dir():
+        return f"{anc} is a file, not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=anc, prefix=".vit-launch-check-"):
+            pass
+    except OSError as e:
+        return f"cannot write in {anc} ({e.strerror})"
+    return None
+
+
+def check_run_dir(cfg: Config, params: int) -> list[Finding]:
+    from pretrain.checkpoint import list_complete
+
+    out_dir = Path(cfg.train.output_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+    for key, d in (("train.output_dir", out_dir), ("checkpoint.dir", ckpt_dir)):
+        why = _writable(d)
+        if why:
+            return [Finding(FAIL, "run dir", f"{key}={d}: {why}; choose a writable folder")]
+    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage)
+    free = shutil.disk_usage(_existing_ancestor(ckpt_dir)).free
+    have = len(list_complete(ckpt_dir))
+    # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist
+    later = max(1, cfg.checkpoint.keep_last + 1 - have) * need
+    size = f"a checkpoint is about {_gb(need)} ({params / 1e6:.1f}M params x {need / params:.1f} B)"
+    if free < need:
+        return [Finding(FAIL, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free but {size}; free space "
+                                         "or set checkpoint.dir to a larger disk")]
+    if free < later:
+        return [Finding(WARN, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free; {size} and "
+                                         f"checkpoint.keep_last={cfg.checkpoint.keep_last} (+1 while saving) need "
+                                         f"{_gb(later)}; lower checkpoint.keep_last or free space")]
+    return [Finding(OK, "run dir", f"{out_dir} writable, {_gb(free)} free; {size}")]
+
+
+# --------------------------------------------------------------------------------------- memory
+def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.ModelShape) -> list[Finding]:
+    est = memory.estimate(cfg, world, shape)
+    budget = gpu_memory_gb * memory.GB
+    s, t = est.states, cfg.train
+    ckpt = "on" if t.activation_checkpointing else "off"
+    other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if t.activation_checkpointing else 'on'}"
+    detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, micro batch "
+              f"{t.micro_batch_size}): weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
+              f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
+              f"(checkpointing {ckpt}; {other}), runtime {_gb(memory.RUNTIME_OVERHEAD_BYTES)}")
+    if s["cpu"]:
+        detail += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
+    if est.total <= budget:
+        return [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB")]
+    fixes = []
+    if not t.activation_checkpointing and est.total_if_checkpointing(True) <= budget:
+        fixes.append(f"train.activation_checkpointing=true ({_gb(est.total_if_checkpointing(True))})")
+    mb = memory.largest_micro_batch(cfg, world, budget, shape, t.activation_checkpointing)
+    mb = max((m for m in range(1, mb + 1) if t.global_batch_size % (m * world) == 0), default=0)
+    if mb:
+        fixes.append(f"train.micro_batch_size={mb} (more accumulation steps, same global batch)")
+    if cfg.zero.stage < 3:
+        z3 = memory.estimate(_with(cfg, stage=3), world, shape)
+        if z3.total <= budget:
+            fixes.append(f"zero.stage=3 ({_gb(z3.total)})")
+    if cfg.zero.stage in (1, 2) and est.buffers > memory.GB:
+        fixes.append("a smaller zero.reduce_bucket_size")
+    advice = "set " + " or ".join(fixes) if fixes else "use more ranks with zero.stage=3 or a smaller model"
+    return [Finding(WARN, "memory", f"estimated {detail} exceeds {gpu_memory_gb:g} GB (--gpu-memory-gb): {advice}")]
+
+
+def _with(cfg: Config, stage: int) -> Config:
+    import dataclasses
+
+    return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
+
+
+# ----------------------------------------------------------------------------------------- all
+def run_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> list[Finding]:
+    shape = memory.model_shape(cfg.model)
+    return (check_batch(cfg, world) + check_shards(cfg, world) + check_run_dir(cfg, shape.params)
+            + check_memory(cfg, world, gpu_memory_gb, shape))
+
+
+def report(findings: list[Finding], prog: str, out, err) -> bool:
+    """ok lines to ``out``; warnings and errors one line each to ``err``. True when none failed."""
+    for f in findings:
+        if f.level == OK:
+            print(f"  ok  {f.line()}", file=out)
+        else:
+            print(f"{prog}: {f.level}: {f.line()}", file=err)
+    return not any(f.level == FAIL for f in findings)

@@ -1,0 +1,103 @@
+"""The deepspeed runner command for a training job: one pure function from launch options to argv.
+
+    deepspeed [--hostfile H] [--num_nodes N] [--num_gpus G] [--master_addr A] [--master_port P]
+              [--include S | --exclude S] --module pretrain.train --config FILE [a.b=c ...]
+
+Runner options follow DeepSpeed 0.19's ``deepspeed/launcher/runner.py``. Why some are not offered:
+``--launcher slurm|openmpi|mvapich|...`` start ``python <script>`` (the Slurm backend drops
+``--module``) with the MPI/Slurm rank variables, while each rank here needs the ``RANK`` /
+``LOCAL_RANK`` that the runner's per-node ``deepspeed.launcher.launch`` sets; so multi-node jobs use
+the pdsh backend (the default) or one runner per node with ``--no_ssh --node_rank`` (``slurm.py``).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from launch.hostfile import Host, LaunchError, active_ranks, local_gpu_count, parse_hostfile, world_size
+
+TRAIN_MODULE = "pretrain.train"
+
+
+@dataclass
+class LaunchSpec:
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    hostfile: Optional[str] = None
+    num_nodes: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    include: str = ""
+    exclude: str = ""
+
+
+def deepspeed_executable() -> str:
+    """The runner beside this interpreter (the venv's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "deepspeed"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("deepspeed") or "deepspeed"
+
+
+def check_spec(spec: LaunchSpec) -> None:
+    for flag, v in (("--num-nodes", spec.num_nodes), ("--gpus-per-node", spec.gpus_per_node)):
+        if v is not None and v <= 0:
+            raise LaunchError(f"{flag} must be a positive number, got {v}")
+    if spec.master_port is not None and not 1 <= spec.master_port <= 65535:
+        raise LaunchError(f"--master-port must be in 1-65535, got {spec.master_port}")
+
+
+def plan_ranks(spec: LaunchSpec) -> tuple[Optional[list[Host]], dict[str, list[int]]]:
+    """(hostfile hosts or None, host -> slot ids). Without a hostfile and without
+    ``--gpus-per-node`` the job uses this machine's GPUs (1 rank on a machine without any)."""
+    check_spec(spec)
+    hosts = parse_hostfile(spec.hostfile) if spec.hostfile else None
+    gpus = spec.gpus_per_node
+    if hosts is None and gpus is None:
+        gpus = max(1, local_gpu_count())
+    return hosts, active_ranks(hosts, num_nodes=spec.num_nodes, gpus_per_node=gpus, include=spec.include,
+                               exclude=spec.exclude, hostfile=spec.hostfile or "hostfile")
+
+
+def deepspeed_command(spec: LaunchSpec, *, executable: Optional[str] = None,
+                      runner_args: tuple[str, ...] = ()) -> list[str]:
+    """argv for the deepspeed runner. Rank counts are passed explicitly (``--num_gpus``) so the
+    world size the pre-flight checks is the one that runs; the one exception is a local job under
+    ``CUDA_VISIBLE_DEVICES`` with no count given, where the runner's own device mapping is kept."""
+    hosts, ranks = plan_ranks(spec)
+    cmd = [executable or deepspeed_executable()]
+    if spec.hostfile:
+        cmd += ["--hostfile", spec.hostfile]
+    if spec.include:
+        cmd += ["--include", spec.include]
+    elif spec.exclude:
+        cmd += ["--exclude", spec.exclude]
+    else:
+        if spec.num_nodes:
+            cmd += ["--num_nodes", str(spec.num_nodes)]
+        if spec.gpus_per_node or not (hosts or "CUDA_VISIBLE_DEVICES" in os.environ):
+            cmd += ["--num_gpus", str(len(next(iter(ranks.values()))))]
+    if spec.master_addr:
+        cmd += ["--master_addr", spec.master_addr]
+    if spec.master_port:
+        cmd += ["--master_port", str(spec.master_port)]
+    cmd += list(runner_args)
+    cmd += ["--module", TRAIN_MODULE, "--config", spec.config, *spec.overrides]
+    return cmd
+
+
+def spec_world_size(spec: LaunchSpec) -> tuple[int, int]:
+    """(world size, nodes) this spec starts."""
+    _, ranks = plan_ranks(spec)
+    return world_size(ranks), len(ranks)
+
+
+def shell_join(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+

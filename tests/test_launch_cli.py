@@ -1,0 +1,97 @@
+"""`vit-launch --dry-run`: the printed command is exactly what DeepSpeed's runner will parse, for
+local, hostfile and multi-node cases; user mistakes are one line on stderr with exit code 2."""
+import shlex
+import subprocess
+import sys
+
+import pytest
+from deepspeed.launcher.runner import parse_args as runner_parse_args
+
+from launch.cli import main
+
+CONFIG = "configs/tiny_cpu.yaml"
+
+
+def dry_run(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        main(["--config", CONFIG, "--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # the command and nothing else: it can be piped or pasted
+    return shlex.split(lines[0])
+
+
+def user_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vit-launch"), err
+    return lines[0]
+
+
+@pytest.fixture()
+def hostfile(tmp_path):
+    p = tmp_path / "hosts"
+    p.write_text("node-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
+    return str(p)
+
+
+def test_local_dry_run_is_the_runner_command(capsys):
+    cmd = dry_run(capsys, "--gpus-per-node", "2", "optim.lr=3e-4", "data.train_shards=/data/my shards/manifest.json")
+    assert cmd[0].endswith("deepspeed")
+    a = runner_parse_args(cmd[1:])
+    assert (a.num_gpus, a.num_nodes, a.hostfile.endswith("hostfile")) == (2, -1, True)  # runner default path
+    assert a.module and a.user_script == "pretrain.train"
+    # the space inside an override survives the shell quoting as one argument
+    assert a.user_args == ["--config", CONFIG, "optim.lr=3e-4", "data.train_shards=/data/my shards/manifest.json"]
+
+
+def test_multi_node_dry_run(capsys, hostfile):
+    cmd = dry_run(capsys, "--hostfile", hostfile, "--num-nodes", "2", "--gpus-per-node", "4",
+                  "--master-addr", "10.0.0.1", "--master-port", "29600")
+    a = runner_parse_args(cmd[1:])
+    assert (a.hostfile, a.num_nodes, a.num_gpus, a.master_addr, a.master_port) == (hostfile, 2, 4, "10.0.0.1", 29600)
+    assert a.user_script == "pretrain.train" and a.user_args == ["--config", CONFIG]
+
+
+def test_hostfile_without_counts_uses_every_slot(capsys, hostfile):
+    a = runner_parse_args(dry_run(capsys, "--hostfile", hostfile)[1:])
+    assert (a.num_nodes, a.num_gpus) == (-1, -1)  # the runner takes the whole hostfile, as pre-flight does
+
+
+def test_include_is_passed_through(capsys, hostfile):
+    a = runner_parse_args(dry_run(capsys, "--hostfile", hostfile, "--include", "node-a@node-c:0,1")[1:])
+    assert a.include == "node-a@node-c:0,1" and a.num_gpus == -1
+
+
+def test_bad_hostfile_line_is_one_line(capsys, tmp_path):
+    p = tmp_path / "hosts"
+    p.write_text("node-a slots=8\nnode-b slots=x\n")
+    line = user_error(capsys, ["--config", CONFIG, "--hostfile", str(p), "--dry-run"])
+    assert f"{p}:2: slots must be a whole number" in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--config", CONFIG, "--dry-run", "optim.lrr=1"], "unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
+    (["--config", "configs/nope.yaml", "--dry-run"], "configs/nope.yaml: config file not found"),
+    (["--config", CONFIG, "--dry-run", "--num-nodes", "2"], "--num-nodes 2 needs --hostfile"),
+    (["--config", CONFIG, "--dry-run", "--gpus-per-node", "0"], "--gpus-per-node must be a positive number"),
+    (["--config", CONFIG, "--dry-run", "--bogus"], "unrecognized arguments: --bogus"),
+    (["slurm", "--config", CONFIG, "--nodes", "2", "--gpus-per-node", "8", "--time", "4h",
+      "--output", "x.sbatch"], "--time '4h': use a SLURM time"),
+    (["sweep", "--config", CONFIG, "--world-sizes", "1,two", "--dry-run"], "--world-sizes '1,two'"),
+])
+def test_user_mistakes(capsys, argv, needle):
+    assert needle in user_error(capsys, argv)
+
+
+def test_python_dash_m_launch_has_no_traceback(tmp_path):
+    """The real entry point in a fresh process: a bad key is one stderr line, exit 2."""
+    r = subprocess.run([sys.executable, "-m", "launch", "--config", CONFIG, "--dry-run", "train.stepz=3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "vit-launch: error: command line: unknown key 'train.stepz'; did you mean 'train.steps'?"]

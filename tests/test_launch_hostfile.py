@@ -1,0 +1,92 @@
+"""Hostfiles: our strict parser against DeepSpeed's own, line-numbered errors, and which ranks a
+runner option set selects (plain logic, no processes)."""
+import pytest
+from deepspeed.launcher.runner import _parse_hostfile, apply_num_nodes_and_gpus, parse_inclusion_exclusion
+
+from launch.hostfile import LaunchError, active_ranks, parse_hostfile, world_size
+
+GOOD = """# two nodes of the cluster
+worker-0 slots=8
+worker-1   slots=8   # trailing comment
+
+worker-2 slots=4
+"""
+
+
+def _write(tmp_path, text, name="hostfile"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_parses_what_deepspeed_parses(tmp_path):
+    hosts = parse_hostfile(_write(tmp_path, GOOD))
+    assert [(h.name, h.slots, h.line) for h in hosts] == [("worker-0", 8, 2), ("worker-1", 8, 3), ("worker-2", 4, 5)]
+    # the runner reads the same file to the same pool (its parser is the reference)
+    assert dict(_parse_hostfile(GOOD.splitlines(True))) == {h.name: h.slots for h in hosts}
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("worker-0 slots=8\nworker-1 slot=8\n", ":2: expected 'HOST slots=N'"),
+    ("worker-0 slots=8\nworker-1 slots=0\n", ":2: host 'worker-1' has slots=0"),
+    ("worker-0 slots=8\n\nworker-0 slots=4\n", ":3: duplicate host 'worker-0' (first on line 1)"),
+    ("worker-0 slots=eight\n", ":1: slots must be a whole number, got 'eight'"),
+    ("worker-0\n", ":1: expected 'HOST slots=N'"),
+    ("worker-0 slots=8 gpu=a100\n", ":1: expected 'HOST slots=N'"),
+    ("# only comments\n\n", ": no hosts"),
+])
+def test_bad_hostfile_names_the_line(tmp_path, text, needle):
+    p = _write(tmp_path, text)
+    with pytest.raises(LaunchError) as e:
+        parse_hostfile(p)
+    msg = str(e.value)
+    assert msg.startswith(str(p)) and needle in msg and "\n" not in msg
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(LaunchError, match="hostfile not found"):
+        parse_hostfile(tmp_path / "nope")
+
+
+def _runner_pool(hosts, include="", exclude="", num_nodes=-1, num_gpus=-1):
+    """The deepspeed runner's own resolution of the same options (runner.main's two steps)."""
+    pool = {h.name: h.slots for h in hosts}
+    active = parse_inclusion_exclusion(pool, include, exclude)
+    return {h: list(s) for h, s in apply_num_nodes_and_gpus(active, num_nodes, num_gpus).items()}
+
+
+@pytest.mark.parametrize("kw, world", [
+    ({}, 20),
+    ({"num_nodes": 2}, 16),
+    ({"gpus_per_node": 2}, 6),
+    ({"num_nodes": 2, "gpus_per_node": 4}, 8),
+    ({"include": "worker-0@worker-2:0,2"}, 10),
+    ({"exclude": "worker-1@worker-0:7"}, 11),
+])
+def test_rank_layout_matches_the_runner(tmp_path, kw, world):
+    hosts = parse_hostfile(_write(tmp_path, GOOD))
+    ranks = active_ranks(hosts, **kw)
+    assert world_size(ranks) == world
+    ref = _runner_pool(hosts, kw.get("include", ""), kw.get("exclude", ""), kw.get("num_nodes", -1),
+                       kw.get("gpus_per_node", -1))
+    assert {h: list(s) for h, s in ranks.items()} == ref
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"num_nodes": 4}, "--num-nodes 4: hostfile lists only 3 host(s)"),
+    ({"gpus_per_node": 6}, "hostfile:5: worker-2 has only slots=4"),
+    ({"include": "worker-9"}, "host 'worker-9' is not in the hostfile"),
+    ({"include": "worker-0:8"}, "worker-0 has slots 0-7, not 8"),
+    ({"include": "worker-0", "num_nodes": 1}, "cannot be combined"),
+])
+def test_impossible_layouts_say_what_to_change(tmp_path, kw, needle):
+    hosts = parse_hostfile(_write(tmp_path, GOOD))
+    with pytest.raises(LaunchError) as e:
+        active_ranks(hosts, **kw)
+    assert needle in str(e.value)
+
+
+def test_no_hostfile_is_one_local_node():
+    assert world_size(active_ranks(None, gpus_per_node=4)) == 4
+    with pytest.raises(LaunchError, match="--num-nodes 2 needs --hostfile"):
+        active_ranks(None, num_nodes=2, gpus_per_node=4)

@@ -1,0 +1,79 @@
+"""The per-GPU memory estimate: the activation formula against the bytes autograd really keeps for
+a backward pass, and the model-state split by ZeRO stage against DeepSpeed's own estimator."""
+import pytest
+import torch
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from launch import memory
+from pretrain.config import ModelConfig, load_config
+from pretrain.model import create_model
+
+
+def saved_activation_bytes(name, img, batch, dtype, checkpointing):
+    """Bytes of the distinct tensors autograd saves in one training forward (weights excluded):
+    exactly what stays alive until backward."""
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=10, img_size=img).to(dtype).train()
+    model.set_grad_checkpointing(checkpointing)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()  # views of one storage count once
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randn(batch, 3, img, img, dtype=dtype))
+    return sum(n for ptr, n in seen.items() if ptr not in weights)
+
+
+@pytest.mark.parametrize("img, batch, dtype, precision", [
+    (224, 2, torch.bfloat16, "bf16"),  # s = 197: the ViT paper's sequence length
+    (64, 4, torch.float32, "fp32"),
+])
+def test_activation_formula_matches_autograd(img, batch, dtype, precision):
+    torch.set_num_threads(1)
+    shape = memory.model_shape(ModelConfig(name="vit_tiny_patch16_224", img_size=img, num_classes=10))
+    measured = saved_activation_bytes("vit_tiny_patch16_224", img, batch, dtype, checkpointing=False)
+    est = memory.activation_bytes(shape, batch, precision=precision)
+    assert est == pytest.approx(measured, rel=0.03), (est, measured)
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    """Forward with checkpointing saves each block's input; the estimate adds one block's full
+    set for its recompute in backward, which this forward-only count does not see."""
+    torch.set_num_threads(1)
+    shape = memory.model_shape(ModelConfig(name="vit_tiny_patch16_224", img_size=224, num_classes=10))
+    measured = saved_activation_bytes("vit_tiny_patch16_224", 224, 2, torch.bfloat16, checkpointing=True)
+    one_block = memory.block_activation_bytes(shape.seq_len, 2, shape.width, shape.heads)
+    est = memory.activation_bytes(shape, 2, checkpointing=True) - one_block
+    assert est == pytest.approx(measured, rel=0.10), (est, measured)
+    # and checkpointing is worth it: several times less than keeping every block
+    assert memory.activation_bytes(shape, 2, checkpointing=True) < memory.activation_bytes(shape, 2) / 4
+
+
+def test_model_states_by_zero_stage():
+    p, n = 1_000_000, 8
+    per_gpu = {s: sum(v for k, v in memory.model_state_bytes(p, stage=s, world=n, precision="bf16").items()
+                      if k != "cpu") for s in (0, 1, 2, 3)}
+    assert per_gpu[0] == 20 * p  # bf16 weights 2 + grads 2 + fp32 master 4 + fp32 grads 4 + Adam 8
+    assert per_gpu[1] == (2 + 2 + 16 / n) * p  # optimizer states sharded
+    assert per_gpu[2] == (2 + 18 / n) * p  # ... and 16-bit gradients
+    assert per_gpu[3] == 20 / n * p  # ... and weights
+    # ZeRO-2 equals DeepSpeed's own estimator (without offload): 2 + 18/N bytes per parameter
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=n, cpu_offload=False)
+    assert per_gpu[2] == pytest.approx(ds_gpu, abs=1)
+    off = memory.model_state_bytes(p, stage=2, world=n, precision="bf16", offload_optimizer=True)
+    assert off["optimizer"] == 0 and off["cpu"] == 16 / n * p
+
+
+def test_vit_huge_needs_zero3_or_checkpointing_on_80gb():
+    """ViT-H/14 at micro batch 256 in bf16: activations alone exceed an 80 GB GPU without
+    checkpointing (s b h = 257 x 256 x 1280 per block, 32 blocks), fit with it: the case the
+    pre-flight warning is for."""
+    cfg = load_config("configs/vit_h14_jft.yaml", ["train.micro_batch_size=256", "train.activation_checkpointing=false", "model.num_classes=1000",
+                                                     "model.drop_rate=0.0"])
+    est = memory.estimate(cfg, world=16)
+    assert est.params == pytest.approx(632e6, rel=0.02)  # the paper's 632M parameters (1000-class head)
+    assert est.activations > 80 * memory.GB > est.total_if_checkpointing(True)

@@ -1,0 +1,88 @@
+"""`python -m launch.plot_scaling`: reads the files a training run writes (metrics.jsonl through the
+project's own MetricsLogger, summary.json), drops the warm-up window, and draws the PNG."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch.plot_scaling import PlotError, load_run, scaling_table
+from pretrain.config import LoggingConfig, WandbConfig
+from pretrain.metrics import MetricsLogger, throughput
+
+# images/s of the whole job after warm-up: 95% then 90% of linear
+RATES = {1: 100.0, 2: 190.0, 4: 360.0}
+
+
+def write_run(run_dir, world, rate, windows=4, summary=True, warmup_rate=10.0):
+    """A run's metrics as train.py writes them: one record per window from metrics.throughput,
+    written by MetricsLogger; the first window is slow (warm-up)."""
+    logger = MetricsLogger(LoggingConfig(wandb=WandbConfig(mode="disabled")), run_dir, rank=0, run_config={})
+    for w in range(windows):
+        ips = warmup_rate if w == 0 else rate
+        # 10 steps of 8 images per rank; elapsed chosen to give `ips`
+        images = 10 * 8 * world
+        logger.log((w + 1) * 10, {"loss": 2.3 - 0.1 * w, "data_wait_share": 0.02,
+                                  **throughput(images, images / ips, world, 1.0e9, 1.0e9, None)})
+    logger.close()
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps({"step": windows * 10, "world_size": world}))
+    return run_dir
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    return [write_run(tmp_path / f"ws{n}", n, r) for n, r in RATES.items()]
+
+
+def test_table_drops_warmup_and_computes_efficiency(runs):
+    rows = scaling_table([load_run(d) for d in runs])
+    assert [r["world_size"] for r in rows] == [1, 2, 4]
+    assert [round(r["images_per_sec"], 6) for r in rows] == [100.0, 190.0, 360.0]  # warm-up (10/s) dropped
+    assert [round(r["efficiency"], 6) for r in rows] == [1.0, 0.95, 0.9]
+    assert rows[1]["images_per_sec_per_rank"] == pytest.approx(95.0)
+
+
+def test_cli_writes_png_and_prints_table(runs, tmp_path):
+    out = tmp_path / "plots" / "scaling.png"
+    r = subprocess.run([sys.executable, "-m", "launch.plot_scaling", *map(str, runs), "--output", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["world", "runs", "images/s", "per", "rank", "efficiency", "data", "wait", "MFU"]
+    assert lines[3].split()[:5] == ["4", "1", "360.0", "90.0", "90.0%"]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    h, w, _ = matplotlib.image.imread(out).shape
+    assert (w, h) == (1100, 418)  # 10 x 3.8 inches at 110 dpi: the two panels were drawn
+
+
+def test_world_size_without_summary_and_repeated_runs(tmp_path):
+    """A run killed before summary.json still counts (world size from its per-device rate);
+    two runs of one size are averaged."""
+    a = write_run(tmp_path / "a", 2, 180.0, summary=False)
+    b = write_run(tmp_path / "b", 2, 200.0)
+    assert load_run(a).world_size == 2
+    (row,) = scaling_table([load_run(a), load_run(b)])
+    assert row["runs"] == 2 and row["images_per_sec"] == pytest.approx(190.0)
+
+
+def test_resumed_run_keeps_last_record_per_step(tmp_path):
+    d = write_run(tmp_path / "r", 1, 100.0)
+    with open(d / "metrics.jsonl", "a") as f:  # a resume re-logs step 40 (then was killed mid-line)
+        f.write(json.dumps({"step": 40, "images_per_sec": 130.0, "images_per_sec_per_device": 130.0}) + "\n")
+        f.write('{"step": 50, "images_per')
+    s = load_run(d)
+    assert s.windows == 3 and s.images_per_sec == pytest.approx((100 + 100 + 130) / 3)
+
+
+def test_unusable_run_dirs_are_one_line_errors(tmp_path):
+    write_run(tmp_path / "short", 1, 100.0, windows=1)
+    with pytest.raises(PlotError, match="1 logged window"):
+        load_run(tmp_path / "short")
+    r = subprocess.run([sys.executable, "-m", "launch.plot_scaling", str(tmp_path / "nothing")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"plot_scaling: error: {tmp_path / 'nothing'}: no metrics.jsonl "
+        "(is it a train.output_dir with logging.jsonl=true?)"]

@@ -1,0 +1,135 @@
+"""Pre-flight checks (`vit-launch check`, and `vit-launch` before it starts the runner): each
+failure on real shards and folders, with the one line that says what to change."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from launch import preflight
+from launch.cli import main
+from launch.memory import checkpoint_bytes, model_shape
+from pretrain.config import load_config
+
+CONFIG = "configs/tiny_cpu.yaml"
+
+
+@pytest.fixture()
+def shards(tmp_path, shard_kit):
+    """8 real shards of 12 samples with manifest.json (byte sizes recorded); labels 0-95 -> 96 classes."""
+    return shard_kit.id_shards(tmp_path / "shards", [12] * 8)
+
+
+def args(shards, tmp_path, *extra):
+    return ["--config", CONFIG, f"data.train_shards={shards}/manifest.json", f"train.output_dir={tmp_path / 'run'}",
+            "model.num_classes=96", "train.micro_batch_size=4", "train.global_batch_size=8", "data.workers=2", *extra]
+
+
+def check(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["check", *argv])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err.strip().splitlines()
+
+
+def the_error(capsys, argv, topic):
+    code, out, err = check(capsys, argv)
+    assert code == 2, (out, err)
+    errors = [x for x in err if x.startswith("vit-launch: error:")]
+    assert len(errors) == 1, err
+    assert errors[0].startswith(f"vit-launch: error: {topic}: "), errors[0]
+    return errors[0]
+
+
+def test_all_checks_pass_without_touching_a_device(capsys, shards, tmp_path):
+    code, out, err = check(capsys, args(shards, tmp_path, "--gpus-per-node", "2"))
+    assert code == 0 and err == [], err
+    topics = [line.split(":")[0].strip() for line in out.splitlines()[1:]]
+    assert topics == ["ok  batch", "ok  manifest", "ok  shards", "ok  run dir", "ok  memory"]
+    assert "global 8 = micro 4 x 2 rank(s) x 1 accumulation step(s)" in out
+    assert "4 reader slot(s) = 2 rank(s) x 2 worker(s)" in out
+    # pre-flight must not claim a GPU or start a process group (it runs on the launching node)
+    assert not torch.cuda.is_initialized() and not torch.distributed.is_initialized()
+    assert not (tmp_path / "run").exists()  # and leaves nothing behind
+
+
+def test_missing_shard(capsys, shards, tmp_path):
+    os.remove(shards / "train-000003.tar")
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1"), "manifest")
+    assert f"1 of 8 shard(s) do not match {shards}/manifest.json, first {shards}/train-000003.tar: missing" in line
+    assert "re-copy them or re-write the shards" in line
+
+
+def test_truncated_shard(capsys, shards, tmp_path):
+    p = shards / "train-000005.tar"
+    size = p.stat().st_size
+    os.truncate(p, size - 1024)  # an interrupted copy
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1"), "manifest")
+    assert f"train-000005.tar: {size - 1024} bytes, the manifest says {size}" in line
+
+
+def test_file_that_is_not_a_tar(capsys, shards, tmp_path):
+    p = shards / "train-000001.tar"
+    p.write_bytes(b"<html>403 Forbidden</html>".ljust(p.stat().st_size, b" "))  # same size, wrong content
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1"), "manifest")
+    assert "train-000001.tar: does not start with a tar header" in line
+
+
+def test_fewer_shards_than_reader_slots(capsys, shards, tmp_path):
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "2", "data.workers=6",
+                                  "train.global_batch_size=8"), "shards")
+    assert "8 usable shard(s) cannot feed 2 rank(s) x 6 worker(s) = 12 reader slots: lower data.workers to 4" in line
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "16", "train.global_batch_size=64"), "shards")
+    assert "write at least 16 shards" in line
+
+
+def test_classes_must_match_the_model(capsys, shards, tmp_path):
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", "model.num_classes=10"), "shards")
+    assert "model.num_classes=10 but" in line and "set model.num_classes=96" in line
+
+
+def test_batch_arithmetic(capsys, shards, tmp_path):
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "3"), "batch")
+    assert "train.global_batch_size=8 is not divisible by train.micro_batch_size x world size = 4 x 3 = 12" in line
+    assert "set train.global_batch_size=12" in line
+
+
+def test_run_dir_not_writable(capsys, shards, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", f"train.output_dir={tmp_path}/afile/run"),
+                     "run dir")
+    assert f"train.output_dir={tmp_path}/afile/run: {tmp_path}/afile is a file, not a folder" in line
+
+
+def test_disk_space_for_checkpoints(shards, tmp_path):
+    cfg = load_config(CONFIG, args(shards, tmp_path)[1:][1:] + ["checkpoint.keep_last=3"])
+    free = shutil.disk_usage(tmp_path).free
+    # a model whose checkpoint cannot fit on this disk at all
+    (f,) = preflight.check_run_dir(cfg, params=10 ** 14)
+    assert f.level == "error" and "free but a checkpoint is about" in f.message and "set checkpoint.dir" in f.message
+    # one checkpoint (half the free space) fits, keep_last=3 (+1 being written) does not: a warning
+    params = int(free / 2 / (checkpoint_bytes(1, "fp32")))
+    (f,) = preflight.check_run_dir(cfg, params=params)
+    assert f.level == "warning" and "checkpoint.keep_last=3 (+1 while saving)" in f.message
+    assert "lower checkpoint.keep_last" in f.message
+
+
+def test_memory_over_the_device_is_a_warning_with_fixes(capsys, shards, tmp_path):
+    code, out, err = check(capsys, args(shards, tmp_path, "--world-size", "1", "--gpu-memory-gb", "1",
+                                        "train.precision=bf16", "zero.reduce_bucket_size=10000000"))
+    assert code == 0  # an estimate warns; it does not block the launch
+    (line,) = [x for x in err if "memory" in x]
+    assert line.startswith("vit-launch: warning: memory: estimated") and "exceeds 1 GB (--gpu-memory-gb)" in line
+    cfg = load_config(CONFIG, ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
+                               "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"])
+    (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
+    assert f.level == "warning"
+    assert "set train.activation_checkpointing=true" in f.message and "train.micro_batch_size=" in f.message
+
+
+def test_launch_stops_before_the_runner_when_a_check_fails(capsys, shards, tmp_path):
+    os.remove(shards / "train-000000.tar")
+    with pytest.raises(SystemExit) as e:
+        main(args(shards, tmp_path, "--gpus-per-node", "1"))  # no --dry-run: would exec deepspeed
+    assert e.value.code == 2
+    assert "manifest: 1 of 8 shard(s)" in capsys.readouterr().err
