@@ -69,3 +69,21 @@ class FeatureCache:
 
 
 ViewOf = Callable[[object], View]  # task -> View
+
+
+class FrozenFeatureProtocol:
+    """Base of the protocols on frozen features (linear probe, few-shot): features come from the
+    shared cache, and the one hyper-parameter they sweep is the L2 penalty."""
+
+    name = ""
+
+    def __init__(self, features: FeatureCache, view_of, l2: float, grid: list[float]):
+        self.features, self.view_of, self.l2, self.sweep_grid = features, view_of, l2, grid
+
+    def grid(self, sweep: bool) -> list[dict]:
+        return [{"l2": v} for v in self.sweep_grid] if sweep else [{"l2": self.l2}]
+
+    def splits(self, task, fit, evaluate):
+        """(X_fit, y_fit, X_eval, y_eval) for ``task``'s view."""
+        view = self.view_of(task)
+        return (*self.features.get(fit, view), *self.features.get(evaluate, view))

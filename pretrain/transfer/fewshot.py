@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pretrain.transfer.features import FeatureCache
+from pretrain.transfer.features import FeatureCache, FrozenFeatureProtocol
 
 BIAS_CONSTANT = 100.0
 HEADLINE_SHOTS = 10  # the number big_vision shows first; the largest shot count when 10 is absent
@@ -62,20 +62,15 @@ def headline(shots: list[int]) -> int:
     return HEADLINE_SHOTS if HEADLINE_SHOTS in shots else max(shots)
 
 
-class FewShot:
+class FewShot(FrozenFeatureProtocol):
     name = "fewshot"
 
     def __init__(self, features: FeatureCache, view_of, shots: list[int], seeds: int, l2: float, grid: list[float]):
-        self.features, self.view_of = features, view_of
-        self.shots, self.seeds, self.l2, self.sweep_grid = sorted(set(shots)), seeds, l2, grid
-
-    def grid(self, sweep: bool) -> list[dict]:
-        return [{"l2": v} for v in self.sweep_grid] if sweep else [{"l2": self.l2}]
+        super().__init__(features, view_of, l2, grid)
+        self.shots, self.seeds = sorted(set(shots)), seeds
 
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
-        view = self.view_of(task)
-        Xf, yf = self.features.get(fit, view)
-        Xe, ye = self.features.get(evaluate, view)
+        Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
         acc = fewshot_accuracy(Xf, yf, Xe, ye, task.num_classes, self.shots, self.seeds, setting["l2"])
         k = headline(self.shots)
         details = {"headline_shots": k, "seeds": self.seeds,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pretrain.transfer.features import FeatureCache
+from pretrain.transfer.features import FrozenFeatureProtocol
 
 
 @dataclass
@@ -53,18 +53,10 @@ def fit_logistic(X: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float, 
     return LinearClassifier(*(t.detach().float().cpu() for t in (W, b, mean, std)))
 
 
-class LinearProbe:
+class LinearProbe(FrozenFeatureProtocol):
     name = "linear"
 
-    def __init__(self, features: FeatureCache, view_of, l2: float, grid: list[float]):
-        self.features, self.view_of, self.l2, self.sweep_grid = features, view_of, l2, grid
-
-    def grid(self, sweep: bool) -> list[dict]:
-        return [{"l2": v} for v in self.sweep_grid] if sweep else [{"l2": self.l2}]
-
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
-        view = self.view_of(task)
-        Xf, yf = self.features.get(fit, view)
-        Xe, ye = self.features.get(evaluate, view)
+        Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
         clf = fit_logistic(Xf, yf, task.num_classes, setting["l2"], device=self.features.device)
         return clf.accuracy(Xe, ye), {"train_accuracy": clf.accuracy(Xf, yf)}
