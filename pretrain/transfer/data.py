@@ -17,6 +17,7 @@ skipped sample: a benchmark number computed over a test set with holes is not co
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -77,17 +78,17 @@ class _SampleTransform:
 
 
 # ------------------------------------------------------------------------------------- splits
-class Split:
+class Split(abc.ABC):
     """A named set of labelled images that can be iterated as tensor batches."""
 
     name: str
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
 
+    @abc.abstractmethod
     def batches(self, view: View, *, batch_size: int, train: bool, seed: int = 0, rank: int = 0,
-                world: int = 1, workers: int = 0) -> Iterator[Batch]:
-        raise NotImplementedError
+                world: int = 1, workers: int = 0) -> Iterator[Batch]: ...
 
 
 class _Mapped(Dataset):
@@ -126,8 +127,8 @@ class ImageSet(Split):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def image(self, i: int) -> Image.Image:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def image(self, i: int) -> Image.Image: ...
 
     def describe(self, i: int) -> str:
         return f"{self.name}[{i}]"
