@@ -150,7 +150,9 @@ def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, dict]]:
         return None
     run_info = json.loads((path / "run.json").read_text())
     if run_info["world_size"] != dist.get_world_size():
-        raise RuntimeError(
+        from pretrain.config import ConfigError
+
+        raise ConfigError(
             f"{path}: saved with world size {run_info['world_size']}, now {dist.get_world_size()}; "
             "ZeRO optimizer shards are per rank (resume on the same world size, or export the "
             "weights and start a new run from them)")

@@ -5,11 +5,13 @@ between checks where one run can prove several things.
 """
 import json
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from dist_utils import (deepspeed_cmd, group_alive, kill_group, metrics, run_job, start_job, wait_for, wandb_records)
+from dist_utils import (REPO, deepspeed_cmd, group_alive, job_env, kill_group, metrics, run_job, start_job, wait_for, wandb_records)
 from pretrain import checkpoint
 from pretrain.export import export, load_run_weights
 from pretrain.model import create_model
@@ -156,3 +158,10 @@ def test_sigterm_saves_checkpoint_and_exits(shards, tmp_path):
     assert saved is not None, log.read_text()[-3000:]
     assert 2 <= json.loads((saved / "run.json").read_text())["step"] < 100000
     assert "SIGTERM: saved checkpoint" in log.read_text()
+
+    # the same run on another world size: one line saying why it cannot resume, no traceback
+    r = subprocess.run([sys.executable, "-m", "pretrain.train", *train_args(shards, run, "zero.stage=1")],
+                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("vit-train: error:") and "saved with world size 2, now 1" in last, r.stderr[-2000:]
