@@ -433,12 +433,22 @@ def check_world_size(train: TrainConfig, world_size: int) -> int:
     return train.global_batch_size // per_step
 
 
+def _resolve(path: str | Path | None, overrides) -> tuple[dict, dict[str, str]]:
+    """(merged YAML tree, where each key came from): ``base:`` files, then overrides."""
+    origin: dict[str, str] = {}
+    tree = _load_tree(Path(path), origin) if path is not None else {}
+    return apply_overrides(tree, list(overrides), origin), origin
+
+
+def raw_tree(path: str | Path | None, overrides=()) -> dict:
+    """The merged tree before defaults and validation: tells which keys a user actually set."""
+    return _resolve(path, overrides)[0]
+
+
 def load_config(path: str | Path | None, overrides=()) -> Config:
     """Load ``path`` (following ``base:``), apply ``a.b=c`` overrides, return a validated Config."""
-    origin: dict[str, str] = {}
     src = str(path) if path is not None else "defaults"
-    tree = _load_tree(Path(path), origin) if path is not None else {}
-    tree = apply_overrides(tree, list(overrides), origin)
+    tree, origin = _resolve(path, overrides)
     cfg = _build(Config, tree, "", origin, src)
     _check(cfg, origin, src)
     return cfg

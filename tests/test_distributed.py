@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from dist_utils import (REPO, deepspeed_cmd, group_alive, job_env, kill_group, metrics, run_job, start_job, wait_for, wandb_records)
+from dist_utils import (REPO, deepspeed_cmd, group_alive, job_env, kill_group, metrics, run_job, start_job,
+                        wait_for, wandb_records)
 from pretrain import checkpoint
 from pretrain.export import export, load_run_weights
 from pretrain.model import create_model

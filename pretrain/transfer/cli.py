@@ -57,11 +57,9 @@ def parser() -> argparse.ArgumentParser:
 def explicit_model_keys(config_path: Optional[str], overrides: list[str], model_cfg) -> dict:
     """Architecture keys the user set (config file or override): they override what the
     checkpoint says. Values come from the validated ``model_cfg``."""
-    from pretrain.config import _load_tree, apply_overrides
+    from pretrain.config import raw_tree
 
-    origin: dict = {}
-    tree = _load_tree(Path(config_path), origin) if config_path else {}
-    tree = apply_overrides(tree, list(overrides), origin)
+    tree = raw_tree(config_path, overrides)
     given = tree.get("model") if isinstance(tree.get("model"), dict) else {}
     return {k: getattr(model_cfg, k) for k in ARCH_KEYS if k in given}
 
