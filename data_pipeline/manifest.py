@@ -27,6 +27,7 @@ from typing import Optional, Union
 import braceexpand
 
 from data_pipeline.errors import DataError
+from pretrain.files import write_atomic
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "vitscale-shards"
@@ -74,11 +75,7 @@ def local_path(url: str) -> str:
 def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
     """Atomically write ``manifest.json`` (temp name + rename): it is the last file a job writes,
     so its presence means every shard it lists is complete."""
-    path = Path(out_dir) / MANIFEST_NAME
-    tmp = path.with_name(f".{MANIFEST_NAME}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(out_dir) / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
 
 
 def _read_text(url: str, allow_remote: bool, key: str) -> str:

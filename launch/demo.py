@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from launch.runner import deepspeed_executable
+
 BIN = Path(sys.executable).parent
 
 
@@ -70,14 +72,13 @@ def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision:
 
     run_dir = out / "run"
     gpus = torch.cuda.device_count()
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(min(gpus, ranks) if gpus else ranks),
+    cmd = [deepspeed_executable(), "--num_gpus", str(min(gpus, ranks) if gpus else ranks),
            "--module", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
            f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
            f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
            f"checkpoint.every_steps={max(10, steps // 4)}", *extra]
+    # the venv first on PATH: DeepSpeed JIT-builds its CPU op with the `ninja` it finds there
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
-    if not gpus:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     run(cmd, env)
     return run_dir
 

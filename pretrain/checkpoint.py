@@ -28,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from pretrain.files import write_atomic
 from pretrain.weights import LoadReport, WeightsError, load_weights, read_state_dict
 
 __all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "save", "resume",
@@ -95,9 +96,7 @@ def set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------------------------- save/resume
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj))
 
 
 def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict, keep_last: int) -> Path:
@@ -119,9 +118,7 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     dist.barrier()
     if rank == 0:
         _write_json(path / COMPLETE, {"step": step})
-        tmp = ckpt_dir / "latest.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, ckpt_dir / "latest")
+        write_atomic(ckpt_dir / "latest", tag)
         _prune(ckpt_dir, keep_last)
     dist.barrier()
     return path

@@ -373,7 +373,7 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
     img = m.img_size or d["img_size"]
     if img <= 0:
         fail("model.img_size", f"must be positive, got {img}")
-    patch = d["patch_size"] * d.get("stem_stride", 1)
+    patch = d["stride"]
     if img % patch:
         fail("model.img_size", f"patch size {patch} of {m.name} does not divide image size {img}")
     if m.num_classes < 0:
@@ -460,12 +460,9 @@ def to_dict(cfg: Any) -> dict:
 
 def save_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config (every key, defaults included) as YAML."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
-    return path
+    from pretrain.files import write_atomic
+
+    return write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def from_dict(tree: dict) -> Config:

@@ -118,6 +118,15 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     return engine, ds_cfg
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it), for a local rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed() -> tuple[int, int, int]:
     """(rank, local_rank, world_size). Starts the process group when launched by a runner; a
     plain ``python -m pretrain.train`` becomes a world of one (DeepSpeed still wants a group)."""
@@ -130,11 +139,7 @@ def init_distributed() -> tuple[int, int, int]:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     deepspeed.init_distributed(verbose=False)
     import torch.distributed as dist
 

@@ -77,8 +77,7 @@ def load_run_weights(run_dir: str | Path, step: Optional[int] = None) -> tuple[d
     run = json.loads((ckpt / "run.json").read_text())
     cfg = from_dict(run["config"])
     img = image_size(cfg.model)
-    d = model_defaults(cfg.model.name)
-    stride = d["patch_size"] * d.get("stem_stride", 1)
+    stride = model_defaults(cfg.model.name)["stride"]
     info = {"model": run["config"]["model"], "step": run["step"], "wandb_run_id": run.get("wandb_run_id"),
             "img_size": img, "grid_size": [img // stride, img // stride], "checkpoint": str(ckpt),
             "run_dir": str(Path(cfg.train.output_dir))}

@@ -318,9 +318,10 @@ def model_defaults(name: str) -> dict:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(list_models())}")
     v = _REGISTRY[name]
     d = dict(patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth, num_heads=v.num_heads,
-             img_size=v.img_size)
+             img_size=v.img_size, stride=v.patch_size)  # stride: input pixels per token, per side
     if v.stem_layers:
         d["stem_stride"] = 16
+        d["stride"] = v.patch_size * 16
     return d
 
 

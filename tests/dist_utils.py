@@ -4,21 +4,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launch.runner import deepspeed_executable
+from pretrain.engine import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(**extra) -> dict:
@@ -31,7 +27,7 @@ def job_env(**extra) -> dict:
 
 
 def deepspeed_cmd(module: str, *args: str, ranks: int = 2) -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+    return [deepspeed_executable(), "--num_gpus", str(ranks), "--master_port", str(free_port()),
             "--module", module, *args]
 
 

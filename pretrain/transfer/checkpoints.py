@@ -62,7 +62,7 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
     if not names:
         return {}
     d = model_defaults(names[0])
-    img = side * d["patch_size"] * d.get("stem_stride", 1) if side * side == n else None
+    img = side * d["stride"] if side * side == n else None
     name = next((m for m in names if model_defaults(m)["img_size"] == img), names[0])
     rep = sd.get("pre_logits.fc.weight")
     return {"name": name, "img_size": img, "global_pool": "avg" if "fc_norm.weight" in sd else "token",
@@ -147,8 +147,7 @@ def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, fine
     pre-logits layer too -- and one zero-initialised linear layer of ``num_classes`` replaces it.
     Frozen-feature protocols keep the pre-logits layer (big_vision's ``pre_logits`` representation)."""
     a = pre.arch
-    d = model_defaults(a["name"])
-    stride = d["patch_size"] * d.get("stem_stride", 1)
+    stride = model_defaults(a["name"])["stride"]
     if img_size % stride:
         raise TransferError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
     model = create_model(a["name"], num_classes=0, img_size=img_size, global_pool=a["global_pool"] or "token",

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from pretrain.files import write_atomic
 from pretrain.transfer import vtab
 from pretrain.transfer.sweep import TaskResult
 
@@ -46,12 +47,7 @@ def assemble(results: list[TaskResult], *, missing: list[str], suite: str, proto
 
 def write_json(path: str | Path, obj) -> Path:
     """Atomic: a reader (or a crash) never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(obj, indent=1))
 
 
 def _pct(x: Optional[float]) -> str:
