@@ -14,11 +14,29 @@ pre-flight checks on the first node, (4) starts the deepspeed runner:
 DeepSpeed's own ``--launcher slurm`` is not used: in 0.19 it starts ``python -u <script>``
 without ``-m`` and without the ``RANK`` / ``LOCAL_RANK`` its per-node launcher sets.
 
+On one node no hostfile is written for the runner: the job starts locally (no ssh), so every
+process of it lives inside SLURM's job step and is signalled by SLURM directly.
+
+``--gpus-per-node 0`` writes a CPU-only job (CPU partitions, tests): no GPU request, no
+``--exclusive``; ``--ranks-per-node R`` (default 1) ranks per node, ``--cpus-per-node`` CPUs.
+
+``--requeue`` adds ``#SBATCH --requeue``, ``--open-mode=append`` (a requeued job appends to its
+log) and ``#SBATCH --signal=B:TERM@<--signal-grace>``: the batch shell gets SIGTERM that many
+seconds before the time limit and forwards it to the training job's process group, so the ranks
+checkpoint at the next step and exit; ``sbatch``/``scontrol requeue`` then start it again and it
+resumes from that checkpoint, in the same W&B run. The launcher runs in the background of the
+script (``wait``, re-``wait`` after the trap) because bash runs a trap only between commands.
+
+The log folder (``--log-dir``) is created when the script is written: SLURM opens the
+``--output`` file before the script runs, and a missing folder ends the job at once
+(JobLaunchFailure).
+
 ``DRY_RUN=1 bash job.sbatch`` (inside an allocation, or with ``SLURM_JOB_NODELIST`` set) writes
 the hostfile and prints the commands instead of running them.
 """
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import sys
@@ -37,7 +55,7 @@ _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,
 class SlurmJob:
     config: str
     nodes: int
-    gpus_per_node: int
+    gpus_per_node: int  # 0: CPU-only job, ranks_per_node ranks per node
     overrides: list[str] = field(default_factory=list)
     partition: Optional[str] = None
     time: Optional[str] = None
@@ -48,23 +66,38 @@ class SlurmJob:
     master_port: Optional[int] = None  # None: derived from the job id (no clash on shared nodes)
     gpu_memory_gb: float = 80.0
     log_dir: str = "logs"
+    ranks_per_node: Optional[int] = None  # default: gpus_per_node, or 1 on a CPU-only job
+    requeue: bool = False
+    signal_grace: int = 120  # seconds before the time limit that the batch shell gets SIGTERM
+
+    @property
+    def ranks(self) -> int:
+        """Ranks (deepspeed "slots") per node."""
+        return self.ranks_per_node or self.gpus_per_node or 1
 
 
 def validate(job: SlurmJob) -> None:
     if job.nodes <= 0:
         raise LaunchError(f"--nodes must be a positive number, got {job.nodes}")
-    if job.gpus_per_node <= 0:
-        raise LaunchError(f"--gpus-per-node must be a positive number, got {job.gpus_per_node}")
+    if job.gpus_per_node < 0:
+        raise LaunchError(f"--gpus-per-node must be 0 (CPU-only) or more, got {job.gpus_per_node}")
+    if job.ranks_per_node is not None and job.ranks_per_node <= 0:
+        raise LaunchError(f"--ranks-per-node must be a positive number, got {job.ranks_per_node}")
+    if job.gpus_per_node and job.ranks_per_node and job.ranks_per_node != job.gpus_per_node:
+        raise LaunchError(f"--ranks-per-node {job.ranks_per_node} with --gpus-per-node {job.gpus_per_node}: "
+                          "one rank per GPU; leave --ranks-per-node out, or use --gpus-per-node 0 for CPU ranks")
     if job.time is not None and not _TIME.match(job.time):
         raise LaunchError(f"--time {job.time!r}: use a SLURM time such as 90, 4:00:00 or 2-00:00:00")
     if job.launcher not in ("pdsh", "srun"):
         raise LaunchError(f"--launcher {job.launcher!r}: choose pdsh or srun")
-    if job.cpus_per_node is not None and job.cpus_per_node < job.gpus_per_node:
-        raise LaunchError(f"--cpus-per-node {job.cpus_per_node} is fewer than --gpus-per-node {job.gpus_per_node}")
+    if job.cpus_per_node is not None and job.cpus_per_node < job.ranks:
+        raise LaunchError(f"--cpus-per-node {job.cpus_per_node} is fewer than the {job.ranks} rank(s) per node")
+    if job.signal_grace <= 0:
+        raise LaunchError(f"--signal-grace must be a positive number of seconds, got {job.signal_grace}")
 
 
 def _q(word: str) -> str:
-    """Shell-quote, but leave our "$VAR" words to the shell."""
+    """Shell-quote, but leave our "$VAR" / "${VAR[@]}" words to the shell."""
     return word if word.startswith('"$') else shlex.quote(word)
 
 
@@ -82,47 +115,102 @@ def _array(name: str, words: list[str], indent: str = "  ") -> str:
     return f"{name}=(\n" + "".join(f"{indent}{line}\n" for line in lines) + ")"
 
 
+def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
+    h = [f"#SBATCH --job-name={name}", f"#SBATCH --nodes={job.nodes}",
+         "#SBATCH --ntasks-per-node=1"]  # one runner per node; it starts the node's ranks
+    if job.gpus_per_node:
+        h += [f"# older SLURM without --gpus-per-node: use #SBATCH --gres=gpu:{job.gpus_per_node} instead",
+              f"#SBATCH --gpus-per-node={job.gpus_per_node}", "#SBATCH --exclusive"]
+    h.append(f"#SBATCH --output={log_dir}/%x-%j.out")
+    if job.cpus_per_node:
+        h.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
+    for flag, v in (("partition", job.partition), ("time", job.time), ("account", job.account)):
+        if v:
+            h.append(f"#SBATCH --{flag}={v}")
+    if job.requeue:
+        h += ["# pre-emption / requeue: start again later, resuming from the last checkpoint (same W&B run)",
+              "#SBATCH --requeue", "#SBATCH --open-mode=append",
+              f"# SIGTERM to this script {job.signal_grace} s before the time limit; it forwards it to the job",
+              f"#SBATCH --signal=B:TERM@{job.signal_grace}"]
+    return h
+
+
+# The launcher runs in the background so that the TERM trap runs at once (bash runs traps only
+# between commands); the job gets its own process group (setsid), which the trap signals as a
+# whole: the runner/supervisor, the node's launcher and ranks (they checkpoint at the next step).
+_START = """\
+# SIGTERM/SIGINT to this script (scancel, pre-emption, requeue, --signal=B:TERM@grace) is
+# forwarded to the job's process group: ranks checkpoint at the next step and exit.
+# Exit status of `vit-launch run`: 0 done, 2 user error, 75 interrupted (requeue is right).
+if [[ -n "${{DRY_RUN:-}}" ]]; then
+  {dry}
+else
+  JOB_PID=""
+  forward() {{
+    echo "$(date -Is) batch script: signal; SIGTERM to the job's process group" >&2
+    if [[ -n "$JOB_PID" ]]; then kill -TERM -- -"$JOB_PID" 2>/dev/null || true; fi
+  }}
+  trap forward TERM INT
+  {launch} &
+  JOB_PID=$!
+  STATUS=0; wait "$JOB_PID" || STATUS=$?
+  while kill -0 "$JOB_PID" 2>/dev/null; do  # the trap ended `wait` early: wait for the job itself
+    STATUS=0; wait "$JOB_PID" || STATUS=$?
+  done
+  # ranks may still be saving after the runner ended; SLURM kills what is left when this script
+  # ends, so give them up to {grace} s to finish
+  for ((i = 0; i < {grace}; i++)); do kill -0 -- -"$JOB_PID" 2>/dev/null || break; sleep 1; done
+  echo "$(date -Is) job exited with status $STATUS" >&2
+  exit "$STATUS"
+fi"""
+
+
 def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch") -> str:
     validate(job)
     cwd = (cwd or Path.cwd()).absolute()
     config = str(Path(job.config).absolute())
     name = job.job_name or f"vitscale-{Path(job.config).stem}"
-    logs = shlex.quote(str(cwd / job.log_dir))  # absolute: the runner resolves DS_ENV_FILE from ~
-    cmd = ds_command(config, job.overrides, job.nodes, job.gpus_per_node, no_ssh=job.launcher == "srun")
+    log_dir = (cwd / job.log_dir).absolute()
+    logs = shlex.quote(str(log_dir))  # absolute: the runner resolves DS_ENV_FILE from ~
     check = [sys.executable, "-m", "launch", "check", "--config", config, "--hostfile", '"$HOSTFILE"',
-             "--gpus-per-node", str(job.gpus_per_node), "--gpu-memory-gb", f"{job.gpu_memory_gb:g}",
-             *job.overrides]
-    header = [f"#SBATCH --job-name={name}", f"#SBATCH --nodes={job.nodes}", "#SBATCH --ntasks-per-node=1",
-              f"# older SLURM without --gpus-per-node: use #SBATCH --gres=gpu:{job.gpus_per_node} instead",
-              f"#SBATCH --gpus-per-node={job.gpus_per_node}",
-              f"#SBATCH --output={cwd / job.log_dir}/%x-%j.out", "#SBATCH --exclusive"]
-    if job.cpus_per_node:
-        header.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
-    for flag, v in (("partition", job.partition), ("time", job.time), ("account", job.account)):
-        if v:
-            header.append(f"#SBATCH --{flag}={v}")
-    port = str(job.master_port) if job.master_port else "$((20000 + SLURM_JOB_ID % 20000))"
+             "--gpus-per-node", str(job.ranks), "--gpu-memory-gb", f"{job.gpu_memory_gb:g}", *job.overrides]
     overrides = " ".join(shlex.quote(o) for o in job.overrides) or "(none)"
+    port = str(job.master_port) if job.master_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    what = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.ranks} CPU rank(s), no GPU"
     if job.launcher == "srun":
-        start = ("# one runner per node; each gets its node rank from srun (no ssh between nodes)\n"
-                 "run srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n"
-                 "  bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\"")
+        # `vit-launch run` has no --no_ssh / --node_rank: srun starts the deepspeed runner itself
+        cmd = ds_command(config, job.overrides, job.nodes, job.ranks, no_ssh=True)
+        launch_array = _array("LAUNCH", cmd)
+        run_line = ("setsid srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n"
+                    "    bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\"")
+        dry = "run srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n" \
+              "    bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\""
+        where = "# one runner per node; each gets its node rank from srun (no ssh between nodes)"
         env_file = ""
     else:
-        start = ("# the runner on this (first) node starts every node's ranks over ssh with pdsh\n"
-                 "run \"${LAUNCH[@]}\"")
+        cmd = launch_command(config, job.overrides, job.nodes, job.ranks)
+        launch_array = _array("LAUNCH", cmd) + "\n" + (
+            "# one node: no hostfile, the runner starts the ranks here (no ssh); more: pdsh over ssh\n"
+            "if (( ${#HOSTS[@]} > 1 )); then\n"
+            "  LAUNCH+=(--hostfile \"$HOSTFILE\" --num-nodes \"${#HOSTS[@]}\")\n"
+            "fi")
+        run_line = "setsid \"${LAUNCH[@]}\""
+        dry = "run \"${LAUNCH[@]}\""
+        where = "# the runner on this (first) node starts every node's ranks (over ssh with pdsh if several)"
         env_file = (
             "\n# pdsh forwards only NCCL*/PYTHON*/UCX*/MV2* variables; the runner adds the lines of DS_ENV_FILE.\n"
             f"export DS_ENV_FILE={logs}/\"deepspeed_env.$SLURM_JOB_ID\"\n"
             "env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS)=' > \"$DS_ENV_FILE\" || true\n")
+    start = _START.format(dry=dry, launch=run_line, grace=job.signal_grace)
     return f"""#!/bin/bash
-# vitscale pre-training on {job.nodes} node(s) x {job.gpus_per_node} GPU(s), written by `vit-launch slurm`.
+# vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.
 #   config:    {config}
 #   overrides: {overrides}
-#   launcher:  deepspeed runner via {job.launcher}
+#   launcher:  deepspeed runner via {job.launcher}{", requeued on pre-emption" if job.requeue else ""}
 # Submit with `sbatch {output}`; `DRY_RUN=1 bash {output}` prints the commands instead.
+# The log folder below must exist at submit time (`vit-launch slurm` created it).
 # Edit freely: the header, the NCCL block and the LAUNCH array are plain bash.
-{chr(10).join(header)}
+{chr(10).join(_header(job, name, log_dir))}
 
 set -euo pipefail
 cd {shlex.quote(str(cwd))}
@@ -133,13 +221,14 @@ run() {{  # DRY_RUN=1: print the command (shell-quoted) instead of running it
 }}
 
 # --- nodes -> DeepSpeed hostfile ("host slots=N", one line per node); rank 0 on the first node
-GPUS_PER_NODE={job.gpus_per_node}
+RANKS_PER_NODE={job.ranks}
 HOSTS=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 (( ${{#HOSTS[@]}} > 0 )) || {{ echo "no hosts in SLURM_JOB_NODELIST; submit with sbatch" >&2; exit 1; }}
 HOSTFILE={logs}/"hostfile.$SLURM_JOB_ID"
-for h in "${{HOSTS[@]}}"; do echo "$h slots=$GPUS_PER_NODE"; done > "$HOSTFILE"
+for h in "${{HOSTS[@]}}"; do echo "$h slots=$RANKS_PER_NODE"; done > "$HOSTFILE"
 MASTER_ADDR="${{HOSTS[0]}}"
 MASTER_PORT="${{MASTER_PORT:-{port}}}"
+echo "$(date -Is) job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on ${{HOSTS[*]}}" >&2
 
 # --- NCCL / PyTorch distributed defaults; a value already in the environment wins
 export NCCL_DEBUG="${{NCCL_DEBUG:-WARN}}"   # INFO to debug a hang or a slow ring; not for production runs
@@ -151,16 +240,25 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}}"
 # export NCCL_IB_HCA=mlx5            # InfiniBand / RoCE adapters to use (default: all found)
 # export NCCL_IB_DISABLE=1           # only on clusters without InfiniBand / RoCE
 # CPU threads per rank: the node's CPUs split over its ranks (data-loader workers are processes)
-_threads=$(( ${{SLURM_CPUS_ON_NODE:-$GPUS_PER_NODE}} / GPUS_PER_NODE ))
+_threads=$(( ${{SLURM_CPUS_ON_NODE:-$RANKS_PER_NODE}} / RANKS_PER_NODE ))
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( _threads > 0 ? _threads : 1 ))}}"
 {env_file}
 # --- pre-flight: shards, manifest, run dir, batch arithmetic, memory estimate (no GPU claimed)
 run {" ".join(_q(w) for w in check)}
 
 # --- the training job
-{_array("LAUNCH", cmd)}
+{launch_array}
+{where}
 {start}
 """
+
+
+def launch_command(config: str, overrides: list[str], nodes: int, ranks_per_node: int) -> list[str]:
+    """``vit-launch run`` (our supervisor of the deepspeed runner) for the script; the script adds
+    ``--hostfile`` on a multi-node allocation. The pre-flight already ran, hence --skip-checks."""
+    return [sys.executable, "-m", "launch", "run", "--gpus-per-node", str(ranks_per_node),
+            "--master-addr", '"$MASTER_ADDR"', "--master-port", '"$MASTER_PORT"', "--skip-checks",
+            "--config", config, *overrides]
 
 
 def ds_command(config: str, overrides: list[str], nodes: int, gpus_per_node: int, no_ssh: bool) -> list[str]:
@@ -174,10 +272,78 @@ def ds_command(config: str, overrides: list[str], nodes: int, gpus_per_node: int
 
 
 def write(job: SlurmJob, output: str | Path) -> Path:
+    """Write the script, and create its log folder: SLURM opens the ``--output`` file before the
+    script runs, so the folder must exist when ``sbatch`` is called."""
     text = render(job, output=str(output))
     out = Path(output)
     if out.parent and not out.parent.is_dir():
         raise LaunchError(f"--output {out}: folder {out.parent} does not exist")
+    Path(job.log_dir).absolute().mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.chmod(0o755)
     return out
+
+
+# --------------------------------------------------------------------------- `vit-launch slurm`
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``vit-launch slurm`` (besides --config, overrides and --gpu-memory-gb)."""
+    ap.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    ap.add_argument("--gpus-per-node", type=int, required=True,
+                    help="GPUs (ranks) per node; 0: a CPU-only job (no GPU request, see --ranks-per-node)")
+    ap.add_argument("--ranks-per-node", type=int,
+                    help="ranks per node of a CPU-only job (default 1); with GPUs it is --gpus-per-node")
+    ap.add_argument("--partition", help="SLURM partition")
+    ap.add_argument("--time", help="time limit, e.g. 4:00:00 or 2-00:00:00")
+    ap.add_argument("--account", help="SLURM account")
+    ap.add_argument("--job-name", help="default: vitscale-<config name>")
+    ap.add_argument("--cpus-per-node", type=int, help="CPUs to request per node")
+    ap.add_argument("--launcher", default="pdsh", choices=["pdsh", "srun"],
+                    help="pdsh: runner on the first node over ssh (default); srun: one runner per node")
+    ap.add_argument("--master-port", type=int, help="default: 20000 + job id %% 20000")
+    ap.add_argument("--log-dir", default="logs", help="job output, hostfile (default logs/; created now)")
+    ap.add_argument("--requeue", action="store_true",
+                    help="requeue on pre-emption; SIGTERM --signal-grace s before the time limit")
+    ap.add_argument("--signal-grace", type=int, default=120,
+                    help="seconds before the time limit that the job is told to checkpoint (default 120)")
+    ap.add_argument("--output", required=True, help="sbatch script to write")
+
+
+def job_from_args(args) -> SlurmJob:
+    return SlurmJob(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                    overrides=list(args.overrides), partition=args.partition, time=args.time,
+                    account=args.account, job_name=args.job_name, cpus_per_node=args.cpus_per_node,
+                    launcher=args.launcher, master_port=args.master_port, gpu_memory_gb=args.gpu_memory_gb,
+                    log_dir=args.log_dir, ranks_per_node=getattr(args, "ranks_per_node", None),
+                    requeue=getattr(args, "requeue", False), signal_grace=getattr(args, "signal_grace", 120))
+
+
+def command(args) -> int:
+    """``vit-launch slurm``: check the config, write the script and its log folder."""
+    from pretrain.config import load_config
+
+    load_config(args.config, args.overrides)  # a bad key fails here, not after the queue wait
+    job = job_from_args(args)
+    out = write(job, args.output)
+    what = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.ranks} CPU rank(s)"
+    print(f"wrote {out}: {job.nodes} node(s) x {what}, launcher {job.launcher}"
+          f"{', --requeue' if job.requeue else ''}; logs in {Path(job.log_dir).absolute()}; submit with: sbatch {out}")
+    return 0
+
+
+def main(argv=None) -> None:
+    """``python -m launch.slurm`` = ``vit-launch slurm``."""
+    from data_pipeline.errors import DataError, Parser, cli_errors
+
+    ap = Parser(prog="vit-launch slurm", description="Write an sbatch script for a vitscale pre-training job.")
+    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="for the pre-flight memory estimate")
+    add_arguments(ap)
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    with cli_errors(ap.prog, DataError, LaunchError, OSError):
+        code = command(args)
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """`vit-launch slurm`: the sbatch script is valid bash, turns SLURM_JOB_NODELIST into a hostfile the
 runner accepts, and starts the runner with the right layout. The script really runs under bash
-in DRY_RUN mode; only `scontrol` (SLURM itself, absent here) is stood in for by a tiny script."""
+in DRY_RUN mode; only `scontrol` (SLURM itself) is stood in for by a tiny script here. Real sbatch
+jobs (CPU-only, requeue) run in tests/cluster (`make test-cluster`)."""
 import os
 import shlex
 import subprocess
@@ -11,6 +12,7 @@ from deepspeed.launcher.runner import parse_args as runner_parse_args
 
 from launch.cli import main
 from launch.hostfile import parse_hostfile
+from launch.slurm import main as slurm_main
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -25,16 +27,25 @@ def write_script(tmp_path, capsys, *extra):
     return out
 
 
-def dry_run_script(tmp_path, script):
+def write_new(tmp_path, capsys, *args):
+    """`vit-launch slurm` with the options launch/slurm.py adds (CPU-only, requeue)."""
+    out = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as e:
+        slurm_main(["--config", CONFIG, "--log-dir", str(tmp_path / "logs"), "--output", str(out), *args])
+    assert e.value.code == 0, capsys.readouterr().err
+    return out
+
+
+def dry_run_script(tmp_path, script, nodes=("gpu07", "gpu08"), cpus=32):
     """Run the script as sbatch would on the first node, with a stand-in scontrol."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "scontrol"
     # `scontrol show hostnames gpu[07-08]` prints one host per line
-    fake.write_text('#!/bin/bash\n[[ "$1 $2 $3" == "show hostnames gpu[07-08]" ]] && printf "gpu07\\ngpu08\\n"\n')
+    fake.write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "%s\\n" ' + " ".join(nodes) + "\n")
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DRY_RUN="1", SLURM_JOB_NODELIST="gpu[07-08]",
-               SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_CPUS_ON_NODE="32")
+               SLURM_JOB_ID="4242", SLURM_NNODES=str(len(nodes)), SLURM_CPUS_ON_NODE=str(cpus))
     env.pop("MASTER_PORT", None)
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -53,6 +64,13 @@ def test_script_header_and_syntax(tmp_path, capsys):
     assert os.access(script, os.X_OK)
 
 
+def runner_argv(launch):
+    """The deepspeed runner argv that the script's `vit-launch run ...` line becomes (its --dry-run)."""
+    r = subprocess.run([*launch, "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return shlex.split(r.stdout.strip().splitlines()[-1])
+
+
 def test_pdsh_script_builds_hostfile_and_runs_the_runner_on_the_first_node(tmp_path, capsys):
     lines = dry_run_script(tmp_path, write_script(tmp_path, capsys))
     hostfile = tmp_path / "logs" / "hostfile.4242"
@@ -61,7 +79,9 @@ def test_pdsh_script_builds_hostfile_and_runs_the_runner_on_the_first_node(tmp_p
     assert dict(_parse_hostfile(hostfile.read_text().splitlines())) == {"gpu07": 4, "gpu08": 4}
     check, launch = (shlex.split(x) for x in lines)
     assert check[1:5] == ["-m", "launch", "check", "--config"] and str(hostfile) in check
-    a = runner_parse_args(launch[1:])
+    # the script starts our supervisor, `vit-launch run` (python -m launch run), with the hostfile
+    assert launch[1:4] == ["-m", "launch", "run"] and "--skip-checks" in launch
+    a = runner_parse_args(runner_argv(launch)[1:])
     assert (a.hostfile, a.num_nodes, a.num_gpus, a.master_addr) == (str(hostfile), 2, 4, "gpu07")
     assert a.master_port == 20000 + 4242 % 20000  # per job: two jobs sharing a node do not collide
     assert not a.no_ssh and a.user_script == "pretrain.train"
@@ -70,6 +90,61 @@ def test_pdsh_script_builds_hostfile_and_runs_the_runner_on_the_first_node(tmp_p
     env_file = tmp_path / "logs" / "deepspeed_env.4242"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in env_file.read_text().splitlines()
     assert "OMP_NUM_THREADS=8" in env_file.read_text().splitlines()  # 32 CPUs / 4 ranks
+
+
+def test_log_folder_is_created_when_the_script_is_written(tmp_path, capsys):
+    """SLURM opens --output before the script runs: a missing folder is JobLaunchFailure."""
+    script = write_script(tmp_path, capsys)
+    assert (tmp_path / "logs").is_dir()
+    assert f"#SBATCH --output={tmp_path / 'logs'}/%x-%j.out" in script.read_text().splitlines()
+
+
+def test_cpu_only_job_asks_for_no_gpu_and_runs_locally_on_one_node(tmp_path, capsys):
+    script = write_new(tmp_path, capsys, "--nodes", "1", "--gpus-per-node", "0", "--ranks-per-node", "2",
+                       "--cpus-per-node", "8", "optim.lr=3e-4")
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "#SBATCH --cpus-per-task=8" in text.splitlines() and "#SBATCH --ntasks-per-node=1" in text.splitlines()
+    for gpu_line in ("--gpus-per-node=", "--gres", "--exclusive"):
+        assert not any(line.startswith("#SBATCH") and gpu_line in line for line in text.splitlines()), gpu_line
+    assert "#SBATCH --requeue" not in text
+    lines = dry_run_script(tmp_path, script, nodes=("cpu01",), cpus=8)
+    assert (tmp_path / "logs" / "hostfile.4242").read_text() == "cpu01 slots=2\n"
+    check, launch = (shlex.split(x) for x in lines)
+    assert check[check.index("--gpus-per-node") + 1] == "2"
+    assert "--hostfile" not in launch  # one node: no ssh, the ranks start here inside the job step
+    argv = runner_argv(launch)
+    assert "--hostfile" not in argv
+    a = runner_parse_args(argv[1:])
+    assert a.num_gpus == 2 and a.user_script == "pretrain.train"
+    env_file = tmp_path / "logs" / "deepspeed_env.4242"
+    assert "OMP_NUM_THREADS=4" in env_file.read_text().splitlines()  # 8 CPUs / 2 ranks
+
+
+def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, capsys):
+    script = write_new(tmp_path, capsys, "--nodes", "2", "--gpus-per-node", "8", "--requeue",
+                       "--signal-grace", "300")
+    text = script.read_text().splitlines()
+    for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:TERM@300",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive"):
+        assert line in text, line
+    body = "\n".join(text)
+    # the launcher runs in its own process group in the background; the trap forwards TERM to it
+    assert "trap forward TERM INT" in body and 'kill -TERM -- -"$JOB_PID"' in body
+    assert 'setsid "${LAUNCH[@]}" &' in body and 'wait "$JOB_PID"' in body
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus-per-node", "-1"], "--gpus-per-node must be 0 (CPU-only) or more"),
+    (["--gpus-per-node", "4", "--ranks-per-node", "2"], "one rank per GPU"),
+    (["--gpus-per-node", "0", "--ranks-per-node", "4", "--cpus-per-node", "2"], "fewer than the 4 rank(s)"),
+    (["--gpus-per-node", "0", "--requeue", "--signal-grace", "0"], "--signal-grace must be a positive"),
+])
+def test_bad_options_are_one_line(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        slurm_main(["--config", CONFIG, "--nodes", "1", "--output", str(tmp_path / "j.sbatch"), *args])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
 def test_srun_script_starts_one_runner_per_node_without_ssh(tmp_path, capsys):
