@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.vitscale-installed
 # the venv's tools first (deepspeed, ninja for DeepSpeed's JIT-built CPU op, console scripts)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test install clean
+.PHONY: demo test test-cluster cluster-packages install clean
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,25 @@ demo: $(STAMP)
 	$(PY) -m launch.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not cluster" tests
+
+# Real sshd + pdsh (two loopback "nodes") and a one-machine SLURM (munged, slurmctld, slurmd),
+# all started by the tests' fixtures on high ports of 127.0.0.1/127.0.0.2 and stopped by PID.
+# Needs root or sudo for the Debian packages and the daemons; under 15 minutes on 2 cores.
+CLUSTER_PKGS := openssh-server pdsh slurm-wlm munge
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+cluster-packages:
+	@missing=""; for p in $(CLUSTER_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+test-cluster: cluster-packages $(STAMP)
+	$(SUDO) env PATH="$(PATH)" $(PY) -m pytest -q -m cluster tests/cluster
 
 clean:
 	rm -rf demo_out runs .pytest_cache

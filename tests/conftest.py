@@ -19,6 +19,7 @@ if not os.environ.get("PATH", "").startswith(_bin + os.pathsep):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (runs only where one is present)")
+    config.addinivalue_line("markers", "cluster: real sshd/pdsh/SLURM daemons (make test-cluster; not in make test)")
     config.addinivalue_line("markers", "slow: multi-process DeepSpeed runs (part of the default suite)")
 
 

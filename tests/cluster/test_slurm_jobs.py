@@ -1,0 +1,152 @@
+"""Real sbatch jobs on a one-machine SLURM (munged, slurmctld, slurmd of our own; see conftest.py),
+with scripts written by `vit-launch slurm` for a CPU-only partition: 1 node, 2 ranks.
+
+Launcher: the script's default (pdsh). On a one-node allocation the script passes no hostfile, so
+the deepspeed runner starts both ranks locally without ssh and every process of the job lives in
+SLURM's batch step, where SLURM's own signals (scancel, requeue, pre-emption) reach them. (srun
+would work as well; pdsh is what users get by default, so that is what is tested.)
+
+Requeue: ``scontrol requeue`` ends the running job the way a pre-emption does (SIGTERM to every
+process of the job, SIGKILL after KillWait) and puts it back in the queue. SLURM then holds a
+requeued job for about two minutes (BeginTime = now + 121 s here); the test lifts that hold with
+``scontrol update JobId=J StartTime=now`` to keep the tier short.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, kill_pids, procs, train_overrides, wait_until
+
+from pretrain import checkpoint
+
+pytestmark = pytest.mark.cluster
+
+
+def write_script(tmp_path, manifest, run_dir, *extra_cli, overrides=()):
+    out = tmp_path / "job.sbatch"
+    logs = tmp_path / "logs"  # does not exist yet: `vit-launch slurm` must create it
+    r = subprocess.run([sys.executable, "-m", "launch.slurm", "--config", "configs/tiny_cpu.yaml", "--nodes", "1",
+                        "--gpus-per-node", "0", "--ranks-per-node", "2", "--cpus-per-node", str(os.cpu_count()),
+                        "--log-dir", str(logs), "--output", str(out), *extra_cli,
+                        *train_overrides(manifest, run_dir, *overrides)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert logs.is_dir(), "the log folder must exist before sbatch"
+    text = out.read_text()
+    assert "--gpus-per-node=" not in text and "--gres" not in text and "--exclusive" not in text
+    return out, logs
+
+
+def job_env(slurm):
+    env = {**os.environ, **slurm.env, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    for k in ("VITSCALE_FAULT", "OMP_NUM_THREADS", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def submit(slurm, script) -> str:
+    r = subprocess.run(["sbatch", "--parsable", str(script)], cwd=REPO, env=job_env(slurm), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, f"sbatch: {r.stderr}"
+    return r.stdout.strip().split(";")[0]
+
+
+def state(slurm, job_id) -> str:
+    return slurm.job(job_id).get("JobState", "?")
+
+
+def wait_state(slurm, job_id, states, timeout, logs):
+    try:
+        return wait_until(lambda: state(slurm, job_id) in states and state(slurm, job_id), timeout,
+                          f"job {job_id} to reach {states}", 1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; now {slurm.job(job_id)}\n{job_log(logs)[-4000:]}\n{slurm.log()[-3000:]}") from None
+
+
+def job_log(logs) -> str:
+    return "\n".join(p.read_text() for p in sorted(logs.glob("*.out")))
+
+
+@pytest.fixture
+def jobs(slurm):
+    """Job ids submitted by the test; cancelled at teardown, and any process of theirs killed."""
+    ids, run_dirs = [], []
+    yield ids, run_dirs
+    for j in ids:
+        slurm.cmd("scancel", "--full", j, check=False)
+    for j in ids:
+        try:
+            wait_until(lambda: state(slurm, j) not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED"), 90, "cancel", 1)
+        except AssertionError:
+            pass
+    table = procs()
+    kill_pids({p for p, (_, _, cmd) in table.items() if any(str(d) in cmd for d in run_dirs)})
+
+
+def test_sbatch_cpu_job_trains(slurm, jobs, demo_manifest, tmp_path):
+    ids, run_dirs = jobs
+    run_dir = tmp_path / "run"
+    run_dirs.append(run_dir)
+    script, logs = write_script(tmp_path, demo_manifest, run_dir, overrides=("train.steps=10",
+                                                                                 "checkpoint.every_steps=10"))
+    job = submit(slurm, script)
+    ids.append(job)
+    final = wait_state(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+                       400, logs)
+    out = job_log(logs)
+    assert final == "COMPLETED", f"{slurm.job(job)}\n{out[-4000:]}"
+    assert "vit-train:" in out and "on 2 rank(s)" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 10 and summary["world_size"] == 2, summary
+    assert (logs / f"hostfile.{job}").read_text() == "localhost slots=2\n"
+
+
+def test_requeued_job_resumes_in_the_same_wandb_run(slurm, jobs, demo_manifest, tmp_path):
+    ids, run_dirs = jobs
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run_dirs.append(run_dir)
+    steps = 60
+    script, logs = write_script(tmp_path, demo_manifest, run_dir, "--requeue", "--signal-grace", "60",
+                                overrides=(f"train.steps={steps}", "checkpoint.every_steps=5", "checkpoint.keep_last=3"))
+    text = script.read_text()
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:TERM@60" in text
+    job = submit(slurm, script)
+    ids.append(job)
+
+    def first_checkpoint():
+        if state(slurm, job) not in ("PENDING", "RUNNING", "CONFIGURING"):
+            raise AssertionError(f"job {job} is {slurm.job(job)} before its first checkpoint\n{job_log(logs)[-4000:]}")
+        return checkpoint.latest_complete(ckpts) if ckpts.is_dir() else None
+    wait_until(first_checkpoint, 300, "the first complete checkpoint", 0.3)
+    run_id = json.loads((checkpoint.latest_complete(ckpts) / "run.json").read_text())["wandb_run_id"]
+    assert run_id
+
+    slurm.cmd("scontrol", "requeue", job)
+    wait_state(slurm, job, ("PENDING",), 180, logs)  # after KillWait at most: the old processes are gone
+    info = slurm.job(job)
+    assert info.get("Restarts") == "1", info
+    saved = checkpoint.latest_complete(ckpts)
+    saved_step = json.loads((saved / "run.json").read_text())["step"]
+    assert saved_step < steps, "the job finished before the requeue; raise train.steps"
+    leftovers = {p for p, (_, _, cmd) in procs().items() if str(run_dir) in cmd}
+    assert not leftovers, f"processes of the requeued job still alive: {leftovers}"
+
+    slurm.cmd("scontrol", "update", f"JobId={job}", "StartTime=now")  # lift SLURM's ~2 min requeue hold
+    final = wait_state(slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 400, logs)
+    out = job_log(logs)
+    assert final == "COMPLETED", f"{slurm.job(job)}\n{out[-4000:]}"
+    assert "(restart 0)" in out and "(restart 1)" in out, out[-3000:]  # --open-mode=append kept both runs' log
+    m = re.findall(r"resuming from step (\d+)", out)
+    assert m and int(m[-1]) == saved_step, (m, saved_step, out[-3000:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == steps and summary["resumed_from"] == saved_step, summary
+    # the same W&B run before and after the requeue
+    final_id = json.loads((checkpoint.latest_complete(ckpts) / "run.json").read_text())["wandb_run_id"]
+    assert final_id == run_id
+    assert str(summary["wandb_dir"]).endswith(run_id), summary["wandb_dir"]
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) >= 2 and all(d.name.endswith(run_id) for d in runs), runs
