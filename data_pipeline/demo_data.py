@@ -15,8 +15,10 @@ but no class is shared (linear probe on those features: 99% against 87% from a r
 Every image is a pure function of (split, seed, index): generation is parallel, order-free and
 fast (about 1 ms per image on one core, JPEG encoding included).
 
-    write_demo_shards("demo_out/shards/train", split="train")            # 4096 images, 16 shards
-    write_demo_shards("demo_out/shards/transfer-train", split="transfer-train")
+    classes, items = demo_items("train")            # 4096 images of the 10 pre-training shapes
+    items[0].image()                                # a PIL image, drawn on demand
+
+Writing them as shards: ``vit-shards --source demo`` or ``write_shards.write_demo_shards``.
 """
 from __future__ import annotations
 
@@ -178,27 +180,3 @@ def demo_items(split: str, n: int | None = None, seed: int = 0):
     classes, default_n, _ = SPLITS[split]
     n = default_n if n is None else n
     return list(classes), [DemoItem(split, seed, i, (i % len(classes),)) for i in range(n)]
-
-
-def demo_source(kind: str, split: str):
-    """``--source demo --split train|val`` and ``--source demo-transfer --split train|test``."""
-    from data_pipeline.sources import Source
-
-    name = split if kind == "demo" else f"transfer-{split}"
-    valid = ("train", "val") if kind == "demo" else ("train", "test")
-    if split not in valid:
-        raise DataError(f"--split {split}: --source {kind} has splits {' and '.join(valid)}")
-    classes, items = demo_items(name)
-    return Source(kind, classes, items)
-
-
-def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard_size: int = 256,
-                      seed: int = 0, quality: int = 90, workers: int = 1, progress: bool = False) -> dict:
-    """Write a demo split as shards + manifest.json into ``out_dir``; returns the manifest."""
-    from data_pipeline.sources import Source
-    from data_pipeline.write_shards import write_shards
-
-    classes, items = demo_items(split, n, seed)
-    source = Source(f"demo:{split}", classes, items)
-    return write_shards(source, out_dir, split=split, shard_size=shard_size, quality=quality,
-                        workers=workers, progress=progress)

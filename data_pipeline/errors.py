@@ -1,12 +1,24 @@
-"""Exceptions of the data pipeline.
+"""The ground floor's error types, and how every command line reports a user mistake.
 
-``DataError`` subclasses :class:`pretrain.config.ConfigError` on purpose: a wrong shard pattern or a
-missing manifest is a user mistake like a wrong config key, so ``cli_errors`` prints it as one line
-and exits 2 without a traceback, in ``vit-shards`` as in ``pretrain.train``.
+Every package above imports these (``pretrain``, ``launch``); nothing here imports upwards.
+
+* ``ConfigError``: a user mistake (config key, file, value); the message is one line and names
+  the key or file at fault. ``DataError`` (shards, manifests) and the transfer harness's
+  ``TransferError`` subclass it, so ``cli_errors`` prints any of them as one line, exit 2.
+* ``cli_errors(prog)``: the context manager each CLI's ``main`` runs its work in.
+* ``Parser``: argparse whose usage mistakes are one line (``prog: error: ...``), exit 2.
 """
 from __future__ import annotations
 
-from pretrain.config import ConfigError
+import argparse
+import contextlib
+import sys
+
+EXIT_USAGE = 2  # a user mistake: one line on stderr, no traceback
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file, an override or a command-line value; one line."""
 
 
 class DataError(ConfigError):
@@ -17,3 +29,23 @@ class DataError(ConfigError):
 class TooManyCorruptSamples(DataError):
     """The share of bad samples in an epoch exceeded ``data.max_corrupt_rate``; the message names
     the worst shards."""
+
+
+@contextlib.contextmanager
+def cli_errors(prog: str, *user_errors: type):
+    """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on
+    stderr and exit code 2; no traceback."""
+    try:
+        yield
+    except (ConfigError, FileNotFoundError, *user_errors) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (``prog: error: ...``) and exit 2, without the
+    usage block argparse prints by default."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")

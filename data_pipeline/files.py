@@ -1,8 +1,14 @@
-"""Atomic file writes: a reader, a crash or a ``kill -9`` never sees half a file."""
+"""Atomic file writes: a reader, a crash or a ``kill -9`` never sees half a file.
+
+The one place files that others read (manifests, checkpoint markers, run summaries, results) are
+written; everything above imports it from here.
+"""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
@@ -11,6 +17,14 @@ def write_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left behind when the write or rename failed
     return path
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = None) -> Path:
+    """``obj`` as JSON, atomically (see ``write_atomic``)."""
+    return write_atomic(path, json.dumps(obj, indent=indent) + ("\n" if indent is not None else ""))

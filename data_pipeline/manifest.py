@@ -27,7 +27,7 @@ from typing import Optional, Union
 import braceexpand
 
 from data_pipeline.errors import DataError
-from pretrain.files import write_atomic
+from data_pipeline.files import write_atomic
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "vitscale-shards"

@@ -20,6 +20,7 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
+from data_pipeline.demo_data import demo_items
 from data_pipeline.errors import DataError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
@@ -185,12 +186,20 @@ def filelist(path: str) -> Source:
     return Source(f"filelist:{path}", classes, items, multi_label=multi)
 
 
+def demo_source(kind: str, split: str):
+    """``--source demo --split train|val`` and ``--source demo-transfer --split train|test``."""
+    name = split if kind == "demo" else f"transfer-{split}"
+    valid = ("train", "val") if kind == "demo" else ("train", "test")
+    if split not in valid:
+        raise DataError(f"--split {split}: --source {kind} has splits {' and '.join(valid)}")
+    classes, items = demo_items(name)
+    return Source(kind, classes, items)
+
+
 def open_source(spec: str, split: str) -> Source:
     """``KIND:PATH`` (or ``demo`` / ``demo-transfer``) -> Source."""
     kind, _, path = spec.partition(":")
     if kind in ("demo", "demo-transfer"):
-        from data_pipeline.demo_data import demo_source
-
         return demo_source(kind, split)
     if kind not in ("imagefolder", "cifar100", "filelist"):
         raise DataError(f"--source {spec}: unknown kind {kind!r}; use imagefolder:DIR, cifar100:PATH, "

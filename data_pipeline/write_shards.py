@@ -35,7 +35,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from data_pipeline.errors import DataError
+from data_pipeline.demo_data import demo_items
+from data_pipeline.sources import Source, open_source
+from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.files import write_json
 from data_pipeline.manifest import FORMAT, MANIFEST_NAME, VERSION, write_manifest
 
 PROGRESS_NAME = ".vit-shards-progress.json"
@@ -95,12 +98,6 @@ def _member_bytes(n: int) -> int:
     return _TAR_BLOCK + -(-n // _TAR_BLOCK) * _TAR_BLOCK
 
 
-def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
 class _ShardSink:
     """Writes samples into ``<split>-NNNNNN.tar`` files: each under a temporary name, fsynced and
     renamed when complete, then recorded in the progress file (finished shards + where the next
@@ -131,7 +128,7 @@ class _ShardSink:
         os.replace(tmp, self.out / name)
         self.shards.append({"name": name, "samples": self.count, "bytes": (self.out / name).stat().st_size,
                             "end": end, "skipped": dict(self.skipped)})
-        _atomic_json(self.out / PROGRESS_NAME, {"job": self.job, "shards": self.shards})
+        write_json(self.out / PROGRESS_NAME, {"job": self.job, "shards": self.shards})
         self.current = None
 
     def abandon(self) -> None:
@@ -243,12 +240,16 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     return manifest
 
 
+def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard_size: int = 256,
+                      seed: int = 0, quality: int = 90, workers: int = 1, progress: bool = False) -> dict:
+    """Write a demo split as shards + manifest.json into ``out_dir``; returns the manifest."""
+    classes, items = demo_items(split, n, seed)
+    source = Source(f"demo:{split}", classes, items)
+    return write_shards(source, out_dir, split=split, shard_size=shard_size, quality=quality,
+                        workers=workers, progress=progress)
+
+
 # -------------------------------------------------------------------------------------- CLI
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would also print the usage)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _bytes(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().rstrip("b")
@@ -270,9 +271,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    from pretrain.config import cli_errors
-
-    p = _Parser(prog="vit-shards", description="Write WebDataset shards + manifest.json.")
+    p = Parser(prog="vit-shards", description="Write WebDataset shards + manifest.json.")
     p.add_argument("--source", required=True,
                    help="imagefolder:DIR | cifar100:PATH | filelist:FILE | demo | demo-transfer")
     p.add_argument("--output", required=True, help="folder for the shards and manifest.json")
@@ -290,7 +289,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quality > 100:
         p.error(f"argument --quality: expected 1..100, got {args.quality}")
-    from data_pipeline.sources import open_source
 
     with cli_errors("vit-shards"):
         try:

@@ -21,18 +21,11 @@ import argparse
 import os
 import sys
 
-from pretrain.config import cli_errors, load_config
+from data_pipeline.errors import Parser, cli_errors
+from pretrain.config import load_config
 
 PROG = "vit-launch"
 COMMANDS = ("run", "check", "slurm", "sweep")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line (``vit-launch: error: ...``), exit 2."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
@@ -55,7 +48,7 @@ def _resources(ap: argparse.ArgumentParser) -> None:
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
-    ap = _Parser(prog=f"{PROG} {cmd}" if cmd != "run" else PROG,
+    ap = Parser(prog=f"{PROG} {cmd}" if cmd != "run" else PROG,
                  description="Start pre-training through the deepspeed runner, on one node or many. "
                              f"Commands: {', '.join(COMMANDS)} (default: run). See launch/cli.py.")
     _common(ap)
@@ -176,7 +169,7 @@ def cmd_sweep(args) -> int:
         return 0
     ok = True
     for r in p.runs:  # every size passes pre-flight before the first job starts
-        run_cfg = load_config(args.config, r.command[r.command.index("--config") + 2:])
+        run_cfg = load_config(args.config, r.overrides)
         ok &= _preflight(run_cfg, r.world_size, args.gpu_memory_gb, f"pre-flight: world size {r.world_size}")
     if not ok:
         return 2

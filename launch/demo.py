@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from launch.runner import deepspeed_executable
+from launch.runner import LaunchSpec, deepspeed_command
+from pretrain.precision import default_precision
 
 BIN = Path(sys.executable).parent
 
@@ -34,18 +35,6 @@ def run(cmd: list[str], env: dict | None = None) -> None:
     r = subprocess.run(cmd, env=env)
     if r.returncode != 0:
         sys.exit(f"demo: step failed with exit code {r.returncode}: {cmd[0]} ... (re-run `make demo` to resume)")
-
-
-def bf16_ok() -> bool:
-    """bf16 where the hardware has it: any recent GPU, or a CPU with AVX-512 BF16 / AMX."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def write_shards(out: Path, samples: int, transfer_samples: int | None) -> dict[str, Path]:
@@ -72,11 +61,11 @@ def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision:
 
     run_dir = out / "run"
     gpus = torch.cuda.device_count()
-    cmd = [deepspeed_executable(), "--num_gpus", str(min(gpus, ranks) if gpus else ranks),
-           "--module", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
-           f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
-           f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
-           f"checkpoint.every_steps={max(10, steps // 4)}", *extra]
+    spec = LaunchSpec(config="configs/tiny_cpu.yaml", gpus_per_node=min(gpus, ranks) if gpus else ranks, overrides=[
+        f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
+        f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
+        f"checkpoint.every_steps={max(10, steps // 4)}", *extra])
+    cmd = deepspeed_command(spec)
     # the venv first on PATH: DeepSpeed JIT-builds its CPU op with the `ninja` it finds there
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     run(cmd, env)
@@ -118,7 +107,7 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
     s = json.loads((run_dir / "summary.json").read_text())
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ips = [r["images_per_sec"] for r in recs[1:]] or [recs[-1]["images_per_sec"]]
-    from pretrain.checkpoint import latest_complete
+    from pretrain.rundir import latest_complete
 
     ckpt = latest_complete(s["checkpoint_dir"])
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -156,7 +145,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     out = Path(args.out)
     t0 = time.time()
-    precision = "bf16" if bf16_ok() else "fp32"
+    precision = default_precision()
     step("1/4 demo shards")
     shards = write_shards(out, args.samples, args.transfer_samples)
     step(f"2/4 pre-training ViT-Tiny/16 @ 64 px, {args.ranks} ranks, ZeRO-2, {precision}")

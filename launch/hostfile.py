@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pretrain.config import ConfigError
+from data_pipeline.errors import ConfigError
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pretrain.config import ConfigError, cli_errors
+from data_pipeline.errors import ConfigError, cli_errors
 
 
 class PlotError(ConfigError):

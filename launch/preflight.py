@@ -171,10 +171,10 @@ def _writable(path: Path) -> Optional[str]:
 
 
 def check_run_dir(cfg: Config, params: int) -> list[Finding]:
-    from pretrain.checkpoint import list_complete
+    from pretrain.rundir import RunDir, list_complete
 
-    out_dir = Path(cfg.train.output_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+    layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
+    out_dir, ckpt_dir = layout.root, layout.checkpoints
     for key, d in (("train.output_dir", out_dir), ("checkpoint.dir", ckpt_dir)):
         why = _writable(d)
         if why:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.files import write_json
 from launch.hostfile import LaunchError, local_gpu_count, parse_hostfile
 from launch.runner import LaunchSpec, deepspeed_command, shell_join
 
@@ -38,6 +39,7 @@ class SweepRun:
     gpus_per_node: int
     global_batch_size: int
     output_dir: str
+    overrides: list[str]  # the config overrides of this run (the user's, then the sweep's)
     command: list[str]
 
 
@@ -115,7 +117,7 @@ def plan(cfg, config: str, overrides: list[str], world_sizes: list[int], *, step
             extra.append(f"train.log_every_steps={max(1, steps // 5)}")
         spec = LaunchSpec(config=config, overrides=list(overrides) + extra, hostfile=hostfile,
                           num_nodes=nodes if hostfile else None, gpus_per_node=per_node, master_port=master_port)
-        runs.append(SweepRun(n, nodes, per_node, gbs, out, deepspeed_command(spec)))
+        runs.append(SweepRun(n, nodes, per_node, gbs, out, spec.overrides, deepspeed_command(spec)))
     return SweepPlan(group=group, root=root, scaling=scaling, steps=steps, runs=runs)
 
 
@@ -146,7 +148,7 @@ def cpu_thread_env(p: SweepPlan, hostfile: Optional[str]) -> Optional[dict]:
 def execute(p: SweepPlan, env: Optional[dict] = None) -> list[tuple[SweepRun, int]]:
     """Run the sweep's jobs one after the other; a failed size is reported, the rest still run."""
     Path(p.root).mkdir(parents=True, exist_ok=True)
-    (Path(p.root) / "sweep.json").write_text(json.dumps(asdict(p), indent=1) + "\n")
+    write_json(Path(p.root) / "sweep.json", asdict(p), indent=1)
     results = []
     for r in p.runs:
         print(f"\n==> world size {r.world_size}: {shell_join(r.command)}", flush=True)

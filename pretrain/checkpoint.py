@@ -1,67 +1,36 @@
 """Checkpoints: save / auto-resume of training runs, and import of weights (``load_weights``).
 
-Layout of ``checkpoint.dir``::
-
-    latest                 tag of the newest complete checkpoint (written atomically, last)
-    step_00001000/
-        ...                DeepSpeed engine state (module, ZeRO optimizer shards, LR schedule)
-        rank_00000.json    per-rank state: data-loader position, Python/NumPy/torch RNG
-        run.json           step, resolved config, W&B run id, world size (rank 0)
-        COMPLETE           written by rank 0 after every rank finished writing
-
-A checkpoint counts only once ``COMPLETE`` exists, so a crash or ``kill -9`` in the middle of a
-save leaves the previous checkpoint as the one to resume from; half-written directories are
-removed by the next successful save. Nothing here is unpickled except DeepSpeed's own files.
+A checkpoint directory (layout: ``pretrain/rundir.py``) holds DeepSpeed's engine state (module,
+ZeRO optimizer shards, LR schedule), ``rank_<R>.json`` per rank (data-loader position, Python /
+NumPy / torch RNG), ``run.json`` (step, resolved config, W&B run id, world size) and, last, the
+``COMPLETE`` marker that rank 0 writes after every rank finished, listing every file's size and
+checksum. A crash or ``kill -9`` mid-save leaves the previous checkpoint as the one to resume
+from; half-written directories are removed by the next successful save. Resume verifies the files
+against the marker and falls back past a damaged checkpoint (set aside under ``damaged/``, with a
+warning). Nothing here is unpickled except DeepSpeed's own files.
 """
 from __future__ import annotations
 
 import base64
 import json
-import os
 import random
-import re
 import shutil
-import signal
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from pretrain.files import write_atomic
+from data_pipeline.errors import ConfigError
+from data_pipeline.files import write_atomic
 from pretrain.weights import LoadReport, WeightsError, load_weights, read_state_dict
 
+from pretrain import faults
+from pretrain.rundir import COMPLETE, LATEST, latest_complete, list_complete, marker, newest_valid, set_aside, step_of, tag_for
+
 __all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "save", "resume",
-           "latest_complete", "list_complete", "tag_for"]
-
-_TAG = re.compile(r"^step_(\d+)$")
-COMPLETE = "COMPLETE"
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _step_of(path: Path) -> int:
-    m = _TAG.match(path.name)
-    return int(m.group(1)) if m else -1
-
-
-def list_complete(ckpt_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        return []
-    tags = [p for p in d.iterdir() if p.is_dir() and _TAG.match(p.name) and (p / COMPLETE).is_file()]
-    return sorted(tags, key=_step_of)
-
-
-def latest_complete(ckpt_dir: str | Path) -> Optional[Path]:
-    """The checkpoint to resume from: ``latest`` if it names a complete one, else the newest
-    complete directory (``latest`` may lag behind when a kill hit between marker and pointer)."""
-    done = list_complete(ckpt_dir)
-    return done[-1] if done else None
-
+           "latest_complete", "list_complete", "tag_for", "COMPLETE"]
 
 # ------------------------------------------------------------------------------------ RNG state
 def _b64(t: torch.Tensor) -> str:
@@ -114,11 +83,11 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
     if rank == 0:
         _write_json(path / "run.json", {**run_info, "step": step, "world_size": dist.get_world_size()})
-        _fault_point("kill_in_save", step)
+        faults.kill_in_save(step)
     dist.barrier()
     if rank == 0:
-        _write_json(path / COMPLETE, {"step": step})
-        write_atomic(ckpt_dir / "latest", tag)
+        write_atomic(path / COMPLETE, marker(step, path))
+        write_atomic(ckpt_dir / LATEST, tag)
         _prune(ckpt_dir, keep_last)
     dist.barrier()
     return path
@@ -129,26 +98,43 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
     directory left by a crash (never the newest complete one)."""
     done = list_complete(ckpt_dir)
     keep = {p.name for p in done[-keep_last:]}
-    newest = _step_of(done[-1]) if done else -1
+    newest = step_of(done[-1]) if done else -1
     for p in ckpt_dir.iterdir():
-        if not p.is_dir() or not _TAG.match(p.name) or p.name in keep:
+        if not p.is_dir() or step_of(p) is None or p.name in keep:
             continue
-        if (p / COMPLETE).exists() or _step_of(p) < newest:
+        if (p / COMPLETE).exists() or step_of(p) < newest:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, dict]]:
-    """Load the newest complete checkpoint into ``engine``; returns (run_info, this rank's state)
-    or None when there is nothing to resume. Collective."""
+def _warn(msg: str) -> None:
+    print(f"vit-train: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def choose(ckpt_dir: str | Path) -> Optional[Path]:
+    """Collective: the newest complete checkpoint whose files verify. Rank 0 verifies, sets the
+    damaged ones aside (``damaged/``, one warning each) and tells the others."""
     import torch.distributed as dist
 
-    path = latest_complete(ckpt_dir)
+    pick = [None]
+    if dist.get_rank() == 0:
+        path, damaged = newest_valid(ckpt_dir, _warn)
+        for bad, _ in damaged:
+            _warn(f"moved {bad.name} to {set_aside(bad)}")
+        pick = [str(path) if path is not None else None]
+    dist.broadcast_object_list(pick, src=0)
+    return Path(pick[0]) if pick[0] is not None else None
+
+
+def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, dict]]:
+    """Load the newest intact complete checkpoint into ``engine``; returns (run_info, this rank's
+    state) or None when there is nothing to resume. Collective."""
+    import torch.distributed as dist
+
+    path = choose(ckpt_dir)
     if path is None:
         return None
     run_info = json.loads((path / "run.json").read_text())
     if run_info["world_size"] != dist.get_world_size():
-        from pretrain.config import ConfigError
-
         raise ConfigError(
             f"{path}: saved with world size {run_info['world_size']}, now {dist.get_world_size()}; "
             "ZeRO optimizer shards are per rank (resume on the same world size, or export the "
@@ -160,22 +146,3 @@ def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, dict]]:
     rank_state = json.loads((path / f"rank_{dist.get_rank():05d}.json").read_text())
     set_rng_state(rank_state["rng"])
     return run_info, rank_state
-
-
-# -------------------------------------------------------------------------------- fault points
-def fault_steps(name: str) -> list[int]:
-    """Test hooks from ``VITSCALE_FAULT``, e.g. ``kill_in_save:6`` or ``nan_loss:3,3,5``: the steps
-    at which fault ``name`` fires, once per listed entry. Empty (and free) in normal runs."""
-    spec = os.environ.get("VITSCALE_FAULT", "")
-    for part in spec.split(";"):
-        key, _, steps = part.partition(":")
-        if key == name and steps:
-            return [int(s) for s in steps.split(",")]
-    return []
-
-
-def _fault_point(name: str, step: int) -> None:
-    """``kill_in_save:STEP`` SIGKILLs rank 0 after DeepSpeed wrote its files but before the
-    checkpoint is marked complete, to prove a crash mid-save never loses the previous one."""
-    if step in fault_steps(name):
-        os.kill(os.getpid(), signal.SIGKILL)

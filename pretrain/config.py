@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,9 +21,11 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from data_pipeline.config import AugmentConfig, DataConfig, check_data
+from data_pipeline.errors import ConfigError, cli_errors
 
-class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message is one line."""
+__all__ = ["Config", "ConfigError", "cli_errors", "load_config", "raw_tree", "to_dict", "from_dict",
+           "save_config", "image_size", "check_world_size", "DataConfig", "AugmentConfig"]
 
 
 # --------------------------------------------------------------------------------------- schema
@@ -37,39 +38,6 @@ class ModelConfig:
     drop_path_rate: float = 0.0
     representation_size: Optional[int] = None  # tanh pre-logits layer (the paper's pre-training head)
     global_pool: Literal["token", "avg"] = "token"
-
-
-@dataclass
-class AugmentConfig:
-    # Inception-style random resized crop (the paper's pre-processing) + horizontal flip.
-    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    crop_ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333333])
-    hflip: float = 0.5
-    # AugReg recipe (Steiner et al. 2021): RandAugment(num_ops, magnitude), Mixup / CutMix.
-    randaugment_ops: int = 0  # 0 disables RandAugment
-    randaugment_magnitude: int = 10
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
-    # Normalisation: big_vision / the ViT paper map pixels to [-1, 1].
-    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    eval_crop_pct: float = 0.875
-
-
-@dataclass
-class DataConfig:
-    # Brace pattern ("shards/train-{000000..000127}.tar"), a list of URLs, or a manifest.json path.
-    train_shards: Union[str, list[str], None] = None
-    val_shards: Union[str, list[str], None] = None
-    img_size: Optional[int] = None  # None: the model's resolution
-    workers: int = 4
-    shuffle_buffer: int = 2000
-    multi_label: bool = False  # sigmoid targets from <key>.json labels (ImageNet-21k / JFT style)
-    allow_remote: bool = False  # permit pipe:, http(s)://, s3://, gs:// URLs
-    max_corrupt_rate: float = 0.01  # stop the run when more than this share of samples is bad
-    max_image_pixels: int = 89_478_485  # decompression-bomb guard (PIL's default limit)
-    prefetch_factor: int = 2
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
 @dataclass
@@ -98,6 +66,10 @@ class TrainConfig:
     log_every_steps: int = 10
     max_nonfinite_steps: int = 5  # this many non-finite losses in a row stop the run
     output_dir: str = "runs/default"
+    # a rank without progress this long dumps its stacks to <output_dir>/hang/ and ends the job
+    # (the first step and checkpoints get 3x); 0 disables the watchdog
+    hang_timeout_s: float = 600.0
+    pg_timeout_s: float = 1800.0  # process-group (gloo / NCCL) collective timeout
 
 
 @dataclass
@@ -140,7 +112,7 @@ class LoggingConfig:
 class EvalConfig:
     """Transfer evaluation (``vit-transfer``, ``pretrain/transfer``). Plain keys are the settings
     used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
-    suite: Literal["cifar100", "vtab1k", "demo", "imagefolder", "shards"] = "cifar100"
+    suite: str = "cifar100"  # a name in pretrain.transfer.suites.SUITES
     protocol: Literal["finetune", "linear", "fewshot"] = "linear"
     data_root: Optional[str] = None
     tasks: list[str] = field(default_factory=list)  # vtab1k: run only these (empty: all present)
@@ -383,15 +355,7 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
             fail(key, f"must be in [0, 1), got {val}")
     if cfg.data.img_size is not None and cfg.data.img_size != img:
         fail("data.img_size", f"{cfg.data.img_size} differs from the model's image size {img}")
-    if cfg.data.workers < 0:
-        fail("data.workers", f"must be >= 0, got {cfg.data.workers}")
-    if not 0.0 <= cfg.data.max_corrupt_rate <= 1.0:
-        fail("data.max_corrupt_rate", f"must be in [0, 1], got {cfg.data.max_corrupt_rate}")
-    a = cfg.data.augment
-    if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
-        fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")
-    if len(a.mean) != 3 or len(a.std) != 3 or min(a.std) <= 0:
-        fail("data.augment.std", "mean and std need 3 channels, std > 0")
+    check_data(cfg.data, fail)
     t = cfg.train
     if t.steps < 0:
         fail("train.steps", f"must be >= 0, got {t.steps}")
@@ -402,6 +366,10 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
     if t.global_batch_size % t.micro_batch_size:
         fail("train.global_batch_size",
              f"{t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}")
+    if t.hang_timeout_s < 0:
+        fail("train.hang_timeout_s", f"must be >= 0 (0 disables the watchdog), got {t.hang_timeout_s}")
+    if t.pg_timeout_s <= 0:
+        fail("train.pg_timeout_s", f"must be positive, got {t.pg_timeout_s}")
     if t.log_every_steps <= 0:
         fail("train.log_every_steps", f"must be positive, got {t.log_every_steps}")
     o = cfg.optim
@@ -421,6 +389,32 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
         fail("checkpoint.every_steps", f"must be positive, got {cfg.checkpoint.every_steps}")
     if cfg.checkpoint.keep_last < 1:
         fail("checkpoint.keep_last", f"must be >= 1, got {cfg.checkpoint.keep_last}")
+    _check_eval(cfg.eval, fail)
+
+
+def _check_eval(ev: EvalConfig, fail) -> None:
+    from pretrain.transfer.suites import SUITES  # the registry; imports nothing of this module
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            fail(f"eval.{key}", msg)
+
+    need(ev.suite in SUITES, "suite", f"unknown suite {ev.suite!r}; choose one of {', '.join(SUITES)}")
+    need(ev.batch_size > 0, "batch_size", f"must be positive, got {ev.batch_size}")
+    need(ev.workers >= 0, "workers", f"must be >= 0, got {ev.workers}")
+    need(ev.img_size is None or ev.img_size > 0, "img_size", f"must be positive, got {ev.img_size}")
+    if ev.protocol == "finetune":
+        need(ev.steps > 0, "steps", f"must be positive, got {ev.steps}")
+        need(0 <= ev.warmup_steps < ev.steps, "warmup_steps", f"must be in [0, eval.steps={ev.steps}), got {ev.warmup_steps}")
+        need(ev.lr > 0 and all(v > 0 for v in ev.sweep_lr), "lr", "learning rates must be positive")
+        need(ev.grad_clip >= 0, "grad_clip", f"must be >= 0, got {ev.grad_clip}")
+    need(ev.linear_l2 >= 0 and all(v >= 0 for v in ev.sweep_linear_l2), "linear_l2", "must be >= 0")
+    need(ev.fewshot_l2 > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "fewshot_l2", "must be > 0")
+    need(bool(ev.fewshot_shots) and all(k > 0 for k in ev.fewshot_shots), "fewshot_shots",
+         f"must be positive shot counts, got {ev.fewshot_shots}")
+    need(ev.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {ev.fewshot_seeds}")
+    need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
+    need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:
@@ -460,7 +454,7 @@ def to_dict(cfg: Any) -> dict:
 
 def save_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config (every key, defaults included) as YAML."""
-    from pretrain.files import write_atomic
+    from data_pipeline.files import write_atomic
 
     return write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
@@ -476,18 +470,6 @@ def image_size(model: ModelConfig) -> int:
     from pretrain.model import model_defaults
 
     return model.img_size or model_defaults(model.name)["img_size"]
-
-
-@contextlib.contextmanager
-def cli_errors(prog: str, *user_errors: type):
-    """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on
-    stderr and exit code 2; no traceback."""
-    try:
-        yield
-    except (ConfigError, FileNotFoundError, *user_errors) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def main(argv=None) -> None:

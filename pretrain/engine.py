@@ -6,11 +6,11 @@ code path runs in CI on CPU and on GPU clusters.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
+from pretrain import schedule
 from pretrain.config import ConfigError, OptimConfig, TrainConfig, ZeroConfig, check_world_size
 
 
@@ -67,24 +67,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def lr_multiplier(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """Step -> factor on ``optim.lr``: linear warmup from 0, then linear / cosine decay to
-    ``optim.min_lr`` at ``total_steps`` (the paper: 10k warmup steps, linear decay)."""
-    warm = optim.warmup_steps
-    floor = optim.min_lr / optim.lr
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if optim.schedule == "constant" or total_steps <= warm:
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
-        if optim.schedule == "cosine":
-            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            decay = 1.0 - progress
-        return floor + (1.0 - floor) * decay
-
-    return f
+    """``optim``'s schedule (``pretrain.schedule``): warmup, then decay to ``optim.min_lr``."""
+    return schedule.lr_multiplier(optim.schedule, optim.warmup_steps, total_steps, optim.min_lr / optim.lr)
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, offload: bool) -> torch.optim.Optimizer:
@@ -116,31 +100,3 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_cfg)
     return engine, ds_cfg
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (the OS picks it), for a local rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size). Starts the process group when launched by a runner; a
-    plain ``python -m pretrain.train`` becomes a world of one (DeepSpeed still wants a group)."""
-    import os
-
-    import deepspeed
-
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-    deepspeed.init_distributed(verbose=False)
-    import torch.distributed as dist
-
-    return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()

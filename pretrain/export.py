@@ -19,8 +19,9 @@ from typing import Optional
 
 import torch
 
-from pretrain.checkpoint import latest_complete, list_complete, tag_for
-from pretrain.config import cli_errors, from_dict, image_size
+from data_pipeline.errors import cli_errors
+from pretrain import rundir
+from pretrain.config import from_dict, image_size
 from pretrain.model import model_defaults
 
 
@@ -29,28 +30,13 @@ class ExportError(ValueError):
 
 
 def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
-    """A complete checkpoint of a run: ``RUN_DIR`` may be the run directory, its checkpoint
-    directory, or one checkpoint (``.../step_00001000``)."""
-    p = Path(run_dir)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: run directory not found")
-    if (p / "COMPLETE").is_file():
-        return p
-    candidates = [p / "checkpoints", p]
-    if (p / "config.yaml").is_file():
-        import yaml
-
-        d = (yaml.safe_load((p / "config.yaml").read_text()) or {}).get("checkpoint", {}).get("dir")
-        if d:
-            candidates.insert(0, Path(d))
-    for d in candidates:
-        if step is not None and (d / tag_for(step) / "COMPLETE").is_file():
-            return d / tag_for(step)
-        if step is None and latest_complete(d) is not None:
-            return latest_complete(d)
-    what = f"step {step}" if step is not None else "any complete checkpoint"
-    found = [c.name for d in candidates for c in list_complete(d)]
-    raise ExportError(f"{p}: no {what}" + (f" (complete: {', '.join(found)})" if found else ""))
+    """A complete, verified checkpoint of a run (``pretrain.rundir.find_checkpoint``); a damaged
+    newest one is skipped with a warning on stderr, and left where it is (training owns it)."""
+    try:
+        return rundir.find_checkpoint(run_dir, step, warn=lambda msg: print(f"vit-export: warning: {msg}",
+                                                                             file=sys.stderr, flush=True))
+    except LookupError as e:
+        raise ExportError(str(e)) from None
 
 
 def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:

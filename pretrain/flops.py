@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from pretrain.model import VisionTransformer, create_model, list_models, model_defaults
+from pretrain.resnet_stem import stem_channels
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, without sparsity).
 PEAK_BF16_TFLOPS = {
@@ -103,10 +104,8 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     h, w = (img, img) if isinstance(img, int) else img
     d, depth, p = a["embed_dim"], a["depth"], a["patch_size"]
     if "stem_stride" in a:
-        from pretrain.model import _REGISTRY
-
-        embed, gh, gw = _stem_macs(h, w, _REGISTRY[name].stem_layers)
-        cin = 256 * 2 ** (len(_REGISTRY[name].stem_layers) - 1)
+        embed, gh, gw = _stem_macs(h, w, a["stem_layers"])
+        cin = stem_channels(a["stem_layers"])
         embed += gh * gw * cin * d
     else:
         gh, gw = h // p, w // p

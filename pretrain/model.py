@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.resnet_stem import ResNetStem
+from pretrain.resnet_stem import ResNetStem, stem_stride
 
 _Size = Union[int, tuple[int, int]]
 
@@ -312,16 +312,21 @@ def list_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def model_defaults(name: str) -> dict:
-    """Architecture of a registered variant as a dict (no tensors are built)."""
+def _variant(name: str):
     if name not in _REGISTRY:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(list_models())}")
-    v = _REGISTRY[name]
+    return _REGISTRY[name]
+
+
+def model_defaults(name: str) -> dict:
+    """Architecture of a registered variant as a dict (no tensors are built). ``stride``: input
+    pixels per token, per side; hybrids also give ``stem_layers`` and ``stem_stride``."""
+    v = _variant(name)
     d = dict(patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth, num_heads=v.num_heads,
-             img_size=v.img_size, stride=v.patch_size)  # stride: input pixels per token, per side
+             img_size=v.img_size, stride=v.patch_size, stem_layers=v.stem_layers)
     if v.stem_layers:
-        d["stem_stride"] = 16
-        d["stride"] = v.patch_size * 16
+        d["stem_stride"] = stem_stride(v.stem_layers)
+        d["stride"] = v.patch_size * d["stem_stride"]
     return d
 
 
@@ -330,9 +335,7 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size
                  representation_size: Optional[int] = None, global_pool: str = "token",
                  **kwargs) -> VisionTransformer:
     """Build a registered variant. ``with torch.device('meta'):`` builds it without memory."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(list_models())}")
-    v = _REGISTRY[name]
+    v = _variant(name)
     img_size = img_size or v.img_size
     backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3)) if v.stem_layers else None
     return VisionTransformer(

@@ -105,6 +105,15 @@ class _Stem(nn.Module):
         return F.max_pool2d(_same_pad(x, 3, 2, value=float("-inf")), 3, 2)
 
 
+def stem_stride(layers: tuple[int, ...]) -> int:
+    """Input pixels per output position of the stem: the /4 root, then /2 per stage after the first."""
+    return 4 * 2 ** (len(layers) - 1)
+
+
+def stem_channels(layers: tuple[int, ...]) -> int:
+    return 256 * 2 ** (len(layers) - 1)
+
+
 class ResNetStem(nn.Module):
     """(B, 3, H, W) -> (B, 256 * 2**(len(layers)-1), H/stride, W/stride) feature map."""
 
@@ -118,7 +127,7 @@ class ResNetStem(nn.Module):
             cin = cout
         self.stages = nn.Sequential(*stages)
         self.out_channels = cin
-        self.stride = 4 * 2 ** (len(layers) - 1)
+        self.stride = stem_stride(layers)
         self.init_weights()
 
     @torch.no_grad()

@@ -9,9 +9,7 @@ rank 0 writes metrics. Resumes automatically from the newest complete checkpoint
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -20,13 +18,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pretrain import checkpoint
+from data_pipeline.files import write_json
+from data_pipeline.workers import stop_workers
+from pretrain import checkpoint, faults, watchdog
 from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
                              save_config, to_dict)
-from pretrain.engine import init_distributed, initialize
+from pretrain.distributed import init_distributed, launched
+from pretrain.engine import initialize
 from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
+from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
 from pretrain.metrics import MetricsLogger, StepTimer, peak_memory_gb, throughput
 from pretrain.model import create_model
+from pretrain.precision import check_precision, compute_dtype
+from pretrain.rundir import RunDir
+from pretrain.watchdog import Watchdog
 
 
 class NonFiniteLoss(RuntimeError):
@@ -52,31 +57,9 @@ class NonFiniteGuard:
         return False
 
 
-class Preemption:
-    """SIGTERM (preemption, scancel) asks for a checkpoint and a clean exit at the next step."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, device) -> bool:
-        """All ranks stop together if any rank was signalled (one tiny all-reduce per step)."""
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
 # ------------------------------------------------------------------------------------- builders
 def check_machine(cfg: Config, world_size: int) -> int:
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if cfg.train.precision == "bf16" and not acc.is_bf16_supported():
-        raise ConfigError(f"train.precision=bf16: this {acc.device_name()} device does not support bf16; "
-                          "use train.precision=fp32")
+    check_precision(cfg.train.precision)
     return check_world_size(cfg.train, world_size)
 
 
@@ -104,26 +87,32 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
 
 # ----------------------------------------------------------------------------------------- loop
 def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step: int, rank: int,
-               world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float]) -> dict:
+               world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float],
+               stop: StopRequest, dog: Watchdog) -> dict:
     t, device = cfg.train, engine.device
-    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    guard, preempt, timer = NonFiniteGuard(t.max_nonfinite_steps), Preemption(), StepTimer()
+    dtype = compute_dtype(t.precision)
+    guard, timer = NonFiniteGuard(t.max_nonfinite_steps), StepTimer()
     batches = iter(loader)
     loss_sum = torch.zeros(2, device=device)  # (sum of losses, count) since the last log
-    peak, history, step, stop = peak_tflops(), [], start_step, False
-    nan_faults = checkpoint.fault_steps("nan_loss")  # test hook, empty in real runs
+    peak, history, step, stopped = peak_tflops(), [], start_step, False
+    nan_faults = faults.fault_steps("nan_loss")  # test hook, empty in real runs
 
     def save(at: int) -> None:
+        dog.beat(at, "checkpoint", slow=True)
         checkpoint.save(engine, ckpt_dir, at, rank_state={"loader": loader.state_dict()},
                         run_info={**run_info, "wandb_run_id": logger.run_id}, keep_last=cfg.checkpoint.keep_last)
 
     while step < t.steps:
         # --- one optimizer step: micro-batches until DeepSpeed reaches the accumulation boundary
+        first = step == start_step  # start-up, first collectives and JIT builds get a longer allowance
         done = False
         while not done:
+            dog.beat(step + 1, "data", slow=first)
             t0 = time.perf_counter()
             images, targets = next(batches)
             timer.add_data_wait(time.perf_counter() - t0)
+            dog.beat(step + 1, "forward", slow=first)
+            faults.hang_in_step(step + 1, rank)  # test hook
             images = images.to(device, dtype, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             loss = loss_fn(engine(images), targets, cfg.data.multi_label, cfg.optim.label_smoothing)
@@ -131,10 +120,12 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
                 nan_faults.remove(step + 1)
                 loss = loss * float("nan")
             # all ranks must agree to skip, or ZeRO's collectives would hang (a sync point)
+            dog.beat(step + 1, "agree", slow=first)
             finite = torch.isfinite(loss.detach()).float()
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             if not guard.check(bool(finite.item()), step + 1):
                 continue
+            dog.beat(step + 1, "backward", slow=first)
             done = engine.is_gradient_accumulation_boundary()
             engine.backward(loss)
             engine.step()
@@ -143,6 +134,7 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
         step += 1
 
         # --- log
+        dog.beat(step, "log")
         if step % t.log_every_steps == 0 or step == t.steps:
             dist.all_reduce(loss_sum)
             elapsed, wait_share = timer.window()
@@ -159,15 +151,16 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             loss_sum.zero_()
             timer.reset()
 
-        # --- checkpoint (periodic, final, or on preemption)
-        stop = preempt.agreed(device)
-        if step % cfg.checkpoint.every_steps == 0 or step == t.steps or stop:
+        # --- checkpoint (periodic, final, or when asked to stop: SIGTERM, SIGINT, launcher gone)
+        dog.beat(step, "stop")
+        stopped = stop.agreed(device)
+        if step % cfg.checkpoint.every_steps == 0 or step == t.steps or stopped:
             save(step)
-        if stop:
-            if rank == 0:
-                print(f"SIGTERM: saved checkpoint at step {step}; exiting", file=sys.stderr, flush=True)
+        if stopped:
             break
-    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stop}
+    dog.beat(step, "end", slow=True)
+    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped,
+            "stop_reason": stop.reason}
 
 
 def _sum_counters(counters: dict) -> dict:
@@ -185,11 +178,14 @@ def _sum_counters(counters: dict) -> dict:
 def run(cfg: Config) -> dict:
     from data_pipeline.loader import build_loader
 
-    rank, local_rank, world = init_distributed()
+    stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
+    rank, local_rank, world = init_distributed(cfg.train.pg_timeout_s)
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)
     check_machine(cfg, world)
-    run_dir = Path(cfg.train.output_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
+    run_dir, ckpt_dir = layout.root, layout.checkpoints
+    watchdog.clear(layout.hang, rank)
+    dog = Watchdog(layout.hang, rank, world, cfg.train.hang_timeout_s)
     img = image_size(cfg.model)
 
     torch.manual_seed(cfg.train.seed)  # same on every rank: identical initial weights (ZeRO-3 too)
@@ -218,22 +214,53 @@ def run(cfg: Config) -> dict:
                   "train_flops_per_image": flops[0], "gradient_accumulation": ds_cfg["gradient_accumulation_steps"]}
     logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id)
     if rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(cfg, layout.config)
         where = f"resuming from step {start}" if resumed else "starting from scratch"
         print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
     t0 = time.time()
     try:
         result = train_loop(cfg, engine, loader, logger, start_step=start, rank=rank, world=world,
-                            ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops)
+                            ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog)
+    except BaseException:
+        if rank == 0:
+            _status(layout, "failed", start)
+        raise
     finally:
         logger.close()
+        stop_workers()
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                   wandb_dir=logger.wandb_dir, world_size=world)
     if rank == 0:
-        (run_dir / "summary.json").write_text(json.dumps(result, indent=1))
+        write_json(layout.summary, result, indent=1)
+        _status(layout, "interrupted" if result["preempted"] else "completed", result["step"])
     dist.barrier()
     return result
+
+
+def _status(layout: RunDir, state: str, step: int) -> None:
+    """How this invocation ended, for schedulers and ``vit-launch`` (best effort on failure)."""
+    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(state, 1)
+    try:
+        write_json(layout.status, {"state": state, "step": step, "exit_code": code, "time": time.time()})
+    except OSError:
+        pass
+
+
+def _goodbye(result: dict) -> int:
+    """One line on rank 0 saying how the run ended; the exit code (see ``lifecycle``)."""
+    ckpt = checkpoint.latest_complete(result["checkpoint_dir"])
+    if result["preempted"]:
+        msg = (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {ckpt}; run the "
+               f"same command to resume (exit {EXIT_INTERRUPTED})")
+        code = EXIT_INTERRUPTED
+    else:
+        msg = (f"vit-train: done at step {result['step']}: checkpoint {ckpt}; export with: python -m pretrain.export "
+               f"{result['run_dir']} OUT.safetensors")
+        code = EXIT_OK
+    if dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+    return code
 
 
 def main(argv=None) -> None:
@@ -246,9 +273,10 @@ def main(argv=None) -> None:
 
     with cli_errors("vit-train", DataError, NonFiniteLoss):
         cfg = load_config(args.config, args.overrides)
-        run(cfg)
+        code = _goodbye(run(cfg))
     if dist.is_initialized():
         dist.destroy_process_group()
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

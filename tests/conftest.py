@@ -20,7 +20,8 @@ if not os.environ.get("PATH", "").startswith(_bin + os.pathsep):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (runs only where one is present)")
     config.addinivalue_line("markers", "cluster: real sshd/pdsh/SLURM daemons (make test-cluster; not in make test)")
-    config.addinivalue_line("markers", "slow: multi-process DeepSpeed runs (part of the default suite)")
+    config.addinivalue_line("markers", "slow: runs that start training processes (deepspeed runner or python -m "
+                            "pretrain.train); `pytest -m \"not slow\"` is the quick inner loop, `make test` runs all")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -99,7 +100,7 @@ def shard_kit():
 @pytest.fixture(scope="session")
 def demo_train(tmp_path_factory):
     """384 demo images in 16 shards of 24 (real procedurally drawn JPEGs)."""
-    from data_pipeline.demo_data import write_demo_shards
+    from data_pipeline.write_shards import write_demo_shards
 
     out = tmp_path_factory.mktemp("demo") / "train"
     write_demo_shards(out, split="train", n=384, shard_size=24)

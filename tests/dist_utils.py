@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from launch.runner import deepspeed_executable
-from pretrain.engine import free_port
+from pretrain.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

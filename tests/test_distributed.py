@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.demo_data import write_demo_shards
+    from data_pipeline.write_shards import write_demo_shards
 
     out = tmp_path_factory.mktemp("demo") / "train"
     write_demo_shards(out, "train", n=1536, shard_size=96)

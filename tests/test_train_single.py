@@ -9,7 +9,7 @@ from dist_utils import REPO, job_env, metrics
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.demo_data import write_demo_shards
+    from data_pipeline.write_shards import write_demo_shards
 
     out = tmp_path_factory.mktemp("demo1") / "train"
     write_demo_shards(out, "train", n=256, shard_size=64)

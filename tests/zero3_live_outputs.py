@@ -7,7 +7,8 @@ import torch
 
 from pretrain import checkpoint
 from pretrain.config import from_dict
-from pretrain.engine import init_distributed, initialize
+from pretrain.distributed import init_distributed
+from pretrain.engine import initialize
 from pretrain.train import build_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank

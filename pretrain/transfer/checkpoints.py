@@ -91,11 +91,8 @@ def _meta_arch(meta: dict[str, str], where: str) -> tuple[dict, Optional[tuple[i
 
 def _read_run_dir(path: Path) -> tuple[dict, dict]:
     """The single entry to run directories: ``pretrain.export.load_run_weights``."""
-    try:
-        from pretrain.export import load_run_weights
-    except ImportError as e:
-        raise TransferError(f"{path}: reading run directories needs pretrain.export.load_run_weights, "
-                            f"which this installation lacks ({e}); export the run to .safetensors first") from None
+    from pretrain.export import load_run_weights
+
     try:
         return load_run_weights(path)
     except TransferError:

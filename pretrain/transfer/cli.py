@@ -21,30 +21,25 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pretrain.config import ConfigError, cli_errors, load_config
+from data_pipeline.errors import ConfigError, Parser, cli_errors
+from pretrain.config import load_config
 from pretrain.transfer.checkpoints import ARCH_KEYS, load_pretrained
 from pretrain.transfer.errors import TransferError
-from pretrain.transfer.evaluate import check_eval, evaluate_checkpoint
+from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.finetune import Dist
 from pretrain.transfer.results import log_wandb, markdown, write_json
-from pretrain.transfer.suites import build_tasks
+from pretrain.transfer.suites import SUITES, build_tasks
 
 PROG = "vit-transfer"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would print the usage block too)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description=__doc__.splitlines()[0],
+    ap = Parser(prog=PROG, description=__doc__.splitlines()[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="run directory, .safetensors file or .pth/.bin state dict")
     src.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a running pre-training job")
-    ap.add_argument("--suite", choices=["cifar100", "vtab1k", "demo", "imagefolder", "shards"])
+    ap.add_argument("--suite", choices=list(SUITES), help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
     ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot"])
     ap.add_argument("--data-root", help="dataset folder (eval.data_root)")
     ap.add_argument("--output", default="results.json", help="results JSON (default: results.json)")
@@ -72,7 +67,7 @@ def setup_distributed(protocol: str) -> Dist:
         raise TransferError(f"--protocol {protocol} runs in one process; start it without the deepspeed runner")
     import torch
 
-    from pretrain.engine import init_distributed
+    from pretrain.distributed import init_distributed
 
     rank, local_rank, world = init_distributed()
     if torch.cuda.is_available():
@@ -135,11 +130,10 @@ def main(argv=None) -> None:
     from data_pipeline.errors import DataError
 
     with cli_errors(PROG, TransferError, DataError, ConfigError):
-        cfg = load_config(args.config, args.overrides)
-        for flag, key in (("suite", "suite"), ("protocol", "protocol"), ("data_root", "data_root")):
-            if getattr(args, flag) is not None:
-                setattr(cfg.eval, key, getattr(args, flag))
-        check_eval(cfg.eval)
+        # the flags are overrides of the eval section: validated once, with the rest, by the schema
+        flags = [f"eval.{k}={json.dumps(v)}" for k, v in (("suite", args.suite), ("protocol", args.protocol),
+                                               ("data_root", args.data_root)) if v is not None]
+        cfg = load_config(args.config, [*args.overrides, *flags])
         user_arch = explicit_model_keys(args.config, args.overrides, cfg.model)
         if args.watch:
             run_watch(args, cfg, user_arch)

@@ -6,7 +6,7 @@ unreadable checkpoint or a malformed split line is a user mistake like a wrong c
 """
 from __future__ import annotations
 
-from pretrain.config import ConfigError
+from data_pipeline.errors import ConfigError
 
 
 class TransferError(ConfigError):

@@ -27,29 +27,6 @@ from pretrain.transfer.results import assemble
 from pretrain.transfer.sweep import log_stderr, run_task
 
 
-def check_eval(ev) -> None:
-    """Values the schema's types cannot rule out; each message names the key."""
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise TransferError(f"eval.{key}: {msg}")
-
-    need(ev.batch_size > 0, "batch_size", f"must be positive, got {ev.batch_size}")
-    need(ev.workers >= 0, "workers", f"must be >= 0, got {ev.workers}")
-    need(ev.img_size is None or ev.img_size > 0, "img_size", f"must be positive, got {ev.img_size}")
-    if ev.protocol == "finetune":
-        need(ev.steps > 0, "steps", f"must be positive, got {ev.steps}")
-        need(0 <= ev.warmup_steps < ev.steps, "warmup_steps", f"must be in [0, eval.steps={ev.steps}), got {ev.warmup_steps}")
-        need(ev.lr > 0 and all(v > 0 for v in ev.sweep_lr), "lr", "learning rates must be positive")
-        need(ev.grad_clip >= 0, "grad_clip", f"must be >= 0, got {ev.grad_clip}")
-    need(ev.linear_l2 >= 0 and all(v >= 0 for v in ev.sweep_linear_l2), "linear_l2", "must be >= 0")
-    need(ev.fewshot_l2 > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "fewshot_l2", "must be > 0")
-    need(bool(ev.fewshot_shots) and all(k > 0 for k in ev.fewshot_shots), "fewshot_shots",
-         f"must be positive shot counts, got {ev.fewshot_shots}")
-    need(ev.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {ev.fewshot_seeds}")
-    need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
-    need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
-
-
 def make_view(task, img_size: int, ev, aug) -> View:
     augment = task.augment if ev.train_augment is None else ev.train_augment
     return View(img_size=img_size, resize=task.resize, crop_pct=aug.eval_crop_pct, mean=tuple(aug.mean),

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from pretrain.precision import autocast_bf16
 from pretrain.transfer.data import Concat, Split, Subset, View
 
 
@@ -29,8 +30,8 @@ def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int
     """(features float32 (N, D), labels int64 (N,)) on the CPU."""
     model.eval().to(device)
     feats, labels = [], []
-    # bf16 on GPUs roughly halves the time of a pass; features leave as float32
-    amp = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    amp = autocast_bf16(device)  # features leave as float32
+
     for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             f = pooled(model, model.forward_features(x.to(device, non_blocking=True)), pool)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import OptimConfig, TrainConfig
-from pretrain.engine import lr_multiplier
+from pretrain.precision import autocast_bf16, compute_dtype
+from pretrain.schedule import lr_multiplier
 from pretrain.transfer.checkpoints import Pretrained, build_backbone
 from pretrain.transfer.errors import TransferError
 
@@ -34,9 +35,9 @@ class Dist:
 class _Plain:
     """One process: SGD, clipping and the schedule by hand; bf16 autocast on GPUs when asked."""
 
-    def __init__(self, model, opt, sched, clip: float, device: torch.device, bf16: bool):
+    def __init__(self, model, opt, sched, clip: float, device: torch.device, precision: str):
         self.model, self.opt, self.sched, self.clip, self.device = model.to(device), opt, sched, clip, device
-        self.amp = bf16 and device.type == "cuda"
+        self.amp = autocast_bf16(device, precision)
 
     def train_step(self, x, y) -> torch.Tensor:
         self.model.train()
@@ -72,7 +73,7 @@ class _DeepSpeed:
         ds_cfg = deepspeed_config(optim, train, zero, world)  # clipping is DeepSpeed's here
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
         self.device = self.engine.device
-        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.dtype = compute_dtype(precision)
 
     def train_step(self, x, y) -> torch.Tensor:
         self.engine.train()
@@ -147,13 +148,12 @@ class Finetune:
         if not self.dist.deepspeed:
             model.to(self.device)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, weight_decay=0.0)
-        schedule = OptimConfig(name="sgd", lr=lr, warmup_steps=ev.warmup_steps, schedule="cosine", min_lr=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, ev.steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier("cosine", ev.warmup_steps, ev.steps))
         if self.dist.deepspeed:
             runner = _DeepSpeed(model, opt, sched, lr=lr, ev=ev, zero=self.zero, precision=self.precision,
                                 world=self.dist.world)
         else:
-            runner = _Plain(model, opt, sched, ev.grad_clip, self.device, self.precision == "bf16")
+            runner = _Plain(model, opt, sched, ev.grad_clip, self.device, self.precision)
         view = self.view_of(task)
         micro = ev.batch_size // self.dist.world
         batches = fit.batches(view, batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pretrain.files import write_atomic
+from data_pipeline.files import write_atomic
 from pretrain.transfer import vtab
 from pretrain.transfer.sweep import TaskResult
 

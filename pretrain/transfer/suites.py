@@ -21,7 +21,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -225,16 +225,31 @@ def demo(minival_fraction: float, seed: int, root: Optional[str] = None, data_cf
     return Task("demo", len(classes), fit, val, train, test, resize="crop", augment=True)
 
 
+# ----------------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class Suite:
+    """How ``eval.suite=NAME`` builds its tasks from the ``eval`` section and ``data`` section."""
+    build: Callable  # (ev, data_cfg) -> (tasks, missing VTAB task names)
+    needs_root: bool = True
+    help: str = ""
+
+
+# The one list of suites: the schema's check, vit-transfer's --suite choices and build_tasks read it.
+SUITES: dict[str, Suite] = {
+    "cifar100": Suite(lambda ev, d: ([cifar100(ev.data_root, ev.minival_fraction, ev.seed)], []),
+                      help="the official CIFAR-100 python pickles"),
+    "vtab1k": Suite(lambda ev, d: vtab1k(ev.data_root, list(ev.tasks)), help="VTAB-1k task folders"),
+    "demo": Suite(lambda ev, d: ([demo(ev.minival_fraction, ev.seed, ev.data_root, d)], []), needs_root=False,
+                  help="the held-out demo shapes (drawn, or shards under --data-root)"),
+    "imagefolder": Suite(lambda ev, d: ([imagefolder(ev.data_root, ev.minival_fraction, ev.seed)], []),
+                         help="CLASS/IMAGE folders"),
+    "shards": Suite(lambda ev, d: ([shards(ev.data_root, d)], []), help="our shards: train/ [val/] test/"),
+}
+
+
 def build_tasks(ev, data_cfg) -> tuple[list[Task], list[str]]:
     """(tasks, missing VTAB tasks) for the ``eval`` section ``ev``."""
-    if ev.suite == "demo":
-        return [demo(ev.minival_fraction, ev.seed, ev.data_root, data_cfg)], []
-    if not ev.data_root:
+    suite = SUITES[ev.suite]
+    if suite.needs_root and not ev.data_root:
         raise TransferError(f"--suite {ev.suite} needs --data-root (eval.data_root)")
-    if ev.suite == "cifar100":
-        return [cifar100(ev.data_root, ev.minival_fraction, ev.seed)], []
-    if ev.suite == "vtab1k":
-        return vtab1k(ev.data_root, list(ev.tasks))
-    if ev.suite == "imagefolder":
-        return [imagefolder(ev.data_root, ev.minival_fraction, ev.seed)], []
-    return [shards(ev.data_root, data_cfg)], []
+    return suite.build(ev, data_cfg)

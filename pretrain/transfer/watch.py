@@ -14,58 +14,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import yaml
-
+from pretrain.rundir import checkpoint_root, list_complete, step_of
 from pretrain.transfer.errors import TransferError
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-_STEP = re.compile(r"(\d+)$")  # step_00001000 (ours), global_step1000 (DeepSpeed's default)
-
-
 def checkpoint_dir(run_dir: str | Path) -> Path:
-    """Where a run keeps its checkpoints: RUN_DIR itself when it is the checkpoint root, the
-    ``checkpoint.dir`` of its config.yaml when set, else RUN_DIR/checkpoints."""
-    p = Path(run_dir)
-    if not p.is_dir():
-        raise TransferError(f"{p}: run directory not found")
-    if (p / LATEST).is_file() or any(_tag_step(d.name) is not None for d in p.iterdir() if d.is_dir()):
-        return p
-    cfg = p / "config.yaml"
-    if cfg.is_file():
-        try:
-            d = ((yaml.safe_load(cfg.read_text()) or {}).get("checkpoint") or {}).get("dir")
-        except yaml.YAMLError:
-            d = None
-        if d:
-            return Path(d)
-    return p / "checkpoints"
-
-
-def _tag_step(name: str) -> Optional[int]:
-    m = _STEP.search(name)
-    return int(m.group(1)) if m and name.startswith(("step_", "global_step")) else None
+    """Where a run keeps its checkpoints (``pretrain.rundir.checkpoint_root``)."""
+    if not Path(run_dir).is_dir():
+        raise TransferError(f"{run_dir}: run directory not found")
+    return checkpoint_root(run_dir)
 
 
 def ready(ckpt_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints, oldest first, as (step, path)."""
-    if not ckpt_dir.is_dir():
-        return []
-    tags = {d.name for d in ckpt_dir.iterdir() if d.is_dir() and (d / COMPLETE).is_file()}
-    try:
-        latest = (ckpt_dir / LATEST).read_text().strip()
-    except OSError:  # absent, or being replaced right now: the next poll sees it
-        latest = ""
-    if latest and (ckpt_dir / latest).is_dir():
-        tags.add(latest)
-    found = [(_tag_step(t), ckpt_dir / t) for t in tags]
-    return sorted((s, p) for s, p in found if s is not None)
+    return [(step_of(p), p) for p in list_complete(ckpt_dir)]
 
 
 def final_step(ckpt: Path) -> Optional[int]:

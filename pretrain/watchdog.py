@@ -1,0 +1,117 @@
+"""The hang watchdog: a rank that makes no progress for ``train.hang_timeout_s`` ends the job.
+
+The loop calls ``beat(step, phase)`` as it moves (reading a batch, forward, the agreement
+all-reduce, backward, checkpoint); a daemon thread checks the time since the last beat. The first
+step (start-up, first collectives, JIT builds) and checkpoints get ``slow_factor`` times the
+allowance. When it fires, the rank writes every thread's Python stack to
+``<output_dir>/hang/rank-<R>.txt`` (first line: a JSON header with rank, step, phase, idle seconds),
+waits briefly for the other ranks' files, and exits with ``EXIT_HANG``. The lowest rank that fired
+prints one line naming the step and the rank(s) that stopped progressing: the ranks furthest
+behind (a rank stuck inside a step is still in an earlier phase than its peers, who wait for it in
+the next collective), or those that wrote no file at all.
+
+Cost: two attribute writes per beat; the thread wakes every few seconds. A rank stuck in C code
+that holds the GIL cannot run the thread; the process-group timeout (``train.pg_timeout_s``) ends
+that case.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pretrain.lifecycle import EXIT_HANG
+
+PHASES = ("start", "data", "forward", "agree", "backward", "log", "stop", "checkpoint", "end")
+
+
+class Watchdog:
+    def __init__(self, hang_dir: Path, rank: int, world: int, timeout_s: float, slow_factor: float = 3.0):
+        self.dir, self.rank, self.world = Path(hang_dir), rank, world
+        self.timeout, self.slow_factor = float(timeout_s), slow_factor
+        self.step, self.phase = 0, "start"
+        self.last, self.allowance = time.monotonic(), self.timeout * slow_factor
+        if self.timeout > 0:
+            threading.Thread(target=self._run, name="vitscale-watchdog", daemon=True).start()
+
+    def beat(self, step: int, phase: str, slow: bool = False) -> None:
+        self.step, self.phase = step, phase
+        self.allowance = self.timeout * (self.slow_factor if slow else 1.0)
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        poll = max(0.5, min(5.0, self.timeout / 5))
+        while True:
+            time.sleep(poll)
+            idle = time.monotonic() - self.last
+            if idle > self.allowance:
+                self._fire(idle)
+
+    def _fire(self, idle: float) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        head = {"rank": self.rank, "step": self.step, "phase": self.phase, "idle_s": round(idle, 1)}
+        path = self.dir / f"rank-{self.rank}.txt"
+        with open(path, "w") as f:
+            f.write(json.dumps(head) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        others = self._gather(wait_s=min(15.0, max(3.0, self.timeout / 2)))
+        if min(others) == self.rank:
+            print(f"vit-train: hang: no progress for {idle:.0f}s (train.hang_timeout_s={self.timeout:g}) at step "
+                  f"{self.step}; stopped progressing: {describe(others, self.world)}; stacks in {self.dir}",
+                  file=sys.stderr, flush=True)
+        os._exit(EXIT_HANG)
+
+    def _gather(self, wait_s: float) -> dict[int, dict]:
+        """Headers of the ranks that fired, waiting up to ``wait_s`` for all ``world`` of them."""
+        end = time.monotonic() + wait_s
+        while True:
+            found = read_headers(self.dir)
+            if len(found) >= self.world or time.monotonic() >= end:
+                found.setdefault(self.rank, {"rank": self.rank, "step": self.step, "phase": self.phase})
+                return found
+            time.sleep(0.5)
+
+
+def read_headers(hang_dir: Path) -> dict[int, dict]:
+    out = {}
+    for p in Path(hang_dir).glob("rank-*.txt"):
+        try:
+            with open(p) as f:
+                head = json.loads(f.readline())
+            out[int(head["rank"])] = head
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def laggards(headers: dict[int, dict], world: int) -> list[int]:
+    """The ranks that stopped progressing: those without a stack file, else those furthest behind."""
+    silent = [r for r in range(world) if r not in headers]
+    if silent:
+        return silent
+
+    def pos(h):
+        return (h["step"], PHASES.index(h["phase"]) if h["phase"] in PHASES else 0)
+
+    behind = min(pos(h) for h in headers.values())
+    return sorted(r for r, h in headers.items() if pos(h) == behind)
+
+
+def describe(headers: dict[int, dict], world: int) -> str:
+    lag = laggards(headers, world)
+    if any(r not in headers for r in lag):
+        return f"rank(s) {', '.join(map(str, lag))} (no stack file: dead or stuck outside Python)"
+    return ", ".join(f"rank {r} (in {headers[r]['phase']} of step {headers[r]['step']})" for r in lag)
+
+
+def clear(hang_dir: Path, rank: int) -> None:
+    """Remove this rank's stack file of an earlier hang (a restarted run starts clean)."""
+    try:
+        os.unlink(Path(hang_dir) / f"rank-{rank}.txt")
+    except FileNotFoundError:
+        pass
