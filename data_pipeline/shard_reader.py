@@ -8,6 +8,7 @@ Nothing is extracted to disk, so member names like ``../../x`` or symlinks canno
 """
 from __future__ import annotations
 
+import itertools
 import tarfile
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -30,6 +31,7 @@ class RawSample:
     index: int  # position of the sample within its shard
     key: str
     members: dict = field(default_factory=dict)  # extension -> bytes
+    lost: bool = False  # a placeholder for a sample the tar did not deliver (counted as lost_in_shard)
 
 
 def open_shard(url: str):
@@ -40,51 +42,73 @@ def open_shard(url: str):
     return open(local_path(url), "rb", buffering=1 << 20)
 
 
-def read_shard(shard: Shard, tally: Tally) -> Iterator[RawSample]:
-    """Yield the complete samples of ``shard``. Whatever the manifest promised and the tar did not
-    deliver (missing file, truncation, garbage) is counted as ``lost_in_shard`` samples."""
+def read_shard(shard: Shard, tally: Tally, ranges=None) -> Iterator[RawSample]:
+    """Yield one item per wanted sample of ``shard``, in order: samples ``lo <= index < hi`` for
+    each of ``ranges`` (sorted, disjoint; default the whole shard as the manifest counts it).
+    Samples before and between the ranges are skipped unread (headers only); reading stops once the
+    last range ends. Whatever the manifest promised in the ranges and the tar did not deliver
+    (missing file, truncation, garbage) is counted as ``lost_in_shard`` and comes out as a
+    placeholder (``lost=True``, no members): a slot's arrivals are then exactly its planned
+    positions, which elastic resume (``rest.py``) relies on."""
+    ranges = [(0, shard.samples)] if ranges is None else [(lo, hi) for lo, hi in ranges if hi > lo]
+    wanted = sum(hi - lo for lo, hi in ranges)
+    if not wanted:
+        return
     yielded = 0
     failed = False
     try:
         stream = open_shard(shard.url)
     except (OSError, ValueError):
         tally.add("missing_shard")
-        tally.bad("lost_in_shard", shard.name, shard.samples)
-        return
-    try:
-        for sample in _grouped(stream, shard, tally):
-            yield sample
-            yielded += 1
-    except (tarfile.TarError, OSError, EOFError, ValueError):
-        # Truncated or garbled tar: the partial sample in flight is dropped with the rest.
-        failed = True
-    finally:  # also runs when the consumer stops early (GeneratorExit): then nothing is counted
+        stream = None
+    if stream is not None:
         try:
-            stream.close()
-        except Exception:  # a remote pipe reports its exit status on close; counted below
+            for sample in _grouped(stream, shard, tally, ranges):
+                yield sample
+                yielded += 1
+        except (tarfile.TarError, OSError, EOFError, ValueError):
+            # Truncated or garbled tar: the partial sample in flight is dropped with the rest.
             failed = True
-    if failed or yielded < shard.samples:
-        tally.add("truncated_tar")
-        tally.bad("lost_in_shard", shard.name, max(0, shard.samples - yielded))
+        finally:  # also runs when the consumer stops early (GeneratorExit): then nothing is counted
+            try:
+                stream.close()
+            except Exception:  # a remote pipe reports its exit status on close; counted below
+                failed = True
+        if failed or yielded < wanted:
+            tally.add("truncated_tar")
+    if yielded < wanted:
+        tally.bad("lost_in_shard", shard.name, wanted - yielded)
+        # the tar delivers in index order, so what is missing is the tail of the wanted indices
+        for index in itertools.islice((i for lo, hi in ranges for i in range(lo, hi)), yielded, None):
+            yield RawSample(shard=shard, index=index, key="", lost=True)
 
 
-def _grouped(stream, shard: Shard, tally: Tally) -> Iterator[RawSample]:
-    """Group members into samples; yields a sample once the next key starts (or the tar ends)."""
+def _grouped(stream, shard: Shard, tally: Tally, ranges) -> Iterator[RawSample]:
+    """Group members into samples; yields a wanted sample once the next key starts (or the tar
+    ends). Members of unwanted samples are neither read nor counted."""
     tar = tarfile.open(fileobj=stream, mode="r|*")
-    sample = None
-    index = 0
+    sample, key_now, index, r = None, None, -1, 0
+    stop = ranges[-1][1]
     for info in tar:
+        tar.members = []  # streaming: do not keep every TarInfo of a 10k-sample shard in memory
         if not info.isreg():
             continue
         key, ext = base_plus_ext(info.name)
         if key is None:
             continue
-        ext = ext.lower()
-        if sample is None or key != sample.key:
+        if key != key_now:
             if sample is not None:
                 yield sample
-                index += 1
-            sample = RawSample(shard=shard, index=index, key=key)
+            index += 1
+            if index >= stop:
+                return
+            while ranges[r][1] <= index:
+                r += 1
+            key_now = key
+            sample = RawSample(shard=shard, index=index, key=key) if ranges[r][0] <= index else None
+        if sample is None:  # outside the ranges: the tar skips the member's bytes
+            continue
+        ext = ext.lower()
         if ext in UNSAFE_EXTS:
             tally.add("unsafe_member")
         elif ext not in IMAGE_EXTS and ext not in LABEL_EXTS:
@@ -93,6 +117,5 @@ def _grouped(stream, shard: Shard, tally: Tally) -> Iterator[RawSample]:
             tally.add("oversized_member")
         else:
             sample.members[ext] = tar.extractfile(info).read()
-        tar.members = []  # streaming: do not keep every TarInfo of a 10k-sample shard in memory
     if sample is not None:
         yield sample

@@ -1,18 +1,22 @@
-"""What one dataloader worker runs: its slot's shards -> shuffle buffer -> safe decode -> batches.
+"""What one dataloader worker runs: its slot's sample ranges -> shuffle buffer -> safe decode -> batches.
 
 A worker plays one *role* (0..workers-1) of its rank; slot = rank * workers + role. Each emitted
 batch carries ``meta``: the epoch, the role, how many samples the role's shuffle buffer has emitted
-so far this epoch (corrupt ones included), and the counter delta since the previous batch. The
+so far this epoch (corrupt ones included), the counter delta since the previous batch, and the
+``__key__`` and shard name of each sample in the batch. The
 main process (``loader.ShardLoader``) keeps those numbers for the batches it has *yielded*, which
 is the whole resume state:
 
 * Fast-forward: a resumed role replays its epoch stream -- reading tar members, never decoding --
   and discards the first ``emitted`` samples of the shuffle buffer's output. The buffer's choices
   depend only on its seed and the arrival count, so it reaches exactly the state it had.
-* Rotation: the torch DataLoader asks worker 0, 1, 2, ... in turn, so after ``k`` batches of a
-  rank the next batch must come from role ``k % workers``; dataloader worker ``i`` therefore plays
-  role ``(i + k) % workers``. Every role yields the same number of batches per epoch, so the
-  round-robin stays aligned across later epochs too.
+* Rotation: the torch DataLoader asks worker 0, 1, 2, ... in turn, so the ``j``-th batch of an
+  iterator comes from dataloader worker ``j % workers``, and rank batch ``b`` of an epoch must come
+  from role ``b % workers`` (role ``r`` yields ``len(range(r, q, workers))`` of the rank's ``q``
+  batches, see ``plan.py``). A dataloader worker therefore works out its role afresh in every
+  epoch from where that epoch starts in its iterator's sequence.
+* Rest-epoch: after an elastic resume the first epoch reads what the old layout left
+  (``rest.RestEpoch``: per-role pieces and batch count); later epochs follow the plan.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.decode import BadSample, open_image, parse_label
-from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, TAG_SHUFFLE, Plan, mix_seed
+from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.shard_reader import read_shard
 from data_pipeline.tally import Tally
 from data_pipeline.transforms import SampleTransform, mix_batch, normalized_batch
@@ -48,6 +52,7 @@ class Start:
     epoch: int
     batch: int  # batches of this rank already yielded in ``epoch``
     emitted: tuple  # per role: shuffle-buffer emissions consumed in ``epoch``
+    rest: object = None  # rest.RestEpoch when ``epoch`` is the rest of an epoch after an elastic resume
 
 
 class ShuffleBuffer:
@@ -81,13 +86,23 @@ class _Starved(Exception):
 
 
 class _SlotReader:
-    """A slot's shards in order; in training, further passes if bad samples ate the slot's slack
-    (so the rank still yields its promised batch count). Tracks what pass 0 has accounted for."""
+    """A slot's pieces in order, one sequential read per run of pieces of the same shard; in
+    training, further passes if bad samples ate the slot's slack (so the rank still yields its
+    promised batch count). Tracks what pass 0 has accounted for. Every planned position arrives,
+    a sample the tar did not deliver as a ``lost`` placeholder (already counted)."""
 
-    def __init__(self, shards, tally: Tally, repeat: bool):
-        self.shards, self.tally, self.repeat = shards, tally, repeat
-        self.accounted = 0  # pass-0 samples read, or counted lost, so far
+    def __init__(self, pieces, tally: Tally, repeat: bool):
+        self.pieces, self.tally, self.repeat = list(pieces), tally, repeat
+        self.accounted = 0  # pass-0 arrivals so far (placeholders of lost samples included)
         self.pass_no = 0
+
+    @property
+    def total(self) -> int:
+        return sum(p.samples for p in self.pieces)
+
+    @property
+    def shards(self):
+        return [p.shard for p in self.pieces]
 
     def passes(self):
         """Yields one sample iterator per pass; the consumer exhausts each before the next."""
@@ -100,18 +115,24 @@ class _SlotReader:
                 raise _Starved()
             self.pass_no += 1
 
+    def _runs(self):
+        """(shard, [(lo, hi), ...]) for each run of consecutive pieces of one shard."""
+        runs = []
+        for p in self.pieces:
+            if runs and runs[-1][0] is p.shard:
+                runs[-1][1].append((p.lo, p.hi))
+            else:
+                runs.append((p.shard, [(p.lo, p.hi)]))
+        return runs
+
     def _one_pass(self, got):
         first = self.pass_no == 0
-        for shard in self.shards:
+        for shard, ranges in self._runs():
             # repeated passes re-read the same bytes: their shard events were counted already
-            n = 0
-            for sample in read_shard(shard, self.tally if first else Tally()):
-                n += 1
-                got[0] += 1
+            for sample in read_shard(shard, self.tally if first else Tally(), ranges):
+                got[0] += not sample.lost
                 self.accounted += first
                 yield sample
-            if first:
-                self.accounted += max(0, shard.samples - n)  # lost samples count as accounted
 
 
 def shuffled(reader: _SlotReader, buffer: "ShuffleBuffer"):
@@ -135,28 +156,32 @@ class SlotStream(IterableDataset):
         if not self.plan.train:
             yield from self._eval_pass(self.rank * W + dl_id, dl_id)
             return
-        role = (dl_id + self.start.batch) % W
-        slot = self.rank * W + role
-        per_slot = self.plan.batches_per_slot()
-        epoch = self.start.epoch
-        done = max(0, -(-(self.start.batch - role) // W))  # batches this role yielded before resume
-        skip = self.start.emitted[role]
+        # Dataloader worker ``dl_id`` yields the iterator's batches j = dl_id, dl_id + W, ...; an
+        # epoch whose rank batch ``b0`` is the iterator's batch ``j0`` needs it as role (dl_id - j0 + b0) % W.
+        plan, start = self.plan, self.start
+        epoch, j0, b0, rest, skips = start.epoch, 0, start.batch, start.rest, start.emitted
         while True:
-            if done < per_slot:
-                for item in self._train_epoch(epoch, slot, role, done, skip, per_slot):
+            q = rest.batches if rest is not None else plan.epoch_batches()
+            role = (dl_id - j0 + b0) % W
+            done, due = plan.role_batches(b0, role), plan.role_batches(q, role)
+            if done < due:
+                slot = self.rank * W + role
+                pieces = rest.pieces[role] if rest is not None else plan.slot_pieces(epoch, slot)
+                level = rest.level if rest is not None else 0
+                for item in self._train_epoch(epoch, slot, role, pieces, level, done, skips[role], due):
                     yield item
                     if "error" in item[2]:  # the main process raises; nothing more to read
                         return
-            epoch, done, skip = epoch + 1, 0, 0
+            epoch, j0, b0, rest, skips = epoch + 1, j0 + q - b0, 0, None, (0,) * W
 
     # -------------------------------------------------------------------------------- training
-    def _train_epoch(self, epoch, slot, role, done, skip, per_slot):
+    def _train_epoch(self, epoch, slot, role, pieces, level, done, skip, per_slot):
         plan, s = self.plan, self.settings
         tally = Tally()
         tally.enabled = skip == 0  # events before the resume point were counted by the first run
-        reader = _SlotReader(plan.slot_shards(epoch, slot), tally, repeat=True)
-        buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(mix_seed(TAG_SHUFFLE, plan.seed, epoch, slot)))
-        images, labels, emitted = [], [], 0
+        reader = _SlotReader(pieces, tally, repeat=True)
+        buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(shuffle_seed(plan.seed, epoch, slot, level)))
+        images, labels, keys, shards, emitted = [], [], [], [], 0
         try:
             for pass_no, raw in shuffled(reader, buffer):
                 emitted += 1
@@ -172,16 +197,20 @@ class SlotStream(IterableDataset):
                     tally.add("repeated_for_balance")
                 images.append(item[0])
                 labels.append(item[1])
+                keys.append(raw.key)
+                shards.append(raw.shard.name)
                 if len(images) < plan.batch_size:
                     continue
                 done += 1
-                if done == per_slot:  # whatever the slot still holds is dropped for balance
+                if done == per_slot:  # whatever the slot still holds is dropped for balance (none
+                    # unless the tar held more than planned: a slot's range is a whole number of batches)
                     in_buffer = len(buffer.items) if pass_no == 0 else 0
-                    total = sum(sh.samples for sh in reader.shards)
-                    tally.add("dropped_for_balance", total - reader.accounted + in_buffer)
-                meta = {"epoch": epoch, "role": role, "emitted": emitted, "tally": tally.take()}
-                yield self._collate(images, labels, mix_seed(TAG_BATCH, plan.seed, epoch, slot, done)) + (meta,)
-                images, labels = [], []
+                    tally.add("dropped_for_balance", reader.total - reader.accounted + in_buffer)
+                meta = {"epoch": epoch, "role": role, "emitted": emitted, "tally": tally.take(),
+                        "keys": keys, "shards": shards}
+                batch_seed = mix_seed(TAG_BATCH, plan.seed, epoch, slot, done, *([level] if level else []))
+                yield self._collate(images, labels, batch_seed) + (meta,)
+                images, labels, keys, shards = [], [], [], []
                 if done == per_slot:
                     return
         except _Starved:
@@ -194,24 +223,29 @@ class SlotStream(IterableDataset):
     def _eval_pass(self, slot, role):
         plan = self.plan
         tally = Tally()
-        images, labels = [], []
-        (samples,) = _SlotReader(plan.slot_shards(0, slot), tally, repeat=False).passes()
+        images, labels, keys, shards = [], [], [], []
+        (samples,) = _SlotReader(plan.slot_pieces(0, slot), tally, repeat=False).passes()
         for raw in samples:
             item = self._decode(raw, 0, tally)
             if item is not None:
                 images.append(item[0])
                 labels.append(item[1])
+                keys.append(raw.key)
+                shards.append(raw.shard.name)
             if len(images) == plan.batch_size:
-                yield self._collate(images, labels, 0) + ({"role": role, "tally": tally.take()},)
-                images, labels = [], []
+                meta = {"role": role, "tally": tally.take(), "keys": keys, "shards": shards}
+                yield self._collate(images, labels, 0) + (meta,)
+                images, labels, keys, shards = [], [], [], []
         delta = tally.take()
         if images:
-            yield self._collate(images, labels, 0) + ({"role": role, "tally": delta},)
+            yield self._collate(images, labels, 0) + ({"role": role, "tally": delta, "keys": keys, "shards": shards},)
         elif delta["counts"]:  # counters of a tail without good samples still reach the main process
             yield None, None, {"role": role, "tally": delta}
 
     # -------------------------------------------------------------------------------- samples
     def _decode(self, raw, seed, tally):
+        if raw.lost:  # placeholder of a sample the tar did not deliver: counted when the read ended
+            return None
         try:
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
             img = open_image(raw.members, self.settings.max_image_pixels)

@@ -57,21 +57,19 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
     if cmd == "run":
         ap.add_argument("--dry-run", action="store_true", help="print the command and exit 0")
         ap.add_argument("--skip-checks", action="store_true", help="start without the pre-flight checks")
+        ap.add_argument("--max-restarts", type=int, default=0,
+                        help="start the job again after a failure, up to N times; it resumes from the last "
+                             "complete checkpoint (default 0)")
+        ap.add_argument("--restart-backoff", type=float, default=10.0,
+                        help="seconds before the first restart, doubling each time, at most 300 (default 10)")
+        ap.add_argument("--stop-grace", type=float, default=90.0,
+                        help="seconds the job gets to checkpoint after SIGTERM/SIGINT before it is killed (default 90)")
     elif cmd == "check":
         ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
     elif cmd == "slurm":
-        ap.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
-        ap.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
-        ap.add_argument("--partition", help="SLURM partition")
-        ap.add_argument("--time", help="time limit, e.g. 4:00:00 or 2-00:00:00")
-        ap.add_argument("--account", help="SLURM account")
-        ap.add_argument("--job-name", help="default: vitscale-<config name>")
-        ap.add_argument("--cpus-per-node", type=int, help="CPUs to request per node")
-        ap.add_argument("--launcher", default="pdsh", choices=["pdsh", "srun"],
-                        help="pdsh: runner on the first node over ssh (default); srun: one runner per node")
-        ap.add_argument("--master-port", type=int, help="default: 20000 + job id %% 20000")
-        ap.add_argument("--log-dir", default="logs", help="job output, hostfile (default logs/)")
-        ap.add_argument("--output", required=True, help="sbatch script to write")
+        from launch.slurm import add_arguments
+
+        add_arguments(ap)
     elif cmd == "sweep":
         ap.add_argument("--world-sizes", required=True, help="comma-separated, e.g. 1,2,4,8")
         ap.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
@@ -117,12 +115,18 @@ def cmd_run(args) -> int:
     if not args.skip_checks:
         if not _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) on {nodes} node(s)"):
             return 2
+    if args.max_restarts < 0 or args.restart_backoff < 0 or args.stop_grace <= 0:
+        print(f"{PROG}: error: --max-restarts and --restart-backoff must be >= 0, --stop-grace > 0", file=sys.stderr)
+        return 2
     if not os.path.exists(cmd[0]):
         print(f"{PROG}: error: deepspeed runner not found ({cmd[0]}); pip install deepspeed", file=sys.stderr)
         return 2
     print(f"$ {shell_join(cmd)}", flush=True)
-    os.execv(cmd[0], cmd)  # the runner replaces us: Ctrl-C / SIGTERM go straight to it
-    return 0  # not reached
+    from launch.supervise import Supervisor
+    from pretrain.rundir import RunDir
+
+    status = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).status
+    return Supervisor(cmd, status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
 
 
 def cmd_check(args) -> int:
@@ -142,18 +146,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_slurm(args) -> int:
-    from launch.slurm import SlurmJob, write
+    from launch.slurm import command
 
-    load_config(args.config, args.overrides)  # a bad key fails here, not after the queue wait
-    job = SlurmJob(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                   overrides=list(args.overrides), partition=args.partition, time=args.time,
-                   account=args.account, job_name=args.job_name, cpus_per_node=args.cpus_per_node,
-                   launcher=args.launcher, master_port=args.master_port, gpu_memory_gb=args.gpu_memory_gb,
-                   log_dir=args.log_dir)
-    out = write(job, args.output)
-    print(f"wrote {out}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), launcher {args.launcher}; "
-          f"submit with: sbatch {out}")
-    return 0
+    return command(args)
 
 
 def cmd_sweep(args) -> int:

@@ -3,6 +3,8 @@
     VITSCALE_FAULT="kill_in_save:6"            SIGKILL rank 0 mid-save at step 6
     VITSCALE_FAULT="nan_loss:3,3,5"            a non-finite loss at steps 3, 3 (twice) and 5
     VITSCALE_FAULT="hang_in_step:5@1"          rank 1 stops making progress inside step 5
+    VITSCALE_FAULT="crash_in_step:3@1"         rank 1 raises inside step 3 of a run started from
+                                               scratch (a resumed attempt passes: restart tests)
     VITSCALE_FAULT="kill_in_save:6;nan_loss:3" several faults, ';'-separated
 
 ``@R`` limits an entry to rank R. Empty (and free: one environment lookup at start-up) in real
@@ -40,3 +42,12 @@ def hang_in_step(step: int, rank: int) -> None:
     """Stop making progress inside ``step`` on the chosen rank (sleeps far past any watchdog)."""
     if step in fault_steps("hang_in_step", rank):
         time.sleep(10 ** 6)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def crash_in_step(step: int, rank: int, start_step: int) -> None:
+    if start_step == 0 and step in fault_steps("crash_in_step", rank):
+        raise InjectedFault(f"injected crash in step {step} on rank {rank} (VITSCALE_FAULT)")

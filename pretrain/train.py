@@ -112,7 +112,8 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             images, targets = next(batches)
             timer.add_data_wait(time.perf_counter() - t0)
             dog.beat(step + 1, "forward", slow=first)
-            faults.hang_in_step(step + 1, rank)  # test hook
+            faults.hang_in_step(step + 1, rank)  # test hooks
+            faults.crash_in_step(step + 1, rank, start_step)
             images = images.to(device, dtype, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             loss = loss_fn(engine(images), targets, cfg.data.multi_label, cfg.optim.label_smoothing)

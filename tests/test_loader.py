@@ -45,12 +45,12 @@ def test_unbalanced_shards_equal_batches_and_drops_are_counted(tmp_path, shard_k
     counts = [12, 12, 12, 12, 12, 7, 30]  # 7 shards over 2 ranks x 2 workers
     root = shard_kit.id_shards(tmp_path / "s", counts)
     per_rank, loaders = _epoch_ids(_cfg(root), world_size=2, batch_size=5)
-    # Quota per slot: the smallest floor(7/4)=1 shard holds 7 samples -> 1 batch of 5 per slot.
-    assert [ld.batches_per_epoch for ld in loaders] == [2, 2] and [len(x) for x in per_rank] == [10, 10]
+    # 97 samples // (2 ranks x 5) = 9 batches per rank (workers yield 5 and 4); 7 < 2 x 5 dropped.
+    assert [ld.batches_per_epoch for ld in loaders] == [9, 9] and [len(x) for x in per_rank] == [45, 45]
     seen = per_rank[0] + per_rank[1]
     assert len(seen) == len(set(seen))
-    dropped = sum(ld.counters["dropped_for_balance"] for ld in loaders)
-    assert dropped + len(seen) == sum(counts)
+    assert loaders[0].counters["dropped_for_balance"] == 7 and "dropped_for_balance" not in loaders[1].counters
+    assert 7 + len(seen) == sum(counts)
 
 
 def test_epochs_reshuffle_and_seed_changes_order(balanced_ids):
@@ -108,7 +108,7 @@ def test_resume_layout_mismatch(balanced_ids):
     next(it)
     state = loader.state_dict()
     other = build_loader(cfg, rank=0, world_size=4, batch_size=6, img_size=16)
-    with pytest.raises(DataError, match="world_size=2, now 4"):
+    with pytest.raises(DataError, match="world_size=2, now 4: resuming on another layout needs every old rank's"):
         other.load_state_dict(state)
     other.load_state_dict(state, strict=False)
     assert other.state_dict()["epoch"] == 1 and other.state_dict()["batch"] == 0
@@ -177,7 +177,101 @@ def test_single_label_mixup_targets_sum_to_one(demo_train):
 
 
 def test_layout_that_cannot_feed_every_slot_is_a_data_error(balanced_ids):
-    with pytest.raises(DataError, match="16 shard.* cannot feed 8 rank.* x 4 worker"):
-        build_loader(_cfg(balanced_ids, workers=4), rank=0, world_size=8, batch_size=4)
+    # 192 samples: 8 ranks x 4 workers x 6 fits although the 32 slots outnumber the 16 shards
+    assert build_loader(_cfg(balanced_ids, workers=4), rank=0, world_size=8, batch_size=6).batches_per_epoch == 4
+    with pytest.raises(DataError, match=r"32 reader slots \(8 rank.* x 4 worker.*fewer than batch_size=7.*224 needed"):
+        build_loader(_cfg(balanced_ids, workers=4), rank=0, world_size=8, batch_size=7)
     with pytest.raises(DataError, match="fewer than batch_size=100"):
         build_loader(_cfg(balanced_ids), rank=0, world_size=2, batch_size=100)
+
+
+# ------------------------------------------------------------- keys, full epochs, elastic resume
+def _ids_and_states(cfg, world, batch, n, states=None, seed=3):
+    """Each rank of a ``world``-rank layout (after ``load_state_dicts(states)`` when given) yields
+    ``n`` batches (None: the rest of the current epoch); returns (ids per rank, new states, loaders)."""
+    ids, out, loaders = [], [], []
+    for rank in range(world):
+        loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch, seed=seed, img_size=16)
+        if states is not None:
+            loader.load_state_dicts(states)
+        count = loader.batches_this_epoch - loader.state_dict()["batch"] if n is None else n
+        mine, it = [], iter(loader)
+        for _ in range(count):
+            epoch = loader.epoch
+            _, y = next(it)
+            assert [int(k) for k in loader.last_keys] == y.tolist() and loader.last_epoch == epoch
+            assert all(s.startswith("train-") for s in loader.last_shards)
+            mine += y.tolist()
+        ids.append(mine)
+        out.append(loader.state_dict())
+        loaders.append(loader)
+    return ids, out, loaders
+
+
+COUNTS = [12, 12, 12, 12, 12, 7, 30, 9, 21]  # 127 samples, uneven shards
+
+
+@pytest.fixture(scope="module")
+def uneven_ids(tmp_path_factory, shard_kit):
+    return shard_kit.id_shards(tmp_path_factory.mktemp("uneven") / "s", COUNTS)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_full_epochs_cover_every_sample_once(uneven_ids, workers):
+    cfg = _cfg(uneven_ids, workers=workers)
+    ids, _, loaders = _ids_and_states(cfg, 2, 4, 2 * 15)  # 127 // 8 = 15 batches per rank, 2 epochs
+    assert [ld.batches_per_epoch for ld in loaders] == [15, 15] and all(ld.epoch == 2 for ld in loaders)
+    for e in range(2):
+        seen = [i for r in ids for i in r[e * 60:(e + 1) * 60]]
+        assert len(seen) == len(set(seen)) == 120 and set(seen) <= set(range(127))  # 7 < 2 x 4 dropped
+    assert loaders[0].counters["dropped_for_balance"] == 14
+
+
+@pytest.mark.parametrize("old, new", [((2, 2), (1, 2)), ((1, 2), (2, 2)), ((2, 2), (2, 1)), ((2, 0), (3, 2)),
+                                      ((1, 0), (2, 0))])
+def test_elastic_resume_reads_the_rest_of_the_epoch_once(uneven_ids, old, new):
+    """(world, workers) old -> new: samples consumed before the cut plus those read by the new
+    layout for the rest of the epoch are every sample once (minus < one global batch of the new
+    layout); every new rank yields the same count; the next epoch is complete."""
+    (w0, k0), (w1, k1) = old, new
+    batch = 4
+    before, states, _ = _ids_and_states(_cfg(uneven_ids, workers=k0), w0, batch, 5)
+    after, states1, loaders = _ids_and_states(_cfg(uneven_ids, workers=k1), w1, batch, None, states)
+    assert len({len(a) for a in after}) == 1 and all(ld.epoch == 1 for ld in loaders)
+    seen = [i for r in before + after for i in r]
+    assert len(seen) == len(set(seen))
+    assert 0 <= 127 - len(seen) < w1 * batch
+    assert sum(ld.counters.get("dropped_for_balance", 0) for ld in loaders) == 127 - len(seen)
+    assert sum(ld.counters["samples"] for ld in loaders) == len(seen)  # old counters carried (rank 0)
+    nxt, _, _ = _ids_and_states(_cfg(uneven_ids, workers=k1), w1, batch, 127 // (w1 * batch), states1)
+    seen = [i for r in nxt for i in r]
+    assert len(seen) == len(set(seen)) > 127 - w1 * batch
+
+
+def test_elastic_twice_in_one_epoch_and_exact_resume_inside_the_rest(uneven_ids):
+    """2 ranks x 2 workers -> 1 x 1 (cut again after 3 batches) -> 2 x 2: still each sample once;
+    a same-layout resume inside a rest-epoch is bit-exact."""
+    batch = 4
+    before, s0, _ = _ids_and_states(_cfg(uneven_ids, workers=2), 2, batch, 4)
+    mid, s1, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 3, s0)
+    assert s1[0]["rest"]["world_size"] == 2
+    rest_a, s2, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 2, s1)  # same layout: exact
+    rest_b, _, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 2, s1)
+    assert rest_a == rest_b
+    cont, _, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 2, [s1[0]])
+    assert cont == rest_a
+    after, _, loaders = _ids_and_states(_cfg(uneven_ids, workers=2), 2, batch, None, s1)
+    seen = [i for r in before + mid + after for i in r]
+    assert len(seen) == len(set(seen)) and 0 <= 127 - len(seen) < 2 * batch
+    assert all(ld.epoch == 1 for ld in loaders)
+
+
+def test_elastic_states_must_be_complete_and_agree(uneven_ids):
+    _, states, _ = _ids_and_states(_cfg(uneven_ids), 2, 4, 1)
+    loader = build_loader(_cfg(uneven_ids), rank=0, world_size=1, batch_size=4, seed=3, img_size=16)
+    with pytest.raises(DataError, match=r"need one state per old rank 0..1, got ranks \[1\]"):
+        loader.load_state_dicts(states[1:])
+    with pytest.raises(DataError, match="disagree on batch"):
+        loader.load_state_dicts([states[0], {**states[1], "batch": 7}])
+    with pytest.raises(DataError, match="saved with seed=3, now 4"):
+        build_loader(_cfg(uneven_ids), batch_size=4, seed=4, img_size=16).load_state_dicts(states)

@@ -1,0 +1,137 @@
+"""``vit-launch run`` stays alive above the deepspeed runner: signals, outcome, restarts.
+
+    supervisor (vit-launch) -> deepspeed runner -> per-node launcher -> ranks -> data workers
+
+* The runner starts in a session of its own. The first SIGTERM or SIGINT to the supervisor is
+  forwarded as SIGTERM to that whole process group (runner, local launcher, ranks): every rank
+  checkpoints at its next step and exits 75; ranks on other nodes follow through the per-step stop
+  agreement. A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
+  The runner gets ``PR_SET_PDEATHSIG``: a supervisor killed with ``kill -9`` takes the runner with
+  it, and the ranks notice their runner is gone (``pretrain.lifecycle``) and stop.
+* The supervisor waits until the *group* is empty, not just the runner (DeepSpeed's runner can exit
+  while its launcher still waits for ranks that are saving).
+* The exit code says what happened (``pretrain.lifecycle``): 0 done, 2 user error, 75 interrupted
+  after a checkpoint (requeue it), 3 hang, else the job's failure code. ``status.json`` in the run
+  directory, written by rank 0, decides between "completed" / "interrupted" and what the runner
+  reported (DeepSpeed's launcher turns a signalled job into exit 1).
+* ``--max-restarts N``: after a failure (not after a user error, a completed run or an
+  interruption) start the job again, after ``min(backoff * 2**k, 300)`` seconds; it resumes from the
+  last complete checkpoint, in the same W&B run.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+
+PROG = "vit-launch"
+MAX_BACKOFF_S = 300.0
+
+
+def _log(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+def _die_with_us() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _read_status(path: Optional[Path], since: float) -> Optional[dict]:
+    """The run's status.json when it was written by this attempt."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("time", 0) >= since else None
+
+
+class Supervisor:
+    def __init__(self, cmd: list[str], status_path: Optional[Path], stop_grace_s: float = 90.0):
+        self.cmd, self.status_path, self.stop_grace_s = cmd, status_path, stop_grace_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.signals = 0
+        self.stop_deadline: Optional[float] = None
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals += 1
+        if self.proc is None:
+            return
+        if self.signals == 1:
+            _log(f"{signal.Signals(signum).name}: asking the job to checkpoint and stop (again to kill it)")
+            self._signal_group(signal.SIGTERM)
+            self.stop_deadline = time.monotonic() + self.stop_grace_s
+        else:
+            _log("killing the job without a checkpoint")
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def run_once(self) -> int:
+        """Start the job, wait for every process of its group, return the outcome's exit code."""
+        started = time.time()
+        self.proc = subprocess.Popen(self.cmd, preexec_fn=_die_with_us)
+        code = None
+        while True:
+            if code is None:
+                code = self.proc.poll()
+            if code is not None and not _group_alive(self.proc.pid):
+                break
+            if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+                _log(f"the job did not stop within {self.stop_grace_s:g}s of the signal; killing it")
+                self._signal_group(signal.SIGKILL)
+                self.stop_deadline = None
+            time.sleep(0.2)
+        status = _read_status(self.status_path, started)
+        if status and status.get("state") in ("completed", "interrupted"):
+            return int(status["exit_code"])
+        if self.signals > 1:
+            return 130
+        return code if code >= 0 else 128 - code  # -9: killed by SIGKILL -> 137, as a shell says
+
+    def run(self, max_restarts: int = 0, backoff_s: float = 10.0) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            attempt = 0
+            while True:
+                code = self.run_once()
+                if code in (EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED) or self.signals or attempt >= max_restarts:
+                    break
+                attempt += 1
+                wait = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                _log(f"the job failed with exit code {code}; restart {attempt}/{max_restarts} in {wait:g}s "
+                     f"(it resumes from the last complete checkpoint)")
+                time.sleep(wait)
+            if code == EXIT_INTERRUPTED:
+                _log(f"the job stopped after a checkpoint (exit {EXIT_INTERRUPTED}); run the same command to resume")
+            return code
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)

@@ -1,0 +1,223 @@
+"""Faults on one machine, with real signals and real processes: Ctrl-C and SIGTERM checkpoint and
+exit 75, a hung rank trips the watchdog, a damaged checkpoint is set aside, a failed job restarts.
+(Two-node and SLURM faults: tests/cluster/.)"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import REPO, group_alive, job_env, kill_group, metrics, start_job, wait_for
+from pretrain import rundir
+
+pytestmark = pytest.mark.slow
+EXIT_INTERRUPTED = 75
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from data_pipeline.write_shards import write_demo_shards
+
+    out = tmp_path_factory.mktemp("faults") / "train"
+    write_demo_shards(out, "train", n=256, shard_size=32)
+    return out / "manifest.json"
+
+
+def overrides(shards, run_dir, *extra):
+    return [f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
+            "train.micro_batch_size=8", "logging.wandb.mode=disabled", "train.log_every_steps=1",
+            "zero.stage=1", *extra]
+
+
+def train_cmd(shards, run_dir, *extra):
+    return [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
+            *overrides(shards, run_dir, *extra)]
+
+
+def launch_cmd(shards, run_dir, *extra, ranks=2, launch_args=()):
+    return [sys.executable, "-m", "launch", "run", "--config", "configs/tiny_cpu.yaml", "--skip-checks",
+            "--gpus-per-node", str(ranks), *launch_args, *overrides(shards, run_dir, *extra)]
+
+
+def logged_step(run_dir: Path) -> int:
+    try:
+        return max(metrics(run_dir))
+    except (OSError, ValueError):
+        return 0
+
+
+def finish(proc, timeout):
+    try:
+        proc.wait(timeout)
+    finally:
+        if group_alive(proc):
+            kill_group(proc)
+    return proc.returncode
+
+
+def wait_gone(proc, timeout: float) -> None:
+    end = time.time() + timeout
+    while group_alive(proc) and time.time() < end:
+        time.sleep(0.2)
+    assert not group_alive(proc), "processes of the job are still running"
+
+
+def test_sigint_single_process_checkpoints_and_exits_75(shards, tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    p = start_job(train_cmd(shards, run, "train.steps=500", "checkpoint.every_steps=1000", "data.workers=2"), log)
+    try:
+        wait_for(lambda: logged_step(run) >= 2, 240, p, "step 2")
+        os.kill(p.pid, signal.SIGINT)  # the main process only, as `kill -INT PID` does
+        code = finish(p, 120)
+    finally:
+        if group_alive(p):
+            kill_group(p)
+    out = log.read_text()
+    assert code == EXIT_INTERRUPTED, out[-3000:]
+    wait_gone(p, 10)  # its data workers too
+    ckpt = rundir.latest_complete(run / "checkpoints")
+    assert ckpt is not None and rundir.verify(ckpt) is None
+    step = rundir.step_of(ckpt)
+    assert 2 <= step < 500
+    assert f"vit-train: stopped (SIGINT) at step {step}: checkpoint {ckpt}" in out
+    assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
+    assert "Traceback" not in out
+
+
+def test_sigint_to_process_group_of_two_ranks_then_resume(shards, tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    cmd = launch_cmd(shards, run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1")
+    p = start_job(cmd, log)
+    try:
+        wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
+        t0 = time.time()
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C at a terminal: every process of the group
+        code = finish(p, 150)
+        took = time.time() - t0
+    finally:
+        if group_alive(p):
+            kill_group(p)
+    out = log.read_text()
+    assert code == EXIT_INTERRUPTED, out[-3000:]
+    wait_gone(p, 10)
+    ckpt = rundir.latest_complete(run / "checkpoints")
+    step = rundir.step_of(ckpt)
+    assert ckpt is not None and 2 <= step < 400 and rundir.verify(ckpt) is None
+    assert took < 120
+    assert "the job stopped after a checkpoint (exit 75)" in out
+    # the same command resumes there and finishes
+    cmd = launch_cmd(shards, run, f"train.steps={step + 2}", "checkpoint.every_steps=1000", "data.workers=1")
+    r = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from step {step}" in r.stderr
+    assert json.loads((run / "summary.json").read_text())["step"] == step + 2
+
+
+def test_hung_rank_trips_the_watchdog(shards, tmp_path):
+    run = tmp_path / "run"
+    cmd = launch_cmd(shards, run, "train.steps=50", "train.hang_timeout_s=8", "data.workers=0")
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=REPO, env=job_env(VITSCALE_FAULT="hang_in_step:4@1"), capture_output=True,
+                       text=True, timeout=240)
+    took = time.time() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert took < 200
+    files = sorted(p.name for p in (run / "hang").glob("rank-*.txt"))
+    assert files == ["rank-0.txt", "rank-1.txt"], out[-3000:]
+    stacks = (run / "hang" / "rank-1.txt").read_text()
+    assert "hang_in_step" in stacks and "Thread" in stacks  # every thread's Python stack
+    lines = [ln for ln in out.splitlines() if "vit-train: hang:" in ln]
+    assert len(lines) == 1, out[-3000:]
+    assert "at step 4" in lines[0] and "stopped progressing: rank 1 (in forward of step 4)" in lines[0]
+
+
+def test_failed_job_restarts_and_resumes(shards, tmp_path):
+    run = tmp_path / "run"
+    cmd = launch_cmd(shards, run, "train.steps=6", "checkpoint.every_steps=2", "data.workers=0",
+                     launch_args=("--max-restarts", "2", "--restart-backoff", "1"))
+    r = subprocess.run(cmd, cwd=REPO, env=job_env(VITSCALE_FAULT="crash_in_step:5@1"), capture_output=True,
+                       text=True, timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "restart 1/2" in out and "restart 2/2" not in out
+    assert "resuming from step 4" in out
+    assert json.loads((run / "summary.json").read_text())["step"] == 6
+    m = metrics(run)
+    assert sorted(m) == [1, 2, 3, 4, 5, 6]
+
+
+# ----------------------------------------------------------------------------- damaged checkpoint
+@pytest.fixture(scope="module")
+def two_checkpoints(shards, tmp_path_factory):
+    run = tmp_path_factory.mktemp("dmg") / "run"
+    r = subprocess.run(train_cmd(shards, run, "train.steps=4", "checkpoint.every_steps=2", "data.workers=0",
+                                 "checkpoint.keep_last=3"),
+                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_damaged_newest_checkpoint_falls_back(two_checkpoints, shards, tmp_path, damage):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    newest = run / "checkpoints" / "step_00000004"
+    victim = max((p for p in newest.iterdir() if p.suffix == ".pt"), key=lambda p: p.stat().st_size)
+    if damage == "delete":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    assert rundir.verify(newest) is not None
+
+    # export falls back, warns, and leaves the training run's files alone
+    out = tmp_path / "w.safetensors"
+    r = subprocess.run([sys.executable, "-m", "pretrain.export", str(run), str(out)], cwd=REPO, env=job_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning: checkpoint step_00000004 is damaged" in r.stderr and victim.name in r.stderr
+    assert "step 2 from" in r.stderr and newest.is_dir()
+
+    # resume falls back to step 2, sets step 4 aside (kept), trains on
+    r = subprocess.run(train_cmd(shards, run, "train.steps=5", "checkpoint.every_steps=2", "data.workers=0",
+                                 "checkpoint.keep_last=3"),
+                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 2" in r.stderr and "is damaged" in r.stderr
+    kept = run / "checkpoints" / "damaged" / "step_00000004"
+    assert kept.is_dir() and rundir.verify(kept) is not None  # the damaged one, set aside as it was
+    assert rundir.verify(newest) is None  # step 4 trained and saved again
+    assert rundir.step_of(rundir.latest_complete(run / "checkpoints")) == 5
+
+
+def test_sigterm_to_the_runner_only_leaves_no_orphans(shards, tmp_path):
+    """`kill RUNNER_PID`: DeepSpeed's runner dies at once and its launcher is orphaned; the ranks
+    notice their runner is gone, checkpoint at the next step and exit."""
+    from dist_utils import deepspeed_cmd
+
+    run = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml",
+                        *overrides(shards, run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1"))
+    p = start_job(cmd, log)
+    try:
+        wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
+        os.kill(p.pid, signal.SIGTERM)
+        wait_gone(p, 120)
+    finally:
+        if group_alive(p):
+            kill_group(p)
+    ckpt = rundir.latest_complete(run / "checkpoints")
+    assert ckpt is not None and rundir.verify(ckpt) is None, log.read_text()[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["step"] == rundir.step_of(ckpt)
+    text = log.read_text()  # rank 0 names its own reason, or the rank that noticed first
+    assert "vit-train: stopped (runner exited)" in text or "vit-train: stopped (another rank's request)" in text
