@@ -137,6 +137,9 @@ def to_universal(ckpt_path: str | Path, workers: Optional[int] = None, timeout: 
 
     (tmp / MARKER).write_text(json.dumps({"source_world_size": saved_world_size(ckpt),
                                           "deepspeed": deepspeed.__version__}))
+    if (out / MARKER).is_file():  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     if out.exists():  # a copy without its marker: never complete, replace it
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -151,7 +154,9 @@ def prepare(ckpt_path: str | Path, world_size: int, rank: int) -> tuple[str, str
     import torch.distributed as dist
 
     ckpt = Path(ckpt_path)
-    if saved_world_size(ckpt) == world_size:
+    if saved_world_size(ckpt) == world_size or not any(ckpt.glob("*optim_states.pt")):
+        # no ZeRO shards (ZeRO-0 in fp32 keeps the whole optimizer in the model-states file,
+        # which every rank reads): the normal load works on any world size
         return str(ckpt.parent), ckpt.name, {}
     status = [None]
     if rank == 0:

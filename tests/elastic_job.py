@@ -80,11 +80,17 @@ def snapshot(engine) -> dict:
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
     fp32, avg, avg_sq = {}, {}, {}
+    base = _client_optimizer(engine)
     for name, p in engine.module.named_parameters():
+        if safe_get_full_fp32_param(p) is None:
+            # ZeRO-0 (no wrapper, also in bf16: DeepSpeed steps AdamW on the bf16 weights):
+            # the module holds the weights and AdamW its own per-parameter state
+            fp32[name], avg[name], avg_sq[name] = (p.detach().clone(), base.state[p]["exp_avg"].clone(),
+                                                   base.state[p]["exp_avg_sq"].clone())
+            continue
         fp32[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
         avg[name] = safe_get_full_optimizer_state(p, "exp_avg").detach().cpu().clone()
         avg_sq[name] = safe_get_full_optimizer_state(p, "exp_avg_sq").detach().cpu().clone()
-    base = engine.optimizer.optimizer  # the client torch AdamW inside ZeRO's wrapper
     steps = _adam_steps(engine)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     return {"fp32": fp32, "exp_avg": avg, "exp_avg_sq": avg_sq, "adam_steps": steps, "groups": groups,
@@ -92,9 +98,14 @@ def snapshot(engine) -> dict:
             "global_steps": engine.global_steps}
 
 
+def _client_optimizer(engine):
+    """The client torch AdamW, inside DeepSpeed's ZeRO / bf16 wrapper when there is one."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
 def _adam_steps(engine) -> list[float]:
     """The distinct Adam step counts held by the client optimizer (one per flat group)."""
-    return sorted({float(s["step"]) for s in engine.optimizer.optimizer.state.values() if "step" in s})
+    return sorted({float(s["step"]) for s in _client_optimizer(engine).state.values() if "step" in s})
 
 
 def module_weights(engine) -> dict:

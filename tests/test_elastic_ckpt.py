@@ -5,8 +5,11 @@ Real jobs through the deepspeed runner on CPU (gloo): three launches (2 ranks, 1
 run every case of the matrix in turn (tests/elastic_job.py), about 2 minutes in all; the tests
 then read what each job recorded. Matrix (saved ranks -> resumed ranks):
 
-    ZeRO-1 fp32 2->1    ZeRO-2 bf16 2->1    ZeRO-3 fp32 2->1
-    ZeRO-2 fp32 1->2    ZeRO-3 bf16 1->2    (cut: ZeRO-1 bf16, and the reverse direction of each)
+    ZeRO-0 fp32 2->1    ZeRO-1 fp32 2->1    ZeRO-2 bf16 2->1    ZeRO-3 fp32 2->1
+                        ZeRO-1 bf16 1->2    ZeRO-2 fp32 1->2    ZeRO-3 bf16 1->2
+
+ZeRO-0 has no shards (the whole optimizer is in the model-states file) and loads without a
+conversion; ZeRO-0 bf16 is not covered (the snapshot helper cannot read its optimizer state).
 """
 import json
 import shutil
@@ -18,8 +21,8 @@ from dist_utils import deepspeed_cmd, run_job
 from pretrain import elastic
 
 SAVE_AT = 4
-FROM_2 = ["z1-fp32", "z2-bf16", "z3-fp32"]  # saved on 2 ranks, resumed on 1
-FROM_1 = ["z2-fp32", "z3-bf16"]             # saved on 1 rank, resumed on 2
+FROM_2 = ["z0-fp32", "z1-fp32", "z2-bf16", "z3-fp32"]  # saved on 2 ranks, resumed on 1
+FROM_1 = ["z1-bf16", "z2-fp32", "z3-bf16"]             # saved on 1 rank, resumed on 2
 BROKEN = "z2-fp32-broken"                   # saved on 1 rank, unconvertible, resumed on 2
 
 
@@ -48,6 +51,9 @@ def runs(tmp_path_factory):
 
 def consolidated(ckpt):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if not list(ckpt.glob("*optim_states.pt")):  # ZeRO-0: the module state is whole
+        return torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
 
@@ -85,7 +91,9 @@ def test_elastic_resume_restores_model_optimizer_schedule(runs, case):
 
     # the loss continues the uninterrupted run's curve on the same data (other ranks, other
     # reduction order: equal up to rounding) and never jumps back towards the initial loss
-    tol = 2e-2 if bf16 else 1e-4
+    # (here they are in fact bitwise equal; the ZeRO-3 shared-step defect showed as 2.6e-5 after
+    # two steps and 1.4e-3 after three, fp32)
+    tol = 5e-3 if bf16 else 1e-5
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(saved["losses"][SAVE_AT:]),
                                rtol=tol, atol=tol)
     assert got["losses"][0] < saved["losses"][0] - 0.05, (saved["losses"], got["losses"])
@@ -93,7 +101,7 @@ def test_elastic_resume_restores_model_optimizer_schedule(runs, case):
     # the flag is off again, and a save after an elastic resume writes every rank's files
     assert got["flag_after_load"] is False
     files = got["files_after_resave"]
-    for r in range(got["world"]):
+    for r in range(got["world"] if not case.startswith("z0") else 0):
         assert any(f.endswith(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for f in files), (case, files)
         if case.startswith("z3"):
             assert f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" in files, (case, files)
@@ -101,6 +109,9 @@ def test_elastic_resume_restores_model_optimizer_schedule(runs, case):
 
     # the universal copy sits inside the checkpoint, complete, with no temp dirs or pointer left
     ckpt = tag_dir(runs, case)
+    if case.startswith("z0"):
+        assert not (ckpt / "universal").exists()
+        return
     assert (ckpt / "universal" / elastic.MARKER).is_file()
     assert json.loads((ckpt / "universal" / elastic.MARKER).read_text())["source_world_size"] == saved["world"]
     assert not list(ckpt.glob(".universal.tmp-*")) and not (ckpt / "latest_universal").exists()
@@ -134,3 +145,11 @@ def test_existing_universal_copy_is_reused_and_missing_run_json_is_named(tmp_pat
     assert elastic.to_universal(ckpt) == ckpt / "universal"  # no converter run: it is complete
     with pytest.raises(elastic.ElasticError, match="not found"):
         elastic.to_universal(tmp_path / "step_00000099")
+
+
+def test_convert_ahead_of_time_cli_reports_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        elastic.main([str(tmp_path / "step_00000007")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("vit-elastic: error:") and "step_00000007" in err
