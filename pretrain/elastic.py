@@ -51,13 +51,13 @@ Findings on DeepSpeed 0.19.8 (installed), with the source lines that decide them
   step together.
 - ZeRO-3 loader bugs, undone by :func:`load_checkpoint` (``_fix_zero3_universal_load``): it
   copies the hyperparameters of the *first* saved param group into *every* group
-  (stage3.py:3681-3687, ``optim_sd[...]["param_groups"][0]``), so our no-decay group (biases,
+  (stage3.py:3686-3690, ``optim_sd[...]["param_groups"][0]``), so our no-decay group (biases,
   norms, position embedding, [class] token) would get the decay group's ``weight_decay``; and it
-  puts one shared ``step`` tensor into every sub-group's state (stage3.py:3664, 3677), which
+  puts one shared ``step`` tensor into every sub-group's state (stage3.py:3664, 3681), which
   AdamW increments in place once per sub-group, so the step ran 2x fast (seen: loss off by 2e-3
   after 3 steps, fp32). ZeRO-1/2 restore groups and steps per group (base_optimizer.py:351-380).
 - The LR schedule (our ``LambdaLR``) is restored from the copied model-states file
-  (``checkpoint['lr_scheduler']``, engine.py:4676), so it continues at the saved step.
+  (``checkpoint['lr_scheduler']``, engine.py:4702), so it continues at the saved step.
 """
 from __future__ import annotations
 
@@ -191,10 +191,10 @@ def universal_loading(engine, on: bool = True) -> Iterator[None]:
 def _fix_zero3_universal_load(engine, universal: Path) -> None:
     """Two defects of ZeRO-3's universal loader (DeepSpeed 0.19.8), undone here:
 
-    - it gives every param group the first group's hyperparameters (stage3.py:3681-3687), so
+    - it gives every param group the first group's hyperparameters (stage3.py:3686-3690), so
       the no-decay group would decay; each group gets its own saved ones back;
     - it stores one and the same ``step`` tensor in every sub-group's state (stage3.py:3664 and
-      3677); torch's AdamW increments it in place once per sub-group step, so with our two groups
+      3681); torch's AdamW increments it in place once per sub-group step, so with our two groups
       the step count would advance by 2 per optimizer step and bias correction would drift.
     """
     import torch
