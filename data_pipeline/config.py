@@ -42,6 +42,8 @@ class DataConfig:
     max_corrupt_rate: float = 0.01  # stop the run when more than this share of samples is bad
     max_image_pixels: int = 89_478_485  # decompression-bomb guard (PIL's default limit)
     prefetch_factor: int = 2
+    # write step<TAB>epoch<TAB>key per consumed sample to <output_dir>/samples/rank-<R>.tsv
+    record_samples: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 

@@ -50,6 +50,7 @@ from data_pipeline.manifest import resolve_shards
 from data_pipeline.plan import Plan
 from data_pipeline.rest import RestEpoch, rest_epoch
 from data_pipeline.stream import Settings, SlotStream, Start
+from data_pipeline.workers import worker_init
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
 # 2: sample-range plan; adds shuffle_buffer and rest (the elastic source of a rest-epoch).
@@ -58,7 +59,7 @@ STATE_VERSION = 2
 
 def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: int, seed: int = 0,
                  img_size: int | None = None, train: bool = True, epoch: int = 0) -> "ShardLoader":
-    """Build the loader for ``data_cfg`` (a ``pretrain.config.DataConfig``). Reads only manifests;
+    """Build the loader for ``data_cfg`` (a ``data_pipeline.config.DataConfig``). Reads only manifests;
     raises ``DataError`` for a missing/inconsistent manifest, no matching shards, remote URLs
     without ``data.allow_remote``, or a layout that cannot give every reader slot a batch."""
     if not 0 <= rank < world_size:
@@ -76,14 +77,6 @@ def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: in
 
 def _identity(x):
     return x
-
-
-def _ignore_sigterm(worker_id: int) -> None:
-    """Preemption sends SIGTERM to every process of the job: workers must outlive it so the main
-    process can finish its step and checkpoint; they exit when the main process does."""
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class ShardLoader:
@@ -140,7 +133,7 @@ class ShardLoader:
         # resume rotation in stream.py relies on it.
         loader = DataLoader(
             stream, batch_size=None, collate_fn=_identity, num_workers=workers,
-            worker_init_fn=_ignore_sigterm if workers > 0 else None,
+            worker_init_fn=worker_init if workers > 0 else None,
             prefetch_factor=self.cfg.prefetch_factor if workers > 0 else None,
             pin_memory=torch.cuda.is_available(),
             # DataLoader draws its worker base seed from this generator; the default would take

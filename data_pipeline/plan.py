@@ -29,7 +29,6 @@ how long planning took.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import random
@@ -237,12 +236,9 @@ def plan_line(shards: Union[ShardSet, str, list], *, world_size: int, workers: i
 
 
 def main(argv=None) -> None:
-    try:
-        from data_pipeline.errors import cli_errors
-    except ImportError:  # before the error helpers moved to the data pipeline
-        from pretrain.config import cli_errors
+    from data_pipeline.errors import Parser, cli_errors
 
-    ap = argparse.ArgumentParser(prog="python -m data_pipeline.plan",
+    ap = Parser(prog="python -m data_pipeline.plan",
                                  description="Print the training data plan of one layout in one line")
     ap.add_argument("manifests", nargs="+", help="manifest.json file(s) (or shard folders / brace patterns)")
     ap.add_argument("--world-size", type=int, required=True)

@@ -30,7 +30,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Optional
 
-from data_pipeline.plan import Piece, Plan, shuffle_seed
+from data_pipeline.plan import Plan, shuffle_seed
 
 
 def remaining_arrivals(n: int, emitted: int, buffer_size: int, seed: int) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from data_pipeline.config import AugmentConfig
 from data_pipeline.decode import BadSample, open_image, parse_label
 from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.shard_reader import read_shard
@@ -37,7 +38,7 @@ SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as 
 
 @dataclass(frozen=True)
 class Settings:
-    augment: "AugmentConfig"  # noqa: F821 (pretrain.config; only attributes are read)
+    augment: AugmentConfig
     img_size: int
     shuffle_buffer: int
     max_image_pixels: int
@@ -56,7 +57,8 @@ class Start:
 
 
 class ShuffleBuffer:
-    """Reservoir-style shuffle whose choices depend only on the RNG and the arrival count."""
+    """Random-pick shuffle buffer (emit a uniformly chosen buffered item): its choices depend only
+    on the RNG and the arrival count."""
 
     def __init__(self, size: int, rng: random.Random):
         self.size, self.rng, self.items = size, rng, []

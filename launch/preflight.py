@@ -97,7 +97,7 @@ def _tar_problem(path: str, expected: Optional[int]) -> Optional[str]:
 def check_shards(cfg: Config, world: int) -> list[Finding]:
     from data_pipeline.errors import DataError
     from data_pipeline.manifest import is_remote, resolve_shards
-    from data_pipeline.plan import Plan
+    from data_pipeline.plan import Plan, plan_line
 
     d = cfg.data
     try:
@@ -124,27 +124,19 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
         out.append(Finding(WARN, "manifest", f"{len(shardset.shards) - len(local)} remote shard(s) not checked "
                                              "(only the loader reads them)"))
 
-    # -- reader slots: every (rank, worker) needs its own shard and a full batch (data_pipeline.plan)
+    # -- the data plan for this layout: equal batches per rank, what an epoch uses and drops
     workers = max(1, d.workers)
-    usable = len(shardset.shards) - len(problems)
-    slots = world * workers
-    if usable < slots:
-        fix = (f"lower data.workers to {usable // world}" if usable >= world
-               else f"write at least {world} shards (vit-shards --shard-size)")
-        out.append(Finding(FAIL, "shards", f"{usable} usable shard(s) cannot feed {world} rank(s) x {workers} "
-                                           f"worker(s) = {slots} reader slots: {fix} ({where})"))
+    try:
+        line = plan_line(shardset, world_size=world, workers=d.workers, batch_size=cfg.train.micro_batch_size,
+                         seed=cfg.train.seed)
+    except DataError as e:
+        out.append(Finding(FAIL, "shards", f"{e}".splitlines()[0]))
         return out
     plan = Plan(shardset, world, workers, cfg.train.micro_batch_size, cfg.train.seed, True)
-    per_slot = plan.batches_per_slot()
-    if per_slot == 0:
-        out.append(Finding(FAIL, "shards", f"each of the {slots} reader slots gets fewer than "
-                                           f"train.micro_batch_size={cfg.train.micro_batch_size} samples from {where}: "
-                                           "use more data, a smaller micro batch or fewer data.workers"))
-        return out
-    steps = per_slot * workers * cfg.train.micro_batch_size * world // cfg.train.global_batch_size
+    steps = plan.epoch_batches() * cfg.train.micro_batch_size * world // cfg.train.global_batch_size
     out.append(Finding(OK, "shards", f"{len(shardset.shards)} shards, {shardset.total} samples ({where}); "
-                                     f"{slots} reader slot(s) = {world} rank(s) x {workers} worker(s); "
-                                     f"about {steps} step(s) per epoch"))
+                                     f"{world} rank(s) x {workers} worker(s); about {steps} step(s) per epoch"))
+    out.append(Finding(OK, "plan", line))
     return out
 
 

@@ -125,24 +125,31 @@ def choose(ckpt_dir: str | Path) -> Optional[Path]:
     return Path(pick[0]) if pick[0] is not None else None
 
 
-def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, dict]]:
-    """Load the newest intact complete checkpoint into ``engine``; returns (run_info, this rank's
-    state) or None when there is nothing to resume. Collective."""
+def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, list[dict]]]:
+    """Load the newest intact complete checkpoint into ``engine``; returns (run_info, the per-rank
+    states of *every* rank that saved it, in rank order) or None when there is nothing to resume.
+    Collective. Saved on another world size, model and optimizer come through DeepSpeed's universal
+    checkpointing (``pretrain/elastic.py``, converted once by rank 0 and kept beside the
+    checkpoint); the data loader continues the interrupted epoch from all old ranks' states."""
     import torch.distributed as dist
+
+    from pretrain import elastic
 
     path = choose(ckpt_dir)
     if path is None:
         return None
     run_info = json.loads((path / "run.json").read_text())
-    if run_info["world_size"] != dist.get_world_size():
-        raise ConfigError(
-            f"{path}: saved with world size {run_info['world_size']}, now {dist.get_world_size()}; "
-            "ZeRO optimizer shards are per rank (resume on the same world size, or export the "
-            "weights and start a new run from them)")
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-    if load_path is None:
-        raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
-    rank_state = json.loads((path / f"rank_{dist.get_rank():05d}.json").read_text())
-    set_rng_state(rank_state["rng"])
-    return run_info, rank_state
+    saved_world, rank = int(run_info["world_size"]), dist.get_rank()
+    if saved_world != dist.get_world_size() and rank == 0:
+        print(f"vit-train: {path.name} was saved on {saved_world} rank(s), resuming on {dist.get_world_size()}: "
+              "model and optimizer through a universal checkpoint, data from every old rank's position",
+              file=sys.stderr, flush=True)
+    try:
+        elastic.load_checkpoint(engine, path)
+    except elastic.ElasticError as e:
+        raise ConfigError(str(e)) from None
+    states = [json.loads((path / f"rank_{r:05d}.json").read_text()) for r in range(saved_world)]
+    # RNG streams continue exactly on the same layout; on another one each rank takes the saved
+    # stream of its own rank number where there was one, else rank 0's
+    set_rng_state(states[rank if rank < saved_world else 0]["rng"])
+    return run_info, states

@@ -418,12 +418,18 @@ def _check_eval(ev: EvalConfig, fail) -> None:
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:
-    """Gradient-accumulation steps for this world size, or a ConfigError naming the batch keys."""
+    """Gradient-accumulation steps for this world size (the global batch is kept: accumulation
+    adapts), or a ConfigError naming the batch keys and the nearest settings that work."""
     per_step = train.micro_batch_size * world_size
     if train.global_batch_size % per_step:
+        g = train.global_batch_size
+        micro = [m for m in range(train.micro_batch_size, 0, -1) if g % (m * world_size) == 0][:1]
+        near = sorted({round(g / per_step) * per_step, max(1, g // per_step) * per_step, (g // per_step + 1) * per_step})
+        hint = (f"; e.g. train.micro_batch_size={micro[0]}" if micro else "") + \
+               f" or train.global_batch_size={' / '.join(str(n) for n in near if n > 0)}"
         raise ConfigError(
-            f"train.global_batch_size={train.global_batch_size} is not divisible by "
-            f"train.micro_batch_size x world size = {train.micro_batch_size} x {world_size} = {per_step}")
+            f"train.global_batch_size={g} is not divisible by "
+            f"train.micro_batch_size x world size = {train.micro_batch_size} x {world_size} = {per_step}{hint}")
     return train.global_batch_size // per_step
 
 

@@ -13,12 +13,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from data_pipeline.files import write_json
+from data_pipeline.sample_log import SampleLog
 from data_pipeline.workers import stop_workers
 from pretrain import checkpoint, faults, watchdog
 from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
@@ -88,7 +90,7 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
 # ----------------------------------------------------------------------------------------- loop
 def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step: int, rank: int,
                world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float],
-               stop: StopRequest, dog: Watchdog) -> dict:
+               stop: StopRequest, dog: Watchdog, samples: Optional[SampleLog]) -> dict:
     t, device = cfg.train, engine.device
     dtype = compute_dtype(t.precision)
     guard, timer = NonFiniteGuard(t.max_nonfinite_steps), StepTimer()
@@ -99,6 +101,8 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
 
     def save(at: int) -> None:
         dog.beat(at, "checkpoint", slow=True)
+        if samples is not None:
+            samples.flush()
         checkpoint.save(engine, ckpt_dir, at, rank_state={"loader": loader.state_dict()},
                         run_info={**run_info, "wandb_run_id": logger.run_id}, keep_last=cfg.checkpoint.keep_last)
 
@@ -111,6 +115,8 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             t0 = time.perf_counter()
             images, targets = next(batches)
             timer.add_data_wait(time.perf_counter() - t0)
+            if samples is not None:  # data.record_samples
+                samples.write(step + 1, loader.last_epoch, loader.last_keys)
             dog.beat(step + 1, "forward", slow=first)
             faults.hang_in_step(step + 1, rank)  # test hooks
             faults.crash_in_step(step + 1, rank, start_step)
@@ -201,9 +207,9 @@ def run(cfg: Config) -> dict:
     resumed = checkpoint.resume(engine, ckpt_dir) if cfg.checkpoint.resume else None
     start, run_id = 0, None
     if resumed:
-        info, rank_state = resumed
+        info, states = resumed
         start, run_id = info["step"], info.get("wandb_run_id")
-        loader.load_state_dict(rank_state["loader"])
+        loader.load_state_dicts([st["loader"] for st in states])  # same layout: this rank's, bit-exact
     else:
         torch.manual_seed(cfg.train.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
 
@@ -219,10 +225,12 @@ def run(cfg: Config) -> dict:
         where = f"resuming from step {start}" if resumed else "starting from scratch"
         print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
+    samples = SampleLog(layout.samples, rank).open(start) if cfg.data.record_samples else None
     t0 = time.time()
     try:
         result = train_loop(cfg, engine, loader, logger, start_step=start, rank=rank, world=world,
-                            ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog)
+                            ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog,
+                            samples=samples)
     except BaseException:
         if rank == 0:
             _status(layout, "failed", start)
@@ -230,6 +238,8 @@ def run(cfg: Config) -> dict:
     finally:
         logger.close()
         stop_workers()
+        if samples is not None:
+            samples.close()
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                   wandb_dir=logger.wandb_dir, world_size=world)
     if rank == 0:
