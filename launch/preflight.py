@@ -135,7 +135,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     plan = Plan(shardset, world, workers, cfg.train.micro_batch_size, cfg.train.seed, True)
     steps = plan.epoch_batches() * cfg.train.micro_batch_size * world // cfg.train.global_batch_size
     out.append(Finding(OK, "shards", f"{len(shardset.shards)} shards, {shardset.total} samples ({where}); "
-                                     f"{world} rank(s) x {workers} worker(s); about {steps} step(s) per epoch"))
+                                     f"{world * workers} reader slot(s) = {world} rank(s) x {workers} worker(s); "
+                                     f"about {steps} step(s) per epoch"))
     out.append(Finding(OK, "plan", line))
     return out
 

@@ -232,6 +232,7 @@ def run(cfg: Config) -> dict:
                             ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog,
                             samples=samples)
     except BaseException:
+        dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         if rank == 0:
             _status(layout, "failed", start)
         raise
@@ -245,6 +246,7 @@ def run(cfg: Config) -> dict:
     if rank == 0:
         write_json(layout.summary, result, indent=1)
         _status(layout, "interrupted" if result["preempted"] else "completed", result["step"])
+        print(_goodbye(result), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
     dist.barrier()
     return result
 
@@ -258,20 +260,14 @@ def _status(layout: RunDir, state: str, step: int) -> None:
         pass
 
 
-def _goodbye(result: dict) -> int:
-    """One line on rank 0 saying how the run ended; the exit code (see ``lifecycle``)."""
+def _goodbye(result: dict) -> str:
+    """The one line saying how the run ended."""
     ckpt = checkpoint.latest_complete(result["checkpoint_dir"])
     if result["preempted"]:
-        msg = (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {ckpt}; run the "
-               f"same command to resume (exit {EXIT_INTERRUPTED})")
-        code = EXIT_INTERRUPTED
-    else:
-        msg = (f"vit-train: done at step {result['step']}: checkpoint {ckpt}; export with: python -m pretrain.export "
-               f"{result['run_dir']} OUT.safetensors")
-        code = EXIT_OK
-    if dist.get_rank() == 0:
-        print(msg, file=sys.stderr, flush=True)
-    return code
+        return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {ckpt}; run the "
+                f"same command to resume (exit {EXIT_INTERRUPTED})")
+    return (f"vit-train: done at step {result['step']}: checkpoint {ckpt}; export with: python -m pretrain.export "
+            f"{result['run_dir']} OUT.safetensors")
 
 
 def main(argv=None) -> None:
@@ -284,7 +280,7 @@ def main(argv=None) -> None:
 
     with cli_errors("vit-train", DataError, NonFiniteLoss):
         cfg = load_config(args.config, args.overrides)
-        code = _goodbye(run(cfg))
+        code = EXIT_INTERRUPTED if run(cfg)["preempted"] else EXIT_OK
     if dist.is_initialized():
         dist.destroy_process_group()
     raise SystemExit(code)

@@ -5,8 +5,8 @@ all-reduce, backward, checkpoint); a daemon thread checks the time since the las
 step (start-up, first collectives, JIT builds) and checkpoints get ``slow_factor`` times the
 allowance. When it fires, the rank writes every thread's Python stack to
 ``<output_dir>/hang/rank-<R>.txt`` (first line: a JSON header with rank, step, phase, idle seconds),
-waits briefly for the other ranks' files, and exits with ``EXIT_HANG``. The lowest rank that fired
-prints one line naming the step and the rank(s) that stopped progressing: the ranks furthest
+waits briefly for the other ranks' files, and exits with ``EXIT_HANG``. The first rank done waiting
+(it creates ``hang/reported``) prints one line naming the step and the rank(s) that stopped progressing: the ranks furthest
 behind (a rank stuck inside a step is still in an earlier phase than its peers, who wait for it in
 the next collective), or those that wrote no file at all.
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pretrain.lifecycle import EXIT_HANG
 
+REPORTED = "reported"
 PHASES = ("start", "data", "forward", "agree", "backward", "log", "stop", "checkpoint", "end")
 
 
@@ -35,6 +36,7 @@ class Watchdog:
         self.timeout, self.slow_factor = float(timeout_s), slow_factor
         self.step, self.phase = 0, "start"
         self.last, self.allowance = time.monotonic(), self.timeout * slow_factor
+        self.fired = threading.Event()
         if self.timeout > 0:
             threading.Thread(target=self._run, name="vitscale-watchdog", daemon=True).start()
 
@@ -51,7 +53,14 @@ class Watchdog:
             if idle > self.allowance:
                 self._fire(idle)
 
+    def hold_if_fired(self) -> None:
+        """Called on the way out by exception: once the watchdog fired (a peer that gave up first
+        breaks our collective), let it finish its report and exit with EXIT_HANG."""
+        if self.fired.is_set():
+            time.sleep(3600)
+
     def _fire(self, idle: float) -> None:
+        self.fired.set()
         self.dir.mkdir(parents=True, exist_ok=True)
         head = {"rank": self.rank, "step": self.step, "phase": self.phase, "idle_s": round(idle, 1)}
         path = self.dir / f"rank-{self.rank}.txt"
@@ -59,8 +68,8 @@ class Watchdog:
             f.write(json.dumps(head) + "\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-        others = self._gather(wait_s=min(15.0, max(3.0, self.timeout / 2)))
-        if min(others) == self.rank:
+        others = self._gather(wait_s=min(30.0, max(10.0, self.timeout)))
+        if _first_to_report(self.dir):
             print(f"vit-train: hang: no progress for {idle:.0f}s (train.hang_timeout_s={self.timeout:g}) at step "
                   f"{self.step}; stopped progressing: {describe(others, self.world)}; stacks in {self.dir}",
                   file=sys.stderr, flush=True)
@@ -75,6 +84,15 @@ class Watchdog:
                 found.setdefault(self.rank, {"rank": self.rank, "step": self.step, "phase": self.phase})
                 return found
             time.sleep(0.5)
+
+
+def _first_to_report(hang_dir: Path) -> bool:
+    """True on exactly one rank: the one that creates the ``reported`` marker first."""
+    try:
+        os.close(os.open(Path(hang_dir) / REPORTED, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def read_headers(hang_dir: Path) -> dict[int, dict]:
@@ -110,8 +128,10 @@ def describe(headers: dict[int, dict], world: int) -> str:
 
 
 def clear(hang_dir: Path, rank: int) -> None:
-    """Remove this rank's stack file of an earlier hang (a restarted run starts clean)."""
-    try:
-        os.unlink(Path(hang_dir) / f"rank-{rank}.txt")
-    except FileNotFoundError:
-        pass
+    """Remove this rank's stack file of an earlier hang (a restarted run starts clean); rank 0
+    also removes the report marker."""
+    for name in [f"rank-{rank}.txt"] + ([REPORTED] if rank == 0 else []):
+        try:
+            os.unlink(Path(hang_dir) / name)
+        except FileNotFoundError:
+            pass

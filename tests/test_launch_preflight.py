@@ -45,7 +45,9 @@ def test_all_checks_pass_without_touching_a_device(capsys, shards, tmp_path):
     code, out, err = check(capsys, args(shards, tmp_path, "--gpus-per-node", "2"))
     assert code == 0 and err == [], err
     topics = [line.split(":")[0].strip() for line in out.splitlines()[1:]]
-    assert topics == ["ok  batch", "ok  manifest", "ok  shards", "ok  run dir", "ok  memory"]
+    assert topics == ["ok  batch", "ok  manifest", "ok  shards", "ok  plan", "ok  run dir", "ok  memory"]
+    assert ("96 samples in 8 shards on 2 rank(s) x 2 worker(s), batch 4: 12 batches per rank per epoch; "
+            "96 samples used, 0 dropped (0.000%) per epoch") in out
     assert "global 8 = micro 4 x 2 rank(s) x 1 accumulation step(s)" in out
     assert "4 reader slot(s) = 2 rank(s) x 2 worker(s)" in out
     # pre-flight must not claim a GPU or start a process group (it runs on the launching node)
@@ -75,12 +77,15 @@ def test_file_that_is_not_a_tar(capsys, shards, tmp_path):
     assert "train-000001.tar: does not start with a tar header" in line
 
 
-def test_fewer_shards_than_reader_slots(capsys, shards, tmp_path):
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "2", "data.workers=6",
-                                  "train.global_batch_size=8"), "shards")
-    assert "8 usable shard(s) cannot feed 2 rank(s) x 6 worker(s) = 12 reader slots: lower data.workers to 4" in line
+def test_reader_slots_share_shards_but_each_needs_a_batch(capsys, shards, tmp_path):
+    # 8 shards feed 12 reader slots: slots take sample ranges, not whole shards (issue 11)
+    code, out, err = check(capsys, args(shards, tmp_path, "--world-size", "2", "data.workers=6"))
+    assert code == 0, err
+    assert "on 2 rank(s) x 6 worker(s), batch 4: 12 batches per rank per epoch; 96 samples used, 0 dropped" in out
+    # 96 samples cannot give 16 ranks x 2 workers a batch of 4 each
     line = the_error(capsys, args(shards, tmp_path, "--world-size", "16", "train.global_batch_size=64"), "shards")
-    assert "write at least 16 shards" in line
+    assert "each of the 32 reader slots (16 rank(s) x 2 worker(s)) gets fewer than batch_size=4 samples" in line
+    assert "use more data, a smaller batch or fewer workers" in line
 
 
 def test_classes_must_match_the_model(capsys, shards, tmp_path):
