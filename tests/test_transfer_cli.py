@@ -204,3 +204,97 @@ def test_wandb_logs_into_the_pretraining_run_at_its_step(tmp_path, colours, monk
     acc = json.loads((tmp_path / "r.json").read_text())["tasks"]["colours"]["accuracy"]
     assert logged["transfer/imagefolder/fewshot/colours"] == pytest.approx(acc)
     assert "transfer/imagefolder/fewshot/colours_5shot" in logged
+
+
+# --------------------------------------------------------------------- output, progress, headline
+@pytest.fixture()
+def lockable(tmp_path):
+    """A folder and a function that makes it unwritable the way issue 12 found it: ``chattr +i``
+    as root (root ignores permission bits), ``chmod 0555`` otherwise. Always undone at teardown."""
+    d = tmp_path / "locked"
+    d.mkdir()
+    root = os.geteuid() == 0
+
+    def lock():
+        if root:
+            subprocess.run(["chattr", "+i", str(d)], check=True)
+        else:
+            d.chmod(0o555)
+
+    yield d, lock
+    if root:
+        subprocess.run(["chattr", "-i", str(d)], check=False)
+    d.chmod(0o755)
+
+
+def test_unwritable_output_is_one_line_before_any_work(tmp_path, colours, capsys, lockable, monkeypatch):
+    import pretrain.transfer.cli as cli
+
+    d, lock = lockable
+    lock()
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    started = []
+    monkeypatch.setattr(cli, "load_pretrained", lambda *a, **k: started.append(1))  # the work would start here
+    for argv in (["--checkpoint", str(ckpt)], ["--watch", str(tmp_path)]):
+        line = _error(capsys, [*argv, "--suite", "imagefolder", "--protocol", "fewshot", "--data-root", str(colours),
+                               "--output", str(d / "sub" / "x.json"), *FAST])
+        assert f"--output {d}/sub/x.json: cannot write in {d} (" in line and "choose a writable --output" in line
+    assert started == [] and list(d.iterdir()) == []  # nothing computed, nothing left behind
+    assert "is a folder" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "demo", "--output", str(tmp_path)])
+
+
+def test_output_that_fails_at_the_end_is_saved_in_tmpdir(tmp_path, colours, capsys, lockable, monkeypatch):
+    """The folder becomes unwritable while the evaluation runs: the results go to $TMPDIR and the
+    one line says where; the table is still printed."""
+    import pretrain.transfer.cli as cli
+
+    d, lock = lockable
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    real = cli.evaluate_checkpoint
+
+    def evaluate_then_lock(*a, **k):
+        doc = real(*a, **k)
+        lock()
+        return doc
+
+    monkeypatch.setattr(cli, "evaluate_checkpoint", evaluate_then_lock)
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "fewshot", "--data-root",
+              str(colours), "--output", str(d / "x.json"), *FAST])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2
+    errors = [x for x in err.splitlines() if x.startswith("vit-transfer: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    (saved,) = tmpdir.glob("vit-transfer-x-*.json")
+    assert errors[0].startswith(f"vit-transfer: error: --output {d}/x.json: cannot write (")
+    assert errors[0].endswith(f"); the results are saved in {saved}")
+    doc = json.loads(saved.read_text())
+    assert doc["tasks"]["colours"]["accuracy"] >= 0.75  # nothing lost
+    assert "| colours |" in out
+
+
+def test_linear_probe_says_what_it_does_while_it_works(tmp_path, colours, capsys):
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "linear", "--data-root", str(colours),
+          "--output", str(tmp_path / "r.json"), "eval.sweep=true", "eval.sweep_linear_l2=[0.001,1.0]", *FAST])
+    err = capsys.readouterr().err
+    # every forward pass over a split and every L-BFGS fit of the sweep is announced (a tqdm bar is
+    # added on a terminal); not a silent minute
+    assert err.count("  features of ") >= 2 * 2 and "img/s)" in err
+    assert "colours linear l2=0.001: logistic regression on" in err and "colours linear l2=1: logistic" in err
+    assert err.index("features of") < err.index("logistic regression")
+
+
+def test_fewshot_headline_names_its_shot_count(tmp_path, colours, capsys):
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "fewshot", "--data-root", str(colours),
+          "--output", str(tmp_path / "r.json"), *FAST])  # shots 1 and 5: no 10, so the headline is 5-shot
+    out, err = capsys.readouterr()
+    assert "top-1 is 5-shot, mean of 2 seeds" in out and "| Task | Group | 5-shot top-1 (%) |" in out
+    assert "test 5-shot top-1 (mean of 2 seed(s))" in err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["tasks"]["colours"]["details"]["headline_shots"] == 5

@@ -27,7 +27,7 @@ from pretrain.transfer.checkpoints import ARCH_KEYS, load_pretrained
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.finetune import Dist
-from pretrain.transfer.results import log_wandb, markdown, write_json
+from pretrain.transfer.results import check_output, log_wandb, markdown, save_json
 from pretrain.transfer.suites import SUITES, build_tasks
 
 PROG = "vit-transfer"
@@ -89,8 +89,10 @@ def run_once(args, cfg, user_arch: dict, dist: Dist) -> dict:
     doc = evaluate_checkpoint(cfg, pre, tasks, missing, dist=dist)
     doc["run_dir"] = pre.run_dir
     if dist.rank == 0:
-        write_json(args.output, doc)
-        _report(doc, cfg, args.output)
+        saved, problem = save_json(args.output, doc)
+        _report(doc, cfg, None if problem else saved)
+        if problem:  # the table is printed and W&B logged; the file is in $TMPDIR and the line says where
+            raise TransferError(problem)
     return doc
 
 
@@ -117,8 +119,10 @@ def run_watch(args, cfg, user_arch: dict) -> list[dict]:
         doc["run_dir"] = pre.run_dir or str(args.watch)
         docs.append(doc)
         docs.sort(key=lambda d: d.get("step") or 0)
-        write_json(out, {"watch": str(args.watch), "evaluations": docs})
+        _, problem = save_json(out, {"watch": str(args.watch), "evaluations": docs})
         _report(doc, cfg)
+        if problem:
+            raise TransferError(problem)
 
     watch(args.watch, evaluate, poll_s=cfg.eval.watch_poll_s, idle_timeout_s=cfg.eval.watch_idle_timeout_s,
           done=[d["step"] for d in docs if d.get("step") is not None])
@@ -135,6 +139,7 @@ def main(argv=None) -> None:
                                                ("data_root", args.data_root)) if v is not None]
         cfg = load_config(args.config, [*args.overrides, *flags])
         user_arch = explicit_model_keys(args.config, args.overrides, cfg.model)
+        check_output(args.output)  # before the evaluation: an unwritable --output costs a second, not the run
         if args.watch:
             run_watch(args, cfg, user_arch)
         else:

@@ -56,7 +56,7 @@ def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.dev
     if dist.world > 1:
         raise TransferError(f"--protocol {ev.protocol} runs in one process; start it without the deepspeed runner")
     model = build_backbone(pre, img_size=img_size)
-    cache = FeatureCache(model, batch_size=ev.batch_size, pool=ev.pool, device=device, workers=ev.workers)
+    cache = FeatureCache(model, batch_size=ev.batch_size, pool=ev.pool, device=device, workers=ev.workers, log=log)
     if ev.protocol == "linear":
         return LinearProbe(cache, view_of, ev.linear_l2, list(ev.sweep_linear_l2))
     return FewShot(cache, view_of, list(ev.fewshot_shots), ev.fewshot_seeds, ev.fewshot_l2, list(ev.sweep_fewshot_l2))

@@ -3,9 +3,15 @@
 Linear probe and few-shot only ever see (N, D) feature matrices; a sweep over regularisation or
 three few-shot seeds costs no extra forward pass. Features of a :class:`Subset` (CIFAR's minival)
 are rows of its parent's, of a :class:`Concat` (VTAB's train800val200) the parts' stacked.
+
+Extraction is most of a linear probe's time (CIFAR-100's 60k images through ViT-B on one GPU:
+tens of seconds), so each pass says what it does in a log line, and on a terminal a tqdm bar on
+stderr counts the images (no bar when stderr is a file or pipe: logs and tests stay clean).
 """
 from __future__ import annotations
 
+import sys
+import time
 from typing import Callable
 
 import torch
@@ -24,19 +30,29 @@ def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Ten
     return tokens[:, model.num_prefix_tokens:].mean(dim=1)
 
 
+def progress_bar(total: int | None, desc: str, unit: str):
+    """A tqdm bar on stderr, shown only when stderr is a terminal (as vit-shards' is)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
+
+
 @torch.no_grad()  # not inference_mode: the linear probe takes gradients through these features
 def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int, pool: str, device: torch.device,
-            workers: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            workers: int = 0, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
     """(features float32 (N, D), labels int64 (N,)) on the CPU."""
     model.eval().to(device)
     feats, labels = [], []
     amp = autocast_bf16(device)  # features leave as float32
 
-    for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            f = pooled(model, model.forward_features(x.to(device, non_blocking=True)), pool)
-        feats.append(f.float().cpu())
-        labels.append(y.cpu())
+    with progress_bar(len(split), desc, "img") as bar:
+        for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                f = pooled(model, model.forward_features(x.to(device, non_blocking=True)), pool)
+            feats.append(f.float().cpu())
+            labels.append(y.cpu())
+            bar.update(len(y))
     if not feats:
         return torch.zeros(0, getattr(model, "num_features", 0)), torch.zeros(0, dtype=torch.int64)
     return torch.cat(feats), torch.cat(labels).long()
@@ -45,8 +61,10 @@ def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int
 class FeatureCache:
     """Features of splits under one frozen model; ``view_of(split)`` gives each split's View."""
 
-    def __init__(self, model: torch.nn.Module, *, batch_size: int, pool: str, device: torch.device, workers: int = 0):
+    def __init__(self, model: torch.nn.Module, *, batch_size: int, pool: str, device: torch.device, workers: int = 0,
+                 log: Callable[[str], None] = lambda msg: None):
         self.model, self.batch_size, self.pool, self.device, self.workers = model, batch_size, pool, device, workers
+        self.log = log
         self._cache: dict[int, tuple[Split, torch.Tensor, torch.Tensor]] = {}  # id -> (split kept alive, X, y)
         self.passes = 0  # forward passes over whole splits: what the cache saves
 
@@ -62,8 +80,12 @@ class FeatureCache:
             parts = [self.get(p, view) for p in split.parts]
             X, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         else:
+            t0 = time.time()
+            self.log(f"  features of {split.name}: {len(split)} images on {self.device.type} ...")
             X, y = extract(self.model, split, view, batch_size=self.batch_size, pool=self.pool,
-                           device=self.device, workers=self.workers)
+                           device=self.device, workers=self.workers, desc=f"features {split.name}")
+            dt = time.time() - t0
+            self.log(f"  features of {split.name}: {tuple(X.shape)} in {dt:.1f} s ({len(y) / max(dt, 1e-9):.0f} img/s)")
             self.passes += 1
         self._cache[id(split)] = (split, X, y)
         return X, y

@@ -69,6 +69,11 @@ class FewShot(FrozenFeatureProtocol):
         super().__init__(features, view_of, l2, grid)
         self.shots, self.seeds = sorted(set(shots)), seeds
 
+    @property
+    def metric(self) -> str:
+        """What the one accuracy of a task is: the headline shot count's top-1, mean over seeds."""
+        return f"{headline(self.shots)}-shot top-1 (mean of {self.seeds} seed(s))"
+
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
         Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
         acc = fewshot_accuracy(Xf, yf, Xe, ye, task.num_classes, self.shots, self.seeds, setting["l2"])

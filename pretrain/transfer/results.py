@@ -22,11 +22,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import write_atomic
 from pretrain.transfer import vtab
+from pretrain.transfer.errors import TransferError
 from pretrain.transfer.sweep import TaskResult
 
 
@@ -50,6 +53,44 @@ def write_json(path: str | Path, obj) -> Path:
     return write_atomic(path, json.dumps(obj, indent=1))
 
 
+def check_output(path: str | Path) -> None:
+    """TransferError (one line) when ``path`` cannot be written; called before any evaluation, so
+    a mistake costs a second, not the evaluation. A real file is created and removed in the
+    nearest existing folder: permission bits say nothing for root, on NFS or under ``chattr +i``."""
+    p = Path(path)
+    if p.is_dir():
+        raise TransferError(f"--output {p}: is a folder; name a file, e.g. --output {p / 'results.json'}")
+    folder = p.parent.absolute()
+    while not folder.exists():  # write_atomic creates the missing folders
+        folder = folder.parent
+    if not folder.is_dir():
+        raise TransferError(f"--output {p}: {folder} is a file, not a folder; choose another --output")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{p.name}.check-"):
+            pass
+    except OSError as e:
+        raise TransferError(f"--output {p}: cannot write in {folder} ({e.strerror}); choose a writable "
+                            "--output") from None
+
+
+def save_json(path: str | Path, obj) -> tuple[Path, Optional[str]]:
+    """Write ``obj`` to ``path``; when that fails (the folder went read-only or full during the
+    evaluation), to a file in ``$TMPDIR`` instead. Returns (where it is, None) or (the fallback,
+    a one-line message saying what failed and where the results are): results are never lost."""
+    try:
+        return write_json(path, obj), None
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+    stem = Path(path).stem or "results"
+    fallback = Path(tempfile.gettempdir()) / f"vit-transfer-{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+    try:
+        write_json(fallback, obj)
+    except OSError as e2:
+        raise TransferError(f"--output {path}: cannot write ({why}), nor {fallback} ({e2.strerror}); "
+                            "the results table above is all that is left") from None
+    return fallback, f"--output {path}: cannot write ({why}); the results are saved in {fallback}"
+
+
 def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.2f}"
 
@@ -58,11 +99,22 @@ def _setting(s: dict) -> str:
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items())
 
 
+def headline_shots(doc: dict) -> Optional[int]:
+    """The shot count a few-shot document's accuracies are (big_vision's 10-shot, else the largest)."""
+    shots = {r["details"].get("headline_shots") for r in doc["tasks"].values()} - {None}
+    return shots.pop() if len(shots) == 1 else None
+
+
 def markdown(doc: dict) -> str:
     step = f"step {doc['step']}" if doc.get("step") is not None else "step ?"
+    k = headline_shots(doc) if doc["protocol"] == "fewshot" else None
+    seeds = (doc.get("settings") or {}).get("fewshot_seeds")
+    top1 = f"{k}-shot top-1 (%)" if k else "Top-1 (%)"
     lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}) -- {doc['suite']} / {doc['protocol']} "
-             f"at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else ""), "",
-             "| Task | Group | Top-1 (%) | Chance (%) | Setting | Details | Train | Test |",
+             f"at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
+             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "") + " (every shot count under Details)"
+                if k else ""), "",
+             f"| Task | Group | {top1} | Chance (%) | Setting | Details | Train | Test |",
              "|---|---|---:|---:|---|---|---:|---:|"]
     for name, r in doc["tasks"].items():
         details = ""

@@ -54,11 +54,11 @@ def run_task(protocol, task, sweep: bool, log: Callable[[str], None] = log_stder
         for setting in grid:
             acc, _ = protocol.fit_score(task, task.train, task.val, setting)
             val_scores.append({"setting": dict(setting), "accuracy": acc})
-            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val top-1 {100 * acc:.2f}")
+            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
             if acc > best_acc:  # strict: the first of equal settings wins
                 best, best_acc = setting, acc
     acc, details = protocol.fit_score(task, task.trainval, task.test, best)
-    log(f"  {task.name} {protocol.name} {_fmt(best)}: test top-1 {100 * acc:.2f}")
+    log(f"  {task.name} {protocol.name} {_fmt(best)}: test {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
     return TaskResult(task.name, task.group, acc, dict(best), val_scores, details, task.num_classes,
                       1.0 / task.num_classes, len(task.trainval), len(task.test), time.time() - t0)
 
