@@ -100,6 +100,9 @@ class WandbConfig:
     group: Optional[str] = None
     name: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+    # online only: how long wandb.init may wait for the server (or a missing API key) before the
+    # run goes on offline; training never stalls or dies for W&B
+    init_timeout_s: float = 30.0
 
 
 @dataclass
@@ -400,6 +403,8 @@ def _check_eval(ev: EvalConfig, fail) -> None:
             fail(f"eval.{key}", msg)
 
     need(ev.suite in SUITES, "suite", f"unknown suite {ev.suite!r}; choose one of {', '.join(SUITES)}")
+    if cfg.logging.wandb.init_timeout_s <= 0:
+        fail("logging.wandb.init_timeout_s", f"must be positive, got {cfg.logging.wandb.init_timeout_s}")
     need(ev.batch_size > 0, "batch_size", f"must be positive, got {ev.batch_size}")
     need(ev.workers >= 0, "workers", f"must be >= 0, got {ev.workers}")
     need(ev.img_size is None or ev.img_size > 0, "img_size", f"must be positive, got {ev.img_size}")

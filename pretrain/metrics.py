@@ -85,15 +85,37 @@ class MetricsLogger:
             self._start_wandb(cfg, run_config)
 
     def _start_wandb(self, cfg: LoggingConfig, run_config: dict) -> None:
+        """Online falls back to offline when W&B cannot start within ``init_timeout_s`` (no API
+        key, no network, server down): one line says so and how to upload later. Offline that
+        fails too leaves metrics.jsonl alone; training never dies or stalls for W&B."""
         import wandb
 
         w = cfg.wandb
         self.run_id = self.run_id or uuid.uuid4().hex[:12]
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.wandb_run = wandb.init(
-            mode=w.mode, project=w.project, entity=w.entity, group=w.group, name=w.name,
-            tags=list(w.tags) or None, id=self.run_id, resume="allow", dir=str(self.run_dir),
-            config=run_config, settings=wandb.Settings(console="off", x_disable_stats=False))
+
+        def init(mode: str):
+            # init_timeout bounds the server handshake (retries included); login_timeout any
+            # prompt for a key. Measured with no key: 0.3 s; a closed port: init_timeout + 0.3 s
+            settings = wandb.Settings(console="off", x_disable_stats=False, init_timeout=w.init_timeout_s,
+                                      login_timeout=w.init_timeout_s)
+            return wandb.init(mode=mode, project=w.project, entity=w.entity, group=w.group, name=w.name,
+                              tags=list(w.tags) or None, id=self.run_id, resume="allow", dir=str(self.run_dir),
+                              config=run_config, settings=settings)
+
+        try:
+            self.wandb_run = init(w.mode)
+        except Exception as e:
+            if w.mode != "online":
+                return self._drop_wandb(e)
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" if str(e).strip() else type(e).__name__
+            try:
+                wandb.teardown()  # else the service keeps the half-started run: "run ID ... is in use"
+                self.wandb_run = init("offline")
+            except Exception as e2:
+                return self._drop_wandb(e2)
+            print(f"metrics: W&B online could not start ({why}); logging offline to {self.wandb_dir} instead: "
+                  f"upload it later with `wandb sync {self.wandb_dir}`", file=sys.stderr, flush=True)
         # one x-axis for everything: the optimizer step
         self.wandb_run.define_metric("train/*", step_metric="train/step")
         self.wandb_run.define_metric("transfer/*", step_metric="train/step")
