@@ -16,6 +16,7 @@ import json
 import random
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +31,29 @@ from pretrain import faults
 from pretrain.rundir import COMPLETE, LATEST, latest_complete, list_complete, marker, newest_valid, set_aside, step_of, tag_for
 
 __all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "save", "resume",
-           "latest_complete", "list_complete", "tag_for", "COMPLETE"]
+           "latest_complete", "list_complete", "tag_for", "COMPLETE", "check_writable", "config_changes"]
+
+# Keys whose change makes a checkpoint unloadable into this run (tensor shapes, parameter names,
+# optimizer state layout, ZeRO shard files). Others (lr, steps, drop rates, data) may change.
+RESUME_KEYS = ("model.name", "model.num_classes", "model.img_size", "model.representation_size",
+               "model.global_pool", "optim.name", "zero.stage", "train.precision")
+
+
+def check_writable(folder: str | Path, key: str) -> None:
+    """ConfigError naming ``key`` and the folder unless a file can be created there (or in the
+    nearest existing parent, when it does not exist yet). A real file, not permission bits: those
+    say nothing for root, on NFS or for ``chattr +i``. Call before expensive work starts."""
+    p = Path(folder).absolute()
+    anc = p
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(f"{key}={folder}: {anc} is a file, not a folder; choose a writable folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=anc, prefix=".vitscale-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}={folder}: cannot write in {anc} ({e.strerror}); choose a writable folder") from None
 
 # ------------------------------------------------------------------------------------ RNG state
 def _b64(t: torch.Tensor) -> str:
@@ -125,12 +148,36 @@ def choose(ckpt_dir: str | Path) -> Optional[Path]:
     return Path(pick[0]) if pick[0] is not None else None
 
 
-def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, list[dict]]]:
+def _resume_view(config: dict) -> dict:
+    """The RESUME_KEYS of a config dict (``to_dict`` form), the image size resolved from the name."""
+    from pretrain.model import model_defaults
+
+    view = {}
+    for key in RESUME_KEYS:
+        section, name = key.split(".")
+        view[key] = (config.get(section) or {}).get(name)
+    if view["model.img_size"] is None:
+        try:
+            view["model.img_size"] = model_defaults(view["model.name"])["img_size"]
+        except (KeyError, ValueError, TypeError):
+            pass
+    return view
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """``key=saved->current`` for each RESUME_KEYS entry that differs between two configs."""
+    a, b = _resume_view(saved), _resume_view(current)
+    return [f"{k}={a[k]}->{b[k]}" for k in RESUME_KEYS if a[k] != b[k]]
+
+
+def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None) -> Optional[tuple[dict, list[dict]]]:
     """Load the newest intact complete checkpoint into ``engine``; returns (run_info, the per-rank
     states of *every* rank that saved it, in rank order) or None when there is nothing to resume.
     Collective. Saved on another world size, model and optimizer come through DeepSpeed's universal
     checkpointing (``pretrain/elastic.py``, converted once by rank 0 and kept beside the
-    checkpoint); the data loader continues the interrupted epoch from all old ranks' states."""
+    checkpoint); the data loader continues the interrupted epoch from all old ranks' states.
+    With ``config`` (this run's, ``to_dict`` form) a change of a RESUME_KEYS entry against the
+    checkpoint's run.json is a one-line ConfigError before anything is loaded."""
     import torch.distributed as dist
 
     from pretrain import elastic
@@ -139,6 +186,10 @@ def resume(engine, ckpt_dir: str | Path) -> Optional[tuple[dict, list[dict]]]:
     if path is None:
         return None
     run_info = json.loads((path / "run.json").read_text())
+    changed = config_changes(run_info.get("config") or {}, config) if config is not None else []
+    if changed:  # before DeepSpeed reads anything: its size-mismatch traceback is 178 lines
+        raise ConfigError(f"{path} was saved with other settings ({', '.join(changed)}); to start a new run use "
+                          "another train.output_dir (and checkpoint.dir, if set); to resume, put the old values back")
     saved_world, rank = int(run_info["world_size"]), dist.get_rank()
     if saved_world != dist.get_world_size() and rank == 0:
         print(f"vit-train: {path.name} was saved on {saved_world} rank(s), resuming on {dist.get_world_size()}: "

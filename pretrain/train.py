@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,10 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (one line: the folder, why, the last good checkpoint)."""
+
+
 class NonFiniteGuard:
     """Skips micro-batches whose loss is non-finite on any rank; K in a row stop the run."""
 
@@ -57,6 +61,18 @@ class NonFiniteGuard:
             raise NonFiniteLoss(f"{self.in_a_row} non-finite losses in a row at steps "
                                 f"{self.first_step}-{step}; lower optim.lr or check the data")
         return False
+
+
+class Progress:
+    """Start-up lines on rank 0 (stderr), with seconds since start: building the model, DeepSpeed
+    init, loading a checkpoint and the first batch take 10-90 s that would otherwise be silent."""
+
+    def __init__(self, rank: int):
+        self.on, self.t0 = rank == 0, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.on:
+            print(f"vit-train: {msg} [{time.perf_counter() - self.t0:.1f} s]", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------- builders
@@ -90,7 +106,8 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
 # ----------------------------------------------------------------------------------------- loop
 def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step: int, rank: int,
                world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float],
-               stop: StopRequest, dog: Watchdog, samples: Optional[SampleLog]) -> dict:
+               stop: StopRequest, dog: Watchdog, samples: Optional[SampleLog],
+               say: Callable[[str], None] = lambda msg: None) -> dict:
     t, device = cfg.train, engine.device
     dtype = compute_dtype(t.precision)
     guard, timer = NonFiniteGuard(t.max_nonfinite_steps), StepTimer()
@@ -103,8 +120,15 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
         dog.beat(at, "checkpoint", slow=True)
         if samples is not None:
             samples.flush()
-        checkpoint.save(engine, ckpt_dir, at, rank_state={"loader": loader.state_dict()},
-                        run_info={**run_info, "wandb_run_id": logger.run_id}, keep_last=cfg.checkpoint.keep_last)
+        try:
+            checkpoint.save(engine, ckpt_dir, at, rank_state={"loader": loader.state_dict()},
+                            run_info={**run_info, "wandb_run_id": logger.run_id}, keep_last=cfg.checkpoint.keep_last)
+        except OSError as e:  # folder made read-only, disk full: say what survives, not a traceback
+            last = checkpoint.latest_complete(ckpt_dir)
+            kept = f"the last complete checkpoint is {last}" if last else "no complete checkpoint yet"
+            raise CheckpointWriteError(f"cannot save checkpoint {checkpoint.tag_for(at)} in {ckpt_dir} "
+                                       f"({e.strerror or e}); {kept}; make the folder writable (or set "
+                                       "checkpoint.dir) and run the same command to resume") from None
 
     while step < t.steps:
         # --- one optimizer step: micro-batches until DeepSpeed reaches the accumulation boundary
@@ -157,6 +181,8 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             history.append(metrics["loss"])
             loss_sum.zero_()
             timer.reset()
+        if step == start_step + 1:
+            say(f"step {step} done; a line every {t.log_every_steps} steps")
 
         # --- checkpoint (periodic, final, or when asked to stop: SIGTERM, SIGINT, launcher gone)
         dog.beat(step, "stop")
@@ -191,12 +217,20 @@ def run(cfg: Config) -> dict:
     check_machine(cfg, world)
     layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
     run_dir, ckpt_dir = layout.root, layout.checkpoints
+    # before any expensive work: an unwritable folder would otherwise fail at the first save
+    checkpoint.check_writable(run_dir, "train.output_dir")
+    if cfg.checkpoint.dir:
+        checkpoint.check_writable(ckpt_dir, "checkpoint.dir")
+    say = Progress(rank)
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, cfg.train.hang_timeout_s)
     img = image_size(cfg.model)
 
     torch.manual_seed(cfg.train.seed)  # same on every rank: identical initial weights (ZeRO-3 too)
+    say(f"building {cfg.model.name} ({img} px) on {world} rank(s)")
     model = build_model(cfg)
+    say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     engine, ds_cfg = initialize(model, cfg.optim, cfg.train, cfg.zero, world)
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=cfg.train.micro_batch_size,
                           seed=cfg.train.seed, img_size=img, train=True)
@@ -204,7 +238,9 @@ def run(cfg: Config) -> dict:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
 
-    resumed = checkpoint.resume(engine, ckpt_dir) if cfg.checkpoint.resume else None
+    if cfg.checkpoint.resume and checkpoint.latest_complete(ckpt_dir) is not None:
+        say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
+    resumed = checkpoint.resume(engine, ckpt_dir, config=to_dict(cfg)) if cfg.checkpoint.resume else None
     start, run_id = 0, None
     if resumed:
         info, states = resumed
@@ -219,6 +255,8 @@ def run(cfg: Config) -> dict:
     run_config = {**to_dict(cfg), "world_size": world, "zero_stage": cfg.zero.stage,
                   "global_batch_size": cfg.train.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
                   "train_flops_per_image": flops[0], "gradient_accumulation": ds_cfg["gradient_accumulation_steps"]}
+    if cfg.logging.wandb.mode == "online":
+        say(f"starting W&B online (offline after logging.wandb.init_timeout_s={cfg.logging.wandb.init_timeout_s:g})")
     logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id)
     if rank == 0:
         save_config(cfg, layout.config)
@@ -226,11 +264,12 @@ def run(cfg: Config) -> dict:
         print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
     samples = SampleLog(layout.samples, rank).open(start) if cfg.data.record_samples else None
+    say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     t0 = time.time()
     try:
         result = train_loop(cfg, engine, loader, logger, start_step=start, rank=rank, world=world,
                             ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog,
-                            samples=samples)
+                            samples=samples, say=say)
     except BaseException:
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         if rank == 0:
@@ -244,7 +283,11 @@ def run(cfg: Config) -> dict:
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                   wandb_dir=logger.wandb_dir, world_size=world)
     if rank == 0:
-        write_json(layout.summary, result, indent=1)
+        try:
+            write_json(layout.summary, result, indent=1)
+        except OSError as e:  # the checkpoint is saved (maybe in checkpoint.dir): report, do not fail
+            print(f"vit-train: warning: cannot write {layout.summary} ({e.strerror or e}); "
+                  f"final step {result['step']}", file=sys.stderr, flush=True)
         _status(layout, "interrupted" if result["preempted"] else "completed", result["step"])
         print(_goodbye(result), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
     dist.barrier()
@@ -278,7 +321,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from data_pipeline.loader import DataError
 
-    with cli_errors("vit-train", DataError, NonFiniteLoss):
+    with cli_errors("vit-train", DataError, NonFiniteLoss, CheckpointWriteError):
         cfg = load_config(args.config, args.overrides)
         code = EXIT_INTERRUPTED if run(cfg)["preempted"] else EXIT_OK
     if dist.is_initialized():

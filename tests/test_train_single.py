@@ -34,6 +34,25 @@ def test_nonfinite_loss_is_skipped_and_counted(shards, tmp_path):
     assert all(v["loss"] == v["loss"] for v in m.values())  # no NaN reached the weights or the log
 
 
+def test_startup_says_what_it_is_doing(shards, tmp_path):
+    """Start-up takes 10-90 s: rank 0 says each phase (stderr), and the last line gives the final
+    step, the checkpoint and the export command."""
+    r = train(shards, tmp_path / "run", "train.steps=2", "train.log_every_steps=5", "zero.stage=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    phases = ["vit-train: building vit_tiny_patch16_224 (64 px) on 1 rank(s) [",
+              "vit-train: DeepSpeed init: ZeRO-1, fp32, 5.5M parameters [",
+              "vit-train: waiting for the first batch (data.workers=0) [",
+              "vit-train: step 1 done; a line every 5 steps ["]
+    at = [r.stderr.find(p) for p in phases]
+    assert -1 not in at and at == sorted(at), r.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert r.stderr.strip().splitlines()[-1] == (f"vit-train: done at step 2: checkpoint {ckpt}; export with: "
+                                                 f"python -m pretrain.export {tmp_path / 'run'} OUT.safetensors")
+    again = train(shards, tmp_path / "run", "train.steps=3", "train.log_every_steps=5", "zero.stage=1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"vit-train: resuming: verifying and loading the newest checkpoint in {ckpt.parent} [" in again.stderr
+
+
 def test_nonfinite_in_a_row_stops_naming_steps(shards, tmp_path):
     r = train(shards, tmp_path / "run", "train.steps=5", "train.max_nonfinite_steps=3", "zero.stage=1",
               fault="nan_loss:2,2,2")
