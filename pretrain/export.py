@@ -13,7 +13,9 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +29,10 @@ from pretrain.model import model_defaults
 
 class ExportError(ValueError):
     pass
+
+
+class ExportRescued(RuntimeError):
+    """The output could not be written at the end; the weights went elsewhere (the message says where)."""
 
 
 def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
@@ -70,18 +76,61 @@ def load_run_weights(run_dir: str | Path, step: Optional[int] = None) -> tuple[d
     return consolidate(ckpt), info
 
 
-def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> dict:
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it: set and put back
+    os.umask(mask)
+    return mask
+
+
+def write_safetensors(sd: dict[str, torch.Tensor], out: Path, meta: dict) -> Path:
+    """Atomically (temp file beside ``out``, then rename), with the mode of a normal new file:
+    safetensors writes through a 0600 temp file, which would keep other users from the weights."""
     from safetensors.torch import save_file
 
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(sd, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _rescue_dirs(run_dir: str | Path) -> list[Path]:
+    """Where the weights go when OUT cannot be written at the end: the run directory (not inside a
+    checkpoint), then $TMPDIR."""
+    p = Path(run_dir).absolute()
+    if (p / rundir.COMPLETE).is_file():  # one checkpoint: its run directory holds the checkpoints
+        p = p.parent
+    if p.name == "checkpoints" and (p.parent / "config.yaml").is_file():
+        p = p.parent
+    return [p, Path(tempfile.gettempdir())]
+
+
+def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> dict:
+    from pretrain.checkpoint import check_writable
+
+    out = Path(out)
+    if out.is_dir():
+        raise ExportError(f"{out} is a folder; name the file, e.g. {out / 'model.safetensors'}")
+    check_writable(out.parent, "output folder")  # before consolidating (minutes for a large ZeRO-3 run)
     sd, info = load_run_weights(run_dir, step)
     meta = {"format": "pt", "model_name": info["model"]["name"], "model": json.dumps(info["model"]),
             "grid_size": "x".join(map(str, info["grid_size"])), "img_size": str(info["img_size"]),
             "step": str(info["step"]), "wandb_run_id": info["wandb_run_id"] or ""}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(sd, str(tmp), metadata=meta)
-    tmp.replace(out)
+    try:
+        write_safetensors(sd, out, meta)
+    except OSError as e:
+        why = f"cannot write {out} ({e.strerror or e})"
+        for d in _rescue_dirs(run_dir):
+            try:
+                saved = write_safetensors(sd, d / out.name, meta)
+            except OSError:
+                continue
+            raise ExportRescued(f"{why}; the weights were saved to {saved} instead") from None
+        raise ExportRescued(f"{why}, nor in {' or '.join(map(str, _rescue_dirs(run_dir)))}") from None
     return {**info, "output": str(out), "tensors": len(sd)}
 
 
@@ -92,7 +141,11 @@ def main(argv=None) -> None:
     ap.add_argument("--step", type=int, default=None, help="export this step instead of the newest")
     args = ap.parse_args(argv)
     with cli_errors("vit-export", ExportError):
-        r = export(args.run_dir, args.output, args.step)
+        try:
+            r = export(args.run_dir, args.output, args.step)
+        except ExportRescued as e:  # not a user mistake (the folder passed the check): exit 1, one line
+            print(f"vit-export: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     print(f"vit-export: {r['model']['name']} step {r['step']} from {r['checkpoint']} -> {r['output']} "
           f"({r['tensors']} tensors)", file=sys.stderr)
 
