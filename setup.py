@@ -23,8 +23,9 @@ setup(
         "numpy>=1.24",
         "pillow>=10.0",
         "matplotlib>=3.7",
+        "imagehash>=4.3",  # vit-audit's perceptual hash (pulls scipy, PyWavelets)
     ],
-    extras_require={"test": ["pytest>=8.0", "timm>=1.0"]},
+    extras_require={"test": ["pytest>=8.0", "timm>=1.0", "scikit-image>=0.22"]},
     entry_points={
         "console_scripts": [
             "vit-shards=data_pipeline.write_shards:main",
@@ -34,6 +35,14 @@ setup(
             "vit-launch=launch.cli:main",
             "vit-flops=pretrain.flops:main",
             "vit-config=pretrain.config:main",
-        ]
+            "vit-analyze=pretrain.analyze:main",
+            "vit-audit=data_pipeline.audit:main",
+        ],
+        # evaluation-set readers of vit-audit that live above the data floor (data_pipeline/audit.py)
+        "vitscale.audit_readers": [
+            "cifar100=pretrain.audit_readers:cifar100",
+            "vtab1k=pretrain.audit_readers:vtab1k",
+            "imagefolder=pretrain.audit_readers:imagefolder",
+        ],
     },
 )

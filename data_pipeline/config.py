@@ -44,6 +44,9 @@ class DataConfig:
     prefetch_factor: int = 2
     # write step<TAB>epoch<TAB>key per consumed sample to <output_dir>/samples/rank-<R>.tsv
     record_samples: bool = False
+    # a file of sample keys to skip, one per line (vit-audit's exclude.txt): never decoded,
+    # counted as ``excluded``
+    exclude_keys: Optional[str] = None
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 

@@ -34,6 +34,10 @@ Evaluation stream (``train=False``): resize + center crop, one pass in manifest 
 exactly once over all ranks, no shuffle, no drop. Ranks may yield *different* batch counts and
 short last batches (one per worker): reduce metrics with sums after the loop, not per step.
 
+Exclusion (``data.exclude_keys: FILE``, e.g. vit-audit's exclude.txt): samples whose ``__key__`` is
+listed are dropped before decoding and counted as ``excluded``; like bad samples they leave the
+slot short, so it refills its batches from a further pass (``repeated_for_balance``).
+
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
 the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
@@ -46,6 +50,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.errors import DataError, TooManyCorruptSamples
+from data_pipeline.exclude import read_exclusion
 from data_pipeline.manifest import resolve_shards
 from data_pipeline.plan import Plan
 from data_pipeline.rest import RestEpoch, rest_epoch
@@ -84,8 +89,10 @@ class ShardLoader:
         self.cfg, self.plan, self.rank = data_cfg, plan, rank
         self.num_classes = plan.shardset.num_classes
         self.batches_per_epoch = plan.rank_batches(rank)
+        exclude = read_exclusion(data_cfg.exclude_keys, "data.exclude_keys").keys \
+            if getattr(data_cfg, "exclude_keys", None) else frozenset()
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
-                                 data_cfg.max_image_pixels, data_cfg.multi_label)
+                                 data_cfg.max_image_pixels, data_cfg.multi_label, exclude)
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size

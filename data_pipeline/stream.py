@@ -43,6 +43,7 @@ class Settings:
     shuffle_buffer: int
     max_image_pixels: int
     multi_label: bool
+    exclude: frozenset = frozenset()  # data.exclude_keys: keys skipped before decoding
 
     def mixing(self, train: bool) -> bool:
         return train and (self.augment.mixup_alpha > 0 or self.augment.cutmix_alpha > 0)
@@ -93,8 +94,8 @@ class _SlotReader:
     promised batch count). Tracks what pass 0 has accounted for. Every planned position arrives,
     a sample the tar did not deliver as a ``lost`` placeholder (already counted)."""
 
-    def __init__(self, pieces, tally: Tally, repeat: bool):
-        self.pieces, self.tally, self.repeat = list(pieces), tally, repeat
+    def __init__(self, pieces, tally: Tally, repeat: bool, exclude: frozenset = frozenset()):
+        self.pieces, self.tally, self.repeat, self.exclude = list(pieces), tally, repeat, exclude
         self.accounted = 0  # pass-0 arrivals so far (placeholders of lost samples included)
         self.pass_no = 0
 
@@ -132,7 +133,7 @@ class _SlotReader:
         for shard, ranges in self._runs():
             # repeated passes re-read the same bytes: their shard events were counted already
             for sample in read_shard(shard, self.tally if first else Tally(), ranges):
-                got[0] += not sample.lost
+                got[0] += not sample.lost and sample.key not in self.exclude  # all excluded: starved
                 self.accounted += first
                 yield sample
 
@@ -181,7 +182,7 @@ class SlotStream(IterableDataset):
         plan, s = self.plan, self.settings
         tally = Tally()
         tally.enabled = skip == 0  # events before the resume point were counted by the first run
-        reader = _SlotReader(pieces, tally, repeat=True)
+        reader = _SlotReader(pieces, tally, repeat=True, exclude=s.exclude)
         buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(shuffle_seed(plan.seed, epoch, slot, level)))
         images, labels, keys, shards, emitted = [], [], [], [], 0
         try:
@@ -247,6 +248,9 @@ class SlotStream(IterableDataset):
     # -------------------------------------------------------------------------------- samples
     def _decode(self, raw, seed, tally):
         if raw.lost:  # placeholder of a sample the tar did not deliver: counted when the read ended
+            return None
+        if raw.key in self.settings.exclude:  # data.exclude_keys: skipped unread, counted
+            tally.add("excluded")
             return None
         try:
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)

@@ -9,7 +9,8 @@ Kinds that lose a sample (they make up the corrupt rate checked against data.max
 Shard and member events (not samples): missing_shard, truncated_tar, unsafe_member (.pyd/.pickle/
 .pth/... never unpickled), unknown_member, oversized_member.
 Balance: dropped_for_balance (quota reached), repeated_for_balance (a slot re-read its shards
-because bad samples ate its slack). samples: good samples delivered.
+because bad samples ate its slack). samples: good samples delivered. excluded: samples skipped
+unread because data.exclude_keys lists their key (not bad: no part of the corrupt rate).
 """
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from PIL import Image
 from data_pipeline.demo_data import demo_items
 from data_pipeline.sources import Source, open_source
 from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.exclude import read_exclusion
 from data_pipeline.files import write_json
 from data_pipeline.manifest import FORMAT, MANIFEST_NAME, VERSION, write_manifest
 
@@ -51,6 +52,8 @@ _TAR_BLOCK = 512
 def encode_item(args):
     """(item, resize_shorter, quality) -> (bytes, ext) or (None, reason). Runs in worker processes."""
     item, shorter, quality = args
+    if item is None:  # listed in --exclude: not even read
+        return None, "excluded"
     try:
         obj = item.load()
     except OSError:
@@ -163,9 +166,11 @@ def _finished_shards(out: Path, job: str) -> list:
 def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 1000,
                  max_shard_bytes: int | None = None, resize_shorter: int | None = None, quality: int = 95,
                  workers: int = 1, shuffle_seed: int | None = 0, limit: int | None = None,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, exclude=None) -> dict:
     """Write ``source`` (see ``sources.py``) as shards into ``out_dir``; return the manifest.
-    Idempotent: a finished job returns its manifest, an interrupted one is completed."""
+    Idempotent: a finished job returns its manifest, an interrupted one is completed.
+    ``exclude`` (``exclude.Exclusion``): keys of this same job (same source and options) to leave
+    out; the others keep their keys, and the skipped ones count as ``skipped["excluded"]``."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -175,6 +180,13 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
                "limit": limit}
     job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
                        ).hexdigest()[:16]
+    if exclude is not None:  # a key is a position in this job's sample order: only its own keys apply
+        if exclude.jobs and job not in exclude.jobs:
+            raise DataError(f"{exclude.path}: lists keys of vit-shards job {', '.join(exclude.jobs)}, but this "
+                            f"source and these options make job {job}; rerun the audited command with --exclude")
+        options["exclude"] = hashlib.sha1("\n".join(sorted(exclude.keys)).encode()).hexdigest()[:16]
+        job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
+                           ).hexdigest()[:16]
     manifest_path = out / MANIFEST_NAME
     if manifest_path.exists():
         done = json.loads(manifest_path.read_text())
@@ -192,7 +204,9 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     order = order[:limit]
     start = shards[-1]["end"] if shards else 0
     sink = _ShardSink(out, split, job, shards, Counter(shards[-1]["skipped"] if shards else {}))
-    tasks = ((source.items[order[i]], resize_shorter, quality) for i in range(start, len(order)))
+    skip = exclude.keys if exclude is not None else frozenset()
+    tasks = ((None if f"{i:09d}" in skip else source.items[order[i]], resize_shorter, quality)
+             for i in range(start, len(order)))
     pool = None
     if workers > 1:
         import multiprocessing
@@ -285,6 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--shuffle-seed", type=int, default=0, help="sample order in the shards (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--limit", type=_positive, default=None, help="write only the first N samples (smoke tests)")
+    p.add_argument("--exclude", metavar="FILE", help="keys to leave out (vit-audit's exclude.txt), from an earlier "
+                   "run of this same command; the other samples keep their keys")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.quality > 100:
@@ -298,7 +314,8 @@ def main(argv=None) -> int:
                              max_shard_bytes=args.max_shard_bytes, resize_shorter=args.resize_shorter,
                              quality=args.quality, workers=args.workers,
                              shuffle_seed=None if args.no_shuffle else args.shuffle_seed, limit=args.limit,
-                             progress=not args.quiet)
+                             progress=not args.quiet,
+                             exclude=read_exclusion(args.exclude) if args.exclude else None)
         except OSError as e:  # unwritable output, disk full: still one line, not a traceback
             raise DataError(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}") from None
         except KeyboardInterrupt:

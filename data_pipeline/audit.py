@@ -1,0 +1,656 @@
+"""``vit-audit``: find evaluation images that also appear in the pre-training shards.
+
+    vit-audit --index /shards/in21k/manifest.json --workers 8      # once: hashes.npz beside it
+    vit-audit --shards /shards/in21k/manifest.json --eval cifar100:/data/cifar-100-python \\
+              --eval vtab1k:/data/vtab-1k --eval imagefolder:/data/pets --output audit/
+    python -m data_pipeline.audit ...                               # the same
+
+Outputs in ``--output``: ``audit.json`` (counts per evaluation set and split, and every confirmed
+pair ``{"eval", "split", "eval_id", "train_key", "shard", "manifest", "distance", "score", "match"}``),
+``closest_pairs.png`` (the closest pairs side by side, for a person to look at) and
+``exclude.txt`` (the matched pre-training keys; ``vit-shards --exclude`` and
+``data.exclude_keys`` honour it, format in ``exclude.py``).
+
+How a pair is found:
+1. Pre-training side, once per shard set (``--index``, or the first audit): every decoded image
+   gets an exact hash (BLAKE2b of its decoded RGB pixels) and a 64-bit perceptual hash
+   (``imagehash.phash``: DCT of a 32x32 grey thumbnail, 8x8 low frequencies against their median).
+   Stored with the keys in ``hashes.npz`` beside the manifest, checked against the shard list.
+2. Evaluation side: the same hashes of every image, plus perceptual hashes of ``PROBES`` crops
+   of it (up to 10% of each side cut away), because a pHash moves by 20-36 bits when a copy is
+   cropped by 10%, but by at most ~12 from the nearest probe (calibration below).
+3. Candidates: exact-hash equality, and pHash pairs within ``MAX_BITS`` bits of any probe, looked
+   up by multi-index hashing (``HashTable``): four 16-bit bands, each probed at Hamming radius 1,
+   then the full 64-bit distance is checked (popcount). 1M stored hashes x 10k images x 22
+   probes take ~6 s on one core (benchmarks/audit_speed.py).
+4. Confirmation (reads only the candidates' samples from the shards): an exact pair needs equal
+   pixels; a near pair needs ``score >= MIN_SCORE``: the normalised cross-correlation of
+   high-passed 32x32 grey thumbnails (a thumbnail minus its Gaussian blur: brightness, contrast
+   and smooth colour shifts drop out), maximised over crop boxes of the evaluation image (the
+   probes, then a local search by 2% and 1% steps).
+
+Calibration (tests/test_audit.py holds the same data): scikit-image's sample photos, their
+quadrants and the demo shapes; copies re-encoded (JPEG q=60), resized (x0.5..x1.5), cropped
+(random boxes, <= 10% of the area) and colour-jittered (brightness, contrast, saturation, hue), and
+all four at once. Nearest-probe pHash distance of such copies: mean 3, 99th percentile 10, max 12
+bits (a brick-wall texture; photos <= 10). Unrelated photos: min 12 bits. Score of copies: min
+0.94; of unrelated pairs (652, each maximised over the same boxes): max 0.42. Hence
+``MAX_BITS = 12`` (recall first; confirmation removes what it lets in) and ``MIN_SCORE = 0.7``.
+Known gaps: an evaluation image that is a *crop of* a training image (the reverse direction) is
+found only while the crop is small (~2%), flips and rotations are not looked for, and copies of
+near-featureless images (flat colour, pure texture crops) may be missed.
+
+Layering: this module is the data floor; it cannot import ``pretrain``. Evaluation sets are read
+by *readers* found through the ``vitscale.audit_readers`` entry-point group (setup.py): ``shards``
+is built in here, ``cifar100`` / ``vtab1k`` / ``imagefolder`` come from ``pretrain.audit_readers``,
+which wraps the transfer suites' own readers, so IDs and splits are exactly the ones vit-transfer
+sees and ``vit-audit`` and ``python -m data_pipeline.audit`` are one program.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+
+from data_pipeline.decode import BadSample, load_rgb, open_image
+from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.exclude import ExclusionWriter
+from data_pipeline.manifest import MANIFEST_NAME, parse_manifest, resolve_shards
+from data_pipeline.shard_reader import read_shard
+from data_pipeline.tally import Tally
+
+HASHES_NAME = "hashes.npz"
+HASH_KIND = "blake2b8-rgb+imagehash4-phash8"  # stored in the index; another kind means rebuild
+MAX_BITS = 12  # candidate: pHash distance to the nearest probe (calibrated, see module doc)
+MIN_SCORE = 0.7  # confirmation: high-pass NCC of aligned 32x32 thumbnails (calibrated)
+MAX_PIXELS = 89_478_485  # decompression-bomb guard, as data.max_image_pixels
+_SMALL = 256  # perceptual work happens on a grey copy at most this big: same on both sides
+
+# Crop boxes (left, top, right, bottom as fractions) probed on each evaluation image: per axis, cut
+# 0, 5% or 10% in total, split between the two sides (0/all, all/0, half/half); boxes whose two
+# axes together cut more than ~15% of the area are left out. Residual misalignment <= 2.5% a side.
+_AXIS = {0.0: [(0.0, 0.0)], 0.05: [(0.0, 0.05), (0.05, 0.0), (0.025, 0.025)],
+         0.1: [(0.0, 0.1), (0.1, 0.0), (0.05, 0.05)]}
+PROBES = tuple((l, t, 1 - r, 1 - b)
+               for sx, sy in ((0.0, 0.0), (0.0, 0.05), (0.05, 0.0), (0.0, 0.1), (0.1, 0.0), (0.05, 0.05))
+               for l, r in _AXIS[sx] for t, b in _AXIS[sy])
+
+
+# ------------------------------------------------------------------------------------- hashes
+def pixel_hash(img: Image.Image) -> int:
+    """Exact duplicate test: 64 bits of BLAKE2b over the decoded RGB pixels and the size."""
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{rgb.size[0]}x{rgb.size[1]}".encode())
+    h.update(rgb.tobytes())
+    return int.from_bytes(h.digest(), "big")
+
+
+def _grey_small(img: Image.Image) -> Image.Image:
+    g = img.convert("L")
+    if max(g.size) > _SMALL:
+        g = g.copy()
+        g.thumbnail((_SMALL, _SMALL), Image.BILINEAR, reducing_gap=2.0)
+    return g
+
+
+def phash64(grey: Image.Image) -> int:
+    import imagehash
+
+    bits = imagehash.phash(grey).hash.ravel()
+    return int.from_bytes(np.packbits(bits).tobytes(), "big")
+
+
+def _box(img: Image.Image, box) -> Image.Image:
+    w, h = img.size
+    l, t, r, b = box
+    return img.crop((round(l * w), round(t * h), max(round(r * w), round(l * w) + 1),
+                     max(round(b * h), round(t * h) + 1)))
+
+
+def probe_hashes(img: Image.Image) -> np.ndarray:
+    """pHashes of the ``PROBES`` crops of an evaluation image (the first is the whole image)."""
+    g = _grey_small(img)
+    return np.array([phash64(_box(g, b)) for b in PROBES], dtype=np.uint64)
+
+
+def train_hashes(img: Image.Image) -> tuple[int, int]:
+    """(exact, perceptual) hash of a pre-training image."""
+    return pixel_hash(img), phash64(_grey_small(img))
+
+
+# ----------------------------------------------------------------------------- confirmation
+def _highpass32(grey: Image.Image) -> np.ndarray:
+    t = grey.resize((32, 32), Image.BILINEAR, reducing_gap=2.0)
+    a = np.asarray(t, dtype=np.float32) - np.asarray(t.filter(ImageFilter.GaussianBlur(3)), dtype=np.float32)
+    a -= a.mean()
+    n = float(np.linalg.norm(a))
+    return a / n if n > 1e-3 else np.zeros_like(a)  # a flat image correlates with nothing
+
+
+def align_score(eval_img: Image.Image, train_img: Image.Image) -> float:
+    """How well ``train_img`` matches a slightly cropped box of ``eval_img`` (1 = same pixels up
+    to brightness / contrast): NCC of high-passed thumbnails, best box among the probes, then
+    refined by coordinate search in 2% and 1% steps (boxes at least 80% of each side)."""
+    ref = _highpass32(_grey_small(train_img))
+    g = _grey_small(eval_img)
+
+    def score(box) -> float:
+        return float((_highpass32(_box(g, box)) * ref).sum())
+
+    best, box = max((score(b), b) for b in PROBES)
+    for step in (0.02, 0.01):
+        improved = True
+        while improved:
+            improved = False
+            for i in range(4):
+                for delta in (-step, step):
+                    nb = list(box)
+                    nb[i] = min(1.0, max(0.0, nb[i] + delta))
+                    if nb[2] - nb[0] < 0.8 or nb[3] - nb[1] < 0.8:
+                        continue
+                    s = score(tuple(nb))
+                    if s > best + 1e-4:
+                        best, box, improved = s, tuple(nb), True
+    return best
+
+
+# ------------------------------------------------------------------------------- hash lookup
+class HashTable:
+    """Multi-index hashing over 64-bit hashes: four 16-bit bands, each a bucket table (argsort +
+    offsets). A query looks up, per band, its own band value and the 16 values one bit away, and
+    keeps the stored hashes within ``max_bits`` of the query by a vectorised popcount. Every pair
+    within 7 bits is found (one of the four bands then differs in at most one bit); pairs up to
+    ``max_bits`` are found when one band differs in at most one bit, which for near copies the
+    many probes of one image nearly always give (measured in tests/test_audit.py)."""
+
+    _FLIPS = np.array([0] + [1 << k for k in range(16)], dtype=np.int64)
+
+    def __init__(self, hashes: np.ndarray):
+        self.hashes = np.ascontiguousarray(hashes, dtype=np.uint64)
+        self.bands = []
+        for b in range(4):
+            v = ((self.hashes >> np.uint64(16 * b)) & np.uint64(0xFFFF)).astype(np.int64)
+            order = np.argsort(v, kind="stable").astype(np.int64)
+            starts = np.searchsorted(v[order], np.arange(1 << 16 | 1))
+            self.bands.append((order, starts))
+
+    def query(self, queries: np.ndarray, max_bits: int, chunk: int = 4096):
+        """(query index, stored index, distance) of every pair within ``max_bits``, each once."""
+        q_all = np.ascontiguousarray(queries, dtype=np.uint64)
+        out = []
+        for s in range(0, len(q_all), chunk):
+            q = q_all[s:s + chunk]
+            qi_l, ti_l = [], []
+            for b, (order, starts) in enumerate(self.bands):
+                qb = ((q >> np.uint64(16 * b)) & np.uint64(0xFFFF)).astype(np.int64)
+                probes = (qb[:, None] ^ self._FLIPS[None, :]).ravel()
+                lo = starts[probes]
+                cnt = starts[probes + 1] - lo
+                total = int(cnt.sum())
+                qi = np.repeat(np.arange(len(q)).repeat(len(self._FLIPS)), cnt)
+                ti = order[np.repeat(lo - np.cumsum(cnt) + cnt, cnt) + np.arange(total)]
+                d = np.bitwise_count(self.hashes[ti] ^ q[qi])
+                keep = d <= max_bits
+                qi_l.append(qi[keep])
+                ti_l.append(ti[keep])
+            qi, ti = np.concatenate(qi_l), np.concatenate(ti_l)
+            pair = qi * len(self.hashes) + ti
+            _, first = np.unique(pair, return_index=True)  # a pair may come up in several bands
+            qi, ti = qi[first], ti[first]
+            out.append((qi + s, ti, np.bitwise_count(self.hashes[ti] ^ q[qi]).astype(np.int64)))
+        if not out:
+            return (np.zeros(0, np.int64),) * 3
+        return tuple(np.concatenate([o[k] for o in out]) for k in range(3))
+
+
+# ------------------------------------------------------------------------ pre-training index
+@dataclass
+class TrainIndex:
+    """The stored hashes of one shard set (one manifest), row per readable sample."""
+    manifest: str
+    job: str
+    fingerprint: str
+    names: list  # shard names, in manifest order
+    keys: np.ndarray  # str
+    shard: np.ndarray  # int32: row -> position in names
+    pos: np.ndarray  # int32: index of the sample within its shard
+    exact: np.ndarray  # uint64
+    phash: np.ndarray  # uint64
+    unreadable: int = 0
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        meta = {"format": "vitscale-hashes", "version": 1, "kind": HASH_KIND, "manifest": self.manifest,
+                "job": self.job, "fingerprint": self.fingerprint, "unreadable": self.unreadable}
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, meta=np.array(json.dumps(meta)), names=np.array(self.names, dtype=str),
+                         keys=self.keys.astype(str), shard=self.shard, pos=self.pos, exact=self.exact,
+                         phash=self.phash)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def load(cls, path, manifest: str) -> Optional["TrainIndex"]:
+        """The stored index, or None when there is none or it is of another kind or version."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("format") != "vitscale-hashes" or meta.get("kind") != HASH_KIND:
+                    return None
+                return cls(manifest, meta.get("job", ""), meta["fingerprint"], [str(n) for n in z["names"]],
+                           z["keys"], z["shard"], z["pos"], z["exact"], z["phash"], int(meta.get("unreadable", 0)))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"{path}: unreadable hash index ({e}); rebuild it with vit-audit --index --force") from None
+
+
+def _manifest_path(spec: str) -> Path:
+    p = Path(spec)
+    return p / MANIFEST_NAME if p.is_dir() else p
+
+
+def _hash_shard(shard) -> tuple:
+    """Worker: (keys, positions, exact, phash, unreadable) of one shard."""
+    keys, pos, exact, ph = [], [], [], []
+    bad = 0
+    for raw in read_shard(shard, Tally()):
+        if raw.lost:
+            continue
+        try:
+            img = load_rgb(open_image(raw.members, MAX_PIXELS))
+        except BadSample:
+            bad += 1
+            continue
+        e, p = train_hashes(img)
+        keys.append(raw.key)
+        pos.append(raw.index)
+        exact.append(e)
+        ph.append(p)
+    return keys, pos, exact, ph, bad
+
+
+def build_index(manifest, workers: int = 1, progress: bool = False) -> TrainIndex:
+    """Decode every sample of the shard set once and hash it (``workers`` processes over shards)."""
+    mpath = _manifest_path(str(manifest))
+    shardset = resolve_shards(str(mpath), key="--shards")
+    job = parse_manifest(mpath.read_text(), str(mpath)).get("job", "")
+    shards = list(shardset.shards)
+    if workers > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context().Pool(workers) as pool:
+            parts = list(_progress(pool.imap(_hash_shard, shards), len(shards), progress, mpath))
+    else:
+        parts = list(_progress(map(_hash_shard, shards), len(shards), progress, mpath))
+    n = [len(p[0]) for p in parts]
+    return TrainIndex(
+        str(mpath), job, shardset.fingerprint(), [s.name for s in shards],
+        np.array([k for p in parts for k in p[0]], dtype=str),
+        np.repeat(np.arange(len(shards), dtype=np.int32), n),
+        np.array([i for p in parts for i in p[1]], dtype=np.int32),
+        np.array([e for p in parts for e in p[2]], dtype=np.uint64),
+        np.array([h for p in parts for h in p[3]], dtype=np.uint64),
+        sum(p[4] for p in parts))
+
+
+def _progress(it, total, on, what):
+    if not on:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, total=total, unit="shard", desc=f"hashing {what}")
+
+
+def train_index(manifest, workers: int = 1, rebuild: bool = False, progress: bool = False) -> TrainIndex:
+    """The shard set's index from ``hashes.npz`` beside its manifest; built (and stored there, when
+    the folder is writable) when missing, of another kind, or made for another shard list."""
+    mpath = _manifest_path(str(manifest))
+    fingerprint = resolve_shards(str(mpath), key="--shards").fingerprint()
+    path = mpath.parent / HASHES_NAME
+    index = None if rebuild else TrainIndex.load(path, str(mpath))
+    if index is not None and index.fingerprint == fingerprint:
+        return index
+    index = build_index(mpath, workers, progress)
+    try:
+        index.save(path)
+    except OSError as e:
+        print(f"vit-audit: note: cannot store {path} ({e.strerror or e}); the hashes are used for this run only",
+              file=sys.stderr)
+    return index
+
+
+# ----------------------------------------------------------------------- evaluation readers
+@dataclass
+class EvalImage:
+    set: str  # "cifar100", "vtab1k/dtd", "imagefolder/pets", "shards/c100-test"
+    split: str
+    id: str  # path relative to the set's root, "split/index" (CIFAR-100) or the shard key
+    load: Callable[[], Image.Image]
+
+
+def _shard_split(mpath: Path, set_name: str, split: Optional[str]) -> Iterator[EvalImage]:
+    shardset = resolve_shards(str(mpath), key="--eval shards")
+    split = split or parse_manifest(mpath.read_text(), str(mpath)).get("split", "test")
+    for shard in shardset.shards:
+        for raw in read_shard(shard, Tally()):
+            if raw.lost:
+                continue
+
+            def load(members=raw.members, where=f"{shard.name}:{raw.key}"):
+                try:
+                    return load_rgb(open_image(members, MAX_PIXELS))
+                except BadSample as e:
+                    raise DataError(f"{mpath.parent / where}: {e}") from None
+            yield EvalImage(set_name, split, raw.key, load)
+
+
+def read_shards_eval(path: str) -> Iterator[EvalImage]:
+    """``shards:PATH``: a manifest (or its folder), or the shards suite's ROOT with train/ test/
+    [val/] folders each holding shards + manifest.json. IDs are the samples' keys."""
+    p = Path(path)
+    if p.is_dir() and not (p / MANIFEST_NAME).is_file():
+        subs = [s for s in ("train", "val", "test") if (p / s / MANIFEST_NAME).is_file()]
+        if not subs:
+            raise DataError(f"{path}: no {MANIFEST_NAME} here nor in train/ val/ test/ (--eval shards:PATH)")
+        for s in subs:
+            yield from _shard_split(p / s / MANIFEST_NAME, f"shards/{p.name}", s)
+        return
+    mpath = _manifest_path(path)
+    yield from _shard_split(mpath, f"shards/{mpath.parent.name}", None)
+
+
+BUILTIN_READERS = {"shards": read_shards_eval}
+READER_GROUP = "vitscale.audit_readers"
+
+
+def eval_readers() -> dict:
+    """Reader per suite name: ``shards`` from here, the others from installed entry points."""
+    from importlib.metadata import entry_points
+
+    readers = dict(BUILTIN_READERS)
+    for ep in entry_points(group=READER_GROUP):
+        readers.setdefault(ep.name, ep)
+    return readers
+
+
+def read_eval(spec: str, readers: Optional[dict] = None) -> Iterator[EvalImage]:
+    """``SUITE:PATH`` -> its images. Unknown suite or missing path: one-line DataError."""
+    readers = eval_readers() if readers is None else readers
+    kind, sep, path = spec.partition(":")
+    if not sep or not path:
+        raise DataError(f"--eval {spec}: expected SUITE:PATH with SUITE one of {', '.join(sorted(readers))}")
+    if kind not in readers:
+        hint = "" if len(readers) > 1 else " (the other readers come with the installed package: pip install -e .)"
+        raise DataError(f"--eval {spec}: unknown suite {kind!r}; known: {', '.join(sorted(readers))}{hint}")
+    if not os.path.exists(path):
+        raise DataError(f"{path}: not found (--eval {spec})")
+    reader = readers[kind]
+    if not callable(reader):  # an entry point: import its module now
+        reader = reader.load()
+    return reader(path)
+
+
+# ------------------------------------------------------------------------------------ audit
+@dataclass
+class Pair:
+    eval: str
+    split: str
+    eval_id: str
+    train_key: str
+    shard: str
+    manifest: str
+    distance: int  # pHash bits to the nearest probe (0 for an exact pixel match)
+    score: float  # confirmation score (1.0 for an exact pixel match)
+    match: str  # "exact" or "near"
+
+    def as_json(self) -> dict:
+        return {"eval": self.eval, "split": self.split, "eval_id": self.eval_id, "train_key": self.train_key,
+                "shard": self.shard, "manifest": self.manifest, "distance": self.distance,
+                "score": round(self.score, 4), "match": self.match}
+
+
+@dataclass
+class AuditResult:
+    pairs: list
+    images: dict  # (set, split) -> evaluation images hashed
+    candidates: int  # pairs sent to confirmation
+    indexes: list
+    seconds: dict = field(default_factory=dict)
+
+    def counts(self) -> dict:
+        out: dict = {}
+        hit = defaultdict(set)
+        kinds = defaultdict(lambda: {"exact": 0, "near": 0})
+        for p in self.pairs:
+            hit[(p.eval, p.split)].add(p.eval_id)
+            kinds[(p.eval, p.split)][p.match] += 1
+        for (s, split), n in self.images.items():
+            out.setdefault(s, {})[split] = {"images": n, "contaminated": len(hit[(s, split)]),
+                                            "exact_pairs": kinds[(s, split)]["exact"],
+                                            "near_pairs": kinds[(s, split)]["near"]}
+        return out
+
+
+def audit(indexes: list, evals: Iterable[EvalImage], *, max_bits: int = MAX_BITS,
+          min_score: float = MIN_SCORE) -> AuditResult:
+    """Every (evaluation image, pre-training sample) pair that is an exact or near copy."""
+    t0 = time.perf_counter()
+    images: list = []
+    probes, exact = [], []
+    counts: dict = defaultdict(int)
+    for e in evals:
+        img = e.load()
+        images.append(e)
+        counts[(e.set, e.split)] += 1
+        exact.append(pixel_hash(img))
+        probes.append(probe_hashes(img))
+    t1 = time.perf_counter()
+    P = len(PROBES)
+    Q = np.stack(probes).ravel() if probes else np.zeros(0, np.uint64)
+    E = np.array(exact, dtype=np.uint64)
+    cands: dict = {}  # (index no, row) -> {eval no: bits}
+    for k, idx in enumerate(indexes):
+        order = np.argsort(idx.exact, kind="stable")
+        sorted_exact = idx.exact[order]
+        lo, hi = np.searchsorted(sorted_exact, E, "left"), np.searchsorted(sorted_exact, E, "right")
+        for j in np.flatnonzero(hi > lo):
+            for row in order[lo[j]:hi[j]]:
+                cands.setdefault((k, int(row)), {})[int(j)] = 0
+        if len(idx.phash) and len(Q):
+            qi, ti, d = HashTable(idx.phash).query(Q, max_bits)
+            for q, row, bits in zip((qi // P).tolist(), ti.tolist(), d.tolist()):
+                slot = cands.setdefault((k, row), {})
+                slot[q] = min(bits, slot.get(q, 64))
+    t2 = time.perf_counter()
+    pairs = _confirm(indexes, images, exact, cands, min_score)
+    pairs.sort(key=lambda p: (p.distance, -p.score, p.eval, p.eval_id, p.train_key))
+    return AuditResult(pairs, dict(counts), sum(len(v) for v in cands.values()), indexes,
+                       {"hash_eval": round(t1 - t0, 3), "lookup": round(t2 - t1, 3),
+                        "confirm": round(time.perf_counter() - t2, 3)})
+
+
+def _confirm(indexes, images, exact, cands, min_score) -> list:
+    """Read each candidate training sample once (one pass per shard) and keep confirmed pairs."""
+    by_shard = defaultdict(list)
+    for (k, row), evs in cands.items():
+        by_shard[(k, int(indexes[k].shard[row]))].append((row, evs))
+    shardsets: dict = {}
+    eval_cache: dict = {}
+    pairs = []
+    for (k, s), rows in sorted(by_shard.items()):
+        idx = indexes[k]
+        if k not in shardsets:
+            shardsets[k] = resolve_shards(idx.manifest, key="--shards")
+        shard = next(sh for sh in shardsets[k].shards if sh.name == idx.names[s])
+        want = {int(idx.pos[row]): (row, evs) for row, evs in rows}
+        ranges = [(p, p + 1) for p in sorted(want)]
+        for raw in read_shard(shard, Tally(), ranges):
+            if raw.lost or raw.index not in want:
+                continue
+            try:
+                train_img = load_rgb(open_image(raw.members, MAX_PIXELS))
+            except BadSample:
+                continue
+            row, evs = want[raw.index]
+            train_exact = int(idx.exact[row])
+            for j, bits in evs.items():
+                if j not in eval_cache:
+                    eval_cache[j] = images[j].load()
+                ev_img = eval_cache[j]
+                e = images[j]
+                if exact[j] == train_exact and ev_img.size == train_img.size and \
+                        ev_img.convert("RGB").tobytes() == train_img.tobytes():
+                    pairs.append(Pair(e.set, e.split, e.id, raw.key, shard.name, idx.manifest, 0, 1.0, "exact"))
+                    continue
+                score = align_score(ev_img, train_img)
+                if score >= min_score:
+                    pairs.append(Pair(e.set, e.split, e.id, raw.key, shard.name, idx.manifest, int(bits), score,
+                                      "near"))
+    return pairs
+
+
+# ----------------------------------------------------------------------------------- report
+def write_report(result: AuditResult, out_dir, evals: list, *, grid: int = 24,
+                 images: Optional[dict] = None) -> dict:
+    """``audit.json``, ``exclude.txt`` and ``closest_pairs.png`` in ``out_dir``; returns the JSON."""
+    from data_pipeline.files import write_json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "format": "vitscale-audit", "version": 1,
+        "thresholds": {"max_bits": MAX_BITS, "min_score": MIN_SCORE, "probes": len(PROBES)},
+        "shards": [{"manifest": i.manifest, "job": i.job, "images": int(len(i.keys)), "unreadable": i.unreadable}
+                   for i in result.indexes],
+        "evals": evals,
+        "counts": result.counts(),
+        "candidates": result.candidates,
+        "seconds": result.seconds,
+        "pairs": [p.as_json() for p in result.pairs],
+    }
+    write_json(out / "audit.json", doc, indent=1)
+    ex = ExclusionWriter()
+    for i in result.indexes:
+        ex.groups.setdefault((i.manifest, i.job), set())
+    for p in result.pairs:
+        job = next(i.job for i in result.indexes if i.manifest == p.manifest)
+        ex.add(p.manifest, job, p.train_key)
+    ex.write(out / "exclude.txt", "vit-audit exclusion list: pre-training keys whose image matches an "
+                                  "evaluation image (audit.json has the pairs)")
+    _grid(result, out / "closest_pairs.png", grid, images or {})
+    return doc
+
+
+def _grid(result: AuditResult, path: Path, n: int, loaders: dict) -> None:
+    """The ``n`` closest pairs, evaluation image left, training image right, with a caption."""
+    pairs = result.pairs[:n]
+    T, cap = 112, 330
+    canvas = Image.new("RGB", (2 * T + cap + 16, max(1, len(pairs)) * (T + 8) + 8), "white")
+    draw = ImageDraw.Draw(canvas)
+    if not pairs:
+        draw.text((8, 8), "no pairs found", fill="black")
+    train = _train_images(result, pairs)
+    for r, p in enumerate(pairs):
+        y = 8 + r * (T + 8)
+        for c, img in enumerate((loaders.get((p.eval, p.split, p.eval_id)), train.get((p.manifest, p.shard, p.train_key)))):
+            if img is not None:
+                img = img.convert("RGB")
+                f = T / max(img.size)  # CIFAR's 32 px shown 3x, nearest: its pixels stay visible
+                img = img.resize((max(1, int(img.width * f)), max(1, int(img.height * f))),
+                                 Image.NEAREST if f > 1 else Image.BILINEAR)
+                canvas.paste(img, (8 + c * (T + 4), y))
+        text = (f"{p.eval} {p.split}\n{p.eval_id}\n-> {Path(p.manifest).parent.name}/{p.shard}\n"
+                f"   key {p.train_key}\n{p.match}: {p.distance} bits, score {p.score:.3f}")
+        draw.text((2 * T + 16, y), text, fill="black")
+    canvas.save(path)
+
+
+def _train_images(result: AuditResult, pairs: list) -> dict:
+    want = defaultdict(set)
+    for p in pairs:
+        want[(p.manifest, p.shard)].add(p.train_key)
+    out = {}
+    for (manifest, shard_name), keys in want.items():
+        shard = next(s for s in resolve_shards(manifest, key="--shards").shards if s.name == shard_name)
+        for raw in read_shard(shard, Tally()):
+            if raw.key in keys:
+                try:
+                    out[(manifest, shard_name, raw.key)] = load_rgb(open_image(raw.members, MAX_PIXELS))
+                except BadSample:
+                    pass
+    return out
+
+
+# -------------------------------------------------------------------------------------- CLI
+def main(argv=None) -> int:
+    p = Parser(prog="vit-audit", description="Find evaluation images that also appear in pre-training shards.")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--shards", nargs="+", metavar="MANIFEST", help="pre-training shard sets to audit")
+    mode.add_argument("--index", nargs="+", metavar="MANIFEST",
+                      help="only hash these shard sets (hashes.npz beside each manifest)")
+    p.add_argument("--eval", action="append", default=[], metavar="SUITE:PATH",
+                   help="evaluation set: cifar100:DIR, vtab1k:DIR, imagefolder:DIR, shards:MANIFEST_OR_ROOT")
+    p.add_argument("--output", help="folder for audit.json, exclude.txt, closest_pairs.png")
+    p.add_argument("--workers", type=int, default=1, help="processes hashing shards (default 1)")
+    p.add_argument("--force", action="store_true", help="rebuild stored hashes even when they are current")
+    p.add_argument("--grid", type=int, default=24, help="pairs drawn in closest_pairs.png (default 24)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.shards and (not args.eval or not args.output):
+        p.error("--shards needs --eval SUITE:PATH (one or more) and --output DIR")
+
+    with cli_errors("vit-audit"):
+        for m in args.index or []:
+            idx = train_index(m, args.workers, rebuild=args.force, progress=not args.quiet)
+            print(f"{len(idx.keys)} images hashed ({idx.unreadable} unreadable) -> "
+                  f"{Path(idx.manifest).parent / HASHES_NAME}")
+        if args.index:
+            return 0
+        indexes = [train_index(m, args.workers, rebuild=args.force, progress=not args.quiet) for m in args.shards]
+        readers = eval_readers()
+        loaders: dict = {}
+        evals_meta = []
+
+        def all_evals():
+            for spec in args.eval:
+                n = 0
+                for e in read_eval(spec, readers):
+                    loaders[(e.set, e.split, e.id)] = e.load
+                    n += 1
+                    yield e
+                evals_meta.append({"spec": spec, "images": n})
+
+        result = audit(indexes, all_evals())
+        shown = {k: loaders[k]() for k in [(q.eval, q.split, q.eval_id) for q in result.pairs[:args.grid]]}
+        doc = write_report(result, args.output, evals_meta, grid=args.grid, images=shown)
+    _print_counts(doc, args.output)
+    return 0
+
+
+def _print_counts(doc: dict, out: str) -> None:
+    print(f"{'set':28s} {'split':16s} {'images':>8s} {'contaminated':>13s} {'exact':>6s} {'near':>6s}")
+    for s, splits in doc["counts"].items():
+        for split, c in splits.items():
+            print(f"{s:28s} {split:16s} {c['images']:8d} {c['contaminated']:13d} {c['exact_pairs']:6d} "
+                  f"{c['near_pairs']:6d}")
+    print(f"{len(doc['pairs'])} pairs ({doc['candidates']} candidates checked) -> {Path(out) / 'audit.json'}, "
+          f"{Path(out) / 'exclude.txt'}, {Path(out) / 'closest_pairs.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Contamination audit (vit-audit): planted copies of evaluation images among pre-training images
+written by our real writer are all found, nothing unrelated is reported, and the exclusion list
+round-trips through the loader (data.exclude_keys) and the writer (vit-shards --exclude).
+
+Photos: scikit-image's bundled samples (no download), cut into tiles; evaluation sets take some
+tiles, pre-training takes the other tiles of the same photos (hard negatives: same camera, light
+and texture, other pixels), demo shapes, and the planted copies."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageEnhance
+
+from data_pipeline import audit as A
+from data_pipeline.errors import DataError
+from data_pipeline.exclude import read_exclusion
+from data_pipeline.sources import imagefolder
+from data_pipeline.write_shards import write_shards
+
+skdata = pytest.importorskip("skimage.data")
+
+PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
+          "camera", "coins", "moon", "clock", "cell"]
+
+
+def _photo(name: str) -> Image.Image:
+    im = Image.fromarray(getattr(skdata, name)()).convert("RGB")
+    im.thumbnail((320, 320))
+    return im
+
+
+def _tiles(im: Image.Image) -> list:
+    w, h = im.size
+    return [im.crop((x, y, x + w // 2, y + h // 2)) for y in (0, h // 2) for x in (0, w // 2)]
+
+
+# ------------------------------------------------------------------------ planted transforms
+def jpeg(im, q=60):
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=q)
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def crop(im, rng):
+    """A random box that keeps >= 90% of the area."""
+    w, h = im.size
+    while True:
+        l, r, t, b = (rng.uniform(0, 0.1) for _ in range(4))
+        if (1 - l - r) * (1 - t - b) >= 0.9:
+            return im.crop((round(l * w), round(t * h), round((1 - r) * w), round((1 - b) * h)))
+
+
+def jitter(im):
+    im = ImageEnhance.Brightness(im).enhance(1.2)
+    im = ImageEnhance.Contrast(im).enhance(0.85)
+    im = ImageEnhance.Color(im).enhance(1.4)
+    hsv = np.asarray(im.convert("HSV")).copy()
+    hsv[..., 0] += 8  # hue shift (wraps)
+    return Image.fromarray(hsv, "HSV").convert("RGB")
+
+
+def resize(im, f):
+    return im.resize((max(8, round(im.width * f)), max(8, round(im.height * f))), Image.BICUBIC)
+
+
+TRANSFORMS = {
+    "jpeg60": lambda im, rng: jpeg(im),
+    "half": lambda im, rng: resize(im, 0.5),
+    "larger": lambda im, rng: resize(im, 1.6),
+    "crop": lambda im, rng: crop(im, rng),
+    "jitter": lambda im, rng: jitter(im),
+    "all": lambda im, rng: jpeg(resize(jitter(crop(im, rng)), 0.7)),
+}
+
+
+def _save(im, path: Path, fmt="PNG"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    im.save(path, fmt, **({"quality": 92} if fmt == "JPEG" else {}))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Evaluation sets (ImageFolder of photo tiles, a CIFAR-100 folder of demo shapes, shards of
+    demo shapes), pre-training shards with planted copies, and the planted (eval, id) -> file map."""
+    from data_pipeline.demo_data import demo_items
+    from tests.transfer_fixtures import py2_pickle
+
+    root = tmp_path_factory.mktemp("audit")
+    rng = random.Random(0)
+    ev, src = root / "eval_folder", root / "train_src"
+    planted = {}  # (set, eval_id) -> source file name in train_src
+    names = list(TRANSFORMS)
+    for p, name in enumerate(PHOTOS):
+        t = _tiles(_photo(name))
+        _save(t[0], ev / "test" / name / "t0.png")
+        _save(t[1], ev / "train" / name / "t1.png")
+        _save(t[2], src / "photos" / f"{name}_t2.png")  # other pixels of the same photo: not a copy
+        _save(t[3], src / "photos" / f"{name}_t3.jpg", "JPEG")
+        kind = names[p % len(names)]
+        fmt = "JPEG" if kind in ("jpeg60", "all") else "PNG"
+        f = src / "planted" / f"{name}_t0_{kind}.{'jpg' if fmt == 'JPEG' else 'png'}"
+        if kind == "jpeg60":  # the JPEG bytes themselves are the copy: the writer keeps them as they are
+            buf = io.BytesIO()
+            t[0].save(buf, "JPEG", quality=60)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(buf.getvalue())
+        else:
+            _save(TRANSFORMS[kind](t[0], rng), f, fmt)
+        planted[("imagefolder/eval_folder", f"test/{name}/t0.png")] = f.name
+        if p < 3:  # exact copies of training-split tiles (a PNG is stored as it is: same pixels)
+            shutil.copy(ev / "train" / name / "t1.png", src / "planted" / f"{name}_t1_exact.png")
+            planted[("imagefolder/eval_folder", f"train/{name}/t1.png")] = f"{name}_t1_exact.png"
+    # CIFAR-100 layout holding 32 px demo shapes (held-out classes); two test images planted x4
+    _, items = demo_items("transfer-test", 40, seed=5)
+    small = [np.asarray(it.load().convert("RGB").resize((32, 32), Image.BICUBIC)) for it in items]
+    cdir = root / "cifar" / "cifar-100-python"
+    cdir.mkdir(parents=True)
+    for split, rows in (("train", small[:20]), ("test", small[20:])):
+        data = np.stack(rows).transpose(0, 3, 1, 2).reshape(len(rows), 3072)
+        (cdir / split).write_bytes(py2_pickle({b"data": data, b"fine_labels": [i % 100 for i in range(len(rows))]}))
+    (cdir / "meta").write_bytes(py2_pickle({b"fine_label_names": [f"c{i}".encode() for i in range(100)]}))
+    for i in (3, 11):
+        _save(jpeg(resize(Image.fromarray(small[20 + i]), 4)), src / "planted" / f"cifar_test_{i}.jpg", "JPEG")
+        planted[("cifar100", f"test/{i}")] = f"cifar_test_{i}.jpg"
+    # unrelated demo shapes (pre-training classes) as JPEG files
+    _, items = demo_items("train", 48, seed=9)
+    for i, it in enumerate(items):
+        _save(it.load().convert("RGB"), src / "demo" / f"demo_{i:03d}.jpg", "JPEG")
+    # evaluation shards: demo transfer shapes; one planted as a colour-jittered copy
+    from data_pipeline.write_shards import write_demo_shards
+
+    eval_shards = root / "eval_shards"
+    write_demo_shards(eval_shards, split="transfer-test", n=24, shard_size=10)
+    from data_pipeline.shard_reader import read_shard
+    from data_pipeline.manifest import resolve_shards
+    from data_pipeline.tally import Tally
+
+    raw = next(read_shard(resolve_shards(str(eval_shards)).shards[1], Tally()))
+    _save(jitter(Image.open(io.BytesIO(raw.members["jpg"])).convert("RGB")), src / "planted" / "shard_copy.png")
+    planted[("shards/eval_shards", raw.key)] = "shard_copy.png"
+
+    source = imagefolder(str(src))
+    train = root / "train_shards"
+    manifest = write_shards(source, train, shard_size=16, quality=90, shuffle_seed=None, progress=False)
+    key_of = {Path(it.path).name: f"{i:09d}" for i, it in enumerate(source.items)}  # no shuffle: key = position
+    return {"root": root, "ev": ev, "cifar": root / "cifar", "eval_shards": eval_shards, "train": train,
+            "manifest": manifest, "source": source, "key_of": key_of,
+            "expected": {(s, i, key_of[f]) for (s, i), f in planted.items()}}
+
+
+@pytest.fixture(scope="module")
+def audited(world):
+    out = world["root"] / "out"
+    rc = A.main(["--shards", str(world["train"] / "manifest.json"), "--eval", f"imagefolder:{world['ev']}",
+                 "--eval", f"cifar100:{world['cifar']}", "--eval", f"shards:{world['eval_shards']}",
+                 "--output", str(out), "--quiet"])
+    assert rc == 0
+    return out, json.loads((out / "audit.json").read_text())
+
+
+def test_every_planted_copy_found_and_nothing_else(world, audited):
+    out, doc = audited
+    got = {(p["eval"], p["eval_id"], p["train_key"]) for p in doc["pairs"]}
+    missing, extra = world["expected"] - got, got - world["expected"]
+    scores = {(p["eval"], p["eval_id"]): (p["distance"], p["score"]) for p in doc["pairs"]}
+    assert not missing and not extra, (sorted(missing), sorted(extra), scores)
+    exact = {(p["eval_id"]) for p in doc["pairs"] if p["match"] == "exact"}
+    assert exact == {f"train/{n}/t1.png" for n in PHOTOS[:3]}
+    for p in doc["pairs"]:
+        assert set(p) >= {"eval", "eval_id", "train_key", "shard", "distance"}
+        assert p["shard"].startswith("train-") and p["shard"].endswith(".tar")
+        assert p["score"] >= A.MIN_SCORE and p["distance"] <= A.MAX_BITS
+
+
+def test_confirmation_rejects_unrelated_candidates(world, audited):
+    """With a loose candidate threshold most candidates are unrelated (other tiles of the same
+    photos, demo shapes): the confirmation step alone keeps the result exact."""
+    evals = list(A.read_eval(f"imagefolder:{world['ev']}"))
+    r = A.audit([A.train_index(world["train"])], evals, max_bits=26)
+    got = {(p.eval, p.eval_id, p.train_key) for p in r.pairs}
+    assert got == {e for e in world["expected"] if e[0] == "imagefolder/eval_folder"}
+    assert r.candidates > 3 * len(got), r.candidates
+
+
+def test_counts_per_set_and_split(world, audited):
+    _, doc = audited
+    c = doc["counts"]
+    assert c["imagefolder/eval_folder"]["test"] == {"images": len(PHOTOS), "contaminated": len(PHOTOS),
+                                                    "exact_pairs": 0, "near_pairs": len(PHOTOS)}
+    assert c["imagefolder/eval_folder"]["train"]["contaminated"] == 3
+    assert c["cifar100"]["test"]["contaminated"] == 2 and c["cifar100"]["train"]["contaminated"] == 0
+    assert c["cifar100"]["train"]["images"] == 20
+    assert c["shards/eval_shards"]["transfer-test"] == {"images": 24, "contaminated": 1, "exact_pairs": 0,
+                                                        "near_pairs": 1}
+
+
+def test_outputs_beside_and_in_the_output_folder(world, audited):
+    out, doc = audited
+    assert (world["train"] / A.HASHES_NAME).is_file()  # stored beside the manifest, once
+    grid = Image.open(out / "closest_pairs.png")
+    assert grid.height >= len(doc["pairs"]) * 100
+    ex = read_exclusion(out / "exclude.txt")
+    assert ex.keys == {k for _, _, k in world["expected"]}
+    assert ex.jobs == (world["manifest"]["job"],)
+
+
+def test_stored_hashes_are_reused_and_rebuilt_when_shards_change(world, audited, tmp_path):
+    path = world["train"] / A.HASHES_NAME
+    before = path.stat().st_mtime_ns
+    idx = A.train_index(world["train"])
+    assert path.stat().st_mtime_ns == before and len(idx.keys) == world["manifest"]["total"]
+    copy = tmp_path / "shards"
+    shutil.copytree(world["train"], copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["shards"], m["total"] = m["shards"][:2], sum(s["samples"] for s in m["shards"][:2])
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert len(A.train_index(copy).keys) == m["total"]  # fingerprint differs: rebuilt
+
+
+def test_loader_skips_exactly_the_listed_keys(world, audited):
+    from data_pipeline.loader import build_loader
+    from pretrain.config import DataConfig
+
+    out, _ = audited
+    listed = read_exclusion(out / "exclude.txt").keys
+    every = set(world["key_of"].values())
+    cfg = DataConfig(train_shards=str(world["train"]), val_shards=str(world["train"]), workers=2,
+                     shuffle_buffer=16, exclude_keys=str(out / "exclude.txt"))
+    ev = build_loader(cfg, batch_size=8, img_size=32, train=False)
+    seen = [k for _ in ev for k in ev.last_keys]
+    assert sorted(seen) == sorted(every - listed) and ev.counters["excluded"] == len(listed)
+    tr = build_loader(cfg, batch_size=8, img_size=32, train=True)
+    it = iter(tr)
+    keys = [k for _ in range(tr.batches_per_epoch) for k in (next(it), tr.last_keys)[1]]
+    # training: none of them reaches a batch; those read before the epoch's quota filled are counted
+    assert not set(keys) & listed and 0 < tr.counters["excluded"] <= len(listed)
+    bad = DataConfig(train_shards=str(world["train"]), exclude_keys=str(out / "nope.txt"))
+    with pytest.raises(DataError, match="data.exclude_keys"):
+        build_loader(bad, batch_size=8, img_size=32)
+
+
+def test_writer_leaves_out_the_listed_keys_and_keeps_the_others(world, audited, tmp_path):
+    from data_pipeline.manifest import resolve_shards
+    from data_pipeline.shard_reader import read_shard
+    from data_pipeline.tally import Tally
+
+    out, _ = audited
+    ex = read_exclusion(out / "exclude.txt")
+    m = write_shards(world["source"], tmp_path / "clean", shard_size=16, quality=90, shuffle_seed=None,
+                     progress=False, exclude=ex)
+    keys = [r.key for s in resolve_shards(str(tmp_path / "clean")).shards for r in read_shard(s, Tally())]
+    assert sorted(keys) == sorted(set(world["key_of"].values()) - ex.keys)
+    assert m["skipped"].get("excluded") == len(ex.keys) and m["total"] == world["manifest"]["total"] - len(ex.keys)
+    with pytest.raises(DataError, match="job"):  # other options: other sample order, keys mean other images
+        write_shards(world["source"], tmp_path / "other", shard_size=16, quality=80, shuffle_seed=None,
+                     progress=False, exclude=ex)
+
+
+def test_hash_table_matches_brute_force():
+    rng = np.random.default_rng(0)
+    stored = rng.integers(0, 2**63, 20000, dtype=np.int64).astype(np.uint64) << np.uint64(1)
+    queries = rng.integers(0, 2**63, 300, dtype=np.int64).astype(np.uint64)
+    for j in range(200):  # plant neighbours at 0..9 bits
+        bits = rng.choice(64, size=j % 10, replace=False)
+        queries[j] = stored[j * 7] ^ np.uint64(sum(1 << int(b) for b in bits))
+    qi, ti, d = A.HashTable(stored).query(queries, 10, chunk=64)
+    found = {(int(a), int(b)): int(c) for a, b, c in zip(qi, ti, d)}
+    dist = np.bitwise_count(stored[None, :] ^ queries[:, None])
+    truth = {(int(a), int(b)) for a, b in zip(*np.nonzero(dist <= 7))}
+    assert truth <= set(found)  # everything within 7 bits, guaranteed
+    assert all(dist[a, b] == c <= 10 for (a, b), c in found.items())  # nothing beyond, exact distances
+
+
+def test_vtab_reader_ids_are_paths_under_the_root(tmp_path):
+    from tests.transfer_fixtures import write_vtab_task
+
+    write_vtab_task(tmp_path, "dtd", n_test=3, counts=(4, 2))
+    items = list(A.read_eval(f"vtab1k:{tmp_path}"))
+    assert {(e.set, e.split) for e in items} == {("vtab1k/dtd", s) for s in ("train800", "val200", "test")}
+    assert items[0].id == "dtd/images/train800_0000.png" and items[0].load().mode == "RGB"
+    assert len(items) == 9  # train800val200 repeats train800 + val200: not twice
+
+
+def test_user_mistakes_are_one_line(tmp_path, capsys):
+    for argv, text in (
+            (["--shards", str(tmp_path), "--eval", "nope:x", "--output", str(tmp_path)], "manifest not found"),
+            (["--shards", str(tmp_path)], "--eval"),
+            (["--index", str(tmp_path / "missing.json")], "manifest not found")):
+        with pytest.raises(SystemExit) as e:
+            A.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and text in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(DataError, match="unknown suite 'nope'"):
+        list(A.read_eval("nope:/x"))
