@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from PIL import Image
 from data_pipeline.demo_data import demo_items
 from data_pipeline.errors import DataError
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")  # what a file list reads as a class id (signed: to refuse it)
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 
 
@@ -73,6 +75,8 @@ def safe_load_pickle(path_or_file: Union[str, os.PathLike, "io.BufferedIOBase"],
 class FileItem:
     path: str
     labels: tuple
+    name: str = ""  # how a message names it: relative to the source's folder or list
+
 
     def load(self):
         with open(self.path, "rb") as f:
@@ -97,23 +101,34 @@ class Source:
     multi_label: bool = False
 
 
-def imagefolder(root: str) -> Source:
-    """One sub-folder per class (the ImageNet / ImageNet-21k layout); classes sorted by name."""
+def imagefolder(root: str, allow_empty_classes: bool = False) -> Source:
+    """One sub-folder per class (the ImageNet / ImageNet-21k layout); classes sorted by name. A
+    class folder without any image is an error (a typo'd or unsynced folder would otherwise become
+    a class no sample ever has), unless ``allow_empty_classes`` keeps it as such a class."""
     base = Path(root)
     if not base.is_dir():
         raise DataError(f"{root}: imagefolder source is not a directory")
     classes = sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
         raise DataError(f"{root}: no class sub-folders (expected ROOT/<class>/<image>)")
-    items = []
+    items, empty = [], []
     for label, name in enumerate(classes):
+        before = len(items)
         for dirpath, dirnames, files in os.walk(base / name, followlinks=True):
             dirnames.sort()
             for f in sorted(files):
                 if f.lower().endswith(IMG_EXTENSIONS):
-                    items.append(FileItem(os.path.join(dirpath, f), (label,)))
+                    path = os.path.join(dirpath, f)
+                    items.append(FileItem(path, (label,), os.path.relpath(path, base)))
+        if len(items) == before:
+            empty.append(name)
     if not items:
         raise DataError(f"{root}: no images with extensions {', '.join(IMG_EXTENSIONS)}")
+    if empty and not allow_empty_classes:
+        more = f" (and {len(empty) - 1} more: {', '.join(empty[1:4])}{', ...' if len(empty) > 4 else ''})" \
+            if len(empty) > 1 else ""
+        raise DataError(f"{base / empty[0]}: class folder holds no images{more}; add images, remove the "
+                        "folder, or pass --allow-empty-classes to keep it as a class without samples")
     return Source(f"imagefolder:{root}", classes, items)
 
 
@@ -155,8 +170,10 @@ def _cifar_member(path: str, name: str):
 
 def filelist(path: str) -> Source:
     """Lines ``path<TAB>label[,label...]``; paths relative to the list's folder; ``#`` comments.
-    Labels are integers (classes "0".."max") or names (classes sorted); several labels make the
-    data multi-label."""
+    Labels are either all non-negative integers (classes "0".."max") or all names (classes sorted);
+    several labels make the data multi-label. A label that looks like an integer among names, a
+    name among integers, or a negative integer is an error naming its line: silently switching to
+    names would renumber every class."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: file list not found")
@@ -168,20 +185,30 @@ def filelist(path: str) -> Source:
         if len(parts) != 2 or not parts[0] or not parts[1].strip():
             raise DataError(f"{path}:{n}: expected 'path<TAB>label[,label...]', got {line!r}")
         labels = [t.strip() for t in parts[1].split(",") if t.strip()]
-        rows.append((parts[0], labels))
+        rows.append((n, parts[0], labels))
     if not rows:
         raise DataError(f"{path}: no entries")
-    tokens = {t for _, labs in rows for t in labs}
-    if all(t.isdigit() for t in tokens):
-        classes = [str(i) for i in range(max(int(t) for t in tokens) + 1)]
+    numeric = [(n, t) for n, _, labs in rows for t in labs if _INTEGER.fullmatch(t)]
+    named = [(n, t) for n, _, labs in rows for t in labs if not _INTEGER.fullmatch(t)]
+    signed = next(((n, t) for n, t in numeric if t[0] in "+-"), None)
+    if signed and len(numeric) >= len(named):
+        raise DataError(f"{path}:{signed[0]}: label {signed[1]!r}: class ids must be non-negative integers "
+                        "written as plain digits (0, 1, 2, ...)")
+    if numeric and named:  # the minority kind is the odd one out
+        n, t = named[0] if len(numeric) >= len(named) else numeric[0]
+        kind, other = ("a name", "integers") if len(numeric) >= len(named) else ("an integer", "names")
+        raise DataError(f"{path}:{n}: label {t!r} is {kind} but the other labels are {other}; labels "
+                        "must be all non-negative integers (class ids) or all class names")
+    if numeric:
+        classes = [str(i) for i in range(max(int(t) for _, t in numeric) + 1)]
         to_label = int
     else:
-        classes = sorted(tokens)
+        classes = sorted({t for _, t in named})
         to_label = {c: i for i, c in enumerate(classes)}.__getitem__
     items = []
-    for file, labs in rows:
+    for _, file, labs in rows:
         full = file if os.path.isabs(file) else str(p.parent / file)
-        items.append(FileItem(full, tuple(to_label(t) for t in labs)))
+        items.append(FileItem(full, tuple(to_label(t) for t in labs), file))
     multi = any(len(it.labels) > 1 for it in items)
     return Source(f"filelist:{path}", classes, items, multi_label=multi)
 
@@ -196,7 +223,7 @@ def demo_source(kind: str, split: str):
     return Source(kind, classes, items)
 
 
-def open_source(spec: str, split: str) -> Source:
+def open_source(spec: str, split: str, allow_empty_classes: bool = False) -> Source:
     """``KIND:PATH`` (or ``demo`` / ``demo-transfer``) -> Source."""
     kind, _, path = spec.partition(":")
     if kind in ("demo", "demo-transfer"):
@@ -209,7 +236,7 @@ def open_source(spec: str, split: str) -> Source:
     if not os.path.exists(path):
         raise DataError(f"{path}: not found (--source {spec})")
     if kind == "imagefolder":
-        return imagefolder(path)
+        return imagefolder(path, allow_empty_classes)
     if kind == "cifar100":
         return cifar100(path, split)
     return filelist(path)

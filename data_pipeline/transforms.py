@@ -24,7 +24,7 @@ from torch.utils.data import get_worker_info
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from data_pipeline.decode import draft, load_rgb
+from data_pipeline.decode import draft, load_rgb, oriented_size
 
 
 class SampleTransform:
@@ -48,11 +48,15 @@ class SampleTransform:
             return self._eval(img)
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
-            p = self.crop.make_params([img])  # from the header's size, before decoding
+            # The crop is drawn from the header's size as displayed (EXIF orientation 5..8 swaps
+            # it), before decoding; a zero-stride tensor stands in for an image of that size.
+            W, H = oriented_size(img)
+            p = self.crop.make_params([torch.empty(1, 1, 1).expand(1, H, W)])
             top, left, h, w = p["top"], p["left"], p["height"], p["width"]
             r = min(w, h) / self.size  # how much smaller the decode may be with no loss
-            img, sx, sy = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
-            rgb = load_rgb(img)
+            img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
+            rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
+            sx, sy = rgb.size[0] / W, rgb.size[1] / H
             if sx != 1.0 or sy != 1.0:
                 top, left = int(top * sy), int(left * sx)
                 h = max(1, min(rgb.size[1] - top, round(h * sy)))

@@ -12,8 +12,12 @@ re-encoding), ``<key>.cls`` (first label as text) and, for multi-label data, ``<
 (``{"labels": [...]}``), so any stock ``webdataset.WebDataset`` reader reads the shards.
 ``--resize-shorter S`` stores images with shorter side at most S: decoding a pre-resized JPEG is
 the single biggest saving of the training loader (see benchmarks/RESULTS.md). Files copied as
-they are (no resize needed) are checked by their header only; unreadable ones are skipped and
-counted in the manifest's ``skipped``, and the loader counts any that fail later.
+they are (no resize needed, 8-bit without transparency) are checked by their header only; others
+go through ``decode.to_8bit`` (EXIF orientation, alpha over white, 16-bit scaled), the loader's own
+mapping. Unreadable files are skipped, counted in the manifest's ``skipped`` and named in its
+``skipped_files`` (the first 1,000 per reason) and in one line on stderr; the loader counts any
+that fail later. An imagefolder class folder without images is an error unless
+``--allow-empty-classes``.
 
 Crash safety: a shard is written under a temporary name and renamed when complete; the list of
 finished shards is kept in ``.vit-shards-progress.json`` and ``manifest.json`` is written last.
@@ -35,6 +39,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_pipeline.decode import to_8bit
 from data_pipeline.demo_data import demo_items
 from data_pipeline.sources import Source, open_source
 from data_pipeline.errors import DataError, Parser, cli_errors
@@ -47,6 +52,7 @@ _KEEP = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # formats stored as they 
 # Formats read from sources (converted to JPEG unless kept); no plugin that runs external programs.
 _SOURCE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
 _TAR_BLOCK = 512
+SKIPPED_NAMES = 1000  # names kept per reason in the manifest's "skipped_files"; "skipped" counts all
 
 
 def encode_item(args):
@@ -58,12 +64,13 @@ def encode_item(args):
         obj = item.load()
     except OSError:
         return None, "unreadable"
-    fmt = "JPEG"
+    fmt, lossless = "JPEG", False
     if isinstance(obj, bytes):
         try:
             img = Image.open(io.BytesIO(obj), formats=_SOURCE_FORMATS)
             fmt = img.format
-            if fmt in _KEEP and (shorter is None or min(img.size) <= shorter):
+            lossless = fmt == "WEBP" and _webp_lossless(obj)
+            if fmt in _KEEP and (shorter is None or min(img.size) <= shorter) and _plain(img):
                 return obj, _KEEP[fmt]  # copied as-is: no generation loss, no encode cost
             if fmt == "JPEG" and shorter:
                 img.draft("RGB", _resized(img.size, shorter))
@@ -74,11 +81,13 @@ def encode_item(args):
             return None, "unreadable"
     else:
         img = obj
+    try:  # oriented, alpha over white, 16-bit scaled: the loader's own mapping (decode.to_8bit)
+        img = to_8bit(img)
+    except Exception:
+        return None, "unreadable"
     if shorter is not None and min(img.size) > shorter:
         img = img.resize(_resized(img.size, shorter), Image.BICUBIC, reducing_gap=3.0)
     out_fmt = fmt if fmt in ("PNG", "WEBP") else "JPEG"
-    if img.mode not in (("RGB", "L") if out_fmt == "JPEG" else ("RGB", "RGBA", "L")):
-        img = img.convert("RGB")
     buf = io.BytesIO()
     if out_fmt == "PNG":
         img.save(buf, "PNG")
@@ -86,9 +95,31 @@ def encode_item(args):
         # Tiny images (CIFAR's 32 px): 4:2:0 chroma subsampling would halve an already tiny colour
         # resolution; full-resolution chroma costs little at this size.
         img.save(buf, "JPEG", quality=quality, subsampling=0)
+    elif lossless:  # a lossless WebP (e.g. with alpha, composited here) stays lossless
+        img.save(buf, "WEBP", lossless=True, exact=True)
     else:
         img.save(buf, out_fmt, quality=quality)
     return buf.getvalue(), _KEEP[out_fmt]
+
+
+def _plain(img: Image.Image) -> bool:
+    """Stored as it comes only when any reader's ``convert("RGB")`` gets the right pixels: 8-bit
+    grey/colour/palette without transparency. 16-bit, alpha and CMYK files are converted once
+    here (a lossless PNG stays PNG). EXIF orientation is kept in copied files (the loader applies
+    it) so a JPEG is not re-encoded just to turn it; a stock reader should call
+    ``ImageOps.exif_transpose``."""
+    return img.mode in ("RGB", "L", "P", "1") and "transparency" not in img.info
+
+
+def _webp_lossless(data: bytes) -> bool:
+    """Whether a WebP file's image chunk is VP8L (lossless) rather than VP8 (lossy)."""
+    pos = 12  # after "RIFF" size "WEBP"
+    while pos + 8 <= len(data):
+        kind, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
+        if kind in (b"VP8L", b"VP8 "):
+            return kind == b"VP8L"
+        pos += 8 + size + (size & 1)
+    return False
 
 
 def _resized(size, shorter):
@@ -106,8 +137,9 @@ class _ShardSink:
     renamed when complete, then recorded in the progress file (finished shards + where the next
     one starts in the sample order + skip counts so far)."""
 
-    def __init__(self, out: Path, split: str, job: str, shards: list, skipped: Counter):
+    def __init__(self, out: Path, split: str, job: str, shards: list, skipped: Counter, skipped_files: dict):
         self.out, self.split, self.job, self.shards, self.skipped = out, split, job, shards, skipped
+        self.skipped_files = skipped_files  # reason -> the first SKIPPED_NAMES names
         self.current = None  # (tmp path, file, TarWriter, name)
         self.count = self.size = 0
 
@@ -130,7 +162,8 @@ class _ShardSink:
         f.close()
         os.replace(tmp, self.out / name)
         self.shards.append({"name": name, "samples": self.count, "bytes": (self.out / name).stat().st_size,
-                            "end": end, "skipped": dict(self.skipped)})
+                            "end": end, "skipped": dict(self.skipped),
+                            "skipped_files": {k: list(v) for k, v in self.skipped_files.items()}})
         write_json(self.out / PROGRESS_NAME, {"job": self.job, "shards": self.shards})
         self.current = None
 
@@ -203,7 +236,9 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
         random.Random(shuffle_seed).shuffle(order)
     order = order[:limit]
     start = shards[-1]["end"] if shards else 0
-    sink = _ShardSink(out, split, job, shards, Counter(shards[-1]["skipped"] if shards else {}))
+    last = shards[-1] if shards else {}
+    sink = _ShardSink(out, split, job, shards, Counter(last.get("skipped", {})),
+                      {k: list(v) for k, v in last.get("skipped_files", {}).items()})
     skip = exclude.keys if exclude is not None else frozenset()
     tasks = ((None if f"{i:09d}" in skip else source.items[order[i]], resize_shorter, quality)
              for i in range(start, len(order)))
@@ -221,6 +256,9 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
             bar.update(1)
             if data is None:
                 sink.skipped[ext] += 1
+                names = sink.skipped_files.setdefault(ext, [])
+                if len(names) < SKIPPED_NAMES:
+                    names.append(_item_name(source.items[order[i]], order[i]))
                 continue
             item = source.items[order[i]]
             sample = {"__key__": f"{i:09d}", ext: data}
@@ -247,11 +285,28 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
         "classes": list(source.classes), "multi_label": bool(source.multi_label),
         "total": sum(s["samples"] for s in shards),
         "shards": [{k: s[k] for k in ("name", "samples", "bytes")} for s in shards],
-        "options": options, "skipped": dict(sink.skipped), "job": job,
+        "options": options, "skipped": dict(sink.skipped), "skipped_files": sink.skipped_files, "job": job,
     }
     write_manifest(out, manifest)  # last: its presence means every listed shard is complete
     (out / PROGRESS_NAME).unlink(missing_ok=True)
     return manifest
+
+
+def _item_name(item, index: int) -> str:
+    return getattr(item, "name", "") or getattr(item, "path", "") or f"item {index} of the source"
+
+
+def skipped_line(manifest: dict, manifest_path, show: int = 5) -> str:
+    """One line naming the first few skipped files and where the rest are listed ('' if none)."""
+    counts = manifest.get("skipped") or {}
+    if not counts:
+        return ""
+    names = [n for v in (manifest.get("skipped_files") or {}).values() for n in v]
+    total = sum(counts.values())
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    shown = ", ".join(names[:show]) + (", ..." if total > show else "")
+    where = "all names" if len(names) == total else f"the first {SKIPPED_NAMES} of each kind"
+    return f"skipped {total} files ({kinds}): {shown}; {where} under \"skipped_files\" in {manifest_path}"
 
 
 def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard_size: int = 256,
@@ -301,6 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=_positive, default=None, help="write only the first N samples (smoke tests)")
     p.add_argument("--exclude", metavar="FILE", help="keys to leave out (vit-audit's exclude.txt), from an earlier "
                    "run of this same command; the other samples keep their keys")
+    p.add_argument("--allow-empty-classes", action="store_true",
+                   help="imagefolder: keep a class folder without images as a class (default: error)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.quality > 100:
@@ -308,7 +365,7 @@ def main(argv=None) -> int:
 
     with cli_errors("vit-shards"):
         try:
-            source = open_source(args.source, args.split)
+            source = open_source(args.source, args.split, allow_empty_classes=args.allow_empty_classes)
             split = args.split if not args.source.startswith("demo-transfer") else f"transfer-{args.split}"
             m = write_shards(source, args.output, split=split, shard_size=args.shard_size,
                              max_shard_bytes=args.max_shard_bytes, resize_shorter=args.resize_shorter,
@@ -324,6 +381,9 @@ def main(argv=None) -> int:
     skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
     print(f"{m['total']} samples in {len(m['shards'])} shards, {len(m['classes'])} classes -> "
           f"{Path(args.output) / MANIFEST_NAME}{skipped}")
+    line = skipped_line(m, Path(args.output) / MANIFEST_NAME)
+    if line:
+        print(f"vit-shards: {line}", file=sys.stderr)
     return 0
 
 
