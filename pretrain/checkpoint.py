@@ -101,7 +101,15 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     if (path / COMPLETE).exists() and dist.get_rank() == 0:
         (path / COMPLETE).unlink()  # re-saving the same step (e.g. SIGTERM right after a save)
     dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)  # ends with a barrier
+    # DeepSpeed logs a failed makedirs and goes on; torch.save then fails with a RuntimeError. Made
+    # here, an unwritable folder is an OSError naming the errno (the caller's one line)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)  # ends with a barrier
+    except RuntimeError as e:  # torch.save's writer: "PytorchStreamWriter failed writing file ..." (disk full)
+        if "PytorchStreamWriter failed" in str(e) or "does not exist" in str(e):
+            raise OSError(f"{path}: {str(e).splitlines()[0]}") from None
+        raise
     rank = dist.get_rank()
     _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
     if rank == 0:

@@ -183,3 +183,34 @@ def test_wandb_online_falls_back_to_offline(shards, tmp_path, case):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["wandb_dir"] == str(offline[0])
     assert took < 90, f"took {took:.0f} s"  # the wait is bounded by init_timeout_s (4 s here)
+
+
+# ------------------------------------------------------------------- a save that fails mid-run
+def test_checkpoint_folder_locked_mid_run_names_the_last_good_checkpoint(shards, tmp_path):
+    """The folder passed the start-up check, then became unwritable: the failed save is one line
+    (exit 2) naming the last complete checkpoint, which stays intact for the resume."""
+    from dist_utils import start_job, wait_for
+
+    if os.geteuid() != 0 or not shutil.which("chattr"):
+        pytest.skip("needs root and chattr to lock a folder under a running job")
+    run_dir, log = tmp_path / "run", tmp_path / "log.txt"
+    ckpts = run_dir / "checkpoints"
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
+           f"train.output_dir={run_dir}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
+           "zero.stage=0", "train.steps=60", "checkpoint.every_steps=30", "logging.wandb.mode=disabled"]
+    proc = start_job(cmd, log)
+    first = ckpts / rundir.tag_for(30)
+    try:
+        wait_for(lambda: (first / rundir.COMPLETE).is_file(), 120, proc, "the first checkpoint")
+        subprocess.run(["chattr", "+i", str(ckpts)], check=True)
+        code = proc.wait(120)
+    finally:
+        subprocess.run(["chattr", "-i", str(ckpts)], check=False)
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert code == 2, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith(
+        f"vit-train: error: cannot save checkpoint step_00000060 in {ckpts} (Operation not permitted); the last "
+        f"complete checkpoint is {first}; "), out[-3000:]
+    assert "Traceback" not in out and rundir.verify(first) is None and rundir.latest_complete(ckpts) == first
