@@ -112,6 +112,13 @@ class LoggingConfig:
 
 
 @dataclass
+class FewshotEvalConfig:
+    # few-shot probes while pre-training: vit-transfer suite names, NAME or NAME:PATH
+    # (e.g. demo, cifar100:/data/cifar-100-python, imagefolder:/data/pets)
+    suites: list[str] = field(default_factory=list)
+
+
+@dataclass
 class EvalConfig:
     """Transfer evaluation (``vit-transfer``, ``pretrain/transfer``). Plain keys are the settings
     used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
@@ -146,6 +153,10 @@ class EvalConfig:
     wandb: bool = False
     watch_poll_s: float = 30.0  # --watch: seconds between looks for new checkpoints
     watch_idle_timeout_s: Optional[float] = None  # --watch: stop after this long without one
+    # in-training evaluation (pretrain/evaluator.py): data.val_shards loss/top-1/top-5 and few-shot
+    # probes every this many steps (0: off); uses fewshot_shots / fewshot_seeds / fewshot_l2
+    every_steps: int = 0
+    fewshot: FewshotEvalConfig = field(default_factory=FewshotEvalConfig)
 
 
 @dataclass
@@ -392,6 +403,8 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
         fail("checkpoint.every_steps", f"must be positive, got {cfg.checkpoint.every_steps}")
     if cfg.checkpoint.keep_last < 1:
         fail("checkpoint.keep_last", f"must be >= 1, got {cfg.checkpoint.keep_last}")
+    if cfg.logging.wandb.init_timeout_s <= 0:
+        fail("logging.wandb.init_timeout_s", f"must be positive, got {cfg.logging.wandb.init_timeout_s}")
     _check_eval(cfg.eval, fail)
 
 
@@ -403,8 +416,6 @@ def _check_eval(ev: EvalConfig, fail) -> None:
             fail(f"eval.{key}", msg)
 
     need(ev.suite in SUITES, "suite", f"unknown suite {ev.suite!r}; choose one of {', '.join(SUITES)}")
-    if cfg.logging.wandb.init_timeout_s <= 0:
-        fail("logging.wandb.init_timeout_s", f"must be positive, got {cfg.logging.wandb.init_timeout_s}")
     need(ev.batch_size > 0, "batch_size", f"must be positive, got {ev.batch_size}")
     need(ev.workers >= 0, "workers", f"must be >= 0, got {ev.workers}")
     need(ev.img_size is None or ev.img_size > 0, "img_size", f"must be positive, got {ev.img_size}")
@@ -420,6 +431,11 @@ def _check_eval(ev: EvalConfig, fail) -> None:
     need(ev.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {ev.fewshot_seeds}")
     need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
     need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
+    need(ev.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {ev.every_steps}")
+    for spec in ev.fewshot.suites:
+        name = spec.partition(":")[0]
+        need(name in SUITES, "fewshot.suites", f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITES)}")
+        need(not SUITES[name].needs_root or ":" in spec, "fewshot.suites", f"{spec!r}: suite {name} needs NAME:PATH")
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:

@@ -39,6 +39,10 @@ class StepTimer:
     def add_data_wait(self, seconds: float) -> None:
         self.data_wait += seconds
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation, say) out of the current window."""
+        self.t0 += seconds
+
     def window(self) -> tuple[float, float]:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         return elapsed, self.data_wait / elapsed
@@ -119,6 +123,7 @@ class MetricsLogger:
         # one x-axis for everything: the optimizer step
         self.wandb_run.define_metric("train/*", step_metric="train/step")
         self.wandb_run.define_metric("transfer/*", step_metric="train/step")
+        self.wandb_run.define_metric("eval/*", step_metric="train/step")
 
     @property
     def wandb_dir(self) -> Optional[str]:
@@ -132,8 +137,8 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             try:
-                self.wandb_run.log({"train/step": step, **{f"train/{k}": v for k, v in metrics.items()}},
-                                   step=step)
+                self.wandb_run.log({"train/step": step, **{k if k.startswith("eval/") else f"train/{k}": v
+                                                            for k, v in metrics.items()}}, step=step)
             except Exception as e:  # W&B must never stop training (its service may die on SIGTERM)
                 self._drop_wandb(e)
 

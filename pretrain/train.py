@@ -27,6 +27,7 @@ from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, 
                              save_config, to_dict)
 from pretrain.distributed import init_distributed, launched
 from pretrain.engine import initialize
+from pretrain.evaluator import InTrainingEval
 from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
 from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
 from pretrain.metrics import MetricsLogger, StepTimer, peak_memory_gb, throughput
@@ -107,7 +108,7 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
 def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step: int, rank: int,
                world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float],
                stop: StopRequest, dog: Watchdog, samples: Optional[SampleLog],
-               say: Callable[[str], None] = lambda msg: None) -> dict:
+               evaluator: Optional[InTrainingEval] = None, say: Callable[[str], None] = lambda msg: None) -> dict:
     t, device = cfg.train, engine.device
     dtype = compute_dtype(t.precision)
     guard, timer = NonFiniteGuard(t.max_nonfinite_steps), StepTimer()
@@ -183,6 +184,14 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             timer.reset()
         if step == start_step + 1:
             say(f"step {step} done; a line every {t.log_every_steps} steps")
+
+        # --- evaluate (eval.every_steps): its own data and RNG; its time is left out of throughput
+        if evaluator is not None and evaluator.due(step, t.steps):
+            dog.beat(step, "eval", slow=True)
+            results = evaluator(engine, step)
+            logger.log(step, results)
+            timer.exclude(evaluator.last_seconds)
+            say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
 
         # --- checkpoint (periodic, final, or when asked to stop: SIGTERM, SIGINT, launcher gone)
         dog.beat(step, "stop")
@@ -264,12 +273,15 @@ def run(cfg: Config) -> dict:
         print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
     samples = SampleLog(layout.samples, rank).open(start) if cfg.data.record_samples else None
+    evaluator = InTrainingEval(cfg, rank=rank, world=world, img_size=img, num_classes=cfg.model.num_classes,
+                               dtype=compute_dtype(cfg.train.precision))
+    evaluator = evaluator if evaluator.enabled else None
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     t0 = time.time()
     try:
         result = train_loop(cfg, engine, loader, logger, start_step=start, rank=rank, world=world,
                             ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog,
-                            samples=samples, say=say)
+                            samples=samples, evaluator=evaluator, say=say)
     except BaseException:
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         if rank == 0:

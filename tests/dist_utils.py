@@ -72,7 +72,8 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out[r["step"]] = r
+        if "loss" in r:  # training records (evaluation records share their step)
+            out[r["step"]] = r
     return out
 
 
