@@ -26,6 +26,24 @@ from pretrain.config import load_config
 
 PROG = "vit-launch"
 COMMANDS = ("run", "check", "slurm", "sweep")
+SUMMARY = {  # one line each: `vit-launch --help` lists them, each command's --help starts with its own
+    "run": "(the default) run the pre-flight checks, then start the deepspeed runner and supervise the job",
+    "check": "run the pre-flight checks alone: batch, shards, manifest, run dir, memory (no GPU claimed)",
+    "slurm": "check the layout, then write an sbatch script that starts the job on a SLURM allocation",
+    "sweep": "run the same short job at several world sizes and plot the scaling curve",
+}
+DESCRIPTION = {
+    "run": "Start pre-training through the deepspeed runner, on one node or many: validate the config, run the "
+           "pre-flight checks, start the runner and stay above it (signals, restarts, exit code).",
+    "check": "Run the pre-flight checks for a config and a number of ranks, without claiming a GPU: batch "
+             "arithmetic, shards and manifest (sizes, headers, sample counts), run directory, memory estimate. "
+             "Exit 0 when none fails, 2 with one line per failure.",
+    "slurm": "Write an sbatch script for a pre-training job on NODES x GPUS ranks. The batch arithmetic and the "
+             "memory estimate are checked first (a layout that fails is one line, exit 2, no script); the "
+             "script checks data and disks on the first node before it starts the job.",
+    "sweep": "Scaling sweep: the same short job at each world size, one after the other, in one W&B group; "
+             "prints images/s and efficiency per size and draws the plot.",
+}
 
 
 def _common(ap: argparse.ArgumentParser) -> None:
@@ -48,9 +66,19 @@ def _resources(ap: argparse.ArgumentParser) -> None:
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
-    ap = Parser(prog=f"{PROG} {cmd}" if cmd != "run" else PROG,
-                 description="Start pre-training through the deepspeed runner, on one node or many. "
-                             f"Commands: {', '.join(COMMANDS)} (default: run). See launch/cli.py.")
+    epilog = None
+    if cmd == "run":  # `vit-launch --help`: the commands, one line each
+        width = max(map(len, COMMANDS))
+        epilog = "commands:\n" + "\n".join(f"  {c:<{width}}  {SUMMARY[c]}" for c in COMMANDS) + \
+                 f"\n\n`{PROG} COMMAND --help` shows a command's options; without a command, run."
+    if epilog:
+        import textwrap
+
+        ap = Parser(prog=PROG, usage=f"{PROG} [{'|'.join(COMMANDS)}] --config FILE [options] [a.b=c ...]",
+                    description=textwrap.fill(DESCRIPTION[cmd], 88), epilog=epilog,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    else:
+        ap = Parser(prog=f"{PROG} {cmd}", description=DESCRIPTION[cmd])
     _common(ap)
     if cmd in ("run", "check"):
         _resources(ap)

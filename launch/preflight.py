@@ -2,13 +2,15 @@
 
 Run by ``vit-launch`` before it starts the deepspeed runner, by the generated sbatch script on the
 first node, and on its own as ``vit-launch check``. Only files, manifests and arithmetic: no CUDA
-call, no process group, no tar read beyond its first 512-byte header. Each finding is one line;
-a failure says what to change.
+call, no process group, no image bytes read (tars are read header by header). Each finding is one
+line; a failure says what to change.
 
     batch     global = micro x ranks x accumulation steps
     shards    manifest readable, its classes = model.num_classes, shards >= ranks x workers,
               every reader slot gets a full micro batch
-    manifest  every local tar exists, has the byte size the manifest recorded, starts with a tar header
+    manifest  every local tar exists, has the byte size the manifest recorded, starts with a tar header;
+              its samples (members grouped by key, headers only) are counted against the manifest,
+              for every local tar up to COUNT_SAMPLE of them, else for COUNT_SAMPLE spread over the list
     run dir   output and checkpoint folders writable, room for a checkpoint (memory.checkpoint_bytes)
     memory    per-GPU estimate (memory.estimate) against --gpu-memory-gb; over it is a warning
 """
@@ -59,11 +61,14 @@ def check_batch(cfg: Config, world: int) -> list[Finding]:
 _TAR_MAGIC = (b"ustar\x0000", b"ustar  \x00")  # POSIX ustar / old GNU tar, at offset 257
 
 
-def _manifest_bytes(manifests) -> dict[str, Optional[int]]:
-    """Local shard path -> byte size recorded in its manifest (None when not recorded)."""
+COUNT_SAMPLE = 64  # tars whose samples are counted; beyond that many, a sample spread over the list
+
+
+def _manifest_bytes(manifests) -> dict[str, tuple[Optional[int], str]]:
+    """Local shard path -> (byte size recorded in its manifest or None, that manifest's path)."""
     from data_pipeline.manifest import is_remote, local_path, parse_manifest
 
-    sizes: dict[str, Optional[int]] = {}
+    sizes: dict[str, tuple[Optional[int], str]] = {}
     for murl in manifests:
         if is_remote(murl):
             continue
@@ -71,8 +76,52 @@ def _manifest_bytes(manifests) -> dict[str, Optional[int]]:
         m = parse_manifest(path.read_text(), str(path))
         for s in m["shards"]:
             b = s.get("bytes")
-            sizes[str(path.parent / s["name"])] = b if isinstance(b, int) else None
+            sizes[str(path.parent / s["name"])] = (b if isinstance(b, int) else None, str(path))
     return sizes
+
+
+def count_samples(path: str) -> int:
+    """Samples in a tar as the loader groups them (consecutive members sharing a key), read from
+    the member headers alone: ``tarfile`` seeks over each member's bytes, so a 1 GB shard of 10k
+    images costs about 20k 512-byte reads, not 1 GB. Raises ``tarfile.TarError`` / ``OSError``."""
+    import tarfile
+
+    from webdataset.tariterators import base_plus_ext
+
+    n, last = 0, None
+    with tarfile.open(path, mode="r:") as tar:
+        for info in tar:
+            tar.members = []  # do not keep every TarInfo of a big shard
+            if not info.isreg():
+                continue
+            key, _ = base_plus_ext(info.name)
+            if key is not None and key != last:
+                n, last = n + 1, key
+    return n
+
+
+def spread(n: int, k: int) -> list[int]:
+    """``min(n, k)`` indices spread evenly over ``range(n)``, first and last included."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _count_problems(local, sizes) -> tuple[list[tuple], int]:
+    """[(shard, manifest, counted or None, error)] for the counted tars that disagree, and how many were counted."""
+    import tarfile
+
+    picked = [local[i] for i in spread(len(local), COUNT_SAMPLE)]
+    bad = []
+    for s in picked:
+        try:
+            n = count_samples(s.url)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            continue
+        if n != s.samples:
+            bad.append((s, sizes.get(s.url, (None, "?"))[1], n, None))
+    return bad, len(picked)
 
 
 def _tar_problem(path: str, expected: Optional[int]) -> Optional[str]:
@@ -113,13 +162,25 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]
-    problems = [(s.url, p) for s in local if (p := _tar_problem(s.url, sizes.get(s.url))) is not None]
+    problems = [(s.url, p) for s in local if (p := _tar_problem(s.url, sizes.get(s.url, (None, ""))[0])) is not None]
     if problems:
         url, why = problems[0]
         out.append(Finding(FAIL, "manifest", f"{len(problems)} of {len(local)} shard(s) do not match {where}, "
                                              f"first {url}: {why}; re-copy them or re-write the shards with vit-shards"))
     elif local:
-        out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes"))
+        # -- sample counts: an overclaiming manifest would otherwise surface as "bad samples" mid-run
+        bad, counted = _count_problems(local, sizes)
+        which = (f"all {counted}" if counted == len(local) else
+                 f"{counted} of {len(local)} (spread over the list; the rest not counted)")
+        if bad:
+            s, murl, n, err = bad[0]
+            what = (f"{s.url}: unreadable as a tar ({err})" if n is None else
+                    f"{murl} says {s.name} holds {s.samples} samples but the tar has {n} ({n - s.samples:+d})")
+            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their manifest, "
+                                                 f"first: {what}; re-write the shards with vit-shards"))
+        else:
+            out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes; samples "
+                                               f"counted in {which} match the manifest"))
     if len(local) < len(shardset.shards):
         out.append(Finding(WARN, "manifest", f"{len(shardset.shards) - len(local)} remote shard(s) not checked "
                                              "(only the loader reads them)"))
@@ -227,6 +288,13 @@ def _with(cfg: Config, stage: int) -> Config:
 
 
 # ----------------------------------------------------------------------------------------- all
+def layout_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> list[Finding]:
+    """What is known from the config and the number of ranks alone (batch arithmetic, memory
+    estimate): what ``vit-launch slurm`` checks before it writes a script; data and disks belong to
+    the cluster and are checked there, by the script."""
+    return check_batch(cfg, world) + check_memory(cfg, world, gpu_memory_gb, memory.model_shape(cfg.model))
+
+
 def run_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> list[Finding]:
     shape = memory.model_shape(cfg.model)
     return (check_batch(cfg, world) + check_shards(cfg, world) + check_run_dir(cfg, shape.params)

@@ -317,12 +317,28 @@ def job_from_args(args) -> SlurmJob:
                     requeue=getattr(args, "requeue", False), signal_grace=getattr(args, "signal_grace", 120))
 
 
+def layout_ok(cfg, job: SlurmJob) -> bool:
+    """The pre-flight checks that need no cluster (batch arithmetic, memory estimate) for the job's
+    world size, before a script is written: a layout that cannot run fails now, not after the queue
+    wait. Errors and warnings one line each on stderr; the data and disk checks run in the job."""
+    import io
+
+    from launch.preflight import layout_checks, report
+
+    findings = layout_checks(cfg, job.nodes * job.ranks, gpu_memory_gb=job.gpu_memory_gb)
+    return report(findings, "vit-launch slurm", io.StringIO(), sys.stderr)
+
+
 def command(args) -> int:
-    """``vit-launch slurm``: check the config, write the script and its log folder."""
+    """``vit-launch slurm``: check the config and the layout, write the script and its log folder.
+    A layout that fails a check is one line, exit 2, and no script."""
     from pretrain.config import load_config
 
-    load_config(args.config, args.overrides)  # a bad key fails here, not after the queue wait
+    cfg = load_config(args.config, args.overrides)  # a bad key fails here, not after the queue wait
     job = job_from_args(args)
+    validate(job)
+    if not layout_ok(cfg, job):
+        return 2
     out = write(job, args.output)
     what = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.ranks} CPU rank(s)"
     print(f"wrote {out}: {job.nodes} node(s) x {what}, launcher {job.launcher}"

@@ -95,3 +95,24 @@ def test_python_dash_m_launch_has_no_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "vit-launch: error: command line: unknown key 'train.stepz'; did you mean 'train.steps'?"]
+
+
+def test_help_lists_the_commands_and_each_has_its_own_description(capsys):
+    from launch.cli import COMMANDS, DESCRIPTION
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    listed = out[out.index("commands:"):].splitlines()[1:len(COMMANDS) + 1]
+    assert [x.split()[0] for x in listed] == list(COMMANDS)  # one line each, in order
+    assert all(len(x.split()) > 4 for x in listed)
+    seen = set()
+    for cmd in COMMANDS[1:]:
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert e.value.code == 0 and text.startswith(f"usage: vit-launch {cmd} ")
+        assert " ".join(DESCRIPTION[cmd].split()) in text and "commands:" not in text
+        seen.add(DESCRIPTION[cmd])
+    assert len(seen | {DESCRIPTION["run"]}) == len(COMMANDS)

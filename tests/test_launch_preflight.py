@@ -138,3 +138,51 @@ def test_launch_stops_before_the_runner_when_a_check_fails(capsys, shards, tmp_p
         main(args(shards, tmp_path, "--gpus-per-node", "1"))  # no --dry-run: would exec deepspeed
     assert e.value.code == 2
     assert "manifest: 1 of 8 shard(s)" in capsys.readouterr().err
+
+
+def _rewrite_manifest(shards, **counts):
+    """Change the sample counts a manifest claims (byte sizes untouched: the tars are intact)."""
+    import json
+
+    m = json.loads((shards / "manifest.json").read_text())
+    for s in m["shards"]:
+        s["samples"] = counts.get(s["name"].replace("-", "_").removesuffix(".tar"), s["samples"])
+    m["total"] = sum(s["samples"] for s in m["shards"])
+    (shards / "manifest.json").write_text(json.dumps(m))
+
+
+def test_manifest_that_overclaims_its_tars_fails_before_the_run(capsys, shards, tmp_path):
+    """Issue 12: counts above the tars passed the check and the run failed on "bad samples"."""
+    before = {p.name: p.read_bytes() for p in shards.glob("*.tar")}
+    _rewrite_manifest(shards, train_000006=15)
+    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", "model.num_classes=96"), "manifest")
+    assert line == (f"vit-launch: error: manifest: 1 of 8 counted tar(s) disagree with their manifest, first: "
+                    f"{shards}/manifest.json says train-000006.tar holds 15 samples but the tar has 12 (-3); "
+                    "re-write the shards with vit-shards")
+    assert {p.name: p.read_bytes() for p in shards.glob("*.tar")} == before  # read, never changed
+
+
+def test_counting_reads_headers_only_and_samples_many_shards(capsys, shard_kit, tmp_path, monkeypatch):
+    root = shard_kit.id_shards(tmp_path / "many", [2] * 100, size=8)
+    read = []
+    real_open = open
+
+    def counting_open(path, mode="r", *a, **k):  # how many bytes of the tars are read
+        f = real_open(path, mode, *a, **k)
+        if str(path).endswith(".tar") and "b" in mode:
+            r = f.read
+            f.read = lambda n=-1: read.append(len(b := r(n))) or b  # noqa: E731
+        return f
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    monkeypatch.setattr("tarfile.bltn_open", counting_open)  # tarfile's own reference to open
+    code, out, err = check(capsys, ["--config", CONFIG, f"data.train_shards={root}/manifest.json", "--world-size", "1",
+                                    f"train.output_dir={tmp_path / 'run'}", "model.num_classes=200",
+                                    "train.micro_batch_size=2", "train.global_batch_size=2", "data.workers=1"])
+    assert code == 0, err
+    assert f"samples counted in {preflight.COUNT_SAMPLE} of 100 (spread over the list; the rest not counted) " \
+           "match the manifest" in out
+    images = sum(p.stat().st_size for p in root.glob("*.tar"))
+    # 64 tars counted (4 member headers each) + 100 first-block checks, 512 bytes a read; no image bytes
+    assert len(read) > 100 and sum(read) < images / 4 and max(read) <= 512, (len(read), sum(read), images)
+    assert preflight.spread(100, 64)[0] == 0 and preflight.spread(100, 64)[-1] == 99 and len(preflight.spread(100, 64)) == 64

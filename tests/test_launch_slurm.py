@@ -22,7 +22,7 @@ def write_script(tmp_path, capsys, *extra):
     with pytest.raises(SystemExit) as e:
         main(["slurm", "--config", CONFIG, "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu",
               "--time", "1-12:00:00", "--log-dir", str(tmp_path / "logs"), "--output", str(out),
-              *extra, "optim.lr=3e-4"])
+              *extra, "train.micro_batch_size=8", "optim.lr=3e-4"])  # 64 = 8 x 8 ranks
     assert e.value.code == 0, capsys.readouterr().err
     return out
 
@@ -123,7 +123,7 @@ def test_cpu_only_job_asks_for_no_gpu_and_runs_locally_on_one_node(tmp_path, cap
 
 def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, capsys):
     script = write_new(tmp_path, capsys, "--nodes", "2", "--gpus-per-node", "8", "--requeue",
-                       "--signal-grace", "300")
+                       "--signal-grace", "300", "train.micro_batch_size=4")  # 64 = 4 x 16 ranks
     text = script.read_text().splitlines()
     for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:TERM@300",
                  "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive"):
@@ -157,3 +157,32 @@ def test_srun_script_starts_one_runner_per_node_without_ssh(tmp_path, capsys):
     a = runner_parse_args(per_node[1:])
     assert a.no_ssh and a.node_rank == 1 and (a.num_nodes, a.num_gpus, a.master_addr) == (2, 4, "gpu07")
     assert a.user_script == "pretrain.train"
+
+
+@pytest.mark.parametrize("layout, needle", [
+    # issue 12: vit_h14_jft's old micro batch 32 on its documented 32 x 8 GPUs: 4096 % (32 x 256) != 0
+    (["--config", "configs/vit_h14_jft.yaml", "--nodes", "32", "--gpus-per-node", "8", "train.micro_batch_size=32"],
+     "batch: train.global_batch_size=4096 is not divisible by train.micro_batch_size x world size = 32 x 256 = 8192"),
+    (["--config", CONFIG, "--nodes", "3", "--gpus-per-node", "0", "--ranks-per-node", "1"],
+     "batch: train.global_batch_size=64 is not divisible by train.micro_batch_size x world size = 32 x 3 = 96"),
+])
+def test_a_layout_that_cannot_run_writes_no_script(tmp_path, capsys, layout, needle):
+    out = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as e:
+        main(["slurm", *layout, "--log-dir", str(tmp_path / "logs"), "--output", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("vit-launch slurm: error: batch: ") and needle in err[0], err
+    assert not out.exists() and not (tmp_path / "logs").exists()  # nothing to submit, nothing half-made
+
+
+def test_memory_over_the_device_warns_and_still_writes(tmp_path, capsys):
+    out = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as e:
+        main(["slurm", "--config", "configs/vit_h14_jft.yaml", "--nodes", "1", "--gpus-per-node", "8",
+              "--gpu-memory-gb", "16", "train.micro_batch_size=512", "train.activation_checkpointing=false",
+              "--log-dir", str(tmp_path / "logs"), "--output", str(out)])
+    o, err = capsys.readouterr()
+    assert e.value.code == 0 and out.exists()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("vit-launch slurm: warning: memory: estimated") and "exceeds 16 GB" in line

@@ -1,0 +1,120 @@
+"""Every shipped config runs on the hardware its header names (issue 12: vit_h14_jft said 256 x H100
+but its micro batch 32 x 256 ranks overshot the global batch 4096).
+
+Each header carries a ``# Check:`` line, the exact ``vit-launch check`` command for its documented
+world size and GPU memory; this test runs exactly that. The dataset path is replaced by a small
+fake manifest (the real data lives on the cluster): its tars hold headers only, as many samples as
+the documented layout needs, so the shard checks pass and what is tested is the config's batch
+arithmetic and memory estimate. The disk is the cluster's too: the free-space figure is stood in.
+"""
+import io
+import re
+import shlex
+import tarfile
+import types
+from pathlib import Path
+
+import pytest
+
+from launch import preflight
+from launch.cli import _parser, _spec, main
+from launch.runner import spec_world_size
+from pretrain.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").glob("*.yaml"))
+
+
+def header(config: str) -> dict[str, str]:
+    """``# Key:  text`` lines of the leading comment block, continuation lines joined."""
+    fields, key = {}, None
+    for line in (REPO / config).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        m = re.match(r"#\s?([A-Z][a-z]+):\s+(.*)", line)
+        if m:
+            key = m.group(1)
+            fields[key] = m.group(2).strip()
+        elif key and line[1:].strip():
+            fields[key] += " " + line[1:].strip()
+    return fields
+
+
+def fake_shards(root: Path, classes: int, samples: int, multi_label: bool, n_shards: int = 8) -> Path:
+    """``n_shards`` tars of empty ``<key>.cls`` members (512-byte headers, no image) and their manifest."""
+    from data_pipeline.manifest import FORMAT, VERSION, write_manifest
+
+    root.mkdir(parents=True)
+    entries, key = [], 0
+    for i in range(n_shards):
+        n = samples // n_shards + (i < samples % n_shards)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for _ in range(n):
+                tar.addfile(tarfile.TarInfo(f"{key:08d}.cls"), io.BytesIO(b""))
+                key += 1
+        (root / f"train-{i:06d}.tar").write_bytes(buf.getvalue())
+        entries.append({"name": f"train-{i:06d}.tar", "samples": n, "bytes": len(buf.getvalue())})
+    write_manifest(root, {"format": FORMAT, "version": VERSION, "split": "train", "source": "test",
+                          "classes": [f"c{i}" for i in range(classes)], "multi_label": multi_label,
+                          "total": samples, "shards": entries})
+    return root / "manifest.json"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_config_passes_its_documented_check(config, tmp_path, capsys, monkeypatch):
+    h = header(config)
+    assert "Check" in h and "Run" in h and "Hardware" in h, f"{config}: header lacks Check / Run / Hardware lines"
+    argv = shlex.split(h["Check"])
+    assert argv[:2] == ["vit-launch", "check"] and argv[argv.index("--config") + 1] == config, h["Check"]
+    world = int(argv[argv.index("--world-size") + 1])
+    # the check is for the hardware the header names: "Hardware: 256 x H100 80GB (32 nodes x 8)"
+    hw = re.match(r"(\d+) x (?:\S+ )?(?:(\d+)GB)?", h["Hardware"]) or re.match(r"\d+ CPU cores \((\d+) ranks\)", h["Hardware"])
+    assert hw and int(hw.group(1)) == world, (h["Hardware"], world)
+    if hw.lastindex == 2 and hw.group(2):
+        assert float(argv[argv.index("--gpu-memory-gb") + 1]) == float(hw.group(2)), h["Check"]
+    nodes = re.search(r"\((\d+) nodes x (\d+)\)", h["Hardware"])
+    if nodes:
+        assert int(nodes.group(1)) * int(nodes.group(2)) == world
+
+    # the Run command starts that many ranks (its hosts.txt: one "host slots=G" line per node)
+    run = shlex.split(h["Run"].split("(")[0])
+    assert run[:1] == ["vit-launch"] and run[run.index("--config") + 1] == config
+    if "--hostfile" in run:
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text("".join(f"node{i:03d} slots=8\n" for i in range(int(run[run.index("--num-nodes") + 1]))))
+        run[run.index("--hostfile") + 1] = str(hosts)
+    assert spec_world_size(_spec(_parser("run").parse_intermixed_args(run[1:])))[0] == world, h["Run"]
+
+    cfg = load_config(config)
+    slots = world * max(1, cfg.data.workers)
+    manifest = fake_shards(tmp_path / "shards", cfg.model.num_classes, slots * cfg.train.micro_batch_size,
+                           cfg.data.multi_label)
+    disk = types.SimpleNamespace(total=10 ** 15, used=0, free=10 ** 15)  # the cluster's disk, not this one
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: disk)
+    with pytest.raises(SystemExit) as e:
+        main([*argv[1:], f"data.train_shards={manifest}", f"train.output_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and err == "", err  # no error and no warning (memory fits the documented GPU)
+    gas = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
+    assert (f"ok  batch: global {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x {world} rank(s) "
+            f"x {gas} accumulation step(s)") in out
+    assert "ok  memory:" in out
+    if "Batch" in h:  # the header's arithmetic is the config's
+        assert h["Batch"].startswith(f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x {world} ranks")
+
+
+def test_paper_recipes_keep_the_paper_batch():
+    for config in CONFIGS:
+        if config != "configs/tiny_cpu.yaml":
+            assert load_config(config).train.global_batch_size == 4096, config
+
+
+def test_the_readme_slurm_example_writes_its_script(tmp_path, capsys):
+    """README "SLURM": vit_h14_jft on 32 nodes x 8 GPUs (it used to be written and then fail in the job)."""
+    out = tmp_path / "vit_h14.sbatch"
+    with pytest.raises(SystemExit) as e:
+        main(["slurm", "--config", "configs/vit_h14_jft.yaml", "--nodes", "32", "--gpus-per-node", "8",
+              "--partition", "gpu", "--time", "2-00:00:00", "--log-dir", str(tmp_path / "logs"), "--output", str(out)])
+    assert e.value.code == 0, capsys.readouterr().err
+    assert "#SBATCH --nodes=32" in out.read_text()
