@@ -56,7 +56,8 @@ def write_shards(out: Path, samples: int, transfer_samples: int | None) -> dict[
     return paths
 
 
-def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision: str, extra: list[str]) -> Path:
+def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision: str, extra: list[str],
+             fewshot_root: Path) -> Path:
     import torch
 
     run_dir = out / "run"
@@ -64,7 +65,9 @@ def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision:
     spec = LaunchSpec(config="configs/tiny_cpu.yaml", gpus_per_node=min(gpus, ranks) if gpus else ranks, overrides=[
         f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
         f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
-        f"checkpoint.every_steps={max(10, steps // 4)}", *extra])
+        f"checkpoint.every_steps={max(10, steps // 4)}",
+        # few-shot probes on the held-out shapes while training: the plot shows them rise as the loss falls
+        f"eval.every_steps={max(5, steps // 10)}", f"eval.fewshot.suites=[demo:{fewshot_root}]", *extra])
     cmd = deepspeed_command(spec)
     # the venv first on PATH: DeepSpeed JIT-builds its CPU op with the `ninja` it finds there
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
@@ -79,20 +82,30 @@ def transfer(out: Path, run_dir: Path, shards: dict[str, Path]) -> dict:
     return json.loads(result.read_text())
 
 
+FEWSHOT_KEY = "eval/fewshot/demo/10shot"
+
+
 def plot(run_dir: Path, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = {}
+    recs, evals = {}, {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        recs[r["step"]] = r  # a step re-logged after a resume keeps its last value
+        # a step re-logged after a resume keeps its last value; evaluation records share the step
+        (recs if "loss" in r else evals)[r["step"]] = r
     steps = sorted(recs)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, [recs[s]["loss"] for s in steps], marker=".")
-    a.set(xlabel="optimizer step", ylabel="training loss", title="loss")
+    a.plot(steps, [recs[s]["loss"] for s in steps], marker=".", color="tab:blue")
+    a.set(xlabel="optimizer step", ylabel="training loss", title="loss and few-shot accuracy")
+    key = FEWSHOT_KEY
+    es = sorted(s for s in evals if key in evals[s])
+    if es:
+        a2 = a.twinx()
+        a2.plot(es, [100 * evals[s][key] for s in es], marker="o", color="tab:orange")
+        a2.set_ylabel("10-shot accuracy on held-out shapes (%)", color="tab:orange")
     b.plot(steps, [recs[s]["images_per_sec"] for s in steps], marker=".")
     b.set(xlabel="optimizer step", ylabel="images / s (all ranks)", title="throughput")
     fig.tight_layout()
@@ -105,7 +118,9 @@ def plot(run_dir: Path, out: Path) -> Path:
 
 def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
     s = json.loads((run_dir / "summary.json").read_text())
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    every = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in every if "loss" in r]
+    shots = [r for r in every if FEWSHOT_KEY in r]
     ips = [r["images_per_sec"] for r in recs[1:]] or [recs[-1]["images_per_sec"]]
     from pretrain.rundir import latest_complete
 
@@ -119,6 +134,9 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
         + (f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") else ""),
         f"  loss           {recs[0]['loss']:.3f} (step {recs[0]['step']}) -> {recs[-1]['loss']:.3f} (step {recs[-1]['step']})",
         f"  throughput     {sum(ips) / len(ips):.1f} images/s over all ranks",
+        (f"  few-shot       10-shot on the held-out shapes while training: {shots[0][FEWSHOT_KEY]:.1%} (step "
+         f"{shots[0]['step']}) -> {shots[-1][FEWSHOT_KEY]:.1%} (step {shots[-1]['step']})") if shots else
+        "  few-shot       (no evaluation logged)",
         f"  transfer       linear probe on {task['num_classes']} held-out classes: top-1 {acc:.1%} "
         f"(chance {chance:.1%}), step {tr['step']} checkpoint",
         "",
@@ -149,7 +167,8 @@ def main(argv=None) -> None:
     step("1/4 demo shards")
     shards = write_shards(out, args.samples, args.transfer_samples)
     step(f"2/4 pre-training ViT-Tiny/16 @ 64 px, {args.ranks} ranks, ZeRO-2, {precision}")
-    run_dir = pretrain(out, shards["train"] / "manifest.json", args.steps, args.ranks, precision, args.overrides)
+    run_dir = pretrain(out, shards["train"] / "manifest.json", args.steps, args.ranks, precision, args.overrides,
+                       fewshot_root=shards["transfer-train"].parent)
     step("3/4 transfer: linear probe on the held-out demo classes")
     tr = transfer(out, run_dir, shards)
     step("4/4 plots")

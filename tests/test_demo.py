@@ -36,5 +36,8 @@ def test_demo_end_to_end_and_resume(tmp_path):
     assert task["accuracy"] > 2 * task["chance"], task  # even 16 steps of features beat chance easily
     for line in ("checkpoint     ", "metrics        ", "W&B (offline)  ", "wandb sync ", "plots          "):
         assert line in text
+    assert "few-shot       10-shot on the held-out shapes while training:" in text
+    evals = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval/fewshot/demo/10shot" in r][-1] == 16
     png = out / "plots" / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
