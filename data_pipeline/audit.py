@@ -431,6 +431,8 @@ class AuditResult:
     candidates: int  # pairs sent to confirmation
     indexes: list
     seconds: dict = field(default_factory=dict)
+    max_bits: int = MAX_BITS
+    min_score: float = MIN_SCORE
 
     def counts(self) -> dict:
         out: dict = {}
@@ -481,7 +483,7 @@ def audit(indexes: list, evals: Iterable[EvalImage], *, max_bits: int = MAX_BITS
     pairs.sort(key=lambda p: (p.distance, -p.score, p.eval, p.eval_id, p.train_key))
     return AuditResult(pairs, dict(counts), sum(len(v) for v in cands.values()), indexes,
                        {"hash_eval": round(t1 - t0, 3), "lookup": round(t2 - t1, 3),
-                        "confirm": round(time.perf_counter() - t2, 3)})
+                        "confirm": round(time.perf_counter() - t2, 3)}, max_bits, min_score)
 
 
 def _confirm(indexes, images, exact, cands, min_score) -> list:
@@ -534,7 +536,7 @@ def write_report(result: AuditResult, out_dir, evals: list, *, grid: int = 24,
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "format": "vitscale-audit", "version": 1,
-        "thresholds": {"max_bits": MAX_BITS, "min_score": MIN_SCORE, "probes": len(PROBES)},
+        "thresholds": {"max_bits": result.max_bits, "min_score": result.min_score, "probes": len(PROBES)},
         "shards": [{"manifest": i.manifest, "job": i.job, "images": int(len(i.keys)), "unreadable": i.unreadable}
                    for i in result.indexes],
         "evals": evals,
@@ -608,6 +610,9 @@ def main(argv=None) -> int:
     p.add_argument("--output", help="folder for audit.json, exclude.txt, closest_pairs.png")
     p.add_argument("--workers", type=int, default=1, help="processes hashing shards (default 1)")
     p.add_argument("--force", action="store_true", help="rebuild stored hashes even when they are current")
+    p.add_argument("--max-bits", type=int, default=MAX_BITS,
+                   help=f"candidate pHash distance (default {MAX_BITS}; lower: fewer candidates to confirm)")
+    p.add_argument("--min-score", type=float, default=MIN_SCORE, help=f"confirmation score (default {MIN_SCORE})")
     p.add_argument("--grid", type=int, default=24, help="pairs drawn in closest_pairs.png (default 24)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -635,7 +640,7 @@ def main(argv=None) -> int:
                     yield e
                 evals_meta.append({"spec": spec, "images": n})
 
-        result = audit(indexes, all_evals())
+        result = audit(indexes, all_evals(), max_bits=args.max_bits, min_score=args.min_score)
         shown = {k: loaders[k]() for k in [(q.eval, q.split, q.eval_id) for q in result.pairs[:args.grid]]}
         doc = write_report(result, args.output, evals_meta, grid=args.grid, images=shown)
     _print_counts(doc, args.output)
