@@ -304,7 +304,7 @@ def skipped_line(manifest: dict, manifest_path, show: int = 5) -> str:
     names = [n for v in (manifest.get("skipped_files") or {}).values() for n in v]
     total = sum(counts.values())
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    shown = ", ".join(names[:show]) + (", ..." if total > show else "")
+    shown = ", ".join(names[:show]) + (", ..." if total > len(names[:show]) else "")
     where = "all names" if len(names) == total else f"the first {SKIPPED_NAMES} of each kind"
     return f"skipped {total} files ({kinds}): {shown}; {where} under \"skipped_files\" in {manifest_path}"
 

@@ -80,7 +80,7 @@ def _solid(w, h, rgb, fmt):
     return buf.getvalue()
 
 
-def test_imagefolder_roundtrip_resize_formats_and_skips(tmp_path):
+def test_imagefolder_roundtrip_resize_formats_and_skips(tmp_path, capsys):
     colours = {"cat": (220, 20, 20), "dog": (20, 220, 20), "eel": (20, 20, 220)}
     root = tmp_path / "images"
     for i, (name, rgb) in enumerate(colours.items()):
@@ -95,6 +95,10 @@ def test_imagefolder_roundtrip_resize_formats_and_skips(tmp_path):
                  "--resize-shorter", "48", "--quiet"]) == 0
     m = _check_manifest(out)
     assert m["classes"] == ["cat", "dog", "eel"] and m["total"] == 9 and m["skipped"] == {"unreadable": 1}
+    assert m["skipped_files"] == {"unreadable": ["dog/broken.jpg"]}  # named, relative to the root
+    err = capsys.readouterr().err
+    assert err == (f'vit-shards: skipped 1 files (unreadable: 1): dog/broken.jpg; all names under '
+                   f'"skipped_files" in {out / "manifest.json"}\n')
     assert [s["samples"] for s in m["shards"]] == [4, 4, 1]
     exts = set()
     for url in (out / s["name"] for s in m["shards"]):
@@ -107,6 +111,84 @@ def test_imagefolder_roundtrip_resize_formats_and_skips(tmp_path):
             mean = np.asarray(img, np.float32).mean((0, 1))
             assert np.abs(mean - colours[m["classes"][label]]).max() < 12, (label, mean)
     assert exts == {"jpg", "png", "webp"}
+
+
+def _fails_one_line(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("vit-shards: error: "), err
+    return err.strip()
+
+
+def test_empty_class_folder_is_an_error_unless_allowed(tmp_path, capsys):
+    root = tmp_path / "images"
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        (root / name / "a.png").write_bytes(_solid(20, 20, (200, 10, 10), "PNG"))
+    (root / "cow").mkdir()  # a typo'd or unsynced class: no images
+    (root / "cow" / "notes.txt").write_text("not an image")
+    out = tmp_path / "shards"
+    argv = ["--source", f"imagefolder:{root}", "--output", str(out), "--quiet"]
+    err = _fails_one_line(argv, capsys)
+    assert f"{root / 'cow'}: class folder holds no images" in err and "--allow-empty-classes" in err
+    assert not out.exists()  # checked before anything is written
+    (root / "emu").mkdir()
+    assert "(and 1 more: emu)" in _fails_one_line(argv, capsys)
+
+    assert main(argv + ["--allow-empty-classes"]) == 0
+    m = _check_manifest(out)
+    assert m["classes"] == ["cat", "cow", "dog", "emu"] and m["total"] == 2
+    assert sorted(int(c) for _, _, c in _read_stock(out)) == [0, 2]
+
+
+def test_unreadable_files_are_named_capped_and_survive_resume(tmp_path, capsys, monkeypatch):
+    from data_pipeline import write_shards as ws
+
+    monkeypatch.setattr(ws, "SKIPPED_NAMES", 3)
+    root = tmp_path / "images"
+    (root / "a").mkdir(parents=True)
+    for i in range(4):
+        (root / "a" / f"ok{i}.png").write_bytes(_solid(16, 16, (10, 200, 10), "PNG"))
+    for i in range(5):
+        (root / "a" / f"bad{i}.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    out = tmp_path / "shards"
+    assert main(["--source", f"imagefolder:{root}", "--output", str(out), "--no-shuffle", "--shard-size", "2",
+                 "--quiet"]) == 0
+    m = _check_manifest(out)
+    assert m["total"] == 4 and m["skipped"] == {"unreadable": 5}
+    assert m["skipped_files"] == {"unreadable": ["a/bad0.jpg", "a/bad1.jpg", "a/bad2.jpg"]}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "skipped 5 files (unreadable: 5): a/bad0.jpg, a/bad1.jpg, a/bad2.jpg, ..." in err
+    assert "the first 3 of each kind" in err
+
+    # an interrupted job keeps the names found before the interruption
+    items = sources.imagefolder(str(root)).items
+    src = sources.Source("imagefolder:x", ["a"], [_Boom(it) if i == 7 else it for i, it in enumerate(items)])
+    monkeypatch.setattr(_Boom, "armed", True)  # restored for the crash-safety test below
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(src, tmp_path / "re", shuffle_seed=None, shard_size=2, progress=False)
+    m2 = write_shards(src, tmp_path / "re", shuffle_seed=None, shard_size=2, progress=False)
+    assert m2["skipped"] == m["skipped"] and m2["skipped_files"] == m["skipped_files"]
+
+
+@pytest.mark.parametrize("bad, line", [("-1", 3), ("abc", 4), ("+2", 2)])
+def test_filelist_mixed_or_negative_labels_name_the_line(tmp_path, capsys, shard_kit, bad, line):
+    (tmp_path / "img").mkdir()
+    rows = []
+    for i in range(4):
+        (tmp_path / "img" / f"{i}.jpg").write_bytes(shard_kit.image_bytes(16, 16, seed=i))
+        rows.append(f"img/{i}.jpg\t{i % 3}")
+    rows[line - 1] = f"img/{line - 1}.jpg\t{bad}"
+    lst = tmp_path / "list.tsv"
+    lst.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "shards"
+    err = _fails_one_line(["--source", f"filelist:{lst}", "--output", str(out), "--quiet"], capsys)
+    assert f"{lst}:{line}: label {bad!r}" in err and not out.exists()
+    # names with one integer among them: the integer is the odd one out
+    lst.write_text("img/0.jpg\tcat\nimg/1.jpg\tdog\nimg/2.jpg\t7\n")
+    err = _fails_one_line(["--source", f"filelist:{lst}", "--output", str(out), "--quiet"], capsys)
+    assert f"{lst}:3: label '7' is an integer but the other labels are names" in err
 
 
 # ---------------------------------------------------------------------------------- CIFAR
