@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
+from data_pipeline.decode import to_rgb
 from pretrain.transfer.errors import TransferError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -174,8 +175,8 @@ class FileImages(ImageSet):
         self.paths, self.where = list(paths), list(where)
 
     def image(self, i: int) -> Image.Image:
-        with Image.open(self.paths[i]) as im:  # convert() inside: closing the file frees the core
-            return im.convert("RGB")
+        with Image.open(self.paths[i]) as im:  # converted inside: closing the file frees the core
+            return to_rgb(im)  # the pipeline's one 8-bit mapping: EXIF orientation, alpha, 16-bit
 
     def describe(self, i: int) -> str:
         return f"{self.where[i]}: {self.paths[i]}" if self.where else self.paths[i]
