@@ -1,0 +1,105 @@
+"""Every option of every command's ``--help`` is in the README, and every ``--option`` the README
+shows belongs to a command (issue 12).
+
+The parsers are the real ones: each command's ``main`` is called with ``parse_known_args``
+replaced by a catch, so the parser it built is read back without running anything. Commands:
+the console scripts of setup.py (``vit-launch`` once per subcommand) and the ``python -m``
+modules the README names. The README's format: each option appears literally as ``--option``.
+Options of other programs that the README shows (the deepspeed runner's, read from DeepSpeed's
+own parser; sbatch's) are named below with where they come from.
+"""
+import argparse
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][a-zA-Z0-9]*(?:[-_][a-zA-Z0-9]+)*")
+# sbatch's own flags, written into the generated script (README "SLURM"; launch/slurm.py)
+SBATCH = {"--exclusive", "--gres", "--open-mode", "--signal", "--requeue", "--output", "--time", "--partition",
+          "--account", "--job-name", "--nodes", "--gpus-per-node", "--ntasks-per-node", "--cpus-per-task"}
+PYTEST = {"--maxfail"}  # none shown today; pytest's flags would go here
+
+
+class _Caught(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def parser_of(target: str) -> argparse.ArgumentParser:
+    """The parser ``module:function`` builds (``main`` by default), without running the command."""
+    module, _, fn = target.partition(":")
+    real = argparse.ArgumentParser.parse_known_args
+
+    def catch(self, *a, **k):
+        raise _Caught(self)
+
+    argparse.ArgumentParser.parse_known_args = catch
+    try:
+        getattr(importlib.import_module(module), fn or "main")([])
+    except _Caught as c:
+        return c.parser
+    finally:
+        argparse.ArgumentParser.parse_known_args = real
+    raise AssertionError(f"{target} built no parser")
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions if a.help != argparse.SUPPRESS
+            for o in a.option_strings if o.startswith("--") and o != "--help"}
+
+
+def console_scripts() -> dict[str, str]:
+    text = (REPO / "setup.py").read_text()
+    return dict(re.findall(r'"(vit-[a-z-]+)=([\w.]+:\w+)"', text))
+
+
+def commands() -> dict[str, set[str]]:
+    """Command name -> its options, for every console script and every ``python -m`` module the README names."""
+    from launch.cli import COMMANDS, _parser
+
+    out = {}
+    for name, target in console_scripts().items():
+        if name == "vit-launch":
+            out.update({f"vit-launch {c}": options(_parser(c)) for c in COMMANDS})
+        else:
+            out[name] = options(parser_of(target))
+    for module in sorted(set(re.findall(r"python -m ((?:launch|pretrain|data_pipeline)[\w.]*)", README))):
+        if module not in ("launch", "pretrain.transfer"):  # = vit-launch / vit-transfer, read above
+            out[f"python -m {module}"] = options(parser_of(module))
+    return out
+
+
+def deepspeed_runner_options() -> set[str]:
+
+    return options(parser_of("deepspeed.launcher.runner:parse_args"))
+
+
+@pytest.fixture(scope="module")
+def cmds():
+    return commands()
+
+
+# the commands issue 12 names; the others are checked the same way when they are in the README
+NAMED = ["vit-launch run", "vit-launch check", "vit-launch slurm", "vit-launch sweep", "vit-transfer", "vit-shards",
+         "vit-train", "vit-export", "vit-config"]
+
+
+@pytest.mark.parametrize("command", NAMED)
+def test_every_option_of_the_command_is_in_the_readme(cmds, command):
+    missing = sorted(o for o in cmds[command] if not re.search(re.escape(o) + r"(?![\w-])", README))
+    assert not missing, f"{command}: options in --help but not in README.md: {missing}"
+
+
+def test_every_option_in_the_readme_belongs_to_a_command(cmds):
+    ours = set().union(*cmds.values(), {"--help"})
+    foreign = deepspeed_runner_options() | SBATCH | PYTEST
+    unknown = sorted(set(OPTION.findall(README)) - ours - foreign)
+    assert not unknown, f"README.md shows options no command has: {unknown}"
+
+
+def test_the_check_sees_a_made_up_option():
+    assert "--frobnicate" in set(OPTION.findall("run `vit-launch --frobnicate` now")) - options(parser_of("launch.cli"))
