@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
@@ -28,3 +29,20 @@ def write_atomic(path: str | Path, text: str) -> Path:
 def write_json(path: str | Path, obj: Any, indent: int | None = None) -> Path:
     """``obj`` as JSON, atomically (see ``write_atomic``)."""
     return write_atomic(path, json.dumps(obj, indent=indent) + ("\n" if indent is not None else ""))
+
+
+def unwritable(folder: str | Path) -> Optional[str]:
+    """Why no file can be created in ``folder`` (or in its nearest existing parent, when it does
+    not exist yet: writers create the rest), or None. Tries a real file: permission bits say
+    nothing for root, on NFS or under ``chattr +i``. Call before expensive work starts."""
+    anc = Path(folder).absolute()
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is a file, not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=anc, prefix=".vitscale-write-check-"):
+            pass
+    except OSError as e:
+        return f"cannot write in {anc} ({e.strerror})"
+    return None

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.files import unwritable
 from pretrain.config import Config, ConfigError, check_world_size
 from launch import memory
 
@@ -210,27 +210,13 @@ def _existing_ancestor(path: Path) -> Path:
     return p
 
 
-def _writable(path: Path) -> Optional[str]:
-    """Why ``path`` (a folder to be) cannot be written, or None. Tries a real file: permission
-    bits say nothing on NFS or for root."""
-    anc = _existing_ancestor(path)
-    if not anc.is_dir():
-        return f"{anc} is a file, not a folder"
-    try:
-        with tempfile.NamedTemporaryFile(dir=anc, prefix=".vit-launch-check-"):
-            pass
-    except OSError as e:
-        return f"cannot write in {anc} ({e.strerror})"
-    return None
-
-
 def check_run_dir(cfg: Config, params: int) -> list[Finding]:
     from pretrain.rundir import RunDir, list_complete
 
     layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
     out_dir, ckpt_dir = layout.root, layout.checkpoints
     for key, d in (("train.output_dir", out_dir), ("checkpoint.dir", ckpt_dir)):
-        why = _writable(d)
+        why = unwritable(d)
         if why:
             return [Finding(FAIL, "run dir", f"{key}={d}: {why}; choose a writable folder")]
     need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage)

@@ -16,7 +16,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from data_pipeline.errors import ConfigError
-from data_pipeline.files import write_atomic
+from data_pipeline.files import unwritable, write_atomic
 from pretrain.weights import LoadReport, WeightsError, load_weights, read_state_dict
 
 from pretrain import faults
@@ -40,20 +39,12 @@ RESUME_KEYS = ("model.name", "model.num_classes", "model.img_size", "model.repre
 
 
 def check_writable(folder: str | Path, key: str) -> None:
-    """ConfigError naming ``key`` and the folder unless a file can be created there (or in the
-    nearest existing parent, when it does not exist yet). A real file, not permission bits: those
-    say nothing for root, on NFS or for ``chattr +i``. Call before expensive work starts."""
-    p = Path(folder).absolute()
-    anc = p
-    while not anc.exists():
-        anc = anc.parent
-    if not anc.is_dir():
-        raise ConfigError(f"{key}={folder}: {anc} is a file, not a folder; choose a writable folder")
-    try:
-        with tempfile.NamedTemporaryFile(dir=anc, prefix=".vitscale-write-check-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{key}={folder}: cannot write in {anc} ({e.strerror}); choose a writable folder") from None
+    """ConfigError naming ``key`` and the folder unless a file can be created there
+    (``data_pipeline.files.unwritable``)."""
+    why = unwritable(folder)
+    if why:
+        raise ConfigError(f"{key}={folder}: {why}; choose a writable folder")
+
 
 # ------------------------------------------------------------------------------------ RNG state
 def _b64(t: torch.Tensor) -> str:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from data_pipeline.files import write_atomic
+from data_pipeline.files import unwritable, write_atomic
 from pretrain.transfer import vtab
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.sweep import TaskResult
@@ -60,17 +60,9 @@ def check_output(path: str | Path) -> None:
     p = Path(path)
     if p.is_dir():
         raise TransferError(f"--output {p}: is a folder; name a file, e.g. --output {p / 'results.json'}")
-    folder = p.parent.absolute()
-    while not folder.exists():  # write_atomic creates the missing folders
-        folder = folder.parent
-    if not folder.is_dir():
-        raise TransferError(f"--output {p}: {folder} is a file, not a folder; choose another --output")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{p.name}.check-"):
-            pass
-    except OSError as e:
-        raise TransferError(f"--output {p}: cannot write in {folder} ({e.strerror}); choose a writable "
-                            "--output") from None
+    why = unwritable(p.parent)  # write_atomic creates missing folders: their nearest parent counts
+    if why:
+        raise TransferError(f"--output {p}: {why}; choose a writable --output")
 
 
 def save_json(path: str | Path, obj) -> tuple[Path, Optional[str]]:
