@@ -70,6 +70,11 @@ class TrainConfig:
     # (the first step and checkpoints get 3x); 0 disables the watchdog
     hang_timeout_s: float = 600.0
     pg_timeout_s: float = 1800.0  # process-group (gloo / NCCL) collective timeout
+    # the loop reads the device (stop agreement across ranks, the non-finite verdict) only at log
+    # and checkpoint steps and every this many steps: a signal stops the run within this many steps
+    sync_every_steps: int = 10
+    # compile each Transformer block (regional torch.compile; ZeRO stages 0-2, see README)
+    compile: bool = False
 
 
 @dataclass
@@ -386,6 +391,8 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
         fail("train.pg_timeout_s", f"must be positive, got {t.pg_timeout_s}")
     if t.log_every_steps <= 0:
         fail("train.log_every_steps", f"must be positive, got {t.log_every_steps}")
+    if t.sync_every_steps <= 0:
+        fail("train.sync_every_steps", f"must be positive, got {t.sync_every_steps}")
     o = cfg.optim
     if o.lr <= 0:
         fail("optim.lr", f"must be positive, got {o.lr}")

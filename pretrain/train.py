@@ -46,10 +46,52 @@ class CheckpointWriteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Skips micro-batches whose loss is non-finite on any rank; K in a row stop the run."""
+    """Drops micro-batches whose loss is non-finite on any rank, with no host sync inside a step;
+    K in a row stop the run, naming the steps.
 
-    def __init__(self, limit: int):
+    Each micro-batch's finite flag is all-reduced (MIN) on the device, so every rank drops the same
+    micro-batches, and gates every parameter's gradient in a hook that runs before the gradient is
+    accumulated: ``torch.where(ok, grad, 0)`` *selects*, so NaN / inf gradients become exact zeros
+    (``grad * 0`` would stay NaN, and zeroing the loss is not enough: the backward through NaN
+    activations is NaN whatever the upstream gradient). Every rank still runs the backward and
+    the step, so ZeRO's collectives and DeepSpeed's accumulation counter stay in step; the dropped
+    micro-batch adds nothing to its step's gradient and the step counts. The flags wait on the
+    device and are read at the next sync point (``verdict``, one ``tolist``).
+
+    Costs: one elementwise select per gradient per micro-batch (memory-bound, far below the
+    step's matmuls). A step whose micro-batches were all dropped still steps the optimizer with
+    zero gradients (AdamW's momentum and weight decay move the weights slightly: no NaN reaches
+    them), and a streak of K stops the run at the next sync point, up to
+    ``train.sync_every_steps`` steps later, before any checkpoint of those steps is written.
+    """
+
+    def __init__(self, limit: int, params=(), device="cpu"):
         self.limit, self.in_a_row, self.total, self.first_step = limit, 0, 0, None
+        self.ok = torch.ones((), dtype=torch.bool, device=device)  # the current micro-batch's gate
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, flag) not yet read
+        self._hooks = [p.register_hook(self._gate) for p in params if p.requires_grad]
+
+    def _gate(self, grad: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.ok, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+    def agree(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """This micro-batch's verdict on every rank, as a device bool (a collective, no sync)."""
+        finite = torch.isfinite(loss.detach()).float()
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        ok = finite.bool()
+        self.ok.copy_(ok)
+        self.pending.append((step, ok))
+        return ok
+
+    def verdict(self) -> None:
+        """Read the pending flags (a sync point): count them; K in a row raise NonFiniteLoss."""
+        if not self.pending:
+            return
+        flags = torch.stack([f for _, f in self.pending]).tolist()
+        steps = [s for s, _ in self.pending]
+        self.pending.clear()
+        for finite, step in zip(flags, steps):
+            self.check(finite, step)
 
     def check(self, finite: bool, step: int) -> bool:
         if finite:
@@ -62,6 +104,11 @@ class NonFiniteGuard:
             raise NonFiniteLoss(f"{self.in_a_row} non-finite losses in a row at steps "
                                 f"{self.first_step}-{step}; lower optim.lr or check the data")
         return False
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 class Progress:
@@ -111,7 +158,7 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
                evaluator: Optional[InTrainingEval] = None, say: Callable[[str], None] = lambda msg: None) -> dict:
     t, device = cfg.train, engine.device
     dtype = compute_dtype(t.precision)
-    guard, timer = NonFiniteGuard(t.max_nonfinite_steps), StepTimer()
+    guard, timer = NonFiniteGuard(t.max_nonfinite_steps, engine.module.parameters(), device), StepTimer()
     batches = iter(loader)
     loss_sum = torch.zeros(2, device=device)  # (sum of losses, count) since the last log
     peak, history, step, stopped = peak_tflops(), [], start_step, False
@@ -130,6 +177,12 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             raise CheckpointWriteError(f"cannot save checkpoint {checkpoint.tag_for(at)} in {ckpt_dir} "
                                        f"({e.strerror or e}); {kept}; make the folder writable (or set "
                                        "checkpoint.dir) and run the same command to resume") from None
+
+    def sync_due(at: int) -> bool:
+        """The steps where the loop reads the device (a sync point): log and checkpoint steps, the
+        last step, and every ``train.sync_every_steps``; between them the host runs ahead."""
+        return (at % t.log_every_steps == 0 or at % cfg.checkpoint.every_steps == 0 or at == t.steps
+                or at % t.sync_every_steps == 0)
 
     while step < t.steps:
         # --- one optimizer step: micro-batches until DeepSpeed reaches the accumulation boundary
@@ -151,19 +204,19 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             if step + 1 in nan_faults:
                 nan_faults.remove(step + 1)
                 loss = loss * float("nan")
-            # all ranks must agree to skip, or ZeRO's collectives would hang (a sync point)
+            # every rank drops a non-finite micro-batch (zero gradients, on the device; no sync)
             dog.beat(step + 1, "agree", slow=first)
-            finite = torch.isfinite(loss.detach()).float()
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if not guard.check(bool(finite.item()), step + 1):
-                continue
+            ok = guard.agree(loss, step + 1)
             dog.beat(step + 1, "backward", slow=first)
             done = engine.is_gradient_accumulation_boundary()
             engine.backward(loss)
             engine.step()
-            loss_sum += torch.stack([loss.detach(), torch.ones((), device=device)])
+            loss_sum += torch.stack([torch.where(ok, loss.detach(), 0.0), ok.float()])
             timer.images += images.shape[0] * world
         step += 1
+        sync = sync_due(step)
+        if sync:  # before the log and any checkpoint of these steps
+            guard.verdict()
 
         # --- log
         dog.beat(step, "log")
@@ -171,7 +224,8 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
             dist.all_reduce(loss_sum)
             elapsed, wait_share = timer.window()
             gn = engine.get_global_grad_norm()
-            metrics = {"loss": (loss_sum[0] / loss_sum[1].clamp(min=1)).item(), "lr": engine.get_lr()[0],
+            total, count = loss_sum.tolist()
+            metrics = {"loss": total / count if count else None, "lr": engine.get_lr()[0],
                        "grad_norm": float(gn) if gn is not None else None,
                        "examples_seen": step * t.global_batch_size, "data_wait_share": wait_share,
                        "peak_memory_gb": peak_memory_gb(), "nonfinite_skipped": guard.total,
@@ -195,12 +249,13 @@ def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step
 
         # --- checkpoint (periodic, final, or when asked to stop: SIGTERM, SIGINT, launcher gone)
         dog.beat(step, "stop")
-        stopped = stop.agreed(device)
+        stopped = sync and stop.agreed(device)  # a signal stops every rank within train.sync_every_steps
         if step % cfg.checkpoint.every_steps == 0 or step == t.steps or stopped:
             save(step)
         if stopped:
             break
     dog.beat(step, "end", slow=True)
+    guard.close()
     return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped,
             "stop_reason": stop.reason}
 
