@@ -1,0 +1,569 @@
+"""One command for the GPU figures of issue 14: training speed, memory and input speed in one run.
+
+    make bench-gpu                                            # one H100: about 8 minutes
+    python benchmarks/gpu_suite.py --output runs/bench-gpu    # the same
+    python benchmarks/gpu_suite.py --smoke --output /tmp/s    # toy sizes on CPU, under ~90 s
+
+Sections, each with its own time budget (a measurement stops early when its budget is spent; the
+whole suite is planned to end within 9 minutes on one H100):
+
+  peak    the device's measured bf16 matmul TFLOP/s beside the data-sheet peak (pretrain.flops)
+  model   for ViT-B/16, L/16, H/14 at 224 px, bf16 autocast, one batch per model: timm's model,
+          ours eager, ours with each block compiled, ours with activation checkpointing. The four
+          share the batch and alternate step by step in one process (clock, heat and other load
+          hit all alike); median step time -> img/s, TFLOP/s, MFU (model FLOPs), HFU (checkpointing
+          re-runs the blocks' forward) and peak memory of one model alone
+  zero    ZeRO stage 1 vs 3 through pretrain.engine.initialize (deepspeed.initialize) in a world of
+          one (the process group started as pretrain.distributed.init_distributed does), one after
+          the other, ViT-L/16
+  loader  our ShardLoader over demo shards (data_pipeline.write_shards.write_demo_shards) read at
+          224 px with CPU decode; the GPU-decode row runs when data.decode_device exists
+
+A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
+against the data-sheet peak when the device is in pretrain.flops' table, else against the measured
+matmul peak (``peak_source`` says which). Outputs: ``suite.json`` and ``suite.md`` (the tables for
+benchmarks/RESULTS.md) in ``--output``.
+
+Sync points: every timed step ends with ``torch.cuda.synchronize()`` so that the clock measures
+finished GPU work; that costs the overlap of one step with the next (a few per cent at most for
+steps of 100+ ms).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GIB = 1024 ** 3
+SHORT = {"vit_tiny_patch16_224": "ViT-Ti/16", "vit_small_patch16_224": "ViT-S/16", "vit_base_patch16_224": "ViT-B/16",
+         "vit_large_patch16_224": "ViT-L/16", "vit_huge_patch14_224": "ViT-H/14"}
+
+
+@dataclass
+class Plan:
+    """Sizes and time budgets (seconds) of one suite run."""
+    models: list = field(default_factory=lambda: [("vit_base_patch16_224", 128, 80.0),
+                                                  ("vit_large_patch16_224", 64, 100.0),
+                                                  ("vit_huge_patch14_224", 32, 120.0)])  # (name, batch, budget)
+    img: int = 224
+    warmup: int = 2  # untimed steps per variant (the compiled one compiles in its first)
+    iters: int = 20  # timed steps per variant at most (fewer when the budget runs out)
+    zero_model: str = "vit_large_patch16_224"
+    zero_batch: int = 64
+    zero_budget: float = 70.0
+    matmul_n: int = 8192
+    matmul_budget: float = 6.0
+    loader_images: int = 4096
+    loader_batch: int = 128
+    loader_workers: int = 8
+    loader_img: int = 224
+    loader_budget: float = 50.0
+    total_budget: float = 540.0  # 9 minutes
+    compile_backend: str = "inductor"
+
+
+def smoke_plan() -> Plan:
+    """Toy sizes on CPU: every section and code path, none of the figures mean anything."""
+    return Plan(models=[("vit_tiny_patch16_224", 4, 25.0)], img=64, warmup=1, iters=3,
+                zero_model="vit_tiny_patch16_224", zero_batch=4, zero_budget=25.0, matmul_n=256,
+                matmul_budget=1.0, loader_images=64, loader_batch=8, loader_workers=1, loader_budget=15.0,
+                total_budget=85.0,
+                # used only without train.compile's helper: inductor's C++ code generation is
+                # slow on 2 cores; aot_eager still traces each block through dynamo and AOTAutograd
+                compile_backend="aot_eager")
+
+
+# ------------------------------------------------------------------------------------ helpers
+class Clock:
+    """The suite's deadline: each section gets its planned budget, cut so that the sections
+    after it keep ``reserve`` seconds each."""
+
+    def __init__(self, total: float):
+        self.t0, self.total = time.perf_counter(), total
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def budget(self, planned: float, later_sections: int, reserve: float = 5.0) -> float:
+        return max(0.0, min(planned, self.total - self.elapsed() - later_sections * reserve))
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def error_text(e: BaseException) -> str:
+    kind = "OOM" if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e) else type(e).__name__
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{kind}: {first[:300]}"
+
+
+def process_peak_gib() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB): the CPU stand-in for
+    CUDA's per-step peak, for the whole process rather than one row."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in opt.state.values():
+        n += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t) and t.ndim > 0)
+    return n
+
+
+def train_flops(name: str, img: int) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs with activation checkpointing) per image, pretrain.flops'
+    convention: 6 x forward multiply-adds; checkpointing re-runs the blocks' forward."""
+    from pretrain.flops import analytic_flops, train_flops_per_image
+
+    parts = analytic_flops(name, img, breakdown=True)
+    return train_flops_per_image(parts["total"], recompute_macs=parts["blocks"])
+
+
+def compile_helper(backend: str):
+    """(function compiling a model's blocks in place, description). pretrain's own helper when
+    ``train.compile`` exists (issue 14, part 2), so the suite measures what training runs; else
+    the same regional compilation done here with ``backend``."""
+    from pretrain.config import TrainConfig
+
+    if "compile" in {f.name for f in dataclasses.fields(TrainConfig)}:
+        import importlib
+
+        for mod, fn in (("pretrain.engine", "compile_blocks"), ("pretrain.compile", "compile_blocks"),
+                        ("pretrain.train", "compile_blocks"), ("pretrain.engine", "apply_compile")):
+            try:
+                f = getattr(importlib.import_module(mod), fn)
+            except (ImportError, AttributeError):
+                continue
+            return f, f"{mod}.{fn} (train.compile's helper, its default backend)"
+
+    def compile_blocks(model: torch.nn.Module) -> None:
+        # regional compilation: each block in place (parameter names unchanged); identical blocks
+        # share one compiled graph, so compile time does not grow with depth
+        for blk in model.blocks:
+            blk.compile(backend=backend)
+
+    return compile_blocks, f"per-block Module.compile(backend={backend!r}) in the benchmark (no train.compile)"
+
+
+# --------------------------------------------------------------------------------- peak matmul
+def measure_matmul(plan: Plan, device, budget: float) -> dict:
+    """Best of several timed windows of n x n x n matmuls in the compute dtype."""
+    from pretrain.flops import peak_tflops
+    from pretrain.precision import bf16_supported
+
+    dtype = torch.bfloat16 if bf16_supported() else torch.float32
+    n = plan.matmul_n
+    row = {"section": "peak", "name": f"{str(dtype).split('.')[-1]} matmul {n}^3", "status": "ok", "error": None,
+           "dtype": str(dtype).split(".")[-1], "n": n}
+    try:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        sync(device)
+        # one window ~ 0.2 s of work: estimate from a single product
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        per = max(time.perf_counter() - t, 1e-6)
+        reps = max(1, int(0.2 / per))
+        rates, end = [], time.perf_counter() + budget
+        while time.perf_counter() < end or not rates:
+            t = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            sync(device)  # a sync point: the window ends when the GPU is done
+            rates.append(2 * n ** 3 * reps / (time.perf_counter() - t) / 1e12)
+        row.update(measured_tflops=max(rates), median_tflops=statistics.median(rates), windows=len(rates))
+    except Exception as e:  # noqa: BLE001 - a row records its failure, the suite goes on
+        row.update(status="error", error=error_text(e))
+    sheet = peak_tflops() if device.type == "cuda" else None
+    row["datasheet_tflops"] = sheet
+    if sheet and row.get("measured_tflops"):
+        row["measured_over_datasheet"] = row["measured_tflops"] / sheet
+    return row
+
+
+# ------------------------------------------------------------------------------ model variants
+class Variant:
+    """One model + AdamW whose training step can be timed; memory as if it were alone."""
+
+    def __init__(self, label: str, name: str, plan: Plan, device, compile_fn=None, ckpt: bool = False):
+        self.label, self.device, self.ckpt = label, device, ckpt
+        if label == "timm":
+            import timm
+
+            m = timm.create_model(name, img_size=plan.img, num_classes=1000, pretrained=False)
+        else:
+            from pretrain.model import create_model
+
+            m = create_model(name, img_size=plan.img, num_classes=1000)
+            m.set_grad_checkpointing(ckpt)
+        self.model = m.to(device).train()
+        if compile_fn is not None:
+            compile_fn(self.model)
+        cuda = device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=cuda or None)
+        from pretrain.precision import autocast_bf16
+
+        self.amp = autocast_bf16(device)
+        self.times: list[float] = []
+        self.peak_delta = 0
+        self.error = None
+
+    def step(self, x, y) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def timed_step(self, x, y) -> None:
+        cuda = self.device.type == "cuda"
+        sync(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        self.step(x, y)
+        sync(self.device)  # a sync point: the step counts when the GPU has finished it
+        self.times.append(time.perf_counter() - t)
+        if cuda:
+            self.peak_delta = max(self.peak_delta, torch.cuda.max_memory_allocated() - before)
+
+    def drop(self) -> None:
+        self.model = self.opt = None
+
+
+def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, compile_fn, peak, peak_source) -> list:
+    """timm, ours eager, ours compiled, ours checkpointed on one batch, alternating step by step."""
+    short = SHORT.get(name, name)
+    labels = ["timm", "ours", "ours compiled", "ours act-ckpt"]
+    rows = {lb: {"section": "model", "name": f"{short} {lb}", "model": name, "variant": lb, "batch": batch,
+                 "img": plan.img, "status": "ok", "error": None} for lb in labels}
+    end = time.perf_counter() + budget
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, plan.img, plan.img, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    live: list[Variant] = []
+    for lb in labels:
+        try:
+            v = Variant(lb, name, plan, device, compile_fn if lb == "ours compiled" else None, lb == "ours act-ckpt")
+            t = time.perf_counter()
+            for _ in range(plan.warmup):
+                v.step(x, y)
+            sync(device)
+            rows[lb]["warmup_s"] = time.perf_counter() - t
+            live.append(v)
+        except Exception as e:  # noqa: BLE001
+            rows[lb].update(status="error", error=error_text(e))
+            v = None
+            free_memory(device)
+    while live and (time.perf_counter() < end or not all(v.times for v in live)):
+        for v in list(live):
+            if len(v.times) >= plan.iters:
+                continue
+            try:
+                v.timed_step(x, y)
+            except Exception as e:  # noqa: BLE001
+                rows[v.label].update(status="error", error=error_text(e))
+                live.remove(v)
+                v.drop()
+                free_memory(device)
+        if all(len(v.times) >= plan.iters for v in live):
+            break
+        if time.perf_counter() > end + 60:  # a warm-up ate the budget: one step each at most
+            break
+    model_f, hw_f = train_flops(name, plan.img)
+    for v in live:
+        r = rows[v.label]
+        if not v.times:
+            r.update(status="error", error="time budget spent in warm-up")
+            continue
+        med = statistics.median(v.times)
+        ips = batch / med
+        hw = hw_f if v.ckpt else model_f
+        r.update(iters=len(v.times), step_ms=med * 1e3, img_s=ips, tflops=model_f * ips / 1e12,
+                 mfu=model_f * ips / (peak * 1e12) if peak else None,
+                 hfu=hw * ips / (peak * 1e12) if peak else None, peak_source=peak_source)
+        if device.type == "cuda":
+            r.update(peak_mem_gib=(v.peak_delta + state_bytes(v.model, v.opt)) / GIB, mem_kind="cuda_alone")
+        else:
+            r.update(peak_mem_gib=process_peak_gib(), mem_kind="process_max_rss")
+    for v in live:
+        v.drop()
+    live.clear()
+    free_memory(device)
+    ours = rows["ours"].get("step_ms")
+    for lb in labels:
+        if ours and rows[lb].get("step_ms"):
+            rows[lb]["step_vs_ours"] = rows[lb]["step_ms"] / ours
+    return [rows[lb] for lb in labels]
+
+
+# ------------------------------------------------------------------------------------- ZeRO
+def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -> dict:
+    """One DeepSpeed engine of ``zero.stage=stage`` built by pretrain.engine.initialize."""
+    from pretrain.config import OptimConfig, TrainConfig, ZeroConfig
+    from pretrain.engine import initialize
+    from pretrain.model import create_model
+    from pretrain.precision import compute_dtype, default_precision
+
+    name, batch = plan.zero_model, plan.zero_batch
+    precision = default_precision()
+    row = {"section": "zero", "name": f"{SHORT.get(name, name)} ZeRO-{stage}", "model": name, "stage": stage,
+           "batch": batch, "img": plan.img, "precision": precision, "status": "ok", "error": None}
+    engine = None
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        model = create_model(name, img_size=plan.img, num_classes=1000)
+        train = TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch, precision=precision)
+        engine, _ = initialize(model, OptimConfig(warmup_steps=0), train, ZeroConfig(stage=stage), world_size=1)
+        x = torch.randn(batch, 3, plan.img, plan.img).to(engine.device, compute_dtype(precision))
+        y = torch.randint(0, 1000, (batch,)).to(engine.device)
+
+        def step():
+            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+
+        end = time.perf_counter() + budget
+        for _ in range(plan.warmup):
+            step()
+        times = []
+        while len(times) < plan.iters and (time.perf_counter() < end or not times):
+            sync(device)
+            t = time.perf_counter()
+            step()
+            sync(device)  # a sync point, as in the model section
+            times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        model_f, _ = train_flops(name, plan.img)
+        ips = batch / med
+        row.update(iters=len(times), step_ms=med * 1e3, img_s=ips, tflops=model_f * ips / 1e12,
+                   mfu=model_f * ips / (peak * 1e12) if peak else None, peak_source=peak_source)
+        if device.type == "cuda":
+            row.update(peak_mem_gib=torch.cuda.max_memory_allocated() / GIB, mem_kind="cuda_engine")
+        else:
+            row.update(peak_mem_gib=process_peak_gib(), mem_kind="process_max_rss")
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", error=error_text(e))
+    finally:
+        if engine is not None:
+            try:
+                engine.destroy()
+            except Exception:  # noqa: BLE001 - older DeepSpeed has no destroy()
+                pass
+        engine = model = None
+        free_memory(device)
+    return row
+
+
+# ------------------------------------------------------------------------------------ loader
+def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> dict:
+    """Images/s of our ShardLoader (decode on ``decode``: 'cpu' or the GPU decode path)."""
+    from data_pipeline.config import DataConfig
+
+    row = {"section": "loader", "name": f"ShardLoader, {decode} decode", "decode": decode, "batch": plan.loader_batch,
+           "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok", "error": None}
+    has_decode_device = "decode_device" in {f.name for f in dataclasses.fields(DataConfig)}
+    if decode != "cpu" and not has_decode_device:
+        row.update(status="not built", error="data.decode_device does not exist yet (issue 14, part 3)")
+        return row
+    try:
+        from data_pipeline.loader import build_loader
+
+        kw = {"decode_device": "cuda" if device.type == "cuda" else "cpu"} if decode != "cpu" else {}
+        if decode != "cpu":
+            row["decode_device"] = kw["decode_device"]
+        cfg = DataConfig(train_shards=str(shards / "manifest.json"), workers=plan.loader_workers,
+                         shuffle_buffer=256, **kw)
+        it = iter(build_loader(cfg, batch_size=plan.loader_batch, img_size=plan.loader_img, seed=0))
+        for _ in range(2):  # warm-up: workers started, shuffle buffers filled
+            next(it)
+        end = time.perf_counter() + budget
+        n, t = 0, time.perf_counter()
+        while time.perf_counter() < end or n == 0:
+            images, _ = next(it)
+            n += images.shape[0]
+        sync(device)
+        ips = n / (time.perf_counter() - t)
+        row.update(images=n, img_s=ips, img_s_per_worker=ips / max(1, plan.loader_workers))
+        del it
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", error=error_text(e))
+    return row
+
+
+# ----------------------------------------------------------------------------------- report
+def fmt(v, spec: str = ".1f", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def markdown(result: dict) -> str:
+    rows, out = result["rows"], []
+    out.append(f"Device: {result['device']}; torch {result['torch']}, DeepSpeed {result['deepspeed']}, "
+               f"timm {result['timm']}; {result['wall_s']:.0f} s wall"
+               + (" (smoke: toy sizes, figures meaningless)" if result["smoke"] else "") + ".\n")
+    p = next(r for r in rows if r["section"] == "peak")
+    out += ["| matmul | measured TFLOP/s | data sheet TFLOP/s | measured / data sheet |", "|---|---:|---:|---:|",
+            f"| {p['name']} | {fmt(p.get('measured_tflops'))} | {fmt(p.get('datasheet_tflops'), '.1f', 'not in table')} | "
+            f"{fmt(p.get('measured_over_datasheet'), '.1%')} |", ""]
+    peak_note = f"MFU/HFU against the {result['peak_source']} peak ({result['peak_tflops']:.1f} TFLOP/s)" \
+        if result.get("peak_tflops") else "MFU: no peak known"
+    out += [f"Training step, bf16 autocast on GPU (fp32 on CPU), AdamW; {peak_note}; step time ratio against ours "
+            f"eager in the same run. Compiled: {result['compile']}.", "",
+            "| model | variant | batch | step ms | img/s | TFLOP/s | MFU | HFU | peak GiB | step / ours | note |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["section"] == "model":
+            out.append(f"| {SHORT.get(r['model'], r['model'])} | {r['variant']} | {r['batch']} | {fmt(r.get('step_ms'))} | "
+                       f"{fmt(r.get('img_s'))} | {fmt(r.get('tflops'), '.4g')} | {fmt(r.get('mfu'), '.1%')} | "
+                       f"{fmt(r.get('hfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.2f')} | "
+                       f"{fmt(r.get('step_vs_ours'), '.3f')} | {r['error'] or ''} |")
+    out += ["", "| DeepSpeed | batch | precision | step ms | img/s | TFLOP/s | MFU | peak GiB | note |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["section"] == "zero":
+            out.append(f"| {r['name']} | {r['batch']} | {r['precision']} | {fmt(r.get('step_ms'))} | {fmt(r.get('img_s'))} | "
+                       f"{fmt(r.get('tflops'), '.4g')} | {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.2f')} | "
+                       f"{r['error'] or ''} |")
+    out += ["", "| loader | workers | batch | px | img/s | img/s per worker | note |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["section"] == "loader":
+            status = r["status"] if r["status"] != "ok" else ""
+            out.append(f"| {r['name']} | {r['workers']} | {r['batch']} | {r['img']} | {fmt(r.get('img_s'))} | "
+                       f"{fmt(r.get('img_s_per_worker'))} | {status}{': ' if status and r['error'] else ''}"
+                       f"{r['error'] or ''} |")
+    mem = {r.get("mem_kind") for r in rows if r.get("mem_kind")}
+    if "process_max_rss" in mem:
+        out.append("\nPeak memory on CPU is the process's peak resident set so far, not the row's own.")
+    if "cuda_alone" in mem:
+        out.append("\nPeak GiB of a model row: its parameters and optimizer state plus the largest increase "
+                   "during one of its steps (the four models share the GPU while they alternate).")
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output", default="runs/bench-gpu", help="folder for suite.json and suite.md")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks that every row runs")
+    args = ap.parse_args(argv)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = smoke_plan() if args.smoke else Plan()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not args.smoke:
+        print("no CUDA device: the full suite needs one (try --smoke for the CPU check)", file=sys.stderr)
+        return 2
+    clock = Clock(plan.total_budget)
+    log = lambda msg: print(f"[{clock.elapsed():6.1f}s] {msg}", flush=True)  # noqa: E731
+    if args.smoke:
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    import deepspeed
+    import timm
+
+    from pretrain.distributed import init_distributed
+
+    rows: list[dict] = []
+    sections = 2 + len(plan.models) + 1  # peak, models..., zero, loader (reserve for the later ones)
+    peak_row = measure_matmul(plan, device, clock.budget(plan.matmul_budget, sections - 1))
+    rows.append(peak_row)
+    log(f"matmul: {fmt(peak_row.get('measured_tflops'))} TFLOP/s measured, data sheet "
+        f"{fmt(peak_row.get('datasheet_tflops'))}")
+    if peak_row.get("datasheet_tflops"):
+        peak, peak_source = peak_row["datasheet_tflops"], "datasheet"
+    else:
+        peak, peak_source = peak_row.get("measured_tflops"), "measured"
+
+    compile_fn, compile_how = compile_helper(plan.compile_backend)
+    done = 1
+    for name, batch, budget in plan.models:
+        b = clock.budget(budget, sections - done - 1)
+        if b <= 0:
+            group = [{"section": "model", "name": f"{SHORT.get(name, name)} {lb}", "model": name, "variant": lb,
+                      "batch": batch, "img": plan.img, "status": "skipped", "error": "suite out of time"}
+                     for lb in ("timm", "ours", "ours compiled", "ours act-ckpt")]
+        else:
+            group = run_model_group(name, batch, plan, device, b, compile_fn, peak, peak_source)
+        rows += group
+        done += 1
+        for r in group:
+            log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))}  MFU {fmt(r.get('mfu'), '.1%')}  "
+                f"peak {fmt(r.get('peak_mem_gib'), '.2f')} GiB {r['error'] or ''}")
+
+    init_distributed()  # a world of one: DeepSpeed wants a process group (gloo on CPU, NCCL on GPUs)
+    zb = clock.budget(plan.zero_budget, 1)
+    for stage in (1, 3):
+        r = run_zero(stage, plan, device, zb / 2, peak, peak_source)
+        rows.append(r)
+        log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))}  MFU {fmt(r.get('mfu'), '.1%')}  "
+            f"peak {fmt(r.get('peak_mem_gib'), '.2f')} GiB {r['error'] or ''}")
+
+    from data_pipeline.write_shards import write_demo_shards
+
+    with tempfile.TemporaryDirectory(prefix="vitscale-suite-") as tmp:
+        shards = Path(tmp) / "shards"
+        t = time.perf_counter()
+        shard_size = max(plan.loader_batch, plan.loader_images // max(4, 2 * plan.loader_workers))
+        write_demo_shards(shards, "train", n=plan.loader_images, shard_size=shard_size,
+                          workers=max(1, min(plan.loader_workers, os.cpu_count() or 1)))
+        log(f"demo shards: {plan.loader_images} images in {time.perf_counter() - t:.1f}s")
+        lb = clock.budget(plan.loader_budget, 0) - (time.perf_counter() - t)
+        for decode in ("cpu", "gpu"):
+            r = run_loader(plan, device, shards, max(1.0, lb / 2 - 3), decode)
+            rows.append(r)
+            log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))} {r['error'] or ''}")
+
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
+                                                             f"{torch.get_num_threads()} threads)",
+        "smoke": args.smoke, "torch": torch.__version__, "deepspeed": deepspeed.__version__, "timm": timm.__version__,
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "peak_tflops": peak, "peak_source": peak_source,
+        "compile": compile_how, "plan": dataclasses.asdict(plan),
+        "wall_s": clock.elapsed(), "rows": rows,
+    }
+    (out / "suite.json").write_text(json.dumps(result, indent=1))
+    (out / "suite.md").write_text(markdown(result))
+    failed = [r["name"] for r in rows if r["status"] == "error"]
+    log(f"wrote {out / 'suite.json'} and {out / 'suite.md'}" + (f"; failed rows: {', '.join(failed)}" if failed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:  # noqa: BLE001 - a failure outside any row: say where
+        traceback.print_exc()
+        sys.exit(1)
