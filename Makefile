@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.vitscale-installed
 # the venv's tools first (deepspeed, ninja for DeepSpeed's JIT-built CPU op, console scripts)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-cluster cluster-packages install clean
+.PHONY: demo test test-cluster cluster-packages install clean bench-gpu
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not cluster" tests
+
+# issue 14's GPU figures on one GPU (about 8 min on an H100): JSON + Markdown in BENCH_OUT
+BENCH_OUT ?= runs/bench-gpu
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/gpu_suite.py --output $(BENCH_OUT)
 
 # Real sshd + pdsh (two loopback "nodes") and a one-machine SLURM (munged, slurmctld, slurmd),
 # all started by the tests' fixtures on high ports of 127.0.0.1/127.0.0.2 and stopped by PID.
