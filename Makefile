@@ -22,7 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not cluster" tests
 
-# issue 14's GPU figures on one GPU (about 8 min on an H100): JSON + Markdown in BENCH_OUT
+# issue 14's GPU figures on one GPU (budgeted to end within 9 min on an H100): JSON + Markdown in BENCH_OUT
 BENCH_OUT ?= runs/bench-gpu
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu_suite.py --output $(BENCH_OUT)
