@@ -82,9 +82,32 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, offload: bool) -
 
         return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                 weight_decay=optim.weight_decay, adamw_mode=True)
-    fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    from deepspeed.accelerator import get_accelerator
+
+    fused = use_fused_adamw(get_accelerator().device_name(), torch.cuda.is_available())
     return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                              weight_decay=optim.weight_decay, fused=fused or None)
+
+
+def use_fused_adamw(accelerator: str, cuda_available: bool) -> bool:
+    """Fused (one-kernel) AdamW where DeepSpeed will run the model on CUDA. Decided from the
+    accelerator, not from the parameters: the optimizer is built before ``deepspeed.initialize``
+    moves the model there, so the parameters are still on the CPU at this point."""
+    return accelerator == "cuda" and cuda_available
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Regional compilation: ``torch.compile`` each Transformer block in place (``Module.compile``
+    keeps parameter names, so checkpoints and exports are unchanged). All blocks share one
+    shape, so one block's compile is reused by the others (seconds, not the minutes of a
+    whole-model compile); activation checkpointing wraps the compiled blocks unchanged and ZeRO
+    1/2's gradient hooks sit on the parameters, outside the compiled code. Returns the count."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or len(blocks) == 0:
+        raise ConfigError(f"train.compile: {type(model).__name__} has no Transformer blocks to compile")
+    for blk in blocks:
+        blk.compile()
+    return len(blocks)
 
 
 def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, zero: ZeroConfig,
@@ -95,6 +118,8 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     ds_cfg = deepspeed_config(optim, train, zero, world_size)
     if train.activation_checkpointing:
         model.set_grad_checkpointing(True)
+    if train.compile:
+        compile_blocks(model)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim, train.steps))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,

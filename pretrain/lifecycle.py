@@ -10,8 +10,9 @@ Exit codes of ``pretrain.train`` (each rank) and ``vit-launch run`` (the whole j
                           a checkpoint: start the same command again to resume (EX_TEMPFAIL, so a
                           scheduler may requeue and ``train && export`` stops)
 
-SIGTERM (preemption, ``scancel``) and SIGINT (Ctrl-C) both ask for a checkpoint at the next step
-boundary and then a clean exit; a second SIGINT exits at once (130). Every rank also watches its
+SIGTERM (preemption, ``scancel``) and SIGINT (Ctrl-C) both ask for a checkpoint at a step boundary
+within ``train.sync_every_steps`` steps (the ranks agree only at the loop's sync points, so no step
+waits on the host) and then a clean exit; a second SIGINT exits at once (130). Every rank also watches its
 launcher: when the process that started it (the deepspeed launcher) or that launcher's parent
 (the runner) exits, the rank stops as if signalled, so a killed runner leaves no orphans.
 """
@@ -36,7 +37,7 @@ def _ppid_of(pid: int) -> Optional[int]:
 
 
 class StopRequest:
-    """Set by SIGTERM, SIGINT or a lost launcher; read by the loop once per step (``agreed``)."""
+    """Set by SIGTERM, SIGINT or a lost launcher; read by the loop at its sync points (``agreed``)."""
 
     def __init__(self, watch_launcher: bool, poll_s: float = 2.0):
         self.reason: Optional[str] = None
@@ -63,8 +64,8 @@ class StopRequest:
         return self.reason is not None
 
     def agreed(self, device) -> bool:
-        """All ranks stop together if any rank was asked to (one tiny all-reduce per step; a
-        sync point)."""
+        """All ranks stop together if any rank was asked to (one tiny all-reduce and a host read:
+        call it only at the loop's sync points, the same steps on every rank)."""
         import torch
         import torch.distributed as dist
 

@@ -125,3 +125,48 @@ def test_throughput_and_mfu_numbers():
     assert m["tflops_per_device"] == pytest.approx(model_f * 400 / 1e12)
     assert m["mfu"] == pytest.approx(model_f * 400 / 989.4e12) and m["hfu"] > m["mfu"]
     assert "mfu" not in throughput(100, 1.0, 1, model_f, hw_f, peak=None)
+
+
+# ------------------------------------------------------------------ fused AdamW, non-finite gate
+@pytest.mark.parametrize("accelerator, cuda, fused", [("cuda", True, True), ("cpu", True, False),
+                                                      ("cpu", False, False), ("cuda", False, False)])
+def test_fused_adamw_follows_the_accelerator_not_the_parameters(accelerator, cuda, fused):
+    """The optimizer is built while the parameters are still on the CPU; DeepSpeed moves them to
+    its accelerator afterwards, so the choice must come from the accelerator."""
+    from pretrain.engine import use_fused_adamw
+
+    assert use_fused_adamw(accelerator, cuda) is fused
+
+
+def test_nonfinite_gate_zeroes_gradients_even_through_nan_activations():
+    """NaN inputs make NaN activations: zeroing the loss would still backpropagate NaN (NaN * 0).
+    The guard's hook selects zeros for every parameter's gradient instead; finite micro-batches
+    pass unchanged and gradients accumulate as before."""
+    model = create_model("vit_tiny_patch16_224", num_classes=10, img_size=32)
+    guard = NonFiniteGuard(3, model.parameters())
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    loss_fn(model(x), y, False, 0.0).backward()
+    good = {n: p.grad.clone() for n, p in model.named_parameters()}
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    loss = loss_fn(model(bad), y, False, 0.0)
+    assert not torch.isfinite(loss)
+    guard.ok.fill_(False)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, good[n]), n  # nothing added, no NaN
+    guard.ok.fill_(True)
+    guard.close()
+    loss_fn(model(bad), y, False, 0.0).backward()  # without the gate: NaN everywhere
+    assert not torch.isfinite(model.head.weight.grad).all()
+
+
+def test_nonfinite_verdict_reads_pending_flags_in_order():
+    guard = NonFiniteGuard(3)
+    for step, ok in [(1, True), (2, False), (2, False), (3, True), (4, False)]:
+        guard.pending.append((step, torch.tensor(ok)))
+    guard.verdict()
+    assert guard.total == 3 and guard.in_a_row == 1 and not guard.pending
+    guard.pending += [(5, torch.tensor(False)), (6, torch.tensor(False))]
+    with pytest.raises(NonFiniteLoss, match="3 non-finite losses in a row at steps 4-6"):
+        guard.verdict()
