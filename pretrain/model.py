@@ -13,9 +13,10 @@ and activation checkpointing is a plain per-block switch (``set_grad_checkpointi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,13 @@ from torch.utils.checkpoint import checkpoint
 from pretrain.resnet_stem import ResNetStem, stem_stride
 
 _Size = Union[int, tuple[int, int]]
+# Called around the initialisation of each module's own parameters; the default does nothing.
+# A caller whose parameters are partitioned (ZeRO-3) passes a gather that makes them whole.
+Gather = Callable[[list[nn.Parameter]], ContextManager]
+
+
+def _no_gather(params: Iterable[nn.Parameter]) -> ContextManager:
+    return contextlib.nullcontext()
 
 
 def _pair(x: _Size) -> tuple[int, int]:
@@ -78,12 +86,19 @@ class HybridEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0):
+    """Multi-head self-attention. ``qk_norm``: LayerNorm over each head's queries and keys before
+    the dot product (Dehghani et al. 2023, ViT-22B), which keeps attention logits from growing
+    without bound at large width; adds 4 * head_dim parameters."""
+
+    def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 qk_norm: bool = False, norm_layer: Optional[Callable[[int], nn.Module]] = None):
         super().__init__()
         assert dim % num_heads == 0, f"embed dim {dim} not divisible by {num_heads} heads"
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3)
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -92,6 +107,7 @@ class Attention(nn.Module):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
         # Fused kernel (flash / memory-efficient) on GPUs; the math path on CPU.
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(B, N, C)
@@ -111,22 +127,40 @@ class Mlp(nn.Module):
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
+class LayerScale(nn.Module):
+    """Per-channel scale of a residual branch, initialised small (CaiT, Touvron et al. 2021):
+    each block starts close to the identity, which steadies very deep models."""
+
+    def __init__(self, dim: int, init_values: float):
+        super().__init__()
+        self.init_values = init_values
+        self.gamma = nn.Parameter(torch.full((dim,), init_values))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-norm encoder block: x + MSA(LN(x)), then x + MLP(LN(x))."""
+    """Pre-norm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)); with ``init_values`` each
+    branch is scaled by a LayerScale (``ls1`` / ``ls2``, absent when it is None or 0, as timm)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, drop: float, attn_drop: float,
-                 drop_path: float, norm_layer: Callable[[int], nn.Module]):
+                 drop_path: float, norm_layer: Callable[[int], nn.Module], qk_norm: bool = False,
+                 init_values: Optional[float] = None):
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop)
+        self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, qk_norm=qk_norm,
+                              norm_layer=norm_layer)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = norm_layer(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
 # -------------------------------------------------------------------------------------- model
@@ -147,7 +181,12 @@ class VisionTransformer(nn.Module):
         representation_size: Optional[int] = None,
         global_pool: str = "token",
         backbone: Optional[nn.Module] = None,
+        qk_norm: bool = False,
+        init_values: Optional[float] = None,
+        defer_init: bool = False,
     ):
+        """``defer_init``: leave the weights as the layers' constructors made them; the caller
+        runs ``init_weights(gather)`` later (ZeRO-3 builds partitioned parameters first)."""
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -169,7 +208,8 @@ class VisionTransformer(nn.Module):
 
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, drop_rate, attn_drop_rate, dpr[i], norm_layer)
+            Block(embed_dim, num_heads, mlp_ratio, drop_rate, attn_drop_rate, dpr[i], norm_layer,
+                  qk_norm=qk_norm, init_values=init_values)
             for i in range(depth)])
         # timm's layout: the final LN sits on the tokens for [class]-token pooling and after
         # pooling (fc_norm) for average pooling; names must match for strict loading.
@@ -185,38 +225,42 @@ class VisionTransformer(nn.Module):
             self.num_features = embed_dim
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        self.init_weights()
+        if not defer_init:
+            self._init_encoder(_no_gather)  # the ResNet stem initialised itself when built
 
     # -------------------------------------------------------------------------- init
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, gather: Optional[Gather] = None) -> None:
         """The paper's (JAX) initialisation: Xavier-uniform linears, LeCun-normal patch conv,
-        tiny-normal MLP biases, N(0, 0.02) position embeddings, zero [class] token and head."""
+        tiny-normal MLP biases, N(0, 0.02) position embeddings, zero [class] token and head,
+        LayerScale at ``init_values`` (the hybrid's ResNet stem: its own rule).
+
+        Module by module, each inside ``gather(its own parameters)``, so partitioned parameters
+        (ZeRO-3) are whole only one module at a time. Random draws come in the same order as the
+        initialisation at construction, so one seed gives the same weights either way."""
+        gather = gather or _no_gather
+        backbone = getattr(self.patch_embed, "backbone", None)
+        if backbone is not None:
+            backbone.init_weights(gather)
+        self._init_encoder(gather)
+
+    @torch.no_grad()
+    def _init_encoder(self, gather: Gather) -> None:
+        root = []
         for name, m in self.named_modules():
             if name.startswith("patch_embed.backbone"):
-                continue  # the ResNet stem initialises itself
-            if isinstance(m, nn.Linear):
-                if name == "head":
-                    nn.init.zeros_(m.weight)
-                    nn.init.zeros_(m.bias)
-                    continue
-                nn.init.xavier_uniform_(m.weight)
-                if "mlp" in name:
-                    nn.init.normal_(m.bias, std=1e-6)
-                else:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Conv2d):
-                fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
-                # LeCun normal: truncated normal with variance 1/fan_in (std corrected for truncation)
-                nn.init.trunc_normal_(m.weight, std=math.sqrt(1.0 / fan_in) / 0.87962566103423978,
-                                      a=-2 * math.sqrt(1.0 / fan_in) / 0.87962566103423978,
-                                      b=2 * math.sqrt(1.0 / fan_in) / 0.87962566103423978)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        nn.init.normal_(self.pos_embed, std=0.02)
-        nn.init.zeros_(self.cls_token)
+                continue
+            own = list(m.parameters(recurse=False))
+            if not own:
+                continue
+            if m is self:
+                root = own  # pos_embed, cls_token: last, as before
+                continue
+            with gather(own):
+                _init_module(name, m)
+        with gather(root):
+            nn.init.normal_(self.pos_embed, std=0.02)
+            nn.init.zeros_(self.cls_token)
 
     # ------------------------------------------------------------------------- public
     @property
@@ -273,6 +317,31 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+def _init_module(name: str, m: nn.Module) -> None:
+    """One module's own parameters, by the rules in ``VisionTransformer.init_weights``."""
+    if isinstance(m, nn.Linear):
+        if name == "head":
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+            return
+        nn.init.xavier_uniform_(m.weight)
+        if "mlp" in name:
+            nn.init.normal_(m.bias, std=1e-6)
+        else:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv2d):
+        fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+        # LeCun normal: truncated normal with variance 1/fan_in (std corrected for truncation)
+        std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+        nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, LayerScale):
+        nn.init.constant_(m.gamma, m.init_values)
+
+
 # ----------------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
 class _Variant:
@@ -281,6 +350,7 @@ class _Variant:
     depth: int
     num_heads: int
     img_size: int = 224
+    mlp_ratio: float = 4.0
     stem_layers: tuple[int, ...] = ()  # ResNet stage depths for hybrids
 
 
@@ -300,6 +370,10 @@ register("vit_base_patch32_224", patch_size=32, embed_dim=768, depth=12, num_hea
 register("vit_large_patch16_224", patch_size=16, embed_dim=1024, depth=24, num_heads=16)
 register("vit_large_patch32_224", patch_size=32, embed_dim=1024, depth=24, num_heads=16)
 register("vit_huge_patch14_224", patch_size=14, embed_dim=1280, depth=32, num_heads=16)
+# "Scaling Vision Transformers" (Zhai et al. 2021), Table 2: g/14 is 1408 wide with a 6144 MLP,
+# G/14 1664 wide with an 8192 MLP; timm writes these as the ratios 48/11 and 64/13 (same widths).
+register("vit_giant_patch14_224", patch_size=14, embed_dim=1408, depth=40, num_heads=16, mlp_ratio=48 / 11)
+register("vit_gigantic_patch14_224", patch_size=14, embed_dim=1664, depth=48, num_heads=16, mlp_ratio=64 / 13)
 register("vit_base_patch16_384", patch_size=16, embed_dim=768, depth=12, num_heads=12, img_size=384)
 register("vit_large_patch16_384", patch_size=16, embed_dim=1024, depth=24, num_heads=16, img_size=384)
 register("vit_base_r50_s16_224", patch_size=1, embed_dim=768, depth=12, num_heads=12,
@@ -323,7 +397,8 @@ def model_defaults(name: str) -> dict:
     pixels per token, per side; hybrids also give ``stem_layers`` and ``stem_stride``."""
     v = _variant(name)
     d = dict(patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth, num_heads=v.num_heads,
-             img_size=v.img_size, stride=v.patch_size, stem_layers=v.stem_layers)
+             img_size=v.img_size, stride=v.patch_size, stem_layers=v.stem_layers,
+             mlp_hidden=int(v.embed_dim * v.mlp_ratio))
     if v.stem_layers:
         d["stem_stride"] = stem_stride(v.stem_layers)
         d["stride"] = v.patch_size * d["stem_stride"]
@@ -333,14 +408,19 @@ def model_defaults(name: str) -> dict:
 def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,
                  drop_rate: float = 0.0, drop_path_rate: float = 0.0,
                  representation_size: Optional[int] = None, global_pool: str = "token",
+                 qk_norm: bool = False, init_values: Optional[float] = None, defer_init: bool = False,
                  **kwargs) -> VisionTransformer:
-    """Build a registered variant. ``with torch.device('meta'):`` builds it without memory."""
+    """Build a registered variant. ``with torch.device('meta'):`` builds it without memory.
+    ``qk_norm`` / ``init_values``: timm's options of the same names (QK LayerNorm, LayerScale).
+    ``defer_init``: skip the initialisation; call ``model.init_weights(gather)`` afterwards."""
     v = _variant(name)
     img_size = img_size or v.img_size
-    backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3)) if v.stem_layers else None
+    backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3), defer_init=defer_init) \
+        if v.stem_layers else None
     return VisionTransformer(
         img_size=img_size, patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth,
-        num_heads=v.num_heads, num_classes=num_classes, drop_rate=drop_rate,
+        num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
+        defer_init=defer_init, num_classes=num_classes, drop_rate=drop_rate,
         drop_path_rate=drop_path_rate, representation_size=representation_size,
         global_pool=global_pool, backbone=backbone, **kwargs)
 

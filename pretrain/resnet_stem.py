@@ -7,6 +7,7 @@ Convolutions and the stem's max-pool use TensorFlow 'SAME' padding, as the JAX o
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -117,7 +118,8 @@ def stem_channels(layers: tuple[int, ...]) -> int:
 class ResNetStem(nn.Module):
     """(B, 3, H, W) -> (B, 256 * 2**(len(layers)-1), H/stride, W/stride) feature map."""
 
-    def __init__(self, layers: tuple[int, ...] = (3, 4, 9), in_chans: int = 3, width: int = 64):
+    def __init__(self, layers: tuple[int, ...] = (3, 4, 9), in_chans: int = 3, width: int = 64,
+                 defer_init: bool = False):
         super().__init__()
         self.stem = _Stem(in_chans, width)
         chans = [256 * 2 ** i for i in range(len(layers))]
@@ -128,19 +130,25 @@ class ResNetStem(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.out_channels = cin
         self.stride = stem_stride(layers)
-        self.init_weights()
+        if not defer_init:  # deferred: the caller runs init_weights(gather) (ZeRO-3 partitioned build)
+            self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, gather=None) -> None:
+        """``gather(params)``: a context making one module's partitioned parameters whole."""
+        gather = gather or (lambda params: contextlib.nullcontext())
         for name, m in self.named_modules():
             if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                with gather([m.weight]):
+                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
             elif isinstance(m, nn.GroupNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+                with gather([m.weight, m.bias]):
+                    nn.init.ones_(m.weight)
+                    nn.init.zeros_(m.bias)
         for m in self.modules():
             if isinstance(m, Bottleneck):  # each residual branch starts as identity (BiT, Goyal et al.)
-                nn.init.zeros_(m.norm3.weight)
+                with gather([m.norm3.weight]):
+                    nn.init.zeros_(m.norm3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.stages(self.stem(x))

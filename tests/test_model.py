@@ -13,7 +13,8 @@ from pretrain.model import create_model, list_models, model_defaults, resize_pos
 
 SMALL_ENOUGH = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
                 "vit_base_patch32_224", "vit_base_patch16_384", "vit_base_r50_s16_224"]
-BIG = ["vit_large_patch16_224", "vit_large_patch32_224", "vit_large_patch16_384", "vit_huge_patch14_224"]
+BIG = ["vit_large_patch16_224", "vit_large_patch32_224", "vit_large_patch16_384", "vit_huge_patch14_224",
+       "vit_giant_patch14_224", "vit_gigantic_patch14_224"]
 
 
 def test_registry_has_the_timm_names():
@@ -51,7 +52,9 @@ def test_big_variants_on_meta_device(name):
 
 
 @pytest.mark.parametrize("name, millions", [("vit_base_patch16_224", 86.57), ("vit_large_patch16_224", 304.33),
-                                            ("vit_huge_patch14_224", 632.05)])
+                                            ("vit_huge_patch14_224", 632.05),
+                                            # Zhai et al. 2021 Table 2: 1011 M and 1843 M without the head
+                                            ("vit_giant_patch14_224", 1012.61), ("vit_gigantic_patch14_224", 1844.44)])
 def test_parameter_counts_match_table1(name, millions):
     with torch.device("meta"):
         m = create_model(name, num_classes=1000)
@@ -69,12 +72,14 @@ def test_meta_build_and_no_deepspeed_import():
     assert r.returncode == 0, r.stderr
 
 
-PARITY = [("vit_tiny_patch16_224", dict(img_size=64)), ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
+PARITY = [("vit_tiny_patch16_224", dict(img_size=64)),
+          ("vit_tiny_patch16_224", dict(img_size=32, qk_norm=True, init_values=1e-5)), ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
           ("vit_base_patch32_224", dict(img_size=64, num_classes=10)),
           ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10))]
 
 
-@pytest.mark.parametrize("name, kw", PARITY, ids=[p[0] + "-" + str(p[1].get("global_pool", "token")) for p in PARITY])
+@pytest.mark.parametrize("name, kw", PARITY, ids=[p[0] + "-" + str(p[1].get("global_pool", "token"))
+                                                  + ("-qknorm-ls" if p[1].get("qk_norm") else "") for p in PARITY])
 def test_timm_parity_both_ways(name, kw):
     torch.manual_seed(0)
     ref = timm.create_model(name, pretrained=False, **kw).eval()
@@ -91,6 +96,44 @@ def test_timm_parity_both_ways(name, kw):
     ref.load_state_dict(ours2.state_dict(), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(ours2(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["vit_giant_patch14_224", "vit_gigantic_patch14_224", "vit_huge_patch14_224"])
+@pytest.mark.parametrize("opts", [{}, dict(qk_norm=True, init_values=1e-5)], ids=["plain", "qknorm-ls"])
+def test_timm_names_and_shapes_past_vit_h(name, opts):
+    """g/14 (MLP 6144 = 1408 * 48/11) and G/14 (8192 = 1664 * 64/13), with and without timm's
+    qk_norm / LayerScale: same names and shapes as timm, strict loading both ways (meta device)."""
+    with torch.device("meta"):
+        ref = timm.create_model(name, pretrained=False, num_classes=1000, **opts)  # timm's H/14 defaults to 0
+        ours = create_model(name, num_classes=1000, **opts)
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(ours) == shapes(ref)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    sd = ours.state_dict()
+    if opts:
+        d = model_defaults(name)["embed_dim"]
+        assert sd["blocks.0.attn.q_norm.weight"].shape == sd["blocks.0.attn.k_norm.bias"].shape == (d // 16,)
+        assert sd["blocks.0.ls1.gamma"].shape == sd["blocks.0.ls2.gamma"].shape == (d,)
+    else:
+        assert not any("q_norm" in k or ".ls1." in k for k in sd)
+    if name != "vit_huge_patch14_224":
+        assert sd["blocks.0.mlp.fc1.weight"].shape == {"vit_giant_patch14_224": (6144, 1408),
+                                                       "vit_gigantic_patch14_224": (8192, 1664)}[name]
+
+
+def test_qk_norm_and_layerscale_init_and_forward():
+    torch.manual_seed(0)
+    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=3, qk_norm=True, init_values=1e-3)
+    b = m.blocks[0]
+    assert torch.all(b.ls1.gamma == 1e-3) and torch.all(b.ls2.gamma == 1e-3)
+    assert torch.all(b.attn.q_norm.weight == 1) and torch.all(b.attn.k_norm.bias == 0)
+    out = m(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 3) and torch.isfinite(out).all()
+    # init_values=None or 0 means no LayerScale, as timm ("if init_values")
+    for iv in (None, 0.0):
+        assert isinstance(create_model("vit_tiny_patch16_224", img_size=32, init_values=iv).blocks[0].ls1,
+                          torch.nn.Identity)
 
 
 def test_representation_size_adds_tanh_pre_logits():
