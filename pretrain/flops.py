@@ -2,7 +2,9 @@
 
 Convention (fvcore's, and the one papers quote for ViT "GFLOPs"): one multiply-add = one flop.
 fvcore skips ``aten::scaled_dot_product_attention``; we add a handle so attention is counted
-(Q K^T and A V: 2 * N^2 * D multiply-adds per layer). Norm layers count 5 per element, as fvcore.
+(Q K^T and A V: 2 * N^2 * D multiply-adds per layer). Norm layers count 5 per element, as fvcore
+(so ``qk_norm`` adds 2 x 5 N D per block: its LayerNorms over queries and keys). Element-wise ops
+are not counted, as fvcore: residual adds, GELU, and LayerScale's per-channel multiply (``init_values``).
 
 Training cost (for MFU) uses 2 flops per multiply-add and backward = 2 x forward, so
 ``train_flops_per_image = 6 * forward_macs``. Activation checkpointing re-runs the blocks'
@@ -97,7 +99,7 @@ def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width
 
 
 def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
-                   representation_size: Optional[int] = None, breakdown: bool = False):
+                   representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False):
     """The same count as :func:`forward_flops`, from the architecture alone (no tensors)."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
@@ -111,9 +113,9 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
         gh, gw = h // p, w // p
         embed = gh * gw * 3 * p * p * d
     n = gh * gw + 1
-    hidden = 4 * d
+    hidden = a["mlp_hidden"]  # 4 d, except g/14 and G/14
     per_block = (
-        2 * 5 * n * d  # two LayerNorms
+        (4 if qk_norm else 2) * 5 * n * d  # two LayerNorms (+ the queries' and keys' with qk_norm)
         + n * d * 3 * d  # qkv
         + 2 * n * n * d  # Q K^T and A V over all heads
         + n * d * d  # output projection
