@@ -38,6 +38,10 @@ class ModelConfig:
     drop_path_rate: float = 0.0
     representation_size: Optional[int] = None  # tanh pre-logits layer (the paper's pre-training head)
     global_pool: Literal["token", "avg"] = "token"
+    # stability past ViT-H (timm's options of the same names): LayerNorm over each head's queries
+    # and keys; LayerScale on both residual branches, initialised at init_values (null: none)
+    qk_norm: bool = False
+    init_values: Optional[float] = None
 
 
 @dataclass
@@ -372,6 +376,8 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
     for key, val in (("model.drop_rate", m.drop_rate), ("model.drop_path_rate", m.drop_path_rate)):
         if not 0.0 <= val < 1.0:
             fail(key, f"must be in [0, 1), got {val}")
+    if m.init_values is not None and not m.init_values > 0:
+        fail("model.init_values", f"must be > 0 or null (no LayerScale), got {m.init_values}")
     if cfg.data.img_size is not None and cfg.data.img_size != img:
         fail("data.img_size", f"{cfg.data.img_size} differs from the model's image size {img}")
     check_data(cfg.data, fail)

@@ -58,7 +58,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim <= 1 or name.endswith(".bias") or name in skip:
+        ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitioned (zero.Init): p is a 0-size stub
+        if ndim <= 1 or name.endswith(".bias") or name in skip:
             no_decay.append(p)
         else:
             decay.append(p)

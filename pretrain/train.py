@@ -26,7 +26,7 @@ from pretrain import checkpoint, faults, watchdog
 from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
                              save_config, to_dict)
 from pretrain.distributed import init_distributed, launched
-from pretrain.engine import initialize
+from pretrain.engine import deepspeed_config, initialize
 from pretrain.evaluator import InTrainingEval
 from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
 from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
@@ -130,10 +130,31 @@ def check_machine(cfg: Config, world_size: int) -> int:
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
+    """The configured model. Under ZeRO-3 it is built inside ``deepspeed.zero.Init``: each layer's
+    parameters are partitioned over the ranks as soon as that layer exists, so no rank ever holds
+    the whole fp32 model (a rank's peak is one layer plus its 1/N share). The initialisation then
+    runs module by module under ``GatheredParameters(modifier_rank=0)``: on partitioned
+    parameters it would otherwise change nothing. Same seed, same weights as the plain build."""
     m = cfg.model
-    return create_model(m.name, num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
-                        drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
-                        global_pool=m.global_pool)
+    kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
+              drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
+              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
+    if cfg.zero.stage != 3:
+        return create_model(m.name, **kw)
+    import deepspeed
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world)  # its dtype (bf16 / fp32) for the shards
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+        model = create_model(m.name, defer_init=True, **kw)
+    # every rank draws the same numbers (same seed, same order); rank 0's are broadcast
+    model.init_weights(gather=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
+    return model
+
+
+def num_params(model: torch.nn.Module) -> int:
+    """Parameter count, also of a ZeRO-3 partitioned model (whose tensors are empty placeholders)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, multi_label: bool, smoothing: float) -> torch.Tensor:
@@ -294,7 +315,7 @@ def run(cfg: Config) -> dict:
     say(f"building {cfg.model.name} ({img} px) on {world} rank(s)")
     model = build_model(cfg)
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        f"{num_params(model) / 1e6:.1f}M parameters")
     engine, ds_cfg = initialize(model, cfg.optim, cfg.train, cfg.zero, world)
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=cfg.train.micro_batch_size,
                           seed=cfg.train.seed, img_size=img, train=True)
@@ -314,7 +335,7 @@ def run(cfg: Config) -> dict:
         torch.manual_seed(cfg.train.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
 
     fwd = analytic_flops(cfg.model.name, img, cfg.model.num_classes, cfg.model.global_pool,
-                         cfg.model.representation_size, breakdown=True)
+                         cfg.model.representation_size, qk_norm=cfg.model.qk_norm, breakdown=True)
     flops = train_flops_per_image(fwd["total"], fwd["blocks"] if cfg.train.activation_checkpointing else 0)
     run_config = {**to_dict(cfg), "world_size": world, "zero_stage": cfg.zero.stage,
                   "global_batch_size": cfg.train.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
