@@ -280,6 +280,7 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
             live.append(v)
         except Exception as e:  # noqa: BLE001
             rows[lb].update(status="error", error=error_text(e))
+        if rows[lb]["status"] == "error":  # freed outside `except`: its traceback holds the step's tensors
             v = None
             free_memory(device)
     while live and (time.perf_counter() < end or not all(v.times for v in live)):
@@ -290,6 +291,7 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
                 v.timed_step(x, y)
             except Exception as e:  # noqa: BLE001
                 rows[v.label].update(status="error", error=error_text(e))
+            if rows[v.label]["status"] == "error":
                 live.remove(v)
                 v.drop()
                 free_memory(device)

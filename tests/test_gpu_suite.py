@@ -53,3 +53,36 @@ def test_gpu_suite_smoke(tmp_path):
     for row in rows:
         assert row["name"].split(" ")[0] in md
     assert "| ours compiled |" in md and "ZeRO-3" in md and "ShardLoader, cpu decode" in md
+
+
+def test_failed_row_is_recorded_and_the_rest_goes_on(monkeypatch):
+    """An OOM in one variant (here: while compiling, and in a timed step) becomes that row's error;
+    the other variants of the group are still measured."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite)  # dataclasses look their module up there
+    spec.loader.exec_module(suite)
+    plan = suite.smoke_plan()
+    plan.img, plan.iters = 32, 2
+
+    def oom_compile(model):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    real = suite.Variant.timed_step
+
+    def oom_in_ckpt_step(self, x, y):
+        if self.label == "ours act-ckpt":
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, x, y)
+
+    monkeypatch.setattr(suite.Variant, "timed_step", oom_in_ckpt_step)
+    rows = {r["variant"]: r for r in suite.run_model_group("vit_tiny_patch16_224", 2, plan, torch.device("cpu"),
+                                                           30.0, oom_compile, 1.0, "measured")}
+    assert rows["ours compiled"]["status"] == "error" and rows["ours compiled"]["error"].startswith("OOM"), rows
+    assert rows["ours act-ckpt"]["status"] == "error" and "OOM" in rows["ours act-ckpt"]["error"], rows
+    for v in ("timm", "ours"):
+        assert rows[v]["status"] == "ok" and rows[v]["iters"] == 2 and rows[v]["img_s"] > 0, rows[v]
