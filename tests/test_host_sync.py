@@ -75,3 +75,32 @@ def test_no_host_sync_between_sync_points(shards, tmp_path, stage):
     m = json.loads(json.dumps([json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                                if '"loss"' in ln]))
     assert [x["nonfinite_skipped"] for x in m] == [0, 1]  # step 6's dropped micro-batch, read at step 8
+
+
+def test_sigint_stops_at_the_next_sync_point(shards, tmp_path):
+    """Between log steps the ranks agree on a stop only every train.sync_every_steps: Ctrl-C still
+    ends in a checkpoint at a step boundary and exit 75, at a sync step (a multiple of 3 or 5)."""
+    import os
+    import signal
+
+    from dist_utils import group_alive, kill_group, metrics, start_job, wait_for
+    from pretrain import rundir
+
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
+           f"train.output_dir={run}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
+           "logging.wandb.mode=disabled", "train.steps=500", "train.log_every_steps=5", "train.sync_every_steps=3",
+           "checkpoint.every_steps=1000"]
+    p = start_job(cmd, log)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 5, 240, p, "step 5")
+        os.kill(p.pid, signal.SIGINT)
+        p.wait(120)
+    finally:
+        if group_alive(p):
+            kill_group(p)
+    assert p.returncode == 75, log.read_text()[-3000:]
+    ckpt = rundir.latest_complete(run / "checkpoints")
+    assert ckpt is not None and rundir.verify(ckpt) is None
+    step = rundir.step_of(ckpt)
+    assert 5 <= step < 500 and (step % 3 == 0 or step % 5 == 0), step

@@ -24,9 +24,10 @@ def train(shards, run_dir, *extra, fault=None, timeout=240):
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_nonfinite_loss_is_skipped_and_counted(shards, tmp_path):
+@pytest.mark.parametrize("stage", [0, 3])  # ZeRO-3: the gradient gate works on partitioned parameters
+def test_nonfinite_loss_is_skipped_and_counted(shards, tmp_path, stage):
     r = train(shards, tmp_path / "run", "train.steps=5", "train.log_every_steps=1", "checkpoint.every_steps=5",
-              "zero.stage=0", fault="nan_loss:3,3")
+              f"zero.stage={stage}", fault="nan_loss:3,3")
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(tmp_path / "run")
     # Both micro-batches of step 3 were dropped (zero gradients, decided on the device without a
