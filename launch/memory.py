@@ -26,7 +26,11 @@ batch, h width, a heads, 16-bit activations)::
     MLP:       19 s b h               (fc1 input 2sbh, GELU input 8sbh, fc2 input 8sbh, mask sbh)
     norms:      4 s b h               -> 34 s b h + 5 a s^2 b per block
 
-For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper. Two changes:
+For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper (g/14 and G/14:
+about 4.4h and 4.9h, so the two MLP terms scale by hidden / 4h). ``model.qk_norm`` keeps the
+normalised Q and K and part of the norms' inputs (``6 s b h`` more, as autograd saves them on
+CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each branch's output for the gradient of
+its gamma (``4 s b h``). Two changes:
 ``F.scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient) that keeps no
 s x s matrix, only Q, K, V, the output and a log-sum-exp (``4 a s b`` bytes, fp32), so the
 ``5 a s^2 b`` term becomes ``4 a s b``; and dropout masks exist only with ``model.drop_rate > 0``:
@@ -39,6 +43,14 @@ block's input stays (``2 s b h`` per block, the paper's "full recomputation") pl
 full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
 logits. The formula is checked against the bytes autograd actually saves in
 ``tests/test_launch_memory.py``.
+
+Host memory while the model is built (``host_build``, per rank, CPU RAM): without ZeRO-3 every
+rank builds and initialises the whole fp32 model on the CPU before DeepSpeed moves it (4 B/param;
+8 ranks on a node of ViT-G/14: 8 x 7.4 GB). Under ZeRO-3 ``train.build_model`` builds inside
+``deepspeed.zero.Init``: each layer is made whole, broadcast and partitioned onto the device as
+soon as it exists, and initialised one layer at a time under ``GatheredParameters``, so the host
+and the device each hold at most one whole layer (fp32) beyond the rank's 1/N share (which is
+already in ``weights``).
 """
 from __future__ import annotations
 
@@ -60,6 +72,9 @@ class ModelShape:
     heads: int
     img_size: int
     num_classes: int
+    mlp_hidden: int = 0  # 0: 4 x width
+    qk_norm: bool = False
+    layer_scale: bool = False
 
 
 def model_shape(model_cfg) -> ModelShape:
@@ -71,14 +86,16 @@ def model_shape(model_cfg) -> ModelShape:
 
     with torch.device("meta"):
         m = create_model(model_cfg.name, num_classes=model_cfg.num_classes, img_size=model_cfg.img_size,
-                         representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool)
+                         representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
+                         qk_norm=model_cfg.qk_norm, init_values=model_cfg.init_values)
     params = sum(p.numel() for p in m.parameters())
     largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
     d = model_defaults(model_cfg.name)
     gh, gw = m.grid_size
     return ModelShape(params=params, largest_layer=largest, seq_len=gh * gw + 1, width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=image_size(model_cfg),
-                      num_classes=model_cfg.num_classes)
+                      num_classes=model_cfg.num_classes, mlp_hidden=d["mlp_hidden"], qk_norm=model_cfg.qk_norm,
+                      layer_scale=bool(model_cfg.init_values))
 
 
 def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",
@@ -110,12 +127,20 @@ def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str) -> float:
 
 
 def block_activation_bytes(s: int, b: int, h: int, a: int, *, precision: str = "bf16",
-                           dropout: bool = False, fused_attention: bool = True) -> float:
+                           dropout: bool = False, fused_attention: bool = True, mlp_hidden: int = 0,
+                           qk_norm: bool = False, layer_scale: bool = False) -> float:
     """Korthikanti et al. 2022 eq. (1) per block, adapted as in the module docstring."""
     scale = 1 if precision == "bf16" else 2  # the paper counts 16-bit activations
     sbh = s * b * h
-    acts = 32 * sbh * scale  # the paper's 34 s b h without its two 1-byte dropout masks
-    masks = 6 * sbh if dropout else 0  # proj (h), after GELU (4h), fc2 (h): CUDA's bool masks
+    r = (mlp_hidden or 4 * h) / (4 * h)  # MLP width against the paper's 4h
+    # the paper's 34 s b h without its two 1-byte dropout masks; its MLP's 16 s b h (GELU input
+    # and fc2 input, each 4h wide) scale with the MLP width
+    acts = (16 + 16 * r) * sbh * scale
+    if qk_norm:
+        acts += (6 * sbh + 8 * a * s * b) * scale  # normalised Q, K, norms' inputs; mean, 1/std per row
+    if layer_scale:
+        acts += 4 * sbh * scale  # both branches' outputs, for the gradients of the gammas
+    masks = (2 + 4 * r) * sbh if dropout else 0  # proj (h), after GELU (4h), fc2 (h): CUDA's bool masks
     attn = 4 * a * s * b if fused_attention else (4 * a * s * s * b * scale + (a * s * s * b if dropout else 0))
     return acts + masks + attn
 
@@ -126,7 +151,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "b
     s, b, h, L = shape.seq_len, micro_batch, shape.width, shape.depth
     e = 2 if precision == "bf16" else 4
     block = block_activation_bytes(s, b, h, shape.heads, precision=precision, dropout=dropout,
-                                   fused_attention=fused_attention)
+                                   fused_attention=fused_attention, mlp_hidden=shape.mlp_hidden,
+                                   qk_norm=shape.qk_norm, layer_scale=shape.layer_scale)
     blocks = L * e * s * b * h + block if checkpointing else L * block
     # image batch (patch-embedding input) + final norm input + head input and fp32 logits
     outside = 3 * shape.img_size ** 2 * b * e + e * s * b * h + e * b * h + 4 * b * shape.num_classes
@@ -141,6 +167,7 @@ class MemoryEstimate:
     activations: float  # as configured (with or without checkpointing)
     activations_other: float  # the other setting, for the "what to change" line
     checkpointing: bool
+    host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
 
     @property
     def total(self) -> float:
@@ -150,6 +177,12 @@ class MemoryEstimate:
     def total_if_checkpointing(self, on: bool) -> float:
         act = self.activations if on == self.checkpointing else self.activations_other
         return self.total - self.activations + act
+
+
+def host_build_bytes(shape: ModelShape, stage: int) -> float:
+    """Peak host bytes per rank for building the model (see the module docstring): the whole
+    fp32 model, or under ZeRO-3 (``deepspeed.zero.Init``) one whole fp32 layer at a time."""
+    return 4.0 * (shape.largest_layer if stage == 3 else shape.params)
 
 
 def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate:
@@ -162,7 +195,8 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     act = activation_bytes(shape, t.micro_batch_size, checkpointing=t.activation_checkpointing, **kw)
     other = activation_bytes(shape, t.micro_batch_size, checkpointing=not t.activation_checkpointing, **kw)
     return MemoryEstimate(params=shape.params, states=states, buffers=zero_buffer_bytes(cfg.zero, shape, t.precision),
-                          activations=act, activations_other=other, checkpointing=t.activation_checkpointing)
+                          activations=act, activations_other=other, checkpointing=t.activation_checkpointing,
+                          host_build=host_build_bytes(shape, cfg.zero.stage))
 
 
 def largest_micro_batch(cfg, world: int, budget_bytes: float, shape: ModelShape, checkpointing: bool) -> int:

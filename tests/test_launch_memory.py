@@ -9,11 +9,11 @@ from pretrain.config import ModelConfig, load_config
 from pretrain.model import create_model
 
 
-def saved_activation_bytes(name, img, batch, dtype, checkpointing):
+def saved_activation_bytes(name, img, batch, dtype, checkpointing, **kw):
     """Bytes of the distinct tensors autograd saves in one training forward (weights excluded):
     exactly what stays alive until backward."""
     torch.manual_seed(0)
-    model = create_model(name, num_classes=10, img_size=img).to(dtype).train()
+    model = create_model(name, num_classes=10, img_size=img, **kw).to(dtype).train()
     model.set_grad_checkpointing(checkpointing)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -77,3 +77,34 @@ def test_vit_huge_needs_zero3_or_checkpointing_on_80gb():
     est = memory.estimate(cfg, world=16)
     assert est.params == pytest.approx(632e6, rel=0.02)  # the paper's 632M parameters (1000-class head)
     assert est.activations > 80 * memory.GB > est.total_if_checkpointing(True)
+
+
+@pytest.mark.parametrize("opts", [dict(qk_norm=True), dict(init_values=1e-5), dict(qk_norm=True, init_values=1e-5)])
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_test_mem_g_shape_patch14_112"])
+def test_activation_formula_with_qk_norm_layerscale_and_odd_mlp(name, opts):
+    """qk_norm and LayerScale keep more for backward; a g/14-shaped MLP (48/11 of the width)
+    scales the MLP terms: the formula follows autograd's saved bytes for each."""
+    from pretrain.model import register
+
+    register("vit_test_mem_g_shape_patch14_112", patch_size=14, embed_dim=176, depth=2, num_heads=2, img_size=112,
+             mlp_ratio=48 / 11)
+    torch.set_num_threads(1)
+    img = 112 if "112" in name else 224
+    shape = memory.model_shape(ModelConfig(name=name, img_size=img, num_classes=10, **opts))
+    assert shape.qk_norm == opts.get("qk_norm", False) and shape.layer_scale == ("init_values" in opts)
+    measured = saved_activation_bytes(name, img, 2, torch.bfloat16, checkpointing=False, **opts)
+    est = memory.activation_bytes(shape, 2, precision="bf16")
+    assert est == pytest.approx(measured, rel=0.03), (est, measured)
+
+
+def test_zero3_build_needs_one_layer_of_host_memory_not_the_model():
+    """ViT-G/14 (1.84 B parameters): without ZeRO-3 each rank builds the whole fp32 model in host
+    memory (7.4 GB, 8 ranks a node: 59 GB); under ZeRO-3 (deepspeed.zero.Init) one layer at a time."""
+    cfg = load_config("configs/vit_h14_jft.yaml", ["model.name=vit_gigantic_patch14_224", "model.qk_norm=true",
+                                                   "model.init_values=1e-5", "zero.stage=3"])
+    z3 = memory.estimate(cfg, world=64)
+    assert z3.params == pytest.approx(1.843e9 + 1664 * 18291, rel=0.002)
+    assert z3.host_build == 4 * (18291 * 1664 + 18291)  # the largest layer (here the JFT head), fp32
+    cfg.zero.stage = 2
+    z2 = memory.estimate(cfg, world=64)
+    assert z2.host_build == 4 * z2.params > 60 * z3.host_build
