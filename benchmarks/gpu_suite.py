@@ -15,7 +15,7 @@ whole suite is planned to end within 9 minutes on one H100):
           re-runs the blocks' forward) and peak memory of one model alone
   zero    ZeRO stage 1 vs 3 through pretrain.engine.initialize (deepspeed.initialize) in a world of
           one (the process group started as pretrain.distributed.init_distributed does), one after
-          the other, ViT-L/16
+          the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader over demo shards (data_pipeline.write_shards.write_demo_shards) read at
           224 px with CPU decode; the GPU-decode row runs when data.decode_device exists
 
@@ -329,7 +329,7 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
 # ------------------------------------------------------------------------------------- ZeRO
 def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -> dict:
     """One DeepSpeed engine of ``zero.stage=stage`` built by pretrain.engine.initialize."""
-    from pretrain.config import OptimConfig, TrainConfig, ZeroConfig
+    from pretrain.config import Config, ModelConfig, OptimConfig, TrainConfig, ZeroConfig
     from pretrain.engine import initialize
     from pretrain.model import create_model
     from pretrain.precision import compute_dtype, default_precision
@@ -343,9 +343,15 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
-        model = create_model(name, img_size=plan.img, num_classes=1000)
-        train = TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch, precision=precision)
-        engine, _ = initialize(model, OptimConfig(warmup_steps=0), train, ZeroConfig(stage=stage), world_size=1)
+        cfg = Config(model=ModelConfig(name=name, img_size=plan.img), optim=OptimConfig(warmup_steps=0),
+                     train=TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch,
+                                       precision=precision), zero=ZeroConfig(stage=stage))
+        try:  # training's own build: under ZeRO-3 inside deepspeed.zero.Init (issue 14, part 4)
+            from pretrain.train import build_model
+        except ImportError:
+            build_model = None
+        model = build_model(cfg) if build_model else create_model(name, img_size=plan.img, num_classes=1000)
+        engine, _ = initialize(model, cfg.optim, cfg.train, cfg.zero, world_size=1)
         x = torch.randn(batch, 3, plan.img, plan.img).to(engine.device, compute_dtype(precision))
         y = torch.randint(0, 1000, (batch,)).to(engine.device)
 
@@ -391,8 +397,9 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
     """Images/s of our ShardLoader (decode on ``decode``: 'cpu' or the GPU decode path)."""
     from data_pipeline.config import DataConfig
 
-    row = {"section": "loader", "name": f"ShardLoader, {decode} decode", "decode": decode, "batch": plan.loader_batch,
-           "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok", "error": None}
+    row = {"section": "loader", "name": f"ShardLoader, {decode.upper()} decode", "decode": decode,
+           "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok",
+           "error": None}
     has_decode_device = "decode_device" in {f.name for f in dataclasses.fields(DataConfig)}
     if decode != "cpu" and not has_decode_device:
         row.update(status="not built", error="data.decode_device does not exist yet (issue 14, part 3)")
@@ -403,6 +410,8 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
         kw = {"decode_device": "cuda" if device.type == "cuda" else "cpu"} if decode != "cpu" else {}
         if decode != "cpu":
             row["decode_device"] = kw["decode_device"]
+            if kw["decode_device"] == "cpu":  # smoke: the GPU-decode path's logic, run on the CPU
+                row["name"] += " (its CPU code path)"
         cfg = DataConfig(train_shards=str(shards / "manifest.json"), workers=plan.loader_workers,
                          shuffle_buffer=256, **kw)
         it = iter(build_loader(cfg, batch_size=plan.loader_batch, img_size=plan.loader_img, seed=0))
@@ -427,41 +436,44 @@ def fmt(v, spec: str = ".1f", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def table_row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def markdown(result: dict) -> str:
     rows, out = result["rows"], []
     out.append(f"Device: {result['device']}; torch {result['torch']}, DeepSpeed {result['deepspeed']}, "
                f"timm {result['timm']}; {result['wall_s']:.0f} s wall"
                + (" (smoke: toy sizes, figures meaningless)" if result["smoke"] else "") + ".\n")
     p = next(r for r in rows if r["section"] == "peak")
-    out += ["| matmul | measured TFLOP/s | data sheet TFLOP/s | measured / data sheet |", "|---|---:|---:|---:|",
-            f"| {p['name']} | {fmt(p.get('measured_tflops'))} | {fmt(p.get('datasheet_tflops'), '.1f', 'not in table')} | "
-            f"{fmt(p.get('measured_over_datasheet'), '.1%')} |", ""]
+    out += [table_row("matmul", "measured TFLOP/s", "data sheet TFLOP/s", "measured / data sheet"),
+            "|---|---:|---:|---:|",
+            table_row(p["name"], fmt(p.get("measured_tflops")), fmt(p.get("datasheet_tflops"), ".1f", "not in table"),
+                      fmt(p.get("measured_over_datasheet"), ".1%")), ""]
     peak_note = f"MFU/HFU against the {result['peak_source']} peak ({result['peak_tflops']:.1f} TFLOP/s)" \
         if result.get("peak_tflops") else "MFU: no peak known"
     out += [f"Training step, bf16 autocast on GPU (fp32 on CPU), AdamW; {peak_note}; step time ratio against ours "
             f"eager in the same run. Compiled: {result['compile']}.", "",
-            "| model | variant | batch | step ms | img/s | TFLOP/s | MFU | HFU | peak GiB | step / ours | note |",
+            table_row("model", "variant", "batch", "step ms", "img/s", "TFLOP/s", "MFU", "HFU", "peak GiB",
+                      "step / ours", "note"),
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        if r["section"] == "model":
-            out.append(f"| {SHORT.get(r['model'], r['model'])} | {r['variant']} | {r['batch']} | {fmt(r.get('step_ms'))} | "
-                       f"{fmt(r.get('img_s'))} | {fmt(r.get('tflops'), '.4g')} | {fmt(r.get('mfu'), '.1%')} | "
-                       f"{fmt(r.get('hfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.2f')} | "
-                       f"{fmt(r.get('step_vs_ours'), '.3f')} | {r['error'] or ''} |")
-    out += ["", "| DeepSpeed | batch | precision | step ms | img/s | TFLOP/s | MFU | peak GiB | note |",
+    for r in (r for r in rows if r["section"] == "model"):
+        out.append(table_row(SHORT.get(r["model"], r["model"]), r["variant"], r["batch"], fmt(r.get("step_ms")),
+                             fmt(r.get("img_s")), fmt(r.get("tflops"), ".4g"), fmt(r.get("mfu"), ".1%"),
+                             fmt(r.get("hfu"), ".1%"), fmt(r.get("peak_mem_gib"), ".2f"),
+                             fmt(r.get("step_vs_ours"), ".3f"), r["error"] or ""))
+    out += ["", table_row("DeepSpeed", "batch", "precision", "step ms", "img/s", "TFLOP/s", "MFU", "peak GiB", "note"),
             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        if r["section"] == "zero":
-            out.append(f"| {r['name']} | {r['batch']} | {r['precision']} | {fmt(r.get('step_ms'))} | {fmt(r.get('img_s'))} | "
-                       f"{fmt(r.get('tflops'), '.4g')} | {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.2f')} | "
-                       f"{r['error'] or ''} |")
-    out += ["", "| loader | workers | batch | px | img/s | img/s per worker | note |", "|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        if r["section"] == "loader":
-            status = r["status"] if r["status"] != "ok" else ""
-            out.append(f"| {r['name']} | {r['workers']} | {r['batch']} | {r['img']} | {fmt(r.get('img_s'))} | "
-                       f"{fmt(r.get('img_s_per_worker'))} | {status}{': ' if status and r['error'] else ''}"
-                       f"{r['error'] or ''} |")
+    for r in (r for r in rows if r["section"] == "zero"):
+        out.append(table_row(r["name"], r["batch"], r["precision"], fmt(r.get("step_ms")), fmt(r.get("img_s")),
+                             fmt(r.get("tflops"), ".4g"), fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_mem_gib"), ".2f"),
+                             r["error"] or ""))
+    out += ["", table_row("loader", "workers", "batch", "px", "img/s", "img/s per worker", "note"),
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for r in (r for r in rows if r["section"] == "loader"):
+        note = "" if r["status"] == "ok" else r["status"] + (f": {r['error']}" if r["error"] else "")
+        out.append(table_row(r["name"], r["workers"], r["batch"], r["img"], fmt(r.get("img_s")),
+                             fmt(r.get("img_s_per_worker")), note))
     mem = {r.get("mem_kind") for r in rows if r.get("mem_kind")}
     if "process_max_rss" in mem:
         out.append("\nPeak memory on CPU is the process's peak resident set so far, not the row's own.")
@@ -557,7 +569,8 @@ def main(argv=None) -> int:
     (out / "suite.json").write_text(json.dumps(result, indent=1))
     (out / "suite.md").write_text(markdown(result))
     failed = [r["name"] for r in rows if r["status"] == "error"]
-    log(f"wrote {out / 'suite.json'} and {out / 'suite.md'}" + (f"; failed rows: {', '.join(failed)}" if failed else ""))
+    log(f"wrote {out / 'suite.json'} and {out / 'suite.md'}"
+        + (f"; failed rows: {', '.join(failed)}" if failed else ""))
     return 0
 
 

@@ -52,7 +52,7 @@ def test_gpu_suite_smoke(tmp_path):
     md = (out / "suite.md").read_text()
     for row in rows:
         assert row["name"].split(" ")[0] in md
-    assert "| ours compiled |" in md and "ZeRO-3" in md and "ShardLoader, cpu decode" in md
+    assert "| ours compiled |" in md and "ZeRO-3" in md and "ShardLoader, CPU decode" in md
 
 
 def test_failed_row_is_recorded_and_the_rest_goes_on(monkeypatch):
