@@ -35,7 +35,9 @@ __all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "sav
 # Keys whose change makes a checkpoint unloadable into this run (tensor shapes, parameter names,
 # optimizer state layout, ZeRO shard files). Others (lr, steps, drop rates, data) may change.
 RESUME_KEYS = ("model.name", "model.num_classes", "model.img_size", "model.representation_size",
-               "model.global_pool", "optim.name", "zero.stage", "train.precision")
+               "model.global_pool", "model.qk_norm", "model.init_values", "optim.name", "zero.stage",
+               "train.precision")
+_RESUME_DEFAULTS = {"model.qk_norm": False}  # keys added later: absent from older runs' configs
 
 
 def check_writable(folder: str | Path, key: str) -> None:
@@ -154,7 +156,7 @@ def _resume_view(config: dict) -> dict:
     view = {}
     for key in RESUME_KEYS:
         section, name = key.split(".")
-        view[key] = (config.get(section) or {}).get(name)
+        view[key] = (config.get(section) or {}).get(name, _RESUME_DEFAULTS.get(key))
     if view["model.img_size"] is None:
         try:
             view["model.img_size"] = model_defaults(view["model.name"])["img_size"]

@@ -231,3 +231,24 @@ def test_load_weights_refuses_pickled_code(tmp_path):
     assert not os.path.exists(target)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         load_weights(create_model("vit_tiny_patch16_224", img_size=32), tmp_path / "missing.safetensors")
+
+
+def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks():
+    """A pre-trained state dict with timm's q_norm / ls gammas builds its transfer backbone with
+    the same options (read from the tensors); toggling either key is a resume-blocking change,
+    while older runs' configs (without the keys) still resume."""
+    from pretrain.checkpoint import config_changes
+    from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+
+    src = create_model("vit_tiny_patch16_224", img_size=32, num_classes=4, qk_norm=True, init_values=1e-5)
+    torch.nn.init.normal_(src.blocks[1].ls2.gamma)
+    path = __import__("tempfile").mkdtemp() + "/w.safetensors"
+    save_file(src.state_dict(), path)
+    m = build_backbone(load_pretrained(path), img_size=32)
+    assert torch.equal(m.blocks[1].ls2.gamma, src.blocks[1].ls2.gamma)
+    assert torch.equal(m.blocks[0].attn.q_norm.weight, src.blocks[0].attn.q_norm.weight)
+    old = {"model": {"name": "vit_tiny_patch16_224"}}
+    new = {"model": {"name": "vit_tiny_patch16_224", "qk_norm": False, "init_values": None}}
+    assert config_changes(old, new) == []
+    assert config_changes(new, {"model": dict(new["model"], qk_norm=True, init_values=1e-5)}) == [
+        "model.qk_norm=False->True", "model.init_values=None->1e-05"]

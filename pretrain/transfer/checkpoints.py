@@ -147,9 +147,12 @@ def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, fine
     stride = model_defaults(a["name"])["stride"]
     if img_size % stride:
         raise TransferError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
+    # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
+    qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
+    layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)
     model = create_model(a["name"], num_classes=0, img_size=img_size, global_pool=a["global_pool"] or "token",
                          representation_size=None if finetune else a.get("representation_size"),
-                         drop_path_rate=drop_path_rate)
+                         drop_path_rate=drop_path_rate, qk_norm=qk_norm, init_values=1.0 if layer_scale else None)
     exclude = ("head.", "pre_logits.") if finetune else ("head.",)
     try:
         load_weights(model, pre.state_dict, strict=True, exclude=exclude, old_grid=pre.grid)
