@@ -191,7 +191,7 @@ def measure_matmul(plan: Plan, device, budget: float) -> dict:
         per = max(time.perf_counter() - t, 1e-6)
         reps = max(1, int(0.2 / per))
         rates, end = [], time.perf_counter() + budget
-        while time.perf_counter() < end or not rates:
+        while time.perf_counter() < end or len(rates) < 3:
             t = time.perf_counter()
             for _ in range(reps):
                 a @ b
@@ -508,6 +508,19 @@ def main(argv=None) -> int:
     from pretrain.distributed import init_distributed
 
     rows: list[dict] = []
+    meta = {
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
+                                                             f"{torch.get_num_threads()} threads)",
+        "smoke": args.smoke, "torch": torch.__version__, "deepspeed": deepspeed.__version__, "timm": timm.__version__,
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "plan": dataclasses.asdict(plan),
+    }
+
+    def save(complete: bool) -> None:
+        result = dict(meta, complete=complete, wall_s=clock.elapsed(), rows=rows)
+        (out / "suite.json").write_text(json.dumps(result, indent=1))
+        (out / "suite.md").write_text(markdown(result))
+
     sections = 2 + len(plan.models) + 1  # peak, models..., zero, loader (reserve for the later ones)
     peak_row = measure_matmul(plan, device, clock.budget(plan.matmul_budget, sections - 1))
     rows.append(peak_row)
@@ -517,8 +530,8 @@ def main(argv=None) -> int:
         peak, peak_source = peak_row["datasheet_tflops"], "datasheet"
     else:
         peak, peak_source = peak_row.get("measured_tflops"), "measured"
-
     compile_fn, compile_how = compile_helper(plan.compile_backend)
+    meta.update(peak_tflops=peak, peak_source=peak_source, compile=compile_how)
     done = 1
     for name, batch, budget in plan.models:
         b = clock.budget(budget, sections - done - 1)
@@ -533,41 +546,56 @@ def main(argv=None) -> int:
         for r in group:
             log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))}  MFU {fmt(r.get('mfu'), '.1%')}  "
                 f"peak {fmt(r.get('peak_mem_gib'), '.2f')} GiB {r['error'] or ''}")
+        save(complete=False)  # after each part, so that a run killed later still leaves its figures
 
-    init_distributed()  # a world of one: DeepSpeed wants a process group (gloo on CPU, NCCL on GPUs)
     zb = clock.budget(plan.zero_budget, 1)
+    zero_error = None
+    try:
+        if zb <= 0:
+            raise TimeoutError("suite out of time")
+        init_distributed()  # a world of one: DeepSpeed wants a process group (gloo on CPU, NCCL on GPUs)
+    except Exception as e:  # noqa: BLE001
+        zero_error = e
     for stage in (1, 3):
-        r = run_zero(stage, plan, device, zb / 2, peak, peak_source)
+        if zero_error is not None:
+            r = {"section": "zero", "name": f"{SHORT.get(plan.zero_model, plan.zero_model)} ZeRO-{stage}",
+                 "model": plan.zero_model, "stage": stage, "batch": plan.zero_batch, "img": plan.img, "precision": "-",
+                 "status": "skipped" if isinstance(zero_error, TimeoutError) else "error",
+                 "error": str(zero_error) if isinstance(zero_error, TimeoutError) else error_text(zero_error)}
+        else:
+            r = run_zero(stage, plan, device, zb / 2, peak, peak_source)
         rows.append(r)
         log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))}  MFU {fmt(r.get('mfu'), '.1%')}  "
             f"peak {fmt(r.get('peak_mem_gib'), '.2f')} GiB {r['error'] or ''}")
+    save(complete=False)
 
     from data_pipeline.write_shards import write_demo_shards
 
     with tempfile.TemporaryDirectory(prefix="vitscale-suite-") as tmp:
         shards = Path(tmp) / "shards"
         t = time.perf_counter()
-        shard_size = max(plan.loader_batch, plan.loader_images // max(4, 2 * plan.loader_workers))
-        write_demo_shards(shards, "train", n=plan.loader_images, shard_size=shard_size,
-                          workers=max(1, min(plan.loader_workers, os.cpu_count() or 1)))
-        log(f"demo shards: {plan.loader_images} images in {time.perf_counter() - t:.1f}s")
+        shard_error = None
+        try:
+            if clock.budget(plan.loader_budget, 0) <= 5:
+                raise TimeoutError("suite out of time")
+            shard_size = max(plan.loader_batch, plan.loader_images // max(4, 2 * plan.loader_workers))
+            write_demo_shards(shards, "train", n=plan.loader_images, shard_size=shard_size,
+                              workers=max(1, min(plan.loader_workers, os.cpu_count() or 1)))
+            log(f"demo shards: {plan.loader_images} images in {time.perf_counter() - t:.1f}s")
+        except Exception as e:  # noqa: BLE001
+            shard_error = e
         lb = clock.budget(plan.loader_budget, 0) - (time.perf_counter() - t)
         for decode in ("cpu", "gpu"):
-            r = run_loader(plan, device, shards, max(1.0, lb / 2 - 3), decode)
+            if shard_error is not None:
+                r = {"section": "loader", "name": f"ShardLoader, {decode.upper()} decode", "decode": decode,
+                     "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img,
+                     "status": "skipped" if isinstance(shard_error, TimeoutError) else "error",
+                     "error": str(shard_error) if isinstance(shard_error, TimeoutError) else error_text(shard_error)}
+            else:
+                r = run_loader(plan, device, shards, max(1.0, lb / 2 - 3), decode)
             rows.append(r)
             log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))} {r['error'] or ''}")
-
-    result = {
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
-                                                             f"{torch.get_num_threads()} threads)",
-        "smoke": args.smoke, "torch": torch.__version__, "deepspeed": deepspeed.__version__, "timm": timm.__version__,
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "date": time.strftime("%Y-%m-%d %H:%M"), "peak_tflops": peak, "peak_source": peak_source,
-        "compile": compile_how, "plan": dataclasses.asdict(plan),
-        "wall_s": clock.elapsed(), "rows": rows,
-    }
-    (out / "suite.json").write_text(json.dumps(result, indent=1))
-    (out / "suite.md").write_text(markdown(result))
+    save(complete=True)
     failed = [r["name"] for r in rows if r["status"] == "error"]
     log(f"wrote {out / 'suite.json'} and {out / 'suite.md'}"
         + (f"; failed rows: {', '.join(failed)}" if failed else ""))

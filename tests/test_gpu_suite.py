@@ -23,7 +23,7 @@ def test_gpu_suite_smoke(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "suite.json").read_text())
     rows = result["rows"]
-    assert result["smoke"] is True and result["wall_s"] > 0
+    assert result["smoke"] is True and result["complete"] is True and result["wall_s"] > 0
     by_section = {}
     for row in rows:
         by_section.setdefault(row["section"], []).append(row)
@@ -86,3 +86,34 @@ def test_failed_row_is_recorded_and_the_rest_goes_on(monkeypatch):
     assert rows["ours act-ckpt"]["status"] == "error" and "OOM" in rows["ours act-ckpt"]["error"], rows
     for v in ("timm", "ours"):
         assert rows[v]["status"] == "ok" and rows[v]["iters"] == 2 and rows[v]["img_s"] > 0, rows[v]
+
+
+def test_out_of_time_parts_are_skipped_rows(tmp_path, monkeypatch):
+    """A suite whose time is spent still writes every row: the parts it could not start say so."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite)
+    spec.loader.exec_module(suite)
+    toy = suite.smoke_plan
+
+    def no_time():
+        plan = toy()
+        plan.total_budget = 0.0
+        return plan
+
+    monkeypatch.setattr(suite, "smoke_plan", no_time)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert suite.main(["--smoke", "--output", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the smoke sets its own count; leave the test process as it was
+    result = json.loads((tmp_path / "suite.json").read_text())
+    assert result["complete"] is True
+    statuses = [(r["section"], r["status"]) for r in result["rows"]]
+    assert statuses[0] == ("peak", "ok") and len(statuses) == 9, statuses
+    assert all(s == "skipped" for _, s in statuses[1:]), statuses
+    assert "suite out of time" in (tmp_path / "suite.md").read_text()
