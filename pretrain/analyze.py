@@ -446,18 +446,13 @@ def log_wandb(doc: dict, wandb_cfg, *, run_dir: Optional[str] = None) -> Optiona
     """The figures as W&B images into the checkpoint's own run at its step (``train/step``, the
     x-axis ``pretrain.metrics`` uses), plus the per-layer mean attention distance as numbers.
     Without a run id (a foreign state dict) they go to a new run, and stderr says so."""
-    if wandb_cfg.mode == "disabled":
-        print(f"{PROG}: --wandb given but logging.wandb.mode=disabled; not logging", file=sys.stderr)
+    from pretrain.metrics import open_checkpoint_run
+
+    run = open_checkpoint_run(doc, wandb_cfg, PROG, "--wandb given", run_dir)
+    if run is None:
         return None
     import wandb
 
-    run_id = doc.get("wandb_run_id")
-    if not run_id:
-        print(f"{PROG}: {doc['checkpoint']} names no W&B run; logging to a new run", file=sys.stderr)
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(id=run_id or None, resume="allow" if run_id else None, mode=wandb_cfg.mode,
-                     project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
-                     dir=run_dir or ".", settings=wandb.Settings(console="off"))
     try:
         run.define_metric("analysis/*", step_metric="train/step")
         figs = doc["figures"]

@@ -97,6 +97,10 @@ class MetricsLogger:
         w = cfg.wandb
         self.run_id = self.run_id or uuid.uuid4().hex[:12]
         os.environ.setdefault("WANDB_SILENT", "true")
+        # A W&B service inherited from a parent process (a notebook, a test runner) would be shared
+        # by every run it starts; one that outlived a kill -9'ed attempt still holds this run id
+        # ("run ID ... is in use") and the resumed run could not log. Each run starts its own.
+        os.environ.pop("WANDB_SERVICE", None)
 
         def init(mode: str):
             # init_timeout bounds the server handshake (retries included); login_timeout any
@@ -113,11 +117,21 @@ class MetricsLogger:
             if w.mode != "online":
                 return self._drop_wandb(e)
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" if str(e).strip() else type(e).__name__
-            try:
-                wandb.teardown()  # else the service keeps the half-started run: "run ID ... is in use"
-                self.wandb_run = init("offline")
-            except Exception as e2:
-                return self._drop_wandb(e2)
+            err: Optional[Exception] = None
+            for attempt in range(4):
+                try:
+                    wandb.teardown()  # else the service keeps the half-started run: "run ID ... is in use"
+                    self.wandb_run = init("offline")
+                    break
+                except Exception as e2:  # the service may still hold the online attempt for a moment
+                    err = e2
+                    if "in use" not in str(e2):
+                        break
+                    if attempt == 2:  # it will not let go: an offline run of its own (the id is saved)
+                        self.run_id = uuid.uuid4().hex[:12]
+                    time.sleep(1.0 + attempt)
+            if self.wandb_run is None:
+                return self._drop_wandb(err)
             print(f"metrics: W&B online could not start ({why}); logging offline to {self.wandb_dir} instead: "
                   f"upload it later with `wandb sync {self.wandb_dir}`", file=sys.stderr, flush=True)
         # one x-axis for everything: the optimizer step
@@ -162,3 +176,21 @@ class MetricsLogger:
                 self.wandb_run.finish()
             except Exception as e:
                 self._drop_wandb(e)
+
+
+def open_checkpoint_run(doc: dict, wandb_cfg, prog: str, what: str, run_dir: Optional[str] = None):
+    """The W&B run a checkpoint came from (``doc['wandb_run_id']``), resumed so that results logged
+    later (transfer scores, analysis figures) land at the checkpoint's ``train/step``; without a run
+    id (a foreign state dict), a new run, and stderr says so. None when W&B is disabled."""
+    if wandb_cfg.mode == "disabled":
+        print(f"{prog}: {what} but logging.wandb.mode=disabled; not logging", file=sys.stderr)
+        return None
+    import wandb
+
+    run_id = doc.get("wandb_run_id")
+    if not run_id:
+        print(f"{prog}: {doc['checkpoint']} names no W&B run; logging to a new run", file=sys.stderr)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(id=run_id or None, resume="allow" if run_id else None, mode=wandb_cfg.mode,
+                      project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
+                      dir=run_dir or ".", settings=wandb.Settings(console="off"))

@@ -24,6 +24,18 @@ def pytest_configure(config):
                             "pretrain.train); `pytest -m \"not slow\"` is the quick inner loop, `make test` runs all")
 
 
+@pytest.fixture(autouse=True)
+def _own_wandb_service():
+    """A test that used W&B in-process leaves no service behind for the next one to share."""
+    yield
+    if "wandb" in sys.modules:
+        try:
+            sys.modules["wandb"].teardown()
+        except Exception:
+            pass
+    os.environ.pop("WANDB_SERVICE", None)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

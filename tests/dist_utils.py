@@ -22,6 +22,7 @@ def job_env(**extra) -> dict:
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{BIN}:{env.get('PATH', '')}")
     env.pop("VITSCALE_FAULT", None)
+    env.pop("WANDB_SERVICE", None)  # an in-process W&B test's service must not be shared by the jobs
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

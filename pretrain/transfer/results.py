@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import unwritable, write_atomic
+from pretrain.metrics import open_checkpoint_run
 from pretrain.transfer import vtab
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.sweep import TaskResult
@@ -142,18 +142,9 @@ def wandb_metrics(doc: dict) -> dict:
 def log_wandb(doc: dict, wandb_cfg, *, run_dir: Optional[str] = None) -> Optional[str]:
     """Log ``doc`` into the pre-training run (``doc['wandb_run_id']``); returns the run's path.
     Without a run id (a foreign state dict) the results go to a new run, and stderr says so."""
-    if wandb_cfg.mode == "disabled":
-        print("vit-transfer: eval.wandb=true but logging.wandb.mode=disabled; not logging", file=sys.stderr)
+    run = open_checkpoint_run(doc, wandb_cfg, "vit-transfer", "eval.wandb=true", run_dir)
+    if run is None:
         return None
-    import wandb
-
-    run_id = doc.get("wandb_run_id")
-    if not run_id:
-        print(f"vit-transfer: {doc['checkpoint']} names no W&B run; logging to a new run", file=sys.stderr)
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(id=run_id or None, resume="allow" if run_id else None, mode=wandb_cfg.mode,
-                     project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
-                     dir=run_dir or ".", settings=wandb.Settings(console="off"))
     try:
         run.define_metric("transfer/*", step_metric="train/step")
         step = doc.get("step") or 0
