@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,6 +45,10 @@ def worker_init(worker_id: int) -> None:
 def stop_workers(timeout_s: float = 5.0) -> int:
     """SIGKILL this process's worker processes and reap them; returns how many were running."""
     children = multiprocessing.active_children()
+    if children and threading.current_thread() is threading.main_thread():
+        # torch's DataLoader raises "worker ... killed by signal" from its SIGCHLD handler when a
+        # worker dies under a live iterator; here their death is the point
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for p in children:
         try:
             os.kill(p.pid, signal.SIGKILL)
