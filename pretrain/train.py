@@ -349,6 +349,9 @@ def run(cfg: Config) -> dict:
         print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
     samples = SampleLog(layout.samples, rank).open(start) if cfg.data.record_samples else None
+    if samples is not None and rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
+        for r in range(world, len(resumed[1]) if resumed else 0):  # logs are cut back to the step too
+            SampleLog(layout.samples, r).open(start).close()
     evaluator = InTrainingEval(cfg, rank=rank, world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(cfg.train.precision))
     evaluator = evaluator if evaluator.enabled else None
