@@ -2,6 +2,7 @@
 run only where CUDA is present (CI never has one)."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +35,18 @@ def _own_wandb_service():
         except Exception:
             pass
     os.environ.pop("WANDB_SERVICE", None)
+
+
+@pytest.fixture(autouse=True)
+def _no_shm_left():
+    """A safety net for the machine, not a check (test_distributed checks the release): a job killed
+    before its ranks released DeepSpeed's 66 MB /dev/shm buffers (pretrain.distributed) would leave
+    them in RAM for good; the files this test made go when it ends."""
+    pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
+    before = set(Path("/dev/shm").glob(pattern))
+    yield
+    for f in set(Path("/dev/shm").glob(pattern)) - before:
+        f.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -184,10 +184,9 @@ def main():
 
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     root, jobs = Path(args[0]), args[1:]
-    import deepspeed
+    from pretrain.distributed import init_distributed
 
-    deepspeed.init_distributed(verbose=False)  # the runner set RANK / WORLD_SIZE / MASTER_*
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, _, world = init_distributed()  # the runner set RANK / WORLD_SIZE / MASTER_*
     torch.set_num_threads(1)
     for job in jobs:
         phase, case = job.split(":")

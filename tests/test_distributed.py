@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,12 +145,19 @@ def test_exact_resume_after_kills_and_wandb_run(shards, tmp_path):
 def test_sigterm_saves_checkpoint_and_exits(shards, tmp_path):
     run = tmp_path / "preempt"
     log = tmp_path / "job.log"
-    p = start_job(deepspeed_cmd("pretrain.train", *train_args(
+    cmd = deepspeed_cmd("pretrain.train", *train_args(
         shards, run, "zero.stage=1", "train.steps=100000", "train.log_every_steps=1",
-        "checkpoint.every_steps=100000")), log)
+        "checkpoint.every_steps=100000"))
+    p = start_job(cmd, log)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
                  240, p, "two logged steps")
+        # DeepSpeed's CPU shm all-reduce made a 66 MB /dev/shm file per rank; the ranks unlinked
+        # them after start-up (still mapped), so no way of ending the job can leave them behind
+        assert "deepspeed_shm_comm_op built successfully" in log.read_text(), log.read_text()[-2000:]
+        port = cmd[cmd.index("--master_port") + 1]
+        left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+        assert left == [], f"rank shm buffers not released: {left}"
         kill_group(p, signal.SIGTERM)  # as SLURM does on preemption: every process of the job
         wait_for(lambda: not group_alive(p), 120, None, "the job to exit after SIGTERM")
     finally:
