@@ -17,7 +17,8 @@ whole suite is planned to end within 9 minutes on one H100):
           one (the process group started as pretrain.distributed.init_distributed does), one after
           the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader over demo shards (data_pipeline.write_shards.write_demo_shards) read at
-          224 px with CPU decode; the GPU-decode row runs when data.decode_device exists
+          224 px: JPEGs decoded by PIL in the workers (data.decode_device=worker), then by nvJPEG
+          in the training process (data.decode_device=cuda; on CPU its cpu code path)
 
 A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
 against the data-sheet peak when the device is in pretrain.flops' table, else against the measured
@@ -400,14 +401,11 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
     row = {"section": "loader", "name": f"ShardLoader, {decode.upper()} decode", "decode": decode,
            "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok",
            "error": None}
-    has_decode_device = "decode_device" in {f.name for f in dataclasses.fields(DataConfig)}
-    if decode != "cpu" and not has_decode_device:
-        row.update(status="not built", error="data.decode_device does not exist yet (issue 14, part 3)")
-        return row
     try:
         from data_pipeline.loader import build_loader
 
-        kw = {"decode_device": "cuda" if device.type == "cuda" else "cpu"} if decode != "cpu" else {}
+        gpu_decode = "cuda" if device.type == "cuda" else "cpu"
+        kw = {"decode_device": gpu_decode if decode != "cpu" else "worker"}
         if decode != "cpu":
             row["decode_device"] = kw["decode_device"]
             if kw["decode_device"] == "cpu":  # smoke: the GPU-decode path's logic, run on the CPU

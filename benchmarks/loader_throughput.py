@@ -6,6 +6,8 @@
   (c) torchvision ImageFolder + DataLoader with the same transforms (RandomResizedCrop 224, flip,
       to float, normalise) over the original files
   (b0) our loader on shards *without* pre-resizing, to show what the pre-resize buys
+  (bd) with ``--decode-device cuda`` (or ``cpu``): (b)'s shards with data.decode_device=DEVICE, the
+       training process decoding each batch (nvJPEG on a GPU); compared with (b) in total img/s
 
 Targets (issue 3): b/c >= 1.5 and b/a >= 0.8. Images are generated: about ImageNet-sized
 (500x375 and 375x500) JPEGs at quality 90 with natural-image-like content (smooth regions, edges
@@ -13,6 +15,7 @@ and fine noise), so file sizes are in ImageNet's range. Default run: under two m
 
     python benchmarks/loader_throughput.py                    # 768 images, 1 worker, batch 64, 3 rounds
     python benchmarks/loader_throughput.py --images 2048 --workers 2
+    python benchmarks/loader_throughput.py --workers 8 --decode-device cuda   # on a GPU machine
 """
 from __future__ import annotations
 
@@ -74,8 +77,9 @@ def rate_batches(it, batches: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def ours(shards: Path, workers: int, batch: int):
-    cfg = DataConfig(train_shards=str(shards), workers=workers, shuffle_buffer=256, augment=AugmentConfig())
+def ours(shards: Path, workers: int, batch: int, decode_device: str = "worker"):
+    cfg = DataConfig(train_shards=str(shards), workers=workers, shuffle_buffer=256, augment=AugmentConfig(),
+                     decode_device=decode_device)
     return iter(build_loader(cfg, batch_size=batch, img_size=224, seed=0))  # endless
 
 
@@ -104,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--resize-shorter", type=int, default=256, help="vit-shards --resize-shorter for (b)")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "vitscale-loader-bench"))
     p.add_argument("--skip-full", action="store_true", help="skip (b0), the loader on full-size shards")
+    p.add_argument("--decode-device", choices=("cpu", "cuda"), help="add (bd): data.decode_device=DEVICE")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(args.data_dir)
@@ -130,6 +135,8 @@ def main(argv=None) -> int:
     its = {"b": ours(resized, args.workers, args.batch), "c": imagefolder_loader(images, args.workers, args.batch)}
     if not args.skip_full:
         its["b0"] = ours(full, args.workers, args.batch)
+    if args.decode_device:
+        its["bd"] = ours(resized, args.workers, args.batch, args.decode_device)
     for name, it in its.items():
         rate_batches(it, 2)  # warm-up: workers started, shuffle buffers filled
         runs[name] = (lambda it=it: rate_batches(it, batches) / per)
@@ -147,6 +154,9 @@ def main(argv=None) -> int:
     print(f"(c)  torchvision ImageFolder, same transforms   {med['c']:7.1f} img/s per worker   {spread['c']}")
     if "b0" in med:
         print(f"(b0) vitscale loader, full-size shards          {med['b0']:7.1f} img/s per worker   {spread['b0']}")
+    if "bd" in med:
+        print(f"(bd) vitscale loader, decode_device={args.decode_device:<4s}         {med['bd']:7.1f} img/s per worker   "
+              f"{spread['bd']}   bd/b = {med['bd'] / med['b']:.2f}")
     print(f"b/a = {med['b'] / med['a']:.2f} (target >= 0.8)   b/c = {med['b'] / med['c']:.2f} (target >= 1.5)   "
           f"[median of {args.rounds} rounds; workers={args.workers}, batch={args.batch}, torch threads=1]")
     return 0

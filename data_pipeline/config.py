@@ -11,6 +11,8 @@ from typing import Callable, Optional, Union
 
 __all__ = ["AugmentConfig", "DataConfig", "check_data"]
 
+DEVICES = ("worker", "cpu", "cuda")  # data.decode_device
+
 
 @dataclass
 class AugmentConfig:
@@ -42,6 +44,10 @@ class DataConfig:
     max_corrupt_rate: float = 0.01  # stop the run when more than this share of samples is bad
     max_image_pixels: int = 89_478_485  # decompression-bomb guard (PIL's default limit)
     prefetch_factor: int = 2
+    # where JPEGs are decoded: "worker" (PIL in the dataloader workers), or "cuda" / "cpu": the
+    # training process decodes each batch with torchvision's decode_jpeg (nvJPEG on a GPU) and
+    # crops, flips, normalises there; workers only read and pick crop boxes (batch_decode.py)
+    decode_device: str = "worker"
     # write step<TAB>epoch<TAB>key per consumed sample to <output_dir>/samples/rank-<R>.tsv
     record_samples: bool = False
     # a file of sample keys to skip, one per line (vit-audit's exclude.txt): never decoded,
@@ -56,6 +62,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
         fail("data.workers", f"must be >= 0, got {data.workers}")
     if not 0.0 <= data.max_corrupt_rate <= 1.0:
         fail("data.max_corrupt_rate", f"must be in [0, 1], got {data.max_corrupt_rate}")
+    if data.decode_device not in DEVICES:
+        fail("data.decode_device", f"must be one of {', '.join(DEVICES)}, got {data.decode_device!r}")
     a = data.augment
     if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
         fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")

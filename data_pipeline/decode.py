@@ -44,9 +44,14 @@ class BadSample(Exception):
         self.kind = kind
 
 
+def image_bytes(members: dict) -> bytes | None:
+    """The sample's image member (the first of IMAGE_EXTS it has), or None."""
+    return next((members[e] for e in IMAGE_EXTS if e in members), None)
+
+
 def open_image(members: dict, max_pixels: int) -> Image.Image:
     """Parse the image header (lazy: no pixels decoded yet); refuse bombs and unknown formats."""
-    data = next((members[e] for e in IMAGE_EXTS if e in members), None)
+    data = image_bytes(members)
     if data is None:
         raise BadSample("no_image")
     try:

@@ -38,6 +38,11 @@ Exclusion (``data.exclude_keys: FILE``, e.g. vit-audit's exclude.txt): samples w
 listed are dropped before decoding and counted as ``excluded``; like bad samples they leave the
 slot short, so it refills its batches from a further pass (``repeated_for_balance``).
 
+Decode device (``data.decode_device``, ``batch_decode.py``): ``worker`` decodes in the workers as
+above; ``cuda`` / ``cpu`` have the workers ship plain JPEGs undecoded with their crop boxes, and
+this process decodes, crops and normalises each batch there (nvJPEG on a GPU; the ``cpu`` path
+gives bit-identical batches to ``worker`` when no draft decode applies, and exists to test it).
+
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
 the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
@@ -49,12 +54,14 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader
 
+from data_pipeline.batch_decode import BatchDecoder, DeferredBatch, check_device
 from data_pipeline.errors import DataError, TooManyCorruptSamples
 from data_pipeline.exclude import read_exclusion
 from data_pipeline.manifest import resolve_shards
 from data_pipeline.plan import Plan
 from data_pipeline.rest import RestEpoch, rest_epoch
 from data_pipeline.stream import Settings, SlotStream, Start
+from data_pipeline.transforms import SampleTransform
 from data_pipeline.workers import worker_init
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
@@ -91,8 +98,14 @@ class ShardLoader:
         self.batches_per_epoch = plan.rank_batches(rank)
         exclude = read_exclusion(data_cfg.exclude_keys, "data.exclude_keys").keys \
             if getattr(data_cfg, "exclude_keys", None) else frozenset()
+        decode_device = getattr(data_cfg, "decode_device", "worker")
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
-                                 data_cfg.max_image_pixels, data_cfg.multi_label, exclude)
+                                 data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device)
+        self._decoder = None  # data.decode_device cpu/cuda: this process finishes each batch
+        if decode_device != "worker":
+            check_device(decode_device)
+            self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
+                                         decode_device, data_cfg.max_image_pixels, self.num_classes)
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size
@@ -148,6 +161,8 @@ class ShardLoader:
             generator=torch.Generator().manual_seed(0))
         for images, targets, meta in loader:
             epoch = self._epoch
+            if isinstance(images, DeferredBatch):  # its failures join the batch's tally
+                images, targets = self._decoder(images, targets, meta)
             self._account(meta)
             if images is not None:
                 self._counts["samples"] += images.shape[0]

@@ -27,7 +27,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import AugmentConfig
-from data_pipeline.decode import BadSample, open_image, parse_label
+from data_pipeline.batch_decode import DeferredBatch
+from data_pipeline.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.shard_reader import read_shard
 from data_pipeline.tally import Tally
@@ -44,6 +45,7 @@ class Settings:
     max_image_pixels: int
     multi_label: bool
     exclude: frozenset = frozenset()  # data.exclude_keys: keys skipped before decoding
+    decode_device: str = "worker"  # data.decode_device: "worker", or where the training process decodes
 
     def mixing(self, train: bool) -> bool:
         return train and (self.augment.mixup_alpha > 0 or self.augment.cutmix_alpha > 0)
@@ -255,6 +257,10 @@ class SlotStream(IterableDataset):
         try:
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
             img = open_image(raw.members, self.settings.max_image_pixels)
+            if self.settings.decode_device != "worker":  # the training process decodes plain JPEGs
+                deferred = self.transform.defer(img, image_bytes(raw.members), seed)
+                if deferred is not None:
+                    return deferred, label
             return self.transform(img, seed), label
         except BadSample as e:
             tally.bad(e.kind, raw.shard.name)
@@ -262,14 +268,17 @@ class SlotStream(IterableDataset):
 
     def _collate(self, images, labels, batch_seed):
         s = self.settings
-        x = normalized_batch(images, s.augment.mean, s.augment.std)
+        if s.decode_device != "worker":  # decoded, normalised and mixed by the training process
+            x = DeferredBatch(images, batch_seed if s.mixing(self.plan.train) else None)
+        else:
+            x = normalized_batch(images, s.augment.mean, s.augment.std)
         if s.multi_label:
             y = torch.zeros(len(labels), self.num_classes)
             for i, lab in enumerate(labels):
                 y[i, lab] = 1.0
         else:
             y = torch.tensor(labels, dtype=torch.int64)
-        if s.mixing(self.plan.train):
+        if s.mixing(self.plan.train) and s.decode_device == "worker":
             if y.dtype == torch.int64:
                 y = torch.nn.functional.one_hot(y, self.num_classes).float()
             x, y = mix_batch(x, y, s.augment, batch_seed)

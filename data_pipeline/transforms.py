@@ -16,6 +16,8 @@ antialiased kernel); samples leave as uint8 and are normalised into the batch bu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -24,7 +26,18 @@ from torch.utils.data import get_worker_info
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from data_pipeline.decode import draft, load_rgb, oriented_size
+from data_pipeline.decode import draft, exif_orientation, load_rgb, oriented_size
+
+
+@dataclass
+class Deferred:
+    """A JPEG that the training process decodes (``data.decode_device``: cpu or cuda), with what its
+    worker drew for it from the sample's seed."""
+    data: torch.Tensor  # uint8 (N,): the file's bytes
+    size: tuple  # (W, H) from the header
+    box: Optional[tuple]  # training: the crop (top, left, h, w) in the full image; None: evaluation
+    flip: bool
+    seed: int  # the sample's seed: RandAugment replays from it
 
 
 class SampleTransform:
@@ -33,15 +46,26 @@ class SampleTransform:
     def __init__(self, aug, img_size: int, train: bool):
         self.size = int(img_size)
         self.train = train
+        self.resize = int(round(self.size / aug.eval_crop_pct))
         if train:
             self.crop = v2.RandomResizedCrop(self.size, scale=tuple(aug.crop_scale), ratio=tuple(aug.crop_ratio),
                                              antialias=True)
-            post = [v2.RandomHorizontalFlip(aug.hflip)] if aug.hflip > 0 else []
-            if aug.randaugment_ops > 0:
-                post.append(v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude))
-            self.post = v2.Compose(post) if post else None
-        else:
-            self.resize = int(round(self.size / aug.eval_crop_pct))
+            self.hflip = aug.hflip
+            self.randaug = v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude) \
+                if aug.randaugment_ops > 0 else None
+
+    def _draw(self, W: int, H: int) -> tuple[tuple[int, int, int, int], bool]:
+        """The sample's crop box (top, left, h, w) in a W x H image and its flip, drawn from torch's
+        default generator (seeded by the caller) in a fixed order; RandAugment draws next."""
+        # a zero-stride tensor stands in for an image of that size: nothing is decoded yet
+        p = self.crop.make_params([torch.empty(1, 1, 1).expand(1, H, W)])
+        flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)  # as v2.RandomHorizontalFlip draws
+        return (p["top"], p["left"], p["height"], p["width"]), flip
+
+    def _post(self, out: torch.Tensor, flip: bool) -> torch.Tensor:
+        if flip:
+            out = out.flip(-1)
+        return self.randaug(out) if self.randaug is not None else out
 
     def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
         if not self.train:
@@ -49,10 +73,9 @@ class SampleTransform:
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
             # The crop is drawn from the header's size as displayed (EXIF orientation 5..8 swaps
-            # it), before decoding; a zero-stride tensor stands in for an image of that size.
+            # it), before decoding.
             W, H = oriented_size(img)
-            p = self.crop.make_params([torch.empty(1, 1, 1).expand(1, H, W)])
-            top, left, h, w = p["top"], p["left"], p["height"], p["width"]
+            (top, left, h, w), flip = self._draw(W, H)
             r = min(w, h) / self.size  # how much smaller the decode may be with no loss
             img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
             rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
@@ -63,7 +86,35 @@ class SampleTransform:
                 w = max(1, min(rgb.size[0] - left, round(w * sx)))
             # uint8 tensor resize: torch's antialiased bilinear kernel is about 1.7x faster than PIL's
             out = F.resized_crop(F.pil_to_tensor(rgb), top, left, h, w, [self.size, self.size], antialias=True)
-            return self.post(out) if self.post is not None else out
+            return self._post(out, flip)
+
+    # ---------------------------------------- data.decode_device: the training process decodes
+    def defer(self, img: Image.Image, data: bytes, seed: int) -> "Deferred | None":
+        """For a JPEG the training process can decode as it is (RGB or grey, no EXIF rotation), what
+        it needs: the file and what this sample drew. None: decode it here (:meth:`__call__`)."""
+        if img.format != "JPEG" or img.mode not in ("RGB", "L") or exif_orientation(img) != 1:
+            return None
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if not self.train:
+            return Deferred(raw, img.size, None, False, seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            box, flip = self._draw(*img.size)
+        return Deferred(raw, img.size, box, flip, seed)
+
+    def finish(self, pixels: torch.Tensor, item: "Deferred") -> torch.Tensor:
+        """Decoded uint8 (3, H, W) of ``item``, on any device -> uint8 (3, size, size): what
+        :meth:`__call__` gives for the same sample (identical when no draft decode applied there)."""
+        if item.box is None:
+            return F.center_crop(F.resize(pixels, self.resize, antialias=True), [self.size, self.size])
+        top, left, h, w = item.box
+        out = F.resized_crop(pixels, top, left, h, w, [self.size, self.size], antialias=True)
+        if self.randaug is None:
+            return out.flip(-1) if item.flip else out
+        with torch.random.fork_rng(devices=[]):  # replay the sample's draws, then RandAugment's
+            torch.random.default_generator.manual_seed(item.seed)
+            self._draw(*item.size)
+            return self._post(out, item.flip)
 
     def _eval(self, img: Image.Image) -> torch.Tensor:
         w, h = img.size

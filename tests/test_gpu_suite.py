@@ -46,8 +46,8 @@ def test_gpu_suite_smoke(tmp_path):
 
     cpu, gpu = by_section["loader"]
     assert cpu["decode"] == "cpu" and cpu["status"] == "ok" and _number(cpu["img_s"]), cpu
-    # GPU decode (issue 14, part 3) runs its CPU code path in the smoke once it exists
-    assert gpu["status"] == "not built" or (gpu["status"] == "ok" and _number(gpu["img_s"])), gpu
+    # GPU decode (data.decode_device=cuda) runs its CPU code path in the smoke
+    assert gpu["status"] == "ok" and gpu["decode_device"] == "cpu" and _number(gpu["img_s"]), gpu
 
     md = (out / "suite.md").read_text()
     for row in rows:

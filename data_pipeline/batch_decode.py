@@ -1,0 +1,140 @@
+"""``data.decode_device``: where a training batch's JPEGs are decoded.
+
+``worker`` (the default): each dataloader worker decodes with PIL (draft-mode DCT scaling), crops,
+resizes and normalises; the batch arrives ready.
+
+``cuda`` / ``cpu``: workers only read tar members, parse headers (bomb and format checks as
+before) and draw each sample's crop box and flip from its seed (``SampleTransform.defer``); the
+training process decodes the whole batch in one ``torchvision.io.decode_jpeg(list, device=...)``
+call (nvJPEG on a GPU), then crops, resizes, flips, normalises and mixes (Mixup/CutMix) on that
+device. ``cpu`` runs the same code path on the CPU, which is how CI tests it. Members that are not
+plain JPEGs (PNG, WebP, CMYK JPEGs, JPEGs with an EXIF rotation) are decoded in the worker as
+before and travel as finished uint8 samples in the same batch.
+
+A JPEG that fails to decode here is retried alone and then through the worker path (PIL); one that
+fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``) and its
+place in the batch is taken by a copy of another sample of the batch, counted as
+``repeated_for_balance``, so every rank still yields batches of the same shape. Its key in
+``loader.last_keys`` is the copied sample's.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from data_pipeline.config import DEVICES
+from data_pipeline.decode import BadSample, open_image
+from data_pipeline.errors import ConfigError, TooManyCorruptSamples
+from data_pipeline.transforms import Deferred, SampleTransform, mix_batch
+
+
+
+def decode_jpeg(data, device: torch.device):
+    """torchvision's decode_jpeg to RGB. torchvision 0.29 deprecates its codecs for TorchCodec (not
+    one of our dependencies); decode_jpeg still works, and its warning would come once per batch."""
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as tv_decode_jpeg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return tv_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+@dataclass
+class DeferredBatch:
+    """What a worker yields instead of an image tensor when the training process decodes."""
+    items: list  # per sample: Deferred (a JPEG to decode) or a finished uint8 (3, S, S) tensor
+    mix_seed: Optional[int]  # Mixup/CutMix seed of the batch (None: no mixing)
+
+
+def check_device(device: str, key: str = "data.decode_device") -> None:
+    """One-line ConfigError for a device this process cannot decode on."""
+    if device not in DEVICES:
+        raise ConfigError(f"{key}: must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}: cuda, but this process sees no CUDA device (use worker or cpu)")
+
+
+class BatchDecoder:
+    """Finishes a :class:`DeferredBatch` in the training process: float32 (B, 3, S, S) on ``device``,
+    normalised with augment.mean/std, mixed when the batch carries a mix seed."""
+
+    def __init__(self, transform: SampleTransform, aug, device: str, max_pixels: int, num_classes: int):
+        self.transform, self.aug, self.max_pixels, self.num_classes = transform, aug, max_pixels, num_classes
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        std = torch.tensor(aug.std, dtype=torch.float32).view(3, 1, 1)
+        self.scale = (1.0 / (std * 255.0)).to(self.device)
+        self.shift = (-torch.tensor(aug.mean, dtype=torch.float32).view(3, 1, 1) / std).to(self.device)
+
+    def __call__(self, batch: DeferredBatch, targets: torch.Tensor, meta: dict):
+        """(images, targets); records failures in ``meta`` (its tally and keys) for the loader."""
+        items = batch.items
+        jpegs = [i for i, it in enumerate(items) if isinstance(it, Deferred)]
+        pixels = dict(zip(jpegs, self._decode([items[i] for i in jpegs])))
+        out = torch.empty((len(items), 3, self.transform.size, self.transform.size), dtype=torch.float32,
+                          device=self.device)
+        bad = []
+        for i, it in enumerate(items):
+            if isinstance(it, Deferred):
+                u8 = self._finish(it, pixels[i])
+                if u8 is None:
+                    bad.append(i)
+                    continue
+            else:
+                u8 = it.to(self.device, non_blocking=True)
+            out[i].copy_(u8).mul_(self.scale).add_(self.shift)
+        targets = targets.to(self.device, non_blocking=True)
+        if bad:
+            self._replace(bad, out, targets, meta)
+        if batch.mix_seed is not None:
+            if targets.dtype == torch.int64:
+                targets = torch.nn.functional.one_hot(targets, self.num_classes).float()
+            out, targets = mix_batch(out, targets, self.aug, batch.mix_seed)
+        return out, targets
+
+    def _decode(self, items: list) -> list:
+        """Decoded uint8 (3, H, W) per item (None: this decoder could not); one batched call."""
+        if not items:
+            return []
+        datas = [it.data for it in items]
+        try:
+            return list(decode_jpeg(datas, self.device))
+        except RuntimeError:  # one bad file fails the whole call: find it
+            out = []
+            for d in datas:
+                try:
+                    out.append(decode_jpeg(d, self.device))
+                except RuntimeError:
+                    out.append(None)
+            return out
+
+    def _finish(self, item: Deferred, pixels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if pixels is not None and tuple(pixels.shape[-2:]) == (item.size[1], item.size[0]):
+            return self.transform.finish(pixels, item)
+        # the worker path (PIL), from the same bytes and seed; None when PIL cannot either
+        try:
+            img = open_image({"jpg": item.data.numpy().tobytes()}, self.max_pixels)
+            return self.transform(img, item.seed).to(self.device)
+        except BadSample:
+            return None
+
+    def _replace(self, bad: list, out: torch.Tensor, targets: torch.Tensor, meta: dict) -> None:
+        good = [i for i in range(out.shape[0]) if i not in set(bad)]
+        shards = meta.get("shards") or [""] * out.shape[0]
+        if not good:
+            raise TooManyCorruptSamples(f"none of the {len(bad)} JPEGs of a batch decoded on {self.device.type} "
+                                        f"(shards: {', '.join(sorted(set(shards[i] for i in bad)))})")
+        tally = meta["tally"]
+        for n, i in enumerate(bad):
+            src = good[n % len(good)]
+            out[i].copy_(out[src])
+            targets[i] = targets[src]
+            tally["counts"]["corrupt_image"] = tally["counts"].get("corrupt_image", 0) + 1
+            tally["bad_by_shard"][shards[i]] = tally["bad_by_shard"].get(shards[i], 0) + 1
+            tally["counts"]["repeated_for_balance"] = tally["counts"].get("repeated_for_balance", 0) + 1
+            if meta.get("keys"):
+                meta["keys"][i], shards[i] = meta["keys"][src], shards[src]
+

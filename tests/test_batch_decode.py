@@ -1,0 +1,172 @@
+"""data.decode_device: the training process decodes each batch's JPEGs (torchvision decode_jpeg;
+nvJPEG on a GPU). On CPU the same code path must give exactly the worker path's batches."""
+import io
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data_pipeline.batch_decode import DeferredBatch
+from data_pipeline.config import AugmentConfig, DataConfig
+from data_pipeline.loader import build_loader
+from data_pipeline.plan import Plan
+from data_pipeline.manifest import resolve_shards
+from data_pipeline.stream import Settings, SlotStream, Start
+from data_pipeline.transforms import Deferred
+
+
+def _encode(arr, fmt, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _samples(n: int, seed: int):
+    """A mix of what shards hold: RGB and grey JPEGs (decoded by the training process), and PNG,
+    CMYK JPEG and EXIF-rotated JPEG members (decoded by the worker)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        arr = (rng.random((20, 24, 3)) * 200 + 20).astype(np.uint8)
+        kind = i % 8
+        if kind == 5:
+            img = {"png": _encode(arr, "PNG")}
+        elif kind == 6:
+            img = {"jpg": _encode(np.ascontiguousarray(arr[..., 0]), "JPEG")}  # grey
+        elif kind == 7:
+            exif = Image.Exif()
+            exif[0x0112] = 6 if i % 16 == 7 else 1
+            buf = io.BytesIO()
+            (Image.fromarray(arr).convert("CMYK") if i % 16 == 15 else Image.fromarray(arr)).save(
+                buf, "JPEG", exif=exif.tobytes())
+            img = {"jpg": buf.getvalue()}
+        else:
+            img = {"jpg": _encode(arr, "JPEG", quality=90)}
+        out.append((f"{seed:02d}{i:04d}", {**img, "cls": str(i % 5).encode()}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, shard_kit):
+    root = tmp_path_factory.mktemp("mixed")
+    return shard_kit.make_shards(root, [_samples(32, s) for s in range(4)], [f"c{i}" for i in range(5)])
+
+
+def _cfg(shards, device, workers=1, **aug):
+    return DataConfig(train_shards=str(shards / "manifest.json"), val_shards=str(shards / "manifest.json"),
+                      workers=workers, shuffle_buffer=16, decode_device=device, max_corrupt_rate=0.1,
+                      augment=replace(AugmentConfig(), **aug))
+
+
+def _run(cfg, train=True, batches=None):
+    loader = build_loader(cfg, rank=1, world_size=2, batch_size=8, seed=3, img_size=16, train=train)
+    out = []
+    for images, targets in loader:
+        out.append((images.clone(), targets.clone(), list(loader.last_keys)))
+        if batches and len(out) == batches:
+            break
+    return loader, out
+
+
+@pytest.mark.parametrize("aug", [{}, {"randaugment_ops": 2, "randaugment_magnitude": 9},
+                                 {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}],
+                         ids=["crop-flip", "randaugment", "mixup-cutmix"])
+def test_cpu_batch_decode_equals_the_worker_path(mixed, aug):
+    """Same seeds, same crop boxes and flips, same decoder (libjpeg-turbo), same resize kernel:
+    bit-identical batches, targets and keys, with plain JPEGs, worker-decoded members and mixing."""
+    want_loader, want = _run(_cfg(mixed, "worker", **aug), batches=6)
+    got_loader, got = _run(_cfg(mixed, "cpu", **aug), batches=6)
+    assert len(got) == len(want) == 6
+    for (a, ta, ka), (b, tb, kb) in zip(want, got):
+        assert ka == kb
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape == (8, 3, 16, 16)
+        assert torch.equal(a, b), (a - b).abs().max()
+        assert torch.equal(ta, tb)
+    assert got_loader.counters == want_loader.counters
+    assert got_loader.state_dict()["emitted"] == want_loader.state_dict()["emitted"]
+
+
+def test_cpu_batch_decode_eval_pass_equals_the_worker_path(mixed):
+    _, want = _run(_cfg(mixed, "worker", workers=2), train=False)
+    _, got = _run(_cfg(mixed, "cpu", workers=2), train=False)
+    assert sum(len(k) for _, _, k in got) == 64  # rank 1's half, every sample once
+    assert [k for _, _, k in got] == [k for _, _, k in want]
+    for (a, ta, _), (b, tb, _) in zip(want, got):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
+
+
+def test_workers_ship_plain_jpegs_undecoded(mixed):
+    """The worker's batch holds the JPEG files' own bytes and the sample's crop box; PNG, CMYK and
+    EXIF-rotated members arrive decoded (finished uint8 samples)."""
+    import tarfile
+
+    cfg = _cfg(mixed, "cpu")
+    shardset = resolve_shards(cfg.train_shards, key="data.train_shards")
+    plan = Plan(shardset, 1, 1, 8, 3, True)
+    stream = SlotStream(plan, 0, Settings(cfg.augment, 16, 16, cfg.max_image_pixels, False, frozenset(), "cpu"),
+                        Start(0, 0, (0,)), 5)
+    members = {}
+    for sh in sorted(mixed.glob("*.tar")):
+        with tarfile.open(sh) as tar:
+            for m in tar.getmembers():
+                members[m.name] = tar.extractfile(m).read()
+    kinds = set()
+    for batch, _, meta in (next(iter(stream)),) + tuple(x for _, x in zip(range(3), iter(stream))):
+        assert isinstance(batch, DeferredBatch) and batch.mix_seed is None
+        for item, key in zip(batch.items, meta["keys"]):
+            if isinstance(item, Deferred):
+                assert bytes(item.data.numpy()) == members[f"{key}.jpg"]
+                top, left, h, w = item.box
+                assert 0 <= top and top + h <= 20 and 0 <= left and left + w <= 24
+                kinds.add("jpeg")
+            else:
+                assert item.dtype == torch.uint8 and item.shape == (3, 16, 16)
+                kinds.add("decoded")
+    assert kinds == {"jpeg", "decoded"}
+
+
+def test_a_jpeg_that_fails_to_decode_is_counted_and_its_place_refilled(tmp_path, shard_kit):
+    """A JPEG whose header parses but whose data is cut: both paths count it as corrupt_image of its
+    shard; the batch-decode path keeps the batch's shape with a copy of another sample."""
+    samples = _samples(32, 9)
+    good = samples[0][1]["jpg"]
+    samples[2] = (samples[2][0], {"jpg": good[: len(good) // 2], "cls": b"1"})  # truncated
+    root = shard_kit.make_shards(tmp_path / "bad", [samples], [f"c{i}" for i in range(5)])
+    counts = {}
+    for device in ("worker", "cpu"):
+        loader = build_loader(_cfg(root, device, workers=0), batch_size=8, seed=0, img_size=16)
+        n, keys = 0, []
+        for images, _ in loader:
+            assert images.shape == (8, 3, 16, 16) and torch.isfinite(images).all()
+            keys += loader.last_keys
+            n += 1
+            if n == loader.batches_per_epoch:
+                break
+        counts[device] = loader.counters
+        assert counts[device]["corrupt_image"] == 1, counts
+        assert samples[2][0] not in keys
+    assert counts["cpu"]["repeated_for_balance"] >= 1 and counts["cpu"]["samples"] == counts["worker"]["samples"]
+
+
+def test_decode_device_errors_name_the_key(tmp_path, mixed):
+    from pretrain.config import load_config
+
+    with pytest.raises(ValueError, match=r"data\.decode_device.*gpu"):
+        load_config("configs/tiny_cpu.yaml", ["data.decode_device=gpu"])
+    if not torch.cuda.is_available():
+        from data_pipeline.errors import ConfigError
+
+        with pytest.raises(ConfigError, match=r"^data\.decode_device: cuda, but this process sees no CUDA device"):
+            build_loader(_cfg(mixed, "cuda"), batch_size=8, img_size=16)
+
+
+@pytest.mark.gpu
+def test_cuda_batch_decode_matches_cpu(mixed):
+    """nvJPEG's IDCT is not libjpeg-turbo's: the same batches within a few grey levels."""
+    _, want = _run(_cfg(mixed, "cpu"), batches=4)
+    _, got = _run(_cfg(mixed, "cuda"), batches=4)
+    for (a, ta, ka), (b, tb, kb) in zip(want, got):
+        assert b.is_cuda and ka == kb and torch.equal(ta, tb.cpu())
+        assert (a - b.cpu()).abs().mean() < 4 / 127.5
