@@ -248,6 +248,8 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
               f"(checkpointing {ckpt}; {other}), runtime {_gb(memory.RUNTIME_OVERHEAD_BYTES)}")
     if s["cpu"]:
         detail += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
+    how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
+    detail += f"; building the model takes {_gb(est.host_build)} host memory per rank ({how})"
     if est.total <= budget:
         return [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB")]
     fixes = []

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from launch import preflight
+from launch import memory, preflight
 from launch.cli import main
 from launch.memory import checkpoint_bytes, model_shape
 from pretrain.config import load_config
@@ -130,6 +130,13 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, shards, tmp_path
     (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
     assert f.level == "warning"
     assert "set train.activation_checkpointing=true" in f.message and "train.micro_batch_size=" in f.message
+    # the build's host memory: one layer under ZeRO-3 (zero.Init), the whole fp32 model otherwise
+    est = memory.estimate(cfg, 16, model_shape(cfg.model))
+    assert f"building the model takes {preflight._gb(est.host_build)} host memory per rank (one fp32 layer" in f.message
+    (f2,) = preflight.check_memory(preflight._with(cfg, stage=2), 16, 80, model_shape(cfg.model))
+    whole = memory.estimate(preflight._with(cfg, stage=2), 16, model_shape(cfg.model)).host_build
+    assert f"takes {preflight._gb(whole)} host memory per rank (the whole fp32 model)" in f2.message
+    assert whole > 50 * est.host_build
 
 
 def test_launch_stops_before_the_runner_when_a_check_fails(capsys, shards, tmp_path):
