@@ -37,15 +37,38 @@ def _own_wandb_service():
     os.environ.pop("WANDB_SERVICE", None)
 
 
+def _held(paths: set) -> set:
+    """Those of ``paths`` some live process has open or mapped (/proc/PID/fd and /proc/PID/maps)."""
+    def links(pid):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                yield os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile (the listing's own descriptor, say)
+                pass
+
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            names = set(links(pid))
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        held |= {p for p in paths if str(p) in names or str(p) in maps}
+    return held
+
+
 @pytest.fixture(autouse=True)
 def _no_shm_left():
     """A safety net for the machine, not a check (test_distributed checks the release): a job killed
     before its ranks released DeepSpeed's 66 MB /dev/shm buffers (pretrain.distributed) would leave
-    them in RAM for good; the files this test made go when it ends."""
+    them in RAM for good. Files that appeared during this test and that no live process holds go
+    when it ends; one a job is still setting up (another session's, say) stays: DeepSpeed's ranks
+    spin forever waiting for a peer's file that disappeared."""
     pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
     before = set(Path("/dev/shm").glob(pattern))
     yield
-    for f in set(Path("/dev/shm").glob(pattern)) - before:
+    new = set(Path("/dev/shm").glob(pattern)) - before
+    for f in new - _held(new) if new else ():
         f.unlink(missing_ok=True)
 
 

@@ -102,3 +102,28 @@ def wandb_records(path: Path):
             rec.ParseFromString(chunks)
             chunks = b""
             yield rec
+
+
+def wandb_history(run: Path, until_key: str, timeout: float = 30) -> dict:
+    """Every history key an offline W&B run logged (nested keys joined by ``/``), read from its
+    ``.wandb`` file until ``until_key`` is there: W&B's writer process may lag ``finish()``."""
+    logged: dict = {}
+    deadline = time.time() + timeout
+    while until_key not in logged and time.time() < deadline:
+        try:
+            for rec in wandb_records(next(run.glob("*.wandb"))):
+                if rec.WhichOneof("record_type") == "history":
+                    logged.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        except Exception:  # a record still being written: read again
+            pass
+        time.sleep(0.2)
+    return logged
+
+
+def train_single(shards, run_dir, *extra, env=None, timeout=240) -> subprocess.CompletedProcess:
+    """``python -m pretrain.train`` as one process on the tiny config: steps of 16 images as two
+    micro-batches of 8, no data workers, W&B off; ``extra`` overrides come last and win."""
+    args = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
+            f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
+            "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *extra]
+    return subprocess.run(args, cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=timeout)

@@ -3,10 +3,8 @@ with known answers, and the command from every checkpoint kind and both image so
 import itertools
 import json
 import math
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -275,7 +273,7 @@ def test_module_entry_point_reports_one_line(tmp_path):
 
 # ------------------------------------------------------------------------------------ W&B
 def test_wandb_images_land_in_the_pretraining_run_at_its_step(tmp_path, monkeypatch, photos):
-    from dist_utils import wandb_records
+    from dist_utils import wandb_history
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -285,16 +283,7 @@ def test_wandb_images_land_in_the_pretraining_run_at_its_step(tmp_path, monkeypa
           "--rollout-images", "2", "--wandb", "logging.wandb.mode=offline"])
     runs = list((tmp_path / "out" / "wandb").glob("offline-run-*-pre0analyze1"))
     assert len(runs) == 1, list((tmp_path / "out").iterdir())
-    logged: dict = {}
-    deadline = time.time() + 30
-    while "analysis/rollout_grid/path" not in logged and time.time() < deadline:  # W&B's writer may lag finish()
-        try:
-            for rec in wandb_records(next(runs[0].glob("*.wandb"))):
-                if rec.WhichOneof("record_type") == "history":
-                    logged.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-        except Exception:  # a record still being written: read again
-            pass
-        time.sleep(0.2)
+    logged = wandb_history(runs[0], "analysis/rollout_grid/path")
     assert logged.get("train/step") == 777, logged
     for key in ("embedding_filters", "position_similarity", "attention_distance", "rollout_grid"):
         # an image is logged as nested keys: {_type, path, sha256, ...}; the PNG sits in the run

@@ -1,10 +1,8 @@
 """`python -m pretrain.train` as one process: guard rails and one-line errors."""
-import subprocess
-import sys
 
 import pytest
 
-from dist_utils import REPO, job_env, metrics
+from dist_utils import job_env, metrics, train_single
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +15,8 @@ def shards(tmp_path_factory):
 
 
 def train(shards, run_dir, *extra, fault=None, timeout=240):
-    args = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
-            f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
-            "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *extra]
     env = job_env(**({"VITSCALE_FAULT": fault} if fault else {}))
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return train_single(shards, run_dir, *extra, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("stage", [0, 3])  # ZeRO-3: the gradient gate works on partitioned parameters

@@ -180,7 +180,7 @@ def test_watch_refuses_finetune(tmp_path, capsys):
 
 # -------------------------------------------------------------------------------------------- W&B
 def test_wandb_logs_into_the_pretraining_run_at_its_step(tmp_path, colours, monkeypatch):
-    from dist_utils import wandb_records
+    from dist_utils import wandb_history
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -190,16 +190,7 @@ def test_wandb_logs_into_the_pretraining_run_at_its_step(tmp_path, colours, monk
           "--output", str(tmp_path / "r.json"), "eval.wandb=true", "logging.wandb.mode=offline", *FAST])
     runs = list((tmp_path / "wandb").glob("offline-run-*-pre0train1"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
-    logged: dict = {}
-    deadline = time.time() + 30
-    while "train/step" not in logged and time.time() < deadline:  # W&B's writer process may lag finish()
-        try:
-            for rec in wandb_records(next(runs[0].glob("*.wandb"))):
-                if rec.WhichOneof("record_type") == "history":
-                    logged.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-        except Exception:  # a record still being written: read again
-            pass
-        time.sleep(0.2)
+    logged = wandb_history(runs[0], "train/step")
     assert logged.get("train/step") == 4242, logged
     acc = json.loads((tmp_path / "r.json").read_text())["tasks"]["colours"]["accuracy"]
     assert logged["transfer/imagefolder/fewshot/colours"] == pytest.approx(acc)

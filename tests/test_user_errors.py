@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dist_utils import REPO, job_env, metrics
+from dist_utils import REPO, job_env, metrics, train_single
 from pretrain import rundir
 
 
@@ -28,11 +28,8 @@ def shards(tmp_path_factory):
 
 
 def train(shards, run_dir, *extra, env=None, timeout=180):
-    args = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
-            f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
-            "train.micro_batch_size=8", "data.workers=0", "zero.stage=0", "train.steps=2",
-            "checkpoint.every_steps=2", "train.log_every_steps=1", "logging.wandb.mode=disabled", *extra]
-    return subprocess.run(args, cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+    return train_single(shards, run_dir, "zero.stage=0", "train.steps=2", "checkpoint.every_steps=2",
+                        "train.log_every_steps=1", *extra, env=env, timeout=timeout)
 
 
 def export(*args, timeout=120, umask=None):
