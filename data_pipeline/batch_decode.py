@@ -20,7 +20,7 @@ place in the batch is taken by a copy of another sample of the batch, counted as
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -45,9 +45,32 @@ def decode_jpeg(data, device: torch.device):
 
 @dataclass
 class DeferredBatch:
-    """What a worker yields instead of an image tensor when the training process decodes."""
-    items: list  # per sample: Deferred (a JPEG to decode) or a finished uint8 (3, S, S) tensor
+    """What a worker yields instead of an image tensor when the training process decodes: two
+    tensors for the whole batch (each tensor crossing from a worker costs a file descriptor and a
+    shared-memory segment, so not one per sample) and per-sample records."""
+    items: list  # per sample: a Deferred (its file is blob[span]) or the row of ``decoded`` it is
+    blob: torch.Tensor  # uint8: the batch's JPEG files end to end
+    decoded: Optional[torch.Tensor]  # uint8 (n, 3, S, S): the samples the worker decoded itself
     mix_seed: Optional[int]  # Mixup/CutMix seed of the batch (None: no mixing)
+
+    @classmethod
+    def pack(cls, samples: list, mix_seed: Optional[int]) -> "DeferredBatch":
+        """``samples``: Deferred (holding its file) or finished uint8 (3, S, S) tensors."""
+        items, files, done, offset = [], [], [], 0
+        for s in samples:
+            if isinstance(s, Deferred):
+                items.append(replace(s, data=None, span=(offset, offset + len(s.data))))
+                files.append(s.data)
+                offset += len(s.data)
+            else:
+                items.append(len(done))
+                done.append(s)
+        blob = torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8) if files \
+            else torch.empty(0, dtype=torch.uint8)
+        return cls(items, blob, torch.stack(done) if done else None, mix_seed)
+
+    def file(self, item: Deferred) -> torch.Tensor:
+        return self.blob[item.span[0]:item.span[1]]
 
 
 def check_device(device: str, key: str = "data.decode_device") -> None:
@@ -64,6 +87,7 @@ class BatchDecoder:
 
     def __init__(self, transform: SampleTransform, aug, device: str, max_pixels: int, num_classes: int):
         self.transform, self.aug, self.max_pixels, self.num_classes = transform, aug, max_pixels, num_classes
+        # the current CUDA device: DeepSpeed's engine has set it to the rank's GPU by then
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         std = torch.tensor(aug.std, dtype=torch.float32).view(3, 1, 1)
         self.scale = (1.0 / (std * 255.0)).to(self.device)
@@ -73,18 +97,19 @@ class BatchDecoder:
         """(images, targets); records failures in ``meta`` (its tally and keys) for the loader."""
         items = batch.items
         jpegs = [i for i, it in enumerate(items) if isinstance(it, Deferred)]
-        pixels = dict(zip(jpegs, self._decode([items[i] for i in jpegs])))
+        pixels = dict(zip(jpegs, self._decode([batch.file(items[i]) for i in jpegs])))
         out = torch.empty((len(items), 3, self.transform.size, self.transform.size), dtype=torch.float32,
                           device=self.device)
+        decoded = batch.decoded.to(self.device, non_blocking=True) if batch.decoded is not None else None
         bad = []
         for i, it in enumerate(items):
             if isinstance(it, Deferred):
-                u8 = self._finish(it, pixels[i])
+                u8 = self._finish(it, batch.file(it), pixels[i])
                 if u8 is None:
                     bad.append(i)
                     continue
             else:
-                u8 = it.to(self.device, non_blocking=True)
+                u8 = decoded[it]
             out[i].copy_(u8).mul_(self.scale).add_(self.shift)
         targets = targets.to(self.device, non_blocking=True)
         if bad:
@@ -95,11 +120,10 @@ class BatchDecoder:
             out, targets = mix_batch(out, targets, self.aug, batch.mix_seed)
         return out, targets
 
-    def _decode(self, items: list) -> list:
-        """Decoded uint8 (3, H, W) per item (None: this decoder could not); one batched call."""
-        if not items:
+    def _decode(self, datas: list) -> list:
+        """Decoded uint8 (3, H, W) per file (None: this decoder could not); one batched call."""
+        if not datas:
             return []
-        datas = [it.data for it in items]
         try:
             return list(decode_jpeg(datas, self.device))
         except RuntimeError:  # one bad file fails the whole call: find it
@@ -111,12 +135,12 @@ class BatchDecoder:
                     out.append(None)
             return out
 
-    def _finish(self, item: Deferred, pixels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _finish(self, item: Deferred, data: torch.Tensor, pixels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if pixels is not None and tuple(pixels.shape[-2:]) == (item.size[1], item.size[0]):
             return self.transform.finish(pixels, item)
         # the worker path (PIL), from the same bytes and seed; None when PIL cannot either
         try:
-            img = open_image({"jpg": item.data.numpy().tobytes()}, self.max_pixels)
+            img = open_image({"jpg": data.numpy().tobytes()}, self.max_pixels)
             return self.transform(img, item.seed).to(self.device)
         except BadSample:
             return None

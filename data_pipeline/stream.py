@@ -269,7 +269,7 @@ class SlotStream(IterableDataset):
     def _collate(self, images, labels, batch_seed):
         s = self.settings
         if s.decode_device != "worker":  # decoded, normalised and mixed by the training process
-            x = DeferredBatch(images, batch_seed if s.mixing(self.plan.train) else None)
+            x = DeferredBatch.pack(images, batch_seed if s.mixing(self.plan.train) else None)
         else:
             x = normalized_batch(images, s.augment.mean, s.augment.std)
         if s.multi_label:

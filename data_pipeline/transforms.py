@@ -33,11 +33,12 @@ from data_pipeline.decode import draft, exif_orientation, load_rgb, oriented_siz
 class Deferred:
     """A JPEG that the training process decodes (``data.decode_device``: cpu or cuda), with what its
     worker drew for it from the sample's seed."""
-    data: torch.Tensor  # uint8 (N,): the file's bytes
+    data: Optional[bytes]  # the file (None once packed into its batch: see ``span``)
     size: tuple  # (W, H) from the header
     box: Optional[tuple]  # training: the crop (top, left, h, w) in the full image; None: evaluation
     flip: bool
     seed: int  # the sample's seed: RandAugment replays from it
+    span: Optional[tuple] = None  # (start, end) of the file in its batch's ``blob``
 
 
 class SampleTransform:
@@ -94,13 +95,12 @@ class SampleTransform:
         it needs: the file and what this sample drew. None: decode it here (:meth:`__call__`)."""
         if img.format != "JPEG" or img.mode not in ("RGB", "L") or exif_orientation(img) != 1:
             return None
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if not self.train:
-            return Deferred(raw, img.size, None, False, seed)
+            return Deferred(data, img.size, None, False, seed)
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
             box, flip = self._draw(*img.size)
-        return Deferred(raw, img.size, box, flip, seed)
+        return Deferred(data, img.size, box, flip, seed)
 
     def finish(self, pixels: torch.Tensor, item: "Deferred") -> torch.Tensor:
         """Decoded uint8 (3, H, W) of ``item``, on any device -> uint8 (3, size, size): what

@@ -98,8 +98,8 @@ def test_cpu_batch_decode_eval_pass_equals_the_worker_path(mixed):
 
 
 def test_workers_ship_plain_jpegs_undecoded(mixed):
-    """The worker's batch holds the JPEG files' own bytes and the sample's crop box; PNG, CMYK and
-    EXIF-rotated members arrive decoded (finished uint8 samples)."""
+    """The worker's batch holds the JPEG files' own bytes (one tensor for the batch) and each
+    sample's crop box; PNG, CMYK and EXIF-rotated members arrive decoded (finished uint8 samples)."""
     import tarfile
 
     cfg = _cfg(mixed, "cpu")
@@ -117,12 +117,12 @@ def test_workers_ship_plain_jpegs_undecoded(mixed):
         assert isinstance(batch, DeferredBatch) and batch.mix_seed is None
         for item, key in zip(batch.items, meta["keys"]):
             if isinstance(item, Deferred):
-                assert bytes(item.data.numpy()) == members[f"{key}.jpg"]
+                assert bytes(batch.file(item).numpy()) == members[f"{key}.jpg"]
                 top, left, h, w = item.box
                 assert 0 <= top and top + h <= 20 and 0 <= left and left + w <= 24
                 kinds.add("jpeg")
             else:
-                assert item.dtype == torch.uint8 and item.shape == (3, 16, 16)
+                assert batch.decoded.dtype == torch.uint8 and batch.decoded[item].shape == (3, 16, 16)
                 kinds.add("decoded")
     assert kinds == {"jpeg", "decoded"}
 
