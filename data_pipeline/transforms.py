@@ -47,8 +47,9 @@ class SampleTransform:
     def __init__(self, aug, img_size: int, train: bool):
         self.size = int(img_size)
         self.train = train
-        self.resize = int(round(self.size / aug.eval_crop_pct))
-        if train:
+        if not train:
+            self.resize = int(round(self.size / aug.eval_crop_pct))
+        else:
             self.crop = v2.RandomResizedCrop(self.size, scale=tuple(aug.crop_scale), ratio=tuple(aug.crop_ratio),
                                              antialias=True)
             self.hflip = aug.hflip
