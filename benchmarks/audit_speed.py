@@ -3,11 +3,11 @@
 
 What is timed is what ``data_pipeline.audit.audit`` does between hashing the evaluation images
 and confirming candidates: building the multi-index table over the stored 64-bit pHashes
-(``HashTable``), looking up every probe of every evaluation image (22 per image: 220,000
-queries) within ``MAX_BITS``, and the exact-hash join (sort + searchsorted). Hashes are synthetic
+(``HashTable``), looking up every probe of every evaluation image (29 per image, 22 crops of it
+and 7 of its mirror image: 290,000 queries) within ``MAX_BITS``, and the exact-hash join (sort + searchsorted). Hashes are synthetic
 (uniform 64-bit); ``--planted`` evaluation images get a stored neighbour at 1..7 bits (which the
 table guarantees to find) and are counted. Hashing itself is measured separately on real
-images: pHash of an evaluation image's 22 probes, and exact + pHash of a stored image (the
+images: pHash of an evaluation image's 29 probes, and exact + pHash of a stored image (the
 one-off ``vit-audit --index`` pass, per core).
 
     .venv/bin/python benchmarks/audit_speed.py            # about 10-15 s on 2 vCPU
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from data_pipeline.audit import MAX_BITS, PROBES, HashTable, probe_hashes, train_hashes  # noqa: E402
+from data_pipeline.audit import MAX_BITS, N_PROBES, HashTable, probe_hashes, train_hashes  # noqa: E402
 
 
 def lookup(stored: int, evals: int, planted: int, seed: int = 0) -> dict:
@@ -33,7 +33,7 @@ def lookup(stored: int, evals: int, planted: int, seed: int = 0) -> dict:
     ph = rng.integers(0, 2**63, stored, dtype=np.int64).astype(np.uint64) ^ \
         (rng.integers(0, 2, stored).astype(np.uint64) << np.uint64(63))
     exact = rng.integers(0, 2**63, stored, dtype=np.int64).astype(np.uint64)
-    P = len(PROBES)
+    P = N_PROBES
     q = rng.integers(0, 2**63, evals * P, dtype=np.int64).astype(np.uint64)
     q_exact = rng.integers(0, 2**63, evals, dtype=np.int64).astype(np.uint64)
     rows = rng.choice(stored, planted, replace=False)
@@ -82,14 +82,14 @@ def main() -> int:
     ap.add_argument("--planted", type=int, default=1_000)
     args = ap.parse_args()
     r = lookup(args.stored, args.evals, args.planted)
-    print(f"stored {args.stored:,} hashes, {args.evals:,} evaluation images x {len(PROBES)} probes "
+    print(f"stored {args.stored:,} hashes, {args.evals:,} evaluation images x {N_PROBES} probes "
           f"= {r['queries']:,} queries, max {MAX_BITS} bits, one core")
     print(f"  build table {r['build']:.2f} s, pHash lookup {r['query']:.2f} s, exact join {r['exact']:.3f} s"
           f" -> total {r['total']:.2f} s (target < 10 s: {'met' if r['total'] < 10 else 'NOT met'})")
     print(f"  planted neighbours (1..7 bits) found: {r['planted_found']}/{args.planted}; exact planted found: "
           f"{r['exact_found']}/{args.planted // 2}; candidate pairs in all: {r['pairs']:,}")
     h = hashing()
-    print(f"  hashing (256x256 px): evaluation image {h['eval_ms']:.1f} ms (22 probes), "
+    print(f"  hashing (256x256 px): evaluation image {h['eval_ms']:.1f} ms ({N_PROBES} probes), "
           f"stored image {h['train_ms']:.2f} ms (exact + pHash, decode not included)")
     return 0 if r["total"] < 10 and r["planted_found"] == args.planted else 1
 

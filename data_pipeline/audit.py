@@ -6,7 +6,8 @@
     python -m data_pipeline.audit ...                               # the same
 
 Outputs in ``--output``: ``audit.json`` (counts per evaluation set and split, and every confirmed
-pair ``{"eval", "split", "eval_id", "train_key", "shard", "manifest", "distance", "score", "match"}``),
+pair ``{"eval", "split", "eval_id", "train_key", "shard", "manifest", "distance", "score", "match",
+"mirrored"}``),
 ``closest_pairs.png`` (the closest pairs side by side, for a person to look at) and
 ``exclude.txt`` (the matched pre-training keys; ``vit-shards --exclude`` and
 ``data.exclude_keys`` honour it, format in ``exclude.py``).
@@ -17,17 +18,19 @@ How a pair is found:
    (``imagehash.phash``: DCT of a 32x32 grey thumbnail, 8x8 low frequencies against their median).
    Stored with the keys in ``hashes.npz`` beside the manifest, checked against the shard list.
 2. Evaluation side: the same hashes of every image, plus perceptual hashes of ``PROBES`` crops
-   of it (up to 10% of each side cut away), because a pHash moves by 20-36 bits when a copy is
-   cropped by 10%, but by at most ~12 from the nearest probe (calibration below).
+   of it (up to 10% of each side cut away) and ``MIRROR_PROBES`` of its mirror image, because a pHash moves by
+   20-36 bits when a copy is cropped by 10% (~30 when it is flipped), but by at most ~12 from the
+   nearest probe (calibration below).
 3. Candidates: exact-hash equality, and pHash pairs within ``MAX_BITS`` bits of any probe, looked
    up by multi-index hashing (``HashTable``): four 16-bit bands, each probed at Hamming radius 1,
-   then the full 64-bit distance is checked (popcount). 1M stored hashes x 10k images x 22
-   probes take ~6 s on one core (benchmarks/audit_speed.py).
+   then the full 64-bit distance is checked (popcount). 1M stored hashes x 10k images x 29
+   probes take ~6.5 s on one core (benchmarks/audit_speed.py).
 4. Confirmation (reads only the candidates' samples from the shards): an exact pair needs equal
    pixels; a near pair needs ``score >= MIN_SCORE``: the normalised cross-correlation of
    high-passed 32x32 grey thumbnails (a thumbnail minus its Gaussian blur: brightness, contrast
-   and smooth colour shifts drop out), maximised over crop boxes of the evaluation image (the
-   probes, then a local search by 2% and 1% steps).
+   and smooth colour shifts drop out), maximised over crop boxes of the evaluation image and of
+   its mirror image (the probes, then a local search by 2% and 1% steps); ``mirrored`` in the pair
+   says which matched.
 
 Calibration (tests/test_audit.py holds the same data): scikit-image's sample photos, their
 quadrants and the demo shapes; copies re-encoded (JPEG q=60), resized (x0.5..x1.5), cropped
@@ -37,7 +40,8 @@ bits (a brick-wall texture; photos <= 10). Unrelated photos: min 12 bits. Score 
 0.94; of unrelated pairs (652, each maximised over the same boxes): max 0.42. Hence
 ``MAX_BITS = 12`` (recall first; confirmation removes what it lets in) and ``MIN_SCORE = 0.7``.
 Known gaps: an evaluation image that is a *crop of* a training image (the reverse direction) is
-found only while the crop is small (~2%), flips and rotations are not looked for, and copies of
+found only while the crop is small (~2%), vertical flips and rotations are not looked for, a
+symmetric scene's mirrored half can match its other half (a pair flagged ``mirrored``), and copies of
 near-featureless images (flat colour, pure texture crops) may be missed.
 
 Layering: this module is the data floor; it cannot import ``pretrain``. Evaluation sets are read
@@ -83,6 +87,10 @@ _AXIS = {0.0: [(0.0, 0.0)], 0.05: [(0.0, 0.05), (0.05, 0.0), (0.025, 0.025)],
 PROBES = tuple((l, t, 1 - r, 1 - b)
                for sx, sy in ((0.0, 0.0), (0.0, 0.05), (0.05, 0.0), (0.0, 0.1), (0.1, 0.0), (0.05, 0.05))
                for l, r in _AXIS[sx] for t, b in _AXIS[sy])
+# Of the mirror image, the whole and the 5% cuts of one axis: a flipped copy cropped by more is
+# rarer, and each probe costs lookup time (all 22 took 9.5 s for 1M x 10k, against a 10 s target)
+MIRROR_PROBES = PROBES[:7]
+N_PROBES = len(PROBES) + len(MIRROR_PROBES)
 
 
 # ------------------------------------------------------------------------------------- hashes
@@ -117,10 +125,18 @@ def _box(img: Image.Image, box) -> Image.Image:
                      max(round(b * h), round(t * h) + 1)))
 
 
+def _mirror(img: Image.Image) -> Image.Image:
+    return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+
+
 def probe_hashes(img: Image.Image) -> np.ndarray:
-    """pHashes of the ``PROBES`` crops of an evaluation image (the first is the whole image)."""
+    """pHashes of the ``PROBES`` crops of an evaluation image, then the ``MIRROR_PROBES`` crops of
+    its mirror image (``N_PROBES`` in all; the first is the whole image). A horizontally flipped copy (the most
+    common augmentation) moves a pHash by ~30 bits: its odd horizontal frequencies change sign."""
     g = _grey_small(img)
-    return np.array([phash64(_box(g, b)) for b in PROBES], dtype=np.uint64)
+    m = _mirror(g)
+    return np.array([phash64(_box(g, b)) for b in PROBES] + [phash64(_box(m, b)) for b in MIRROR_PROBES],
+                    dtype=np.uint64)
 
 
 def train_hashes(img: Image.Image) -> tuple[int, int]:
@@ -137,12 +153,18 @@ def _highpass32(grey: Image.Image) -> np.ndarray:
     return a / n if n > 1e-3 else np.zeros_like(a)  # a flat image correlates with nothing
 
 
-def align_score(eval_img: Image.Image, train_img: Image.Image) -> float:
-    """How well ``train_img`` matches a slightly cropped box of ``eval_img`` (1 = same pixels up
-    to brightness / contrast): NCC of high-passed thumbnails, best box among the probes, then
-    refined by coordinate search in 2% and 1% steps (boxes at least 80% of each side)."""
+def align_score(eval_img: Image.Image, train_img: Image.Image) -> tuple[float, bool]:
+    """How well ``train_img`` matches a slightly cropped box of ``eval_img`` or of its mirror
+    image: (score, mirrored). See :func:`_align`."""
     ref = _highpass32(_grey_small(train_img))
     g = _grey_small(eval_img)
+    return max((_align(g, ref), False), (_align(_mirror(g), ref), True))
+
+
+def _align(g: Image.Image, ref: np.ndarray) -> float:
+    """1 = same pixels up to brightness / contrast: NCC of high-passed thumbnails, best box among
+    the probes, then refined by coordinate search in 2% and 1% steps (boxes at least 80% of each
+    side)."""
 
     def score(box) -> float:
         return float((_highpass32(_box(g, box)) * ref).sum())
@@ -417,11 +439,12 @@ class Pair:
     distance: int  # pHash bits to the nearest probe (0 for an exact pixel match)
     score: float  # confirmation score (1.0 for an exact pixel match)
     match: str  # "exact" or "near"
+    mirrored: bool = False  # the training image is a horizontally flipped copy
 
     def as_json(self) -> dict:
         return {"eval": self.eval, "split": self.split, "eval_id": self.eval_id, "train_key": self.train_key,
                 "shard": self.shard, "manifest": self.manifest, "distance": self.distance,
-                "score": round(self.score, 4), "match": self.match}
+                "score": round(self.score, 4), "match": self.match, "mirrored": self.mirrored}
 
 
 @dataclass
@@ -462,7 +485,7 @@ def audit(indexes: list, evals: Iterable[EvalImage], *, max_bits: int = MAX_BITS
         exact.append(pixel_hash(img))
         probes.append(probe_hashes(img))
     t1 = time.perf_counter()
-    P = len(PROBES)
+    P = N_PROBES
     Q = np.stack(probes).ravel() if probes else np.zeros(0, np.uint64)
     E = np.array(exact, dtype=np.uint64)
     cands: dict = {}  # (index no, row) -> {eval no: bits}
@@ -519,10 +542,10 @@ def _confirm(indexes, images, exact, cands, min_score) -> list:
                         ev_img.convert("RGB").tobytes() == train_img.tobytes():
                     pairs.append(Pair(e.set, e.split, e.id, raw.key, shard.name, idx.manifest, 0, 1.0, "exact"))
                     continue
-                score = align_score(ev_img, train_img)
+                score, mirrored = align_score(ev_img, train_img)
                 if score >= min_score:
                     pairs.append(Pair(e.set, e.split, e.id, raw.key, shard.name, idx.manifest, int(bits), score,
-                                      "near"))
+                                      "near", mirrored))
     return pairs
 
 
@@ -536,7 +559,7 @@ def write_report(result: AuditResult, out_dir, evals: list, *, grid: int = 24,
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "format": "vitscale-audit", "version": 1,
-        "thresholds": {"max_bits": result.max_bits, "min_score": result.min_score, "probes": len(PROBES)},
+        "thresholds": {"max_bits": result.max_bits, "min_score": result.min_score, "probes": N_PROBES},
         "shards": [{"manifest": i.manifest, "job": i.job, "images": int(len(i.keys)), "unreadable": i.unreadable}
                    for i in result.indexes],
         "evals": evals,
@@ -577,7 +600,8 @@ def _grid(result: AuditResult, path: Path, n: int, loaders: dict) -> None:
                                  Image.NEAREST if f > 1 else Image.BILINEAR)
                 canvas.paste(img, (8 + c * (T + 4), y))
         text = (f"{p.eval} {p.split}\n{p.eval_id}\n-> {Path(p.manifest).parent.name}/{p.shard}\n"
-                f"   key {p.train_key}\n{p.match}: {p.distance} bits, score {p.score:.3f}")
+                f"   key {p.train_key}\n{p.match}{' (mirrored)' if p.mirrored else ''}: {p.distance} bits, "
+                f"score {p.score:.3f}")
         draw.text((2 * T + 16, y), text, fill="black")
     canvas.save(path)
 

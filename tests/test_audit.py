@@ -76,6 +76,8 @@ TRANSFORMS = {
     "crop": lambda im, rng: crop(im, rng),
     "jitter": lambda im, rng: jitter(im),
     "all": lambda im, rng: jpeg(resize(jitter(crop(im, rng)), 0.7)),
+    "mirror": lambda im, rng: im.transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+    "mirror_all": lambda im, rng: jpeg(resize(jitter(crop(im.transpose(Image.Transpose.FLIP_LEFT_RIGHT), rng)), 0.8)),
 }
 
 
@@ -103,7 +105,7 @@ def world(tmp_path_factory):
         _save(t[2], src / "photos" / f"{name}_t2.png")  # other pixels of the same photo: not a copy
         _save(t[3], src / "photos" / f"{name}_t3.jpg", "JPEG")
         kind = names[p % len(names)]
-        fmt = "JPEG" if kind in ("jpeg60", "all") else "PNG"
+        fmt = "JPEG" if kind in ("jpeg60", "all", "mirror_all") else "PNG"
         f = src / "planted" / f"{name}_t0_{kind}.{'jpg' if fmt == 'JPEG' else 'png'}"
         if kind == "jpeg60":  # the JPEG bytes themselves are the copy: the writer keeps them as they are
             buf = io.BytesIO()
@@ -164,14 +166,29 @@ def audited(world):
     return out, json.loads((out / "audit.json").read_text())
 
 
+def _symmetric(world, pairs) -> set:
+    """Mirror probes see symmetric scenes: the mirror image of a photo's top-right tile (the
+    training-split tile t1) resembles its top-left tile t0, a copy of which was planted. Those of
+    ``pairs`` that stay within one photo that way; a pair across photos would be an error."""
+    key_to_file = {k: f for f, k in world["key_of"].items()}
+    return {(s, i, k) for s, i, k in pairs if i.startswith("train/") and i.endswith("/t1.png")
+            and key_to_file[k].startswith(i.split("/")[1] + "_t0_")}
+
+
 def test_every_planted_copy_found_and_nothing_else(world, audited):
     out, doc = audited
     got = {(p["eval"], p["eval_id"], p["train_key"]) for p in doc["pairs"]}
     missing, extra = world["expected"] - got, got - world["expected"]
+    mirrored_pairs = {(p["eval"], p["eval_id"], p["train_key"]) for p in doc["pairs"] if p["mirrored"]}
     scores = {(p["eval"], p["eval_id"]): (p["distance"], p["score"]) for p in doc["pairs"]}
-    assert not missing and not extra, (sorted(missing), sorted(extra), scores)
+    assert not missing and extra == _symmetric(world, extra) <= mirrored_pairs, (sorted(missing), sorted(extra), scores)
     exact = {(p["eval_id"]) for p in doc["pairs"] if p["match"] == "exact"}
     assert exact == {f"train/{n}/t1.png" for n in PHOTOS[:3]}
+    # left-right flipped copies are found, and said to be mirrored; no other pair is
+    mirrored = {p["eval_id"] for p in doc["pairs"] if p["mirrored"] and p["eval_id"].startswith("test/")}
+    kinds = list(TRANSFORMS)
+    assert mirrored == {f"test/{n}/t0.png" for i, n in enumerate(PHOTOS) if kinds[i % len(kinds)].startswith("mirror")}
+    assert len(mirrored) == 2
     for p in doc["pairs"]:
         assert set(p) >= {"eval", "eval_id", "train_key", "shard", "distance"}
         assert p["shard"].startswith("train-") and p["shard"].endswith(".tar")
@@ -184,16 +201,18 @@ def test_confirmation_rejects_unrelated_candidates(world, audited):
     evals = list(A.read_eval(f"imagefolder:{world['ev']}"))
     r = A.audit([A.train_index(world["train"])], evals, max_bits=26)
     got = {(p.eval, p.eval_id, p.train_key) for p in r.pairs}
-    assert got == {e for e in world["expected"] if e[0] == "imagefolder/eval_folder"}
+    want = {e for e in world["expected"] if e[0] == "imagefolder/eval_folder"}
+    assert want <= got and got - want == _symmetric(world, got - want)
     assert r.candidates > 3 * len(got), r.candidates
 
 
 def test_counts_per_set_and_split(world, audited):
-    _, doc = audited
+    _, doc = audited  # the 3 exact copies of training-split tiles, and the symmetric scenes' mirrored halves
     c = doc["counts"]
     assert c["imagefolder/eval_folder"]["test"] == {"images": len(PHOTOS), "contaminated": len(PHOTOS),
                                                     "exact_pairs": 0, "near_pairs": len(PHOTOS)}
-    assert c["imagefolder/eval_folder"]["train"]["contaminated"] == 3
+    symmetric = _symmetric(world, {(p["eval"], p["eval_id"], p["train_key"]) for p in doc["pairs"]})
+    assert c["imagefolder/eval_folder"]["train"]["contaminated"] == 3 + len(symmetric)
     assert c["cifar100"]["test"]["contaminated"] == 2 and c["cifar100"]["train"]["contaminated"] == 0
     assert c["cifar100"]["train"]["images"] == 20
     assert c["shards/eval_shards"]["transfer-test"] == {"images": 24, "contaminated": 1, "exact_pairs": 0,
