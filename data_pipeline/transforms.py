@@ -92,9 +92,11 @@ class SampleTransform:
 
     # ---------------------------------------- data.decode_device: the training process decodes
     def defer(self, img: Image.Image, data: bytes, seed: int) -> "Deferred | None":
-        """For a JPEG the training process can decode as it is (RGB or grey, no EXIF rotation), what
-        it needs: the file and what this sample drew. None: decode it here (:meth:`__call__`)."""
-        if img.format != "JPEG" or img.mode not in ("RGB", "L") or exif_orientation(img) != 1:
+        """For a JPEG the training process can decode as it is (baseline, RGB or grey, no EXIF
+        rotation), what it needs: the file and what this sample drew. None: decode it here
+        (:meth:`__call__`); progressive JPEGs too, as nvJPEG's hardware engine takes baseline only."""
+        if img.format != "JPEG" or img.mode not in ("RGB", "L") or img.info.get("progressive") \
+                or exif_orientation(img) != 1:
             return None
         if not self.train:
             return Deferred(data, img.size, None, False, seed)

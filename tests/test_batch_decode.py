@@ -24,8 +24,8 @@ def _encode(arr, fmt, **kw) -> bytes:
 
 
 def _samples(n: int, seed: int):
-    """A mix of what shards hold: RGB and grey JPEGs (decoded by the training process), and PNG,
-    CMYK JPEG and EXIF-rotated JPEG members (decoded by the worker)."""
+    """A mix of what shards hold: RGB and grey baseline JPEGs (decoded by the training process), and
+    PNG, progressive, CMYK and EXIF-rotated JPEG members (decoded by the worker)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -34,7 +34,8 @@ def _samples(n: int, seed: int):
         if kind == 5:
             img = {"png": _encode(arr, "PNG")}
         elif kind == 6:
-            img = {"jpg": _encode(np.ascontiguousarray(arr[..., 0]), "JPEG")}  # grey
+            grey = np.ascontiguousarray(arr[..., 0])
+            img = {"jpg": _encode(grey, "JPEG", progressive=i % 16 == 14)}  # grey; every other one progressive
         elif kind == 7:
             exif = Image.Exif()
             exif[0x0112] = 6 if i % 16 == 7 else 1
@@ -118,6 +119,8 @@ def test_workers_ship_plain_jpegs_undecoded(mixed):
         for item, key in zip(batch.items, meta["keys"]):
             if isinstance(item, Deferred):
                 assert bytes(batch.file(item).numpy()) == members[f"{key}.jpg"]
+                i = int(key[2:])  # RGB, grey baseline, or EXIF orientation 1 (nothing to turn)
+                assert i % 8 < 5 or i % 16 in (6, 7), key
                 top, left, h, w = item.box
                 assert 0 <= top and top + h <= 20 and 0 <= left and left + w <= 24
                 kinds.add("jpeg")
