@@ -108,7 +108,8 @@ def align_score(eval_img: Image.Image, train_img: Image.Image) -> tuple[float, b
     image: (score, mirrored). See :func:`_align`."""
     ref = _highpass32(_grey_small(train_img))
     g = _grey_small(eval_img)
-    return max((_align(g, ref), False), (_align(_mirror(g), ref), True))
+    direct, mirrored = _align(g, ref), _align(_mirror(g), ref)
+    return (mirrored, True) if mirrored > direct else (direct, False)  # a tie is not a mirror copy
 
 
 def _align(g: Image.Image, ref: np.ndarray) -> float:

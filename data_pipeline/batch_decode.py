@@ -32,15 +32,23 @@ from data_pipeline.transforms import Deferred, SampleTransform, mix_batch
 
 
 
+# torchvision 0.29 deprecates its codecs for TorchCodec (not one of our dependencies); decode_jpeg
+# still works, and its warning would come once per batch.
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision.io.image")
+
+
 def decode_jpeg(data, device: torch.device):
-    """torchvision's decode_jpeg to RGB. torchvision 0.29 deprecates its codecs for TorchCodec (not
-    one of our dependencies); decode_jpeg still works, and its warning would come once per batch."""
+    """torchvision's decode_jpeg to RGB. On CUDA the caller's stream is drained first: torchvision
+    hands nvJPEG output blocks from the caching allocator but runs the decode on a stream of its
+    own that does not wait for the caller's, so it can overwrite memory that queued kernels (the
+    previous step's) still read (pytorch/vision#9606, meta-pytorch/torchcodec#1634). The decode
+    syncs the host itself when it returns, so the wait moves earlier more than it adds one."""
     from torchvision.io import ImageReadMode
     from torchvision.io import decode_jpeg as tv_decode_jpeg
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return tv_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return tv_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
 @dataclass
@@ -92,6 +100,7 @@ class BatchDecoder:
         std = torch.tensor(aug.std, dtype=torch.float32).view(3, 1, 1)
         self.scale = (1.0 / (std * 255.0)).to(self.device)
         self.shift = (-torch.tensor(aug.mean, dtype=torch.float32).view(3, 1, 1) / std).to(self.device)
+        self._spare = None  # training: the last good sample (image, target, key, shard) of a batch
 
     def __call__(self, batch: DeferredBatch, targets: torch.Tensor, meta: dict):
         """(images, targets); records failures in ``meta`` (its tally and keys) for the loader."""
@@ -112,8 +121,21 @@ class BatchDecoder:
                 u8 = decoded[it]
             out[i].copy_(u8).mul_(self.scale).add_(self.shift)
         targets = targets.to(self.device, non_blocking=True)
-        if bad:
+        self._count(bad, items, meta)
+        if bad and not self.transform.train:  # evaluation: a short batch, as the worker path gives
+            keep = [i for i in range(len(items)) if i not in set(bad)]
+            for k in ("keys", "shards"):
+                if meta.get(k):
+                    meta[k] = [meta[k][i] for i in keep]
+            if not keep:
+                return None, None
+            out, targets = out[keep], targets[keep]
+        elif bad:
             self._replace(bad, out, targets, meta)
+        if self.transform.train and len(bad) < len(items):
+            last = max(i for i in range(len(items)) if i not in set(bad))
+            keys, shards = meta.get("keys") or [""] * len(items), meta.get("shards") or [""] * len(items)
+            self._spare = (out[last].clone(), targets[last].clone(), keys[last], shards[last])
         if batch.mix_seed is not None:
             if targets.dtype == torch.int64:
                 targets = torch.nn.functional.one_hot(targets, self.num_classes).float()
@@ -145,20 +167,34 @@ class BatchDecoder:
         except BadSample:
             return None
 
+    @staticmethod
+    def _count(bad: list, items: list, meta: dict) -> None:
+        """Failed decodes join the batch's tally as ``corrupt_image`` of their shard, unless an
+        earlier pass over the same sample counted it (``Deferred.counted``)."""
+        tally, shards = meta["tally"], meta.get("shards") or [""] * len(items)
+        for i in bad:
+            if items[i].counted:
+                tally["counts"]["corrupt_image"] = tally["counts"].get("corrupt_image", 0) + 1
+                tally["bad_by_shard"][shards[i]] = tally["bad_by_shard"].get(shards[i], 0) + 1
+
     def _replace(self, bad: list, out: torch.Tensor, targets: torch.Tensor, meta: dict) -> None:
-        good = [i for i in range(out.shape[0]) if i not in set(bad)]
-        shards = meta.get("shards") or [""] * out.shape[0]
-        if not good:
-            raise TooManyCorruptSamples(f"none of the {len(bad)} JPEGs of a batch decoded on {self.device.type} "
-                                        f"(shards: {', '.join(sorted(set(shards[i] for i in bad)))})")
-        tally = meta["tally"]
-        for n, i in enumerate(bad):
-            src = good[n % len(good)]
-            out[i].copy_(out[src])
-            targets[i] = targets[src]
-            tally["counts"]["corrupt_image"] = tally["counts"].get("corrupt_image", 0) + 1
-            tally["bad_by_shard"][shards[i]] = tally["bad_by_shard"].get(shards[i], 0) + 1
-            tally["counts"]["repeated_for_balance"] = tally["counts"].get("repeated_for_balance", 0) + 1
-            if meta.get("keys"):
-                meta["keys"][i], shards[i] = meta["keys"][src], shards[src]
+        """Training: each failed row takes a copy of a good row of the batch (or, in a batch with
+        none, of the previous batch's last good sample), counted as ``repeated_for_balance``."""
+        n = out.shape[0]
+        good = [i for i in range(n) if i not in set(bad)]
+        keys, shards = meta.get("keys") or [""] * n, meta.get("shards") or [""] * n
+        if not good and self._spare is None:
+            raise TooManyCorruptSamples(f"none of the {len(bad)} JPEGs of the first batch decoded on "
+                                        f"{self.device.type} (shards: {', '.join(sorted(set(shards[i] for i in bad)))})")
+        counts = meta["tally"]["counts"]
+        for k, i in enumerate(bad):
+            if good:
+                src = good[k % len(good)]
+                image, target, key, shard = out[src], targets[src], keys[src], shards[src]
+            else:
+                image, target, key, shard = self._spare
+            out[i].copy_(image)
+            targets[i] = target
+            keys[i], shards[i] = key, shard
+            counts["repeated_for_balance"] = counts.get("repeated_for_balance", 0) + 1
 

@@ -161,8 +161,8 @@ class ShardLoader:
             generator=torch.Generator().manual_seed(0))
         for images, targets, meta in loader:
             epoch = self._epoch
-            if isinstance(images, DeferredBatch):  # its failures join the batch's tally
-                images, targets = self._decoder(images, targets, meta)
+            if isinstance(images, DeferredBatch):  # its failures join the batch's tally (an
+                images, targets = self._decoder(images, targets, meta)  # eval batch may end up empty)
             self._account(meta)
             if images is not None:
                 self._counts["samples"] += images.shape[0]

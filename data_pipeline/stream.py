@@ -90,6 +90,13 @@ class _Starved(Exception):
     pass
 
 
+def _quiet() -> Tally:
+    """A tally that counts nothing: for events the first pass (or the first run) already counted."""
+    t = Tally()
+    t.enabled = False
+    return t
+
+
 class _SlotReader:
     """A slot's pieces in order, one sequential read per run of pieces of the same shard; in
     training, further passes if bad samples ate the slot's slack (so the rank still yields its
@@ -195,7 +202,7 @@ class SlotStream(IterableDataset):
                     continue
                 seed = mix_seed(TAG_SAMPLE, plan.seed, epoch, raw.shard.index, raw.index, pass_no)
                 # a repeated pass meets the same bad samples again: they were counted the first time
-                item = self._decode(raw, seed, tally if pass_no == 0 else Tally())
+                item = self._decode(raw, seed, tally if pass_no == 0 else _quiet())
                 if item is None:
                     continue
                 if pass_no > 0:
@@ -258,7 +265,7 @@ class SlotStream(IterableDataset):
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
             img = open_image(raw.members, self.settings.max_image_pixels)
             if self.settings.decode_device != "worker":  # the training process decodes plain JPEGs
-                deferred = self.transform.defer(img, image_bytes(raw.members), seed)
+                deferred = self.transform.defer(img, image_bytes(raw.members), seed, counted=tally.enabled)
                 if deferred is not None:
                     return deferred, label
             return self.transform(img, seed), label

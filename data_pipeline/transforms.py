@@ -39,6 +39,7 @@ class Deferred:
     flip: bool
     seed: int  # the sample's seed: RandAugment replays from it
     span: Optional[tuple] = None  # (start, end) of the file in its batch's ``blob``
+    counted: bool = True  # a failure to decode counts as corrupt (False: counted on an earlier pass)
 
 
 class SampleTransform:
@@ -91,19 +92,22 @@ class SampleTransform:
             return self._post(out, flip)
 
     # ---------------------------------------- data.decode_device: the training process decodes
-    def defer(self, img: Image.Image, data: bytes, seed: int) -> "Deferred | None":
+    def defer(self, img: Image.Image, data: bytes, seed: int, counted: bool = True) -> "Deferred | None":
         """For a JPEG the training process can decode as it is (baseline, RGB or grey, no EXIF
-        rotation), what it needs: the file and what this sample drew. None: decode it here
-        (:meth:`__call__`); progressive JPEGs too, as nvJPEG's hardware engine takes baseline only."""
+        rotation, at most ``(4 * img_size)^2`` pixels), what it needs: the file and what this sample
+        drew. None: decode it here (:meth:`__call__`). Progressive JPEGs stay here because nvJPEG's
+        hardware engine takes baseline only; large ones because draft mode decodes them here at
+        1/2..1/8 scale, and the cap bounds what a batch's decode needs on the GPU (3 bytes a pixel)."""
+        w, h = img.size
         if img.format != "JPEG" or img.mode not in ("RGB", "L") or img.info.get("progressive") \
-                or exif_orientation(img) != 1:
+                or w * h > (4 * self.size) ** 2 or exif_orientation(img) != 1:
             return None
         if not self.train:
-            return Deferred(data, img.size, None, False, seed)
+            return Deferred(data, img.size, None, False, seed, counted=counted)
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
             box, flip = self._draw(*img.size)
-        return Deferred(data, img.size, box, flip, seed)
+        return Deferred(data, img.size, box, flip, seed, counted=counted)
 
     def finish(self, pixels: torch.Tensor, item: "Deferred") -> torch.Tensor:
         """Decoded uint8 (3, H, W) of ``item``, on any device -> uint8 (3, size, size): what

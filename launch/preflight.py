@@ -249,9 +249,9 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     if s["cpu"]:
         detail += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
     how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
-    detail += f"; building the model takes {_gb(est.host_build)} host memory per rank ({how})"
+    host = f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
     if est.total <= budget:
-        return [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB")]
+        return [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB; {host}")]
     fixes = []
     if not t.activation_checkpointing and est.total_if_checkpointing(True) <= budget:
         fixes.append(f"train.activation_checkpointing=true ({_gb(est.total_if_checkpointing(True))})")
@@ -266,7 +266,8 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     if cfg.zero.stage in (1, 2) and est.buffers > memory.GB:
         fixes.append("a smaller zero.reduce_bucket_size")
     advice = "set " + " or ".join(fixes) if fixes else "use more ranks with zero.stage=3 or a smaller model"
-    return [Finding(WARN, "memory", f"estimated {detail} exceeds {gpu_memory_gb:g} GB (--gpu-memory-gb): {advice}")]
+    return [Finding(WARN, "memory", f"estimated {detail} exceeds {gpu_memory_gb:g} GB (--gpu-memory-gb): "
+                                    f"{advice}; {host}")]
 
 
 def _with(cfg: Config, stage: int) -> Config:

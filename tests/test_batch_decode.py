@@ -25,7 +25,7 @@ def _encode(arr, fmt, **kw) -> bytes:
 
 def _samples(n: int, seed: int):
     """A mix of what shards hold: RGB and grey baseline JPEGs (decoded by the training process), and
-    PNG, progressive, CMYK and EXIF-rotated JPEG members (decoded by the worker)."""
+    PNG, progressive, large, CMYK and EXIF-rotated JPEG members (decoded by the worker)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -43,6 +43,9 @@ def _samples(n: int, seed: int):
             (Image.fromarray(arr).convert("CMYK") if i % 16 == 15 else Image.fromarray(arr)).save(
                 buf, "JPEG", exif=exif.tobytes())
             img = {"jpg": buf.getvalue()}
+        elif i % 16 == 12:  # over (4 x img_size)^2 pixels: decoded by the worker (draft mode)
+            big = (rng.random((72, 80, 3)) * 200 + 20).astype(np.uint8)
+            img = {"jpg": _encode(big, "JPEG", quality=90)}
         else:
             img = {"jpg": _encode(arr, "JPEG", quality=90)}
         out.append((f"{seed:02d}{i:04d}", {**img, "cls": str(i % 5).encode()}))
@@ -120,7 +123,7 @@ def test_workers_ship_plain_jpegs_undecoded(mixed):
             if isinstance(item, Deferred):
                 assert bytes(batch.file(item).numpy()) == members[f"{key}.jpg"]
                 i = int(key[2:])  # RGB, grey baseline, or EXIF orientation 1 (nothing to turn)
-                assert i % 8 < 5 or i % 16 in (6, 7), key
+                assert (i % 8 < 5 and i % 16 != 12) or i % 16 in (6, 7), key
                 top, left, h, w = item.box
                 assert 0 <= top and top + h <= 20 and 0 <= left and left + w <= 24
                 kinds.add("jpeg")
@@ -153,6 +156,81 @@ def test_a_jpeg_that_fails_to_decode_is_counted_and_its_place_refilled(tmp_path,
     assert counts["cpu"]["repeated_for_balance"] >= 1 and counts["cpu"]["samples"] == counts["worker"]["samples"]
 
 
+def _run_keys(cfg, n):
+    loader = build_loader(cfg, batch_size=1, seed=0, img_size=16)
+    keys = []
+    for _ in loader:
+        keys += loader.last_keys
+        if len(keys) == n:
+            return loader, keys
+
+
+def _broken(samples, at):
+    """``samples`` with the JPEGs at positions ``at`` cut in half (the header still parses)."""
+    out, rng = list(samples), np.random.default_rng(1)
+    for i in at:
+        key, members = out[i]
+        jpg = _encode((rng.random((40, 48, 3)) * 255).astype(np.uint8), "JPEG", quality=95)  # mostly scan data
+        out[i] = (key, {"jpg": jpg[: len(jpg) // 2], "cls": members["cls"]})
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_sample_met_again_in_a_repeat_pass_is_counted_once(tmp_path, shard_kit, seed):
+    """Bad labels (skipped by the worker) make the slot read its shard again; the broken JPEGs met
+    again then are not counted a second time: both paths count each bad sample once."""
+    samples = _broken(_samples(16, 4), at=(3, 9))
+    for i in (0, 2, 5, 7, 11, 13):
+        samples[i] = (samples[i][0], {**samples[i][1], "cls": b"99"})  # outside the 5 classes
+    root = shard_kit.make_shards(tmp_path / "s", [samples], [f"c{i}" for i in range(5)])
+    for device in ("worker", "cpu"):
+        cfg = replace(_cfg(root, device, workers=0), max_corrupt_rate=1.0)
+        loader = build_loader(cfg, batch_size=4, seed=seed, img_size=16)
+        for n, (images, _) in enumerate(loader, 1):
+            assert images.shape == (4, 3, 16, 16)
+            if n == loader.batches_per_epoch:
+                break
+        c = loader.counters
+        assert (c["corrupt_image"], c["bad_label"]) == (2, 6), (device, c)
+        assert c["repeated_for_balance"] >= 1, (device, c)
+
+
+def test_eval_drops_a_broken_jpeg_as_the_worker_path_does(tmp_path, shard_kit):
+    root = shard_kit.make_shards(tmp_path / "e", [_broken(_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
+    got = {}
+    for device in ("worker", "cpu"):
+        loader = build_loader(_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
+        batches = [(x, y, list(loader.last_keys)) for x, y in loader]
+        got[device] = (batches, loader.counters)
+    (want, cw), (have, ch) = got["worker"], got["cpu"]
+    assert cw == ch and ch["corrupt_image"] == 1
+    # the worker path skips the sample before batching, this one after: batch edges differ
+    assert [k for *_, ks in have for k in ks] == [k for *_, ks in want for k in ks]
+    assert sum(len(k) for _, _, k in have) == 15
+    assert torch.equal(torch.cat([x for x, _, _ in want]), torch.cat([x for x, _, _ in have]))
+    assert torch.equal(torch.cat([y for _, y, _ in want]), torch.cat([y for _, y, _ in have]))
+
+
+def test_micro_batch_of_one_refills_from_the_previous_batch(tmp_path, shard_kit):
+    """A batch whose only JPEG fails takes the previous batch's last good sample."""
+    samples = _samples(8, 6)
+    intact = shard_kit.make_shards(tmp_path / "intact", [samples], [f"c{i}" for i in range(5)])
+    _, order = _run_keys(_cfg(intact, "worker", workers=0), 8)
+    third = [k for k, _ in samples].index(order[2])  # the order depends on the layout, not the pixels
+    root = shard_kit.make_shards(tmp_path / "one", [_broken(samples, at=(third,))], [f"c{i}" for i in range(5)])
+    loader = build_loader(replace(_cfg(root, "cpu", workers=0), max_corrupt_rate=0.2), batch_size=1, seed=0,
+                          img_size=16)
+    keys, images = [], []
+    for n, (x, _) in enumerate(loader, 1):
+        keys += loader.last_keys
+        images.append(x)
+        if n == loader.batches_per_epoch:
+            break
+    assert order[2] not in keys and len(keys) == 8 and len(set(keys)) == 7
+    assert keys[2] == keys[1] == order[1] and torch.equal(images[2], images[1])
+    assert loader.counters["corrupt_image"] == 1 and loader.counters["repeated_for_balance"] == 1
+
+
 def test_decode_device_errors_name_the_key(tmp_path, mixed):
     from pretrain.config import load_config
 
@@ -166,10 +244,18 @@ def test_decode_device_errors_name_the_key(tmp_path, mixed):
 
 
 @pytest.mark.gpu
-def test_cuda_batch_decode_matches_cpu(mixed):
-    """nvJPEG's IDCT is not libjpeg-turbo's: the same batches within a few grey levels."""
+def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
+    """nvJPEG's IDCT is not libjpeg-turbo's: the same batches within a few grey levels; a broken
+    JPEG is counted on the GPU too."""
     _, want = _run(_cfg(mixed, "cpu"), batches=4)
     _, got = _run(_cfg(mixed, "cuda"), batches=4)
     for (a, ta, ka), (b, tb, kb) in zip(want, got):
         assert b.is_cuda and ka == kb and torch.equal(ta, tb.cpu())
         assert (a - b.cpu()).abs().mean() < 4 / 127.5
+    root = shard_kit.make_shards(tmp_path / "bad", [_broken(_samples(16, 7), at=(2,))], [f"c{i}" for i in range(5)])
+    loader = build_loader(_cfg(root, "cuda", workers=0), batch_size=8, img_size=16)
+    for n, (x, _) in enumerate(loader, 1):
+        assert x.is_cuda and torch.isfinite(x).all()
+        if n == loader.batches_per_epoch:
+            break
+    assert loader.counters["corrupt_image"] == 1
