@@ -8,14 +8,16 @@ before) and draw each sample's crop box and flip from its seed (``SampleTransfor
 training process decodes the whole batch in one ``torchvision.io.decode_jpeg(list, device=...)``
 call (nvJPEG on a GPU), then crops, resizes, flips, normalises and mixes (Mixup/CutMix) on that
 device. ``cpu`` runs the same code path on the CPU, which is how CI tests it. Members that are not
-plain JPEGs (PNG, WebP, CMYK JPEGs, JPEGs with an EXIF rotation) are decoded in the worker as
-before and travel as finished uint8 samples in the same batch.
+plain JPEGs (PNG, WebP, CMYK, progressive, EXIF-rotated or larger than ``(4 * img_size)^2`` pixels:
+``SampleTransform.defer``) are decoded in the worker as before and travel as finished uint8 samples
+in the same batch.
 
 A JPEG that fails to decode here is retried alone and then through the worker path (PIL); one that
-fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``) and its
-place in the batch is taken by a copy of another sample of the batch, counted as
-``repeated_for_balance``, so every rank still yields batches of the same shape. Its key in
-``loader.last_keys`` is the copied sample's.
+fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``; once,
+not again on a repeat pass). In training its place in the batch is taken by a copy of another
+sample of the batch (of the previous batch's last good one when none is left), counted as
+``repeated_for_balance``, so every rank still yields batches of the same shape; its key in
+``loader.last_keys`` is the copied sample's. In evaluation it is dropped, as the worker path does.
 """
 from __future__ import annotations
 
@@ -28,9 +30,7 @@ import torch
 from data_pipeline.config import DEVICES
 from data_pipeline.decode import BadSample, open_image
 from data_pipeline.errors import ConfigError, TooManyCorruptSamples
-from data_pipeline.transforms import Deferred, SampleTransform, mix_batch
-
-
+from data_pipeline.transforms import Deferred, SampleTransform, mix_labelled
 
 # torchvision 0.29 deprecates its codecs for TorchCodec (not one of our dependencies); decode_jpeg
 # still works, and its warning would come once per batch.
@@ -110,36 +110,30 @@ class BatchDecoder:
         out = torch.empty((len(items), 3, self.transform.size, self.transform.size), dtype=torch.float32,
                           device=self.device)
         decoded = batch.decoded.to(self.device, non_blocking=True) if batch.decoded is not None else None
-        bad = []
+        bad, good = [], []
         for i, it in enumerate(items):
-            if isinstance(it, Deferred):
-                u8 = self._finish(it, batch.file(it), pixels[i])
-                if u8 is None:
-                    bad.append(i)
-                    continue
-            else:
-                u8 = decoded[it]
+            u8 = self._finish(it, batch.file(it), pixels[i]) if isinstance(it, Deferred) else decoded[it]
+            if u8 is None:
+                bad.append(i)
+                continue
+            good.append(i)
             out[i].copy_(u8).mul_(self.scale).add_(self.shift)
         targets = targets.to(self.device, non_blocking=True)
-        self._count(bad, items, meta)
-        if bad and not self.transform.train:  # evaluation: a short batch, as the worker path gives
-            keep = [i for i in range(len(items)) if i not in set(bad)]
-            for k in ("keys", "shards"):
-                if meta.get(k):
-                    meta[k] = [meta[k][i] for i in keep]
-            if not keep:
-                return None, None
-            out, targets = out[keep], targets[keep]
-        elif bad:
-            self._replace(bad, out, targets, meta)
-        if self.transform.train and len(bad) < len(items):
-            last = max(i for i in range(len(items)) if i not in set(bad))
-            keys, shards = meta.get("keys") or [""] * len(items), meta.get("shards") or [""] * len(items)
-            self._spare = (out[last].clone(), targets[last].clone(), keys[last], shards[last])
+        keys, shards = meta.get("keys") or [""] * len(items), meta.get("shards") or [""] * len(items)
+        self._count([items[i] for i in bad], [shards[i] for i in bad], meta["tally"])
+        if not self.transform.train:
+            if bad:  # evaluation: a short batch, as the worker path gives
+                meta.update(keys=[keys[i] for i in good], shards=[shards[i] for i in good])
+                if not good:
+                    return None, None
+                out, targets = out[good], targets[good]
+            return out, targets
+        if bad:
+            self._replace(bad, good, out, targets, keys, shards, meta["tally"]["counts"])
+        if good:
+            self._spare = (out[good[-1]].clone(), targets[good[-1]].clone(), keys[good[-1]], shards[good[-1]])
         if batch.mix_seed is not None:
-            if targets.dtype == torch.int64:
-                targets = torch.nn.functional.one_hot(targets, self.num_classes).float()
-            out, targets = mix_batch(out, targets, self.aug, batch.mix_seed)
+            out, targets = mix_labelled(out, targets, self.aug, batch.mix_seed, self.num_classes)
         return out, targets
 
     def _decode(self, datas: list) -> list:
@@ -168,25 +162,22 @@ class BatchDecoder:
             return None
 
     @staticmethod
-    def _count(bad: list, items: list, meta: dict) -> None:
+    def _count(failed: list, shards: list, tally: dict) -> None:
         """Failed decodes join the batch's tally as ``corrupt_image`` of their shard, unless an
         earlier pass over the same sample counted it (``Deferred.counted``)."""
-        tally, shards = meta["tally"], meta.get("shards") or [""] * len(items)
-        for i in bad:
-            if items[i].counted:
+        for item, shard in zip(failed, shards):
+            if item.counted:
                 tally["counts"]["corrupt_image"] = tally["counts"].get("corrupt_image", 0) + 1
-                tally["bad_by_shard"][shards[i]] = tally["bad_by_shard"].get(shards[i], 0) + 1
+                tally["bad_by_shard"][shard] = tally["bad_by_shard"].get(shard, 0) + 1
 
-    def _replace(self, bad: list, out: torch.Tensor, targets: torch.Tensor, meta: dict) -> None:
+    def _replace(self, bad: list, good: list, out: torch.Tensor, targets: torch.Tensor, keys: list,
+                 shards: list, counts: dict) -> None:
         """Training: each failed row takes a copy of a good row of the batch (or, in a batch with
-        none, of the previous batch's last good sample), counted as ``repeated_for_balance``."""
-        n = out.shape[0]
-        good = [i for i in range(n) if i not in set(bad)]
-        keys, shards = meta.get("keys") or [""] * n, meta.get("shards") or [""] * n
+        none, of the previous batch's last good sample), counted as ``repeated_for_balance``;
+        ``keys`` and ``shards`` (the batch's, in ``meta``) follow."""
         if not good and self._spare is None:
             raise TooManyCorruptSamples(f"none of the {len(bad)} JPEGs of the first batch decoded on "
                                         f"{self.device.type} (shards: {', '.join(sorted(set(shards[i] for i in bad)))})")
-        counts = meta["tally"]["counts"]
         for k, i in enumerate(bad):
             if good:
                 src = good[k % len(good)]

@@ -32,7 +32,7 @@ from data_pipeline.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.shard_reader import read_shard
 from data_pipeline.tally import Tally
-from data_pipeline.transforms import SampleTransform, mix_batch, normalized_batch
+from data_pipeline.transforms import SampleTransform, mix_labelled, normalized_batch
 
 SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
 
@@ -275,18 +275,14 @@ class SlotStream(IterableDataset):
 
     def _collate(self, images, labels, batch_seed):
         s = self.settings
-        if s.decode_device != "worker":  # decoded, normalised and mixed by the training process
-            x = DeferredBatch.pack(images, batch_seed if s.mixing(self.plan.train) else None)
-        else:
-            x = normalized_batch(images, s.augment.mean, s.augment.std)
         if s.multi_label:
             y = torch.zeros(len(labels), self.num_classes)
             for i, lab in enumerate(labels):
                 y[i, lab] = 1.0
         else:
             y = torch.tensor(labels, dtype=torch.int64)
-        if s.mixing(self.plan.train) and s.decode_device == "worker":
-            if y.dtype == torch.int64:
-                y = torch.nn.functional.one_hot(y, self.num_classes).float()
-            x, y = mix_batch(x, y, s.augment, batch_seed)
-        return x, y
+        mixing = s.mixing(self.plan.train)
+        if s.decode_device != "worker":  # decoded, normalised and mixed by the training process
+            return DeferredBatch.pack(images, batch_seed if mixing else None), y
+        x = normalized_batch(images, s.augment.mean, s.augment.std)
+        return mix_labelled(x, y, s.augment, batch_seed, self.num_classes) if mixing else (x, y)

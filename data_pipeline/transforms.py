@@ -117,7 +117,7 @@ class SampleTransform:
         top, left, h, w = item.box
         out = F.resized_crop(pixels, top, left, h, w, [self.size, self.size], antialias=True)
         if self.randaug is None:
-            return out.flip(-1) if item.flip else out
+            return self._post(out, item.flip)
         with torch.random.fork_rng(devices=[]):  # replay the sample's draws, then RandAugment's
             torch.random.default_generator.manual_seed(item.seed)
             self._draw(*item.size)
@@ -149,6 +149,13 @@ def normalized_batch(images: list, mean, std) -> torch.Tensor:
         o.copy_(img)
         o.mul_(scale).add_(shift)
     return out
+
+
+def mix_labelled(images: torch.Tensor, targets: torch.Tensor, aug, seed: int, num_classes: int):
+    """:func:`mix_batch` for a batch's own targets: integer class labels become one-hot rows first."""
+    if targets.dtype == torch.int64:
+        targets = torch.nn.functional.one_hot(targets, num_classes).float()
+    return mix_batch(images, targets, aug, seed)
 
 
 def mix_batch(images: torch.Tensor, targets: torch.Tensor, aug, seed: int):

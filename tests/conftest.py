@@ -68,8 +68,9 @@ def _no_shm_left():
     before = set(Path("/dev/shm").glob(pattern))
     yield
     new = set(Path("/dev/shm").glob(pattern)) - before
-    for f in new - _held(new) if new else ():
-        f.unlink(missing_ok=True)
+    if new:
+        for f in new - _held(new):
+            f.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
