@@ -127,3 +127,12 @@ def train_single(shards, run_dir, *extra, env=None, timeout=240) -> subprocess.C
             f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
             "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *extra]
     return subprocess.run(args, cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def demo_manifest(tmp_path_factory, n: int, shard_size: int) -> Path:
+    """``n`` demo images (real JPEGs) in shards of ``shard_size``: the manifest of a module's data."""
+    from data_pipeline.write_shards import write_demo_shards
+
+    out = tmp_path_factory.mktemp(f"demo{n}x{shard_size}") / "train"
+    write_demo_shards(out, "train", n=n, shard_size=shard_size)
+    return out / "manifest.json"

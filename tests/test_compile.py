@@ -6,17 +6,13 @@ import sys
 
 import pytest
 
-from dist_utils import REPO, job_env, metrics
+from dist_utils import REPO, demo_manifest, job_env, metrics
 from pretrain.config import ConfigError, load_config
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("compile") / "train"
-    write_demo_shards(out, "train", n=256, shard_size=64)
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
 
 
 def losses(shards, run_dir, *extra):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import (REPO, deepspeed_cmd, group_alive, job_env, kill_group, metrics, run_job, start_job,
-                        wait_for, wandb_records)
+from dist_utils import (REPO, deepspeed_cmd, demo_manifest, group_alive, job_env, kill_group, metrics, run_job,
+                        start_job, wait_for, wandb_records)
 from pretrain import checkpoint
 from pretrain.export import export, load_run_weights
 from pretrain.model import create_model
@@ -24,11 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("demo") / "train"
-    write_demo_shards(out, "train", n=1536, shard_size=96)
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=1536, shard_size=96)
 
 
 def train_args(shards, run_dir, *extra):

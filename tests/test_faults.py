@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, group_alive, job_env, kill_group, metrics, start_job, wait_for
+from dist_utils import REPO, demo_manifest, group_alive, job_env, kill_group, metrics, start_job, wait_for
 from pretrain import rundir
 
 pytestmark = pytest.mark.slow
@@ -20,11 +20,7 @@ EXIT_INTERRUPTED = 75
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("faults") / "train"
-    write_demo_shards(out, "train", n=256, shard_size=32)
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=256, shard_size=32)
 
 
 def overrides(shards, run_dir, *extra):

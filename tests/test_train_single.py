@@ -2,16 +2,12 @@
 
 import pytest
 
-from dist_utils import job_env, metrics, train_single
+from dist_utils import demo_manifest, job_env, metrics, train_single
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("demo1") / "train"
-    write_demo_shards(out, "train", n=256, shard_size=64)
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
 
 
 def train(shards, run_dir, *extra, fault=None, timeout=240):

@@ -14,17 +14,13 @@ import time
 
 import pytest
 
-from dist_utils import REPO, job_env, metrics, train_single
+from dist_utils import REPO, demo_manifest, job_env, metrics, train_single
 from pretrain import rundir
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("user_errors") / "train"
-    write_demo_shards(out, "train", n=128, shard_size=64)
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=128, shard_size=64)
 
 
 def train(shards, run_dir, *extra, env=None, timeout=180):
