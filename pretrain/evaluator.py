@@ -82,6 +82,9 @@ class InTrainingEval:
     # ------------------------------------------------------------------------------------------ run
     def __call__(self, engine, step: int) -> dict:
         """Collective. Metrics on rank 0 (``{}`` elsewhere); training state left as it was."""
+        device = torch.device(engine.device)
+        if device.type == "cuda":  # training steps still queued on the GPU are not eval time
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
