@@ -42,6 +42,11 @@ class Deferred:
     counted: bool = True  # a failure to decode counts as corrupt (False: counted on an earlier pass)
 
 
+def ends_at_eoi(data: bytes) -> bool:
+    """Whether a JPEG ends with its End Of Image marker (zero padding after it allowed)."""
+    return data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9")
+
+
 class SampleTransform:
     """lazy PIL image (header parsed) + seed -> uint8 tensor (3, img_size, img_size)."""
 
@@ -94,13 +99,16 @@ class SampleTransform:
     # ---------------------------------------- data.decode_device: the training process decodes
     def defer(self, img: Image.Image, data: bytes, seed: int, counted: bool = True) -> "Deferred | None":
         """For a JPEG the training process can decode as it is (baseline, RGB or grey, no EXIF
-        rotation, at most ``(4 * img_size)^2`` pixels), what it needs: the file and what this sample
-        drew. None: decode it here (:meth:`__call__`). Progressive JPEGs stay here because nvJPEG's
-        hardware engine takes baseline only; large ones because draft mode decodes them here at
-        1/2..1/8 scale, and the cap bounds what a batch's decode needs on the GPU (3 bytes a pixel)."""
+        rotation, at most ``(4 * img_size)^2`` pixels, ending in its EOI marker), what it needs: the
+        file and what this sample drew. None: decode it here (:meth:`__call__`). Progressive JPEGs
+        stay here because nvJPEG's hardware engine takes baseline only; large ones because draft
+        mode decodes them here at 1/2..1/8 scale, and the cap bounds what a batch's decode needs on
+        the GPU (3 bytes a pixel). A file without EOI at its end is most likely cut short: PIL
+        rejects it here, where nvJPEG's batched decode, which parses only the header before it
+        starts, may not fail on it (NVIDIA/DALI#3113) and would train on a half-grey image."""
         w, h = img.size
         if img.format != "JPEG" or img.mode not in ("RGB", "L") or img.info.get("progressive") \
-                or w * h > (4 * self.size) ** 2 or exif_orientation(img) != 1:
+                or w * h > (4 * self.size) ** 2 or exif_orientation(img) != 1 or not ends_at_eoi(data):
             return None
         if not self.train:
             return Deferred(data, img.size, None, False, seed, counted=counted)
