@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.vitscale-installed
 # the venv's tools first (deepspeed, ninja for DeepSpeed's JIT-built CPU op, console scripts)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-cluster cluster-packages install clean bench-gpu
+.PHONY: demo test test-cluster cluster-packages install clean bench-gpu device-kit
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 BENCH_OUT ?= runs/bench-gpu
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu_suite.py --output $(BENCH_OUT)
+
+# the same on a lent GPU machine, which has no network: wheels of what its image lacks, built here for
+# its Python, carried there with the tree (benchmarks/device_run.sh says how)
+DEVICE_KIT ?= device-kit
+device-kit: $(STAMP)
+	$(PY) benchmarks/device_kit.py --out $(DEVICE_KIT) --python-version 3.12
 
 # Real sshd + pdsh (two loopback "nodes") and a one-machine SLURM (munged, slurmctld, slurmd),
 # all started by the tests' fixtures on high ports of 127.0.0.1/127.0.0.2 and stopped by PID.

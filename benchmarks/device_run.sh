@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 14's GPU figures and GPU tests on a lent machine (the device tool; no network there).
+# Here, first: `make device-kit` (wheels of what the machine's image lacks, for its Python 3.12).
+# Then, through the device tool, from the repo root, one part per call (each fits one 10-minute call):
+#   run  command="bash benchmarks/device_run.sh suite"  carry=["device-kit"]  timeout_s=600
+#   run  command="bash benchmarks/device_run.sh tests"  carry=["device-kit"]  timeout_s=600
+# Results come back under $OUT: bench-gpu/suite.{json,md} (for benchmarks/RESULTS.md), logs,
+# nvidia-smi and pip state. Locally (a GPU machine with its own environment) `make bench-gpu` is the same suite.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: benchmarks/device_run.sh suite|tests}
+OUT=${OUT:-runs/device}
+KIT=${KIT:-device-kit}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if [ ! -f "$KIT/requirements.txt" ]; then
+  echo "device_run.sh: $KIT/requirements.txt missing: run \`make device-kit\` here and carry $KIT" >&2
+  exit 2
+fi
+# installed into the machine's own Python, wheels only from the kit; what the image already has
+# at a fitting version stays as it is
+"$PY" -m pip install -q --no-index --find-links "$KIT" -r "$KIT/requirements.txt" 2>&1 | tail -5
+"$PY" -m pip check > "$OUT/pip-check.txt" 2>&1 || true
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import deepspeed, torch, torchvision, timm, webdataset, sys
+print(f"python {sys.version.split()[0]} torch {torch.__version__} torchvision {torchvision.__version__} "
+      f"deepspeed {deepspeed.__version__} timm {timm.__version__} webdataset {webdataset.__version__}; "
+      f"cuda {torch.cuda.is_available()} {torch.cuda.get_device_name() if torch.cuda.is_available() else ''}")
+EOF
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+case "$part" in
+  suite)  # planned to end within 8 minutes from its start (benchmarks/gpu_suite.py)
+    # shellcheck disable=SC2086  # SUITE_ARGS=--smoke rehearses the whole script on a CPU machine
+    "$PY" benchmarks/gpu_suite.py --output "$OUT/bench-gpu" ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log"
+    exit "${PIPESTATUS[0]}" ;;
+  tests)  # the `gpu`-marked tests (CI and CPU machines skip them)
+    # shellcheck disable=SC2086  # PYTEST_ARGS: another selection (a rehearsal on CPU runs CPU tests)
+    "$PY" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:--m gpu tests} 2>&1 | tee "$OUT/gpu-tests.log"
+    exit "${PIPESTATUS[0]}" ;;
+  *) echo "device_run.sh: unknown part '$part' (suite or tests)" >&2; exit 2 ;;
+esac
