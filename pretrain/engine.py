@@ -97,17 +97,29 @@ def use_fused_adamw(accelerator: str, cuda_available: bool) -> bool:
     return accelerator == "cuda" and cuda_available
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """Regional compilation: ``torch.compile`` each Transformer block in place (``Module.compile``
-    keeps parameter names, so checkpoints and exports are unchanged). All blocks share one
-    shape, so one block's compile is reused by the others (seconds, not the minutes of a
-    whole-model compile); activation checkpointing wraps the compiled blocks unchanged and ZeRO
-    1/2's gradient hooks sit on the parameters, outside the compiled code. Returns the count."""
+def compile_blocks(model: torch.nn.Module, zero_stage: int = 0) -> int:
+    """Regional compilation: ``torch.compile`` each Transformer block's ``forward`` in place (the
+    modules and their parameter names stay, so checkpoints and exports are unchanged). All blocks
+    share one shape, so one block's compile is reused by the others (seconds, not the minutes of a
+    whole-model compile). Activation checkpointing wraps the blocks' calls unchanged.
+
+    Only ``forward`` is compiled, not the module call: hooks on a block run eagerly around the
+    compiled code. Under ZeRO-3 each block is also made a leaf module
+    (``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered by one hook pair around
+    the whole block, and no ZeRO hook is left inside it. Without that, dynamo traces ZeRO-3's
+    per-Linear hooks, guards on each module's id and hits its recompile limit, slower than eager;
+    so does DeepSpeed's ``engine.compile()`` (a whole-model compile), and DeepCompile, DeepSpeed's
+    answer to this, runs on CUDA only. ZeRO 1/2's hooks sit on the parameters, outside the
+    compiled code. Returns the count."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or len(blocks) == 0:
         raise ConfigError(f"train.compile: {type(model).__name__} has no Transformer blocks to compile")
     for blk in blocks:
-        blk.compile()
+        blk.forward = torch.compile(blk.forward)
+    if zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(blocks[0])])
     return len(blocks)
 
 
@@ -120,7 +132,7 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     if train.activation_checkpointing:
         model.set_grad_checkpointing(True)
     if train.compile:
-        compile_blocks(model)
+        compile_blocks(model, zero.stage)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim, train.steps))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,

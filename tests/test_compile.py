@@ -1,13 +1,13 @@
-"""``train.compile``: regional compilation of each Transformer block (inductor; on CPU it needs a
-C++ compiler). Five steps compiled and eager give the same losses (1e-4 relative), at each
-supported ZeRO stage; stage 3 is refused in one line."""
+"""``train.compile``: regional compilation of each Transformer block's forward (inductor; on CPU it
+needs a C++ compiler). Five steps compiled and eager give the same losses (1e-4 relative), with
+ZeRO 0, 2 (activation checkpointing on) and 3 (each block a leaf module; checkpointing on), and
+dynamo never hits its recompile limit (it did under ZeRO-3 while its per-Linear hooks were traced)."""
 import subprocess
 import sys
 
 import pytest
 
 from dist_utils import REPO, demo_manifest, job_env, metrics
-from pretrain.config import ConfigError, load_config
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,15 @@ def losses(shards, run_dir, *extra):
             "logging.wandb.mode=disabled", "train.steps=5", "train.log_every_steps=1", *extra]
     r = subprocess.run(args, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "recompile_limit" not in r.stderr and "recompile limit" not in r.stderr, r.stderr[-3000:]
     m = metrics(run_dir)
     return [m[s]["loss"] for s in sorted(m)]
 
 
-@pytest.mark.parametrize("stage, extra", [(0, ()), (1, ()), (2, ("train.activation_checkpointing=true",))])
+CKPT = ("train.activation_checkpointing=true",)
+
+
+@pytest.mark.parametrize("stage, extra", [(0, ()), (2, CKPT), (3, CKPT)])
 def test_compiled_blocks_match_eager(shards, tmp_path, stage, extra):
     eager = losses(shards, tmp_path / "eager", f"zero.stage={stage}", *extra)
     compiled = losses(shards, tmp_path / "compiled", f"zero.stage={stage}", "train.compile=true", *extra)
@@ -34,16 +38,16 @@ def test_compiled_blocks_match_eager(shards, tmp_path, stage, extra):
     assert eager[-1] < eager[0]  # it trains
 
 
-def test_compile_blocks_in_place_keeps_names():
+@pytest.mark.parametrize("stage", [0, 3])
+def test_compile_blocks_in_place_keeps_names(stage):
+    from deepspeed.utils.z3_leaf_module import z3_leaf_module
+
     from pretrain.engine import compile_blocks
     from pretrain.model import create_model
 
     model = create_model("vit_tiny_patch16_224", num_classes=10, img_size=32)
     names = list(model.state_dict())
-    assert compile_blocks(model) == 12
+    assert compile_blocks(model, stage) == 12
     assert list(model.state_dict()) == names  # checkpoints and exports unchanged
-
-
-def test_compile_refuses_zero3():
-    with pytest.raises(ConfigError, match="train.compile: regional compilation supports zero.stage 0, 1 and 2"):
-        load_config("configs/tiny_cpu.yaml", ["train.compile=true", "zero.stage=3"])
+    # ZeRO-3 gathers each block whole (one eager hook pair around the compiled forward)
+    assert [z3_leaf_module(m) for m in model.modules() if z3_leaf_module(m)] == [True] * (12 if stage == 3 else 0)
