@@ -29,6 +29,12 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
                  stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
                  # export consolidates from the fp32 shards; no 16-bit gather at save time
                  stage3_gather_16bit_weights_on_model_save=False)
+        if train.compile:
+            # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
+            # ZeRO status: traced by dynamo, that guards on every Linear (torch 2.11 hit its
+            # recompile limit). Compiled blocks are ZeRO-3 leaf modules (compile_blocks), their
+            # weights gathered around the whole block, so the plain F.linear serves.
+            z["memory_efficient_linear"] = False
     if zero.offload_optimizer:
         if zero.stage == 0:
             raise ConfigError("zero.offload_optimizer needs zero.stage >= 1")

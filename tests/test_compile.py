@@ -51,3 +51,18 @@ def test_compile_blocks_in_place_keeps_names(stage):
     assert list(model.state_dict()) == names  # checkpoints and exports unchanged
     # ZeRO-3 gathers each block whole (one eager hook pair around the compiled forward)
     assert [z3_leaf_module(m) for m in model.modules() if z3_leaf_module(m)] == [True] * (12 if stage == 3 else 0)
+
+
+def test_zero3_compiled_keeps_the_plain_linear():
+    """zero.Init's memory-efficient F.linear (an autograd.Function reading each weight's ZeRO status)
+    made dynamo recompile per Linear on torch 2.11; compiled ZeRO-3 blocks gather whole, so it is
+    turned off there, and only there."""
+    from pretrain.config import load_config
+    from pretrain.engine import deepspeed_config
+
+    def zero_section(*overrides):
+        c = load_config("configs/tiny_cpu.yaml", ["zero.stage=3", *overrides])
+        return deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]
+
+    assert zero_section("train.compile=true")["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in zero_section()  # DeepSpeed's default otherwise
