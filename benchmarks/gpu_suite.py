@@ -95,8 +95,8 @@ def smoke_plan() -> Plan:
                 zero_model="vit_tiny_patch16_224", zero_batch=4, zero_budget=25.0, matmul_n=256,
                 matmul_budget=1.0, loader_images=64, loader_sources=8, loader_batch=8, loader_workers=1,
                 loader_budget=15.0, total_budget=85.0,
-                # used only without train.compile's helper: inductor's C++ code generation is
-                # slow on 2 cores; aot_eager still traces each block through dynamo and AOTAutograd
+                # inductor's C++ code generation is slow on 2 cores (tests/test_compile.py covers
+                # it); aot_eager still traces each block through dynamo and AOTAutograd
                 compile_backend="aot_eager")
 
 
@@ -155,29 +155,14 @@ def train_flops(name: str, img: int) -> tuple[float, float]:
 
 
 def compile_helper(backend: str):
-    """(function compiling a model's blocks in place, description). pretrain's own helper when
-    ``train.compile`` exists (issue 14, part 2), so the suite measures what training runs; else
-    the same regional compilation done here with ``backend``."""
-    from pretrain.config import TrainConfig
+    """(function compiling a model's blocks in place, description): train.compile's own helper
+    (``pretrain.engine.compile_blocks``), so the suite measures what training runs, with
+    ``backend`` (inductor on a GPU; the smoke's aot_eager still traces every block through dynamo
+    and AOTAutograd, without inductor's C++ build on a 2-core CPU)."""
+    from pretrain.engine import compile_blocks
 
-    if "compile" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        import importlib
-
-        for mod, fn in (("pretrain.engine", "compile_blocks"), ("pretrain.compile", "compile_blocks"),
-                        ("pretrain.train", "compile_blocks"), ("pretrain.engine", "apply_compile")):
-            try:
-                f = getattr(importlib.import_module(mod), fn)
-            except (ImportError, AttributeError):
-                continue
-            return f, f"{mod}.{fn} (train.compile's helper, its default backend)"
-
-    def compile_blocks(model: torch.nn.Module) -> None:
-        # regional compilation: each block in place (parameter names unchanged); identical blocks
-        # share one compiled graph, so compile time does not grow with depth
-        for blk in model.blocks:
-            blk.compile(backend=backend)
-
-    return compile_blocks, f"per-block Module.compile(backend={backend!r}) in the benchmark (no train.compile)"
+    return (lambda model: compile_blocks(model, backend=backend)), \
+        f"pretrain.engine.compile_blocks (train.compile's helper), backend {backend}"
 
 
 # --------------------------------------------------------------------------------- peak matmul

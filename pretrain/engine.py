@@ -103,7 +103,7 @@ def use_fused_adamw(accelerator: str, cuda_available: bool) -> bool:
     return accelerator == "cuda" and cuda_available
 
 
-def compile_blocks(model: torch.nn.Module, zero_stage: int = 0) -> int:
+def compile_blocks(model: torch.nn.Module, zero_stage: int = 0, backend: str = "inductor") -> int:
     """Regional compilation: ``torch.compile`` each Transformer block's ``forward`` in place (the
     modules and their parameter names stay, so checkpoints and exports are unchanged). All blocks
     share one shape, so one block's compile is reused by the others (seconds, not the minutes of a
@@ -116,12 +116,12 @@ def compile_blocks(model: torch.nn.Module, zero_stage: int = 0) -> int:
     per-Linear hooks, guards on each module's id and hits its recompile limit, slower than eager;
     so does DeepSpeed's ``engine.compile()`` (a whole-model compile), and DeepCompile, DeepSpeed's
     answer to this, runs on CUDA only. ZeRO 1/2's hooks sit on the parameters, outside the
-    compiled code. Returns the count."""
+    compiled code. ``backend``: torch.compile's (training uses inductor). Returns the count."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or len(blocks) == 0:
         raise ConfigError(f"train.compile: {type(model).__name__} has no Transformer blocks to compile")
     for blk in blocks:
-        blk.forward = torch.compile(blk.forward)
+        blk.forward = torch.compile(blk.forward, backend=backend)
     if zero_stage == 3:
         from deepspeed.utils import set_z3_leaf_modules
 
