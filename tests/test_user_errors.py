@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,7 +158,10 @@ def closed_port() -> int:
 @pytest.mark.parametrize("case", ["no_key", "unreachable"])
 def test_wandb_online_falls_back_to_offline(shards, tmp_path, case):
     home = tmp_path / "home"  # no ~/.netrc, no settings file with a key
-    env = job_env(HOME=home, WANDB_CONFIG_DIR=home / ".config" / "wandb", WANDB_CACHE_DIR=home / "cache")
+    # the real cache folder stays: torch keeps DeepSpeed's JIT-built CPU op there (~/.cache/torch_extensions),
+    # and an empty one would rebuild it (40 s)
+    env = job_env(HOME=home, WANDB_CONFIG_DIR=home / ".config" / "wandb", WANDB_CACHE_DIR=home / "cache",
+                  XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_ENTITY"):
         env.pop(k, None)
     if case == "unreachable":
