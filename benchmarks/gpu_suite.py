@@ -262,9 +262,9 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
     rows = {lb: {"section": "model", "name": f"{short} {lb}", "model": name, "variant": lb, "batch": batch,
                  "img": plan.img, "status": "ok", "error": None} for lb in labels}
     end = time.perf_counter() + budget
-    # Module.compile shares one dynamo cache (keyed on the code object) across every model's
-    # blocks: without a reset, a later group's blocks would recompile with dynamic shapes, which is
-    # not what a training process (one model) runs
+    # every model's compiled blocks share one dynamo cache (keyed on Block.forward's code object):
+    # without a reset, a later group's blocks would recompile with dynamic shapes, which is not what
+    # a training process (one model) runs
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(batch, 3, plan.img, plan.img, device=device)
@@ -431,12 +431,12 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
     return row
 
 
-def write_loader_shards(plan: Plan, root: Path) -> dict:
+def write_loader_shards(plan: Plan, root: Path) -> Path:
     """Shards as a pre-training set has them: ``plan.loader_sources`` ImageNet-like JPEGs
     (loader_throughput.make_images: 500x375, quality 90, ~100 KB), repeated to
     ``plan.loader_images`` samples and written as ``vit-shards --resize-shorter 256`` does. The
     decode cost per sample is a real photo's; the demo's 64-96 px shapes would measure per-sample
-    overhead instead."""
+    overhead instead. Returns the shards' folder."""
     from loader_throughput import make_images
 
     from data_pipeline.sources import Source, imagefolder
@@ -446,9 +446,10 @@ def write_loader_shards(plan: Plan, root: Path) -> dict:
     src = imagefolder(str(root / "images"))
     items = [src.items[i % len(src.items)] for i in range(plan.loader_images)]
     shard_size = max(plan.loader_batch, plan.loader_images // max(4, 2 * plan.loader_workers))
-    return write_shards(Source(src.description + " (repeated)", src.classes, items), root / "shards",
-                        shard_size=shard_size, resize_shorter=256, quality=90,
-                        workers=max(1, min(plan.loader_workers, os.cpu_count() or 1)), progress=False)
+    write_shards(Source(src.description + " (repeated)", src.classes, items), root / "shards",
+                 shard_size=shard_size, resize_shorter=256, quality=90,
+                 workers=max(1, min(plan.loader_workers, os.cpu_count() or 1)), progress=False)
+    return root / "shards"
 
 
 # ----------------------------------------------------------------------------------- report
@@ -598,13 +599,12 @@ def main(argv=None) -> int:
     save(complete=False)
 
     with tempfile.TemporaryDirectory(prefix="vitscale-suite-") as tmp:
-        shards = Path(tmp) / "shards"
         t = time.perf_counter()
-        shard_error = None
+        shards, shard_error = None, None
         try:
             if clock.budget(plan.loader_budget, 0) <= 5:
                 raise TimeoutError("suite out of time")
-            write_loader_shards(plan, Path(tmp))
+            shards = write_loader_shards(plan, Path(tmp))
             log(f"shards: {plan.loader_images} samples of {plan.loader_sources} ImageNet-like JPEGs "
                 f"(shorter side 256) in {time.perf_counter() - t:.1f}s")
         except Exception as e:  # noqa: BLE001

@@ -8,9 +8,9 @@ before) and draw each sample's crop box and flip from its seed (``SampleTransfor
 training process decodes the whole batch in one ``torchvision.io.decode_jpeg(list, device=...)``
 call (nvJPEG on a GPU), then crops, resizes, flips, normalises and mixes (Mixup/CutMix) on that
 device. ``cpu`` runs the same code path on the CPU, which is how CI tests it. Members that are not
-plain JPEGs (PNG, WebP, CMYK, progressive, EXIF-rotated, larger than ``(4 * img_size)^2`` pixels, or
-without the EOI marker at the end: ``SampleTransform.defer``) are decoded in the worker as before and travel as finished uint8 samples
-in the same batch.
+plain JPEGs (PNG, WebP, CMYK, progressive, EXIF-rotated, larger than ``(4 * img_size)^2`` pixels,
+or without the EOI marker at the end: ``SampleTransform.defer``) are decoded in the worker as
+before and travel as finished uint8 samples in the same batch.
 
 A JPEG that fails to decode here is retried alone and then through the worker path (PIL); one that
 fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``; once,
