@@ -9,18 +9,14 @@ import subprocess
 
 import pytest
 
-from dist_utils import REPO, deepspeed_cmd, job_env, metrics
+from dist_utils import REPO, deepspeed_cmd, demo_manifest, job_env, metrics
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("elastic") / "train"
-    write_demo_shards(out, "train", n=256, shard_size=48)  # uneven last shard: ranges cross shards
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=256, shard_size=48)  # uneven last shard: ranges cross shards
 
 
 def run(shards, run_dir, ranks, workers, stage, **env):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dist_utils import REPO, job_env
+from dist_utils import REPO, demo_manifest, job_env
 
 # Runs pretrain.train.main in this process with the counters installed; writes the counts.
 JOB = r"""
@@ -49,11 +49,7 @@ with open(sys.argv[2], "w") as f:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
-
-    out = tmp_path_factory.mktemp("hostsync") / "train"
-    write_demo_shards(out, "train", n=256, shard_size=64)
-    return out / "manifest.json"
+    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
