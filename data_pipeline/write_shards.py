@@ -6,6 +6,8 @@
     vit-shards --source filelist:labels.tsv --output /shards/jft      # path<TAB>3,17,512 = multi-label
     vit-shards --source demo --output demo_out/shards/train            # built-in, no download
     python -m data_pipeline.write_shards ...                           # the same
+    vit-shards --source imagefolder:/data/jft --output /shards/jft --part 3/64   # part 3 of 64, one per machine
+    vit-shards merge /shards/jft /shards/jft/part-*of0064.json                   # then: manifest.json
 
 Each sample is ``<key>.jpg`` (``.png``/``.webp`` when the source image is such and needs no
 re-encoding), ``<key>.cls`` (first label as text) and, for multi-label data, ``<key>.json``
@@ -23,6 +25,13 @@ Crash safety: a shard is written under a temporary name and renamed when complet
 finished shards is kept in ``.vit-shards-progress.json`` and ``manifest.json`` is written last.
 Rerunning the same command after an interruption keeps the finished shards and continues; with a
 different source or options it refuses to mix the two jobs.
+
+Many machines (``--part I/N``): the job's sample order (same source and options, so the same keys)
+is cut into N runs of whole nominal shards (``part_range``); part I writes its run as
+``<split>-IIIIofNNNN-<j>.tar`` into the shared ``--output`` with its own progress file, and ends
+with ``part-IIIIofNNNN.json``. Parts may run at once and be rerun alone. ``vit-shards merge`` checks
+the N part manifests (``merge_parts``) and writes ``manifest.json``: the same samples, labels and
+keys as the one-process job. ``vit-launch slurm --shards`` writes this as a SLURM job array.
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import io
 import json
 import os
 import random
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -48,6 +58,7 @@ from data_pipeline.files import write_json
 from data_pipeline.manifest import FORMAT, MANIFEST_NAME, VERSION, write_manifest
 
 PROGRESS_NAME = ".vit-shards-progress.json"
+PART_FORMAT = "vitscale-shards-part"  # part-IIIIofNNNN.json of a --part I/N job
 _KEEP = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # formats stored as they come
 # Formats read from sources (converted to JPEG unless kept); no plugin that runs external programs.
 _SOURCE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
@@ -137,8 +148,10 @@ class _ShardSink:
     renamed when complete, then recorded in the progress file (finished shards + where the next
     one starts in the sample order + skip counts so far)."""
 
-    def __init__(self, out: Path, split: str, job: str, shards: list, skipped: Counter, skipped_files: dict):
-        self.out, self.split, self.job, self.shards, self.skipped = out, split, job, shards, skipped
+    def __init__(self, out: Path, prefix: str, progress: Path, job: str, shards: list, skipped: Counter,
+                 skipped_files: dict):
+        self.out, self.prefix, self.progress, self.job = out, prefix, progress, job
+        self.shards, self.skipped = shards, skipped
         self.skipped_files = skipped_files  # reason -> the first SKIPPED_NAMES names
         self.current = None  # (tmp path, file, TarWriter, name)
         self.count = self.size = 0
@@ -147,7 +160,7 @@ class _ShardSink:
         import webdataset as wds
 
         if self.current is None:
-            name = f"{self.split}-{len(self.shards):06d}.tar"
+            name = f"{self.prefix}-{len(self.shards):06d}.tar"
             tmp = self.out / f".{name}.tmp-{os.getpid()}"
             f = open(tmp, "wb")
             self.current, self.count, self.size = (tmp, f, wds.TarWriter(f, mtime=0), name), 0, 0
@@ -164,7 +177,7 @@ class _ShardSink:
         self.shards.append({"name": name, "samples": self.count, "bytes": (self.out / name).stat().st_size,
                             "end": end, "skipped": dict(self.skipped),
                             "skipped_files": {k: list(v) for k, v in self.skipped_files.items()}})
-        write_json(self.out / PROGRESS_NAME, {"job": self.job, "shards": self.shards})
+        write_json(self.progress, {"job": self.job, "shards": self.shards})
         self.current = None
 
     def abandon(self) -> None:
@@ -178,9 +191,8 @@ class _ShardSink:
             self.current = None
 
 
-def _finished_shards(out: Path, job: str) -> list:
+def _finished_shards(out: Path, job: str, path: Path) -> list:
     """Shards an interrupted run of the same job completed (files still intact)."""
-    path = out / PROGRESS_NAME
     if not path.exists():
         return []
     state = json.loads(path.read_text())
@@ -196,14 +208,36 @@ def _finished_shards(out: Path, job: str) -> list:
     return shards
 
 
+def part_range(n: int, shard_size: int, part: tuple[int, int]) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` of the job's sample order that part ``I`` of ``N`` writes: the order's
+    nominal shards (``shard_size`` samples each) split into ``N`` near-equal runs, so without skipped
+    files or --max-shard-bytes a part's shards hold exactly what one process would put in them."""
+    i, parts = part
+    nominal = -(-n // shard_size)
+    return min(n, (i - 1) * nominal // parts * shard_size), min(n, i * nominal // parts * shard_size)
+
+
+def part_tag(part: tuple[int, int]) -> str:
+    """``0003of0008``: in part I of N's shard names, progress file and part manifest."""
+    return f"{part[0]:04d}of{part[1]:04d}"
+
+
+def part_manifest_name(part: tuple[int, int]) -> str:
+    return f"part-{part_tag(part)}.json"
+
+
 def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 1000,
                  max_shard_bytes: int | None = None, resize_shorter: int | None = None, quality: int = 95,
                  workers: int = 1, shuffle_seed: int | None = 0, limit: int | None = None,
-                 progress: bool = True, exclude=None) -> dict:
+                 progress: bool = True, exclude=None, part: tuple[int, int] | None = None) -> dict:
     """Write ``source`` (see ``sources.py``) as shards into ``out_dir``; return the manifest.
     Idempotent: a finished job returns its manifest, an interrupted one is completed.
     ``exclude`` (``exclude.Exclusion``): keys of this same job (same source and options) to leave
-    out; the others keep their keys, and the skipped ones count as ``skipped["excluded"]``."""
+    out; the others keep their keys, and the skipped ones count as ``skipped["excluded"]``.
+    ``part=(I, N)``: write only part I of N (``part_range``) as ``<split>-IIIIofNNNN-<j>.tar`` and the
+    part manifest ``part-IIIIofNNNN.json`` (returned); ``merge_parts`` turns the N part manifests into
+    ``manifest.json``. Keys, samples and labels are those the one-process job gives them; parts of
+    one job may run at once in one folder, and a rerun of a part redoes only that part."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -227,23 +261,36 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
             return done
         raise DataError(f"{manifest_path}: the folder already holds shards of another source or options; "
                         "use another --output or remove it")
-    shards = _finished_shards(out, job)
+    prefix, progress_path = split, out / PROGRESS_NAME
+    if part is not None:
+        prefix, progress_path = f"{split}-{part_tag(part)}", out / f".vit-shards-progress-{part_tag(part)}.json"
+        part_path = out / part_manifest_name(part)
+        if part_path.exists():
+            done = json.loads(part_path.read_text())
+            if done.get("job") == job:
+                return done
+            raise DataError(f"{part_path}: this part was written by another source or options; "
+                            "use another --output or remove the folder's parts")
+    shards = _finished_shards(out, job, progress_path)
+    own = re.compile(rf"\.{re.escape(prefix)}-\d+\.tar\.tmp-\d+")  # this job's (or part's) unfinished shards
     for stale in out.glob(".*.tar.tmp-*"):
-        stale.unlink()
+        if own.fullmatch(stale.name):
+            stale.unlink()
 
     order = list(range(len(source.items)))
     if shuffle_seed is not None:  # class-sorted sources (imagefolder) must not stay sorted in shards
         random.Random(shuffle_seed).shuffle(order)
     order = order[:limit]
-    start = shards[-1]["end"] if shards else 0
+    lo, hi = part_range(len(order), shard_size, part) if part is not None else (0, len(order))
+    start = shards[-1]["end"] if shards else lo
     last = shards[-1] if shards else {}
-    sink = _ShardSink(out, split, job, shards, Counter(last.get("skipped", {})),
+    sink = _ShardSink(out, prefix, progress_path, job, shards, Counter(last.get("skipped", {})),
                       {k: list(v) for k, v in last.get("skipped_files", {}).items()})
     skip = exclude.keys if exclude is not None else frozenset()
     tasks = ((None if f"{i:09d}" in skip else source.items[order[i]], resize_shorter, quality)
-             for i in range(start, len(order)))
+             for i in range(start, hi))
     pool = None
-    if workers > 1:
+    if workers > 1 and hi > start:
         import multiprocessing
 
         pool = multiprocessing.get_context().Pool(workers)
@@ -251,7 +298,8 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     else:
         results = map(encode_item, tasks)
     try:
-        bar = tqdm(total=len(order), initial=start, disable=not progress, unit="img", desc=f"vit-shards {split}")
+        desc = f"vit-shards {split}" + (f" part {part[0]}/{part[1]}" if part else "")
+        bar = tqdm(total=hi - lo, initial=start - lo, disable=not progress, unit="img", desc=desc)
         for i, (data, ext) in enumerate(results, start):
             bar.update(1)
             if data is None:
@@ -272,13 +320,13 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
                 sink.finish(i)
             sink.add(sample, need)
         if sink.current:
-            sink.finish(len(order))
+            sink.finish(hi)
         bar.close()
     finally:
         sink.abandon()
         if pool is not None:
             pool.terminate()
-    if not shards:
+    if not shards and part is None:
         raise DataError(f"{source.description}: no readable images ({dict(sink.skipped)})")
     manifest = {
         "format": FORMAT, "version": VERSION, "split": split, "source": source.description,
@@ -287,8 +335,87 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
         "shards": [{k: s[k] for k in ("name", "samples", "bytes")} for s in shards],
         "options": options, "skipped": dict(sink.skipped), "skipped_files": sink.skipped_files, "job": job,
     }
-    write_manifest(out, manifest)  # last: its presence means every listed shard is complete
-    (out / PROGRESS_NAME).unlink(missing_ok=True)
+    if part is not None:  # what merge_parts checks: which part, which samples of how many
+        manifest.update(format=PART_FORMAT, part=part[0], parts=part[1], range=[lo, hi], job_samples=len(order))
+        write_json(out / part_manifest_name(part), manifest, indent=1)
+    else:
+        write_manifest(out, manifest)  # last: its presence means every listed shard is complete
+    progress_path.unlink(missing_ok=True)
+    return manifest
+
+
+def merge_parts(out_dir, part_paths) -> dict:
+    """Check the part manifests of one ``--part I/N`` job and write the one ``manifest.json`` the
+    loader reads, into ``out_dir`` (the folder holding every part's shards). Checks: each is a part
+    manifest; all have the same job (source, classes, options), split and N; parts 1..N each once,
+    their sample ranges end to end over the whole job; every shard name once, its file present with
+    the size its part recorded. The first problem is a ``DataError`` naming the file or the part.
+    Shards are listed in part order, so keys increase through the manifest as in a one-process job."""
+    out = Path(out_dir)
+    if not part_paths:
+        raise DataError(f"{out}: no part manifests given")
+    parts: dict[int, tuple[Path, dict]] = {}
+    first = None
+    for p in map(Path, part_paths):
+        if not p.is_file():
+            raise DataError(f"{p}: part manifest not found (has that part finished?)")
+        try:
+            m = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{p}: not a part manifest (invalid JSON: {e})") from None
+        if not isinstance(m, dict) or m.get("format") != PART_FORMAT or m.get("version") != VERSION:
+            raise DataError(f"{p}: not a part manifest of vit-shards --part (format {PART_FORMAT!r} "
+                            f"version {VERSION} expected)")
+        if first is None:
+            first = (p, m)
+        for k in ("job", "parts", "split", "source", "classes", "multi_label", "options", "job_samples"):
+            if m.get(k) != first[1].get(k):
+                raise DataError(f"{p}: {k} differs from that of {first[0]} ({m.get(k)!r} vs {first[1].get(k)!r}): "
+                                "parts of different vit-shards jobs")
+        i = m.get("part")
+        if i in parts:
+            raise DataError(f"{p}: part {i} of {m['parts']} is also given as {parts[i][0]}")
+        parts[i] = (p, m)
+    n_parts, n = first[1]["parts"], first[1]["job_samples"]
+    missing = [i for i in range(1, n_parts + 1) if i not in parts]
+    if missing:
+        raise DataError(f"{out}: part {missing[0]} of {n_parts} is missing "
+                        f"({part_manifest_name((missing[0], n_parts))}; {len(missing)} missing in all)")
+    shards, names, skipped, skipped_files, end = [], {}, Counter(), {}, 0
+    for i in range(1, n_parts + 1):
+        p, m = parts[i]
+        lo, hi = m["range"]
+        if lo != end:
+            raise DataError(f"{p}: part {i} covers samples {lo}..{hi} but part {i - 1} ended at {end}")
+        end = hi
+        if m.get("total") != sum(s["samples"] for s in m["shards"]):
+            raise DataError(f"{p}: total {m.get('total')} differs from the sum of its shards' samples")
+        for s in m["shards"]:
+            if s["name"] in names:
+                raise DataError(f"{p}: shard {s['name']} is also listed by {names[s['name']]}")
+            names[s["name"]] = p
+            f = out / s["name"]
+            if not f.is_file():
+                raise DataError(f"{f}: shard of part {i} ({p}) is missing")
+            if f.stat().st_size != s["bytes"]:
+                raise DataError(f"{f}: {f.stat().st_size} bytes, but part {i} ({p}) wrote {s['bytes']}")
+            shards.append(s)
+        skipped.update(m.get("skipped", {}))
+        for reason, files in (m.get("skipped_files") or {}).items():
+            kept = skipped_files.setdefault(reason, [])
+            kept.extend(files[:SKIPPED_NAMES - len(kept)])
+    if end != n:
+        raise DataError(f"{parts[n_parts][0]}: the parts end at sample {end} of the job's {n}")
+    if not shards:
+        raise DataError(f"{first[1]['source']}: no readable images ({dict(skipped)})")
+    m = first[1]
+    manifest = {
+        "format": FORMAT, "version": VERSION, "split": m["split"], "source": m["source"],
+        "classes": m["classes"], "multi_label": m["multi_label"], "total": sum(s["samples"] for s in shards),
+        "shards": shards, "options": m["options"], "skipped": dict(skipped), "skipped_files": skipped_files,
+        "job": m["job"], "parts": n_parts,
+    }
+    write_manifest(out, manifest)
     return manifest
 
 
@@ -339,8 +466,40 @@ def _positive(text: str) -> int:
     return v
 
 
+def _part(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    try:
+        part = int(i), int(n)
+    except ValueError:
+        part = (0, 0)
+    if not 1 <= part[0] <= part[1]:
+        raise argparse.ArgumentTypeError(f"expected I/N with 1 <= I <= N (e.g. 3/8), got {text!r}")
+    return part
+
+
+def merge_main(argv) -> int:
+    """``vit-shards merge OUT PART_MANIFEST...``"""
+    p = Parser(prog="vit-shards merge", description="Check the part manifests of a vit-shards --part I/N job "
+               "and write the one manifest.json beside the shards.")
+    p.add_argument("out", metavar="OUT", help="the folder holding every part's shards (their --output)")
+    p.add_argument("parts", metavar="PART_MANIFEST", nargs="+", help="part-IIIIofNNNN.json of each part")
+    args = p.parse_args(argv)
+    with cli_errors("vit-shards merge"):
+        try:
+            m = merge_parts(args.out, args.parts)
+        except OSError as e:
+            raise DataError(f"{getattr(e, 'filename', None) or args.out}: {e.strerror or e}") from None
+    print(f"{m['total']} samples in {len(m['shards'])} shards of {m['parts']} parts, {len(m['classes'])} classes -> "
+          f"{Path(args.out) / MANIFEST_NAME}" + (f"; skipped {m['skipped']}" if m["skipped"] else ""))
+    return 0
+
+
 def main(argv=None) -> int:
-    p = Parser(prog="vit-shards", description="Write WebDataset shards + manifest.json.")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    p = Parser(prog="vit-shards", description="Write WebDataset shards + manifest.json. "
+               "`vit-shards merge OUT PART_MANIFEST...` joins the parts of a --part I/N job.")
     p.add_argument("--source", required=True,
                    help="imagefolder:DIR | cifar100:PATH | filelist:FILE | demo | demo-transfer")
     p.add_argument("--output", required=True, help="folder for the shards and manifest.json")
@@ -358,6 +517,8 @@ def main(argv=None) -> int:
                    "run of this same command; the other samples keep their keys")
     p.add_argument("--allow-empty-classes", action="store_true",
                    help="imagefolder: keep a class folder without images as a class (default: error)")
+    p.add_argument("--part", type=_part, metavar="I/N", help="write only part I of N of the job (one per machine), "
+                   "with its part manifest; then `vit-shards merge OUT PART_MANIFEST...` writes manifest.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.quality > 100:
@@ -372,16 +533,16 @@ def main(argv=None) -> int:
                              quality=args.quality, workers=args.workers,
                              shuffle_seed=None if args.no_shuffle else args.shuffle_seed, limit=args.limit,
                              progress=not args.quiet,
-                             exclude=read_exclusion(args.exclude) if args.exclude else None)
+                             exclude=read_exclusion(args.exclude) if args.exclude else None, part=args.part)
         except OSError as e:  # unwritable output, disk full: still one line, not a traceback
             raise DataError(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}") from None
         except KeyboardInterrupt:
             print("vit-shards: interrupted; rerun the same command to finish the job", file=sys.stderr)
             raise SystemExit(130) from None
     skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
-    print(f"{m['total']} samples in {len(m['shards'])} shards, {len(m['classes'])} classes -> "
-          f"{Path(args.output) / MANIFEST_NAME}{skipped}")
-    line = skipped_line(m, Path(args.output) / MANIFEST_NAME)
+    written = Path(args.output) / (part_manifest_name(args.part) if "part" in m else MANIFEST_NAME)
+    print(f"{m['total']} samples in {len(m['shards'])} shards, {len(m['classes'])} classes -> {written}{skipped}")
+    line = skipped_line(m, written)
     if line:
         print(f"vit-shards: {line}", file=sys.stderr)
     return 0

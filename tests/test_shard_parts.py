@@ -1,0 +1,171 @@
+"""Shards written in parts (``vit-shards --part I/N``, one per machine) and joined by
+``vit-shards merge``: the same samples, labels and keys as one process, parts rerun alone, and
+every missing or inconsistent part refused in one line."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from data_pipeline.manifest import resolve_shards
+from data_pipeline.write_shards import main, part_range
+
+SHARD = ["--shard-size", "4", "--resize-shorter", "24", "--quiet"]
+
+
+def _jpeg(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32 + i % 5, 30), (i * 37 % 256, i * 91 % 256, i * 13 % 256)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def samples_of(out: Path) -> dict:
+    """key -> (image extension, image bytes, label) over the shards manifest.json lists, read with tarfile."""
+    found = {}
+    for s in json.loads((out / "manifest.json").read_text())["shards"]:
+        with tarfile.open(out / s["name"]) as t:
+            members = {m.name: t.extractfile(m).read() for m in t if m.isfile()}
+        keys = {n.split(".")[0] for n in members}
+        assert len(keys) == s["samples"], s
+        for k in keys:
+            ext = next(e for e in ("jpg", "png") if f"{k}.{e}" in members)
+            assert k not in found, f"key {k} twice"
+            found[k] = (ext, members[f"{k}.{ext}"], members[f"{k}.cls"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """3 classes, 41 images (one larger than --resize-shorter, so re-encoded), 2 unreadable files."""
+    root = tmp_path_factory.mktemp("parts") / "images"
+    for c in range(3):
+        (root / f"c{c}").mkdir(parents=True)
+    for i in range(41):
+        (root / f"c{i % 3}" / f"{i:03d}.jpg").write_bytes(_jpeg(i))
+    (root / "c1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    (root / "c2" / "empty.png").write_bytes(b"")
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_and_parts(folder, tmp_path_factory):
+    """The job written by one process, and as 4 parts (run out of order, one with 2 workers) + merge."""
+    base = tmp_path_factory.mktemp("written")
+    one, parts = base / "one", base / "parts"
+    src = ["--source", f"imagefolder:{folder}"]
+    assert main([*src, "--output", str(one), *SHARD]) == 0
+    for i in (3, 1, 4, 2):
+        assert main([*src, "--output", str(parts), *SHARD, "--part", f"{i}/4",
+                     *(["--workers", "2"] if i == 4 else [])]) == 0
+    assert not (parts / "manifest.json").exists()  # only merge writes it
+    assert main(["merge", str(parts), *map(str, sorted(parts.glob("part-*.json")))]) == 0
+    return one, parts
+
+
+def test_merged_parts_equal_one_process(one_and_parts):
+    one, parts = one_and_parts
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (one, parts))
+    assert b["parts"] == 4 and a["job"] == b["job"] and a["options"] == b["options"]
+    for k in ("classes", "total", "skipped", "source", "multi_label"):
+        assert a[k] == b[k], k
+    assert a["total"] == 41 and a["skipped"] == {"unreadable": 2}
+    assert sorted(sum(b["skipped_files"].values(), [])) == ["c1/broken.jpg", "c2/empty.png"]
+    assert samples_of(one) == samples_of(parts)  # same keys, image bytes, labels
+    names = [s["name"] for s in b["shards"]]
+    assert names[0] == "train-0001of0004-000000.tar" and names == sorted(names)
+    # the loader reads the merged manifest like any other, keys increasing through it
+    ss = resolve_shards(str(parts))
+    assert ss.total == 41 and ss.num_classes == 3 and len(ss.shards) == len(names)
+
+
+def test_part_ranges_cover_the_job_in_whole_nominal_shards():
+    for n, size, parts in ((43, 4, 4), (10, 4, 5), (1000, 7, 3), (5, 16, 3)):
+        ranges = [part_range(n, size, (i, parts)) for i in range(1, parts + 1)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(lo % size == 0 for lo, _ in ranges)
+    assert part_range(5, 16, (1, 3)) == (0, 0) and part_range(5, 16, (3, 3)) == (0, 5)  # parts may be empty
+
+
+def test_rerun_part_rewrites_only_that_part(folder, tmp_path):
+    out = tmp_path / "out"
+    src = ["--source", f"imagefolder:{folder}", "--output", str(out), *SHARD]
+    for i in (1, 2, 3):
+        assert main([*src, "--part", f"{i}/3"]) == 0
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+    again = {p.name for p in out.glob("train-0002of0003-*.tar")} | {"part-0002of0003.json"}
+    # part 2's machine died: its part manifest never came, a half-written shard of it is left, while
+    # part 3 is (as far as this machine knows) still writing one
+    (out / "part-0002of0003.json").unlink()
+    (out / ".train-0002of0003-000001.tar.tmp-999").write_bytes(b"half")
+    (out / ".train-0003of0003-000002.tar.tmp-998").write_bytes(b"other machine")
+    old = {n: (out / n).read_bytes() for n in again if n.endswith(".tar")}
+    for n in old:
+        (out / n).unlink()
+    assert main([*src, "--part", "2/3"]) == 0
+    assert {n: (out / n).read_bytes() for n in old} == old  # the same shards again
+    assert not (out / ".train-0002of0003-000001.tar.tmp-999").exists()
+    assert (out / ".train-0003of0003-000002.tar.tmp-998").exists()  # another part's file: untouched
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir() if not p.name.startswith(".")}
+    assert {n for n in after if after[n] != before.get(n)} == again
+    # a finished part rerun does nothing
+    assert main([*src, "--part", "2/3"]) == 0
+    assert (out / "part-0002of0003.json").stat().st_mtime_ns == after["part-0002of0003.json"][1]
+
+
+def _merge_fails(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["merge", *map(str, argv)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("vit-shards merge: error: "), err
+    return err.strip()
+
+
+def test_merge_refuses_missing_duplicate_and_foreign_parts(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    src = ["--source", f"imagefolder:{folder}", "--output", str(out), *SHARD]
+    for i in (1, 2, 3):
+        assert main([*src, "--part", f"{i}/3"]) == 0
+    p1, p2, p3 = (out / f"part-000{i}of0003.json" for i in (1, 2, 3))
+    capsys.readouterr()
+    assert "part 2 of 3 is missing (part-0002of0003.json" in _merge_fails([out, p1, p3], capsys)
+    assert f"{p2.with_name('nope.json')}: part manifest not found" in _merge_fails([out, p1, p2.with_name("nope.json"), p3], capsys)
+    dup = tmp_path / "copy.json"
+    dup.write_text(p1.read_text())
+    assert f"{dup}: part 1 of 3 is also given as {p1}" in _merge_fails([out, p1, dup, p2, p3], capsys)
+    # a part of another job (another --shard-size) in the same folder
+    other = tmp_path / "other"
+    assert main(["--source", f"imagefolder:{folder}", "--output", str(other), "--shard-size", "5",
+                 "--resize-shorter", "24", "--quiet", "--part", "2/3"]) == 0
+    capsys.readouterr()
+    err = _merge_fails([out, p1, other / "part-0002of0003.json", p3], capsys)
+    assert f"{other / 'part-0002of0003.json'}: job differs from that of {p1}" in err
+    # a shard lost or cut short on the shared disk
+    shard = out / json.loads(p3.read_text())["shards"][0]["name"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-512])
+    assert f"{shard}: {len(data) - 512} bytes, but part 3 ({p3}) wrote {len(data)}" in _merge_fails(
+        [out, p1, p2, p3], capsys)
+    shard.unlink()
+    assert f"{shard}: shard of part 3 ({p3}) is missing" in _merge_fails([out, p1, p2, p3], capsys)
+    shard.write_bytes(data)
+    not_part = out / "x.json"
+    not_part.write_text("{\"format\": \"vitscale-shards\", \"version\": 1}")
+    assert f"{not_part}: not a part manifest" in _merge_fails([out, not_part], capsys)
+    assert not (out / "manifest.json").exists()
+    assert main(["merge", str(out), str(p3), str(p1), str(p2)]) == 0  # any order
+    assert json.loads((out / "manifest.json").read_text())["total"] == 41
+
+
+@pytest.mark.parametrize("bad", ["0/3", "4/3", "3", "a/b"])
+def test_bad_part_is_one_line(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        main(["--source", "demo", "--output", str(tmp_path / "o"), "--part", bad, "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--part" in err and repr(bad) in err, err
+    assert not (tmp_path / "o").exists()
