@@ -11,22 +11,18 @@ warning). Nothing here is unpickled except DeepSpeed's own files.
 """
 from __future__ import annotations
 
-import base64
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
 from typing import Any, Optional
-
-import numpy as np
-import torch
 
 from data_pipeline.errors import ConfigError
 from data_pipeline.files import unwritable, write_atomic
 from pretrain.weights import LoadReport, WeightsError, load_weights, read_state_dict
 
 from pretrain import faults
+from pretrain.rng import rng_state, set_rng_state
 from pretrain.rundir import COMPLETE, LATEST, latest_complete, list_complete, marker, newest_valid, set_aside, step_of, tag_for
 
 __all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "save", "resume",
@@ -46,37 +42,6 @@ def check_writable(folder: str | Path, key: str) -> None:
     why = unwritable(folder)
     if why:
         raise ConfigError(f"{key}={folder}: {why}; choose a writable folder")
-
-
-# ------------------------------------------------------------------------------------ RNG state
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
 # ---------------------------------------------------------------------------------- save/resume

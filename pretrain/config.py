@@ -66,6 +66,12 @@ class TrainConfig:
     micro_batch_size: int = 64  # per rank, per forward/backward
     seed: int = 0
     precision: Literal["bf16", "fp32"] = "bf16"
+    # dtype of gradient accumulation and of the gradient reduction across ranks under bf16:
+    # fp32 keeps small gradients that a bf16 sum of many ranks rounds away, at 2x the bytes on the wire
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # start-up (DeepSpeed init, a universal-checkpoint conversion, the first collectives) may take this
+    # long before the job ends naming the phase; larger than any step-time bound
+    startup_timeout_s: float = 3600.0
     activation_checkpointing: bool = False
     log_every_steps: int = 10
     max_nonfinite_steps: int = 5  # this many non-finite losses in a row stop the run
@@ -79,6 +85,10 @@ class TrainConfig:
     sync_every_steps: int = 10
     # compile each Transformer block's forward (regional torch.compile; every ZeRO stage, see README)
     compile: bool = False
+    # a rank whose batch reading + forward takes this many times the other ranks' median, in this
+    # many logging windows in a row, is named as a straggler (metrics straggler/*, one line)
+    straggler_factor: float = 1.5
+    straggler_windows: int = 3
 
 
 @dataclass
@@ -395,6 +405,12 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
         fail("train.hang_timeout_s", f"must be >= 0 (0 disables the watchdog), got {t.hang_timeout_s}")
     if t.pg_timeout_s <= 0:
         fail("train.pg_timeout_s", f"must be positive, got {t.pg_timeout_s}")
+    if t.startup_timeout_s < 0:
+        fail("train.startup_timeout_s", f"must be >= 0 (0: no start-up bound), got {t.startup_timeout_s}")
+    if t.straggler_factor <= 1.0:
+        fail("train.straggler_factor", f"must be > 1, got {t.straggler_factor}")
+    if t.straggler_windows < 1:
+        fail("train.straggler_windows", f"must be >= 1, got {t.straggler_windows}")
     if t.log_every_steps <= 0:
         fail("train.log_every_steps", f"must be positive, got {t.log_every_steps}")
     if t.sync_every_steps <= 0:

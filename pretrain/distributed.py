@@ -1,13 +1,15 @@
-"""Process-group start-up: one place for how a rank joins its job.
+"""Process-group helpers: how a rank joins its job, picks its device, and agrees with its peers.
 
 The backend is DeepSpeed's accelerator's: NCCL on GPUs, gloo on its CPU accelerator, so the same
-code path runs in CI on CPU and on GPU clusters.
+code path runs in CI on CPU and on GPU clusters. Pre-training, fine-tuning and in-training
+evaluation share these: one ``any_rank``, one lockstep for uneven batch counts.
 """
 from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
+from datetime import timedelta
+from typing import Iterable, Iterator, Optional
 
 
 def free_port() -> int:
@@ -22,15 +24,35 @@ def launched() -> bool:
     return "RANK" in os.environ
 
 
-def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
+def env_rank_world() -> tuple[int, int]:
+    """(rank, world size) as the runner set them, readable before the process group exists."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def set_device(local_rank: int) -> Optional[int]:
+    """Bind this process to GPU ``local_rank`` of its node (the runner shows every rank all of the
+    node's GPUs; without this every rank would allocate on cuda:0 first). Returns the index, or
+    None without CUDA. Called before the process group starts, so NCCL's communicator and every
+    ``torch.cuda`` default (streams, generator, allocator) are the rank's own device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.set_device(local_rank)
+    return local_rank
+
+
+def init_distributed(timeout_s: Optional[float] = None) -> tuple[int, int, int]:
     """(rank, local_rank, world_size). Starts the process group when launched by a runner; a
     plain ``python -m pretrain.train`` becomes a world of one (DeepSpeed still wants a group).
     ``timeout_s``: how long a collective may wait for its peers before it fails (None: torch's
-    default, 30 min); on NCCL the watchdog then aborts the communicator and ends the process."""
-    from datetime import timedelta
-
+    default, 30 min); on NCCL the watchdog then aborts the communicator and ends the process.
+    Training starts with the start-up bound here and narrows it with ``set_collective_timeout``
+    once the first step is done."""
     import deepspeed
     import torch.distributed as dist
+
+    from pretrain import ds_compat
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -38,41 +60,45 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
+    local_rank = int(os.environ["LOCAL_RANK"])
+    set_device(local_rank)
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     deepspeed.init_distributed(verbose=False, **kwargs)
-    release_shm_buffers()
-    return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+    ds_compat.release_shm_buffers()
+    return dist.get_rank(), local_rank, dist.get_world_size()
 
 
-def shm_buffer_path(rank: int) -> Path:
-    """The /dev/shm file DeepSpeed's CPU accelerator creates for ``rank`` of this job (its shm
-    all-reduce, ``deepspeed/ops/csrc/cpu/comm/shm.cpp``: named by uid, MASTER_ADDR, MASTER_PORT)."""
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
-
-
-def release_shm_buffers() -> bool:
-    """Unlink this rank's DeepSpeed shm buffer once every rank has mapped every peer's.
-
-    On CPU, when all ranks are on one machine (the launcher's LOCAL_SIZE == WORLD_SIZE), each rank
-    creates a 66 MB /dev/shm file and maps its peers' files during ``init_distributed``; DeepSpeed
-    never unlinks them, so every job (each with its own MASTER_PORT) left 66 MB per rank in RAM-backed
-    /dev/shm: a test suite or a restart loop filled the machine's memory until the OOM killer came.
-    After a barrier every mapping exists, so the names can go: the memory stays mapped while the
-    ranks live and the kernel frees it when the last one exits, by kill -9 too. Returns whether
-    a file was removed. A no-op on GPUs and across several machines (no such files)."""
+def set_collective_timeout(timeout_s: float) -> None:
+    """The default group's timeout for all later collectives (gloo and NCCL both take it)."""
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    if os.environ.get("LOCAL_SIZE") != str(world):  # a world of one under the runner makes one too
-        return False
-    from deepspeed.accelerator import get_accelerator
+    setter = getattr(dist, "set_timeout", None)
+    if setter is None:  # torch before the public name
+        from torch.distributed.distributed_c10d import _set_pg_timeout as setter
+    setter(timedelta(seconds=timeout_s))
 
-    if get_accelerator().device_name() != "cpu":
-        return False
-    dist.barrier()  # every rank has returned from DeepSpeed's shm set-up (it opens all peers' files)
-    try:
-        shm_buffer_path(dist.get_rank()).unlink()
-        return True
-    except FileNotFoundError:  # the shm op was not built (an older DeepSpeed, no compiler)
-        return False
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if ``flag`` is true on any (one tiny all-reduce and a host read: a sync
+    point; call it on the same steps on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def lockstep(batches: Iterable, device) -> Iterator:
+    """Yield this rank's batches, then ``None`` until every rank has run out.
+
+    Under ZeRO-3 each forward gathers the parameters collectively, so every rank must run the same
+    number of forwards: a rank that gets ``None`` runs a dummy forward. One tiny all-reduce (and a
+    host read) per batch."""
+    it = iter(batches)
+    while True:
+        item = next(it, None)
+        if not any_rank(item is not None, device):
+            return
+        yield item

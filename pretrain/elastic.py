@@ -26,50 +26,31 @@ the converter holds the unsharded fp32 weights plus both Adam moments (16 bytes 
 10 GB for ViT-H) which a training rank should not keep, its worker pool must not fork a rank that
 holds gloo/NCCL threads, and a crash there (an assert, the OOM killer) becomes a one-line error.
 
-Findings on DeepSpeed 0.19.8 (installed), with the source lines that decide them:
+What the load relies on (DeepSpeed internals, kept in ``pretrain/ds_compat.py``):
 
-- ``load_universal`` can be switched on the live engine: it is read only at load time, through
-  ``DeepSpeedEngine.load_universal_checkpoint()`` (runtime/engine.py:1712, returns
-  ``self._config.load_universal_checkpoint``), called from ``load_checkpoint`` /
-  ``_load_checkpoint`` / ``_load_zero_checkpoint`` / ``_get_all_ckpt_names`` (engine.py:4388-4767)
-  and nowhere during ``initialize`` or ``save_checkpoint``. So the engine is built as usual and
-  :func:`universal_loading` sets the flag around the one ``load_checkpoint`` call, then restores
-  it: a later load (a same-size resume, an export helper) must take the normal path again.
-- Saving with the flag on (DeepSpeed issue 7546: ZeRO-3 wrote only ``zero_pp_rank_0`` model
-  files) does not reproduce here: save names come from ``_get_ckpt_name`` with the DP rank
-  (engine.py:4336-4360); only the load-time glob uses ``pp_placeholder="0"``. We switch it off
-  anyway, and the tests check every rank's files after a save that follows an elastic resume.
-- ``--inject_missing_state`` is required for ZeRO-1/2: our plain ``nn.Module`` carries no
-  ``universal_checkpoint_info`` (only AutoTP sets it, engine.py:1079), and the stage-1/2 path of
-  the converter asserts on it (``_check_for_required_state``). The injected value is just the
-  format version, which is all a pure data-parallel job needs. The ZeRO-3 path ignores the flag.
-- Adam's ``step``: ZeRO-1/2 saves torch AdamW's per-group ``state['step']`` tensor; the converter
-  writes ``zero/<param>/step.pt`` and ``load_hp_checkpoint_state_from_checkpoint_dir``
-  (runtime/base_optimizer.py:351-373) puts it back, so bias correction continues. ZeRO-3 does not
-  extract a per-parameter step; its loader takes ``state[0]['step']`` of rank 0's optimizer
-  state (runtime/zero/stage3.py:3664) for every sub-group, which is right because all sub-groups
-  step together.
-- ZeRO-3 loader bugs, undone by :func:`load_checkpoint` (``_fix_zero3_universal_load``): it
-  copies the hyperparameters of the *first* saved param group into *every* group
-  (stage3.py:3686-3690, ``optim_sd[...]["param_groups"][0]``), so our no-decay group (biases,
-  norms, position embedding, [class] token) would get the decay group's ``weight_decay``; and it
-  puts one shared ``step`` tensor into every sub-group's state (stage3.py:3664, 3681), which
-  AdamW increments in place once per sub-group, so the step ran 2x fast (seen: loss off by 2e-3
-  after 3 steps, fp32). ZeRO-1/2 restore groups and steps per group (base_optimizer.py:351-380).
-- The LR schedule (our ``LambdaLR``) is restored from the copied model-states file
-  (``checkpoint['lr_scheduler']``, engine.py:4702), so it continues at the saved step.
+- the universal flag is read only inside ``load_checkpoint``, so the engine is built as usual and
+  the flag is set around the one load (``ds_compat.universal_loading``), then restored: later
+  loads and saves take the normal path (the tests check every rank's files after such a save);
+- ``--inject_missing_state`` is passed for ZeRO-1/2: a plain ``nn.Module`` carries no
+  ``universal_checkpoint_info``, which the stage-1/2 converter asserts on; the injected value is
+  the format version, all a pure data-parallel job needs;
+- Adam's ``step`` continues: ZeRO-1/2 restore it per group; ZeRO-3 restores rank 0's step into
+  every sub-group, right because all sub-groups step together, after its loader defects are
+  undone (``ds_compat.fix_zero3_universal_load``);
+- the LR schedule (our ``LambdaLR``) comes back from the copied model-states file.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
+
+from pretrain import ds_compat
 
 UNIVERSAL = "universal"          # subdirectory (and DeepSpeed tag) of the universal copy
 MARKER = "UNIVERSAL"             # written inside the copy before it is renamed into place
@@ -146,7 +127,7 @@ def to_universal(ckpt_path: str | Path, workers: Optional[int] = None, timeout: 
     return out
 
 
-def prepare(ckpt_path: str | Path, world_size: int, rank: int) -> tuple[str, str, dict]:
+def prepare(ckpt_path: str | Path, world_size: int, rank: int, timeout: float = 3600) -> tuple[str, str, dict]:
     """Collective. What ``engine.load_checkpoint`` needs for this checkpoint on this world size:
     ``(load_dir, tag, ds_config_patch)``. Same world size: the checkpoint itself and no patch
     (today's bit-exact path). Otherwise rank 0 converts (or reuses) the universal copy while the
@@ -161,7 +142,7 @@ def prepare(ckpt_path: str | Path, world_size: int, rank: int) -> tuple[str, str
     status = [None]
     if rank == 0:
         try:
-            to_universal(ckpt)
+            to_universal(ckpt, timeout=timeout)
             status = ["ok"]
         except Exception as e:  # reported on every rank below
             msg = str(e) if isinstance(e, ElasticError) else f"{ckpt}: {type(e).__name__}: {e}"
@@ -175,52 +156,14 @@ def prepare(ckpt_path: str | Path, world_size: int, rank: int) -> tuple[str, str
     return str(ckpt), UNIVERSAL, LOAD_PATCH
 
 
-@contextlib.contextmanager
-def universal_loading(engine, on: bool = True) -> Iterator[None]:
-    """``"checkpoint": {"load_universal": true}`` for the duration of one load, on a live engine.
-    Read by DeepSpeed only inside ``load_checkpoint``; restored afterwards so later loads and saves
-    take the normal path."""
-    before = engine._config.load_universal_checkpoint
-    engine._config.load_universal_checkpoint = bool(on) or before
-    try:
-        yield
-    finally:
-        engine._config.load_universal_checkpoint = before
-
-
-def _fix_zero3_universal_load(engine, universal: Path) -> None:
-    """Two defects of ZeRO-3's universal loader (DeepSpeed 0.19.8), undone here:
-
-    - it gives every param group the first group's hyperparameters (stage3.py:3686-3690), so
-      the no-decay group would decay; each group gets its own saved ones back;
-    - it stores one and the same ``step`` tensor in every sub-group's state (stage3.py:3664 and
-      3681); torch's AdamW increments it in place once per sub-group step, so with our two groups
-      the step count would advance by 2 per optimizer step and bias correction would drift.
-    """
-    import torch
-
-    saved = torch.load(universal / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
-    groups = saved.get("param_groups") or saved["optimizer_state_dict"]["param_groups"]
-    base = engine.optimizer.optimizer
-    if len(groups) != len(base.param_groups):
-        raise ElasticError(f"{universal}: {len(groups)} saved param groups, the optimizer has {len(base.param_groups)}")
-    for mine, theirs in zip(base.param_groups, groups):
-        for k, v in theirs.items():
-            if k != "params":
-                mine[k] = v
-    for state in base.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-
-
-def load_checkpoint(engine, ckpt_path: str | Path) -> str:
+def load_checkpoint(engine, ckpt_path: str | Path, timeout: float = 3600) -> str:
     """Collective. Load one of our checkpoint directories into ``engine`` (model, optimizer, LR
     schedule, step), whatever world size it was saved on. Returns DeepSpeed's load path."""
     import torch.distributed as dist
 
     ckpt = Path(ckpt_path)
-    load_dir, tag, patch = prepare(ckpt, dist.get_world_size(), dist.get_rank())
-    with universal_loading(engine, bool(patch)):
+    load_dir, tag, patch = prepare(ckpt, dist.get_world_size(), dist.get_rank(), timeout)
+    with ds_compat.universal_loading(engine, bool(patch)):
         load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
     if load_path is None:
@@ -228,6 +171,19 @@ def load_checkpoint(engine, ckpt_path: str | Path) -> str:
     if patch and engine.zero_optimization_stage() == 3:
         _fix_zero3_universal_load(engine, universal_dir(ckpt))
     return load_path
+
+
+def _fix_zero3_universal_load(engine, universal: Path) -> None:
+    """ZeRO-3's universal loader defects (``ds_compat.fix_zero3_universal_load``), undone with the
+    param groups the converter saved."""
+    import torch
+
+    saved = torch.load(universal / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    groups = saved.get("param_groups") or saved["optimizer_state_dict"]["param_groups"]
+    try:
+        ds_compat.fix_zero3_universal_load(engine, groups)
+    except ValueError as e:
+        raise ElasticError(f"{universal}: {e}") from None
 
 
 def main(argv=None) -> None:

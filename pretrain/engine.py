@@ -44,7 +44,7 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": gas,
         "zero_optimization": z,
-        "bf16": {"enabled": train.precision == "bf16"},
+        "bf16": bf16_section(train),
         "fp16": {"enabled": False},
         "steps_per_print": 10 ** 9,  # our metrics module logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
@@ -53,7 +53,36 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
     }
     if optim.grad_clip > 0:
         cfg["gradient_clipping"] = optim.grad_clip
+    cfg.update(reduction_dtypes(train, zero.stage))
     return cfg
+
+
+def bf16_section(train: TrainConfig) -> dict:
+    """DeepSpeed's ``bf16`` block. Its ``check_grad_overflow`` (default on) makes ZeRO-1/2 all-reduce
+    an overflow flag and read it on the host every step; ``pretrain.train``'s non-finite guard
+    already drops a non-finite micro-batch on the device on every rank, so the check is off."""
+    if train.precision != "bf16":
+        return {"enabled": False}
+    return {"enabled": True, "check_grad_overflow": False}
+
+
+def reduction_dtypes(train: TrainConfig, zero_stage: int) -> dict:
+    """The dtype gradients are accumulated and reduced in, as DeepSpeed config keys.
+
+    Under bf16 DeepSpeed would accumulate micro-batch gradients and sum them across ranks in bf16
+    (8 mantissa bits: a sum over 64-256 ranks rounds small gradients away). ``train.reduce_dtype``
+    fp32 (the default) keeps both in fp32, at 2x the gradient bytes on the wire; bf16 halves them
+    knowingly. DeepSpeed has no fp32 accumulation for a bf16 model at ZeRO stage 0 (its optimizer
+    sanity check raises), so that pair is refused in one line."""
+    if train.precision != "bf16":
+        return {}
+    if train.reduce_dtype == "bf16":
+        return {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
+    if zero_stage == 0:
+        raise ConfigError("zero.stage=0 with train.precision=bf16 cannot accumulate and reduce gradients in fp32 "
+                          "(DeepSpeed has no such mode); use zero.stage=1 (fp32 master weights and gradients, "
+                          "optimizer states sharded) or set train.reduce_dtype=bf16 knowingly")
+    return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

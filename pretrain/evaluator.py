@@ -17,12 +17,15 @@ Every ``eval.every_steps`` steps (0: off) the loop calls ``evaluator(step)``:
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from pretrain import rng
+from pretrain.clock import synced_now
+from pretrain.distributed import lockstep
+from pretrain.losses import classification_loss
 
 def parse_suite(spec: str) -> tuple[str, Optional[str]]:
     name, _, path = spec.partition(":")
@@ -82,68 +85,48 @@ class InTrainingEval:
     # ------------------------------------------------------------------------------------------ run
     def __call__(self, engine, step: int) -> dict:
         """Collective. Metrics on rank 0 (``{}`` elsewhere); training state left as it was."""
-        device = torch.device(engine.device)
-        if device.type == "cuda":  # training steps still queued on the GPU are not eval time
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        t0 = synced_now(engine.device)  # training steps still queued on the GPU are not eval time
         engine.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), rng.preserved():
                 out = self._validation(engine) if self.val is not None else {}
                 out.update(self._fewshot(engine))
         finally:
             engine.train()
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-        out["seconds"] = self.last_seconds = time.perf_counter() - t0
+        out["seconds"] = self.last_seconds = synced_now(engine.device) - t0
         return {f"eval/{k}": v for k, v in out.items()} if self.rank == 0 else {}
 
-    def _lockstep(self, batches, device):
-        """Yield this rank's batches; then, until every rank is done, ``None`` while this rank runs a
-        dummy forward (ZeRO-3 needs every rank in every forward). One tiny all-reduce per batch."""
-        it = iter(batches)
-        dummy = torch.zeros(1, 3, self.img_size, self.img_size, device=device, dtype=self.dtype)
-        while True:
-            item = next(it, None)
-            more = torch.tensor([0.0 if item is None else 1.0], device=device)
-            dist.all_reduce(more, op=dist.ReduceOp.MAX)
-            if more.item() == 0:
-                return
-            yield item, dummy
+    def _dummy(self, device) -> torch.Tensor:
+        """The input a rank that ran out of batches feeds ZeRO-3's collective forward."""
+        return torch.zeros(1, 3, self.img_size, self.img_size, device=device, dtype=self.dtype)
 
     def _validation(self, engine) -> dict:
+        """Loss (``pretrain.losses``, the training definition, summed then divided by the image
+        count), top-1 / top-5 (multi-label: precision@1), over every validation sample once."""
         device = engine.device
         sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top1, top5 (or prec@1), count
         multi = self.data.multi_label
-        for item, dummy in self._lockstep(self.val, device):
+        for item in lockstep(self.val, device):
             if item is None:
-                engine(dummy)
+                engine(self._dummy(device))
                 continue
             x, y = item
             logits = engine(x.to(device, self.dtype)).float()
             y = y.to(device)
+            loss = classification_loss(logits, y, multi_label=multi, reduction="sum")
             if multi:
-                loss = F.binary_cross_entropy_with_logits(logits, y.float(), reduction="sum") / logits.shape[1]
-                top = y.gather(1, logits.argmax(1, keepdim=True)).sum()
-                sums += torch.stack([loss.double(), top.double(), top.double(), torch.tensor(len(x), device=device,
-                                                                                               dtype=torch.float64)])
+                hit1 = hit5 = y.gather(1, logits.argmax(1, keepdim=True)).sum()
             else:
-                loss = F.cross_entropy(logits, y, reduction="sum")
-                k = min(5, logits.shape[1])
-                topk = logits.topk(k, dim=1).indices
-                hit1 = (topk[:, 0] == y).sum()
-                hit5 = (topk == y[:, None]).any(1).sum()
-                sums += torch.stack([loss.double(), hit1.double(), hit5.double(),
-                                     torch.tensor(len(x), device=device, dtype=torch.float64)])
+                topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+                hit1, hit5 = (topk[:, 0] == y).sum(), (topk == y[:, None]).any(1).sum()
+            n = torch.tensor(len(x), device=device, dtype=torch.float64)
+            sums += torch.stack([loss.double(), hit1.double(), hit5.double(), n])
         dist.all_reduce(sums)
-        n = max(1.0, float(sums[3]))
+        total, hit1, hit5, count = sums.tolist()  # the evaluation's one host read
+        n = max(1.0, count)
         if multi:
-            return {"loss": float(sums[0]) / n, "prec@1": float(sums[1]) / n, "samples": int(sums[3])}
-        return {"loss": float(sums[0]) / n, "top1": float(sums[1]) / n, "top5": float(sums[2]) / n,
-                "samples": int(sums[3])}
+            return {"loss": total / n, "prec@1": hit1 / n, "samples": int(count)}
+        return {"loss": total / n, "top1": hit1 / n, "top5": hit5 / n, "samples": int(count)}
 
     def _suites(self) -> list[_Fewshot]:
         if self.fewshot is None:
@@ -171,9 +154,9 @@ class InTrainingEval:
         hook = model.norm.register_forward_hook(lambda mod, inp, out: captured.append(out[:, 0].float().cpu()))
         labels = []
         try:
-            for item, dummy in self._lockstep(zip(*batches), device):
+            for item in lockstep(zip(*batches), device):
                 captured.clear()
-                engine(dummy if item is None else item[0].to(device, self.dtype))
+                engine(self._dummy(device) if item is None else item[0].to(device, self.dtype))
                 if item is not None:
                     labels.append((captured[-1], item[1].cpu()))
         finally:

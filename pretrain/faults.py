@@ -1,20 +1,24 @@
 """Fault injection for tests: ``VITSCALE_FAULT`` names faults and the steps they fire at.
 
     VITSCALE_FAULT="kill_in_save:6"            SIGKILL rank 0 mid-save at step 6
-    VITSCALE_FAULT="nan_loss:3,3,5"            a non-finite loss at steps 3, 3 (twice) and 5
-    VITSCALE_FAULT="hang_in_step:5@1"          rank 1 stops making progress inside step 5
-    VITSCALE_FAULT="crash_in_step:3@1"         rank 1 raises inside step 3 of a run started from
+    VITSCALE_FAULT="nan_loss:3,3,5"            non-finite inputs (so a non-finite loss) in two
+                                               micro-batches of step 3 and one of step 5
+    VITSCALE_FAULT="hang_in_step:5@1"          rank 1 stops making progress in step 5's first batch
+    VITSCALE_FAULT="crash_in_step:3@1"         rank 1 raises in step 3 of a run started from
                                                scratch (a resumed attempt passes: restart tests)
     VITSCALE_FAULT="kill_in_save:6;nan_loss:3" several faults, ';'-separated
 
-``@R`` limits an entry to rank R. Empty (and free: one environment lookup at start-up) in real
-runs. Each fault is fired by the component that owns the moment (``checkpoint.save``, the loop).
+``@R`` limits an entry to rank R. The training loop carries no hooks: step faults are injected by
+wrapping the batch stream it is handed (``wrap_batches``, installed once at start-up and a no-op
+without ``VITSCALE_FAULT``), as a broken input pipeline or a stuck worker would show up; the save
+fault is fired by ``checkpoint.save``, which owns that moment.
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
+from typing import Iterator
 
 
 def fault_steps(name: str, rank: int | None = None) -> list[int]:
@@ -38,16 +42,29 @@ def kill_in_save(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hang_in_step(step: int, rank: int) -> None:
-    """Stop making progress inside ``step`` on the chosen rank (sleeps far past any watchdog)."""
-    if step in fault_steps("hang_in_step", rank):
-        time.sleep(10 ** 6)
-
-
 class InjectedFault(RuntimeError):
     pass
 
 
-def crash_in_step(step: int, rank: int, start_step: int) -> None:
-    if start_step == 0 and step in fault_steps("crash_in_step", rank):
-        raise InjectedFault(f"injected crash in step {step} on rank {rank} (VITSCALE_FAULT)")
+def wrap_batches(batches: Iterator, *, rank: int, start_step: int, accumulation: int) -> Iterator:
+    """``batches`` unchanged without ``VITSCALE_FAULT``; else a stream that fires the step faults
+    of this rank in the micro-batches of their steps (step = start_step + 1 + i // accumulation)."""
+    nan = fault_steps("nan_loss", rank)
+    hang = set(fault_steps("hang_in_step", rank))
+    crash = set(fault_steps("crash_in_step", rank)) if start_step == 0 else set()
+    if not (nan or hang or crash):
+        return batches
+
+    def stream():
+        for i, (x, y) in enumerate(batches):
+            step, first = start_step + 1 + i // accumulation, i % accumulation == 0
+            if first and step in hang:
+                time.sleep(10 ** 6)  # far past any watchdog
+            if first and step in crash:
+                raise InjectedFault(f"injected crash in step {step} on rank {rank} (VITSCALE_FAULT)")
+            if step in nan:
+                nan.remove(step)
+                x = x.float() * float("nan")
+            yield x, y
+
+    return stream()

@@ -8,8 +8,12 @@ Parameter names and shapes equal timm's model of the same name (``strict=True`` 
 long as ``representation_size`` is None: timm 1.x dropped the pre-logits layer, ours keeps it as
 ``pre_logits.fc`` (the name older timm and the original JAX->PyTorch ports use).
 
-This module knows nothing of distribution: it builds on the meta device, imports no deepspeed,
-and activation checkpointing is a plain per-block switch (``set_grad_checkpointing``).
+This module knows nothing of distribution: it imports no deepspeed, builds wherever the default
+device is (its initialisation skips meta tensors), and activation checkpointing is a plain
+per-block switch (``set_grad_checkpointing``). Initial weights come from one CPU generator
+(``init_seed``), drawn parameter by parameter in a fixed order and copied to wherever the
+parameters live, so one seed gives the same weights on CPU or GPU, plain or ZeRO-3-partitioned,
+on any world size.
 """
 from __future__ import annotations
 
@@ -184,9 +188,12 @@ class VisionTransformer(nn.Module):
         qk_norm: bool = False,
         init_values: Optional[float] = None,
         defer_init: bool = False,
+        init_seed: Optional[int] = None,
     ):
         """``defer_init``: leave the weights as the layers' constructors made them; the caller
-        runs ``init_weights(gather)`` later (ZeRO-3 builds partitioned parameters first)."""
+        runs ``init_weights(gather, generator)`` later (ZeRO-3 builds partitioned parameters
+        first). ``init_seed``: the initialisation's seed (None: one drawn from torch's global
+        CPU generator, so ``torch.manual_seed`` still decides it)."""
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -226,26 +233,29 @@ class VisionTransformer(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         if not defer_init:
-            self._init_encoder(_no_gather)  # the ResNet stem initialised itself when built
+            self.init_weights(generator=init_generator(init_seed))
 
     # -------------------------------------------------------------------------- init
     @torch.no_grad()
-    def init_weights(self, gather: Optional[Gather] = None) -> None:
+    def init_weights(self, gather: Optional[Gather] = None, generator: Optional[torch.Generator] = None) -> None:
         """The paper's (JAX) initialisation: Xavier-uniform linears, LeCun-normal patch conv,
         tiny-normal MLP biases, N(0, 0.02) position embeddings, zero [class] token and head,
         LayerScale at ``init_values`` (the hybrid's ResNet stem: its own rule).
 
         Module by module, each inside ``gather(its own parameters)``, so partitioned parameters
-        (ZeRO-3) are whole only one module at a time. Random draws come in the same order as the
-        initialisation at construction, so one seed gives the same weights either way."""
+        (ZeRO-3) are whole only one module at a time. Every draw comes from ``generator`` (a CPU
+        generator; None: a fresh one seeded from torch's global CPU generator) into a CPU fp32
+        tensor in a fixed order, then is copied to the parameter's device and dtype: the same
+        generator state gives the same weights on any device and layout."""
         gather = gather or _no_gather
+        g = generator if generator is not None else init_generator(None)
         backbone = getattr(self.patch_embed, "backbone", None)
         if backbone is not None:
-            backbone.init_weights(gather)
-        self._init_encoder(gather)
+            backbone.init_weights(gather, g)
+        self._init_encoder(gather, g)
 
     @torch.no_grad()
-    def _init_encoder(self, gather: Gather) -> None:
+    def _init_encoder(self, gather: Gather, g: torch.Generator) -> None:
         root = []
         for name, m in self.named_modules():
             if name.startswith("patch_embed.backbone"):
@@ -257,9 +267,9 @@ class VisionTransformer(nn.Module):
                 root = own  # pos_embed, cls_token: last, as before
                 continue
             with gather(own):
-                _init_module(name, m)
+                _init_module(name, m, g)
         with gather(root):
-            nn.init.normal_(self.pos_embed, std=0.02)
+            fill(self.pos_embed, lambda t: nn.init.normal_(t, std=0.02, generator=g))
             nn.init.zeros_(self.cls_token)
 
     # ------------------------------------------------------------------------- public
@@ -317,23 +327,41 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _init_module(name: str, m: nn.Module) -> None:
+def init_generator(seed: Optional[int]) -> torch.Generator:
+    """The CPU generator an initialisation draws from: seeded by ``seed``, or (None) by a number
+    drawn from torch's global CPU generator."""
+    if seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def fill(p: torch.Tensor, draw: Callable[[torch.Tensor], object]) -> None:
+    """``draw`` into a CPU fp32 tensor of ``p``'s shape, then copy it into ``p`` (any device and
+    dtype). Meta tensors (a build without memory) are left alone."""
+    if p.is_meta:
+        return
+    t = torch.empty(p.shape, dtype=torch.float32, device="cpu")
+    draw(t)
+    p.copy_(t)
+
+
+def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
     """One module's own parameters, by the rules in ``VisionTransformer.init_weights``."""
     if isinstance(m, nn.Linear):
         if name == "head":
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)
             return
-        nn.init.xavier_uniform_(m.weight)
+        fill(m.weight, lambda t: nn.init.xavier_uniform_(t, generator=g))
         if "mlp" in name:
-            nn.init.normal_(m.bias, std=1e-6)
+            fill(m.bias, lambda t: nn.init.normal_(t, std=1e-6, generator=g))
         else:
             nn.init.zeros_(m.bias)
     elif isinstance(m, nn.Conv2d):
         fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
         # LeCun normal: truncated normal with variance 1/fan_in (std corrected for truncation)
         std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
-        nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
+        fill(m.weight, lambda t: nn.init.trunc_normal_(t, std=std, a=-2 * std, b=2 * std, generator=g))
         nn.init.zeros_(m.bias)
     elif isinstance(m, nn.LayerNorm):
         nn.init.ones_(m.weight)
@@ -409,18 +437,19 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size
                  drop_rate: float = 0.0, drop_path_rate: float = 0.0,
                  representation_size: Optional[int] = None, global_pool: str = "token",
                  qk_norm: bool = False, init_values: Optional[float] = None, defer_init: bool = False,
-                 **kwargs) -> VisionTransformer:
+                 init_seed: Optional[int] = None, **kwargs) -> VisionTransformer:
     """Build a registered variant. ``with torch.device('meta'):`` builds it without memory.
     ``qk_norm`` / ``init_values``: timm's options of the same names (QK LayerNorm, LayerScale).
-    ``defer_init``: skip the initialisation; call ``model.init_weights(gather)`` afterwards."""
+    ``defer_init``: skip the initialisation; call ``model.init_weights(gather, generator)``
+    afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``)."""
     v = _variant(name)
     img_size = img_size or v.img_size
-    backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3), defer_init=defer_init) \
+    backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3), defer_init=True) \
         if v.stem_layers else None
     return VisionTransformer(
         img_size=img_size, patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth,
         num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
-        defer_init=defer_init, num_classes=num_classes, drop_rate=drop_rate,
+        defer_init=defer_init, init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate,
         drop_path_rate=drop_path_rate, representation_size=representation_size,
         global_pool=global_pool, backbone=backbone, **kwargs)
 

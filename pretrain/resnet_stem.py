@@ -134,13 +134,17 @@ class ResNetStem(nn.Module):
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, gather=None) -> None:
-        """``gather(params)``: a context making one module's partitioned parameters whole."""
+    def init_weights(self, gather=None, generator: torch.Generator | None = None) -> None:
+        """``gather(params)``: a context making one module's partitioned parameters whole;
+        ``generator``: the CPU generator every draw comes from (``pretrain.model.fill``)."""
+        from pretrain.model import fill
+
         gather = gather or (lambda params: contextlib.nullcontext())
         for name, m in self.named_modules():
             if isinstance(m, nn.Conv2d):
                 with gather([m.weight]):
-                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                    fill(m.weight, lambda t: nn.init.kaiming_normal_(t, mode="fan_out", nonlinearity="relu",
+                                                                     generator=generator))
             elif isinstance(m, nn.GroupNorm):
                 with gather([m.weight, m.bias]):
                     nn.init.ones_(m.weight)

@@ -12,103 +12,37 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from data_pipeline.files import write_json
 from data_pipeline.sample_log import SampleLog
 from data_pipeline.workers import stop_workers
-from pretrain import checkpoint, faults, watchdog
+from pretrain import checkpoint, ds_compat, faults, watchdog
+from pretrain.clock import PHASES, StepClock
 from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
                              save_config, to_dict)
-from pretrain.distributed import init_distributed, launched
+from pretrain.distributed import init_distributed, launched, set_collective_timeout
 from pretrain.engine import deepspeed_config, initialize
 from pretrain.evaluator import InTrainingEval
 from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
 from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
-from pretrain.metrics import MetricsLogger, StepTimer, peak_memory_gb, throughput
-from pretrain.model import create_model
+from pretrain.losses import classification_loss
+from pretrain.metrics import MetricsLogger, peak_memory_gb, throughput
+from pretrain.model import create_model, init_generator
 from pretrain.precision import check_precision, compute_dtype
 from pretrain.rundir import RunDir
-from pretrain.watchdog import Watchdog
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
+from pretrain.step import NonFiniteGuard, NonFiniteLoss, train_step
+from pretrain.straggler import StragglerDetector
+from pretrain.watchdog import StartupGuard, Watchdog
 
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (one line: the folder, why, the last good checkpoint)."""
-
-
-class NonFiniteGuard:
-    """Drops micro-batches whose loss is non-finite on any rank, with no host sync inside a step;
-    K in a row stop the run, naming the steps.
-
-    Each micro-batch's finite flag is all-reduced (MIN) on the device, so every rank drops the same
-    micro-batches, and gates every parameter's gradient in a hook that runs before the gradient is
-    accumulated: ``torch.where(ok, grad, 0)`` *selects*, so NaN / inf gradients become exact zeros
-    (``grad * 0`` would stay NaN, and zeroing the loss is not enough: the backward through NaN
-    activations is NaN whatever the upstream gradient). Every rank still runs the backward and
-    the step, so ZeRO's collectives and DeepSpeed's accumulation counter stay in step; the dropped
-    micro-batch adds nothing to its step's gradient and the step counts. The flags wait on the
-    device and are read at the next sync point (``verdict``, one ``tolist``).
-
-    Costs: one elementwise select per gradient per micro-batch (memory-bound, far below the
-    step's matmuls). A step whose micro-batches were all dropped still steps the optimizer with
-    zero gradients (AdamW's momentum and weight decay move the weights slightly: no NaN reaches
-    them), and a streak of K stops the run at the next sync point, up to
-    ``train.sync_every_steps`` steps later, before any checkpoint of those steps is written.
-    """
-
-    def __init__(self, limit: int, params=(), device="cpu"):
-        self.limit, self.in_a_row, self.total, self.first_step = limit, 0, 0, None
-        self.ok = torch.ones((), dtype=torch.bool, device=device)  # the current micro-batch's gate
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, flag) not yet read
-        self._hooks = [p.register_hook(self._gate) for p in params if p.requires_grad]
-
-    def _gate(self, grad: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.ok, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-
-    def agree(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """This micro-batch's verdict on every rank, as a device bool (a collective, no sync)."""
-        finite = torch.isfinite(loss.detach()).float()
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        ok = finite.bool()
-        self.ok.copy_(ok)
-        self.pending.append((step, ok))
-        return ok
-
-    def verdict(self) -> None:
-        """Read the pending flags (a sync point): count them; K in a row raise NonFiniteLoss."""
-        if not self.pending:
-            return
-        flags = torch.stack([f for _, f in self.pending]).tolist()
-        steps = [s for s, _ in self.pending]
-        self.pending.clear()
-        for finite, step in zip(flags, steps):
-            self.check(finite, step)
-
-    def check(self, finite: bool, step: int) -> bool:
-        if finite:
-            self.in_a_row, self.first_step = 0, None
-            return True
-        self.total += 1
-        self.in_a_row += 1
-        self.first_step = step if self.first_step is None else self.first_step
-        if self.in_a_row >= self.limit:
-            raise NonFiniteLoss(f"{self.in_a_row} non-finite losses in a row at steps "
-                                f"{self.first_step}-{step}; lower optim.lr or check the data")
-        return False
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 class Progress:
@@ -130,38 +64,33 @@ def check_machine(cfg: Config, world_size: int) -> int:
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
-    """The configured model. Under ZeRO-3 it is built inside ``deepspeed.zero.Init``: each layer's
-    parameters are partitioned over the ranks as soon as that layer exists, so no rank ever holds
-    the whole fp32 model (a rank's peak is one layer plus its 1/N share). The initialisation then
-    runs module by module under ``GatheredParameters(modifier_rank=0)``: on partitioned
-    parameters it would otherwise change nothing. Same seed, same weights as the plain build."""
+    """The configured model, initialised from ``train.seed`` through one CPU generator: the same
+    weights on every rank, device, ZeRO stage and world size. Under ZeRO-3 it is built inside
+    ``deepspeed.zero.Init``: each layer's parameters are partitioned over the ranks as soon as that
+    layer exists, so no rank ever holds the whole fp32 model (a rank's peak is one layer plus its
+    1/N share); the initialisation then runs module by module under
+    ``GatheredParameters(modifier_rank=0)``, on partitioned parameters it would otherwise change
+    nothing."""
     m = cfg.model
     kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
               drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
               global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
     if cfg.zero.stage != 3:
-        return create_model(m.name, **kw)
+        return create_model(m.name, init_seed=cfg.train.seed, **kw)
     import deepspeed
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world)  # its dtype (bf16 / fp32) for the shards
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
         model = create_model(m.name, defer_init=True, **kw)
-    # every rank draws the same numbers (same seed, same order); rank 0's are broadcast
-    model.init_weights(gather=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
+    model.init_weights(gather=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0),
+                       generator=init_generator(cfg.train.seed))
     return model
 
 
 def num_params(model: torch.nn.Module) -> int:
     """Parameter count, also of a ZeRO-3 partitioned model (whose tensors are empty placeholders)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, multi_label: bool, smoothing: float) -> torch.Tensor:
-    logits = logits.float()
-    if multi_label:  # sigmoid cross-entropy over classes (ImageNet-21k / JFT)
-        return F.binary_cross_entropy_with_logits(logits, targets.float(), reduction="sum") / logits.shape[0]
-    return F.cross_entropy(logits, targets, label_smoothing=smoothing)  # soft targets (mixup) too
 
 
 def set_cpu_threads(local_world: int, data_workers: int) -> None:
@@ -172,110 +101,135 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
         torch.set_num_threads(max(1, per_rank))
 
 
-# ----------------------------------------------------------------------------------------- loop
-def train_loop(cfg: Config, engine, loader, logger: MetricsLogger, *, start_step: int, rank: int,
-               world: int, ckpt_dir: Path, run_info: dict, flops: tuple[float, float],
-               stop: StopRequest, dog: Watchdog, samples: Optional[SampleLog],
-               evaluator: Optional[InTrainingEval] = None, say: Callable[[str], None] = lambda msg: None) -> dict:
-    t, device = cfg.train, engine.device
-    dtype = compute_dtype(t.precision)
-    guard, timer = NonFiniteGuard(t.max_nonfinite_steps, engine.module.parameters(), device), StepTimer()
-    batches = iter(loader)
-    loss_sum = torch.zeros(2, device=device)  # (sum of losses, count) since the last log
-    peak, history, step, stopped = peak_tflops(), [], start_step, False
-    nan_faults = faults.fault_steps("nan_loss")  # test hook, empty in real runs
+# ----------------------------------------------------------------------------------- components
+class Checkpointer:
+    """Decides at each step whether it saves (``train.steps``, ``checkpoint.every_steps``, a stop)
+    and writes the checkpoint with the loader position, so the loop only calls ``maybe_save``."""
 
-    def save(at: int) -> None:
-        dog.beat(at, "checkpoint", slow=True)
-        if samples is not None:
-            samples.flush()
+    def __init__(self, cfg: Config, engine, loader, ckpt_dir: Path, run_info: dict, logger: MetricsLogger,
+                 samples: Optional[SampleLog]):
+        self.every, self.last, self.keep = cfg.checkpoint.every_steps, cfg.train.steps, cfg.checkpoint.keep_last
+        self.engine, self.loader, self.dir, self.run_info = engine, loader, ckpt_dir, run_info
+        self.logger, self.samples = logger, samples
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last
+
+    def maybe_save(self, step: int, stopping: bool = False) -> None:
+        if not (stopping or self.due(step)):
+            return
+        if self.samples is not None:
+            self.samples.flush()
         try:
-            checkpoint.save(engine, ckpt_dir, at, rank_state={"loader": loader.state_dict()},
-                            run_info={**run_info, "wandb_run_id": logger.run_id}, keep_last=cfg.checkpoint.keep_last)
+            checkpoint.save(self.engine, self.dir, step, rank_state={"loader": self.loader.state_dict()},
+                            run_info={**self.run_info, "wandb_run_id": self.logger.run_id}, keep_last=self.keep)
         except OSError as e:  # folder made read-only, disk full: say what survives, not a traceback
-            last = checkpoint.latest_complete(ckpt_dir)
+            last = checkpoint.latest_complete(self.dir)
             kept = f"the last complete checkpoint is {last}" if last else "no complete checkpoint yet"
-            raise CheckpointWriteError(f"cannot save checkpoint {checkpoint.tag_for(at)} in {ckpt_dir} "
+            raise CheckpointWriteError(f"cannot save checkpoint {checkpoint.tag_for(step)} in {self.dir} "
                                        f"({e.strerror or e}); {kept}; make the folder writable (or set "
                                        "checkpoint.dir) and run the same command to resume") from None
 
-    def sync_due(at: int) -> bool:
-        """The steps where the loop reads the device (a sync point): log and checkpoint steps, the
-        last step, and every ``train.sync_every_steps``; between them the host runs ahead."""
-        return (at % t.log_every_steps == 0 or at % cfg.checkpoint.every_steps == 0 or at == t.steps
-                or at % t.sync_every_steps == 0)
 
+class Window:
+    """What a logging window sums on the device between sync points: losses, images."""
+
+    def __init__(self, device):
+        self.loss = torch.zeros(2, device=device)  # (sum of kept losses, their count)
+        self.images = 0
+
+    def add(self, loss: torch.Tensor, images: int) -> None:
+        self.loss += loss
+        self.images += images
+
+
+def batch_stream(loader, samples: Optional[SampleLog], start_step: int, accumulation: int) -> Iterator:
+    """The loader's batches; with ``data.record_samples`` each batch's keys are logged at its step."""
+    for i, batch in enumerate(loader):
+        if samples is not None:
+            samples.write(start_step + 1 + i // accumulation, loader.last_epoch, loader.last_keys)
+        yield batch
+
+
+def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world: int, global_batch: int,
+                   flops: tuple[float, float], guard: NonFiniteGuard, loader) -> tuple[dict, dict]:
+    """The log step's metrics (a sync point: the device finishes the window, then the clock is
+    read) and this rank's phase seconds of the window."""
+    elapsed, phases = clock.close_window()
+    dist.all_reduce(window.loss)
+    total, count = window.loss.tolist()
+    gn = engine.get_global_grad_norm()
+    metrics = {"loss": total / count if count else None, "lr": engine.get_lr()[0],
+               "grad_norm": float(gn) if gn is not None else None, "examples_seen": step * global_batch,
+               "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
+               "nonfinite_skipped": guard.total, **throughput(window.images * world, elapsed, world, *flops, peak_tflops()),
+               **{f"data/{k}": v for k, v in _sum_counters(loader.counters).items()}}
+    return metrics, phases
+
+
+def straggler_check(detector: Optional[StragglerDetector], phases: dict, device) -> tuple[dict, Optional[str]]:
+    """Every rank's phase seconds of the window to rank 0 (one small all-gather); its verdict."""
+    if detector is None:
+        return {}, None
+    mine = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    per_rank = [dict(zip(PHASES, t.tolist())) for t in every]
+    return detector.observe(per_rank)
+
+
+# ----------------------------------------------------------------------------------------- loop
+def train_loop(cfg: Config, engine, batches: Iterator, loader, logger: MetricsLogger, checkpointer: Checkpointer,
+               *, start_step: int, world: int, flops: tuple[float, float], stop: StopRequest, clock: StepClock,
+               startup: StartupGuard, detector: Optional[StragglerDetector] = None,
+               evaluator: Optional[InTrainingEval] = None, say: Callable[[str], None] = lambda msg: None) -> dict:
+    """Steps until ``train.steps`` or an agreed stop. Between sync points (log and checkpoint steps,
+    every ``train.sync_every_steps``) nothing is read on the host."""
+    t, device = cfg.train, engine.device
+    guard = NonFiniteGuard(t.max_nonfinite_steps, engine.module.parameters(), device)
+    loss_of = partial(classification_loss, multi_label=cfg.data.multi_label, smoothing=cfg.optim.label_smoothing)
+    dtype, window = compute_dtype(t.precision), Window(device)
+    history, step, stopped = [], start_step, False
     while step < t.steps:
-        # --- one optimizer step: micro-batches until DeepSpeed reaches the accumulation boundary
-        first = step == start_step  # start-up, first collectives and JIT builds get a longer allowance
-        done = False
-        while not done:
-            dog.beat(step + 1, "data", slow=first)
-            t0 = time.perf_counter()
-            images, targets = next(batches)
-            timer.add_data_wait(time.perf_counter() - t0)
-            if samples is not None:  # data.record_samples
-                samples.write(step + 1, loader.last_epoch, loader.last_keys)
-            dog.beat(step + 1, "forward", slow=first)
-            faults.hang_in_step(step + 1, rank)  # test hooks
-            faults.crash_in_step(step + 1, rank, start_step)
-            images = images.to(device, dtype, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            loss = loss_fn(engine(images), targets, cfg.data.multi_label, cfg.optim.label_smoothing)
-            if step + 1 in nan_faults:
-                nan_faults.remove(step + 1)
-                loss = loss * float("nan")
-            # every rank drops a non-finite micro-batch (zero gradients, on the device; no sync)
-            dog.beat(step + 1, "agree", slow=first)
-            ok = guard.agree(loss, step + 1)
-            dog.beat(step + 1, "backward", slow=first)
-            done = engine.is_gradient_accumulation_boundary()
-            engine.backward(loss)
-            engine.step()
-            loss_sum += torch.stack([torch.where(ok, loss.detach(), 0.0), ok.float()])
-            timer.images += images.shape[0] * world
+        clock.begin_step(step + 1, startup=step == start_step)
+        window.add(*train_step(engine, batches, guard, clock, step + 1, loss_of, dtype))
+        clock.end_step()
         step += 1
-        sync = sync_due(step)
+        if step == start_step + 1:  # start-up is over: step-time bounds from here on
+            startup.done()
+            set_collective_timeout(t.pg_timeout_s)
+            say(f"step {step} done; a line every {t.log_every_steps} steps")
+        sync = (step % t.log_every_steps == 0 or checkpointer.due(step) or step % t.sync_every_steps == 0)
         if sync:  # before the log and any checkpoint of these steps
             guard.verdict()
 
-        # --- log
-        dog.beat(step, "log")
+        clock.beat("log")
         if step % t.log_every_steps == 0 or step == t.steps:
-            dist.all_reduce(loss_sum)
-            elapsed, wait_share = timer.window()
-            gn = engine.get_global_grad_norm()
-            total, count = loss_sum.tolist()
-            metrics = {"loss": total / count if count else None, "lr": engine.get_lr()[0],
-                       "grad_norm": float(gn) if gn is not None else None,
-                       "examples_seen": step * t.global_batch_size, "data_wait_share": wait_share,
-                       "peak_memory_gb": peak_memory_gb(), "nonfinite_skipped": guard.total,
-                       **throughput(timer.images, elapsed, world, *flops, peak),
-                       **{f"data/{k}": v for k, v in _sum_counters(loader.counters).items()}}
-            logger.log(step, metrics)
+            metrics, phases = window_metrics(engine, window, clock, step=step, world=world, flops=flops,
+                                             global_batch=t.global_batch_size, guard=guard, loader=loader)
+            straggling, line = straggler_check(detector, phases, device)
+            logger.log(step, {**metrics, **straggling})
             logger.print(step, metrics)
+            if line:
+                say(f"straggler: {line}")
             history.append(metrics["loss"])
-            loss_sum.zero_()
-            timer.reset()
-        if step == start_step + 1:
-            say(f"step {step} done; a line every {t.log_every_steps} steps")
+            window = Window(device)
 
-        # --- evaluate (eval.every_steps): its own data and RNG; its time is left out of throughput
-        if evaluator is not None and evaluator.due(step, t.steps):
-            dog.beat(step, "eval", slow=True)
+        if evaluator is not None and evaluator.due(step, t.steps):  # its own data and RNG, left out of img/s
+            clock.beat("eval", slow=True)
             results = evaluator(engine, step)
             logger.log(step, results)
-            timer.exclude(evaluator.last_seconds)
+            clock.exclude(evaluator.last_seconds)
             say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
 
-        # --- checkpoint (periodic, final, or when asked to stop: SIGTERM, SIGINT, launcher gone)
-        dog.beat(step, "stop")
+        clock.beat("stop")
         stopped = sync and stop.agreed(device)  # a signal stops every rank within train.sync_every_steps
-        if step % cfg.checkpoint.every_steps == 0 or step == t.steps or stopped:
-            save(step)
+        clock.beat("checkpoint", slow=True)
+        checkpointer.maybe_save(step, stopping=stopped)
         if stopped:
             break
-    dog.beat(step, "end", slow=True)
+    clock.beat("end", slow=True)
+    startup.done()  # a run resumed at its last step takes no step
     guard.close()
     return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped,
             "stop_reason": stop.reason}
@@ -297,10 +251,15 @@ def run(cfg: Config) -> dict:
     from data_pipeline.loader import build_loader
 
     stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
-    rank, local_rank, world = init_distributed(cfg.train.pg_timeout_s)
+    t = cfg.train
+    startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
+    startup.phase("process group and DeepSpeed's communication set-up")
+    rank, local_rank, world = init_distributed(max(t.pg_timeout_s, t.startup_timeout_s))
+    if rank == 0:
+        ds_compat.check_version()
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)
     check_machine(cfg, world)
-    layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
+    layout = RunDir.of(t.output_dir, cfg.checkpoint.dir)
     run_dir, ckpt_dir = layout.root, layout.checkpoints
     # before any expensive work: an unwritable folder would otherwise fail at the first save
     checkpoint.check_writable(run_dir, "train.output_dir")
@@ -308,23 +267,25 @@ def run(cfg: Config) -> dict:
         checkpoint.check_writable(ckpt_dir, "checkpoint.dir")
     say = Progress(rank)
     watchdog.clear(layout.hang, rank)
-    dog = Watchdog(layout.hang, rank, world, cfg.train.hang_timeout_s)
+    dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
     img = image_size(cfg.model)
 
-    torch.manual_seed(cfg.train.seed)  # same on every rank: identical initial weights (ZeRO-3 too)
     say(f"building {cfg.model.name} ({img} px) on {world} rank(s)")
+    startup.phase("model build")
+    torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
     model = build_model(cfg)
-    say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
-        f"{num_params(model) / 1e6:.1f}M parameters")
-    engine, ds_cfg = initialize(model, cfg.optim, cfg.train, cfg.zero, world)
-    loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=cfg.train.micro_batch_size,
-                          seed=cfg.train.seed, img_size=img, train=True)
+    say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
+    startup.phase("DeepSpeed initialize")
+    engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world)
+    loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
+                          seed=t.seed, img_size=img, train=True)
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
 
     if cfg.checkpoint.resume and checkpoint.latest_complete(ckpt_dir) is not None:
         say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
+    startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
     resumed = checkpoint.resume(engine, ckpt_dir, config=to_dict(cfg)) if cfg.checkpoint.resume else None
     start, run_id = 0, None
     if resumed:
@@ -332,41 +293,50 @@ def run(cfg: Config) -> dict:
         start, run_id = info["step"], info.get("wandb_run_id")
         loader.load_state_dicts([st["loader"] for st in states])  # same layout: this rank's, bit-exact
     else:
-        torch.manual_seed(cfg.train.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
+        torch.manual_seed(t.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
 
     fwd = analytic_flops(cfg.model.name, img, cfg.model.num_classes, cfg.model.global_pool,
                          cfg.model.representation_size, qk_norm=cfg.model.qk_norm, breakdown=True)
-    flops = train_flops_per_image(fwd["total"], fwd["blocks"] if cfg.train.activation_checkpointing else 0)
+    flops = train_flops_per_image(fwd["total"], fwd["blocks"] if t.activation_checkpointing else 0)
+    gas = ds_cfg["gradient_accumulation_steps"]
     run_config = {**to_dict(cfg), "world_size": world, "zero_stage": cfg.zero.stage,
-                  "global_batch_size": cfg.train.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
-                  "train_flops_per_image": flops[0], "gradient_accumulation": ds_cfg["gradient_accumulation_steps"]}
+                  "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
+                  "train_flops_per_image": flops[0], "gradient_accumulation": gas}
     if cfg.logging.wandb.mode == "online":
         say(f"starting W&B online (offline after logging.wandb.init_timeout_s={cfg.logging.wandb.init_timeout_s:g})")
     logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id)
     if rank == 0:
         save_config(cfg, layout.config)
         where = f"resuming from step {start}" if resumed else "starting from scratch"
-        print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {cfg.train.precision}, "
+        print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {t.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
     samples = SampleLog(layout.samples, rank).open(start) if cfg.data.record_samples else None
     if samples is not None and rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
         for r in range(world, len(resumed[1]) if resumed else 0):  # logs are cut back to the step too
             SampleLog(layout.samples, r).open(start).close()
     evaluator = InTrainingEval(cfg, rank=rank, world=world, img_size=img, num_classes=cfg.model.num_classes,
-                               dtype=compute_dtype(cfg.train.precision))
+                               dtype=compute_dtype(t.precision))
     evaluator = evaluator if evaluator.enabled else None
+    checkpointer = Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples)
+    batches = faults.wrap_batches(batch_stream(loader, samples, start, gas), rank=rank, start_step=start,
+                                  accumulation=gas)
+    clock = StepClock(engine.device, dog)
+    clock.begin_step(start, startup=True)
+    detector = StragglerDetector(_hosts(), t.straggler_factor, t.straggler_windows) if world > 1 else None
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
+    startup.phase("first step (first batch, first collectives)")
     t0 = time.time()
     try:
-        result = train_loop(cfg, engine, loader, logger, start_step=start, rank=rank, world=world,
-                            ckpt_dir=ckpt_dir, run_info={"config": to_dict(cfg)}, flops=flops, stop=stop, dog=dog,
-                            samples=samples, evaluator=evaluator, say=say)
+        result = train_loop(cfg, engine, batches, loader, logger, checkpointer, start_step=start, world=world,
+                            flops=flops, stop=stop, clock=clock, startup=startup, detector=detector,
+                            evaluator=evaluator, say=say)
     except BaseException:
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         if rank == 0:
-            _status(layout, "failed", start)
+            _status(layout, "failed", max(start, clock.completed))
         raise
     finally:
+        startup.done()
         logger.close()
         stop_workers()
         if samples is not None:
@@ -383,6 +353,15 @@ def run(cfg: Config) -> dict:
         print(_goodbye(result), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
     dist.barrier()
     return result
+
+
+def _hosts() -> list[str]:
+    """Every rank's host name, in rank order (one all-gather at start-up)."""
+    import socket
+
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def _status(layout: RunDir, state: str, step: int) -> None:

@@ -31,18 +31,26 @@ PHASES = ("start", "data", "forward", "agree", "backward", "log", "eval", "stop"
 
 
 class Watchdog:
-    def __init__(self, hang_dir: Path, rank: int, world: int, timeout_s: float, slow_factor: float = 3.0):
+    def __init__(self, hang_dir: Path, rank: int, world: int, timeout_s: float, slow_factor: float = 3.0,
+                 startup_s: float = 0.0):
         self.dir, self.rank, self.world = Path(hang_dir), rank, world
         self.timeout, self.slow_factor = float(timeout_s), slow_factor
-        self.step, self.phase = 0, "start"
-        self.last, self.allowance = time.monotonic(), self.timeout * slow_factor
+        self.startup_s = max(float(startup_s), self.timeout * slow_factor)
+        self.step, self.phase, self.key = 0, "start", "train.startup_timeout_s"
+        self.last, self.allowance = time.monotonic(), self.startup_s
         self.fired = threading.Event()
         if self.timeout > 0:
             threading.Thread(target=self._run, name="vitscale-watchdog", daemon=True).start()
 
-    def beat(self, step: int, phase: str, slow: bool = False) -> None:
+    def beat(self, step: int, phase: str, slow: bool = False, startup: bool = False) -> None:
+        """Progress: ``phase`` of ``step`` began. The next beat is due within ``train.hang_timeout_s``,
+        ``slow_factor`` times that for slow phases (checkpoint, evaluation), and within
+        ``train.startup_timeout_s`` (at least the slow allowance) in start-up's first step."""
         self.step, self.phase = step, phase
-        self.allowance = self.timeout * (self.slow_factor if slow else 1.0)
+        if startup:
+            self.allowance, self.key = self.startup_s, "train.startup_timeout_s"
+        else:
+            self.allowance, self.key = self.timeout * (self.slow_factor if slow else 1.0), "train.hang_timeout_s"
         self.last = time.monotonic()
 
     def _run(self) -> None:
@@ -70,7 +78,8 @@ class Watchdog:
             faulthandler.dump_traceback(f, all_threads=True)
         others = self._gather(wait_s=min(30.0, max(10.0, self.timeout)))
         if _first_to_report(self.dir):
-            print(f"vit-train: hang: no progress for {idle:.0f}s (train.hang_timeout_s={self.timeout:g}) at step "
+            bound = self.startup_s if self.key == "train.startup_timeout_s" else self.timeout
+            print(f"vit-train: hang: no progress for {idle:.0f}s ({self.key}={bound:g}) at step "
                   f"{self.step}; stopped progressing: {describe(others, self.world)}; stacks in {self.dir}",
                   file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
@@ -135,3 +144,68 @@ def clear(hang_dir: Path, rank: int) -> None:
             os.unlink(Path(hang_dir) / name)
         except FileNotFoundError:
             pass
+
+
+# The guard process: reads phase names on stdin; at the deadline it names the phase on stderr and
+# SIGKILLs the rank; EOF (the rank finished start-up, or died) ends it quietly.
+_GUARD = r"""
+import os, select, signal, sys, time
+parent, timeout, prefix = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+deadline, phase, buf = time.monotonic() + timeout, "start", b""
+while True:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        os.write(2, (f"{prefix}: start-up did not finish within train.startup_timeout_s={timeout:g} s "
+                     f"(phase: {phase}); ending this rank\n").encode())
+        try:
+            os.kill(parent, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.exit(0)
+    ready, _, _ = select.select([0], [], [], left)
+    if ready:
+        chunk = os.read(0, 4096)
+        if not chunk:
+            sys.exit(0)
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        if lines:
+            phase = lines[-1].decode(errors="replace")
+"""
+
+
+class StartupGuard:
+    """Bounds start-up (process group and DeepSpeed's shm set-up, model build, DeepSpeed init, a
+    universal-checkpoint conversion, the first step) by ``train.startup_timeout_s``.
+
+    A process of its own, not a thread: DeepSpeed's CPU shm set-up busy-waits in C++ for every
+    peer's buffer file while holding the GIL, so a rank whose peer died before creating its file
+    would spin forever and no Python thread of it could run. The guard is told each phase; past
+    the bound it prints one line naming the phase and SIGKILLs the rank (the launcher then ends
+    the job). ``done()`` ends it; so does the rank's death (its stdin closes)."""
+
+    def __init__(self, timeout_s: float, prog: str = "vit-train"):
+        import subprocess
+
+        self.proc = None
+        if timeout_s > 0:
+            self.proc = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(timeout_s), prog],
+                                         stdin=subprocess.PIPE, start_new_session=True)
+
+    def phase(self, name: str) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.write(name.encode() + b"\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+    def done(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.proc.wait(10)
+        self.proc = None

@@ -5,13 +5,18 @@ import json
 import pytest
 import torch
 
-from pretrain import checkpoint
+from pretrain import checkpoint, rng
 from pretrain.config import ConfigError, load_config
 from pretrain.engine import deepspeed_config, lr_multiplier, param_groups
 from pretrain.flops import analytic_flops, train_flops_per_image
 from pretrain.metrics import throughput
 from pretrain.model import create_model
-from pretrain.train import NonFiniteGuard, NonFiniteLoss, loss_fn
+from pretrain.losses import classification_loss
+from pretrain.step import NonFiniteGuard, NonFiniteLoss
+
+
+def loss_fn(logits, targets, multi_label, smoothing):
+    return classification_loss(logits, targets, multi_label=multi_label, smoothing=smoothing)
 
 
 def cfg(*overrides):
@@ -109,10 +114,10 @@ def test_rng_state_round_trip():
     import random
 
     import numpy as np
-    state = checkpoint.rng_state()
+    state = rng.rng_state()
     json.dumps(state)
     a = (random.random(), np.random.rand(), torch.rand(3))
-    checkpoint.set_rng_state(json.loads(json.dumps(state)))
+    rng.set_rng_state(json.loads(json.dumps(state)))
     b = (random.random(), np.random.rand(), torch.rand(3))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 

@@ -1,0 +1,113 @@
+"""Honest clocks: every timed region ends by waiting for the device, then reads the time.
+
+On a GPU the host queues kernels and runs ahead; a clock read on the host right after the last
+call of a window measures how fast the host *queued* work, not how fast the device did it, and
+img/s and MFU come out high. ``synced_now`` is the one function that orders the two: it waits
+until the device has finished everything queued on it, then reads ``time.perf_counter``.
+Training windows, the in-training evaluation and the benchmarks read their clocks through it.
+
+Cost: one device synchronisation per call (a sync point); call it at the ends of windows, not
+inside steps.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Union
+
+import torch
+
+Device = Union[torch.device, str, int, None]
+
+
+def device_sync(device: Device) -> None:
+    """Wait until ``device`` has finished all queued work (a no-op on the CPU, which runs
+    synchronously)."""
+    dev = torch.device(device) if device is not None and not isinstance(device, torch.device) else device
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def synced_now(device: Device, *, sync: Callable[[Device], None] = device_sync,
+               clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds on ``clock``, read only after ``sync(device)`` returned. ``sync`` and ``clock`` are
+    parameters so that a test can check the order on a machine without a GPU."""
+    sync(device)
+    return clock()
+
+
+PHASES = ("data", "forward", "agree", "backward", "step")  # a training step's phases, in order
+
+
+class StepClock:
+    """Phase boundaries of the training step and the logging window's clock, in one place.
+
+    ``enter(phase)`` is where a step moves on: it beats the hang watchdog and closes the previous
+    phase's timing. The data phase (the host blocked on the loader) is timed on the host clock;
+    device phases with CUDA events on a GPU (recorded in the stream, read only after the window's
+    sync, so no host sync inside a step) and with the host clock on the CPU, which runs
+    synchronously. ``close_window()`` is the window's one sync point: ``synced_now``, then the
+    events are read; it returns the window's seconds and the seconds of each phase on this rank."""
+
+    def __init__(self, device, dog=None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.dog = dog
+        self.step, self.startup, self.completed = 0, False, 0
+        self._phase, self._t, self._event = None, 0.0, None
+        self._pending: list = []  # CUDA: (phase, start event, end event), read at close_window
+        self.t0 = synced_now(self.device)
+        self.totals = dict.fromkeys(PHASES, 0.0)
+
+    def begin_step(self, step: int, startup: bool = False) -> None:
+        """Phases from here on belong to ``step``; ``startup``: the watchdog allows start-up's
+        bound (the first step after a start or resume: first collectives, JIT builds)."""
+        self.step, self.startup = step, startup
+
+    def end_step(self) -> None:
+        """``step`` is done (the last step reached, for status.json after a failure)."""
+        self._close()
+        self.completed = self.step
+
+    def beat(self, phase: str, slow: bool = False) -> None:
+        """A watchdog beat outside the step's phases (log, eval, checkpoint, stop); ``slow``: the
+        watchdog's longer allowance (evaluation, checkpoint writes)."""
+        self._close()
+        if self.dog is not None:
+            self.dog.beat(self.step, phase, slow=slow, startup=self.startup)
+
+    def enter(self, phase: str) -> None:
+        self.beat(phase)
+        self._phase = phase
+        if self.cuda and phase != "data":
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+        else:
+            self._t = time.perf_counter()
+
+    def _close(self) -> None:
+        if self._phase is None:
+            return
+        if self._event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._phase, self._event, end))
+            self._event = None
+        else:
+            self.totals[self._phase] += time.perf_counter() - self._t
+        self._phase = None
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation, say) out of the current window."""
+        self.t0 += seconds
+
+    def close_window(self) -> tuple[float, dict]:
+        """(seconds since the window began, {phase: seconds on this rank}); starts the next window.
+        A sync point: the device finishes the window's work before any clock is read."""
+        self._close()
+        now = synced_now(self.device)
+        for phase, start, end in self._pending:  # complete: recorded before the sync
+            self.totals[phase] += start.elapsed_time(end) / 1000.0
+        self._pending.clear()
+        elapsed, phases = max(now - self.t0, 1e-9), self.totals
+        self.t0, self.totals = now, dict.fromkeys(PHASES, 0.0)
+        return elapsed, phases
