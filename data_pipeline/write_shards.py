@@ -494,10 +494,9 @@ def merge_main(argv) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
+def parse_args(argv) -> argparse.Namespace:
+    """vit-shards' options (not ``merge``): a usage mistake is one line, exit 2. ``vit-launch slurm
+    --shards`` checks the options it writes into a job array with this too."""
     p = Parser(prog="vit-shards", description="Write WebDataset shards + manifest.json. "
                "`vit-shards merge OUT PART_MANIFEST...` joins the parts of a --part I/N job.")
     p.add_argument("--source", required=True,
@@ -523,6 +522,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quality > 100:
         p.error(f"argument --quality: expected 1..100, got {args.quality}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    args = parse_args(argv)
 
     with cli_errors("vit-shards"):
         try:

@@ -6,6 +6,7 @@
     vit-launch check --config FILE [same resource options] [--world-size W] [a.b=c ...]
     vit-launch slurm --config FILE --nodes N --gpus-per-node G [--partition P] [--time T]
                [--launcher pdsh|srun] --output job.sbatch [a.b=c ...]
+    vit-launch slurm --shards --parts N --output shards.sbatch [...] -- VIT-SHARDS OPTIONS
     vit-launch sweep --config FILE --world-sizes 1,2,4,8 [--steps 50] [--scaling weak|strong]
                [--dry-run] [a.b=c ...]
 
@@ -217,6 +218,10 @@ def main(argv=None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
+    if cmd == "slurm" and "--shards" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        from launch.slurm import shards_main  # a vit-shards job array: no training config
+
+        shards_main(argv)
     args = _parser(cmd).parse_intermixed_args(argv)
     with cli_errors(PROG, DataError, PlotError, OSError):  # OSError: an unwritable --output, say
         code = {"run": cmd_run, "check": cmd_check, "slurm": cmd_slurm, "sweep": cmd_sweep}[cmd](args)

@@ -20,7 +20,8 @@ README = (REPO / "README.md").read_text()
 OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][a-zA-Z0-9]*(?:[-_][a-zA-Z0-9]+)*")
 # sbatch's own flags, written into the generated script (README "SLURM"; launch/slurm.py)
 SBATCH = {"--exclusive", "--gres", "--open-mode", "--signal", "--requeue", "--output", "--time", "--partition",
-          "--account", "--job-name", "--nodes", "--gpus-per-node", "--ntasks-per-node", "--cpus-per-task"}
+          "--account", "--job-name", "--nodes", "--gpus-per-node", "--ntasks-per-node", "--cpus-per-task",
+          "--array", "--dependency", "--parsable"}  # the last three: submitting a shard-writing job array
 PYTEST = {"--maxfail"}  # none shown today; pytest's flags would go here
 
 

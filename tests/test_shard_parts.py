@@ -169,3 +169,43 @@ def test_bad_part_is_one_line(tmp_path, capsys, bad):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "--part" in err and repr(bad) in err, err
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ vit-launch slurm --shards
+def _launch(argv, capsys):
+    from launch.cli import main as vit_launch
+
+    with pytest.raises(SystemExit) as e:
+        vit_launch(["slurm", *map(str, argv)])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_slurm_shards_writes_array_and_merge_scripts(tmp_path, capsys):
+    """The scripts themselves run under the real SLURM in tests/cluster/test_shard_array.py."""
+    script = tmp_path / "in21k.sbatch"
+    code, out, err = _launch(["--shards", "--parts", "64", "--max-running", "8", "--cpus-per-node", "4",
+                              "--partition", "cpu", "--time", "2:00:00", "--log-dir", tmp_path / "logs",
+                              "--output", script, "--", "--source", "imagefolder:/data/in21k", "--output",
+                              "/shards/in21k", "--resize-shorter", "320"], capsys)
+    assert code == 0, err
+    text, merge = script.read_text(), (tmp_path / "in21k.merge.sbatch").read_text()
+    for line in ("#SBATCH --array=1-64%8", "#SBATCH --cpus-per-task=4", "#SBATCH --partition=cpu",
+                 "#SBATCH --time=2:00:00", f"#SBATCH --output={tmp_path}/logs/%x-%A_%a.out", "  --workers 4",
+                 "  --resize-shorter 320", '--part "$SLURM_ARRAY_TASK_ID/64" --quiet'):
+        assert line in text, line
+    assert "#SBATCH --array" not in merge and "#SBATCH --partition=cpu" in merge and "merge \"$OUT\"" in merge
+    assert "printf 'part-%04dof%04d.json' \"$i\" 64" in merge and "OUT=/shards/in21k" in merge
+    assert os.access(script, os.X_OK) and (tmp_path / "logs").is_dir()
+    assert f"sbatch --dependency=afterok:$(sbatch --parsable {script})" in out
+
+
+@pytest.mark.parametrize("theirs, says", [
+    (["--source", "demo"], "vit-shards: error: the following arguments are required: --output"),
+    (["--source", "demo", "--output", "o", "--part", "1/2"], "the vit-shards options name --part"),
+    ([], "give vit-shards' options after `--`"),
+])
+def test_slurm_shards_checks_the_vit_shards_options(tmp_path, capsys, theirs, says):
+    code, _, err = _launch(["--shards", "--parts", "2", "--output", tmp_path / "s.sbatch", "--", *theirs], capsys)
+    assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "s.sbatch").exists()

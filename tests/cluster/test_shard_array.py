@@ -1,0 +1,77 @@
+"""`vit-launch slurm --shards` on the one-machine SLURM of conftest.py: the job array writes the
+parts of a vit-shards job (its tasks at once, one CPU each), the merge job runs after the whole
+array (``--dependency=afterok``), and the merged shards hold the samples, labels and keys one
+process writes."""
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, wait_until
+
+from data_pipeline.write_shards import main as vit_shards
+from test_shard_parts import samples_of  # tests/ is on sys.path (conftest.py)
+
+pytestmark = pytest.mark.cluster
+
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+SHARDS = ["--source", "demo", "--limit", "90", "--shard-size", "8"]
+
+
+def _env(slurm) -> dict:
+    env = {**os.environ, **slurm.env, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def _sbatch(slurm, *args) -> str:
+    r = subprocess.run(["sbatch", "--parsable", *map(str, args)], cwd=REPO, env=_env(slurm), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, f"sbatch: {r.stderr}"
+    return r.stdout.strip().split(";")[0]
+
+
+def _states(slurm, job_id) -> list[str]:
+    """JobState of a job, or of each task of an array job."""
+    out = slurm.cmd("scontrol", "show", "job", "-o", job_id, check=False)
+    return [line.split("JobState=")[1].split()[0] for line in out.splitlines() if "JobState=" in line]
+
+
+def test_job_array_parts_then_dependent_merge_equal_one_process(slurm, tmp_path):
+    out, logs, script = tmp_path / "shards", tmp_path / "logs", tmp_path / "shards.sbatch"
+    r = subprocess.run([sys.executable, "-m", "launch", "slurm", "--shards", "--parts", "3", "--cpus-per-node", "1",
+                        "--job-name", "shards-test", "--log-dir", str(logs), "--output", str(script), "--",
+                        *SHARDS, "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    merge = tmp_path / "shards.merge.sbatch"
+    assert f"sbatch --dependency=afterok:$(sbatch --parsable {script}) {merge}" in r.stdout
+    assert "#SBATCH --array=1-3" in script.read_text() and logs.is_dir()
+
+    array_id = _sbatch(slurm, script)
+    merge_id = _sbatch(slurm, f"--dependency=afterok:{array_id}", merge)
+    ids = [array_id, merge_id]
+    try:
+        def merged():
+            if any(s in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") for s in _states(slurm, array_id)):
+                raise AssertionError(f"array {array_id}: {_states(slurm, array_id)}")
+            return _states(slurm, merge_id)[0] in DONE
+
+        try:
+            wait_until(merged, 300, f"merge job {merge_id} after array {array_id}", 1)
+        except AssertionError as e:
+            text = "\n".join(p.read_text()[-2000:] for p in sorted(logs.glob("*.out")))
+            raise AssertionError(f"{e}\n{text}\n{slurm.log()[-3000:]}") from None
+        assert _states(slurm, merge_id) == ["COMPLETED"], slurm.job(merge_id)
+        assert _states(slurm, array_id) == ["COMPLETED"] * 3
+        part_logs = sorted(logs.glob(f"shards-test-{array_id}_*.out"))
+        assert len(part_logs) == 3 and all("part " in p.read_text() for p in part_logs)
+        merge_log = (logs / f"shards-test-merge-{merge_id}.out").read_text()
+        assert "90 samples in" in merge_log and "of 3 parts" in merge_log, merge_log
+    finally:
+        for j in ids:
+            slurm.cmd("scancel", j, check=False)
+
+    one = tmp_path / "one"
+    assert vit_shards([*SHARDS, "--output", str(one), "--quiet"]) == 0
+    assert samples_of(out) == samples_of(one)
+    assert {p.name for p in out.glob("part-*.json")} == {f"part-000{i}of0003.json" for i in (1, 2, 3)}
