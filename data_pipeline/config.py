@@ -41,6 +41,12 @@ class DataConfig:
     shuffle_buffer: int = 2000
     multi_label: bool = False  # sigmoid targets from <key>.json labels (ImageNet-21k / JFT style)
     allow_remote: bool = False  # permit pipe:, http(s)://, s3://, gs:// URLs
+    # http(s) shards: a failed connect/read is retried with backoff (0.25 s doubling, at most 8 s)
+    # and resumes at its byte; the run stops after this many failures in a row, or after one
+    # outage lasted remote_retry_s; a connect or read that waits remote_timeout_s is a failure
+    remote_retries: int = 8
+    remote_retry_s: float = 120.0
+    remote_timeout_s: float = 30.0
     max_corrupt_rate: float = 0.01  # stop the run when more than this share of samples is bad
     max_image_pixels: int = 89_478_485  # decompression-bomb guard (PIL's default limit)
     prefetch_factor: int = 2
@@ -62,6 +68,11 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
         fail("data.workers", f"must be >= 0, got {data.workers}")
     if not 0.0 <= data.max_corrupt_rate <= 1.0:
         fail("data.max_corrupt_rate", f"must be in [0, 1], got {data.max_corrupt_rate}")
+    if data.remote_retries < 0:
+        fail("data.remote_retries", f"must be >= 0, got {data.remote_retries}")
+    for key in ("remote_retry_s", "remote_timeout_s"):
+        if not getattr(data, key) > 0:
+            fail(f"data.{key}", f"must be > 0 seconds, got {getattr(data, key)}")
     if data.decode_device not in DEVICES:
         fail("data.decode_device", f"must be one of {', '.join(DEVICES)}, got {data.decode_device!r}")
     a = data.augment

@@ -60,6 +60,7 @@ from data_pipeline.exclude import read_exclusion
 from data_pipeline.manifest import resolve_shards
 from data_pipeline.plan import Plan
 from data_pipeline.rest import RestEpoch, rest_epoch
+from data_pipeline.shard_reader import RemotePolicy
 from data_pipeline.stream import Settings, SlotStream, Start
 from data_pipeline.transforms import SampleTransform
 from data_pipeline.workers import worker_init
@@ -100,7 +101,8 @@ class ShardLoader:
             if getattr(data_cfg, "exclude_keys", None) else frozenset()
         decode_device = getattr(data_cfg, "decode_device", "worker")
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
-                                 data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device)
+                                 data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device,
+                                 RemotePolicy.of(data_cfg))
         self._decoder = None  # data.decode_device cpu/cuda: this process finishes each batch
         if decode_device != "worker":
             check_device(decode_device)

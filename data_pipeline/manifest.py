@@ -83,6 +83,15 @@ def _read_text(url: str, allow_remote: bool, key: str) -> str:
         _check_remote(url, allow_remote, key)
         from webdataset.gopen import gopen
 
+        if url.startswith(("http://", "https://")):  # retried like the shards (shard_reader.HTTPShard)
+            from data_pipeline.shard_reader import HTTPShard, RemotePolicy
+
+            try:
+                with HTTPShard(url, MANIFEST_NAME, RemotePolicy(retries=3, retry_s=10.0)) as f:
+                    return f.read().decode("utf-8")
+            except DataError as e:
+                raise DataError(f"{e} ({key})") from None
+
         try:
             with gopen(url, "rb") as f:
                 return f.read().decode("utf-8")

@@ -30,7 +30,7 @@ from data_pipeline.config import AugmentConfig
 from data_pipeline.batch_decode import DeferredBatch
 from data_pipeline.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
-from data_pipeline.shard_reader import read_shard
+from data_pipeline.shard_reader import RemotePolicy, RemoteShardError, read_shard
 from data_pipeline.tally import Tally
 from data_pipeline.transforms import SampleTransform, mix_labelled, normalized_batch
 
@@ -46,6 +46,7 @@ class Settings:
     multi_label: bool
     exclude: frozenset = frozenset()  # data.exclude_keys: keys skipped before decoding
     decode_device: str = "worker"  # data.decode_device: "worker", or where the training process decodes
+    remote: RemotePolicy = RemotePolicy()  # data.remote_*: retries of http(s) shards
 
     def mixing(self, train: bool) -> bool:
         return train and (self.augment.mixup_alpha > 0 or self.augment.cutmix_alpha > 0)
@@ -103,8 +104,10 @@ class _SlotReader:
     promised batch count). Tracks what pass 0 has accounted for. Every planned position arrives,
     a sample the tar did not deliver as a ``lost`` placeholder (already counted)."""
 
-    def __init__(self, pieces, tally: Tally, repeat: bool, exclude: frozenset = frozenset()):
+    def __init__(self, pieces, tally: Tally, repeat: bool, exclude: frozenset = frozenset(),
+                 remote: RemotePolicy = RemotePolicy()):
         self.pieces, self.tally, self.repeat, self.exclude = list(pieces), tally, repeat, exclude
+        self.remote = remote
         self.accounted = 0  # pass-0 arrivals so far (placeholders of lost samples included)
         self.pass_no = 0
 
@@ -141,7 +144,7 @@ class _SlotReader:
         first = self.pass_no == 0
         for shard, ranges in self._runs():
             # repeated passes re-read the same bytes: their shard events were counted already
-            for sample in read_shard(shard, self.tally if first else Tally(), ranges):
+            for sample in read_shard(shard, self.tally if first else Tally(), ranges, self.remote):
                 got[0] += not sample.lost and sample.key not in self.exclude  # all excluded: starved
                 self.accounted += first
                 yield sample
@@ -191,7 +194,7 @@ class SlotStream(IterableDataset):
         plan, s = self.plan, self.settings
         tally = Tally()
         tally.enabled = skip == 0  # events before the resume point were counted by the first run
-        reader = _SlotReader(pieces, tally, repeat=True, exclude=s.exclude)
+        reader = _SlotReader(pieces, tally, repeat=True, exclude=s.exclude, remote=s.remote)
         buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(shuffle_seed(plan.seed, epoch, slot, level)))
         images, labels, keys, shards, emitted = [], [], [], [], 0
         try:
@@ -230,13 +233,22 @@ class SlotStream(IterableDataset):
             yield None, None, {"error": f"rank {self.rank} reader slot {role}: none of its shards "
                                         f"({names}) yielded a readable sample in epoch {epoch}",
                                "tally": tally.take()}
+        except RemoteShardError as e:  # the main process raises it (a DataError: one line)
+            yield None, None, {"error": str(e), "tally": tally.take()}
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_pass(self, slot, role):
-        plan = self.plan
         tally = Tally()
+        pieces = self.plan.slot_pieces(0, slot)
+        (samples,) = _SlotReader(pieces, tally, repeat=False, remote=self.settings.remote).passes()
+        try:
+            yield from self._eval_batches(samples, role, tally)
+        except RemoteShardError as e:
+            yield None, None, {"role": role, "error": str(e), "tally": tally.take()}
+
+    def _eval_batches(self, samples, role, tally):
+        plan = self.plan
         images, labels, keys, shards = [], [], [], []
-        (samples,) = _SlotReader(plan.slot_pieces(0, slot), tally, repeat=False).passes()
         for raw in samples:
             item = self._decode(raw, 0, tally)
             if item is not None:

@@ -1,0 +1,98 @@
+"""A small real HTTP file server for the remote-shard tests, run as its own process:
+
+    python tests/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
+
+Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with
+``Content-Range``), 404 for anything else, one thread per connection. ``--rate`` paces every
+response body to about that many bytes per second (a rate-limited object store). ``--die-after``
+ends the whole process (``os._exit``, as a crash would) once BYTES bytes of file NAME's body are
+sent, mid-transfer; a restart without the flag serves normally. Each request is logged to stderr
+as ``GET /NAME range=... -> STATUS``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+CHUNK = 4096
+
+
+class Handler(BaseHTTPRequestHandler):
+    root: Path
+    rate: float | None = None
+    die: tuple[str, int] | None = None
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # one line per request, see do_GET
+        pass
+
+    def do_GET(self):
+        name = self.path.lstrip("/").split("?")[0]
+        path = self.root / name
+        rng = self.headers.get("Range")
+        if "/" in name or not path.is_file():
+            self._log(name, rng, 404)
+            self.send_error(404, "Not Found")
+            return
+        data = path.read_bytes()
+        start, end = 0, len(data) - 1
+        if rng:
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
+            if not m or int(m.group(1)) >= len(data):
+                self._log(name, rng, 416)
+                self.send_error(416, "Range Not Satisfiable")
+                return
+            start, end = int(m.group(1)), min(int(m.group(2) or len(data) - 1), len(data) - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(end - start + 1))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        self._log(name, rng, 206 if rng else 200)
+        pos, t0 = start, time.monotonic()
+        while pos <= end:
+            n = min(CHUNK, end + 1 - pos)
+            if self.die and self.die[0] == name and pos + n > self.die[1]:
+                self.wfile.write(data[pos:self.die[1]])
+                self.wfile.flush()
+                print(f"dying mid-transfer of {name} at byte {self.die[1]}", file=sys.stderr, flush=True)
+                os._exit(17)
+            self.wfile.write(data[pos:pos + n])
+            pos += n
+            if self.rate:
+                ahead = (pos - start) / self.rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+    def _log(self, name, rng, status):
+        print(f"GET /{name} range={rng} -> {status}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("port", type=int)
+    ap.add_argument("--rate", type=float)
+    ap.add_argument("--die-after")
+    args = ap.parse_args()
+    Handler.root = Path(args.root)
+    Handler.rate = args.rate
+    if args.die_after:
+        name, _, at = args.die_after.rpartition(":")
+        Handler.die = (name, int(at))
+    ThreadingHTTPServer.allow_reuse_address = True
+    ThreadingHTTPServer.daemon_threads = True
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    print(f"serving {args.root} on 127.0.0.1:{args.port}", file=sys.stderr, flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Shards over HTTP (``data.train_shards: http://...`` with ``data.allow_remote``), against a real
+HTTP server on 127.0.0.1 (tests/shard_http_server.py, its own process, stopped by PID): the same
+batches as from disk; the server crashing mid-shard and coming back resumes the shard at its byte
+(no sample twice, none skipped) and counts the retries; a server that stays away ends the read
+within the retry bound naming the URL; a 404 names the shard; a rate-limited server is only slow."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.config import DataConfig
+from data_pipeline.errors import DataError
+from data_pipeline.loader import build_loader
+from dist_utils import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER = REPO / "tests" / "shard_http_server.py"
+
+
+class Server:
+    """The test server as a process; ``start`` again on the same port after it died or was stopped."""
+
+    def __init__(self, root: Path, log: Path):
+        self.root, self.log, self.port, self.proc = root, log, free_port(), None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *flags: str) -> "Server":
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), str(self.root), str(self.port), *flags],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), start_new_session=True)
+        end = time.time() + 20
+        while f"on 127.0.0.1:{self.port}" not in self.log.read_text().split("serving")[-1]:
+            if self.proc.poll() is not None or time.time() > end:
+                raise AssertionError(f"test HTTP server did not start:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # by PID: the process this object started
+            self.proc.wait(10)
+
+    def requests(self) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if line.startswith("GET ")]
+
+    def restart_after_death(self, delay: float) -> threading.Thread:
+        """Once the process has died (--die-after), start it again ``delay`` seconds later, normally."""
+        def watch():
+            self.proc.wait(120)
+            time.sleep(delay)
+            self.start()
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        return t
+
+
+@pytest.fixture(scope="module")
+def served(shard_kit, tmp_path_factory):
+    """8 shards x 12 samples (label = sample id) in a folder the server serves."""
+    return shard_kit.id_shards(tmp_path_factory.mktemp("http") / "shards", [12] * 8)
+
+
+@pytest.fixture
+def server(served, tmp_path):
+    s = Server(served, tmp_path / "server.log")
+    yield s
+    s.stop()
+
+
+def _cfg(shards: str, **kw) -> DataConfig:
+    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retries=6,
+                remote_retry_s=20.0, remote_timeout_s=5.0)
+    return DataConfig(**{**base, **kw})
+
+
+def _epoch(cfg: DataConfig):
+    """One epoch: (keys, targets, images) per batch, and the loader's counters."""
+    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+    out = []
+    for x, y in loader:
+        out.append((list(loader.last_keys), y.clone(), x.clone()))
+        if loader.epoch == 1:
+            break
+    return out, loader.counters
+
+
+@pytest.fixture(scope="module")
+def from_disk(served):
+    batches, counters = _epoch(_cfg(str(served)))
+    assert counters["samples"] == 96 and len(batches) == 12
+    return batches
+
+
+def _same(a, b):
+    assert [k for k, _, _ in a] == [k for k, _, _ in b]
+    for (_, ya, xa), (_, yb, xb) in zip(a, b):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+def test_http_reads_the_same_batches_as_disk(server, from_disk):
+    server.start()
+    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json"))
+    _same(batches, from_disk)
+    assert counters == {"samples": 96}
+    assert not [r for r in server.requests() if "range=None" not in r]  # no retry, no Range request
+
+
+def test_server_crash_mid_shard_resumes_at_the_byte(server, from_disk, served):
+    """In a dataloader worker: the retries reach ``loader.counters`` (the ``data/*`` metrics)."""
+    size = (served / "train-000003.tar").stat().st_size
+    server.start("--die-after", f"train-000003.tar:{size // 2}")
+    server.restart_after_death(2.0)
+    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json", workers=1))
+    _same(batches, from_disk)  # every sample once, in the same order, bit for bit
+    assert counters["remote_retries"] >= 2, counters  # refused while the server was down
+    assert not {"lost_in_shard", "truncated_tar", "missing_shard"} & set(counters), counters
+    resumed = [r for r in server.requests() if r.startswith("GET /train-000003.tar range=bytes=")]
+    assert resumed == [f"GET /train-000003.tar range=bytes={size // 2}- -> 206"], server.requests()
+
+
+def test_server_gone_for_good_ends_within_the_bound(server, served):
+    size = (served / "train-000002.tar").stat().st_size
+    server.start("--die-after", f"train-000002.tar:{size // 3}")
+    cfg = _cfg(f"{server.url}/manifest.json", remote_retries=50, remote_retry_s=3.0)
+    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        for _ in loader:
+            pass
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{server.url}/train-000002.tar: server unreachable"), msg
+    assert "data.remote_retry_s=3" in msg and "Connection refused" in msg, msg
+    assert took < 3.0 + 5.0, took  # the bound, plus reading the shards before the crash
+
+
+def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_path):
+    root = tmp_path / "partial"
+    shutil.copytree(served, root)
+    (root / "train-000005.tar").unlink()
+    server.root = root
+    server.start()
+    with pytest.raises(DataError) as e:
+        for _ in build_loader(_cfg(f"{server.url}/manifest.json"), batch_size=8, seed=3, img_size=16):
+            pass
+    assert str(e.value).startswith(f"{server.url}/train-000005.tar: HTTP 404 Not Found: shard train-000005.tar "
+                                   "is listed in the manifest but not on the server"), e.value
+    with pytest.raises(DataError, match=r"manifest\.json: HTTP 404 Not Found: not on the server \(data\.train_shards\)"):
+        build_loader(_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
+
+
+def test_rate_limited_server_is_slow_not_an_error(server, served, from_disk):
+    total = sum(p.stat().st_size for p in served.glob("*.tar"))
+    rate = total / 1.5  # the epoch's shards take at least 1.5 s to arrive
+    server.start("--rate", str(rate))
+    t0 = time.monotonic()
+    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json"))
+    assert time.monotonic() - t0 >= 1.4
+    _same(batches, from_disk)
+    assert counters == {"samples": 96}
+
+
+def test_remote_keys_are_checked(tmp_path):
+    from pretrain.config import load_config
+    from data_pipeline.errors import ConfigError
+
+    for bad, says in (("data.remote_retries=-1", "must be >= 0"), ("data.remote_retry_s=0", "must be > 0 seconds")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [bad])
+    with pytest.raises(DataError, match="needs data.allow_remote=true"):
+        build_loader(_cfg("http://127.0.0.1:1/manifest.json", allow_remote=False), batch_size=8)
