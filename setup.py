@@ -13,7 +13,7 @@ setup(
     install_requires=[
         "torch>=2.4",
         "torchvision>=0.19",
-        "deepspeed>=0.16",
+        "deepspeed>=0.19.0,<0.20.0",  # pretrain/ds_compat.py: the tested range
         "webdataset>=0.2.86",
         "wandb>=0.17",
         "pyyaml>=6.0",

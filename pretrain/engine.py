@@ -72,16 +72,18 @@ def reduction_dtypes(train: TrainConfig, zero_stage: int) -> dict:
     Under bf16 DeepSpeed would accumulate micro-batch gradients and sum them across ranks in bf16
     (8 mantissa bits: a sum over 64-256 ranks rounds small gradients away). ``train.reduce_dtype``
     fp32 (the default) keeps both in fp32, at 2x the gradient bytes on the wire; bf16 halves them
-    knowingly. DeepSpeed has no fp32 accumulation for a bf16 model at ZeRO stage 0 (its optimizer
-    sanity check raises), so that pair is refused in one line."""
+    knowingly. ZeRO stage 0 with bf16 is refused in one line: DeepSpeed has no fp32 accumulation for
+    a bf16 model there (its optimizer sanity check raises), and its bf16 path at stage 0 reads every
+    gradient on the host each step (an overflow check per parameter and the clipping norm)."""
     if train.precision != "bf16":
         return {}
+    if zero_stage == 0:
+        raise ConfigError("zero.stage=0 with train.precision=bf16: DeepSpeed accumulates and reduces gradients in "
+                          "bf16 there and reads every gradient on the host each step; use zero.stage=1 (fp32 "
+                          "master weights and gradients, optimizer states sharded: no more memory per rank) or "
+                          "train.precision=fp32")
     if train.reduce_dtype == "bf16":
         return {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
-    if zero_stage == 0:
-        raise ConfigError("zero.stage=0 with train.precision=bf16 cannot accumulate and reduce gradients in fp32 "
-                          "(DeepSpeed has no such mode); use zero.stage=1 (fp32 master weights and gradients, "
-                          "optimizer states sharded) or set train.reduce_dtype=bf16 knowingly")
     return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
 
 

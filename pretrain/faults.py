@@ -55,11 +55,14 @@ def wrap_batches(batches: Iterator, *, rank: int, start_step: int, accumulation:
     if not (nan or hang or crash):
         return batches
 
+    def hang_in_step():
+        time.sleep(10 ** 6)  # far past any watchdog
+
     def stream():
         for i, (x, y) in enumerate(batches):
             step, first = start_step + 1 + i // accumulation, i % accumulation == 0
             if first and step in hang:
-                time.sleep(10 ** 6)  # far past any watchdog
+                hang_in_step()
             if first and step in crash:
                 raise InjectedFault(f"injected crash in step {step} on rank {rank} (VITSCALE_FAULT)")
             if step in nan:

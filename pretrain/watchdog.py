@@ -162,13 +162,17 @@ while True:
         except ProcessLookupError:
             pass
         sys.exit(0)
-    ready, _, _ = select.select([0], [], [], left)
+    ready, _, _ = select.select([0], [], [], min(left, 1.0))
+    if os.getppid() != parent:  # the rank is gone
+        sys.exit(0)
     if ready:
         chunk = os.read(0, 4096)
         if not chunk:
             sys.exit(0)
         buf += chunk
         *lines, buf = buf.split(b"\n")
+        if b"\x00done" in lines:
+            sys.exit(0)
         if lines:
             phase = lines[-1].decode(errors="replace")
 """
@@ -182,7 +186,8 @@ class StartupGuard:
     peer's buffer file while holding the GIL, so a rank whose peer died before creating its file
     would spin forever and no Python thread of it could run. The guard is told each phase; past
     the bound it prints one line naming the phase and SIGKILLs the rank (the launcher then ends
-    the job). ``done()`` ends it; so does the rank's death (its stdin closes)."""
+    the job). ``done()`` ends it (a message, not the pipe's end: forked data workers hold copies of
+    its write end); so does the rank's death."""
 
     def __init__(self, timeout_s: float, prog: str = "vit-train"):
         import subprocess
@@ -203,9 +208,12 @@ class StartupGuard:
     def done(self) -> None:
         if self.proc is None:
             return
+        self.phase("\x00done")
         try:
             self.proc.stdin.close()
-        except BrokenPipeError:
+            self.proc.wait(5)
+        except (BrokenPipeError, OSError):
             pass
-        self.proc.wait(10)
+        except Exception:  # subprocess.TimeoutExpired: it must not outlive start-up
+            self.proc.kill()
         self.proc = None

@@ -131,7 +131,7 @@ def test_hung_rank_trips_the_watchdog(shards, tmp_path):
     assert "hang_in_step" in stacks and "Thread" in stacks  # every thread's Python stack
     lines = [ln for ln in out.splitlines() if "vit-train: hang:" in ln]
     assert len(lines) == 1, out[-3000:]
-    assert "at step 4" in lines[0] and "stopped progressing: rank 1 (in forward of step 4)" in lines[0]
+    assert "at step 4" in lines[0] and "stopped progressing: rank 1 (in data of step 4)" in lines[0]
 
 
 def test_failed_job_restarts_and_resumes(shards, tmp_path):

@@ -1,0 +1,184 @@
+"""The training step's parts as plain logic (no launcher): the synced clock's order, the rank's own
+CUDA generator, initial weights from one CPU generator, one loss for training and evaluation,
+straggler naming, and the DeepSpeed version range."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pretrain import clock, ds_compat, rng
+from pretrain.losses import classification_loss
+from pretrain.model import create_model
+from pretrain.straggler import StragglerDetector
+
+
+# ------------------------------------------------------------------------------------ clocks
+def test_synced_now_syncs_before_it_reads_the_clock():
+    calls = []
+    t = clock.synced_now("cuda:3", sync=lambda d: calls.append(("sync", d)),
+                        clock=lambda: calls.append(("clock",)) or 42.0)
+    assert t == 42.0 and calls == [("sync", "cuda:3"), ("clock",)]
+
+
+def test_step_clock_window_reads_after_the_device_sync(monkeypatch):
+    order = []
+
+    def synced(device):  # the window's end goes through the one synced read
+        order.append("synced_now")
+        return 100.0 + len(order)
+
+    monkeypatch.setattr(clock, "synced_now", synced)
+    c = clock.StepClock("cpu")
+    c.begin_step(1)
+    c.enter("data")
+    c.enter("forward")
+    c.end_step()
+    elapsed, phases = c.close_window()
+    assert order == ["synced_now", "synced_now"] and elapsed == 1.0  # start and end: each a sync, then a read
+    assert phases["data"] >= 0 and phases["forward"] >= 0 and c.completed == 1
+
+
+def test_step_clock_beats_the_watchdog_at_each_phase():
+    beats = []
+    dog = SimpleNamespace(beat=lambda step, phase, slow=False, startup=False: beats.append((step, phase, startup)))
+    c = clock.StepClock("cpu", dog)
+    c.begin_step(5, startup=True)
+    for p in clock.PHASES:
+        c.enter(p)
+    c.begin_step(6)
+    c.beat("log")
+    assert beats == [(5, p, True) for p in clock.PHASES] + [(6, "log", False)]
+
+
+# ---------------------------------------------------------------------------------------- RNG
+def test_rng_state_touches_only_the_own_cuda_device(monkeypatch):
+    """The launcher shows a rank every GPU of its node: only the rank's own generator is saved and
+    restored, so a resume on a node with fewer GPUs does not ask for devices that are not there."""
+    asked, restored = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d="cuda": asked.append(d) or torch.arange(4, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d="cuda": restored.append((d, s.tolist())))
+
+    def every_gpu(*a, **k):
+        raise AssertionError("asked for every visible GPU's generator")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_gpu)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_gpu)
+    state = rng.rng_state()
+    assert asked == [1] and isinstance(state["cuda"], str)
+    rng.set_rng_state(state)
+    assert restored == [(1, [0, 1, 2, 3])]
+    # an older checkpoint's list (one per visible GPU): this device's entry, or the first
+    old = dict(state, cuda=[rng._b64(torch.zeros(2, dtype=torch.uint8)), rng._b64(torch.ones(2, dtype=torch.uint8))])
+    rng.set_rng_state(old)
+    assert restored[-1] == (1, [1, 1])
+    rng.set_rng_state(dict(state, cuda=old["cuda"][:1]))
+    assert restored[-1] == (1, [0, 0])
+
+
+def test_preserved_leaves_the_generators_as_they_were():
+    torch.manual_seed(1)
+    with rng.preserved():
+        torch.rand(5)
+    a = torch.rand(3)
+    torch.manual_seed(1)
+    assert torch.equal(a, torch.rand(3))
+
+
+# -------------------------------------------------------------------------------------- init
+def test_initial_weights_come_from_their_own_generator():
+    """Same seed, same weights whatever the global generator did before, and the global
+    generator is not consumed by the drawing (a GPU build draws nothing from the CPU's)."""
+    torch.manual_seed(0)
+    a = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, init_seed=7)
+    torch.manual_seed(999)
+    random.random()
+    b = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, init_seed=7)
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), k
+    d = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, defer_init=True)
+    from pretrain.model import init_generator
+
+    state = torch.get_rng_state()
+    d.init_weights(generator=init_generator(7))
+    assert torch.equal(state, torch.get_rng_state())  # drawn from the given generator only
+    for (k, x), y in zip(a.state_dict().items(), d.state_dict().values()):
+        assert torch.equal(x, y), k
+    # bf16 parameters get the same draws, rounded
+    e = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, defer_init=True).to(torch.bfloat16)
+    e.init_weights(generator=init_generator(7))
+    assert torch.equal(e.blocks[0].attn.qkv.weight, a.blocks[0].attn.qkv.weight.to(torch.bfloat16))
+
+
+# -------------------------------------------------------------------------------------- loss
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_evaluation_of_a_training_batch_reports_the_training_loss(one_rank_group, multi):
+    from pretrain.evaluator import InTrainingEval
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(12, 30)
+    x = torch.randn(6, 12)
+    y = (torch.rand(6, 30) < 0.1).long() if multi else torch.randint(0, 30, (6,))
+    train_loss = classification_loss(model(x), y, multi_label=multi)
+    ev = InTrainingEval.__new__(InTrainingEval)  # the validation pass alone, on one batch
+    ev.val, ev.data, ev.img_size, ev.dtype = [(x, y)], SimpleNamespace(multi_label=multi), 8, torch.float32
+    engine = type("Engine", (), {"device": torch.device("cpu"), "__call__": lambda self, t: model(t)})()
+    with torch.no_grad():
+        got = ev._validation(engine)
+    assert got["loss"] == pytest.approx(float(train_loss), rel=1e-6)
+
+
+def test_loss_sum_over_batches_equals_the_mean():
+    logits = torch.randn(8, 5)
+    y = torch.randint(0, 5, (8,))
+    mean = classification_loss(logits, y, multi_label=False)
+    parts = classification_loss(logits[:3], y[:3], multi_label=False, reduction="sum") + \
+        classification_loss(logits[3:], y[3:], multi_label=False, reduction="sum")
+    assert float(parts) / 8 == pytest.approx(float(mean), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------- stragglers
+def _window(rank_local: list[float]) -> list[dict]:
+    return [{"data": 0.1 * v, "forward": 0.9 * v, "agree": 1.0 - v, "backward": 0.5, "step": 0.1}
+            for v in rank_local]
+
+
+def test_a_persistent_straggler_is_named_once_with_its_phase():
+    d = StragglerDetector(["a", "a", "b", "b"], factor=1.5, windows=3)
+    lines = []
+    for _ in range(5):
+        metrics, line = d.observe(_window([0.3, 0.31, 0.29, 0.6]))
+        lines.append(line)
+    assert lines[:2] == [None, None] and lines[3:] == [None, None]
+    assert lines[2] == "rank 3 on b: 2.0x the median step, mostly in forward"
+    assert metrics["straggler/slowest_rank"] == 3 and metrics["straggler/slowest_host"] == "b"
+    assert metrics["straggler/ratio"] == pytest.approx(0.6 / 0.3)
+    assert d.slow_hosts() == ["b"]
+    d.observe(_window([0.3, 0.3, 0.3, 0.3]))  # recovered: named again only after a new streak
+    assert d.slow_hosts() == []
+
+
+def test_an_even_job_names_nobody():
+    d = StragglerDetector(["a", "b"], factor=1.5, windows=2)
+    assert all(d.observe(_window([0.3 + 0.02 * (i % 2), 0.31]))[1] is None for i in range(10))
+
+
+# ------------------------------------------------------------------------------ DeepSpeed range
+def test_deepspeed_version_range(capsys):
+    import deepspeed
+
+    assert ds_compat.version_ok(deepspeed.__version__)  # the installed one is tested
+    assert not ds_compat.version_ok("0.18.9") and not ds_compat.version_ok("0.20.0")
+    assert ds_compat.version_ok("0.19.8+cpu")
+    with open("setup.py") as f:
+        assert f'"deepspeed{ds_compat.tested_range()}"' in f.read()  # setup.py pins the same range
