@@ -5,6 +5,7 @@ batches as from disk; the server crashing mid-shard and coming back resumes the 
 within the retry bound naming the URL; a 404 names the shard; a rate-limited server is only slow."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 from data_pipeline.config import DataConfig
 from data_pipeline.errors import DataError
 from data_pipeline.loader import build_loader
-from dist_utils import free_port
+from dist_utils import free_port, job_env, start_job, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = REPO / "tests" / "shard_http_server.py"
@@ -52,12 +53,12 @@ class Server:
     def requests(self) -> list[str]:
         return [line for line in self.log.read_text().splitlines() if line.startswith("GET ")]
 
-    def restart_after_death(self, delay: float) -> threading.Thread:
-        """Once the process has died (--die-after), start it again ``delay`` seconds later, normally."""
+    def restart_after_death(self, delay: float, *flags: str) -> threading.Thread:
+        """Once the process has died (--die-after), start it again ``delay`` seconds later with ``flags``."""
         def watch():
-            self.proc.wait(120)
+            self.proc.wait(300)
             time.sleep(delay)
-            self.start()
+            self.start(*flags)
         t = threading.Thread(target=watch, daemon=True)
         t.start()
         return t
@@ -178,3 +179,59 @@ def test_remote_keys_are_checked(tmp_path):
             load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [bad])
     with pytest.raises(DataError, match="needs data.allow_remote=true"):
         build_loader(_cfg("http://127.0.0.1:1/manifest.json", allow_remote=False), batch_size=8)
+
+
+def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, served, tmp_path):
+    """``python -m pretrain.train`` reading a rate-limited server that crashes mid-shard and comes back
+    2 s later: the recorded samples are exactly the disk loader's, the retries are in ``data/*`` and
+    the wait in ``data_wait_share``; then the server goes for good after a checkpoint: the run ends
+    within data.remote_retry_s, exit 2, one line naming the URL, the checkpoint intact."""
+    from pretrain import checkpoint
+    from pretrain.config import load_config
+
+    rate = ["--rate", "60000"]  # ~0.5 s per 12-sample shard: the loader, not the model, sets the pace
+    size = (served / "train-000004.tar").stat().st_size
+    server.start("--die-after", f"train-000004.tar:{size // 2}", *rate)
+    server.restart_after_death(2.0, *rate)
+    run_dir = tmp_path / "run"
+    overrides = [f"data.train_shards={server.url}/manifest.json", "data.allow_remote=true", "data.workers=0",
+                 "data.record_samples=true", "data.remote_retries=20", "data.remote_retry_s=4",
+                 "data.shuffle_buffer=16", "model.num_classes=96", "train.global_batch_size=16",
+                 "train.micro_batch_size=8", "train.steps=200", "train.log_every_steps=2",
+                 "checkpoint.every_steps=8", "optim.warmup_steps=2", f"train.output_dir={run_dir}",
+                 "logging.wandb.mode=disabled"]
+    log = tmp_path / "train.log"
+    proc = start_job([sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", *overrides], log)
+    try:
+        ckpts = run_dir / "checkpoints"
+        wait_for(lambda: ckpts.is_dir() and checkpoint.latest_complete(ckpts) is not None, 400, proc,
+                 f"the first checkpoint ({log})")
+        server.stop()  # for good
+        t0 = time.monotonic()
+        proc.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    errors = [line for line in out.splitlines() if line.startswith("vit-train: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert errors[0].startswith(f"vit-train: error: {server.url}/train-") and "server unreachable" in errors[0]
+    assert took < 4 + 10, took  # the retry bound, plus the steps the prefetched batches still fed
+    saved = checkpoint.latest_complete(ckpts)
+    assert saved is not None and (saved / "run.json").is_file()
+
+    rows = [line.split("\t") for line in (run_dir / "samples" / "rank-0.tsv").read_text().splitlines()]
+    steps = int(rows[-1][0])
+    assert steps >= 8 and len(rows) == 16 * steps, (steps, len(rows))
+    disk = load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [*overrides, f"data.train_shards={served}"])
+    loader = build_loader(disk.data, batch_size=8, seed=disk.train.seed, img_size=64)
+    keys = []
+    for _ in loader:
+        keys += loader.last_keys
+        if len(keys) == len(rows):
+            break
+    assert [k for _, _, k in rows] == keys  # no sample twice, none skipped, the same order
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m.get("data/remote_retries", 0) for m in metrics) >= 1, metrics[-1]
+    assert max(m["data_wait_share"] for m in metrics) > 0.5, [m["data_wait_share"] for m in metrics]
