@@ -30,6 +30,7 @@ class Server:
 
     def __init__(self, root: Path, log: Path):
         self.root, self.log, self.port, self.proc = root, log, free_port(), None
+        self.lock, self.closed = threading.Lock(), False  # closed: stop() was called, no restart
 
     @property
     def url(self) -> str:
@@ -46,9 +47,11 @@ class Server:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # by PID: the process this object started
-            self.proc.wait(10)
+        with self.lock:
+            self.closed = True
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()  # by PID: the process this object started
+                self.proc.wait(10)
 
     def requests(self) -> list[str]:
         return [line for line in self.log.read_text().splitlines() if line.startswith("GET ")]
@@ -56,9 +59,13 @@ class Server:
     def restart_after_death(self, delay: float, *flags: str) -> threading.Thread:
         """Once the process has died (--die-after), start it again ``delay`` seconds later with ``flags``."""
         def watch():
-            self.proc.wait(300)
+            proc = self.proc
+            while proc.poll() is None and not self.closed:
+                time.sleep(0.05)
             time.sleep(delay)
-            self.start(*flags)
+            with self.lock:
+                if not self.closed:
+                    self.start(*flags)
         t = threading.Thread(target=watch, daemon=True)
         t.start()
         return t
@@ -189,7 +196,7 @@ def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, s
     from pretrain import checkpoint
     from pretrain.config import load_config
 
-    rate = ["--rate", "60000"]  # ~0.5 s per 12-sample shard: the loader, not the model, sets the pace
+    rate = ["--rate", "45000"]  # ~0.6 s per 12-sample shard: the loader, not the model, sets the pace
     size = (served / "train-000004.tar").stat().st_size
     server.start("--die-after", f"train-000004.tar:{size // 2}", *rate)
     server.restart_after_death(2.0, *rate)
