@@ -60,12 +60,12 @@ assert all(p.numel() == 0 for p in model.parameters()), "ZeRO-3 build left whole
 record = {"rank": rank, "world": world, "params": params, "zero3_build_peak_bytes": zero_peak,
           "local_partition_bytes": 4 * sum(p.ds_tensor.numel() for p in model.parameters())}
 
-# the same seed without ZeRO: every gathered tensor equal (rank 0 compares; all ranks gather)
+# the same seed without ZeRO, on one rank: every gathered tensor equal (rank 0 compares; all gather)
 import deepspeed  # noqa: E402
 
-torch.manual_seed(cfg.train.seed)
+torch.manual_seed(12345)  # the global generator plays no part: the weights come from train.seed alone
 plain, plain_peak = measured_build(lambda: create_model(
-    name, num_classes=10, img_size=32, qk_norm=True, init_values=1e-4))
+    name, num_classes=10, img_size=32, qk_norm=True, init_values=1e-4, init_seed=cfg.train.seed))
 record["plain_build_peak_bytes"] = plain_peak
 mismatch, stats = [], {}
 for (n, p), (n2, q) in zip(model.named_parameters(), plain.named_parameters()):
