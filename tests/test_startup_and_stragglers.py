@@ -1,0 +1,119 @@
+"""Start-up never spins, and a slow rank is named: real processes, real signals.
+
+* DeepSpeed's CPU shared-memory all-reduce set-up busy-waits (in C++, holding the GIL) for every
+  peer's buffer file. A peer that joined the process group and died before creating its file left
+  rank 0 spinning forever; ``train.startup_timeout_s`` ends it with one line naming the phase.
+* One rank of a 2-rank job slowed for real (SIGSTOP/SIGCONT bursts) is named within a bounded
+  number of logging windows; the same job unslowed names nobody.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import REPO, deepspeed_cmd, demo_manifest, free_port, group_alive, job_env, kill_group, metrics, \
+    start_job, wait_for
+
+PEER_THAT_DIES = """
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://", rank=1, world_size=2)
+import os
+os._exit(0)  # before DeepSpeed's shm set-up would create this rank's buffer file
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
+
+
+def test_a_peer_dead_before_the_shm_setup_ends_start_up_within_the_bound(shards, tmp_path):
+    port = str(free_port())
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
+           f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "train.global_batch_size=16",
+           "train.micro_batch_size=8", "data.workers=0", "train.startup_timeout_s=15"]
+    log = tmp_path / "rank0.txt"
+    t0 = time.time()
+    rank0 = start_job(cmd, log, **env)
+    peer = subprocess.Popen([sys.executable, "-c", PEER_THAT_DIES], cwd=REPO, env=job_env(**dict(env, RANK="1")),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        peer.wait(60)
+        rank0.wait(90)
+    finally:
+        for p in (rank0, peer):
+            if p.poll() is None or group_alive(p):
+                kill_group(p) if p is rank0 else p.kill()
+    took = time.time() - t0
+    out = log.read_text()
+    assert rank0.returncode != 0 and took < 60, (took, out[-3000:])
+    lines = [ln for ln in out.splitlines() if "start-up did not finish" in ln]
+    assert len(lines) == 1, out[-3000:]
+    assert "train.startup_timeout_s=15 s (phase: process group and DeepSpeed's communication set-up)" in lines[0]
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The pid of training rank ``rank`` under the runner started as ``root`` (by its environment)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) != root:
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if f"RANK={rank}".encode() in env and b"pretrain.train" in cmdline:
+            return int(d.name)
+    return None
+
+
+def straggler_job(shards, run: Path, log: Path):
+    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
+                        f"train.output_dir={run}", "logging.wandb.mode=disabled", "train.global_batch_size=16",
+                        "train.micro_batch_size=8", "data.workers=0", "train.steps=400", "train.log_every_steps=2",
+                        "checkpoint.every_steps=1000", "train.straggler_factor=2.0", "train.straggler_windows=3")
+    return start_job(cmd, log)
+
+
+def test_a_rank_slowed_for_real_is_named_and_an_even_job_names_nobody(shards, tmp_path):
+    run, log = tmp_path / "slow", tmp_path / "slow.txt"
+    job = straggler_job(shards, run, log)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 4, 240, job, "step 4")
+        before = max(metrics(run))
+        pid = _rank_pid(job.pid, 1)
+        assert pid is not None
+        end = time.time() + 120
+        while time.time() < end and "straggler: rank 1" not in log.read_text():
+            os.kill(pid, signal.SIGSTOP)  # rank 1 runs a quarter of the time
+            time.sleep(0.3)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+        named_at = max(metrics(run))
+    finally:
+        kill_group(job)
+    out = log.read_text()
+    lines = [ln for ln in out.splitlines() if "straggler:" in ln]
+    assert lines and lines[0].split("straggler: ")[1].startswith("rank 1 on "), out[-3000:]
+    assert "x the median step, mostly in " in lines[0]
+    assert named_at - before <= 2 * 10, (before, named_at)  # within ten windows of two steps
+    recs = [r for s, r in sorted(metrics(run).items()) if s > before and "straggler/ratio" in r]
+    assert recs and recs[-1]["straggler/slowest_rank"] == 1 and recs[-1]["straggler/ratio"] >= 2.0
+
+    run, log = tmp_path / "even", tmp_path / "even.txt"
+    job = straggler_job(shards, run, log)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 16, 240, job, "step 16")
+    finally:
+        kill_group(job)
+    assert "straggler:" not in log.read_text(), log.read_text()[-2000:]
+    assert all("straggler/ratio" in r for s, r in metrics(run).items() if s % 2 == 0)
