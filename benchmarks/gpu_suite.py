@@ -1,4 +1,4 @@
-"""One command for the GPU figures of issue 14: training speed, memory and input speed in one run.
+"""One command for the GPU figures: training speed, memory and input speed in one run.
 
     make bench-gpu                                            # one H100: about 8 minutes
     python benchmarks/gpu_suite.py --output runs/bench-gpu    # the same
@@ -26,9 +26,9 @@ against the data-sheet peak when the device is in pretrain.flops' table, else ag
 matmul peak (``peak_source`` says which). Outputs: ``suite.json`` and ``suite.md`` (the tables for
 benchmarks/RESULTS.md) in ``--output``.
 
-Sync points: every timed step ends with ``torch.cuda.synchronize()`` so that the clock measures
-finished GPU work; that costs the overlap of one step with the next (a few per cent at most for
-steps of 100+ ms).
+Sync points: every timed region starts and ends with ``pretrain.clock.synced_now`` (the device
+finishes its queue, then the clock is read), so that the clock measures finished GPU work; that
+costs the overlap of one step with the next (a few per cent at most for steps of 100+ ms).
 
 Time: the budget counts from the start of the process (imports and CUDA start-up included) and
 plans 8 minutes, so that the suite ends within 9 even when a compile overruns its group's budget
@@ -58,6 +58,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # loader_throughput's image maker
+
+from pretrain.clock import synced_now  # noqa: E402  (drains the device queue, then reads the clock)
 
 GIB = 1024 ** 3
 SHORT = {"vit_tiny_patch16_224": "ViT-Ti/16", "vit_small_patch16_224": "ViT-S/16", "vit_base_patch16_224": "ViT-B/16",
@@ -182,18 +184,16 @@ def measure_matmul(plan: Plan, device, budget: float) -> dict:
             a @ b
         sync(device)
         # one window ~ 0.2 s of work: estimate from a single product
-        t = time.perf_counter()
+        t = synced_now(device)
         a @ b
-        sync(device)
-        per = max(time.perf_counter() - t, 1e-6)
+        per = max(synced_now(device) - t, 1e-6)
         reps = max(1, int(0.2 / per))
         rates, end = [], time.perf_counter() + budget
         while time.perf_counter() < end or len(rates) < 3:
-            t = time.perf_counter()
+            t = synced_now(device)
             for _ in range(reps):
                 a @ b
-            sync(device)  # a sync point: the window ends when the GPU is done
-            rates.append(2 * n ** 3 * reps / (time.perf_counter() - t) / 1e12)
+            rates.append(2 * n ** 3 * reps / (synced_now(device) - t) / 1e12)  # the window ends when the GPU is done
         row.update(measured_tflops=max(rates), median_tflops=statistics.median(rates), windows=len(rates))
     except Exception as e:  # noqa: BLE001 - a row records its failure, the suite goes on
         row.update(status="error", error=error_text(e))
@@ -240,14 +240,13 @@ class Variant:
 
     def timed_step(self, x, y) -> None:
         cuda = self.device.type == "cuda"
-        sync(self.device)
         if cuda:
+            sync(self.device)
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        t = time.perf_counter()
+        t = synced_now(self.device)
         self.step(x, y)
-        sync(self.device)  # a sync point: the step counts when the GPU has finished it
-        self.times.append(time.perf_counter() - t)
+        self.times.append(synced_now(self.device) - t)  # the step counts when the GPU has finished it
         if cuda:
             self.peak_delta = max(self.peak_delta, torch.cuda.max_memory_allocated() - before)
 
@@ -368,11 +367,9 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
             step()
         times = []
         while len(times) < plan.iters and (time.perf_counter() < end or not times):
-            sync(device)
-            t = time.perf_counter()
+            t = synced_now(device)
             step()
-            sync(device)  # a sync point, as in the model section
-            times.append(time.perf_counter() - t)
+            times.append(synced_now(device) - t)  # as in the model section
         med = statistics.median(times)
         model_f, _ = train_flops(name, plan.img)
         ips = batch / med
@@ -418,12 +415,11 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
         for _ in range(2):  # warm-up: workers started, shuffle buffers filled
             next(it)
         end = time.perf_counter() + budget
-        n, t = 0, time.perf_counter()
+        n, t = 0, synced_now(device)
         while time.perf_counter() < end or n == 0:
             images, _ = next(it)
             n += images.shape[0]
-            sync(device)  # the GPU decode's batch is done when counted
-        ips = n / (time.perf_counter() - t)
+        ips = n / (synced_now(device) - t)  # the GPU decode's batches are done when counted
         row.update(images=n, img_s=ips, img_s_per_worker=ips / max(1, plan.loader_workers))
         del it
     except Exception as e:  # noqa: BLE001

@@ -398,9 +398,11 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
         fail("train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
     if t.global_batch_size <= 0:
         fail("train.global_batch_size", f"must be positive, got {t.global_batch_size}")
-    if t.global_batch_size % t.micro_batch_size:
-        fail("train.global_batch_size",
-             f"{t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}")
+    if t.micro_batch_size > 0 and t.global_batch_size > 0:
+        try:  # one rank here; the launch checks the real world size with the same function
+            check_world_size(t, 1)
+        except ConfigError as e:
+            fail("train.global_batch_size", str(e))
     if t.hang_timeout_s < 0:
         fail("train.hang_timeout_s", f"must be >= 0 (0 disables the watchdog), got {t.hang_timeout_s}")
     if t.pg_timeout_s <= 0:

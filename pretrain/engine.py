@@ -1,12 +1,10 @@
 """DeepSpeed wiring: typed config -> DeepSpeed config dict (a pure function), AdamW/SGD parameter
-groups, warmup + decay schedule, and ``deepspeed.initialize``.
+groups, and ``deepspeed.initialize`` with the LR schedule of ``pretrain.schedule``.
 
 The backend is DeepSpeed's accelerator's: NCCL on GPUs, gloo on its CPU accelerator, so the same
 code path runs in CI on CPU and on GPU clusters.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -104,11 +102,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
-def lr_multiplier(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """``optim``'s schedule (``pretrain.schedule``): warmup, then decay to ``optim.min_lr``."""
-    return schedule.lr_multiplier(optim.schedule, optim.warmup_steps, total_steps, optim.min_lr / optim.lr)
-
-
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, offload: bool) -> torch.optim.Optimizer:
     groups = param_groups(model, optim.weight_decay)
     if optim.name == "sgd":
@@ -171,7 +164,8 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     if train.compile:
         compile_blocks(model, zero.stage)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim, train.steps))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+    factor = schedule.lr_multiplier(optim.schedule, optim.warmup_steps, train.steps, optim.min_lr / optim.lr)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_schedule,
                                            config=ds_cfg)
     return engine, ds_cfg

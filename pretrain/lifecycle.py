@@ -66,12 +66,9 @@ class StopRequest:
     def agreed(self, device) -> bool:
         """All ranks stop together if any rank was asked to (one tiny all-reduce and a host read:
         call it only at the loop's sync points, the same steps on every rank)."""
-        import torch
-        import torch.distributed as dist
+        from pretrain.distributed import any_rank
 
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())
+        stop = any_rank(self.requested, device)
         if stop and self.reason is None:
             self.reason = "another rank's request"
         return stop

@@ -21,33 +21,6 @@ from pretrain.config import LoggingConfig
 from pretrain.flops import mfu
 
 
-class StepTimer:
-    """Wall time per logging window, split into data wait and compute.
-
-    ``data_wait_share`` is the fraction of the window spent waiting for the loader: above a few
-    percent the input pipeline, not the GPU, limits throughput.
-    """
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.t0 = time.perf_counter()
-        self.data_wait = 0.0
-        self.images = 0
-
-    def add_data_wait(self, seconds: float) -> None:
-        self.data_wait += seconds
-
-    def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` (an evaluation, say) out of the current window."""
-        self.t0 += seconds
-
-    def window(self) -> tuple[float, float]:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        return elapsed, self.data_wait / elapsed
-
-
 def throughput(images: int, elapsed: float, world_size: int, flops_model: float, flops_hw: float,
                peak: Optional[float]) -> dict:
     """img/s (global and per device), TFLOP/s per device, MFU and HFU from one logging window."""

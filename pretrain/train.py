@@ -59,7 +59,10 @@ class Progress:
 
 # ------------------------------------------------------------------------------------- builders
 def check_machine(cfg: Config, world_size: int) -> int:
+    """Before any expensive work: the precision on this device, the batch on this world size, and
+    the DeepSpeed config these sections make (a refused combination is one line here)."""
     check_precision(cfg.train.precision)
+    deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size)
     return check_world_size(cfg.train, world_size)
 
 

@@ -7,7 +7,8 @@ import torch
 
 from pretrain import checkpoint, rng
 from pretrain.config import ConfigError, load_config
-from pretrain.engine import deepspeed_config, lr_multiplier, param_groups
+from pretrain.engine import deepspeed_config, param_groups
+from pretrain.schedule import lr_multiplier
 from pretrain.flops import analytic_flops, train_flops_per_image
 from pretrain.metrics import throughput
 from pretrain.model import create_model
@@ -25,12 +26,13 @@ def cfg(*overrides):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_config_per_stage(stage):
-    c = cfg(f"zero.stage={stage}", "train.global_batch_size=256", "train.micro_batch_size=16", "train.precision=bf16",
-            "optim.grad_clip=0.5")
+    precision = "fp32" if stage == 0 else "bf16"  # bf16 at stage 0 is refused (test_reduce_dtype)
+    c = cfg(f"zero.stage={stage}", "train.global_batch_size=256", "train.micro_batch_size=16",
+            f"train.precision={precision}", "optim.grad_clip=0.5")
     ds = deepspeed_config(c.optim, c.train, c.zero, world_size=4)
     assert ds["train_batch_size"] == 256 and ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["gradient_accumulation_steps"] == 4  # 256 / (16 x 4)
-    assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] == (precision == "bf16") and ds["gradient_clipping"] == 0.5
     z = ds["zero_optimization"]
     assert z["stage"] == stage
     assert ("overlap_comm" in z) == (stage >= 1)
@@ -66,7 +68,7 @@ def test_param_groups_exclude_bias_norm_posembed_cls_from_decay():
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_lr_schedule_warmup_then_decay(schedule):
     c = cfg(f"optim.schedule={schedule}", "optim.warmup_steps=10", "optim.lr=1.0", "optim.min_lr=0.0")
-    f = lr_multiplier(c.optim, total_steps=110)
+    f = lr_multiplier(c.optim.schedule, c.optim.warmup_steps, 110, c.optim.min_lr / c.optim.lr)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     vals = [f(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(vals, vals[1:]))

@@ -65,13 +65,9 @@ def setup_distributed(protocol: str) -> Dist:
         return Dist()
     if protocol != "finetune":
         raise TransferError(f"--protocol {protocol} runs in one process; start it without the deepspeed runner")
-    import torch
-
     from pretrain.distributed import init_distributed
 
-    rank, local_rank, world = init_distributed()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+    rank, _, world = init_distributed()  # binds the rank to its own GPU
     return Dist(rank=rank, world=world, deepspeed=True)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pretrain.config import OptimConfig, TrainConfig
 from pretrain.precision import autocast_bf16, compute_dtype
+from pretrain.distributed import lockstep
 from pretrain.schedule import lr_multiplier
 from pretrain.transfer.checkpoints import Pretrained, build_backbone
 from pretrain.transfer.errors import TransferError
@@ -95,22 +96,13 @@ def top1(runner, split, view, *, batch_size: int, dist_info: Dist, workers: int 
     sync = dist_info.world > 1
     device = runner.device
     correct, total = 0, 0
-    it = iter(split.batches(view, batch_size=batch_size, train=False, rank=dist_info.rank, world=dist_info.world,
-                            workers=workers))
-    while True:
-        batch = next(it, None)
-        if sync:
-            # ZeRO-3 gathers parameters inside every forward: all ranks must run the same number
-            # of forwards, so a rank that ran out joins with a dummy batch (a collective per batch).
-            more = torch.tensor([float(batch is not None)], device=device)
-            dist.all_reduce(more, op=dist.ReduceOp.MAX)
-            if not more.item():
-                break
-            if batch is None:
-                runner.logits(torch.zeros(1, 3, view.img_size, view.img_size))
-                continue
-        elif batch is None:
-            break
+    batches = split.batches(view, batch_size=batch_size, train=False, rank=dist_info.rank, world=dist_info.world,
+                            workers=workers)
+    # ZeRO-3 gathers parameters inside every forward: all ranks run the same number of forwards
+    for batch in (lockstep(batches, device) if sync else batches):
+        if batch is None:  # this rank ran out: a dummy forward
+            runner.logits(torch.zeros(1, 3, view.img_size, view.img_size))
+            continue
         x, y = batch
         correct += int((runner.logits(x).argmax(1).cpu() == y).sum())
         total += len(y)
