@@ -93,6 +93,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                         help="seconds before the first restart, doubling each time, at most 300 (default 10)")
         ap.add_argument("--stop-grace", type=float, default=90.0,
                         help="seconds the job gets to checkpoint after SIGTERM/SIGINT before it is killed (default 90)")
+        ap.add_argument("--exclude-slow-hosts", action="store_true",
+                        help="before each start, leave out the hosts the run named as stragglers "
+                             "(<output_dir>/stragglers.json); the hostfile used is written to <output_dir>/hostfile.used")
     elif cmd == "check":
         ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
     elif cmd == "slurm":
@@ -139,7 +142,12 @@ def cmd_run(args) -> int:
     cmd = deepspeed_command(spec)
     world, nodes = spec_world_size(spec)
     if args.dry_run:
-        print(shell_join(cmd))
+        if args.exclude_slow_hosts and spec.hostfile:
+            from pretrain.rundir import RunDir
+
+            _without_slow_hosts(spec, RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir))
+        else:
+            print(shell_join(cmd))
         return 0
     if not args.skip_checks:
         if not _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) on {nodes} node(s)"):
@@ -150,12 +158,42 @@ def cmd_run(args) -> int:
     if not os.path.exists(cmd[0]):
         print(f"{PROG}: error: deepspeed runner not found ({cmd[0]}); pip install deepspeed", file=sys.stderr)
         return 2
-    print(f"$ {shell_join(cmd)}", flush=True)
     from launch.supervise import Supervisor
     from pretrain.rundir import RunDir
 
-    status = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).status
-    return Supervisor(cmd, status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
+    layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
+    if args.exclude_slow_hosts:
+        if not spec.hostfile:
+            print(f"{PROG}: error: --exclude-slow-hosts needs --hostfile (the hosts to choose from)", file=sys.stderr)
+            return 2
+        command = lambda: _without_slow_hosts(spec, layout)  # noqa: E731  (read again before each restart)
+    else:
+        print(f"$ {shell_join(cmd)}", flush=True)
+        command = cmd
+    return Supervisor(command, layout.status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
+
+
+def _without_slow_hosts(spec, layout) -> list[str]:
+    """The deepspeed command on the hostfile less the hosts in the run's stragglers.json, written to
+    ``hostfile.used`` (the job resumes elastically on the smaller world)."""
+    import dataclasses
+    import json
+
+    from launch.hostfile import hostfile_text, parse_hostfile, without_hosts
+    from launch.runner import deepspeed_command, shell_join
+
+    slow = []
+    if layout.stragglers.is_file():
+        slow = json.loads(layout.stragglers.read_text()).get("hosts", [])
+    hosts = without_hosts(parse_hostfile(spec.hostfile), slow)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    layout.hostfile_used.write_text(hostfile_text(hosts))
+    if slow:
+        print(f"{PROG}: leaving out slow host(s) {', '.join(slow)} (named in {layout.stragglers}); "
+              f"hostfile {layout.hostfile_used}", flush=True)
+    cmd = deepspeed_command(dataclasses.replace(spec, hostfile=str(layout.hostfile_used)))
+    print(f"$ {shell_join(cmd)}", flush=True)
+    return cmd
 
 
 def cmd_check(args) -> int:

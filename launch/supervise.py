@@ -97,7 +97,8 @@ class Supervisor:
     def run_once(self) -> int:
         """Start the job, wait for every process of its group, return the outcome's exit code."""
         started = time.time()
-        self.proc = subprocess.Popen(self.cmd, preexec_fn=_die_with_us)
+        cmd = self.cmd() if callable(self.cmd) else self.cmd  # a callable may change it between restarts
+        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_us)
         code = None
         while True:
             if code is None:

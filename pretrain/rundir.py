@@ -70,6 +70,17 @@ class RunDir:
     def samples(self) -> Path:
         return self.root / "samples"
 
+    @property
+    def stragglers(self) -> Path:
+        """The ranks and hosts named as stragglers (rank 0 writes it; ``vit-launch run
+        --exclude-slow-hosts`` reads it before a restart)."""
+        return self.root / "stragglers.json"
+
+    @property
+    def hostfile_used(self) -> Path:
+        """The hostfile ``vit-launch run --exclude-slow-hosts`` last started the job with."""
+        return self.root / "hostfile.used"
+
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"

@@ -17,6 +17,8 @@ again only after it recovered and slowed down again.
 from __future__ import annotations
 
 import statistics
+import time
+from pathlib import Path
 from typing import Optional
 
 from pretrain.clock import PHASES
@@ -30,8 +32,10 @@ def median_of_others(values: list[float], i: int) -> float:
 
 
 class StragglerDetector:
-    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 3):
-        self.hosts, self.factor, self.windows = list(hosts), factor, windows
+    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 3, record: Optional[Path] = None):
+        """``record``: a JSON file (rank 0's) rewritten whenever a rank is named: the named ranks, their
+        hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
+        self.hosts, self.factor, self.windows, self.record = list(hosts), factor, windows, record
         self.streak = [0] * len(self.hosts)
         self.named: set[int] = set()
 
@@ -54,6 +58,11 @@ class StragglerDetector:
                 self.named.add(r)
                 line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "
                         f"{self.worst_phase(per_rank, r)}")
+        if line and self.record is not None:
+            from data_pipeline.files import write_json
+
+            write_json(self.record, {"ranks": sorted(self.named), "hosts": self.slow_hosts(), "line": line,
+                                     "time": time.time()})
         return metrics, line
 
     @staticmethod

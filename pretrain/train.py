@@ -325,7 +325,8 @@ def run(cfg: Config) -> dict:
                                   accumulation=gas)
     clock = StepClock(engine.device, dog)
     clock.begin_step(start, startup=True)
-    detector = StragglerDetector(_hosts(), t.straggler_factor, t.straggler_windows) if world > 1 else None
+    detector = StragglerDetector(_hosts(), t.straggler_factor, t.straggler_windows,
+                                 record=layout.stragglers if rank == 0 else None) if world > 1 else None
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     startup.phase("first step (first batch, first collectives)")
     t0 = time.time()

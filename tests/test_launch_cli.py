@@ -116,3 +116,30 @@ def test_help_lists_the_commands_and_each_has_its_own_description(capsys):
         assert " ".join(DESCRIPTION[cmd].split()) in text and "commands:" not in text
         seen.add(DESCRIPTION[cmd])
     assert len(seen | {DESCRIPTION["run"]}) == len(COMMANDS)
+
+
+def test_exclude_slow_hosts_starts_on_the_hostfile_less_the_named_hosts(capsys, hostfile, tmp_path):
+    """The run named node-b a straggler: the next start leaves it out and writes the hostfile it
+    used; without a record the hostfile is used whole."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(SystemExit) as e:
+        main(["--config", CONFIG, "--dry-run", "--exclude-slow-hosts", "--hostfile", hostfile,
+              f"train.output_dir={run}"])
+    out, _ = capsys.readouterr()
+    assert e.value.code == 0 and (run / "hostfile.used").read_text() == open(hostfile).read()
+    (run / "stragglers.json").write_text(json.dumps({"ranks": [9], "hosts": ["node-b"], "line": "rank 9 ..."}))
+    with pytest.raises(SystemExit) as e:
+        main(["--config", CONFIG, "--dry-run", "--exclude-slow-hosts", "--hostfile", hostfile,
+              f"train.output_dir={run}"])
+    out, _ = capsys.readouterr()
+    assert e.value.code == 0
+    assert "leaving out slow host(s) node-b" in out
+    cmd = shlex.split(out.strip().splitlines()[-1].lstrip("$ "))
+    assert cmd[cmd.index("--hostfile") + 1] == str(run / "hostfile.used")
+    assert (run / "hostfile.used").read_text() == "node-a slots=8\nnode-c slots=8\n"
+    runner_parse_args(cmd[1:])  # DeepSpeed's runner takes it
+    assert "--exclude-slow-hosts needs --hostfile" in user_error(
+        capsys, ["--config", CONFIG, "--exclude-slow-hosts", "--skip-checks", f"train.output_dir={run}"])
