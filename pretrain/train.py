@@ -166,6 +166,7 @@ def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": step * global_batch,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": guard.total, **throughput(window.images * world, elapsed, world, *flops, peak_tflops()),
+               **{f"phase_share/{p}": phases[p] / elapsed for p in PHASES},  # rank 0's step-time breakdown
                **{f"data/{k}": v for k, v in _sum_counters(loader.counters).items()}}
     return metrics, phases
 
