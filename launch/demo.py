@@ -67,7 +67,7 @@ def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision:
         f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
         f"checkpoint.every_steps={max(10, steps // 4)}",
         # few-shot probes on the held-out shapes while training: the plot shows them rise as the loss falls
-        f"eval.every_steps={max(5, steps // 10)}", f"eval.fewshot.suites=[demo:{fewshot_root}]", *extra])
+        f"validation.every_steps={max(5, steps // 10)}", f"validation.fewshot_suites=[demo:{fewshot_root}]", *extra])
     cmd = deepspeed_command(spec)
     # the venv first on PATH: DeepSpeed JIT-builds its CPU op with the `ninja` it finds there
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")

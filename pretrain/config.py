@@ -131,15 +131,30 @@ class LoggingConfig:
 
 
 @dataclass
-class FewshotEvalConfig:
-    # few-shot probes while pre-training: vit-transfer suite names, NAME or NAME:PATH
+class ValidationConfig:
+    """Evaluation while pre-training (``pretrain/evaluator.py``): validation loss / top-k over
+    ``data.val_shards`` and few-shot probes, every ``every_steps`` steps."""
+    every_steps: int = 0  # 0: off
+    # few-shot probes: vit-transfer suite names, NAME or NAME:PATH
     # (e.g. demo, cifar100:/data/cifar-100-python, imagefolder:/data/pets)
-    suites: list[str] = field(default_factory=list)
+    fewshot_suites: list[str] = field(default_factory=list)
+    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    fewshot_seeds: int = 3
+    fewshot_l2: float = 1024.0  # big_vision's l2_reg = 2**10
+    tasks: list[str] = field(default_factory=list)  # vtab1k: probe only these (empty: all present)
+    minival_fraction: float = 0.02  # val split cut from train where a suite has none (big_vision)
+    seed: int = 0
+
+
+# keys that moved: a config naming the old key gets one line naming the new one; a config stored
+# in an older checkpoint is read with the value moved
+MOVED = {"eval.every_steps": "validation.every_steps", "eval.fewshot": "validation.fewshot_suites"}
 
 
 @dataclass
 class EvalConfig:
-    """Transfer evaluation (``vit-transfer``, ``pretrain/transfer``). Plain keys are the settings
+    """Transfer evaluation of a checkpoint (``vit-transfer``, ``pretrain/transfer``); evaluation
+    while pre-training is ``ValidationConfig``. Plain keys are the settings
     used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
     suite: str = "cifar100"  # a name in pretrain.transfer.suites.SUITES
     protocol: Literal["finetune", "linear", "fewshot"] = "linear"
@@ -174,8 +189,6 @@ class EvalConfig:
     watch_idle_timeout_s: Optional[float] = None  # --watch: stop after this long without one
     # in-training evaluation (pretrain/evaluator.py): data.val_shards loss/top-1/top-5 and few-shot
     # probes every this many steps (0: off); uses fewshot_shots / fewshot_seeds / fewshot_l2
-    every_steps: int = 0
-    fewshot: FewshotEvalConfig = field(default_factory=FewshotEvalConfig)
 
 
 @dataclass
@@ -188,6 +201,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 # ------------------------------------------------------------------------------------- loading
@@ -347,6 +361,8 @@ def _build(cls: type, tree: dict, prefix: str, origin: dict, default_where: str)
     for k, v in tree.items():
         key = f"{prefix}{k}"
         where = origin.get(key, default_where)
+        if key in MOVED:
+            raise ConfigError(f"{where}: '{key}' is now '{MOVED[key]}'")
         if k not in names:
             valid = [f"{prefix}{n}" for n in names]
             close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
@@ -437,6 +453,7 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
     if cfg.logging.wandb.init_timeout_s <= 0:
         fail("logging.wandb.init_timeout_s", f"must be positive, got {cfg.logging.wandb.init_timeout_s}")
     _check_eval(cfg.eval, fail)
+    _check_validation(cfg.validation, fail)
 
 
 def _check_eval(ev: EvalConfig, fail) -> None:
@@ -462,11 +479,25 @@ def _check_eval(ev: EvalConfig, fail) -> None:
     need(ev.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {ev.fewshot_seeds}")
     need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
     need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
-    need(ev.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {ev.every_steps}")
-    for spec in ev.fewshot.suites:
+
+
+def _check_validation(val: ValidationConfig, fail) -> None:
+    from pretrain.transfer.suites import SUITES
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            fail(f"validation.{key}", msg)
+
+    need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
+    for spec in val.fewshot_suites:
         name = spec.partition(":")[0]
-        need(name in SUITES, "fewshot.suites", f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITES)}")
-        need(not SUITES[name].needs_root or ":" in spec, "fewshot.suites", f"{spec!r}: suite {name} needs NAME:PATH")
+        need(name in SUITES, "fewshot_suites", f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITES)}")
+        need(not SUITES[name].needs_root or ":" in spec, "fewshot_suites", f"{spec!r}: suite {name} needs NAME:PATH")
+    need(bool(val.fewshot_shots) and all(k > 0 for k in val.fewshot_shots), "fewshot_shots",
+         f"must be positive shot counts, got {val.fewshot_shots}")
+    need(val.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {val.fewshot_seeds}")
+    need(val.fewshot_l2 > 0, "fewshot_l2", f"must be > 0, got {val.fewshot_l2}")
+    need(0 < val.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {val.minival_fraction}")
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:
@@ -519,8 +550,16 @@ def save_config(cfg: Config, path: str | Path) -> Path:
 
 def from_dict(tree: dict) -> Config:
     """Rebuild a Config from ``to_dict`` output (e.g. the copy stored in a checkpoint)."""
-    cfg = _build(Config, tree, "", {}, "stored config")
-    return cfg
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    old = tree.get("eval") or {}
+    if "every_steps" in old or "fewshot" in old:  # saved before the validation section existed
+        val = tree.setdefault("validation", {})
+        val.setdefault("every_steps", old.pop("every_steps", 0))
+        val.setdefault("fewshot_suites", (old.pop("fewshot", None) or {}).get("suites", []))
+        for k in ("fewshot_shots", "fewshot_seeds", "fewshot_l2", "tasks", "minival_fraction", "seed"):
+            if k in old:
+                val.setdefault(k, old[k])
+    return _build(Config, tree, "", {}, "stored config")
 
 
 def image_size(model: ModelConfig) -> int:

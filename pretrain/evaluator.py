@@ -1,12 +1,12 @@
 """Evaluation while pre-training: validation loss / top-1 / top-5 and few-shot linear probes.
 
-Every ``eval.every_steps`` steps (0: off) the loop calls ``evaluator(step)``:
+Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)``:
 
 * ``eval/loss``, ``eval/top1``, ``eval/top5`` (multi-label data: ``eval/prec@1``) over
   ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
   stream), reduced with sums after the pass.
 * ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on frozen [class]-token features
-  (``pretrain.transfer.fewshot``) for each suite in ``eval.fewshot.suites`` (``NAME`` or
+  (``pretrain.transfer.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
   ``NAME:PATH`` with the names of ``vit-transfer --suite``) at ``eval.fewshot_shots``. The few-shot
   images are decoded once per run (this rank's share, cached as float16) and their features are
   computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
@@ -61,23 +61,26 @@ class _Fewshot:
 
 
 class InTrainingEval:
-    def __init__(self, cfg, *, rank: int, world: int, img_size: int, num_classes: int, dtype: torch.dtype):
-        self.ev, self.data, self.rank, self.world = cfg.eval, cfg.data, rank, world
+    """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
+    ``batch``: images per forward; ``seed``: the validation loader's."""
+
+    def __init__(self, val, data, *, batch: int, seed: int, rank: int, world: int, img_size: int,
+                 num_classes: int, dtype: torch.dtype):
+        self.ev, self.data, self.rank, self.world = val, data, rank, world
         self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
-        self.batch = cfg.train.micro_batch_size
-        self.seed = cfg.train.seed
+        self.batch, self.seed = batch, seed
         self.fewshot: Optional[list[_Fewshot]] = None  # built at the first evaluation
         self.last_seconds = 0.0
         self.val = None
-        if self.enabled and cfg.data.val_shards:
+        if self.enabled and data.val_shards:
             from data_pipeline.loader import build_loader
 
-            self.val = build_loader(cfg.data, rank=rank, world_size=world, batch_size=self.batch, seed=self.seed,
+            self.val = build_loader(data, rank=rank, world_size=world, batch_size=self.batch, seed=self.seed,
                                     img_size=img_size, train=False)
 
     @property
     def enabled(self) -> bool:
-        return self.ev.every_steps > 0 and bool(self.data.val_shards or self.ev.fewshot.suites)
+        return self.ev.every_steps > 0 and bool(self.data.val_shards or self.ev.fewshot_suites)
 
     def due(self, step: int, last_step: int) -> bool:
         return self.enabled and (step % self.ev.every_steps == 0 or step == last_step)
@@ -135,7 +138,7 @@ class InTrainingEval:
             from pretrain.transfer.suites import SUITES
 
             self.fewshot = []
-            for spec in self.ev.fewshot.suites:
+            for spec in self.ev.fewshot_suites:
                 name, path = parse_suite(spec)
                 ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=self.ev.minival_fraction,
                                      seed=self.ev.seed, tasks=list(self.ev.tasks))

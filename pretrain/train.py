@@ -318,7 +318,8 @@ def run(cfg: Config) -> dict:
     if samples is not None and rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
         for r in range(world, len(resumed[1]) if resumed else 0):  # logs are cut back to the step too
             SampleLog(layout.samples, r).open(start).close()
-    evaluator = InTrainingEval(cfg, rank=rank, world=world, img_size=img, num_classes=cfg.model.num_classes,
+    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=rank,
+                               world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(t.precision))
     evaluator = evaluator if evaluator.enabled else None
     checkpointer = Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples)

@@ -133,3 +133,20 @@ def test_world_size_divisibility():
     assert check_world_size(c.train, 2) == 1 and check_world_size(c.train, 1) == 2
     with pytest.raises(ConfigError, match="micro_batch_size x world size = 32 x 3"):
         check_world_size(c.train, 3)
+
+
+def test_evaluation_while_training_has_its_own_section(tmp_path):
+    """validation.* is the training job's evaluation, eval.* vit-transfer's: the old keys get one line
+    naming the new ones, and a config stored by an older checkpoint is read with the values moved."""
+    from pretrain.config import from_dict, to_dict
+
+    for old, new in (("eval.every_steps=5", "validation.every_steps"), ("eval.fewshot.suites=[demo]",
+                                                                         "validation.fewshot_suites")):
+        with pytest.raises(ConfigError, match=f"is now '{new}'"):
+            load_config("configs/tiny_cpu.yaml", [old])
+    stored = to_dict(load_config("configs/tiny_cpu.yaml"))
+    stored.pop("validation")
+    stored["eval"].update(every_steps=7, fewshot={"suites": ["demo"]}, fewshot_shots=[2])
+    cfg = from_dict(stored)
+    assert cfg.validation.every_steps == 7 and cfg.validation.fewshot_suites == ["demo"]
+    assert cfg.validation.fewshot_shots == [2] and cfg.eval.fewshot_shots == [2]

@@ -1,4 +1,4 @@
-"""Evaluation while pre-training (eval.every_steps): validation metrics over every val sample once,
+"""Evaluation while pre-training (validation.every_steps): validation metrics over every val sample once,
 few-shot probes on the held-out demo shapes, and training bit-identical with evaluation on or off."""
 import json
 import subprocess
@@ -40,8 +40,8 @@ def single(data, run_dir, *extra):
 
 
 def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(data, tmp_path):
-    on = single(data, tmp_path / "on", "eval.every_steps=3", "eval.fewshot.suites=[demo]",
-                "eval.fewshot_shots=[1,5]", "eval.fewshot_seeds=2")
+    on = single(data, tmp_path / "on", "validation.every_steps=3", "validation.fewshot_suites=[demo]",
+                "validation.fewshot_shots=[1,5]", "validation.fewshot_seeds=2")
     off = single(data, tmp_path / "off")
     evals = [r for r in on if "eval/loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
@@ -58,9 +58,9 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(data, tmp
 
 def test_two_ranks_zero3_evaluate_every_val_sample_once(data, tmp_path):
     run = tmp_path / "run"
-    r = subprocess.run(deepspeed_cmd("pretrain.train", *args(data, run, "zero.stage=3", "eval.every_steps=3",
-                                                             "eval.fewshot.suites=[demo]", "eval.fewshot_shots=[1]",
-                                                             "eval.fewshot_seeds=1")),
+    r = subprocess.run(deepspeed_cmd("pretrain.train", *args(data, run, "zero.stage=3", "validation.every_steps=3",
+                                                             "validation.fewshot_suites=[demo]", "validation.fewshot_shots=[1]",
+                                                             "validation.fewshot_seeds=1")),
                        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     evals = [x for x in records(run) if "eval/loss" in x]
