@@ -29,8 +29,8 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
                  stage3_gather_16bit_weights_on_model_save=False)
         if train.compile:
             # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
-            # ZeRO status: traced by dynamo, that guards on every Linear (torch 2.11 hit its
-            # recompile limit). Compiled blocks are ZeRO-3 leaf modules (compile_blocks), their
+            # ZeRO status: traced by dynamo, that guards on every Linear and can exhaust its
+            # recompile limit. Compiled blocks are ZeRO-3 leaf modules (compile_blocks), their
             # weights gathered around the whole block, so the plain F.linear serves.
             z["memory_efficient_linear"] = False
     if zero.offload_optimizer:

@@ -97,8 +97,9 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 def set_cpu_threads(local_world: int, data_workers: int) -> None:
-    """On CPU, ranks (and their data workers) share the cores: oversubscribed, a rank ran 7x
-    slower here (13 vs 91 img/s, 2 cores). One core per node is left to the data workers."""
+    """On CPU, ranks (and their data workers) share the cores, and torch's default of one thread
+    per core in every rank oversubscribes them many times over: each rank gets its share of the
+    cores, less one per node left to the data workers."""
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         per_rank = (os.cpu_count() or 1) // max(1, local_world) - (1 if data_workers > 0 else 0)
         torch.set_num_threads(max(1, per_rank))
