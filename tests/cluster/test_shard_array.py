@@ -5,6 +5,7 @@ process writes."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, wait_until
@@ -37,7 +38,23 @@ def _states(slurm, job_id) -> list[str]:
     return [line.split("JobState=")[1].split()[0] for line in out.splitlines() if "JobState=" in line]
 
 
+def _wait_done(slurm, job_id, logs, count=1):
+    def done():
+        states = _states(slurm, job_id)
+        return len(states) == count and all(st in DONE for st in states)
+    try:
+        wait_until(done, 300, f"job {job_id}", 1)
+    except AssertionError as e:
+        text = "\n".join(p.read_text()[-2000:] for p in sorted(logs.glob("*.out")))
+        raise AssertionError(f"{e}: {_states(slurm, job_id)}\n{text}\n{slurm.log()[-3000:]}") from None
+    return _states(slurm, job_id)
+
+
 def test_job_array_parts_then_dependent_merge_equal_one_process(slurm, tmp_path):
+    """Part 2 fails the first time (its progress file's path is taken by a folder): parts 1 and 3
+    finish, the merge never starts (its dependency cannot be met). Then, as the script's header
+    says, part 2 alone is submitted again with the merge after it: part 1's and 3's files are not
+    touched, and the merged shards equal one process's."""
     out, logs, script = tmp_path / "shards", tmp_path / "logs", tmp_path / "shards.sbatch"
     r = subprocess.run([sys.executable, "-m", "launch", "slurm", "--shards", "--parts", "3", "--cpus-per-node", "1",
                         "--job-name", "shards-test", "--log-dir", str(logs), "--output", str(script), "--",
@@ -46,27 +63,32 @@ def test_job_array_parts_then_dependent_merge_equal_one_process(slurm, tmp_path)
     merge = tmp_path / "shards.merge.sbatch"
     assert f"sbatch --dependency=afterok:$(sbatch --parsable {script}) {merge}" in r.stdout
     assert "#SBATCH --array=1-3" in script.read_text() and logs.is_dir()
+    blocker = out / ".vit-shards-progress-0002of0003.json"
+    blocker.mkdir(parents=True)
 
-    array_id = _sbatch(slurm, script)
-    merge_id = _sbatch(slurm, f"--dependency=afterok:{array_id}", merge)
-    ids = [array_id, merge_id]
+    ids = []
     try:
-        def merged():
-            if any(s in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") for s in _states(slurm, array_id)):
-                raise AssertionError(f"array {array_id}: {_states(slurm, array_id)}")
-            return _states(slurm, merge_id)[0] in DONE
+        array_id = _sbatch(slurm, script)
+        merge_id = _sbatch(slurm, f"--dependency=afterok:{array_id}", merge)
+        ids += [array_id, merge_id]
+        assert sorted(_wait_done(slurm, array_id, logs, 3)) == ["COMPLETED", "COMPLETED", "FAILED"]
+        failed = (logs / f"shards-test-{array_id}_2.out").read_text()
+        assert f"vit-shards: error: {blocker}" in failed, failed
+        time.sleep(3)  # SLURM marks the dependency as never satisfied at its next scheduling pass
+        info = slurm.job(merge_id)
+        assert info.get("JobState") == "PENDING" and info.get("Reason", "").startswith("Dependency"), info
+        slurm.cmd("scancel", merge_id)
+        done = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if "0002of" not in p.name}
 
-        try:
-            wait_until(merged, 300, f"merge job {merge_id} after array {array_id}", 1)
-        except AssertionError as e:
-            text = "\n".join(p.read_text()[-2000:] for p in sorted(logs.glob("*.out")))
-            raise AssertionError(f"{e}\n{text}\n{slurm.log()[-3000:]}") from None
-        assert _states(slurm, merge_id) == ["COMPLETED"], slurm.job(merge_id)
-        assert _states(slurm, array_id) == ["COMPLETED"] * 3
-        part_logs = sorted(logs.glob(f"shards-test-{array_id}_*.out"))
-        assert len(part_logs) == 3 and all("part " in p.read_text() for p in part_logs)
+        blocker.rmdir()
+        again = _sbatch(slurm, "--array=2", script)
+        merge_id = _sbatch(slurm, f"--dependency=afterok:{again}", merge)
+        ids += [again, merge_id]
+        assert _wait_done(slurm, merge_id, logs) == ["COMPLETED"], slurm.job(merge_id)
+        assert _states(slurm, again) == ["COMPLETED"]
         merge_log = (logs / f"shards-test-merge-{merge_id}.out").read_text()
         assert "90 samples in" in merge_log and "of 3 parts" in merge_log, merge_log
+        assert {n: t for n, t in ((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) if n in done} == done
     finally:
         for j in ids:
             slurm.cmd("scancel", j, check=False)
