@@ -1,12 +1,15 @@
 """A small real HTTP file server for the remote-shard tests, run as its own process:
 
     python tests/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
+                                               [--no-range] [--busy N]
 
 Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with
 ``Content-Range``), 404 for anything else, one thread per connection. ``--rate`` paces every
 response body to about that many bytes per second (a rate-limited object store). ``--die-after``
 ends the whole process (``os._exit``, as a crash would) once BYTES bytes of file NAME's body are
-sent, mid-transfer; a restart without the flag serves normally. Each request is logged to stderr
+sent, mid-transfer; a restart without the flag serves normally. ``--no-range`` ignores ``Range``
+(200 and the whole file, as some servers do); ``--busy N`` answers the first N requests with 503.
+Each request is logged to stderr
 as ``GET /NAME range=... -> STATUS``.
 """
 from __future__ import annotations
@@ -26,6 +29,8 @@ class Handler(BaseHTTPRequestHandler):
     root: Path
     rate: float | None = None
     die: tuple[str, int] | None = None
+    no_range = False
+    busy = 0  # requests still to refuse with 503
     protocol_version = "HTTP/1.1"
 
     def log_message(self, fmt, *args):  # one line per request, see do_GET
@@ -34,9 +39,15 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         name = self.path.lstrip("/").split("?")[0]
         path = self.root / name
-        rng = self.headers.get("Range")
+        asked = self.headers.get("Range")  # logged as asked; honoured unless --no-range
+        rng = None if self.no_range else asked
+        if Handler.busy > 0:
+            Handler.busy -= 1
+            self._log(name, asked, 503)
+            self.send_error(503, "Service Unavailable")
+            return
         if "/" in name or not path.is_file():
-            self._log(name, rng, 404)
+            self._log(name, asked, 404)
             self.send_error(404, "Not Found")
             return
         data = path.read_bytes()
@@ -44,7 +55,7 @@ class Handler(BaseHTTPRequestHandler):
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
             if not m or int(m.group(1)) >= len(data):
-                self._log(name, rng, 416)
+                self._log(name, asked, 416)
                 self.send_error(416, "Range Not Satisfiable")
                 return
             start, end = int(m.group(1)), min(int(m.group(2) or len(data) - 1), len(data) - 1)
@@ -55,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(end - start + 1))
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
-        self._log(name, rng, 206 if rng else 200)
+        self._log(name, asked, 206 if rng else 200)
         pos, t0 = start, time.monotonic()
         while pos <= end:
             n = min(CHUNK, end + 1 - pos)
@@ -81,7 +92,10 @@ def main() -> None:
     ap.add_argument("port", type=int)
     ap.add_argument("--rate", type=float)
     ap.add_argument("--die-after")
+    ap.add_argument("--no-range", action="store_true")
+    ap.add_argument("--busy", type=int, default=0)
     args = ap.parse_args()
+    Handler.no_range, Handler.busy = args.no_range, args.busy
     Handler.root = Path(args.root)
     Handler.rate = args.rate
     if args.die_after:

@@ -135,6 +135,23 @@ def test_server_crash_mid_shard_resumes_at_the_byte(server, from_disk, served):
     assert resumed == [f"GET /train-000003.tar range=bytes={size // 2}- -> 206"], server.requests()
 
 
+@pytest.mark.parametrize("restart", [["--no-range"], ["--busy", "1"]], ids=["no-range", "busy-503"])
+def test_server_back_without_range_support_or_busy(server, from_disk, served, restart):
+    """The server comes back ignoring Range (200, whole file: the bytes already read are skipped),
+    or answering 503 for a while (retried like a refused connect)."""
+    size = (served / "train-000006.tar").stat().st_size
+    server.start("--die-after", f"train-000006.tar:{size // 2}")
+    server.restart_after_death(0.5, *restart)
+    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json"))
+    _same(batches, from_disk)
+    assert counters["remote_retries"] >= (2 if "--busy" in restart else 1), counters
+    assert set(counters) == {"samples", "remote_retries"}, counters
+    after = [r for r in server.requests() if r.startswith("GET /train-000006.tar")][1:]
+    at = f"GET /train-000006.tar range=bytes={size // 2}-"
+    want = [f"{at} -> 200"] if "--no-range" in restart else [f"{at} -> 503", f"{at} -> 206"]
+    assert after == want, after
+
+
 def test_server_gone_for_good_ends_within_the_bound(server, served):
     size = (served / "train-000002.tar").stat().st_size
     server.start("--die-after", f"train-000002.tar:{size // 3}")
