@@ -21,7 +21,9 @@ environment, never in the project's .venv:
     runs/peers-venv/bin/pip install --find-links /opt/pypi-more/files torch==2.14.1 torchvision==0.29.1
     runs/peers-venv/bin/pip install -e . mosaicml-streaming litdata timm nvidia-dali-cuda120 [ffcv]
     runs/peers-venv/bin/python benchmarks/loader_peers.py --workers 1,2 --rounds 3
+    runs/peers-venv/bin/python benchmarks/loader_peers.py --decoders 512   # + simplejpeg, "PyTurboJPEG<2"
 
+``--decoders N`` times the decode paths alone (PIL, torchvision, simplejpeg, PyTurboJPEG) instead.
 A peer that does not import is reported as missing with the error and the rest still run.
 """
 from __future__ import annotations
@@ -248,6 +250,72 @@ PEERS = {"vitscale": vitscale, "streaming": streaming_peer, "litdata": litdata_p
          "dali-cpu": dali_cpu, "ffcv": ffcv_peer, "imagefolder": imagefolder_peer}
 
 
+def decoders(d, n: int) -> None:
+    """The decode levers, one process, one thread: ms per image to turn the stored JPEG into the
+    224x224 uint8 crop (the same crop boxes for every path; resize = torch's antialiased bilinear,
+    as in ``transforms.SampleTransform``). Paths that are not installed are skipped."""
+    import torchvision
+    from PIL import Image
+    from torchvision.transforms import v2
+    from torchvision.transforms.v2 import functional as F
+
+    torch.manual_seed(0)
+    data = [b for _, b, _ in d["samples"][:n]]
+    boxes = []
+    for b in data:
+        w, h = Image.open(io.BytesIO(b)).size
+        boxes.append(v2.RandomResizedCrop.get_params(torch.empty(3, h, w), list(SCALE), list(RATIO)))
+
+    def finish(chw, box):
+        top, left, hh, ww = box
+        return F.resized_crop(chw, top, left, hh, ww, [224, 224], antialias=True)
+
+    def pil(b, box):
+        return finish(F.pil_to_tensor(Image.open(io.BytesIO(b)).convert("RGB")), box)
+
+    def tv(b, box):
+        return finish(torchvision.io.decode_jpeg(torch.frombuffer(b, dtype=torch.uint8)), box)
+
+    paths = {"PIL full decode (vitscale today)": pil, "torchvision decode_jpeg full (litdata)": tv}
+    try:
+        import simplejpeg
+
+        paths["simplejpeg full decode"] = lambda b, box: finish(
+            torch.from_numpy(simplejpeg.decode_jpeg(b, "RGB")).permute(2, 0, 1), box)
+        paths["simplejpeg fastdct+fastupsample"] = lambda b, box: finish(
+            torch.from_numpy(simplejpeg.decode_jpeg(b, "RGB", fastdct=True, fastupsample=True)).permute(2, 0, 1), box)
+    except ImportError:
+        pass
+    try:
+        from turbojpeg import TJPF_RGB, TurboJPEG
+
+        tj = TurboJPEG()
+
+        def tj_crop(b, box):  # lossless MCU-aligned crop of the box, then decode only that
+            top, left, hh, ww = box
+            x0, y0 = left // 16 * 16, top // 16 * 16
+            small = tj.crop(b, x0, y0, left + ww - x0, top + hh - y0)
+            rgb = torch.from_numpy(tj.decode(small, pixel_format=TJPF_RGB)).permute(2, 0, 1)
+            return F.resized_crop(rgb, top - y0, left - x0, hh, ww, [224, 224], antialias=True)
+        paths["PyTurboJPEG full decode"] = lambda b, box: finish(
+            torch.from_numpy(tj.decode(b, pixel_format=TJPF_RGB)).permute(2, 0, 1), box)
+        paths["PyTurboJPEG crop-then-decode"] = tj_crop
+    except (ImportError, RuntimeError, OSError):
+        pass
+    ref = [pil(b, box) for b, box in zip(data[:8], boxes[:8])]
+    print(f"\ndecode + crop + resize to 224, ms per image over {len(data)} stored JPEGs (one thread, "
+          "median of 3 passes; max |diff| to PIL's pixels on 8 images):")
+    for name, f in paths.items():
+        diff = max(int((f(b, box).int() - r.int()).abs().max()) for b, box, r in zip(data, boxes, ref))
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for b, box in zip(data, boxes):
+                f(b, box)
+            times.append((time.perf_counter() - t) * 1000 / len(data))
+        print(f"  {name:<38s} {float(np.median(times)):6.3f} ms   [{min(times):.3f}-{max(times):.3f}]   diff {diff}")
+
+
 def check_batch(name, x) -> None:
     """Same output semantics: float32 (B, 3, 224, 224) in about [-1, 1]."""
     assert x.dtype == torch.float32 and tuple(x.shape[1:]) == (3, 224, 224), (name, x.dtype, x.shape)
@@ -266,6 +334,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="comma-separated subset of: " + ",".join(PEERS))
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "vitscale-loader-peers"))
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--decoders", type=int, metavar="N", help="instead: time the decode paths on N stored JPEGs")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t = time.perf_counter()
@@ -273,6 +342,9 @@ def main(argv=None) -> int:
     kb = np.mean([len(b) for _, b, _ in d["samples"]]) / 1024
     print(f"data: {len(d['samples'])} JPEGs stored with shorter side {args.resize_shorter} (mean {kb:.0f} KB), "
           f"prepared in {time.perf_counter() - t:.0f} s", flush=True)
+    if args.decoders:
+        decoders(d, args.decoders)
+        return 0
     names = args.only.split(",") if args.only else list(PEERS)
     results, missing = {}, {}
     for workers in (int(w) for w in args.workers.split(",")):
