@@ -120,3 +120,47 @@ def release_shm_buffers() -> bool:
         return True
     except FileNotFoundError:  # the shm op was not built (an older DeepSpeed, no compiler)
         return False
+
+
+def fp32_state_dict(ckpt: Path) -> dict:
+    """The fp32 master weights of one ZeRO checkpoint directory (stages 1-3), whole, on the CPU.
+
+    DeepSpeed's ``zero_to_fp32`` reads the files of its ZeRO optimizers, but not those of its
+    ``BF16_Optimizer``, which it builds for ZeRO-1 with bf16 weights and fp32 gradient accumulation
+    (the default here): its ``bf16_zero_pp_rank_R_*optim_states.pt`` hold each rank's flat fp32
+    partition per parameter group and no ``zero_stage`` key. Those are concatenated in rank order
+    and cut by the parameter shapes the model-states file lists, group by group (the groups are
+    padded only at their end)."""
+    import contextlib
+    import io
+    import math
+
+    import torch
+
+    ckpt = Path(ckpt)
+    files = sorted(ckpt.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda p: int(p.name.split("_")[4]))
+    parts = [torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"] for f in files]
+    if not parts or "zero_stage" in parts[0]:  # a ZeRO optimizer's files (bf16 ones carry the prefix too)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        del parts
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    model = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    if len(parts) != parts[0]["partition_count"][0]:
+        raise ValueError(f"{ckpt}: {len(parts)} BF16_Optimizer partition files, saved on "
+                         f"{parts[0]['partition_count'][0]} ranks")
+    out: dict = {}
+    for g, shapes in enumerate(model["param_shapes"]):
+        flat = torch.cat([p["single_partition_of_fp32_groups"][g].float() for p in parts])
+        offset = 0
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            out[name] = flat[offset:offset + n].view(shape).clone()
+            offset += n
+        if offset + sum(p["group_paddings"][g] for p in parts) != flat.numel():
+            raise ValueError(f"{ckpt}: parameter group {g} holds {flat.numel()} values, its shapes {offset}")
+    for alias, name in (model.get("shared_params") or {}).items():
+        out[alias] = out[name]
+    return out

@@ -53,12 +53,10 @@ def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
         # our own file, written by this program: DeepSpeed's module state is a plain state dict
         states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         sd = states["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    else:  # ZeRO's fp32 master weights; BF16_Optimizer's files too (ZeRO-1, bf16, fp32 accumulation)
+        from pretrain.ds_compat import fp32_state_dict
 
-        # it prints per-tensor progress and a progress bar
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        sd = fp32_state_dict(ckpt)
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
 
 

@@ -59,6 +59,27 @@ def test_zero_stage_trains_and_reduces_loss(shards, tmp_path, stage, extra):
     if stage == 3:
         assert m[40]["hw_tflops_per_device"] > m[40]["tflops_per_device"]  # recompute counted as HFU only
         check_zero3_export(run, tmp_path)
+    if stage == 1:
+        check_bf16_optimizer_export(run, tmp_path)
+
+
+def check_bf16_optimizer_export(run, tmp_path):
+    """ZeRO-1 in bf16 with fp32 accumulation is DeepSpeed's BF16_Optimizer, whose files zero_to_fp32
+    cannot read: the export still gives the fp32 master weights, which round to exactly the bf16
+    weights DeepSpeed saved for the module (on 2 ranks: partitions concatenated in rank order)."""
+    from safetensors.torch import load_file
+
+    from pretrain.rundir import latest_complete
+
+    ckpt = latest_complete(run / "checkpoints")
+    assert len(list(ckpt.glob("bf16_zero_pp_rank_*optim_states.pt"))) == 2
+    out = tmp_path / "w1.safetensors"
+    export(run, out)
+    exported = load_file(out)
+    module = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    assert set(exported) == set(module)
+    for k, v in module.items():
+        assert exported[k].dtype == torch.float32 and torch.equal(exported[k].to(torch.bfloat16), v), k
 
 
 def check_zero3_export(run, tmp_path):

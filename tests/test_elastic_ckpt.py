@@ -50,12 +50,11 @@ def runs(tmp_path_factory):
 
 
 def consolidated(ckpt):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from pretrain.ds_compat import fp32_state_dict
 
     if not list(ckpt.glob("*optim_states.pt")):  # ZeRO-0: the module state is whole
         return torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    return fp32_state_dict(ckpt)
 
 
 @pytest.mark.slow
