@@ -53,6 +53,7 @@ class MetricsLogger:
         self.run_id = run_id
         self.wandb_run = None
         self._jsonl = None
+        self._service = None
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -72,8 +73,14 @@ class MetricsLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         # A W&B service inherited from a parent process (a notebook, a test runner) would be shared
         # by every run it starts; one that outlived a kill -9'ed attempt still holds this run id
-        # ("run ID ... is in use") and the resumed run could not log. Each run starts its own.
+        # ("run ID ... is in use") and the resumed run could not log. Each run starts its own, out
+        # of reach of the signals that stop the job (pretrain/wandb_service.py).
         os.environ.pop("WANDB_SERVICE", None)
+        from pretrain import wandb_service
+
+        self._service = wandb_service.start()
+        if self._service is not None:
+            os.environ["WANDB_SERVICE"] = self._service.token
 
         def init(mode: str):
             # init_timeout bounds the server handshake (retries included); login_timeout any
@@ -149,6 +156,13 @@ class MetricsLogger:
                 self.wandb_run.finish()
             except Exception as e:
                 self._drop_wandb(e)
+        if self._service is not None:  # finish() returned: the service has written everything
+            import wandb
+
+            wandb.teardown()
+            self._service.stop()
+            self._service = None
+            os.environ.pop("WANDB_SERVICE", None)
 
 
 def open_checkpoint_run(doc: dict, wandb_cfg, prog: str, what: str, run_dir: Optional[str] = None):

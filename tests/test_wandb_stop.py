@@ -1,0 +1,82 @@
+"""W&B keeps every logged step whatever stops the job: read back from W&B's own offline files
+(``dist_utils.wandb_records``) and compared with metrics.jsonl, for a real 2-rank job through
+``vit-launch run`` stopped by SIGTERM and resumed (the same W&B run id, no gap, no duplicate), and
+for a job whose other rank crashed. DeepSpeed's launcher SIGTERMs every descendant of every rank on
+a stop or a peer's crash; W&B's service answers SIGTERM with a forced shutdown that dropped the
+unwritten history (a 7-byte file), so it now runs out of the ranks' process tree."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import REPO, demo_manifest, group_alive, job_env, kill_group, metrics, start_job, wait_for, \
+    wandb_records
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
+
+
+def launch(shards, run, *extra):
+    return [sys.executable, "-m", "launch", "run", "--config", "configs/tiny_cpu.yaml", "--skip-checks",
+            "--gpus-per-node", "2", f"data.train_shards={shards}", f"train.output_dir={run}",
+            "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=offline",
+            "train.log_every_steps=2", *extra]
+
+
+def wandb_steps(run: Path) -> dict[str, list[int]]:
+    """{offline run folder: the steps of its history records, in file order}."""
+    out = {}
+    for folder in sorted((run / "wandb").glob("offline-run-*")):
+        recs = wandb_records(next(folder.glob("*.wandb")))
+        out[folder.name] = [int(r.history.step.num) for r in recs if r.WhichOneof("record_type") == "history"]
+    return out
+
+
+def run_ids(run: Path) -> set[str]:
+    return {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
+
+
+def test_sigterm_keeps_every_logged_step_and_the_resume_continues_the_run(shards, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    job = start_job(launch(shards, run, "train.steps=400", "checkpoint.every_steps=1000"), log)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 8, 240, job, "step 8")
+        os.kill(job.pid, signal.SIGTERM)  # vit-launch: the whole job is asked to stop
+        job.wait(120)
+    finally:
+        if group_alive(job):
+            kill_group(job)
+    assert job.returncode == 75, log.read_text()[-3000:]
+    logged = sorted(metrics(run))
+    first = wandb_steps(run)
+    assert len(first) == 1 and list(first.values())[0] == logged, (first, logged)  # every step, once
+
+    stopped_at = logged[-1]
+    r = subprocess.run(launch(shards, run, f"train.steps={stopped_at + 6}", "checkpoint.every_steps=1000"),
+                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    both = wandb_steps(run)
+    assert len(both) == 2 and len(run_ids(run)) == 1  # the same W&B run id
+    second = [v for k, v in both.items() if k not in first][0]
+    assert second == list(range(stopped_at + 2, stopped_at + 7, 2))  # continues: no gap, no duplicate
+    assert sorted(metrics(run)) == logged + second
+
+
+def test_a_crashed_peer_leaves_rank_0s_history_whole(shards, tmp_path):
+    run = tmp_path / "run"
+    r = subprocess.run(launch(shards, run, "train.steps=400", "checkpoint.every_steps=4"), cwd=REPO,
+                       env=job_env(VITSCALE_FAULT="crash_in_step:9@1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    logged = sorted(metrics(run))
+    assert logged == [2, 4, 6, 8], (r.stdout + r.stderr)[-3000:]
+    steps = wandb_steps(run)
+    assert list(steps.values()) == [logged], steps
