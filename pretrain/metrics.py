@@ -47,18 +47,26 @@ class MetricsLogger:
     """Rank 0 writes; other ranks get a logger whose calls do nothing."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: str | Path, *, rank: int, run_config: dict,
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, resume_step: Optional[int] = None):
+        """``resume_step``: the step of the checkpoint this attempt resumed from. Records of later
+        steps (logged by an attempt that crashed before its next checkpoint) are cut from
+        metrics.jsonl, since this attempt logs those steps again; W&B, whose steps only increase,
+        is not sent the steps it already holds (an exact resume recomputes them identically)."""
         self.enabled = rank == 0
         self.run_dir = Path(run_dir)
         self.run_id = run_id
         self.wandb_run = None
         self._jsonl = None
         self._service = None
+        self._wandb_has_until = -1  # W&B already holds the steps up to here (a crashed attempt's)
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            path = self.run_dir / "metrics.jsonl"
+            if resume_step is not None:
+                self._wandb_has_until = cut_back(path, resume_step)
+            self._jsonl = open(path, "a", buffering=1)
         if cfg.wandb.mode != "disabled":
             self._start_wandb(cfg, run_config)
 
@@ -129,7 +137,7 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **metrics}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and step > self._wandb_has_until:
             try:
                 self.wandb_run.log({"train/step": step, **{k if k.startswith("eval/") else f"train/{k}": v
                                                             for k, v in metrics.items()}}, step=step)
@@ -163,6 +171,26 @@ class MetricsLogger:
             self._service.stop()
             self._service = None
             os.environ.pop("WANDB_SERVICE", None)
+
+
+def cut_back(path: Path, step: int) -> int:
+    """Drop the records of ``path`` (metrics.jsonl) after ``step``, atomically; returns the largest
+    step it held (-1 when empty or absent). A torn last line (a kill mid-write) goes too."""
+    from data_pipeline.files import write_atomic
+
+    if not path.exists():
+        return -1
+    kept, last = [], -1
+    for line in path.read_text().splitlines():
+        try:
+            rec_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        last = max(last, rec_step)
+        if rec_step <= step:
+            kept.append(line)
+    write_atomic(path, "".join(ln + "\n" for ln in kept))
+    return last
 
 
 def open_checkpoint_run(doc: dict, wandb_cfg, prog: str, what: str, run_dir: Optional[str] = None):

@@ -309,7 +309,8 @@ def run(cfg: Config) -> dict:
                   "train_flops_per_image": flops[0], "gradient_accumulation": gas}
     if cfg.logging.wandb.mode == "online":
         say(f"starting W&B online (offline after logging.wandb.init_timeout_s={cfg.logging.wandb.init_timeout_s:g})")
-    logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id)
+    logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id,
+                           resume_step=start if resumed else None)
     if rank == 0:
         save_config(cfg, layout.config)
         where = f"resuming from step {start}" if resumed else "starting from scratch"

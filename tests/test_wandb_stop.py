@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, group_alive, job_env, kill_group, metrics, start_job, wait_for, \
+from dist_utils import REPO, demo_manifest, free_port, group_alive, job_env, kill_group, metrics, start_job, wait_for, \
     wandb_records
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def shards(tmp_path_factory):
 
 def launch(shards, run, *extra):
     return [sys.executable, "-m", "launch", "run", "--config", "configs/tiny_cpu.yaml", "--skip-checks",
-            "--gpus-per-node", "2", f"data.train_shards={shards}", f"train.output_dir={run}",
+            "--gpus-per-node", "2", "--master-port", str(free_port()), f"data.train_shards={shards}", f"train.output_dir={run}",
             "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=offline",
             "train.log_every_steps=2", *extra]
 
@@ -71,12 +71,23 @@ def test_sigterm_keeps_every_logged_step_and_the_resume_continues_the_run(shards
     assert sorted(metrics(run)) == logged + second
 
 
-def test_a_crashed_peer_leaves_rank_0s_history_whole(shards, tmp_path):
+def test_a_crashed_peer_leaves_rank_0s_history_whole_and_the_resume_logs_each_step_once(shards, tmp_path):
+    """Rank 1 crashes in step 11: rank 0 logged up to step 10, the last checkpoint is step 8. The
+    resume recomputes steps 9-10: metrics.jsonl holds each step once (cut back to step 8 on resume),
+    and W&B, which already holds step 10, is sent only the steps after it."""
     run = tmp_path / "run"
     r = subprocess.run(launch(shards, run, "train.steps=400", "checkpoint.every_steps=4"), cwd=REPO,
-                       env=job_env(VITSCALE_FAULT="crash_in_step:9@1"), capture_output=True, text=True, timeout=300)
+                       env=job_env(VITSCALE_FAULT="crash_in_step:11@1"), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    logged = sorted(metrics(run))
-    assert logged == [2, 4, 6, 8], (r.stdout + r.stderr)[-3000:]
-    steps = wandb_steps(run)
-    assert list(steps.values()) == [logged], steps
+    assert sorted(metrics(run)) == [2, 4, 6, 8, 10], (r.stdout + r.stderr)[-3000:]
+    assert list(wandb_steps(run).values()) == [[2, 4, 6, 8, 10]]
+    first = set(wandb_steps(run))
+
+    r = subprocess.run(launch(shards, run, "train.steps=14", "checkpoint.every_steps=4"), cwd=REPO, env=job_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "resuming from step 8" in r.stdout + r.stderr
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8, 10, 12, 14]  # 10 once: the crashed attempt's line was cut back
+    second = [v for k, v in wandb_steps(run).items() if k not in first]
+    assert second == [[12, 14]] and len(run_ids(run)) == 1
