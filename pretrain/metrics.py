@@ -164,11 +164,10 @@ class MetricsLogger:
                 self.wandb_run.finish()
             except Exception as e:
                 self._drop_wandb(e)
-        if self._service is not None:  # finish() returned: the service has written everything
+        if self._service is not None:  # its guardian ends it once this process is gone (wandb_service)
             import wandb
 
             wandb.teardown()
-            self._service.stop()
             self._service = None
             os.environ.pop("WANDB_SERVICE", None)
 

@@ -10,17 +10,18 @@ yet, while the rank itself is still checkpointing and has not called ``finish()`
 So rank 0 starts the service out of its own process tree and session: a guardian process is
 double-forked (its first child exits, so the guardian is re-parented away from the rank), starts
 ``wandb-core`` detached, hands its connection token back through a pipe, and waits. wandb
-connects to a running service named by ``WANDB_SERVICE``. The rank ends the service after
-``finish()`` (``stop``); if the rank dies first (``kill -9``), the guardian ends it after a grace
-period in which the service writes out what it received. The guardian ignores SIGTERM / SIGINT:
-neither a process-group signal nor the launcher's tree kill reaches it or the service.
+connects to a running service named by ``WANDB_SERVICE``. Once the rank is gone (after its
+``finish()``, or killed), the guardian waits a grace period in which the service writes out what it
+received, then ends it: ``finish()`` returns when the service has taken the run's last record,
+not when its writer has flushed it, and the service answers SIGTERM by dropping what it has not
+written. The guardian ignores SIGTERM / SIGINT: neither a process-group signal nor the launcher's
+tree kill reaches it or the service.
 
 Costs: one extra Python process (importing wandb, about a second) per run start.
 """
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,15 +69,8 @@ class Service:
     pid: int
     token: str  # the value of WANDB_SERVICE
 
-    def stop(self) -> None:
-        """End the service (after ``finish()``: everything is written)."""
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
-
-def start(grace_s: float = 20.0, timeout_s: float = 60.0) -> Optional[Service]:
+def start(grace_s: float = 10.0, timeout_s: float = 60.0) -> Optional[Service]:
     """Start a guarded W&B service for this process; None when it cannot be started (then wandb
     starts its own, as a child, and a stop signal may cut its history short)."""
     try:

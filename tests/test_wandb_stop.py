@@ -32,12 +32,21 @@ def launch(shards, run, *extra):
             "train.log_every_steps=2", *extra]
 
 
-def wandb_steps(run: Path) -> dict[str, list[int]]:
-    """{offline run folder: the steps of its history records, in file order}."""
+def wandb_steps(run: Path, settle_s: float = 20.0) -> dict[str, list[int]]:
+    """{offline run folder: the steps of its history records, in file order}, read once the files
+    stopped growing (W&B's writer may still flush after the job returned)."""
+    files = sorted((run / "wandb").glob("offline-run-*/*.wandb"))
+    sizes, deadline = None, time.time() + settle_s
+    while time.time() < deadline:
+        now = [f.stat().st_size for f in files]
+        if now == sizes:
+            break
+        sizes = now
+        time.sleep(2.0)
     out = {}
-    for folder in sorted((run / "wandb").glob("offline-run-*")):
-        recs = wandb_records(next(folder.glob("*.wandb")))
-        out[folder.name] = [int(r.history.step.num) for r in recs if r.WhichOneof("record_type") == "history"]
+    for f in files:
+        recs = wandb_records(f)
+        out[f.parent.name] = [int(r.history.step.num) for r in recs if r.WhichOneof("record_type") == "history"]
     return out
 
 
@@ -81,6 +90,8 @@ def test_a_crashed_peer_leaves_rank_0s_history_whole_and_the_resume_logs_each_st
     assert r.returncode != 0
     assert sorted(metrics(run)) == [2, 4, 6, 8, 10], (r.stdout + r.stderr)[-3000:]
     assert list(wandb_steps(run).values()) == [[2, 4, 6, 8, 10]]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["step"] == 10  # the last step reached, not the start
     first = set(wandb_steps(run))
 
     r = subprocess.run(launch(shards, run, "train.steps=14", "checkpoint.every_steps=4"), cwd=REPO, env=job_env(),
