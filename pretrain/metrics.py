@@ -83,12 +83,7 @@ class MetricsLogger:
         # by every run it starts; one that outlived a kill -9'ed attempt still holds this run id
         # ("run ID ... is in use") and the resumed run could not log. Each run starts its own, out
         # of reach of the signals that stop the job (pretrain/wandb_service.py).
-        os.environ.pop("WANDB_SERVICE", None)
-        from pretrain import wandb_service
-
-        self._service = wandb_service.start()
-        if self._service is not None:
-            os.environ["WANDB_SERVICE"] = self._service.token
+        self._new_service()
 
         def init(mode: str):
             # init_timeout bounds the server handshake (retries included); login_timeout any
@@ -108,7 +103,9 @@ class MetricsLogger:
             err: Optional[Exception] = None
             for attempt in range(4):
                 try:
-                    wandb.teardown()  # else the service keeps the half-started run: "run ID ... is in use"
+                    # a fresh service: the first keeps the half-started run ("run ID ... is in use")
+                    wandb.teardown()
+                    self._new_service(abandon=True)
                     self.wandb_run = init("offline")
                     break
                 except Exception as e2:  # the service may still hold the online attempt for a moment
@@ -126,6 +123,18 @@ class MetricsLogger:
         self.wandb_run.define_metric("train/*", step_metric="train/step")
         self.wandb_run.define_metric("transfer/*", step_metric="train/step")
         self.wandb_run.define_metric("eval/*", step_metric="train/step")
+
+    def _new_service(self, abandon: bool = False) -> None:
+        """Point wandb at a new guarded service (``abandon``: end the current one first; it holds
+        only a run that never started)."""
+        from pretrain import wandb_service
+
+        if abandon and self._service is not None:
+            self._service.end()
+        os.environ.pop("WANDB_SERVICE", None)
+        self._service = wandb_service.start()
+        if self._service is not None:
+            os.environ["WANDB_SERVICE"] = self._service.token
 
     @property
     def wandb_dir(self) -> Optional[str]:

@@ -22,6 +22,7 @@ Costs: one extra Python process (importing wandb, about a second) per run start.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,6 +69,14 @@ while service._process.poll() is None:
 class Service:
     pid: int
     token: str  # the value of WANDB_SERVICE
+
+    def end(self) -> None:
+        """End the service now, dropping what it has not written: only for a service whose run
+        never started (an online attempt that failed)."""
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def start(grace_s: float = 10.0, timeout_s: float = 60.0) -> Optional[Service]:
