@@ -115,6 +115,11 @@ class Supervisor:
             return int(status["exit_code"])
         if self.signals > 1:
             return 130
+        if self.signals and not (status and status.get("state") == "failed"):
+            # stopped on request before training reached a step it could checkpoint (start-up):
+            # nothing was lost, the same command starts again
+            _log("the job was stopped during start-up, before its first checkpoint")
+            return EXIT_INTERRUPTED
         return code if code >= 0 else 128 - code  # -9: killed by SIGKILL -> 137, as a shell says
 
     def run(self, max_restarts: int = 0, backoff_s: float = 10.0) -> int:

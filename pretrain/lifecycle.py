@@ -7,8 +7,9 @@ Exit codes of ``pretrain.train`` (each rank) and ``vit-launch run`` (the whole j
     2   EXIT_USAGE        a user mistake, said in one line (nothing to retry)
     3   EXIT_HANG         the hang watchdog fired (``pretrain/watchdog.py``): stacks in <output_dir>/hang/
     75  EXIT_INTERRUPTED  stopped on request (SIGTERM, SIGINT, the launcher went away) after saving
-                          a checkpoint: start the same command again to resume (EX_TEMPFAIL, so a
-                          scheduler may requeue and ``train && export`` stops)
+                          a checkpoint, or (``vit-launch``) during start-up before any step: start
+                          the same command again to resume (EX_TEMPFAIL, so a scheduler may requeue
+                          and ``train && export`` stops)
 
 SIGTERM (preemption, ``scancel``) and SIGINT (Ctrl-C) both ask for a checkpoint at a step boundary
 within ``train.sync_every_steps`` steps (the ranks agree only at the loop's sync points, so no step

@@ -217,3 +217,20 @@ def test_sigterm_to_the_runner_only_leaves_no_orphans(shards, tmp_path):
     assert status["state"] == "interrupted" and status["step"] == rundir.step_of(ckpt)
     text = log.read_text()  # rank 0 names its own reason, or the rank that noticed first
     assert "vit-train: stopped (runner exited)" in text or "vit-train: stopped (another rank's request)" in text
+
+
+def test_sigterm_during_start_up_is_a_stop_on_request(shards, tmp_path):
+    """SIGTERM to vit-launch before training reached its first step: exit 75 (stopped on request,
+    the same command starts again), not the 143 of a signalled runner."""
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    job = start_job(launch_cmd(shards, run, "train.steps=50", "data.workers=0"), log)
+    try:
+        wait_for(lambda: "$ " in log.read_text(), 60, job, "the runner's command line")
+        time.sleep(1.0)  # the runner is up; the ranks are still importing
+        os.kill(job.pid, signal.SIGTERM)
+        job.wait(120)
+    finally:
+        if group_alive(job):
+            kill_group(job)
+    assert job.returncode == 75, log.read_text()[-3000:]
+    assert not (run / "metrics.jsonl").exists() or not metrics(run)
