@@ -229,9 +229,21 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
         return [Finding(FAIL, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free but {size}; free space "
                                          "or set checkpoint.dir to a larger disk")]
     if free < later:
-        return [Finding(WARN, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free; {size} and "
+        return [Finding(FAIL, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free; {size} and "
                                          f"checkpoint.keep_last={cfg.checkpoint.keep_last} (+1 while saving) need "
-                                         f"{_gb(later)}; lower checkpoint.keep_last or free space")]
+                                         f"{_gb(later)}; lower checkpoint.keep_last, free space or set checkpoint.dir "
+                                         "to a larger disk")]
+    if cfg.checkpoint.resume:
+        from data_pipeline.errors import ConfigError
+        from pretrain.checkpoint import check_resumable
+        from pretrain.config import to_dict
+
+        try:
+            found = check_resumable(ckpt_dir, to_dict(cfg))
+        except ConfigError as e:
+            return [Finding(FAIL, "resume", str(e))]
+        if found is not None:
+            return [Finding(OK, "run dir", f"{out_dir} writable, {_gb(free)} free; {size}; resumes from {found.name}")]
     return [Finding(OK, "run dir", f"{out_dir} writable, {_gb(free)} free; {size}")]
 
 

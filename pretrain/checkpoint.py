@@ -136,6 +136,28 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     return [f"{k}={a[k]}->{b[k]}" for k in RESUME_KEYS if a[k] != b[k]]
 
 
+def _refuse_changes(path: Path, run_info: dict, config: dict) -> None:
+    changed = config_changes(run_info.get("config") or {}, config)
+    if changed:
+        raise ConfigError(f"{path} was saved with other settings ({', '.join(changed)}); to start a new run use "
+                          "another train.output_dir (and checkpoint.dir, if set); to resume, put the old values back")
+
+
+def check_resumable(ckpt_dir: str | Path, config: dict) -> Optional[Path]:
+    """Before any model is built: a ConfigError when the newest complete checkpoint in ``ckpt_dir``
+    was saved with other RESUME_KEYS than ``config`` (``to_dict`` form); reads its run.json only.
+    Returns that checkpoint (None: nothing to resume)."""
+    path = latest_complete(ckpt_dir)
+    if path is None:
+        return None
+    try:
+        run_info = json.loads((Path(path) / "run.json").read_text())
+    except (OSError, ValueError):
+        return path  # a damaged checkpoint: resume verifies it and falls back past it
+    _refuse_changes(Path(path), run_info, config)
+    return path
+
+
 def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None) -> Optional[tuple[dict, list[dict]]]:
     """Load the newest intact complete checkpoint into ``engine``; returns (run_info, the per-rank
     states of *every* rank that saved it, in rank order) or None when there is nothing to resume.
@@ -152,10 +174,8 @@ def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None) -> Optio
     if path is None:
         return None
     run_info = json.loads((path / "run.json").read_text())
-    changed = config_changes(run_info.get("config") or {}, config) if config is not None else []
-    if changed:  # before DeepSpeed reads anything: its size-mismatch traceback is 178 lines
-        raise ConfigError(f"{path} was saved with other settings ({', '.join(changed)}); to start a new run use "
-                          "another train.output_dir (and checkpoint.dir, if set); to resume, put the old values back")
+    if config is not None:  # before DeepSpeed reads anything: its size-mismatch traceback is 178 lines
+        _refuse_changes(path, run_info, config)
     saved_world, rank = int(run_info["world_size"]), dist.get_rank()
     if saved_world != dist.get_world_size() and rank == 0:
         print(f"vit-train: {path.name} was saved on {saved_world} rank(s), resuming on {dist.get_world_size()}: "

@@ -270,6 +270,8 @@ def run(cfg: Config) -> dict:
     checkpoint.check_writable(run_dir, "train.output_dir")
     if cfg.checkpoint.dir:
         checkpoint.check_writable(ckpt_dir, "checkpoint.dir")
+    if cfg.checkpoint.resume:  # a changed shape key, said before the model build and DeepSpeed init
+        checkpoint.check_resumable(ckpt_dir, to_dict(cfg))
     say = Progress(rank)
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)

@@ -2,10 +2,13 @@
 failure on real shards and folders, with the one line that says what to change."""
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from dist_utils import REPO
 from launch import memory, preflight
 from launch.cli import main
 from launch.memory import checkpoint_bytes, model_shape
@@ -112,11 +115,37 @@ def test_disk_space_for_checkpoints(shards, tmp_path):
     # a model whose checkpoint cannot fit on this disk at all
     (f,) = preflight.check_run_dir(cfg, params=10 ** 14)
     assert f.level == "error" and "free but a checkpoint is about" in f.message and "set checkpoint.dir" in f.message
-    # one checkpoint (half the free space) fits, keep_last=3 (+1 being written) does not: a warning
+    # one checkpoint (half the free space) fits, keep_last=3 (+1 being written) does not: refused,
+    # since the run would fail at its second save
     params = int(free / 2 / (checkpoint_bytes(1, "fp32")))
     (f,) = preflight.check_run_dir(cfg, params=params)
-    assert f.level == "warning" and "checkpoint.keep_last=3 (+1 while saving)" in f.message
+    assert f.level == "error" and "checkpoint.keep_last=3 (+1 while saving)" in f.message
     assert "lower checkpoint.keep_last" in f.message
+
+
+def test_a_resume_with_changed_shape_keys_is_refused_before_the_gpus(shards, tmp_path):
+    """A run dir whose newest checkpoint has another model: vit-launch check and the start of
+    pretrain.train say so in one line, before any model is built."""
+    import json
+
+    from pretrain.config import to_dict
+
+    cfg = load_config(CONFIG, args(shards, tmp_path)[1:][1:])
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    saved = to_dict(cfg)
+    saved["model"]["name"] = "vit_small_patch16_224"
+    (ckpt / "run.json").write_text(json.dumps({"step": 4, "config": saved, "world_size": 1}))
+    (ckpt / "COMPLETE").write_text("{}")
+    cfg.train.output_dir = str(tmp_path / "run")
+    (f,) = preflight.check_run_dir(cfg, params=10 ** 6)
+    assert f.level == "error" and f.topic == "resume", f
+    assert "model.name=vit_small_patch16_224->vit_tiny_patch16_224" in f.message
+    r = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", CONFIG, f"data.train_shards={shards}",
+                        f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "model.name=vit_small_patch16_224->vit_tiny_patch16_224" in r.stderr
+    assert "building" not in r.stderr  # said before the model build
 
 
 def test_memory_over_the_device_is_a_warning_with_fixes(capsys, shards, tmp_path):
