@@ -164,3 +164,33 @@ def fp32_state_dict(ckpt: Path) -> dict:
     for alias, name in (model.get("shared_params") or {}).items():
         out[alias] = out[name]
     return out
+
+
+def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
+    """Start a timer that, ``after_s`` seconds from now, says in one line if this process's main
+    thread is waiting for the lock of a JIT build of a compiled op. DeepSpeed's CPU shm op is built
+    by torch's ``cpp_extension.load`` on first use, under a lock on the build folder; a second
+    process waits on it silently while the first builds (about 1.5 minutes): torch 2.14 holds an
+    OS file lock (``filelock``, released if the builder dies), older torch a lock file
+    (``FileBaton``: a build killed mid-way leaves it, and every later run waits forever).
+    Returns the timer; ``cancel()`` it once the wait is over."""
+    import threading
+
+    main = threading.main_thread().ident
+
+    def look() -> None:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            lock = frame.f_locals.get("self")
+            path = getattr(lock, "lock_file_path", None) or getattr(lock, "lock_file", None)
+            if frame.f_code.co_name in ("wait", "acquire", "_poll_until_acquired") and isinstance(path, str):
+                print(f"{prog}: waiting {after_s:g}+ s for the lock {path} of a compiled op's build (another "
+                      "process is building it; with torch < 2.14 a killed build leaves it: remove the file if "
+                      "no build runs)", file=sys.stderr, flush=True)
+                return
+            frame = frame.f_back
+
+    timer = threading.Timer(after_s, look)
+    timer.daemon = True
+    timer.start()
+    return timer

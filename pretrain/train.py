@@ -259,7 +259,9 @@ def run(cfg: Config) -> dict:
     t = cfg.train
     startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
     startup.phase("process group and DeepSpeed's communication set-up")
+    build_lock = ds_compat.report_build_lock_wait()  # DeepSpeed's CPU shm op may be JIT-built here
     rank, local_rank, world = init_distributed(max(t.pg_timeout_s, t.startup_timeout_s))
+    build_lock.cancel()
     if rank == 0:
         ds_compat.check_version()
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)

@@ -117,3 +117,41 @@ def test_a_rank_slowed_for_real_is_named_and_an_even_job_names_nobody(shards, tm
         kill_group(job)
     assert "straggler:" not in log.read_text(), log.read_text()[-2000:]
     assert all("straggler/ratio" in r for s, r in metrics(run).items() if s % 2 == 0)
+
+
+def test_waiting_on_the_compiled_op_build_lock_is_said(shards, tmp_path):
+    """Another process holds the build lock of DeepSpeed's CPU shm op (as while it builds it): the
+    rank says so after 10 s instead of waiting silently, and goes on once the lock is free."""
+    import shutil
+
+    from filelock import FileLock
+    from torch.utils.cpp_extension import _get_build_directory
+
+    real = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent.parent
+    ext = tmp_path / "ext"
+    shutil.copytree(real, ext)  # the built op: no rebuild, only its lock is taken
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
+    try:
+        lock_path = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    finally:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+    lock = FileLock(str(lock_path))
+    lock.acquire()
+    log = tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
+           f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "train.global_batch_size=16",
+           "train.micro_batch_size=8", "data.workers=0", "train.steps=2", "checkpoint.every_steps=1000"]
+    job = start_job(cmd, log, TORCH_EXTENSIONS_DIR=str(ext))
+    try:
+        wait_for(lambda: "of a compiled op's build" in log.read_text(), 90, job, "the lock line")
+        lock.release()
+        job.wait(180)
+    finally:
+        if lock.is_locked:
+            lock.release()
+        if group_alive(job):
+            kill_group(job)
+    out = log.read_text()
+    assert job.returncode == 0, out[-3000:]
+    line = [ln for ln in out.splitlines() if "of a compiled op's build" in ln]
+    assert len(line) == 1 and str(lock_path) in line[0] and "waiting 10+ s" in line[0]
