@@ -158,6 +158,13 @@ def cmd_run(args) -> int:
     if not os.path.exists(cmd[0]):
         print(f"{PROG}: error: deepspeed runner not found ({cmd[0]}); pip install deepspeed", file=sys.stderr)
         return 2
+    from launch.runner import busy_master_port
+
+    busy = busy_master_port(spec)
+    if busy is not None:
+        print(f"{PROG}: error: --master-port {busy} is in use on this machine (another job's rendezvous?); "
+              "choose a free one with --master-port", file=sys.stderr)
+        return 2
     from launch.supervise import Supervisor
     from pretrain.rundir import RunDir
 

@@ -98,6 +98,34 @@ def spec_world_size(spec: LaunchSpec) -> tuple[int, int]:
     return world_size(ranks), len(ranks)
 
 
+DEFAULT_MASTER_PORT = 29500  # the deepspeed runner's
+
+
+def busy_master_port(spec: LaunchSpec) -> Optional[int]:
+    """The rendezvous port when rank 0 runs on this machine and something already holds that port
+    here (another job's rendezvous): the runner would start, and the ranks would stall or fail to
+    meet. None when the port is free or rank 0 is elsewhere."""
+    import socket
+
+    port = spec.master_port or DEFAULT_MASTER_PORT
+    if spec.hostfile:
+        first = parse_hostfile(spec.hostfile)[0].name
+        local = {"localhost", socket.gethostname(), socket.getfqdn()}
+        if spec.master_addr not in (None, *local) and not (spec.master_addr or "").startswith("127."):
+            return None
+        if spec.master_addr is None and first not in local and not first.startswith("127."):
+            return None
+    elif spec.master_addr not in (None, "localhost") and not spec.master_addr.startswith("127."):
+        return None
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed job's TIME_WAIT is no owner
+        try:
+            s.bind(("", port))
+        except OSError:
+            return port
+    return None
+
+
 def shell_join(cmd: list[str]) -> str:
     return " ".join(shlex.quote(c) for c in cmd)
 

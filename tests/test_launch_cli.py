@@ -143,3 +143,15 @@ def test_exclude_slow_hosts_starts_on_the_hostfile_less_the_named_hosts(capsys, 
     runner_parse_args(cmd[1:])  # DeepSpeed's runner takes it
     assert "--exclude-slow-hosts needs --hostfile" in user_error(
         capsys, ["--config", CONFIG, "--exclude-slow-hosts", "--skip-checks", f"train.output_dir={run}"])
+
+
+def test_a_busy_master_port_is_one_line_before_launch(capsys, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = user_error(capsys, ["--config", CONFIG, "--skip-checks", "--master-port", str(port),
+                                   f"train.output_dir={tmp_path}"])
+    assert f"--master-port {port} is in use on this machine" in line
