@@ -11,7 +11,9 @@ warning). Nothing here is unpickled except DeepSpeed's own files.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -64,10 +66,8 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     path.mkdir(parents=True, exist_ok=True)
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)  # ends with a barrier
-    except RuntimeError as e:  # torch.save's writer: "PytorchStreamWriter failed writing file ..." (disk full)
-        if "PytorchStreamWriter failed" in str(e) or "does not exist" in str(e):
-            raise OSError(f"{path}: {str(e).splitlines()[0]}") from None
-        raise
+    except RuntimeError as e:  # torch.save's writer fails with a RuntimeError, e.g. on a full disk
+        raise _as_os_error(e, path) from None
     rank = dist.get_rank()
     _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
     if rank == 0:
@@ -80,6 +80,49 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
         _prune(ckpt_dir, keep_last)
     dist.barrier()
     return path
+
+
+def _as_os_error(err: RuntimeError, path: Path) -> Exception:
+    """torch.save's writer reports a failed write as a RuntimeError ("PytorchStreamWriter failed
+    writing file", "[enforce fail at inline_container.cc] unexpected pos"): an OSError for the
+    caller's one line, ENOSPC when the folder has no space left; other errors unchanged."""
+    msg = str(err).splitlines()[0] if str(err) else repr(err)
+    if not any(k in msg for k in ("PytorchStreamWriter", "inline_container", "does not exist")):
+        return err
+    try:
+        full = shutil.disk_usage(path if path.exists() else path.parent).free < 2 ** 20
+    except OSError:
+        full = False
+    if full:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return OSError(errno.EIO, f"{path}: {msg}")
+
+
+def save_failed(ckpt_dir: str | Path, step: int, err: OSError) -> str:
+    """After a save of ``step`` failed on this rank (a full or read-only disk): remove what it left
+    (without its COMPLETE marker it never counts, but it holds the space) and say in one line the
+    folder, why, what was free and what a checkpoint needs (the last complete one's size), and the
+    last complete checkpoint, verified."""
+    from pretrain.rundir import verify
+
+    ckpt_dir = Path(ckpt_dir)
+    partial = ckpt_dir / tag_for(step)
+    if partial.is_dir() and not (partial / COMPLETE).exists():
+        shutil.rmtree(partial, ignore_errors=True)
+    last = latest_complete(ckpt_dir)
+    try:
+        free = f"{shutil.disk_usage(ckpt_dir).free / 2 ** 20:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    if last is not None:
+        need = sum(f.stat().st_size for f in Path(last).iterdir() if f.is_file())
+        bad = verify(last)
+        kept = f"the last complete checkpoint is {last} ({'verified' if bad is None else 'damaged: ' + bad})"
+        sizes = f"{free}, a checkpoint needs about {need / 2 ** 20:.0f} MB"
+    else:
+        kept, sizes = "no complete checkpoint yet", free
+    return (f"cannot save checkpoint {tag_for(step)} in {ckpt_dir} ({err.strerror or err}): {sizes}; {kept}; "
+            "free space or set checkpoint.dir to a larger or writable folder, then run the same command to resume")
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:

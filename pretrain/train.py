@@ -128,11 +128,7 @@ class Checkpointer:
             checkpoint.save(self.engine, self.dir, step, rank_state={"loader": self.loader.state_dict()},
                             run_info={**self.run_info, "wandb_run_id": self.logger.run_id}, keep_last=self.keep)
         except OSError as e:  # folder made read-only, disk full: say what survives, not a traceback
-            last = checkpoint.latest_complete(self.dir)
-            kept = f"the last complete checkpoint is {last}" if last else "no complete checkpoint yet"
-            raise CheckpointWriteError(f"cannot save checkpoint {checkpoint.tag_for(step)} in {self.dir} "
-                                       f"({e.strerror or e}); {kept}; make the folder writable (or set "
-                                       "checkpoint.dir) and run the same command to resume") from None
+            raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, e)) from None
 
 
 class Window:

@@ -207,7 +207,8 @@ def test_checkpoint_folder_locked_mid_run_names_the_last_good_checkpoint(shards,
             proc.kill()
     out = log.read_text()
     assert code == 2, out[-3000:]
-    assert out.strip().splitlines()[-1].startswith(
-        f"vit-train: error: cannot save checkpoint step_00000060 in {ckpts} (Operation not permitted); the last "
-        f"complete checkpoint is {first}; "), out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"vit-train: error: cannot save checkpoint step_00000060 in {ckpts} (Operation not "
+                           "permitted): "), out[-3000:]
+    assert f"the last complete checkpoint is {first} (verified); " in last and " MB free, a checkpoint needs" in last
     assert "Traceback" not in out and rundir.verify(first) is None and rundir.latest_complete(ckpts) == first

@@ -1,0 +1,62 @@
+"""A checkpoint folder that fills up mid-save, on a real tmpfs: the run ends with one line naming
+the folder, what was free and what a checkpoint needs, and the last complete checkpoint, which
+verifies; the half-written checkpoint is gone; with room again the same command resumes.
+
+The tmpfs lives in a private mount namespace of the job (``unshare``), so it exists only for the
+job's commands and disappears with them, whatever happens to the test."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import REPO, demo_manifest, job_env
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = r"""
+set -u
+mount -t tmpfs -o size=130m tmpfs "$CKPT"
+"$PY" -m pretrain.train "$@" > "$OUT/first.log" 2>&1; echo $? > "$OUT/first.rc"
+ls "$CKPT" > "$OUT/listing"
+"$PY" -c "import sys; from pretrain import rundir; c = rundir.latest_complete(sys.argv[1]); print(c, rundir.verify(c))" "$CKPT" > "$OUT/verify" 2>&1
+mount -o remount,size=400m "$CKPT"
+"$PY" -m pretrain.train "$@" > "$OUT/second.log" 2>&1; echo $? > "$OUT/second.rc"
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo_manifest(tmp_path_factory, n=128, shard_size=64)
+
+
+def test_disk_full_mid_save_keeps_the_last_checkpoint_and_resumes(shards, tmp_path):
+    unshare = shutil.which("unshare")
+    assert unshare, "util-linux's unshare is needed for a private tmpfs"
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt.mkdir()
+    out.mkdir()
+    ns = [unshare, "-m"] if os.geteuid() == 0 else [unshare, "-rm"]
+    args = ["--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}", f"train.output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={ckpt}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
+            "zero.stage=1", "train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+            "logging.wandb.mode=disabled"]
+    r = subprocess.run([*ns, "bash", "-c", SCRIPT, "job", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=job_env(CKPT=str(ckpt), OUT=str(out), PY=sys.executable))
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = (out / "first.log").read_text()
+    assert (out / "first.rc").read_text().strip() == "2", first[-3000:]
+    line = first.strip().splitlines()[-1]
+    assert line.startswith(f"vit-train: error: cannot save checkpoint step_00000004 in {ckpt} (No space left on "
+                           "device): "), first[-3000:]
+    assert " MB free, a checkpoint needs about " in line
+    assert f"the last complete checkpoint is {ckpt}/step_00000002 (verified)" in line
+    assert "Traceback" not in first
+    steps = [n for n in (out / "listing").read_text().split() if n.startswith("step_")]
+    assert steps == ["step_00000002"]  # no half-written step 4 left behind
+    assert (out / "verify").read_text().strip() == f"{ckpt}/step_00000002 None"
+    second = (out / "second.log").read_text()
+    assert (out / "second.rc").read_text().strip() == "0", second[-3000:]
+    assert "resuming from step 2" in second and "done at step 6" in second
+    assert not any(ckpt.iterdir())  # the tmpfs was the job's own: nothing of it is left here
