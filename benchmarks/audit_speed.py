@@ -1,4 +1,4 @@
-"""Contamination audit lookup speed (issue 13): 1,000,000 stored pre-training hashes against
+"""Contamination audit lookup speed: 1,000,000 stored pre-training hashes against
 10,000 evaluation images, one core, target under 10 s.
 
 What is timed is what ``data_pipeline.audit.audit`` does between hashing the evaluation images

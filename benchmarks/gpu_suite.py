@@ -349,7 +349,7 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
         cfg = Config(model=ModelConfig(name=name, img_size=plan.img), optim=OptimConfig(warmup_steps=0),
                      train=TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch,
                                        precision=precision), zero=ZeroConfig(stage=stage))
-        try:  # training's own build: under ZeRO-3 inside deepspeed.zero.Init (issue 14, part 4)
+        try:  # training's own build: under ZeRO-3 inside deepspeed.zero.Init
             from pretrain.train import build_model
         except ImportError:
             build_model = None

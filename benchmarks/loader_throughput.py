@@ -9,7 +9,7 @@
   (bd) with ``--decode-device cuda`` (or ``cpu``): (b)'s shards with data.decode_device=DEVICE, the
        training process decoding each batch (nvJPEG on a GPU); compared with (b) in total img/s
 
-Targets (issue 3): b/c >= 1.5 and b/a >= 0.8. Images are generated: about ImageNet-sized
+Targets: b/c >= 1.5 and b/a >= 0.8. Images are generated: about ImageNet-sized
 (500x375 and 375x500) JPEGs at quality 90 with natural-image-like content (smooth regions, edges
 and fine noise), so file sizes are in ImageNet's range. Default run: under two minutes on 2 cores.
 
