@@ -1,4 +1,4 @@
-"""Every shipped config runs on the hardware its header names (issue 12: vit_h14_jft said 256 x H100
+"""Every shipped config runs on the hardware its header names (vit_h14_jft once said 256 x H100
 but its micro batch 32 x 256 ranks overshot the global batch 4096).
 
 Each header carries a ``# Check:`` line, the exact ``vit-launch check`` command for its documented

@@ -1,6 +1,6 @@
 """The kit for a lent GPU machine (benchmarks/device_kit.py, benchmarks/device_run.sh): what it
 would carry, from this environment's installed metadata, and the run script's refusal without it.
-(Building the wheels needs the registry; it is rehearsed by hand, see the issue 14 note.)"""
+(Building the wheels needs the registry; it is rehearsed by hand, see benchmarks/RESULTS.md.)"""
 import importlib.util
 import subprocess
 import sys

@@ -81,7 +81,7 @@ def test_file_that_is_not_a_tar(capsys, shards, tmp_path):
 
 
 def test_reader_slots_share_shards_but_each_needs_a_batch(capsys, shards, tmp_path):
-    # 8 shards feed 12 reader slots: slots take sample ranges, not whole shards (issue 11)
+    # 8 shards feed 12 reader slots: slots take sample ranges, not whole shards
     code, out, err = check(capsys, args(shards, tmp_path, "--world-size", "2", "data.workers=6"))
     assert code == 0, err
     assert "on 2 rank(s) x 6 worker(s), batch 4: 12 batches per rank per epoch; 96 samples used, 0 dropped" in out
@@ -188,7 +188,7 @@ def _rewrite_manifest(shards, **counts):
 
 
 def test_manifest_that_overclaims_its_tars_fails_before_the_run(capsys, shards, tmp_path):
-    """Issue 12: counts above the tars passed the check and the run failed on "bad samples"."""
+    """Counts above the tars passed the check and the run failed on "bad samples"."""
     before = {p.name: p.read_bytes() for p in shards.glob("*.tar")}
     _rewrite_manifest(shards, train_000006=15)
     line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", "model.num_classes=96"), "manifest")

@@ -160,7 +160,7 @@ def test_srun_script_starts_one_runner_per_node_without_ssh(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("layout, needle", [
-    # issue 12: vit_h14_jft's old micro batch 32 on its documented 32 x 8 GPUs: 4096 % (32 x 256) != 0
+    # vit_h14_jft's old micro batch 32 on its documented 32 x 8 GPUs: 4096 % (32 x 256) != 0
     (["--config", "configs/vit_h14_jft.yaml", "--nodes", "32", "--gpus-per-node", "8", "train.micro_batch_size=32"],
      "batch: train.global_batch_size=4096 is not divisible by train.micro_batch_size x world size = 32 x 256 = 8192"),
     (["--config", CONFIG, "--nodes", "3", "--gpus-per-node", "0", "--ranks-per-node", "1"],

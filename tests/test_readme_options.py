@@ -1,5 +1,5 @@
 """Every option of every command's ``--help`` is in the README, and every ``--option`` the README
-shows belongs to a command (issue 12).
+shows belongs to a command.
 
 The parsers are the real ones: each command's ``main`` is called with ``parse_known_args``
 replaced by a catch, so the parser it built is read back without running anything. Commands:
@@ -84,7 +84,7 @@ def cmds():
     return commands()
 
 
-# the commands issue 12 names; the others are checked the same way when they are in the README
+# the commands named first; the others are checked the same way when they are in the README
 NAMED = ["vit-launch run", "vit-launch check", "vit-launch slurm", "vit-launch sweep", "vit-transfer", "vit-shards",
          "vit-train", "vit-export", "vit-config"]
 

@@ -1,6 +1,6 @@
 """Two "nodes" on loopback addresses through the stock deepspeed runner's pdsh backend over a real
 sshd: train to the end; then kill -9 the rank on the second node and require every process of the
-job to be gone within the bound (issue 10: 120 s on gloo); start again: it resumes from the last
+job to be gone within the bound (120 s on gloo); start again: it resumes from the last
 complete checkpoint and finishes.
 
 The runner is given ``--no_ssh_check``: its pre-launch check runs plain ``ssh HOST hostname``,
@@ -23,7 +23,7 @@ from dist_utils import free_port
 
 pytestmark = pytest.mark.cluster
 
-DEAD_RANK_BOUND_S = 120  # issue 10: a dead rank ends the whole job within this on gloo
+DEAD_RANK_BOUND_S = 120  # a dead rank ends the whole job within this on gloo
 
 
 def runner_cmd(nodes, *extra):
