@@ -200,7 +200,7 @@ def test_wandb_logs_into_the_pretraining_run_at_its_step(tmp_path, colours, monk
 # --------------------------------------------------------------------- output, progress, headline
 @pytest.fixture()
 def lockable(tmp_path):
-    """A folder and a function that makes it unwritable the way issue 12 found it: ``chattr +i``
+    """A folder and a function that makes it unwritable the way a user trial found it: ``chattr +i``
     as root (root ignores permission bits), ``chmod 0555`` otherwise. Always undone at teardown."""
     d = tmp_path / "locked"
     d.mkdir()

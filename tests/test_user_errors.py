@@ -1,4 +1,4 @@
-"""Issue 12, training side: mistakes a new user makes, each one line and exit 2 (or a bounded
+"""Training side: mistakes a new user makes, each one line and exit 2 (or a bounded
 fallback), with real processes (`python -m pretrain.train`, `python -m pretrain.export`).
 
 An unwritable folder is made with `chattr +i` as root (permission bits do not stop root), else
