@@ -1,7 +1,7 @@
 """W&B keeps every logged step whatever stops the job: read back from W&B's own offline files
 (``dist_utils.wandb_records``) and compared with metrics.jsonl, for a real 2-rank job through
-``vit-launch run`` stopped by SIGTERM and resumed (the same W&B run id, no gap, no duplicate), and
-for a job whose other rank crashed. DeepSpeed's launcher SIGTERMs every descendant of every rank on
+``vit-launch run`` stopped by SIGTERM, and for a job whose other rank crashed, then resumed (the
+same W&B run id, no gap, no duplicate). DeepSpeed's launcher SIGTERMs every descendant of every rank on
 a stop or a peer's crash; W&B's service answers SIGTERM with a forced shutdown that dropped the
 unwritten history (a 7-byte file), so it now runs out of the ranks' process tree."""
 import json
@@ -54,7 +54,8 @@ def run_ids(run: Path) -> set[str]:
     return {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
 
 
-def test_sigterm_keeps_every_logged_step_and_the_resume_continues_the_run(shards, tmp_path):
+def test_sigterm_keeps_every_logged_step(shards, tmp_path):
+    """(The resume that continues the run id is checked after the crash below.)"""
     run, log = tmp_path / "run", tmp_path / "log.txt"
     job = start_job(launch(shards, run, "train.steps=400", "checkpoint.every_steps=1000"), log)
     try:
@@ -66,18 +67,8 @@ def test_sigterm_keeps_every_logged_step_and_the_resume_continues_the_run(shards
             kill_group(job)
     assert job.returncode == 75, log.read_text()[-3000:]
     logged = sorted(metrics(run))
-    first = wandb_steps(run)
-    assert len(first) == 1 and list(first.values())[0] == logged, (first, logged)  # every step, once
-
-    stopped_at = logged[-1]
-    r = subprocess.run(launch(shards, run, f"train.steps={stopped_at + 6}", "checkpoint.every_steps=1000"),
-                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    both = wandb_steps(run)
-    assert len(both) == 2 and len(run_ids(run)) == 1  # the same W&B run id
-    second = [v for k, v in both.items() if k not in first][0]
-    assert second == list(range(stopped_at + 2, stopped_at + 7, 2))  # continues: no gap, no duplicate
-    assert sorted(metrics(run)) == logged + second
+    steps = wandb_steps(run)
+    assert len(steps) == 1 and list(steps.values())[0] == logged, (steps, logged)  # every step, once
 
 
 def test_a_crashed_peer_leaves_rank_0s_history_whole_and_the_resume_logs_each_step_once(shards, tmp_path):
