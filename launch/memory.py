@@ -12,7 +12,11 @@ gradient partition ZeRO casts to for the optimizer step)::
     fp32 gradient partition          4      -    stage 1
     Adam m, v (SGD: momentum 4)      8      8    stage 1   (moved to CPU by zero.offload_optimizer)
 
-So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with ZeRO-3. ZeRO-1/2
+So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with ZeRO-3. ZeRO-1 in
+bf16 with fp32 gradient accumulation (our default) is DeepSpeed's ``BF16_Optimizer``: it keeps
+the bf16 gradients and a whole fp32 accumulation buffer (``fp32_groups_gradients_flat``, with
+``bf16.immediate_grad_update`` off as by default) and partitions only the master weights and
+moments: 2 + 6 + 12/N. ``tests/test_perfmodel.py`` reads these buffers off live optimizers. ZeRO-1/2
 also hold one or two (``overlap_comm``) gradient buckets of ``zero.reduce_bucket_size`` elements
 whatever the model size (``setup_buckets`` in stage_1_and_2.py): 2 GB for the 5e8 default in bf16,
 which is why small GPUs lower that setting. ZeRO-3 gathers one layer at a time (weights + grads).
@@ -77,25 +81,28 @@ class ModelShape:
     layer_scale: bool = False
 
 
+def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
+                   global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False) -> ModelShape:
+    """The shape of a registered model from its architecture alone (``pretrain.arch``; no torch)."""
+    from pretrain.arch import model_defaults, param_count
+
+    d = model_defaults(name)
+    img = img_size or d["img_size"]
+    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale)
+    s = d["stride"]
+    tokens = (-(-img // s)) ** 2 if d["stem_layers"] else (img // s) ** 2
+    return ModelShape(params=params, largest_layer=largest, seq_len=tokens + 1, width=d["embed_dim"],
+                      depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
+                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale)
+
+
 def model_shape(model_cfg) -> ModelShape:
-    """Parameter counts from the model built on the meta device (no memory, no device)."""
-    import torch
-
+    """:func:`analytic_shape` for a config's ``model:`` section (tests check it against the built model)."""
     from pretrain.config import image_size
-    from pretrain.model import create_model, model_defaults
 
-    with torch.device("meta"):
-        m = create_model(model_cfg.name, num_classes=model_cfg.num_classes, img_size=model_cfg.img_size,
-                         representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
-                         qk_norm=model_cfg.qk_norm, init_values=model_cfg.init_values)
-    params = sum(p.numel() for p in m.parameters())
-    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
-    d = model_defaults(model_cfg.name)
-    gh, gw = m.grid_size
-    return ModelShape(params=params, largest_layer=largest, seq_len=gh * gw + 1, width=d["embed_dim"],
-                      depth=d["depth"], heads=d["num_heads"], img_size=image_size(model_cfg),
-                      num_classes=model_cfg.num_classes, mlp_hidden=d["mlp_hidden"], qk_norm=model_cfg.qk_norm,
-                      layer_scale=bool(model_cfg.init_values))
+    return analytic_shape(model_cfg.name, img_size=image_size(model_cfg), num_classes=model_cfg.num_classes,
+                          representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
+                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values))
 
 
 def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",
@@ -109,6 +116,10 @@ def model_state_bytes(params: int, *, stage: int, world: int, precision: str, op
     weights = e * params / (n if stage >= 3 else 1)
     grads = e * params / (n if stage >= 2 else 1)
     opt = opt_per_param * params / (n if stage >= 1 else 1)
+    if stage == 1 and precision == "bf16":
+        # BF16_Optimizer (ZeRO-1 + fp32 accumulation): the bf16 grads and a whole fp32
+        # accumulation buffer, not a partition of one
+        grads, opt = (e + 4) * params, (opt_per_param - 4) * params / n
     out = {"weights": weights, "gradients": grads, "optimizer": 0.0 if offload_optimizer else opt,
            "cpu": opt if offload_optimizer else 0.0}
     return out

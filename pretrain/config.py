@@ -101,6 +101,11 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
+    # ZeRO++ (stage 3 only): hpZ keeps a secondary weight partition inside groups of this many GPUs
+    # (one node), qwZ all-gathers int8 weights, qgZ reduces int4 gradients (both need CUDA kernels)
+    hpz_partition_size: int = 1
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
 
 
 @dataclass
@@ -384,7 +389,7 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
     def fail(key: str, msg: str):
         raise ConfigError(f"{origin.get(key, src)}: {key}: {msg}")
 
-    from pretrain.model import list_models, model_defaults  # no torch work at import time
+    from pretrain.arch import list_models, model_defaults
 
     m = cfg.model
     if m.name not in list_models():
@@ -446,6 +451,11 @@ def _check(cfg: Config, origin: dict, src: str) -> None:
         fail("optim.label_smoothing", f"must be in [0, 1), got {o.label_smoothing}")
     if cfg.zero.stage not in (0, 1, 2, 3):
         fail("zero.stage", f"must be 0, 1, 2 or 3, got {cfg.zero.stage}")
+    if cfg.zero.hpz_partition_size < 1:
+        fail("zero.hpz_partition_size", f"must be >= 1, got {cfg.zero.hpz_partition_size}")
+    for key in ("hpz_partition_size", "quantized_weights", "quantized_gradients"):
+        if getattr(cfg.zero, key) not in (1, False) and cfg.zero.stage != 3:
+            fail(f"zero.{key}", f"is ZeRO++, which DeepSpeed runs only with zero.stage=3 (got stage {cfg.zero.stage})")
     if cfg.checkpoint.every_steps <= 0:
         fail("checkpoint.every_steps", f"must be positive, got {cfg.checkpoint.every_steps}")
     if cfg.checkpoint.keep_last < 1:
@@ -564,7 +574,7 @@ def from_dict(tree: dict) -> Config:
 
 def image_size(model: ModelConfig) -> int:
     """The model's input resolution: ``model.img_size`` or the one in the model's name."""
-    from pretrain.model import model_defaults
+    from pretrain.arch import model_defaults
 
     return model.img_size or model_defaults(model.name)["img_size"]
 

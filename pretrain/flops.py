@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
+from pretrain.arch import _stem_macs, analytic_flops  # noqa: F401  (re-exported: the torch-free count)
 from pretrain.model import VisionTransformer, create_model, list_models, model_defaults
-from pretrain.resnet_stem import stem_channels
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, without sparsity).
 PEAK_BF16_TFLOPS = {
@@ -72,67 +72,6 @@ def forward_flops(model: VisionTransformer, img_size=None, by_module: bool = Fal
         return dict(fca.by_module()) if by_module else int(fca.total())
     finally:
         model.train(was_training)
-
-
-# --------------------------------------------------------------------------------- analytic
-def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int, int]:
-    """Multiply-adds of the hybrid's ResNet (convs + GroupNorms); returns (macs, h, w) out."""
-    ceil = lambda a, s: -(-a // s)  # noqa: E731  TF 'SAME' output size
-    macs = 0
-    h, w = ceil(h, 2), ceil(w, 2)
-    macs += h * w * width * in_chans * 49 + 5 * h * w * width  # 7x7/2 conv + GN
-    h, w = ceil(h, 2), ceil(w, 2)  # max-pool (not counted by fvcore)
-    cin = width
-    for i, depth in enumerate(layers):
-        cout, stride = 256 * 2 ** i, 1 if i == 0 else 2
-        for j in range(depth):
-            s = stride if j == 0 else 1
-            mid = cout // 4
-            oh, ow = ceil(h, s), ceil(w, s)
-            if s != 1 or cin != cout:
-                macs += oh * ow * cout * cin + 5 * oh * ow * cout  # projection shortcut
-            macs += h * w * mid * cin + 5 * h * w * mid  # 1x1
-            macs += oh * ow * mid * mid * 9 + 5 * oh * ow * mid  # 3x3 (strided)
-            macs += oh * ow * cout * mid + 5 * oh * ow * cout  # 1x1
-            h, w, cin = oh, ow, cout
-    return macs, h, w
-
-
-def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
-                   representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False):
-    """The same count as :func:`forward_flops`, from the architecture alone (no tensors)."""
-    a = model_defaults(name)
-    img = img_size or a["img_size"]
-    h, w = (img, img) if isinstance(img, int) else img
-    d, depth, p = a["embed_dim"], a["depth"], a["patch_size"]
-    if "stem_stride" in a:
-        embed, gh, gw = _stem_macs(h, w, a["stem_layers"])
-        cin = stem_channels(a["stem_layers"])
-        embed += gh * gw * cin * d
-    else:
-        gh, gw = h // p, w // p
-        embed = gh * gw * 3 * p * p * d
-    n = gh * gw + 1
-    hidden = a["mlp_hidden"]  # 4 d, except g/14 and G/14
-    per_block = (
-        (4 if qk_norm else 2) * 5 * n * d  # two LayerNorms (+ the queries' and keys' with qk_norm)
-        + n * d * 3 * d  # qkv
-        + 2 * n * n * d  # Q K^T and A V over all heads
-        + n * d * d  # output projection
-        + 2 * n * d * hidden  # MLP
-    )
-    blocks = depth * per_block
-    final_norm = 5 * n * d if global_pool == "token" else 5 * d
-    feat = d
-    head = 0
-    if representation_size:
-        head += d * representation_size
-        feat = representation_size
-    head += feat * num_classes
-    total = embed + blocks + final_norm + head
-    if breakdown:
-        return dict(embed=embed, blocks=blocks, head=head + final_norm, total=total)
-    return total
 
 
 # -------------------------------------------------------------------------------- training/MFU

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.resnet_stem import ResNetStem, stem_stride
+from pretrain.arch import _REGISTRY, _Variant, _variant, list_models, model_defaults, register  # noqa: F401
+from pretrain.resnet_stem import ResNetStem
 
 _Size = Union[int, tuple[int, int]]
 # Called around the initialisation of each module's own parameters; the default does nothing.
@@ -368,69 +369,6 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
         nn.init.zeros_(m.bias)
     elif isinstance(m, LayerScale):
         nn.init.constant_(m.gamma, m.init_values)
-
-
-# ----------------------------------------------------------------------------------- registry
-@dataclass(frozen=True)
-class _Variant:
-    patch_size: int
-    embed_dim: int
-    depth: int
-    num_heads: int
-    img_size: int = 224
-    mlp_ratio: float = 4.0
-    stem_layers: tuple[int, ...] = ()  # ResNet stage depths for hybrids
-
-
-_REGISTRY: dict[str, _Variant] = {}
-
-
-def register(name: str, **arch) -> None:
-    _REGISTRY[name] = _Variant(**arch)
-
-
-# Table 1 of the paper (+ timm's Tiny / Small). Hybrid: R50 with stage 4 removed and its blocks
-# moved to stage 3 (3, 4, 9), total stride 16, patch size 1 on the feature map.
-register("vit_tiny_patch16_224", patch_size=16, embed_dim=192, depth=12, num_heads=3)
-register("vit_small_patch16_224", patch_size=16, embed_dim=384, depth=12, num_heads=6)
-register("vit_base_patch16_224", patch_size=16, embed_dim=768, depth=12, num_heads=12)
-register("vit_base_patch32_224", patch_size=32, embed_dim=768, depth=12, num_heads=12)
-register("vit_large_patch16_224", patch_size=16, embed_dim=1024, depth=24, num_heads=16)
-register("vit_large_patch32_224", patch_size=32, embed_dim=1024, depth=24, num_heads=16)
-register("vit_huge_patch14_224", patch_size=14, embed_dim=1280, depth=32, num_heads=16)
-# "Scaling Vision Transformers" (Zhai et al. 2021), Table 2: g/14 is 1408 wide with a 6144 MLP,
-# G/14 1664 wide with an 8192 MLP; timm writes these as the ratios 48/11 and 64/13 (same widths).
-register("vit_giant_patch14_224", patch_size=14, embed_dim=1408, depth=40, num_heads=16, mlp_ratio=48 / 11)
-register("vit_gigantic_patch14_224", patch_size=14, embed_dim=1664, depth=48, num_heads=16, mlp_ratio=64 / 13)
-register("vit_base_patch16_384", patch_size=16, embed_dim=768, depth=12, num_heads=12, img_size=384)
-register("vit_large_patch16_384", patch_size=16, embed_dim=1024, depth=24, num_heads=16, img_size=384)
-register("vit_base_r50_s16_224", patch_size=1, embed_dim=768, depth=12, num_heads=12,
-         stem_layers=(3, 4, 9))
-register("vit_base_r50_s16_384", patch_size=1, embed_dim=768, depth=12, num_heads=12, img_size=384,
-         stem_layers=(3, 4, 9))
-
-
-def list_models() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _variant(name: str):
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(list_models())}")
-    return _REGISTRY[name]
-
-
-def model_defaults(name: str) -> dict:
-    """Architecture of a registered variant as a dict (no tensors are built). ``stride``: input
-    pixels per token, per side; hybrids also give ``stem_layers`` and ``stem_stride``."""
-    v = _variant(name)
-    d = dict(patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth, num_heads=v.num_heads,
-             img_size=v.img_size, stride=v.patch_size, stem_layers=v.stem_layers,
-             mlp_hidden=int(v.embed_dim * v.mlp_ratio))
-    if v.stem_layers:
-        d["stem_stride"] = stem_stride(v.stem_layers)
-        d["stride"] = v.patch_size * d["stem_stride"]
-    return d
 
 
 def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,

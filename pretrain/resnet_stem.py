@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pretrain.arch import stem_channels, stem_stride  # noqa: F401
+
 
 def _same_pad(x: torch.Tensor, k: int, s: int, value: float = 0.0) -> torch.Tensor:
     """TF 'SAME' padding: output = ceil(input / stride); the extra pixel goes right/bottom."""
@@ -104,15 +106,6 @@ class _Stem(nn.Module):
         x = self.norm(self.conv(x))
         # 3x3/2 max-pool with 'SAME' padding by -inf, so padding never wins the max
         return F.max_pool2d(_same_pad(x, 3, 2, value=float("-inf")), 3, 2)
-
-
-def stem_stride(layers: tuple[int, ...]) -> int:
-    """Input pixels per output position of the stem: the /4 root, then /2 per stage after the first."""
-    return 4 * 2 ** (len(layers) - 1)
-
-
-def stem_channels(layers: tuple[int, ...]) -> int:
-    return 256 * 2 ** (len(layers) - 1)
 
 
 class ResNetStem(nn.Module):

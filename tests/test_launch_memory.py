@@ -58,7 +58,7 @@ def test_model_states_by_zero_stage():
     per_gpu = {s: sum(v for k, v in memory.model_state_bytes(p, stage=s, world=n, precision="bf16").items()
                       if k != "cpu") for s in (0, 1, 2, 3)}
     assert per_gpu[0] == 20 * p  # bf16 weights 2 + grads 2 + fp32 master 4 + fp32 grads 4 + Adam 8
-    assert per_gpu[1] == (2 + 2 + 16 / n) * p  # optimizer states sharded
+    assert per_gpu[1] == (2 + 6 + 12 / n) * p  # BF16_Optimizer: whole bf16 + fp32 grads, master + Adam sharded
     assert per_gpu[2] == (2 + 18 / n) * p  # ... and 16-bit gradients
     assert per_gpu[3] == 20 / n * p  # ... and weights
     # ZeRO-2 equals DeepSpeed's own estimator (without offload): 2 + 18/N bytes per parameter
