@@ -4,6 +4,8 @@
                [--master-addr A] [--master-port P] [--include S | --exclude S]
                [--gpu-memory-gb 80] [--skip-checks] [--dry-run] [a.b=c ...]
     vit-launch check --config FILE [same resource options] [--world-size W] [a.b=c ...]
+    vit-launch plan --model NAME --gpu GPU --nodes N --gpus-per-node G --micro-batch B [--search] [--json]
+    vit-launch plan --config FILE --world-size W --gpu GPU [a.b=c ...]
     vit-launch slurm --config FILE --nodes N --gpus-per-node G [--partition P] [--time T]
                [--launcher pdsh|srun] --output job.sbatch [a.b=c ...]
     vit-launch slurm --shards --parts N --output shards.sbatch [...] -- VIT-SHARDS OPTIONS
@@ -26,10 +28,11 @@ from data_pipeline.errors import Parser, cli_errors
 from pretrain.config import load_config
 
 PROG = "vit-launch"
-COMMANDS = ("run", "check", "slurm", "sweep")
+COMMANDS = ("run", "check", "plan", "slurm", "sweep")
 SUMMARY = {  # one line each: `vit-launch --help` lists them, each command's --help starts with its own
     "run": "(the default) run the pre-flight checks, then start the deepspeed runner and supervise the job",
     "check": "run the pre-flight checks alone: batch, shards, manifest, run dir, memory (no GPU claimed)",
+    "plan": "predict images/s, MFU, memory and the bottleneck of a layout from the performance model (--search ranks layouts)",
     "slurm": "check the layout, then write an sbatch script that starts the job on a SLURM allocation",
     "sweep": "run the same short job at several world sizes and plot the scaling curve",
 }
@@ -39,6 +42,7 @@ DESCRIPTION = {
     "check": "Run the pre-flight checks for a config and a number of ranks, without claiming a GPU: batch "
              "arithmetic, shards and manifest (sizes, headers, sample counts), run directory, memory estimate. "
              "Exit 0 when none fails, 2 with one line per failure.",
+    "plan": None,
     "slurm": "Write an sbatch script for a pre-training job on NODES x GPUS ranks. The batch arithmetic and the "
              "memory estimate are checked first (a layout that fails is one line, exit 2, no script); the "
              "script checks data and disks on the first node before it starts the job.",
@@ -78,6 +82,12 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         ap = Parser(prog=PROG, usage=f"{PROG} [{'|'.join(COMMANDS)}] --config FILE [options] [a.b=c ...]",
                     description=textwrap.fill(DESCRIPTION[cmd], 88), epilog=epilog,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    elif cmd == "plan":
+        from launch.plan_cli import DESCRIPTION as PLAN, add_arguments
+
+        ap = Parser(prog=f"{PROG} plan", description=PLAN)
+        add_arguments(ap)
+        return ap
     else:
         ap = Parser(prog=f"{PROG} {cmd}", description=DESCRIPTION[cmd])
     _common(ap)
@@ -98,6 +108,8 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                              "(<output_dir>/stragglers.json); the hostfile used is written to <output_dir>/hostfile.used")
     elif cmd == "check":
         ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
+        ap.add_argument("--gpu", help="GPU type: also print the performance model's prediction for this layout "
+                                      "(see `vit-launch plan --help` for the types)")
     elif cmd == "slurm":
         from launch.slurm import add_arguments
 
@@ -216,7 +228,24 @@ def cmd_check(args) -> int:
         world, nodes = spec_world_size(_spec(args))
         where = f"{nodes} node(s)"
     ok = _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
+    if args.gpu:
+        from launch import perfmodel
+
+        if args.gpu not in perfmodel.GPUS:
+            print(f"{PROG}: error: --gpu {args.gpu!r} is not one of {', '.join(perfmodel.GPUS)}", file=sys.stderr)
+            return 2
+        per_node = args.gpus_per_node or min(world, 8)
+        nodes = max(1, world // per_node)
+        pred = perfmodel.predict(perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=world // nodes,
+                                                              gpu=args.gpu))
+        print(perfmodel.summary_line(pred), flush=True)
     return 0 if ok else 2
+
+
+def cmd_plan(args) -> int:
+    from launch.plan_cli import command
+
+    return command(args)
 
 
 def cmd_slurm(args) -> int:
@@ -269,7 +298,8 @@ def main(argv=None) -> None:
         shards_main(argv)
     args = _parser(cmd).parse_intermixed_args(argv)
     with cli_errors(PROG, DataError, PlotError, OSError):  # OSError: an unwritable --output, say
-        code = {"run": cmd_run, "check": cmd_check, "slurm": cmd_slurm, "sweep": cmd_sweep}[cmd](args)
+        code = {"run": cmd_run, "check": cmd_check, "plan": cmd_plan, "slurm": cmd_slurm,
+                "sweep": cmd_sweep}[cmd](args)
     raise SystemExit(code)
 
 

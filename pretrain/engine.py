@@ -33,6 +33,9 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
             # recompile limit. Compiled blocks are ZeRO-3 leaf modules (compile_blocks), their
             # weights gathered around the whole block, so the plain F.linear serves.
             z["memory_efficient_linear"] = False
+        # ZeRO++ (Wang et al. 2023), DeepSpeed's own key names; qwZ/qgZ quantize with CUDA kernels
+        z.update(zero_hpz_partition_size=zero.hpz_partition_size, zero_quantized_weights=zero.quantized_weights,
+                 zero_quantized_gradients=zero.quantized_gradients)
     if zero.offload_optimizer:
         if zero.stage == 0:
             raise ConfigError("zero.offload_optimizer needs zero.stage >= 1")
@@ -153,12 +156,22 @@ def compile_blocks(model: torch.nn.Module, zero_stage: int = 0, backend: str = "
     return len(blocks)
 
 
+def check_zeropp_device(zero: ZeroConfig, cuda: bool) -> None:
+    """qwZ and qgZ quantize in DeepSpeed's CUDA quantizer op: without a GPU, one line instead of a
+    build error deep inside the first step. hpZ has no kernel of its own."""
+    keys = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
+    if keys and not cuda:
+        raise ConfigError(f"zero.{keys[0]}=true needs CUDA (DeepSpeed's quantizer kernels); this process has no GPU: "
+                          f"set zero.{keys[0]}=false on CPU")
+
+
 def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, zero: ZeroConfig,
                world_size: int):
     """``deepspeed.initialize`` with our optimizer and schedule; returns (engine, ds_config)."""
     import deepspeed
 
     ds_cfg = deepspeed_config(optim, train, zero, world_size)
+    check_zeropp_device(zero, torch.cuda.is_available())
     if train.activation_checkpointing:
         model.set_grad_checkpointing(True)
     if train.compile:

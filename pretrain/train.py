@@ -307,6 +307,11 @@ def run(cfg: Config) -> dict:
     run_config = {**to_dict(cfg), "world_size": world, "zero_stage": cfg.zero.stage,
                   "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
                   "train_flops_per_image": flops[0], "gradient_accumulation": gas}
+    predicted = _prediction(cfg, world)
+    if predicted:
+        run_config["predicted"] = predicted
+        say(f"performance model for this layout on {predicted['gpu']}: {predicted['images_per_second']:,.0f} img/s, "
+            f"MFU {predicted['mfu']:.1%} (measured img/s and MFU follow in the log lines)")
     if cfg.logging.wandb.mode == "online":
         say(f"starting W&B online (offline after logging.wandb.init_timeout_s={cfg.logging.wandb.init_timeout_s:g})")
     logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id,
@@ -361,6 +366,16 @@ def run(cfg: Config) -> dict:
         print(_goodbye(result), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
     dist.barrier()
     return result
+
+
+def _prediction(cfg, world: int):
+    """``launch.perfmodel.run_record`` for this job's GPUs (none on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    from launch.perfmodel import run_record
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+    return run_record(cfg, world, per_node, torch.cuda.get_device_name())
 
 
 def _hosts() -> list[str]:

@@ -1,0 +1,139 @@
+"""``vit-launch plan``: the performance model (``launch/perfmodel.py``) for one layout or a search.
+
+    vit-launch plan --model NAME --gpu GPU --nodes N --gpus-per-node G --micro-batch B
+                    [--global-batch GB] [--zero S] [--checkpointing] [--network PRESET] [--json]
+    vit-launch plan --config FILE --world-size W --gpu GPU [a.b=c ...]
+    vit-launch plan ... --search
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from launch import perfmodel
+
+DESCRIPTION = ("Predict a layout's images/s, MFU, step time, exposed communication, memory per GPU and "
+               "bottleneck from the performance model (no GPU needed), or rank the layouts that fit with --search.")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")
+    ap.add_argument("--model", help="registered model name (without --config), e.g. vit_large_patch16_224")
+    ap.add_argument("--gpu", required=True, choices=sorted(perfmodel.GPUS), help="GPU type")
+    ap.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    ap.add_argument("--world-size", type=int, help="total GPUs (with --config; nodes = world / gpus-per-node)")
+    ap.add_argument("--micro-batch", type=int, help="images per GPU per forward/backward (default 32)")
+    ap.add_argument("--global-batch", type=int, help="images per optimizer step (default: micro x world)")
+    ap.add_argument("--img-size", type=int, help="input resolution (default: the model's)")
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 1)")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    ap.add_argument("--compile", action="store_true", help="torch.compile of the blocks on")
+    ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], help="gradient reduction dtype (default fp32)")
+    ap.add_argument("--hpz", type=int, help="ZeRO++ hpZ: secondary partition group size (stage 3)")
+    ap.add_argument("--quantized-weights", action="store_true", help="ZeRO++ qwZ: int8 weight all-gather (stage 3)")
+    ap.add_argument("--quantized-gradients", action="store_true", help="ZeRO++ qgZ: int4 gradient all-to-all (stage 3)")
+    ap.add_argument("--network", choices=sorted(perfmodel.NETWORKS),
+                    help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, else pcie-100gbe)")
+    ap.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
+    ap.add_argument("--inter-node-gbps", type=float, help="a node's NICs together, Gbit/s one way (overrides the preset)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (with --search: a list)")
+    ap.add_argument("--search", action="store_true",
+                    help="rank ZeRO stage x micro batch x checkpointing x ZeRO++ layouts that fit, best first")
+    ap.add_argument("--top", type=int, default=10, help="rows --search prints (default 10)")
+
+
+def layout(args) -> perfmodel.Layout:
+    from pretrain.config import ConfigError, load_config
+
+    if args.config:
+        cfg = load_config(args.config, args.overrides)
+        nodes = args.nodes
+        if args.world_size:
+            nodes, rest = divmod(args.world_size, args.gpus_per_node)
+            if rest or nodes < 1:
+                if args.world_size < args.gpus_per_node:
+                    nodes, args.gpus_per_node = 1, args.world_size
+                else:
+                    raise ConfigError(f"--world-size {args.world_size} is not a multiple of --gpus-per-node "
+                                      f"{args.gpus_per_node}")
+        lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                                           network=args.network)
+    else:
+        if not args.model:
+            raise ConfigError("give --model NAME or --config FILE")
+        if args.overrides:
+            raise ConfigError(f"config overrides {args.overrides[0]!r} need --config")
+        from pretrain.arch import list_models
+
+        if args.model not in list_models():
+            raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
+        net = args.network or ("dgx-a100" if args.gpu.startswith("a100") else
+                               "dgx-h100" if args.gpu in ("h100-sxm", "h200", "b200") else "pcie-100gbe")
+        lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                               network=net)
+    kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
+                                zero=args.zero, reduce_dtype=args.reduce_dtype, hpz_partition_size=args.hpz,
+                                network=args.network, intra_node_gbps=args.intra_node_gbps,
+                                inter_node_gbps=args.inter_node_gbps).items() if v is not None}
+    for flag, key in (("checkpointing", "checkpointing"), ("compile", "compile"),
+                      ("quantized_weights", "quantized_weights"), ("quantized_gradients", "quantized_gradients")):
+        if getattr(args, flag):
+            kw[key] = True
+    lay = replace(lay, **kw)
+    try:
+        lay.accumulation
+    except ValueError as e:
+        raise ConfigError(f"--global-batch: {e}") from None
+    return lay
+
+
+def describe(p: perfmodel.Prediction) -> str:
+    lay = p.layout
+    mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb_per_gpu.items() if k != "total")
+    comm = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.comm_bytes_per_gpu.items()) or "none"
+    k = p.layout["global_batch"] or lay["micro_batch"] * lay["nodes"] * lay["gpus_per_node"]
+    return "\n".join([
+        f"{lay['model']} on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']} ({lay['network']}), ZeRO-{lay['zero']}, "
+        f"micro batch {lay['micro_batch']}, global batch {k}, {lay['precision']}, reduce {lay['reduce_dtype']}"
+        + (", checkpointing" if lay["checkpointing"] else "") + (", compiled" if lay["compile"] else ""),
+        f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
+        f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
+        f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
+        f"(element-wise {p.elementwise_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
+        f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",
+        f"  sent per GPU    {comm} per step",
+        f"  memory per GPU  {p.memory_gb_per_gpu['total']:.1f} GB ({mem}) -> "
+        + ("fits" if p.fits else "does NOT fit"),
+        f"  bottleneck      {p.bottleneck}",
+    ])
+
+
+def table(rows: list[perfmodel.Prediction]) -> str:
+    head = f"{'rank':>4}  {'zero':>4}  {'micro':>5}  {'ckpt':>4}  {'hpz':>3}  {'qwZ':>3}  {'img/s':>10}  {'MFU':>6}  {'GB/GPU':>6}  bottleneck"
+    lines = [head]
+    for i, p in enumerate(rows, 1):
+        lay = p.layout
+        lines.append(f"{i:>4}  {lay['zero']:>4}  {lay['micro_batch']:>5}  {'on' if lay['checkpointing'] else 'off':>4}  "
+                     f"{lay['hpz_partition_size']:>3}  {'on' if lay['quantized_weights'] else 'off':>3}  "
+                     f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.memory_gb_per_gpu['total']:>6.1f}  {p.bottleneck}")
+    return "\n".join(lines)
+
+
+def command(args) -> int:
+    lay = layout(args)
+    if args.search:
+        rows = perfmodel.search(lay)
+        if not rows:
+            print(f"vit-launch plan: no layout of {lay.model} fits {perfmodel.gpu_of(lay).memory_gb:.0f} GB per GPU",
+                  file=sys.stderr)
+            return 2
+        rows = rows[:args.top]
+        print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else table(rows))
+        return 0
+    p = perfmodel.predict(lay)
+    print(json.dumps(p.as_dict(), indent=1) if args.json else describe(p))
+    return 0
