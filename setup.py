@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["pretrain", "pretrain.transfer", "data_pipeline", "launch"],
+    package_data={"launch": ["published_runs.json"]},
     install_requires=[
         "torch>=2.4",
         "torchvision>=0.19",
@@ -25,7 +26,7 @@ setup(
         "matplotlib>=3.7",
         "imagehash>=4.3",  # vit-audit's perceptual hash (pulls scipy, PyWavelets)
     ],
-    extras_require={"test": ["pytest>=8.0", "timm>=1.0", "scikit-image>=0.22"]},
+    extras_require={"test": ["pytest>=8.0", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40"]},
     entry_points={
         "console_scripts": [
             "vit-shards=data_pipeline.write_shards:main",

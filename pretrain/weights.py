@@ -1,4 +1,6 @@
-"""Loading weights into a model from a state dict, a safetensors file or a ``.pth``/``.bin`` file.
+"""Loading weights into a model from a state dict, a safetensors file, a ``.pth``/``.bin`` file
+or a Hugging Face transformers ViT folder (config.json + model.safetensors or pytorch_model.bin,
+names mapped back to ours and query / key / value fused: ``pretrain.hf``).
 
 Never unpickles arbitrary objects: ``.pth``/``.bin``/``.pt`` go through ``torch.load(weights_only=True)``.
 Position embeddings are resized by 2-D interpolation when the patch grids differ (224 -> 384
@@ -7,12 +9,14 @@ by name.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
 import torch
 
+from pretrain import hf
 from pretrain.model import resize_pos_embed
 
 Source = Union[str, Path, Mapping[str, torch.Tensor]]
@@ -47,11 +51,14 @@ class LoadReport:
 
 
 def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(state dict on CPU, metadata) from a mapping or a file. Unwraps {'state_dict': ...}-style
-    containers and strips the 'module.' prefix of DDP / DeepSpeed wrappers."""
+    """(state dict on CPU, metadata) from a mapping, a file or a transformers ViT folder. Unwraps
+    {'state_dict': ...}-style containers and strips the 'module.' prefix of DDP / DeepSpeed
+    wrappers."""
     meta: dict[str, str] = {}
     if isinstance(source, Mapping):
         sd = dict(source)
+    elif Path(source).is_dir():
+        return read_hf_folder(Path(source))
     else:
         path = Path(source)
         if not path.is_file():
@@ -81,6 +88,23 @@ def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, 
     if bad:
         raise WeightsError(f"entries that are not tensors: {', '.join(bad[:5])}")
     return sd, meta
+
+
+def read_hf_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict in our names, metadata with the patch grid) of a transformers ViT folder; its
+    weight files are read as any other (safetensors, or ``torch.load(weights_only=True)``)."""
+    if not hf.is_hf_folder(path):
+        raise WeightsError(f"{path}: a folder, but not a transformers ViT folder (config.json with model_type "
+                           f"'vit' and {' or '.join(hf.WEIGHT_FILES[::2])}); give a weights file")
+    config = json.loads((path / hf.CONFIG).read_text())
+    try:
+        hf.check_config(config, str(path / hf.CONFIG))
+    except ValueError as e:
+        raise WeightsError(str(e)) from None
+    sd: dict[str, torch.Tensor] = {}
+    for f in hf.weight_files(path):
+        sd.update(read_state_dict(f)[0])
+    return hf.from_hf(sd), {**hf.folder_meta(config), "hf_config": json.dumps(config)}
 
 
 def _grid_from_meta(meta: dict[str, str]) -> Optional[tuple[int, int]]:

@@ -1,0 +1,254 @@
+"""Hugging Face round trip: our ViT <-> transformers' ViTForImageClassification, and timm's
+pretrained_cfg on the timm export. Real transformers and timm, real files, no mocks.
+
+Run directories are built by hand in the layout training writes (a ZeRO-0 checkpoint with its
+COMPLETE marker, config.yaml, metrics.jsonl, summary.json, a vit-transfer results file): training
+itself takes ~40 s to start, and the export reads nothing else. Images are real JPEGs decoded
+and normalised by the project's own evaluation transform.
+"""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+import transformers  # the test extra (setup.py): a missing install fails here rather than skipping
+import yaml
+from PIL import Image
+
+from data_pipeline.transforms import SampleTransform, normalized_batch
+from pretrain import hf, rundir
+from pretrain.config import load_config, save_config, to_dict
+from pretrain.export import main as export_main
+from pretrain.flops import analytic_flops
+from pretrain.model import create_model
+from pretrain.weights import load_weights, read_state_dict
+
+CLASSES = ["abyssinian", "beagle", "bengal", "boxer", "pug", "sphynx"]
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # not the defaults: proves they travel
+
+
+def jpeg_batch(img: int, mean=MEAN, std=STD) -> torch.Tensor:
+    """Two real JPEGs (gradient + noise, and its mirror), decoded, resized and centre-cropped by
+    our evaluation transform, normalised."""
+    yy, xx = np.mgrid[0:96, 0:128]
+    rng = np.random.default_rng(0)
+    arr = np.stack([xx * 2, yy * 2, xx + yy], -1) % 256 + rng.integers(0, 60, (96, 128, 3))
+    out = []
+    for a in (arr, arr[:, ::-1]):
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+        aug = load_config(None).data.augment
+        out.append(SampleTransform(aug, img, train=False)(Image.open(io.BytesIO(buf.getvalue())), seed=0))
+    return normalized_batch(out, mean, std)
+
+
+def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Non-trivial weights everywhere (the head starts at zero, LayerNorms at 1/0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("head") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def hf_logits(folder, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    m, info = transformers.ViTForImageClassification.from_pretrained(str(folder), output_loading_info=True)
+    with torch.no_grad():
+        return m.eval()(pixel_values=x).logits, info
+
+
+def assert_clean(info: dict) -> None:
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+# ------------------------------------------------------------------------------- run directory
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    (d / "train-000000.tar").write_bytes(b"")
+    (d / "manifest.json").write_text(json.dumps({
+        "format": "vitscale-shards", "version": 1, "split": "train", "source": "imagefolder:/data/pets",
+        "classes": CLASSES, "multi_label": False, "total": 8, "shards": [{"name": "train-000000.tar", "samples": 8}]}))
+    return d / "manifest.json"
+
+
+def make_run(root, manifest, step: int = 5, weights: bool = True, **model):
+    """A run directory as training leaves it, with random weights; returns (root, our model)."""
+    model = {"name": "vit_tiny_patch16_224", "img_size": 32, "num_classes": len(CLASSES), **model}
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + [
+        f"data.train_shards={manifest}", f"train.output_dir={root}", "zero.stage=0", "train.global_batch_size=16",
+        "train.micro_batch_size=8", f"data.augment.mean={MEAN}", f"data.augment.std={STD}",
+        "data.augment.eval_crop_pct=0.9", "train.precision=fp32"])
+    ckpt = root / "checkpoints" / rundir.tag_for(step)
+    ckpt.mkdir(parents=True)
+    ours = randomized(create_model(cfg.model.name, img_size=cfg.model.img_size, num_classes=cfg.model.num_classes,
+                                   global_pool=cfg.model.global_pool, qk_norm=cfg.model.qk_norm,
+                                   init_values=cfg.model.init_values,
+                                   representation_size=cfg.model.representation_size, init_seed=1))
+    if weights:
+        torch.save({"module": ours.state_dict()}, ckpt / "mp_rank_00_model_states.pt")
+    (ckpt / "run.json").write_text(json.dumps({"config": to_dict(cfg), "wandb_run_id": "r1", "step": step,
+                                               "world_size": 2}))
+    (ckpt / rundir.COMPLETE).write_text(rundir.marker(step, ckpt))
+    save_config(cfg, root / "config.yaml")
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.5 - 0.1 * s}) + "\n"
+                                                for s in range(1, step + 2)))  # step+1: logged after the checkpoint
+    (root / "summary.json").write_text(json.dumps({"step": step, "seconds": 7200.0, "world_size": 2, "resumed_from": 0}))
+    (root / "results.json").write_text(json.dumps({
+        "suite": "cifar100", "protocol": "linear", "step": step, "img_size": 32, "mean": 0.4321,
+        "tasks": {"cifar100": {"accuracy": 0.4321}}}))
+    return root, ours
+
+
+def export(capsys, *args) -> tuple[int, str, str]:
+    try:
+        export_main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------------------------- tests
+def test_run_to_hf_folder_logits_labels_card(tmp_path, manifest, capsys):
+    run, ours = make_run(tmp_path / "run", manifest)
+    code, out, err = export(capsys, run, tmp_path / "hf", "--format", "hf")
+    assert code == 0, err
+    assert "from_pretrained(" in out and "vit_tiny_patch16_224 step 5" in err
+    x = jpeg_batch(32)
+    logits, info = hf_logits(tmp_path / "hf", x)
+    assert_clean(info)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ours(x), rtol=0, atol=1e-4)
+    assert logits.abs().max() > 1e-2  # a real comparison, not of zeros
+
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["layer_norm_eps"] == 1e-6 and cfg["image_size"] == 32 and cfg["intermediate_size"] == 768
+    assert [cfg["id2label"][str(i)] for i in range(len(CLASSES))] == CLASSES and cfg["label2id"]["pug"] == 4
+    proc = transformers.AutoImageProcessor.from_pretrained(str(tmp_path / "hf"))
+    assert list(proc.image_mean) == MEAN and list(proc.image_std) == STD
+    assert (proc.size["height"], proc.size["width"]) == (32, 32)
+    pil = Image.fromarray(np.full((40, 40, 3), 128, np.uint8))  # the processor's own pixels: same logits
+    px = proc(images=pil, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(tmp_path / "hf", px)[0], ours(px), rtol=0, atol=1e-4)
+
+    card = (tmp_path / "hf" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["library_name"] == "transformers" and "vision" in front["tags"]
+    assert front["datasets"] == ["pets"] and front["metrics"] == ["accuracy"]
+    eflops = 6 * analytic_flops("vit_tiny_patch16_224", 32, len(CLASSES)) * 5 * 16 / 1e18
+    for needle in ("| Steps | 5 |", "| Images seen | 80 (5 x global batch 16) |", f"{eflops:.3g} exaFLOPs",
+                   "| Final training loss | 2.0000 (step 5, metrics.jsonl) |", "| Device-hours | 4 (2 device(s) x 2 h",
+                   "## Transfer results", "| 5 | cifar100 | linear | 32 | cifar100 | 43.21 |"):
+        assert needle in card, (needle, card)
+
+
+def test_ours_hf_ours_bit_identical_base_shapes(tmp_path):
+    """ViT-B/16 shapes at 32 px, without a checkpoint: the conversion and folder writer alone."""
+    from pretrain.export import write_safetensors
+
+    model = {"name": "vit_base_patch16_224", "img_size": 32, "num_classes": 7}
+    ours = randomized(create_model("vit_base_patch16_224", img_size=32, num_classes=7, init_seed=2))
+    sd = ours.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in hf.from_hf(hf.to_hf(sd)).items())
+    labels = hf.labels_for(7, None)
+    hf.write_folder(tmp_path / "b", sd, hf.hf_config(model, labels), hf.preprocessor_config(32, MEAN, STD),
+                    "# card\n", write_safetensors)
+    back, meta = read_state_dict(tmp_path / "b")
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert meta["grid_size"] == "2x2"
+    x = jpeg_batch(32)
+    logits, info = hf_logits(tmp_path / "b", x)
+    assert_clean(info)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["id2label"]["6"] == "LABEL_6"
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ours(x), rtol=0, atol=1e-4)
+
+
+def test_hf_to_ours_to_hf(tmp_path, capsys):
+    """A transformers model loads into ours through pretrain.weights, into vit-transfer's backbone
+    at another resolution (position embeddings resized, head replaced), and exports back to a
+    folder transformers loads with the same logits and labels. Its LayerNorm eps is ours (1e-6):
+    with transformers' default 1e-12 the logits differ by the eps alone (~5e-5 here)."""
+    from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+
+    torch.manual_seed(3)
+    conf = transformers.ViTConfig(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
+                                  image_size=32, patch_size=16, layer_norm_eps=1e-6, id2label=dict(enumerate(CLASSES[:5])),
+                                  label2id={c: i for i, c in enumerate(CLASSES[:5])})
+    src = transformers.ViTForImageClassification(conf).eval()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    src.save_pretrained(str(tmp_path / "src"))
+    x = jpeg_batch(32)
+    with torch.no_grad():
+        ref = src(pixel_values=x).logits
+
+    ours = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5).eval()
+    assert load_weights(ours, tmp_path / "src").clean
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref, rtol=0, atol=1e-4)
+
+    # transformers 5's in-memory names (q_proj, mlp.fc1, vit.layers) in a pytorch_model.bin load too
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    torch.save(src.state_dict(), tmp_path / "mem" / "pytorch_model.bin")
+    again = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5).eval()
+    assert load_weights(again, tmp_path / "mem").clean
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values()))
+
+    pre = load_pretrained(tmp_path / "src")
+    assert pre.arch["name"] == "vit_tiny_patch16_224" and pre.img_size == 32 and pre.grid == (2, 2)
+    bb = build_backbone(pre, img_size=48, num_classes=3, finetune=True)
+    assert bb.pos_embed.shape == (1, 1 + 9, 192) and torch.equal(bb.pos_embed[:, 0], ours.pos_embed[:, 0])
+    assert torch.equal(bb.head.weight, torch.zeros(3, 192))
+
+    code, _, err = export(capsys, tmp_path / "src", tmp_path / "back", "--format", "hf")
+    assert code == 0, err
+    logits, info = hf_logits(tmp_path / "back", x)
+    assert_clean(info)
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["id2label"]["4"] == "pug"
+
+
+@pytest.mark.parametrize("key, value", [("qk_norm", "true"), ("init_values", "1e-5"), ("global_pool", "avg"),
+                                        ("representation_size", "192"), ("name", "vit_base_r50_s16_224")])
+def test_unsupported_variant_is_one_line_naming_the_key(tmp_path, manifest, capsys, key, value):
+    """Refused from run.json alone: the checkpoint here holds no weights at all."""
+    extra = {"img_size": 64} if key == "name" else {}
+    run, _ = make_run(tmp_path / "run", manifest, weights=False, **{key: value, **extra})
+    code, out, err = export(capsys, run, tmp_path / "hf", "--format", "hf")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("vit-export: error: config key model.") and f"key model.{key}=" in lines[0], err
+    assert "--format timm" in lines[0] and not (tmp_path / "hf").exists()
+
+
+def test_timm_export_carries_pretrained_cfg(tmp_path, manifest, capsys):
+    run, ours = make_run(tmp_path / "run", manifest)
+    out = tmp_path / "w.safetensors"
+    code, stdout, err = export(capsys, run, out)
+    assert code == 0, err
+    call = stdout.strip().splitlines()[-1]
+    assert call.startswith("import timm; m = timm.create_model('vit_tiny_patch16_224', pretrained=True, img_size=32, "
+                           "num_classes=6, pretrained_cfg_overlay=dict("), call
+    scope: dict = {}
+    exec(call, scope)  # the printed line, as a user would paste it
+    m = scope["m"].eval()
+    cfg = timm.data.resolve_data_config({}, model=m)
+    assert cfg["input_size"] == (3, 32, 32) and tuple(cfg["mean"]) == tuple(MEAN) and tuple(cfg["std"]) == tuple(STD)
+    assert cfg["crop_pct"] == 0.9 and cfg["interpolation"] == "bilinear" and cfg["crop_mode"] == "center"
+    x = jpeg_batch(32)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ours(x), rtol=0, atol=1e-5)
+    _, meta = read_state_dict(out)
+    pcfg = json.loads(meta["pretrained_cfg"])
+    assert pcfg["label_names"] == CLASSES and pcfg["num_classes"] == 6 and pcfg["input_size"] == [3, 32, 32]
