@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from data_pipeline.errors import ConfigError
 from data_pipeline.files import unwritable, write_atomic
@@ -80,6 +80,43 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
         _prune(ckpt_dir, keep_last)
     dist.barrier()
     return path
+
+
+def save_async(engine, saver, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict) -> Path:
+    """Collective, like :func:`save`, but returns once this rank's state is snapshotted: the
+    files are written by ``saver``'s background writer and the checkpoint becomes complete
+    (``COMPLETE``, ``latest``, pruning) when every rank has written and synced them
+    (``pretrain.async_save.Saver``). A save still in flight is completed first."""
+    import torch.distributed as dist
+
+    saver.wait()
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / tag_for(step)
+    if (path / COMPLETE).exists() and dist.get_rank() == 0:
+        (path / COMPLETE).unlink()
+    dist.barrier()
+    path.mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag_for(step), save_latest=False)  # snapshots, then queues
+    rank = dist.get_rank()
+    if rank == 0:  # the test fault fires mid-write, on the writer thread, with training going on
+        saver.writer.submit(faults.kill_in_save, step)
+    small = {path / f"rank_{rank:05d}.json": {**rank_state, "rng": rng_state(), "step": step}}
+    if rank == 0:
+        small[path / "run.json"] = {**run_info, "step": step, "world_size": dist.get_world_size()}
+    for f, obj in small.items():
+        saver.writer.submit(_write_json, f, obj)
+    saver.start(step, path)
+    return path
+
+
+def finish_async(keep_last: int) -> Callable[[int, Path], None]:
+    """What rank 0's writer does once every rank's files of a checkpoint are durable: checksum
+    them into ``COMPLETE``, point ``latest`` at it, prune."""
+    def finish(step: int, path: Path) -> None:
+        write_atomic(path / COMPLETE, marker(step, path))
+        write_atomic(path.parent / LATEST, path.name)
+        _prune(path.parent, keep_last)
+    return finish
 
 
 def _as_os_error(err: RuntimeError, path: Path) -> Exception:

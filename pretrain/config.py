@@ -114,6 +114,9 @@ class CheckpointConfig:
     every_steps: int = 1000
     keep_last: int = 3
     resume: bool = True  # resume automatically from the latest complete checkpoint
+    # write in the background while training goes on (pretrain/async_save.py); YAML key
+    # `checkpoint.async` (a Python keyword, so the field is named async_save)
+    async_save: bool = False
 
 
 @dataclass
@@ -359,6 +362,10 @@ def _coerce(tp: Any, value: Any, key: str, where: str) -> Any:
     raise bad
 
 
+# YAML keys that are Python keywords -> the dataclass field that holds them
+ALIASES = {"checkpoint.async": "async_save"}
+
+
 def _build(cls: type, tree: dict, prefix: str, origin: dict, default_where: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -366,6 +373,9 @@ def _build(cls: type, tree: dict, prefix: str, origin: dict, default_where: str)
     for k, v in tree.items():
         key = f"{prefix}{k}"
         where = origin.get(key, default_where)
+        if key in ALIASES:
+            k = ALIASES[key]
+            key = f"{prefix}{k}"
         if key in MOVED:
             raise ConfigError(f"{where}: '{key}' is now '{MOVED[key]}'")
         if k not in names:

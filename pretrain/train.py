@@ -108,27 +108,65 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
 # ----------------------------------------------------------------------------------- components
 class Checkpointer:
     """Decides at each step whether it saves (``train.steps``, ``checkpoint.every_steps``, a stop)
-    and writes the checkpoint with the loader position, so the loop only calls ``maybe_save``."""
+    and writes the checkpoint with the loader position, so the loop only calls ``maybe_save``.
+    With ``checkpoint.async`` the files are written in the background (``pretrain/async_save.py``):
+    a save in flight is completed at sync points when every rank has written it, and waited for
+    before the next save, on a stop and at the end (``close``)."""
 
     def __init__(self, cfg: Config, engine, loader, ckpt_dir: Path, run_info: dict, logger: MetricsLogger,
                  samples: Optional[SampleLog]):
         self.every, self.last, self.keep = cfg.checkpoint.every_steps, cfg.train.steps, cfg.checkpoint.keep_last
         self.engine, self.loader, self.dir, self.run_info = engine, loader, ckpt_dir, run_info
         self.logger, self.samples = logger, samples
+        self.saver = None
+        if cfg.checkpoint.async_save:
+            from pretrain.async_save import Saver
+
+            self.saver = Saver(engine, dist.get_rank(), checkpoint.finish_async(self.keep))
+        self.blocked_s: list[float] = []  # seconds each save held the training thread
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last
 
-    def maybe_save(self, step: int, stopping: bool = False) -> None:
-        if not (stopping or self.due(step)):
-            return
-        if self.samples is not None:
-            self.samples.flush()
+    def maybe_save(self, step: int, stopping: bool = False, sync: bool = False) -> None:
+        saving = stopping or self.due(step)
         try:
-            checkpoint.save(self.engine, self.dir, step, rank_state={"loader": self.loader.state_dict()},
-                            run_info={**self.run_info, "wandb_run_id": self.logger.run_id}, keep_last=self.keep)
+            if self.saver is not None and sync and not saving:
+                self.saver.poll()  # a sync point: complete the save in flight if every rank wrote it
+            if not saving:
+                return
+            if self.samples is not None:
+                self.samples.flush()
+            t0 = time.perf_counter()
+            state = dict(rank_state={"loader": self.loader.state_dict()},
+                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id})
+            if self.saver is None:
+                checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)
+            else:
+                checkpoint.save_async(self.engine, self.saver, self.dir, step, **state)
+                if stopping or step == self.last:
+                    self.saver.close()
+            self.blocked_s.append(time.perf_counter() - t0)
         except OSError as e:  # folder made read-only, disk full: say what survives, not a traceback
             raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, e)) from None
+        except RuntimeError as e:  # torch.save's writer on the background thread
+            err = checkpoint._as_os_error(e, self.dir / checkpoint.tag_for(step))
+            if isinstance(err, OSError):
+                raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, err)) from None
+            raise
+
+    def close(self) -> None:
+        """The save in flight, if any, complete and on disk (collective)."""
+        if self.saver is None:
+            return
+        step = self.saver.pending[0] if self.saver.pending else 0
+        try:
+            self.saver.close()
+        except (OSError, RuntimeError) as e:
+            err = e if isinstance(e, OSError) else checkpoint._as_os_error(e, self.dir / checkpoint.tag_for(step))
+            if not isinstance(err, OSError):
+                raise
+            raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, err)) from None
 
 
 class Window:
@@ -226,10 +264,11 @@ def train_loop(cfg: Config, engine, batches: Iterator, loader, logger: MetricsLo
         clock.beat("stop")
         stopped = sync and stop.agreed(device)  # a signal stops every rank within train.sync_every_steps
         clock.beat("checkpoint", slow=True)
-        checkpointer.maybe_save(step, stopping=stopped)
+        checkpointer.maybe_save(step, stopping=stopped, sync=sync)
         if stopped:
             break
     clock.beat("end", slow=True)
+    checkpointer.close()
     startup.done()  # a run resumed at its last step takes no step
     guard.close()
     return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped,
@@ -355,7 +394,8 @@ def run(cfg: Config) -> dict:
         if samples is not None:
             samples.close()
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
-                  wandb_dir=logger.wandb_dir, world_size=world)
+                  wandb_dir=logger.wandb_dir, world_size=world, checkpoint_async=cfg.checkpoint.async_save,
+                  checkpoint_blocked_seconds=checkpointer.blocked_s)
     if rank == 0:
         try:
             write_json(layout.summary, result, indent=1)
