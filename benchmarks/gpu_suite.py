@@ -323,7 +323,22 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
     for lb in labels:
         if ours and rows[lb].get("step_ms"):
             rows[lb]["step_vs_ours"] = rows[lb]["step_ms"] / ours
+        rows[lb].update(predicted(name, batch, plan.img, device, compiled=lb == "ours compiled",
+                                  checkpointing=lb == "ours act-ckpt"))
     return [rows[lb] for lb in labels]
+
+
+def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkpointing: bool) -> dict:
+    """The performance model's img/s and MFU for a row (one GPU, no ZeRO), beside the measured
+    ones; nothing on a device the model has no entry for (CPUs, unlisted GPUs)."""
+    from launch import perfmodel
+
+    key = perfmodel.gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if key is None:
+        return {}
+    p = perfmodel.predict(perfmodel.Layout(name, key, nodes=1, gpus_per_node=1, micro_batch=batch, img_size=img,
+                                           zero=0, compile=compiled, checkpointing=checkpointing))
+    return {"pred_img_s": p.images_per_second, "pred_mfu": p.mfu, "pred_gpu": key}
 
 
 # ------------------------------------------------------------------------------------- ZeRO
@@ -472,13 +487,14 @@ def markdown(result: dict) -> str:
     out += [f"Training step, bf16 autocast on GPU (fp32 on CPU), AdamW; {peak_note}; step time ratio against ours "
             f"eager in the same run. Compiled: {result['compile']}.", "",
             table_row("model", "variant", "batch", "step ms", "img/s", "TFLOP/s", "MFU", "HFU", "peak GiB",
-                      "step / ours", "note"),
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                      "step / ours", "predicted img/s", "predicted MFU", "note"),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in (r for r in rows if r["section"] == "model"):
         out.append(table_row(SHORT.get(r["model"], r["model"]), r["variant"], r["batch"], fmt(r.get("step_ms")),
                              fmt(r.get("img_s")), fmt(r.get("tflops"), ".4g"), fmt(r.get("mfu"), ".1%"),
                              fmt(r.get("hfu"), ".1%"), fmt(r.get("peak_mem_gib"), ".2f"),
-                             fmt(r.get("step_vs_ours"), ".3f"), r["error"] or ""))
+                             fmt(r.get("step_vs_ours"), ".3f"), fmt(r.get("pred_img_s")), fmt(r.get("pred_mfu"), ".1%"),
+                             r["error"] or ""))
     out += ["", table_row("DeepSpeed", "batch", "precision", "step ms", "img/s", "TFLOP/s", "MFU", "peak GiB", "note"),
             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in (r for r in rows if r["section"] == "zero"):

@@ -104,7 +104,7 @@ def test_search_ranks_fitting_layouts(capsys):
     rows = perfmodel.search(Layout("vit_huge_patch14_224", "a100-40gb", nodes=4, global_batch=4096))
     assert rows and all(r.fits for r in rows)
     ips = [r.images_per_second for r in rows]
-    assert ips == sorted(ips, reverse=True)
+    assert all(b <= a * 1.005 for a, b in zip(ips, ips[1:]))  # best first; ties within 0.5 % by micro batch
     # ViT-H at large micro batches does not fit 40 GB without checkpointing: the search knows
     assert not predict(Layout("vit_huge_patch14_224", "a100-40gb", nodes=4, micro_batch=128, zero=1)).fits
     assert any(r.layout["checkpointing"] for r in rows) or max(r.layout["micro_batch"] for r in rows) < 128
@@ -246,3 +246,16 @@ def test_cpu_step_time_predicted_from_measured_rates(ds_bytes):
                  intra_node_gbps=cpu["gloo_busbw"] * 8 / 1e9 / perfmodel.LINK_EFFICIENCY["intra"])
     pred = predict(lay).step_seconds
     assert pred == pytest.approx(cpu["step_seconds"], rel=0.40), (pred, cpu)
+
+
+def test_training_records_the_prediction_for_known_gpus():
+    assert perfmodel.gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert perfmodel.gpu_key("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert perfmodel.gpu_key("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert perfmodel.gpu_key("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert perfmodel.gpu_key("cpu") is None
+    cfg = load_config("configs/vit_l16_in21k.yaml")
+    rec = perfmodel.run_record(cfg, 16, 8, "NVIDIA H100 80GB HBM3")
+    want = predict(perfmodel.layout_from_config(cfg, nodes=2, gpus_per_node=8, gpu="h100-sxm"))
+    assert rec["gpu"] == "h100-sxm" and rec["mfu"] == want.mfu and rec["images_per_second"] == want.images_per_second
+    assert perfmodel.run_record(cfg, 16, 8, None) is None
