@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -197,6 +198,7 @@ class Saver:
         self.rank, self._finish = rank, finish
         self.pending: Optional[tuple[int, Path]] = None
         self.last_completed: Optional[int] = None
+        self.waited_s = 0.0  # training-thread seconds spent waiting for writes to finish
 
     def start(self, step: int, path: Path) -> None:
         self.pending = (step, path)
@@ -228,10 +230,12 @@ class Saver:
     def wait(self) -> None:
         if self.pending is None:
             return
+        t0 = time.perf_counter()
         try:
             self.writer.wait()
         except BaseException:  # noqa: BLE001  every rank learns of it in the agreement below
             pass
+        self.waited_s += time.perf_counter() - t0
         self._complete(self._agree(self._state()))
 
     def _complete(self, agreed: int) -> bool:

@@ -42,6 +42,10 @@ class ModelConfig:
     # and keys; LayerScale on both residual branches, initialised at init_values (null: none)
     qk_norm: bool = False
     init_values: Optional[float] = None
+    # start pre-training from existing weights (a run directory, an exported or timm safetensors
+    # file, a transformers ViT folder): position embeddings resized, the head kept when its shape
+    # fits num_classes, else freshly initialised. A resumed run ignores it (the checkpoint wins).
+    init_from: Optional[str] = None
 
 
 @dataclass

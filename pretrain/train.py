@@ -33,7 +33,7 @@ from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
 from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
 from pretrain.losses import classification_loss
 from pretrain.metrics import MetricsLogger, peak_memory_gb, throughput
-from pretrain.model import create_model, init_generator
+from pretrain.build import build_model, load_init_weights, num_params  # noqa: F401  (tests import them here)
 from pretrain.precision import check_precision, compute_dtype
 from pretrain.rundir import RunDir
 from pretrain.step import NonFiniteGuard, NonFiniteLoss, train_step
@@ -63,37 +63,9 @@ def check_machine(cfg: Config, world_size: int) -> int:
     the DeepSpeed config these sections make (a refused combination is one line here)."""
     check_precision(cfg.train.precision)
     deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size)
+    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: not found")
     return check_world_size(cfg.train, world_size)
-
-
-def build_model(cfg: Config) -> torch.nn.Module:
-    """The configured model, initialised from ``train.seed`` through one CPU generator: the same
-    weights on every rank, device, ZeRO stage and world size. Under ZeRO-3 it is built inside
-    ``deepspeed.zero.Init``: each layer's parameters are partitioned over the ranks as soon as that
-    layer exists, so no rank ever holds the whole fp32 model (a rank's peak is one layer plus its
-    1/N share); the initialisation then runs module by module under
-    ``GatheredParameters(modifier_rank=0)``, on partitioned parameters it would otherwise change
-    nothing."""
-    m = cfg.model
-    kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
-              drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
-              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
-    if cfg.zero.stage != 3:
-        return create_model(m.name, init_seed=cfg.train.seed, **kw)
-    import deepspeed
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world)  # its dtype (bf16 / fp32) for the shards
-    with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
-        model = create_model(m.name, defer_init=True, **kw)
-    model.init_weights(gather=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0),
-                       generator=init_generator(cfg.train.seed))
-    return model
-
-
-def num_params(model: torch.nn.Module) -> int:
-    """Parameter count, also of a ZeRO-3 partitioned model (whose tensors are empty placeholders)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def set_cpu_threads(local_world: int, data_workers: int) -> None:
@@ -124,6 +96,7 @@ class Checkpointer:
 
             self.saver = Saver(engine, dist.get_rank(), checkpoint.finish_async(self.keep))
         self.blocked_s: list[float] = []  # seconds each save held the training thread
+        self.waited_s: list[float] = []  # of which waiting for the previous asynchronous save
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last
@@ -143,9 +116,11 @@ class Checkpointer:
             if self.saver is None:
                 checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)
             else:
+                waited = self.saver.waited_s
                 checkpoint.save_async(self.engine, self.saver, self.dir, step, **state)
                 if stopping or step == self.last:
                     self.saver.close()
+                self.waited_s.append(self.saver.waited_s - waited)
             self.blocked_s.append(time.perf_counter() - t0)
         except OSError as e:  # folder made read-only, disk full: say what survives, not a traceback
             raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, e)) from None
@@ -318,6 +293,8 @@ def run(cfg: Config) -> dict:
     startup.phase("model build")
     torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
     model = build_model(cfg)
+    if cfg.model.init_from and not (cfg.checkpoint.resume and checkpoint.latest_complete(ckpt_dir) is not None):
+        load_init_weights(model, cfg, say)
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world)
@@ -395,7 +372,7 @@ def run(cfg: Config) -> dict:
             samples.close()
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                   wandb_dir=logger.wandb_dir, world_size=world, checkpoint_async=cfg.checkpoint.async_save,
-                  checkpoint_blocked_seconds=checkpointer.blocked_s)
+                  checkpoint_blocked_seconds=checkpointer.blocked_s, checkpoint_waited_seconds=checkpointer.waited_s)
     if rank == 0:
         try:
             write_json(layout.summary, result, indent=1)

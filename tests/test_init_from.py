@@ -1,0 +1,70 @@
+"""``model.init_from``: pre-training starts from existing weights (a transformers ViT folder here,
+the format most pre-trained ViTs come in), position embeddings resized, a new head for a new
+number of classes; bad sources are one line naming the key."""
+import pytest
+import torch
+
+from dist_utils import demo_manifest, train_single
+from pretrain import hf
+from pretrain.export import load_run_weights, write_safetensors
+from pretrain.model import create_model, resize_pos_embed
+
+# lr 1e-30, no weight decay: the one step moves no loaded weight by as much as one float32 ulp
+STILL = ["train.steps=1", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0.0", "checkpoint.every_steps=1",
+         "zero.stage=2"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo_manifest(tmp_path_factory, 8, 64)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A ViT-Ti/16 at 32 px with 7 classes, written as a transformers folder."""
+    root = tmp_path_factory.mktemp("hf")
+    src = create_model("vit_tiny_patch16_224", img_size=32, num_classes=7, init_seed=5)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # no zero heads or unit norms left from the init
+    model = {"name": "vit_tiny_patch16_224", "img_size": 32, "num_classes": 7}
+    hf.write_folder(root / "src", src.state_dict(), hf.hf_config(model, hf.labels_for(7, None)),
+                    hf.preprocessor_config(32, (0.5,) * 3, (0.5,) * 3), "# card\n", write_safetensors)
+    return root / "src", src.state_dict()
+
+
+def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_path):
+    folder, src = hf_folder
+    run = tmp_path / "run"
+    r = train_single(shards, run, f"model.init_from={folder}", *STILL)  # tiny_cpu: 64 px, 10 classes
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"initialised from {folder}" in r.stderr and "new head for 10 classes" in r.stderr
+    got, _ = load_run_weights(run)
+    for k, v in src.items():
+        if k.startswith("head."):
+            assert got[k].shape[0] == 10  # a new head: 10 classes, not the source's 7
+        elif k == "pos_embed":
+            assert torch.equal(got[k], resize_pos_embed(v, (4, 4), (2, 2)))  # 2x2 -> 4x4 grid
+        else:
+            assert torch.equal(got[k], v), k
+
+
+def test_a_resumed_run_keeps_its_checkpoint(shards, hf_folder, tmp_path):
+    folder, src = hf_folder
+    run = tmp_path / "run"
+    assert train_single(shards, run, *STILL).returncode == 0  # from train.seed
+    r = train_single(shards, run, f"model.init_from={folder}", *STILL[1:], "train.steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr
+
+
+@pytest.mark.parametrize("source, words", [("missing.safetensors", "not found"), ("base", "does not fit")])
+def test_bad_sources_are_one_line(shards, tmp_path, source, words):
+    if source == "base":
+        m = create_model("vit_base_patch16_224", img_size=32, num_classes=10)
+        source = str(tmp_path / "b.safetensors")
+        write_safetensors(m.state_dict(), tmp_path / "b.safetensors", {"model.name": "vit_base_patch16_224"})
+    r = train_single(shards, tmp_path / "run", f"model.init_from={source}", *STILL)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "model.init_from" in last and words in last
