@@ -54,7 +54,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader
 
-from data_pipeline.batch_decode import BatchDecoder, DeferredBatch, check_device
+from data_pipeline.batch_decode import BatchDecoder, check_device
 from data_pipeline.errors import DataError, TooManyCorruptSamples
 from data_pipeline.exclude import read_exclusion
 from data_pipeline.manifest import resolve_shards
@@ -161,10 +161,9 @@ class ShardLoader:
             # DataLoader draws its worker base seed from this generator; the default would take
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
-        for images, targets, meta in loader:
+        # data.decode_device cpu/cuda: batches finished here (cuda: one ahead, on a side stream)
+        for images, targets, meta in (self._decoder.finish(loader) if self._decoder is not None else loader):
             epoch = self._epoch
-            if isinstance(images, DeferredBatch):  # its failures join the batch's tally (an
-                images, targets = self._decoder(images, targets, meta)  # eval batch may end up empty)
             self._account(meta)
             if images is not None:
                 self._counts["samples"] += images.shape[0]

@@ -1,5 +1,7 @@
 """data.decode_device: the training process decodes each batch's JPEGs (torchvision decode_jpeg;
-nvJPEG on a GPU). On CPU the same code path must give exactly the worker path's batches."""
+nvJPEG on a GPU). On CPU the same code path must give exactly the worker path's batches; the cuda
+path's own logic (prefetch on a side stream, batched crop) runs on the CPU too, its stream calls
+recorded instead of made."""
 import io
 from dataclasses import replace
 
@@ -269,10 +271,11 @@ def test_decode_device_errors_name_the_key(tmp_path, mixed):
 
 @pytest.mark.gpu
 def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
-    """nvJPEG is not libjpeg-turbo (IDCT, chroma upsampling): the same samples, boxes and flips, with
-    pixels within a few grey levels on smooth images; on the noise images of ``mixed`` (the worst
-    case for chroma upsampling) within a bound that a wrong box or flip (~60 levels) still breaks.
-    A broken JPEG is counted on the GPU too."""
+    """nvJPEG is not libjpeg-turbo (IDCT, chroma upsampling), nor is the cuda path's batched crop
+    (area average) torch's antialiased resize: the same samples, boxes and flips, with pixels within
+    a few grey levels on smooth images; on the noise images of ``mixed`` (the worst case for both)
+    within a bound that a wrong box or flip (~60 levels) still breaks. A broken JPEG is counted on
+    the GPU too."""
     _, want = _run(_cfg(mixed, "cpu"), batches=4)
     _, got = _run(_cfg(mixed, "cuda"), batches=4)
     for (a, ta, ka), (b, tb, kb) in zip(want, got):
