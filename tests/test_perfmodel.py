@@ -259,3 +259,15 @@ def test_training_records_the_prediction_for_known_gpus():
     want = predict(perfmodel.layout_from_config(cfg, nodes=2, gpus_per_node=8, gpu="h100-sxm"))
     assert rec["gpu"] == "h100-sxm" and rec["mfu"] == want.mfu and rec["images_per_second"] == want.images_per_second
     assert perfmodel.run_record(cfg, 16, 8, None) is None
+
+
+def test_hpz_runs_on_gloo_with_the_losses_of_plain_zero3(tmp_path):
+    """hpZ (zero.hpz_partition_size=2 on 4 ranks) builds its secondary partitions and trains to
+    the same losses as ZeRO-3 without it: the secondary copy changes where weights are gathered
+    from, not what is computed."""
+    out = tmp_path / "hpz.json"
+    r = run_job(deepspeed_cmd("tests.hpz_job", str(out), ranks=4), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["2"]["hpz_in_config"] == 2 and got["2"]["secondary"] == [2], got  # secondary groups of 2 ranks
+    assert got["2"]["losses"] == got["1"]["losses"]
