@@ -47,12 +47,7 @@ def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_pa
             assert torch.equal(got[k], resize_pos_embed(v, (4, 4), (2, 2)))  # 2x2 -> 4x4 grid
         else:
             assert torch.equal(got[k], v), k
-
-
-def test_a_resumed_run_keeps_its_checkpoint(shards, hf_folder, tmp_path):
-    folder, src = hf_folder
-    run = tmp_path / "run"
-    assert train_single(shards, run, *STILL).returncode == 0  # from train.seed
+    # the same command, longer: the run resumes from its checkpoint, init_from is not read again
     r = train_single(shards, run, f"model.init_from={folder}", *STILL[1:], "train.steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr
