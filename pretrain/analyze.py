@@ -6,7 +6,9 @@
 
 RUN_OR_FILE: a run directory (any ZeRO stage), an exported ``.safetensors`` file or a timm state
 dict -- whatever ``pretrain.transfer.checkpoints.load_pretrained`` reads. DIR_OR_SHARDS: a folder
-of images (any depth) or our shards (a ``manifest.json``, its folder or a brace pattern). Images
+of images (any depth; taken round-robin over its folders, so the images drawn come from several
+classes; files that are not images, or do not decode, are skipped and counted on stderr and in
+``analysis.json``) or our shards (a ``manifest.json``, its folder or a brace pattern). Images
 are prepared as for evaluation: shorter side to ``img_size / data.augment.eval_crop_pct``, center
 crop, normalised with ``data.augment.mean/std`` ((0.5, 0.5, 0.5) unless ``--config`` / overrides
 say otherwise). ``--img-size`` other than the checkpoint's resizes the position embeddings (2-D
@@ -21,8 +23,14 @@ Writes into DIR:
 * ``attention_distance.png`` / ``.json`` -- mean attention distance in pixels of every head
   against depth over the images (Figure 7 right, the "receptive field" of a head).
 * ``rollout/rollout_NNN.png`` and ``rollout.png`` -- attention rollout (Abnar & Zuidema 2020) of
-  the [class] token over the first images (Figure 6).
-* ``analysis.json`` -- what was analysed, and where each figure is.
+  the [class] token over the first images (Figure 6); ``rollout.png`` has a row per image, named
+  by its file (class folder) or shard key, under the column names.
+* ``analysis.json`` -- what was analysed (``rollout_images``: the images drawn; ``skipped``),
+  and where each figure is.
+
+An unwritable ``--output`` is one line and exit 2 before the checkpoint is read. The pass over the
+images reports progress on stderr (``pretrain.transfer.progress``: a bar on a terminal, else a line
+every ``VITSCALE_PROGRESS_S`` seconds, default 10).
 
 ``--wandb`` logs the figures as W&B images (``analysis/*``) into the checkpoint's own W&B run at
 the checkpoint's step (``train/step``, as ``vit-transfer`` does); mode and project come from
@@ -189,12 +197,27 @@ def similarity_by_distance(sim: torch.Tensor) -> dict[int, float]:
 
 
 # ----------------------------------------------------------------------------------- images
-def _image_files(root: Path) -> list[str]:
-    files = []
+SKIPPED_SHOWN = 5  # skipped file names printed in the one stderr line (analysis.json keeps 1,000)
+
+
+def _image_files(root: Path) -> tuple[list[str], list[str]]:
+    """(image files, other files) below ``root`` (hidden files and folders left out). Images are
+    ordered round-robin over their folders -- the first of every folder (class), then the second
+    of each, ... -- so the first few images drawn come from several classes, not all from the
+    first folder in sorted order. Deterministic: folders and files in sorted order."""
+    by_folder: dict[str, list[str]] = {}
+    others = []
     for dirpath, dirnames, names in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [os.path.join(dirpath, f) for f in sorted(names) if f.lower().endswith(IMG_EXTENSIONS)]
-    return files
+        for f in sorted(n for n in names if not n.startswith(".")):
+            path = os.path.join(dirpath, f)
+            if f.lower().endswith(IMG_EXTENSIONS):
+                by_folder.setdefault(dirpath, []).append(path)
+            else:
+                others.append(path)
+    folders = list(by_folder.values())
+    files = [f[i] for i in range(max(map(len, folders), default=0)) for f in folders if i < len(f)]
+    return files, others
 
 
 def _is_image_folder(spec: str) -> bool:
@@ -204,37 +227,100 @@ def _is_image_folder(spec: str) -> bool:
     return p.is_dir() and not (p / MANIFEST_NAME).is_file()
 
 
-def image_batches(spec: str, *, img_size: int, augment, limit: int, batch_size: int = 32) -> Iterator[torch.Tensor]:
-    """Normalised (B, 3, S, S) float32 batches of at most ``limit`` images from a folder of images
-    (sorted paths, any depth) or shards (manifest order), prepared as for evaluation."""
-    if _is_image_folder(spec):
-        from pretrain.transfer.data import FileImages, View
+class ImageSource:
+    """Normalised (B, 3, S, S) float32 batches of at most ``limit`` images, each with a name, from
+    a folder of images (any depth, classes interleaved: :func:`_image_files`) or shards (manifest
+    order), prepared as for evaluation. As vit-shards does, files that are not images (by
+    extension) and images that do not decode are skipped and counted in ``skipped`` (reason ->
+    count; ``skipped_files`` names them) rather than failing the analysis.
 
-        files = _image_files(Path(spec))[:limit]
-        if not files:
-            raise ConfigError(f"--images {spec}: no image files in this folder or below "
-                              f"({', '.join(IMG_EXTENSIONS)})")
-        view = View(img_size, resize="crop", crop_pct=augment.eval_crop_pct, mean=tuple(augment.mean),
-                    std=tuple(augment.std))
-        batches = (x for x, _ in FileImages(f"--images {spec}", files, [0] * len(files)).batches(
-            view, batch_size=batch_size, train=False))
-    else:
-        if not Path(spec).exists() and "{" not in spec and "://" not in spec:
-            raise ConfigError(f"--images {spec}: no such folder or manifest")
-        from data_pipeline.config import DataConfig
-        from data_pipeline.loader import build_loader
+        src = ImageSource(spec, img_size=224, augment=cfg.data.augment, limit=128)
+        for x, names in src: ...
+    """
 
-        cfg = DataConfig(val_shards=spec, workers=0, augment=augment)
-        batches = (x for x, _ in build_loader(cfg, batch_size=batch_size, img_size=img_size, train=False))
-    seen = 0
-    for x in batches:
-        x = x[:limit - seen]
-        seen += x.shape[0]
-        yield x
-        if seen >= limit:
-            return
-    if seen == 0:
-        raise ConfigError(f"--images {spec}: no readable images")
+    def __init__(self, spec: str, *, img_size: int, augment, limit: int, batch_size: int = 32):
+        self.spec, self.img_size, self.augment, self.limit, self.batch_size = spec, img_size, augment, limit, batch_size
+        self.skipped: dict[str, int] = {}
+        self.skipped_files: list[str] = []
+        if _is_image_folder(spec):
+            self.files, others = _image_files(Path(spec))
+            for path in others:
+                self._skip("not_image", path)
+            if not self.files:
+                raise ConfigError(f"--images {spec}: no image files in this folder or below "
+                                  f"({', '.join(IMG_EXTENSIONS)})"
+                                  + (f"; {len(others)} other files skipped" if others else ""))
+            self.total: Optional[int] = min(limit, len(self.files))
+        else:
+            if not Path(spec).exists() and "{" not in spec and "://" not in spec:
+                raise ConfigError(f"--images {spec}: no such folder or manifest")
+            from data_pipeline.config import DataConfig
+            from data_pipeline.loader import build_loader
+
+            self.files = None
+            self.loader = build_loader(DataConfig(val_shards=spec, workers=0, augment=augment),
+                                       batch_size=batch_size, img_size=img_size, train=False)
+            self.total = min(limit, self.loader.plan.shardset.total)
+
+    def _skip(self, reason: str, path: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if len(self.skipped_files) < 1000:
+            self.skipped_files.append(os.path.relpath(path, self.spec))
+
+    def _counts(self) -> str:
+        return ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
+
+    def skipped_line(self) -> str:
+        """One line naming the skipped files ('' if none), as vit-shards prints it."""
+        if not self.skipped:
+            return ""
+        total = sum(self.skipped.values())
+        shown = ", ".join(self.skipped_files[:SKIPPED_SHOWN]) + (", ..." if total > SKIPPED_SHOWN else "")
+        return f"{PROG}: --images {self.spec}: skipped {total} files ({self._counts()}): {shown}"
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        batches = self._folder() if self.files is not None else self._shards()
+        seen = 0
+        for x, names in batches:
+            x, names = x[:self.limit - seen], names[:self.limit - seen]
+            seen += x.shape[0]
+            yield x, names
+            if seen >= self.limit:
+                return
+        if seen == 0:
+            raise ConfigError(f"--images {self.spec}: no readable images"
+                              + (f" (skipped {self._counts()})" if self.skipped else ""))
+
+    def _folder(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        # one process, file by file: a file that does not decode is skipped here, where the
+        # transfer splits' DataLoader (whose benchmark numbers must not have holes) would stop
+        from pretrain.transfer.data import FileImages, View, _SampleTransform, normalize
+
+        view = View(self.img_size, resize="crop", crop_pct=self.augment.eval_crop_pct,
+                    mean=tuple(self.augment.mean), std=tuple(self.augment.std))
+        transform = _SampleTransform(view, train=False)
+        images = FileImages(f"--images {self.spec}", self.files, [0] * len(self.files))
+        xs, names, taken = [], [], 0
+        for i, path in enumerate(self.files):
+            if taken >= self.limit:
+                break
+            try:
+                xs.append(transform(images.image(i)))
+            except Exception:  # any decode failure of a user's file: skipped and counted (vit-shards' rule)
+                self._skip("unreadable", path)
+                continue
+            names.append(os.path.relpath(path, self.spec))
+            taken += 1
+            if len(xs) == self.batch_size:
+                yield normalize(torch.stack(xs), view), names
+                xs, names = [], []
+        if xs:
+            yield normalize(torch.stack(xs), view), names
+
+    def _shards(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        for x, y in self.loader:
+            classes = [f" (class {int(c)})" for c in y] if y.ndim == 1 else [""] * len(y)
+            yield x, [f"{k}{c}" for k, c in zip(self.loader.last_keys, classes)]
 
 
 def denormalize(x: torch.Tensor, mean, std) -> np.ndarray:
@@ -325,12 +411,19 @@ def _upsample(maps: torch.Tensor, size: int) -> np.ndarray:
     return F.interpolate(m[:, None], size=(size, size), mode="bilinear", align_corners=False)[:, 0].numpy()
 
 
-def draw_rollout(images: np.ndarray, maps: torch.Tensor, out_dir: Path, title: str) -> list[Path]:
+ROLLOUT_COLUMNS = ("input", "attention rollout", "masked by rollout")
+
+
+def draw_rollout(images: np.ndarray, maps: torch.Tensor, out_dir: Path, title: str,
+                 names: Optional[list[str]] = None) -> list[Path]:
     """Per image: input, rollout heat map over it, and the input masked by the map (Figure 6).
-    Also one ``rollout.png`` with a row per image. Returns the per-image paths, then the grid."""
+    Also one ``rollout.png`` with a row per image, the columns named above the first row and each
+    row named by its image (``names``: file path or shard key). Returns the per-image paths, then
+    the grid."""
     plt = _plt()
     size = images.shape[1]
     masks = _upsample(maps, size)
+    names = list(names or [""] * len(images))
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
 
@@ -340,25 +433,40 @@ def draw_rollout(images: np.ndarray, maps: torch.Tensor, out_dir: Path, title: s
         axes[1].imshow(mask, cmap="jet", alpha=0.5, vmin=0, vmax=1)
         axes[2].imshow(img * mask[..., None])
         for ax in axes:
-            ax.axis("off")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for spine in ax.spines.values():
+                spine.set_visible(False)
 
-    for i, (img, mask) in enumerate(zip(images, masks)):
-        fig, axes = plt.subplots(1, 3, figsize=(6, 2.2))
+    for i, (img, mask, name) in enumerate(zip(images, masks, names)):
+        fig, axes = plt.subplots(1, 3, figsize=(6, 2.2), layout="constrained")
         panels(axes, img, mask)
-        axes[0].set_title("input", fontsize=7)
-        axes[1].set_title("attention rollout", fontsize=7)
-        axes[2].set_title("masked", fontsize=7)
+        for ax, col in zip(axes, ROLLOUT_COLUMNS):
+            ax.set_title(col, fontsize=7)
+        if name:
+            fig.suptitle(name, fontsize=7)
         paths.append(out_dir / f"rollout_{i:03d}.png")
-        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
-    fig, axes = plt.subplots(len(images), 3, figsize=(6, 2 * len(images) + 0.4), squeeze=False)
-    for row, img, mask in zip(axes, images, masks):
+    # constrained layout: the title, column names and rows are packed without the fixed margins
+    # (the default subplot box left a band of white under the title that grew with the row count)
+    fig, axes = plt.subplots(len(images), 3, figsize=(6, 1.9 * len(images) + 0.5), squeeze=False,
+                             layout="constrained")
+    for row, img, mask, name in zip(axes, images, masks, names):
         panels(row, img, mask)
+        row[0].set_ylabel(_short(name), fontsize=6)  # axis ticks are off, the label stays
+    for ax, col in zip(axes[0], ROLLOUT_COLUMNS):
+        ax.set_title(col, fontsize=8)
     fig.suptitle(title, fontsize=8)
     paths.append(out_dir.parent / "rollout.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def _short(name: str, width: int = 28) -> str:
+    """A row label that fits beside a 2-inch panel: the end of a long path, with its class folder."""
+    return name if len(name) <= width else "..." + name[-(width - 3):]
 
 
 # --------------------------------------------------------------------------------- analysis
@@ -371,11 +479,13 @@ def analyze(pre, images: str, out_dir: str | Path, *, img_size: Optional[int] = 
     from data_pipeline.config import AugmentConfig
     from data_pipeline.files import write_atomic
     from pretrain.transfer.checkpoints import build_backbone
+    from pretrain.transfer.progress import Progress
 
     augment = augment or AugmentConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     img_size = int(img_size or pre.img_size)
+    source = ImageSource(images, img_size=img_size, augment=augment, limit=num_images, batch_size=batch_size)
     model = build_backbone(pre, img_size=img_size).to(device).eval()
     name, grid, prefix = pre.arch["name"], tuple(model.grid_size), model.num_prefix_tokens
     px = img_size / grid[0]  # pixels per token: the patch size, or the CNN stride for hybrids
@@ -405,22 +515,28 @@ def analyze(pre, images: str, out_dir: str | Path, *, img_size: Optional[int] = 
     L = len(attention_modules(model))
     total = torch.zeros(L, model.blocks[0].attn.num_heads, dtype=torch.float64)
     layer_maps: dict[int, torch.Tensor] = {}
-    shown, roll_maps, n = [], [], 0
+    shown, shown_names, roll_maps, n = [], [], [], 0
 
     def sink(layer: int, probs: torch.Tensor) -> None:
         total[layer] += mean_attention_distance(probs, grid, px, prefix).sum(0).cpu()
         layer_maps[layer] = probs
 
-    for x in image_batches(images, img_size=img_size, augment=augment, limit=num_images, batch_size=batch_size):
-        with record_attention(model, sink):
-            model(x.to(device))
-        n += x.shape[0]
-        k = min(rollout_images - len(shown), x.shape[0])
-        if k > 0:
-            roll = attention_rollout([layer_maps[i][:k] for i in range(L)])
-            roll_maps.append(rollout_map(roll, grid, prefix, model.global_pool).cpu())
-            shown.extend(denormalize(x[:k], augment.mean, augment.std))
-        layer_maps.clear()
+    with Progress(source.total, f"{PROG} attention", "img") as bar:
+        for x, names in source:
+            with record_attention(model, sink):
+                model(x.to(device))
+            n += x.shape[0]
+            k = min(rollout_images - len(shown), x.shape[0])
+            if k > 0:
+                roll = attention_rollout([layer_maps[i][:k] for i in range(L)])
+                roll_maps.append(rollout_map(roll, grid, prefix, model.global_pool).cpu())
+                shown.extend(denormalize(x[:k], augment.mean, augment.std))
+                shown_names.extend(names[:k])
+            layer_maps.clear()
+            bar.update(x.shape[0])
+    if source.skipped:
+        print(source.skipped_line(), file=sys.stderr)
+    doc["skipped"], doc["skipped_files"] = dict(source.skipped), source.skipped_files
     dist = (total / n).numpy()
     doc["num_images"] = n
     doc["figures"]["attention_distance"] = str(draw_attention_distance(
@@ -434,8 +550,9 @@ def analyze(pre, images: str, out_dir: str | Path, *, img_size: Optional[int] = 
     doc["attention_distance_mean_per_layer"] = [layer["mean"] for layer in numbers["layers"]]
     if shown:
         paths = draw_rollout(np.stack(shown), torch.cat(roll_maps), out / "rollout",
-                             f"Attention rollout, {label}")
+                             f"Attention rollout, {label}", shown_names)
         doc["figures"]["rollout"] = [str(p) for p in paths[:-1]]
+        doc["rollout_images"] = shown_names
         doc["figures"]["rollout_grid"] = str(paths[-1])
     write_atomic(out / "analysis.json", json.dumps(doc, indent=1))
     return doc
@@ -470,6 +587,17 @@ def log_wandb(doc: dict, wandb_cfg, *, run_dir: Optional[str] = None) -> Optiona
 
 
 # --------------------------------------------------------------------------------------- CLI
+def check_output_dir(output: str) -> None:
+    """ConfigError (one line) when the figures cannot be written into ``output`` or its
+    ``rollout/`` folder: a file there, or no file can be created (nearest existing folder)."""
+    from data_pipeline.files import unwritable
+
+    for folder in (Path(output), Path(output) / "rollout"):
+        why = unwritable(folder)
+        if why:
+            raise ConfigError(f"--output {output}: {why}; choose a writable --output folder")
+
+
 def parser() -> Parser:
     ap = Parser(prog=PROG, description="The ViT paper's analysis figures (Figure 7, Figure 6) for a checkpoint")
     ap.add_argument("--checkpoint", required=True, help="run directory (any ZeRO stage), .safetensors or timm state dict")
@@ -498,6 +626,7 @@ def main(argv=None) -> None:
             if v < (0 if flag == "rollout_images" else 1):
                 raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}")
         cfg = load_config(args.config, args.overrides)
+        check_output_dir(args.output)  # before any work: a mistake costs a second, not the analysis
         pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model))
         if args.img_size is not None:
             from pretrain.model import model_defaults

@@ -291,3 +291,83 @@ def test_wandb_images_land_in_the_pretraining_run_at_its_step(tmp_path, monkeypa
         assert (runs[0] / "files" / logged[f"analysis/{key}/path"]).stat().st_size > 1000
     means = json.loads((tmp_path / "out" / "analysis.json").read_text())["attention_distance_mean_per_layer"]
     assert logged["analysis/mean_attention_distance/layer_01"] == pytest.approx(means[0])
+
+
+# ------------------------------------------------------------- output, skipped files, figure layout
+def test_unwritable_output_is_one_line_before_any_work(tmp_path, capsys, photos, monkeypatch):
+    import pretrain.transfer.checkpoints as checkpoints
+
+    ckpt = tmp_path / "m.pth"
+    torch.save(tiny_model(32).state_dict(), ckpt)
+    started = []
+    monkeypatch.setattr(checkpoints, "load_pretrained", lambda *a, **k: started.append(1))  # the work starts here
+    (tmp_path / "a_file").write_text("not a folder")
+    for out in (tmp_path / "a_file" / "out", tmp_path / "a_file"):  # under a file; the file itself
+        err = _error(capsys, ["--checkpoint", str(ckpt), "--images", str(photos), "--output", str(out)])
+        assert err.startswith(f"vit-analyze: error: --output {out}: {tmp_path / 'a_file'} is a file"), err
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "rollout").write_text("")  # where the per-image figures would go
+    assert "rollout is a file" in _error(capsys, ["--checkpoint", str(ckpt), "--images", str(photos), "--output",
+                                                  str(tmp_path / "o")])
+    assert started == []
+
+
+def _longest_white_band(png: Path) -> int:
+    """Rows of the longest run of blank rows between the first and the last drawn row."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(Image.open(png).convert("L"))
+    blank = (a > 250).all(1)
+    drawn = np.flatnonzero(~blank)
+    run = best = 0
+    for b in blank[drawn[0]:drawn[-1]]:
+        run = run + 1 if b else 0
+        best = max(best, run)
+    return best
+
+
+def test_folder_with_other_files_and_classes(tmp_path, capsys, monkeypatch):
+    """A .txt and a broken .png are skipped and counted; the rollout rows come from both class
+    folders (not the first folder's first images), are named, under named columns, with no empty
+    band: one row of three panels per image drawn."""
+    from matplotlib.figure import Figure
+
+    root = write_imagefolder(tmp_path / "pets", n_train=3, n_test=0)
+    for name in ("red", "green", "blue"):  # two classes, as a user's folder of cats and dogs
+        if name != "red":
+            for f in (root / "train" / name).iterdir():
+                f.unlink()
+            (root / "train" / name).rmdir()
+    (root / "train" / "yellow").rename(root / "train" / "z_yellow")
+    (root / "README.txt").write_text("where these came from")
+    (root / "train" / "red" / "broken.png").write_bytes(b"not a png")
+    ckpt = tmp_path / "m.pth"
+    torch.save(tiny_model(32).state_dict(), ckpt)
+    saved = {}
+    real = Figure.savefig
+
+    def record(fig, path, *a, **k):
+        saved[Path(path).name] = (len(fig.axes), [ax.get_title() for ax in fig.axes[:3]], fig.axes[0].get_ylabel())
+        return real(fig, path, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    monkeypatch.setenv("VITSCALE_PROGRESS_S", "0")  # a progress line after every batch
+    out = tmp_path / "out"
+    main(["--checkpoint", str(ckpt), "--images", str(root), "--output", str(out), "--rollout-images", "4",
+          "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert "skipped 2 files (not_image: 1, unreadable: 1): README.txt, train/red/broken.png" in err, err
+    progress = [line for line in err.splitlines() if line.startswith("vit-analyze attention: ")]
+    # 7 image files found, the broken one skipped when read
+    assert len(progress) == 3 and progress[-1].startswith("vit-analyze attention: 6/7 img (86%), ")
+    assert progress[-1].endswith(" img/s")
+    doc = json.loads((out / "analysis.json").read_text())
+    assert doc["num_images"] == 6 and doc["skipped"] == {"not_image": 1, "unreadable": 1}
+    assert doc["rollout_images"] == ["train/red/000.png", "train/z_yellow/000.png", "train/red/001.png",
+                                     "train/z_yellow/001.png"]
+    axes, titles, row_label = saved["rollout.png"]
+    assert axes == 3 * 4 and titles == ["input", "attention rollout", "masked by rollout"]
+    assert row_label == "train/red/000.png"
+    assert saved["rollout_000.png"][1] == titles
+    assert _longest_white_band(out / "rollout.png") < 25  # ~10 between rows; the old layout left 77 under the title

@@ -289,3 +289,47 @@ def test_fewshot_headline_names_its_shot_count(tmp_path, colours, capsys):
     assert "test 5-shot top-1 (mean of 2 seed(s))" in err
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["tasks"]["colours"]["details"]["headline_shots"] == 5
+
+
+def test_progress_lines_in_a_log_file(tmp_path, colours, capsys, monkeypatch):
+    """stderr is not a terminal (no tqdm bar): with VITSCALE_PROGRESS_S=0 every batch of the
+    feature pass and every L-BFGS evaluation prints a progress line."""
+    import re
+
+    monkeypatch.setenv("VITSCALE_PROGRESS_S", "0")
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "linear", "--data-root", str(colours),
+          "--output", str(tmp_path / "r.json"), *FAST])  # batch 16: 32 train images, 24 test
+    out, err = capsys.readouterr()
+    feats = [x for x in err.splitlines() if re.fullmatch(r"  features \S+: \d+/\d+ img \(\d+%\), [\d.]+ img/s", x)]
+    assert [x.split(":")[1].split()[0] for x in feats] == ["16/32", "32/32", "16/24", "24/24"], err
+    fits = [x for x in err.splitlines() if x.startswith("  L-BFGS colours l2=")]
+    assert fits and all(re.search(r": \d+ evals \(at most 625\), [\d.]+ evals/s, loss \d+\.\d{4}$", x) for x in fits)
+    assert [int(x.split(": ")[1].split()[0]) for x in fits] == list(range(1, len(fits) + 1))
+    assert "img/s" not in out and "evals" not in out  # stdout keeps the results table alone
+
+
+def test_progress_throttle_and_interval(monkeypatch):
+    import io
+
+    from data_pipeline.errors import ConfigError
+    from pretrain.transfer.progress import Progress, Throttle, interval_from_env
+
+    now = [0.0]
+    t = Throttle(10.0, clock=lambda: now[0])
+    due = []
+    for now[0] in (1, 9.9, 10, 12, 19.9, 20.5, 50):
+        due.append(t.due())
+    assert due == [False, False, True, False, False, True, True]
+    buf, now[0] = io.StringIO(), 0.0
+    with Progress(1000, "features x", "img", interval_s=10, file=buf, clock=lambda: now[0]) as p:
+        for now[0] in range(1, 26):
+            p.update(40)
+    assert buf.getvalue().splitlines() == ["features x: 400/1000 img (40%), 40 img/s",
+                                           "features x: 800/1000 img (80%), 40 img/s"]
+    monkeypatch.setenv("VITSCALE_PROGRESS_S", "2.5")
+    assert interval_from_env() == 2.5
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("VITSCALE_PROGRESS_S", bad)
+        with pytest.raises(ConfigError, match="VITSCALE_PROGRESS_S"):
+            interval_from_env()

@@ -5,12 +5,12 @@ three few-shot seeds costs no extra forward pass. Features of a :class:`Subset` 
 are rows of its parent's, of a :class:`Concat` (VTAB's train800val200) the parts' stacked.
 
 Extraction is most of a linear probe's time (CIFAR-100's 60k images through ViT-B on one GPU:
-tens of seconds), so each pass says what it does in a log line, and on a terminal a tqdm bar on
-stderr counts the images (no bar when stderr is a file or pipe: logs and tests stay clean).
+tens of seconds), so each pass says what it does in a log line, and counts its images on stderr
+(``progress.Progress``): a tqdm bar on a terminal, a line every ``VITSCALE_PROGRESS_S`` seconds
+(default 10) in a log file or pipe.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Callable
 
@@ -18,6 +18,7 @@ import torch
 
 from pretrain.precision import autocast_bf16
 from pretrain.transfer.data import Concat, Split, Subset, View
+from pretrain.transfer.progress import Progress
 
 
 def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Tensor:
@@ -30,14 +31,6 @@ def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Ten
     return tokens[:, model.num_prefix_tokens:].mean(dim=1)
 
 
-def progress_bar(total: int | None, desc: str, unit: str):
-    """A tqdm bar on stderr, shown only when stderr is a terminal (as vit-shards' is)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
-                disable=not sys.stderr.isatty())
-
-
 @torch.no_grad()  # not inference_mode: the linear probe takes gradients through these features
 def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int, pool: str, device: torch.device,
             workers: int = 0, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +39,7 @@ def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int
     feats, labels = [], []
     amp = autocast_bf16(device)  # features leave as float32
 
-    with progress_bar(len(split), desc, "img") as bar:
+    with Progress(len(split), f"  {desc}", "img") as bar:  # indented as the log lines around it
         for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 f = pooled(model, model.forward_features(x.to(device, non_blocking=True)), pool)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pretrain.transfer.features import FrozenFeatureProtocol, progress_bar
+from pretrain.transfer.features import FrozenFeatureProtocol
+from pretrain.transfer.progress import Progress
 
 
 @dataclass
@@ -30,7 +31,7 @@ class LinearClassifier:
 
 
 def fit_logistic(X: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float, max_iter: int = 500,
-                 device: torch.device | None = None, desc: str = "L-BFGS") -> LinearClassifier:
+                 device: torch.device | None = None, desc: str = "") -> LinearClassifier:
     """Minimise mean cross-entropy + l2/2 * ||W||^2 (bias unpenalised) by L-BFGS, in float64 (the
     line search needs the precision at small l2) on ``device`` (a GPU makes CIFAR-100's
     50k x 768 x 100 problem take seconds instead of minutes)."""
@@ -39,16 +40,16 @@ def fit_logistic(X: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float, 
     Xs = (X - mean) / std
     W = torch.zeros(X.shape[1], num_classes, dtype=torch.float64, device=X.device, requires_grad=True)
     b = torch.zeros(num_classes, dtype=torch.float64, device=X.device, requires_grad=True)
-    max_eval = max_iter * 5 // 4  # LBFGS's own default: the bar's total is the most it may take
+    max_eval = max_iter * 5 // 4  # LBFGS's own default: the most evaluations it may take
     opt = torch.optim.LBFGS([W, b], lr=1.0, max_iter=max_iter, max_eval=max_eval, history_size=20,
                             tolerance_grad=1e-7, tolerance_change=1e-10, line_search_fn="strong_wolfe")
 
-    with progress_bar(max_eval, desc, "eval") as bar:
+    with Progress(max_eval, f"  L-BFGS {desc}".rstrip(), "evals", at_most=True) as bar:
         def closure():
             opt.zero_grad()
             loss = F.cross_entropy(Xs @ W + b, y) + 0.5 * l2 * (W * W).sum()
             loss.backward()
-            bar.update(1)
+            bar.update(1, lambda: f"loss {loss.item():.4f}")  # .item() syncs a GPU: only when a line prints
             return loss
 
         with torch.enable_grad():
