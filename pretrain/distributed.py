@@ -69,13 +69,23 @@ def init_distributed(timeout_s: Optional[float] = None) -> tuple[int, int, int]:
 
 
 def set_collective_timeout(timeout_s: float) -> None:
-    """The default group's timeout for all later collectives (gloo and NCCL both take it)."""
+    """The timeout of every later collective, on every process group this rank belongs to: the
+    default group and the ones DeepSpeed made for itself (ZeRO's data-parallel groups, which reduce
+    the gradients and otherwise keep torch's 30-minute default whatever the default group says)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     setter = getattr(dist, "set_timeout", None)
     if setter is None:  # torch before the public name
         from torch.distributed.distributed_c10d import _set_pg_timeout as setter
-    setter(timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    groups = [None] + [g for g in getattr(getattr(c10d, "_world", None), "pg_map", {})
+                       if g is not c10d.GroupMember.WORLD and g is not c10d.GroupMember.NON_GROUP_MEMBER]
+    for group in groups:
+        try:
+            setter(timeout, group)
+        except ValueError:  # a group this rank is not part of
+            pass
 
 
 def any_rank(flag: bool, device) -> bool:

@@ -182,3 +182,27 @@ def test_deepspeed_version_range(capsys):
     assert ds_compat.version_ok("0.19.8+cpu")
     with open("setup.py") as f:
         assert f'"deepspeed{ds_compat.tested_range()}"' in f.read()  # setup.py pins the same range
+
+
+def test_collective_timeout_reaches_every_process_group(tmp_path):
+    """train.pg_timeout_s must bound the groups DeepSpeed makes for itself too (ZeRO reduces the
+    gradients on its data-parallel group, which otherwise keeps torch's 30-minute default): a real
+    gloo process group in a child process, a second group made as DeepSpeed makes its groups."""
+    import subprocess
+    import sys
+
+    from dist_utils import REPO, free_port, job_env
+
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from pretrain.distributed import set_collective_timeout\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "g = dist.new_group([0])\n"
+        "set_collective_timeout(7)\n"
+        "cpu = torch.device('cpu')\n"
+        "print(dist.group.WORLD._get_backend(cpu).options._timeout.total_seconds(),"
+        " g._get_backend(cpu).options._timeout.total_seconds())\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["7.0", "7.0"]

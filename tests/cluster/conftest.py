@@ -328,3 +328,24 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="session")
 def demo_manifest(demo_train):
     return demo_train / "manifest.json"
+
+
+# ---------------------------------------------------------------------------- network namespaces
+@pytest.fixture
+def veth_nodes():
+    """Two network namespaces joined by a veth pair, 169.254.77.1/30 (A) <-> 169.254.77.2/30 (B)
+    (``tests/cluster/netns.py``): the test shapes and cuts the link. Both namespaces, and with them
+    the pair and its qdiscs, are deleted at teardown even when the test fails; a test's job fixture
+    ends its processes first (it depends on this one, so pytest tears it down before)."""
+    from netns import Link, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    link = Link(str(os.getpid()))
+    try:
+        yield link.create()
+    finally:
+        link.remove()
+    if link.exists():
+        raise AssertionError(f"network namespaces {list(link.ns.values())} still listed after ip netns del")
