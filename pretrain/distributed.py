@@ -112,3 +112,47 @@ def lockstep(batches: Iterable, device) -> Iterator:
         if not any_rank(item is not None, device):
             return
         yield item
+
+
+# Errors of a collective whose peer went away or could not be reached (gloo and NCCL wording)
+PEER_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Connection refused",
+               "Broken pipe", "NCCL communicator was aborted", "remote process exited")
+
+
+def is_peer_error(err: BaseException) -> bool:
+    return any(k in str(err) for k in PEER_ERRORS)
+
+
+def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0") -> Optional[str]:
+    """After a collective failed: which peers still answer, asked through the rendezvous store
+    (its own TCP connection to rank 0's host, not the collectives' links). Every rank that calls
+    this marks itself alive and waits ``wait_s`` for the others' marks. Returns one line naming the
+    ranks and hosts that did not answer, or the store's host when it cannot be reached at all;
+    None when every peer answered (the failure was elsewhere)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me = f"rank {rank} on {hosts[rank] if rank < len(hosts) else socket.gethostname()}"
+    key = f"vitscale/alive/{attempt}/"
+    try:
+        store = c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=wait_s))
+        store.set(f"{key}{rank}", "1")
+    except Exception:  # noqa: BLE001  the store itself is out of reach
+        where = os.environ.get("MASTER_ADDR", "?")
+        return (f"{me}: rank 0's host {hosts[0] if hosts else where} (rendezvous at {where}) is unreachable: "
+                f"the network between the hosts is cut, or rank 0 is gone")
+    others = [r for r in range(world) if r != rank]
+    try:
+        store.wait([f"{key}{r}" for r in others], timedelta(seconds=wait_s))
+        return None
+    except Exception:  # noqa: BLE001  some did not answer in time: which
+        pass
+    silent = [r for r in others if not store.check([f"{key}{r}"])]
+    if not silent:
+        return None
+    names = ", ".join(f"rank {r} on {hosts[r] if r < len(hosts) else '?'}" for r in silent[:8])
+    more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
+    return (f"{me}: no answer within {wait_s:g} s from {names}{more}: dead, or the network to "
+            f"{'it' if len(silent) == 1 else 'them'} is cut")

@@ -26,7 +26,8 @@ from pretrain import checkpoint, ds_compat, faults, watchdog
 from pretrain.clock import PHASES, StepClock
 from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
                              save_config, to_dict)
-from pretrain.distributed import init_distributed, launched, set_collective_timeout
+from pretrain.distributed import (init_distributed, is_peer_error, launched, set_collective_timeout,
+                                  unreachable_peers)
 from pretrain.engine import deepspeed_config, initialize
 from pretrain.evaluator import InTrainingEval
 from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
@@ -350,7 +351,8 @@ def run(cfg: Config) -> dict:
                                   accumulation=gas)
     clock = StepClock(engine.device, dog)
     clock.begin_step(start, startup=True)
-    detector = StragglerDetector(_hosts(), t.straggler_factor, t.straggler_windows,
+    hosts = _hosts()
+    detector = StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
                                  record=layout.stragglers if rank == 0 else None) if world > 1 else None
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     startup.phase("first step (first batch, first collectives)")
@@ -359,8 +361,12 @@ def run(cfg: Config) -> dict:
         result = train_loop(cfg, engine, batches, loader, logger, checkpointer, start_step=start, world=world,
                             flops=flops, stop=stop, clock=clock, startup=startup, detector=detector,
                             evaluator=evaluator, say=say)
-    except BaseException:
+    except BaseException as e:
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
+        if world > 1 and is_peer_error(e):  # say who is gone or cut off, not only that a recv timed out
+            line = unreachable_peers(hosts)
+            if line:
+                print(f"vit-train: {line}", file=sys.stderr, flush=True)
         if rank == 0:
             _status(layout, "failed", max(start, clock.completed))
         raise

@@ -17,8 +17,10 @@ are started directly with the variables the deepspeed launcher sets (``RANK``, `
 3. Flap: the link down for ``FLAP_S`` s (shorter than any timeout), then up: the job goes on to
    the end without a restart (TCP retransmits what was lost).
 
-No line today names the unreachable peer's address: gloo says "Timed out waiting ...ms for recv
-operation", the watchdog names ranks and phases (both ranks, as both wait in the same collective).
+After a timed-out collective each rank asks through the rendezvous store (its own TCP connection to
+rank 0's host) who still answers, and names the peer that does not (or rank 0's host, when the
+store itself is out of reach); the watchdog's line, when it ends the job instead, names ranks and
+phases.
 """
 from __future__ import annotations
 
@@ -259,6 +261,10 @@ def test_partition_ends_job_within_bound_then_resumes(veth_nodes, net_job, tmp_p
     assert why, f"no line says why the job ended:\n{out[-4000:]}"
     bound = watchdog_bound("in checkpoint of" in hang.group(0)) if hang else PG_TIMEOUT_S + EXIT_S
     assert took <= bound, f"{took:.1f} s > {bound:.0f} s ({why.group(0)[:160]})"
+    if gloo:  # a timed-out collective: the ranks ask through the store who is gone and name it
+        peer = re.search(r"vit-train: rank \d on \S+: (no answer within [\d.]+ s from rank \d on \S+|rank 0's host "
+                         r"\S+ \(rendezvous at [\d.]+\) is unreachable)", out)
+        assert peer, f"no line names the unreachable peer:\n{out[-4000:]}"
 
     last = checkpoint.latest_complete(ckpts)
     assert last is not None
