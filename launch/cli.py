@@ -42,7 +42,8 @@ DESCRIPTION = {
     "check": "Run the pre-flight checks for a config and a number of ranks, without claiming a GPU: batch "
              "arithmetic, shards and manifest (sizes, headers, sample counts), run directory, memory estimate. "
              "Exit 0 when none fails, 2 with one line per failure.",
-    "plan": None,
+    "plan": "Predict a layout's images/s, MFU, step time, exposed communication, memory per GPU and bottleneck "
+            "from the performance model (launch/perfmodel.py), without a GPU; --search ranks the layouts that fit.",
     "slurm": "Write an sbatch script for a pre-training job on NODES x GPUS ranks. The batch arithmetic and the "
              "memory estimate are checked first (a layout that fails is one line, exit 2, no script); the "
              "script checks data and disks on the first node before it starts the job.",
@@ -83,9 +84,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                     description=textwrap.fill(DESCRIPTION[cmd], 88), epilog=epilog,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     elif cmd == "plan":
-        from launch.plan_cli import DESCRIPTION as PLAN, add_arguments
+        from launch.plan_cli import add_arguments
 
-        ap = Parser(prog=f"{PROG} plan", description=PLAN)
+        ap = Parser(prog=f"{PROG} plan", description=DESCRIPTION[cmd])
         add_arguments(ap)
         return ap
     else:

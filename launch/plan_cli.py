@@ -14,10 +14,6 @@ from dataclasses import replace
 
 from launch import perfmodel
 
-DESCRIPTION = ("Predict a layout's images/s, MFU, step time, exposed communication, memory per GPU and "
-               "bottleneck from the performance model (no GPU needed), or rank the layouts that fit with --search.")
-
-
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")
