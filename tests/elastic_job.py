@@ -159,7 +159,7 @@ def resume_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
     weights = module_weights(engine)
     losses = train_to(engine, SAVE_AT, TOTAL, rank, world)
     steps_end = _adam_steps(engine)
-    # a save after an elastic resume: every rank's files must be there (DeepSpeed issue 7546)
+    # a save after an elastic resume: every rank's files must be there (deepspeedai/DeepSpeed#7546)
     engine.save_checkpoint(str(case_dir / "ckpt2"), tag="again", save_latest=False)
     dist.barrier()
     files = sorted(p.name for p in (case_dir / "ckpt2" / "again").iterdir())
