@@ -26,7 +26,7 @@ setup(
         "matplotlib>=3.7",
         "imagehash>=4.3",  # vit-audit's perceptual hash (pulls scipy, PyWavelets)
     ],
-    extras_require={"test": ["pytest>=8.0", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40"]},
+    extras_require={"test": ["pytest>=8.0", "pytest-xdist>=3.5", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40"]},
     entry_points={
         "console_scripts": [
             "vit-shards=data_pipeline.write_shards:main",
