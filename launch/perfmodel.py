@@ -499,15 +499,20 @@ def gpu_key(device_name: str) -> Optional[str]:
     return None
 
 
+def default_network(gpu: str) -> str:
+    """The interconnect preset a GPU type usually comes with (DGX nodes; PCIe boxes otherwise)."""
+    if gpu.startswith("a100"):
+        return "dgx-a100"
+    return "dgx-h100" if gpu in ("h100-sxm", "h200", "b200") else "pcie-100gbe"
+
+
 def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
                        **overrides) -> Layout:
     """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs."""
     from pretrain.config import image_size
 
     t, z, m = cfg.train, cfg.zero, cfg.model
-    if network is None:
-        network = "dgx-a100" if gpu.startswith("a100") else "dgx-h100" if gpu in ("h100-sxm", "h200", "b200") \
-            else "pcie-100gbe"
+    network = network or default_network(gpu)
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,

@@ -67,8 +67,7 @@ def layout(args) -> perfmodel.Layout:
 
         if args.model not in list_models():
             raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
-        net = args.network or ("dgx-a100" if args.gpu.startswith("a100") else
-                               "dgx-h100" if args.gpu in ("h100-sxm", "h200", "b200") else "pcie-100gbe")
+        net = args.network or perfmodel.default_network(args.gpu)
         lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                network=net)
     kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
