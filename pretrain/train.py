@@ -123,13 +123,8 @@ class Checkpointer:
                     self.saver.close()
                 self.waited_s.append(self.saver.waited_s - waited)
             self.blocked_s.append(time.perf_counter() - t0)
-        except OSError as e:  # folder made read-only, disk full: say what survives, not a traceback
-            raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, e)) from None
-        except RuntimeError as e:  # torch.save's writer on the background thread
-            err = checkpoint._as_os_error(e, self.dir / checkpoint.tag_for(step))
-            if isinstance(err, OSError):
-                raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, err)) from None
-            raise
+        except (OSError, RuntimeError) as e:
+            self._failed(step, e)
 
     def close(self) -> None:
         """The save in flight, if any, complete and on disk (collective)."""
@@ -139,10 +134,16 @@ class Checkpointer:
         try:
             self.saver.close()
         except (OSError, RuntimeError) as e:
-            err = e if isinstance(e, OSError) else checkpoint._as_os_error(e, self.dir / checkpoint.tag_for(step))
-            if not isinstance(err, OSError):
-                raise
-            raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, err)) from None
+            self._failed(step, e)
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        """A save that could not be written (folder made read-only, disk full; torch.save's writer
+        says so with a RuntimeError, also on the background thread): one line saying what survives,
+        not a traceback. Other errors go on unchanged."""
+        err = e if isinstance(e, OSError) else checkpoint._as_os_error(e, self.dir / checkpoint.tag_for(step))
+        if not isinstance(err, OSError):
+            raise e
+        raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, err)) from None
 
 
 class Window:
