@@ -1,7 +1,7 @@
 """Contamination audit lookup speed: 1,000,000 stored pre-training hashes against
 10,000 evaluation images, one core, target under 10 s.
 
-What is timed is what ``data_pipeline.audit.audit`` does between hashing the evaluation images
+What is timed is what ``data_pipeline.audit.match.audit`` does between hashing the evaluation images
 and confirming candidates: building the multi-index table over the stored 64-bit pHashes
 (``HashTable``), looking up every probe of every evaluation image (29 per image, 22 crops of it
 and 7 of its mirror image: 290,000 queries) within ``MAX_BITS``, and the exact-hash join (sort + searchsorted). Hashes are synthetic
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from data_pipeline.audit import MAX_BITS, N_PROBES, HashTable, probe_hashes, train_hashes  # noqa: E402
+from data_pipeline.audit.index import MAX_BITS, N_PROBES, HashTable, probe_hashes, train_hashes  # noqa: E402
 
 
 def lookup(stored: int, evals: int, planted: int, seed: int = 0) -> dict:
@@ -60,7 +60,7 @@ def lookup(stored: int, evals: int, planted: int, seed: int = 0) -> dict:
 def hashing(n: int = 40) -> dict:
     from PIL import Image
 
-    from data_pipeline.demo_data import demo_items
+    from data_pipeline.shards.demo_data import demo_items
 
     _, items = demo_items("train", n, seed=1)
     imgs = [it.load().convert("RGB").resize((256, 256)) for it in items]

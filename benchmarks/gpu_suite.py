@@ -7,14 +7,14 @@
 Sections, each with its own time budget (a measurement stops early when its budget is spent; the
 whole suite is planned to end within 9 minutes on one H100):
 
-  peak    the device's measured bf16 matmul TFLOP/s beside the data-sheet peak (pretrain.flops)
+  peak    the device's measured bf16 matmul TFLOP/s beside the data-sheet peak (pretrain.observability.flops)
   model   for ViT-B/16, L/16, H/14 at 224 px, bf16 autocast, one batch per model: timm's model,
           ours eager, ours with each block compiled, ours with activation checkpointing. The four
           share the batch and alternate step by step in one process (clock, heat and other load
           hit all alike); median step time -> img/s, TFLOP/s, MFU (model FLOPs), HFU (checkpointing
           re-runs the blocks' forward) and peak memory of one model alone
-  zero    ZeRO stage 1 vs 3 through pretrain.engine.initialize (deepspeed.initialize) in a world of
-          one (the process group started as pretrain.distributed.init_distributed does), one after
+  zero    ZeRO stage 1 vs 3 through pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of
+          one (the process group started as pretrain.distributed.process.init_distributed does), one after
           the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
           500x375, ~100 KB, pre-resized to shorter side 256 as ``vit-shards --resize-shorter 256``
@@ -22,11 +22,11 @@ whole suite is planned to end within 9 minutes on one H100):
           in the training process (data.decode_device=cuda; on CPU its cpu code path)
 
 A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
-against the data-sheet peak when the device is in pretrain.flops' table, else against the measured
+against the data-sheet peak when the device is in pretrain.observability.flops' table, else against the measured
 matmul peak (``peak_source`` says which). Outputs: ``suite.json`` and ``suite.md`` (the tables for
 benchmarks/RESULTS.md) in ``--output``.
 
-Sync points: every timed region starts and ends with ``pretrain.clock.synced_now`` (the device
+Sync points: every timed region starts and ends with ``pretrain.observability.clock.synced_now`` (the device
 finishes its queue, then the clock is read), so that the clock measures finished GPU work; that
 costs the overlap of one step with the next (a few per cent at most for steps of 100+ ms).
 
@@ -59,7 +59,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # loader_throughput's image maker
 
-from pretrain.clock import synced_now  # noqa: E402  (drains the device queue, then reads the clock)
+from pretrain.observability.clock import synced_now  # noqa: E402  (drains the device queue, then reads the clock)
 
 GIB = 1024 ** 3
 SHORT = {"vit_tiny_patch16_224": "ViT-Ti/16", "vit_small_patch16_224": "ViT-S/16", "vit_base_patch16_224": "ViT-B/16",
@@ -148,9 +148,9 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def train_flops(name: str, img: int) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs with activation checkpointing) per image, pretrain.flops'
+    """(model FLOPs, hardware FLOPs with activation checkpointing) per image, pretrain.observability.flops'
     convention: 6 x forward multiply-adds; checkpointing re-runs the blocks' forward."""
-    from pretrain.flops import analytic_flops, train_flops_per_image
+    from pretrain.observability.flops import analytic_flops, train_flops_per_image
 
     parts = analytic_flops(name, img, breakdown=True)
     return train_flops_per_image(parts["total"], recompute_macs=parts["blocks"])
@@ -158,20 +158,20 @@ def train_flops(name: str, img: int) -> tuple[float, float]:
 
 def compile_helper(backend: str):
     """(function compiling a model's blocks in place, description): train.compile's own helper
-    (``pretrain.engine.compile_blocks``), so the suite measures what training runs, with
+    (``pretrain.distributed.engine.compile_blocks``), so the suite measures what training runs, with
     ``backend`` (inductor on a GPU; the smoke's aot_eager still traces every block through dynamo
     and AOTAutograd, without inductor's C++ build on a 2-core CPU)."""
-    from pretrain.engine import compile_blocks
+    from pretrain.distributed.engine import compile_blocks
 
     return (lambda model: compile_blocks(model, backend=backend)), \
-        f"pretrain.engine.compile_blocks (train.compile's helper), backend {backend}"
+        f"pretrain.distributed.engine.compile_blocks (train.compile's helper), backend {backend}"
 
 
 # --------------------------------------------------------------------------------- peak matmul
 def measure_matmul(plan: Plan, device, budget: float) -> dict:
     """Best of several timed windows of n x n x n matmuls in the compute dtype."""
-    from pretrain.flops import peak_tflops
-    from pretrain.precision import bf16_supported
+    from pretrain.observability.flops import peak_tflops
+    from pretrain.distributed.precision import bf16_supported
 
     dtype = torch.bfloat16 if bf16_supported() else torch.float32
     n = plan.matmul_n
@@ -215,7 +215,7 @@ class Variant:
 
             m = timm.create_model(name, img_size=plan.img, num_classes=1000, pretrained=False)
         else:
-            from pretrain.model import create_model
+            from pretrain.models.vit import create_model
 
             m = create_model(name, img_size=plan.img, num_classes=1000)
             m.set_grad_checkpointing(ckpt)
@@ -224,7 +224,7 @@ class Variant:
             compile_fn(self.model)
         cuda = device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=cuda or None)
-        from pretrain.precision import autocast_bf16
+        from pretrain.distributed.precision import autocast_bf16
 
         self.amp = autocast_bf16(device)
         self.times: list[float] = []
@@ -331,7 +331,7 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
 def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkpointing: bool) -> dict:
     """The performance model's img/s and MFU for a row (one GPU, no ZeRO), beside the measured
     ones; nothing on a device the model has no entry for (CPUs, unlisted GPUs)."""
-    from launch import perfmodel
+    from pretrain.perf import perfmodel
 
     key = perfmodel.gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if key is None:
@@ -343,11 +343,12 @@ def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkp
 
 # ------------------------------------------------------------------------------------- ZeRO
 def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -> dict:
-    """One DeepSpeed engine of ``zero.stage=stage`` built by pretrain.engine.initialize."""
-    from pretrain.config import Config, ModelConfig, OptimConfig, TrainConfig, ZeroConfig
-    from pretrain.engine import initialize
-    from pretrain.model import create_model
-    from pretrain.precision import compute_dtype, default_precision
+    """One DeepSpeed engine of ``zero.stage=stage`` built by pretrain.distributed.engine.initialize."""
+    from pretrain.config import Config
+    from pretrain.config.schema import ModelConfig, OptimConfig, TrainConfig, ZeroConfig
+    from pretrain.distributed.engine import initialize
+    from pretrain.models.vit import create_model
+    from pretrain.distributed.precision import compute_dtype, default_precision
 
     name, batch = plan.zero_model, plan.zero_batch
     precision = default_precision()
@@ -416,7 +417,7 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
            "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok",
            "error": None}
     try:
-        from data_pipeline.loader import build_loader
+        from data_pipeline.loading.loader import build_loader
 
         gpu_decode = "cuda" if device.type == "cuda" else "cpu"
         kw = {"decode_device": gpu_decode if decode != "cpu" else "worker"}
@@ -450,8 +451,8 @@ def write_loader_shards(plan: Plan, root: Path) -> Path:
     overhead instead. Returns the shards' folder."""
     from loader_throughput import make_images
 
-    from data_pipeline.sources import Source, imagefolder
-    from data_pipeline.write_shards import write_shards
+    from data_pipeline.shards.sources import Source, imagefolder
+    from data_pipeline.shards.writer import write_shards
 
     make_images(root / "images", plan.loader_sources)
     src = imagefolder(str(root / "images"))
@@ -545,7 +546,7 @@ def main(argv=None) -> int:
     import deepspeed
     import timm
 
-    from pretrain.distributed import init_distributed
+    from pretrain.distributed.process import init_distributed
 
     rows: list[dict] = []
     meta = {

@@ -2,7 +2,7 @@
 images/s per worker for the same JPEGs, the same pre-training transform at 224 (random resized
 crop scale 0.08-1, ratio 3/4-4/3, flip 0.5, float32 normalised to [-1, 1], CHW), the same batch.
 
-  vitscale     data_pipeline.loader over shards written by vit-shards (decode in the workers)
+  vitscale     data_pipeline.loading.loader over shards written by vit-shards (decode in the workers)
   streaming    MosaicML streaming: MDS shards written by its MDSWriter, StreamingDataset + DataLoader
   litdata      Lightning litdata: optimize() of PIL JPEGs (its JPEG serializer: decode_jpeg), StreamingDataLoader
   wds-timm     plain webdataset over the same tar shards + timm's create_transform (open_clip/timm style)
@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loader_throughput import make_images, rate_batches  # noqa: E402
 
-from data_pipeline.loader import build_loader  # noqa: E402
-from data_pipeline.sources import imagefolder  # noqa: E402
-from data_pipeline.write_shards import write_shards  # noqa: E402
+from data_pipeline.loading.loader import build_loader  # noqa: E402
+from data_pipeline.shards.sources import imagefolder  # noqa: E402
+from data_pipeline.shards.writer import write_shards  # noqa: E402
 from pretrain.config import AugmentConfig, DataConfig  # noqa: E402
 
 AUG = AugmentConfig()

@@ -1,7 +1,7 @@
 """Loader throughput against two references measured in the same run, images/s per worker:
 
   (a) JPEG decode alone with PIL (``Image.open(f).convert("RGB")``) of the original files
-  (b) our loader (data_pipeline.loader) with the pre-training transforms at 224, reading shards
+  (b) our loader (data_pipeline.loading.loader) with the pre-training transforms at 224, reading shards
       written with ``vit-shards --resize-shorter S`` from the same files
   (c) torchvision ImageFolder + DataLoader with the same transforms (RandomResizedCrop 224, flip,
       to float, normalise) over the original files
@@ -33,10 +33,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_pipeline.demo_data import demo_items  # noqa: E402
-from data_pipeline.loader import build_loader  # noqa: E402
-from data_pipeline.sources import imagefolder  # noqa: E402
-from data_pipeline.write_shards import write_shards  # noqa: E402
+from data_pipeline.shards.demo_data import demo_items  # noqa: E402
+from data_pipeline.loading.loader import build_loader  # noqa: E402
+from data_pipeline.shards.sources import imagefolder  # noqa: E402
+from data_pipeline.shards.writer import write_shards  # noqa: E402
 from pretrain.config import AugmentConfig, DataConfig  # noqa: E402
 
 CLASSES = 10

@@ -1,5 +1,5 @@
 """The performance model's two tables for benchmarks/RESULTS.md and the README: its error against
-the published runs (launch/published_runs.json), and the best layouts of ViT-L/16 and ViT-H/14 on
+the published runs (pretrain/perf/published_runs.json), and the best layouts of ViT-L/16 and ViT-H/14 on
 8, 64 and 256 H100s (DGX H100 network) with the paper's compute budgets turned into days.
 
     python benchmarks/perf_model_table.py          # well under a second per layout
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launch import perfmodel  # noqa: E402
+from pretrain.perf import perfmodel  # noqa: E402
 
 # ViT paper (Dosovitskiy et al. 2021), Table 2 / Figure 5: pre-training compute on JFT-300M
 BUDGET_EXAFLOPS = {"vit_large_patch16_224": 1567, "vit_huge_patch14_224": 4262}

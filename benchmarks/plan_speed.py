@@ -1,4 +1,4 @@
-"""Planning time and data dropped per epoch: the sample-range plan (data_pipeline.plan) against
+"""Planning time and data dropped per epoch: the sample-range plan (data_pipeline.loading.plan) against
 the shard-level plan it replaced, on the layouts of benchmarks/RESULTS.md. Manifests are synthetic (in memory,
 no tars): the plan reads only sample counts.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_pipeline.manifest import Shard, ShardSet  # noqa: E402
-from data_pipeline.plan import Plan  # noqa: E402
+from data_pipeline.shards.manifest import Shard, ShardSet  # noqa: E402
+from data_pipeline.loading.plan import Plan  # noqa: E402
 
 # (name, shards, samples per shard, spread, world, workers)
 CASES = [

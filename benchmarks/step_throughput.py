@@ -7,7 +7,7 @@ Each iteration is forward + backward + AdamW step. The two models alternate iter
 iteration (so clock drift, thermal state and other load hit both alike) and the median step time
 of each is compared. Prints ``ratio = ours / timm`` (target <= 1.0: ours no slower). On a GPU it
 also runs bf16 autocast and prints images/s, TFLOP/s and MFU of our model (target for ViT-L/16:
-MFU >= 50% on one H100), with FLOPs from ``pretrain.flops`` (6 x forward multiply-adds).
+MFU >= 50% on one H100), with FLOPs from ``pretrain.observability.flops`` (6 x forward multiply-adds).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 def make(kind: str, name: str, img: int, device, ckpt: bool):
     if kind == "ours":
-        from pretrain.model import create_model
+        from pretrain.models.vit import create_model
 
         m = create_model(name, img_size=img, num_classes=1000)
     else:
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
         print(f"  {k:5s} median step {med[k] * 1e3:8.1f} ms   {batch / med[k]:8.1f} img/s")
     print(f"ratio ours/timm step time = {med['ours'] / med['timm']:.3f}  (target <= 1.0)")
     if cuda:
-        from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
+        from pretrain.observability.flops import analytic_flops, peak_tflops, train_flops_per_image
 
         f_model, _ = train_flops_per_image(analytic_flops(name, args.img))
         peak = peak_tflops()

@@ -43,7 +43,7 @@ DESCRIPTION = {
              "arithmetic, shards and manifest (sizes, headers, sample counts), run directory, memory estimate. "
              "Exit 0 when none fails, 2 with one line per failure.",
     "plan": "Predict a layout's images/s, MFU, step time, exposed communication, memory per GPU and bottleneck "
-            "from the performance model (launch/perfmodel.py), without a GPU; --search ranks the layouts that fit.",
+            "from the performance model (pretrain/perf/perfmodel.py), without a GPU; --search ranks the layouts that fit.",
     "slurm": "Write an sbatch script for a pre-training job on NODES x GPUS ranks. The batch arithmetic and the "
              "memory estimate are checked first (a layout that fails is one line, exit 2, no script); the "
              "script checks data and disks on the first node before it starts the job.",
@@ -156,7 +156,7 @@ def cmd_run(args) -> int:
     world, nodes = spec_world_size(spec)
     if args.dry_run:
         if args.exclude_slow_hosts and spec.hostfile:
-            from pretrain.rundir import RunDir
+            from pretrain.checkpointing.rundir import RunDir
 
             _without_slow_hosts(spec, RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir))
         else:
@@ -179,7 +179,7 @@ def cmd_run(args) -> int:
               "choose a free one with --master-port", file=sys.stderr)
         return 2
     from launch.supervise import Supervisor
-    from pretrain.rundir import RunDir
+    from pretrain.checkpointing.rundir import RunDir
 
     layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
     if args.exclude_slow_hosts:
@@ -230,7 +230,7 @@ def cmd_check(args) -> int:
         where = f"{nodes} node(s)"
     ok = _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
     if args.gpu:
-        from launch import perfmodel
+        from pretrain.perf import perfmodel
 
         if args.gpu not in perfmodel.GPUS:
             print(f"{PROG}: error: --gpu {args.gpu!r} is not one of {', '.join(perfmodel.GPUS)}", file=sys.stderr)

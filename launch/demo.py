@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from launch.runner import LaunchSpec, deepspeed_command
-from pretrain.precision import default_precision
+from pretrain.distributed.precision import default_precision
 
 BIN = Path(sys.executable).parent
 
@@ -122,7 +122,7 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
     recs = [r for r in every if "loss" in r]
     shots = [r for r in every if FEWSHOT_KEY in r]
     ips = [r["images_per_sec"] for r in recs[1:]] or [recs[-1]["images_per_sec"]]
-    from pretrain.rundir import latest_complete
+    from pretrain.checkpointing.rundir import latest_complete
 
     ckpt = latest_complete(s["checkpoint_dir"])
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))

@@ -1,4 +1,4 @@
-"""``vit-launch plan``: the performance model (``launch/perfmodel.py``) for one layout or a search.
+"""``vit-launch plan``: the performance model (``pretrain/perf/perfmodel.py``) for one layout or a search.
 
     vit-launch plan --model NAME --gpu GPU --nodes N --gpus-per-node G --micro-batch B
                     [--global-batch GB] [--zero S] [--checkpointing] [--network PRESET] [--json]
@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import replace
 
-from launch import perfmodel
+from pretrain.perf import perfmodel
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
@@ -63,7 +63,7 @@ def layout(args) -> perfmodel.Layout:
             raise ConfigError("give --model NAME or --config FILE")
         if args.overrides:
             raise ConfigError(f"config overrides {args.overrides[0]!r} need --config")
-        from pretrain.arch import list_models
+        from pretrain.models.arch import list_models
 
         if args.model not in list_models():
             raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")

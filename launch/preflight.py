@@ -24,7 +24,7 @@ from typing import Optional
 
 from data_pipeline.files import unwritable
 from pretrain.config import Config, ConfigError, check_world_size
-from launch import memory
+from pretrain.perf import memory
 
 OK, WARN, FAIL = "ok", "warning", "error"
 
@@ -66,7 +66,8 @@ COUNT_SAMPLE = 64  # tars whose samples are counted; beyond that many, a sample 
 
 def _manifest_bytes(manifests) -> dict[str, tuple[Optional[int], str]]:
     """Local shard path -> (byte size recorded in its manifest or None, that manifest's path)."""
-    from data_pipeline.manifest import is_remote, local_path, parse_manifest
+    from data_pipeline.shards.manifest import parse_manifest
+    from data_pipeline.storage.urls import is_remote, local_path
 
     sizes: dict[str, tuple[Optional[int], str]] = {}
     for murl in manifests:
@@ -145,8 +146,9 @@ def _tar_problem(path: str, expected: Optional[int]) -> Optional[str]:
 
 def check_shards(cfg: Config, world: int) -> list[Finding]:
     from data_pipeline.errors import DataError
-    from data_pipeline.manifest import is_remote, resolve_shards
-    from data_pipeline.plan import Plan, plan_line
+    from data_pipeline.shards.manifest import resolve_shards
+    from data_pipeline.storage.urls import is_remote
+    from data_pipeline.loading.plan import Plan, plan_line
 
     d = cfg.data
     try:
@@ -211,7 +213,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def check_run_dir(cfg: Config, params: int) -> list[Finding]:
-    from pretrain.rundir import RunDir, list_complete
+    from pretrain.checkpointing.rundir import RunDir, list_complete
 
     layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
     out_dir, ckpt_dir = layout.root, layout.checkpoints
@@ -235,7 +237,7 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
                                          "to a larger disk")]
     if cfg.checkpoint.resume:
         from data_pipeline.errors import ConfigError
-        from pretrain.checkpoint import check_resumable
+        from pretrain.checkpointing.checkpoint import check_resumable
         from pretrain.config import to_dict
 
         try:

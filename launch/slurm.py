@@ -407,7 +407,7 @@ def merge_script_path(output: str | Path) -> Path:
 def render_shards(job: ShardsJob, output: str = "shards.sbatch", cwd: Optional[Path] = None) -> tuple[str, str]:
     """The array script and the merge script, as text. The vit-shards options are checked with
     vit-shards' own parser (a mistake is one line, exit 2, before any script is written)."""
-    from data_pipeline import write_shards as ws
+    from data_pipeline.shards import cli as ws
 
     if job.parts <= 0:
         raise LaunchError(f"--parts must be a positive number, got {job.parts}")

@@ -7,10 +7,10 @@
   checkpoints at its next step and exits 75; ranks on other nodes follow through the per-step stop
   agreement. A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
   The runner gets ``PR_SET_PDEATHSIG``: a supervisor killed with ``kill -9`` takes the runner with
-  it, and the ranks notice their runner is gone (``pretrain.lifecycle``) and stop.
+  it, and the ranks notice their runner is gone (``pretrain.resilience.lifecycle``) and stop.
 * The supervisor waits until the *group* is empty, not just the runner (DeepSpeed's runner can exit
   while its launcher still waits for ranks that are saving).
-* The exit code says what happened (``pretrain.lifecycle``): 0 done, 2 user error, 75 interrupted
+* The exit code says what happened (``pretrain.resilience.lifecycle``): 0 done, 2 user error, 75 interrupted
   after a checkpoint (requeue it), 3 hang, else the job's failure code. ``status.json`` in the run
   directory, written by rank 0, decides between "completed" / "interrupted" and what the runner
   reported (DeepSpeed's launcher turns a signalled job into exit 1).
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
 PROG = "vit-launch"
 MAX_BACKOFF_S = 300.0

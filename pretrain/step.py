@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from pretrain.clock import StepClock
+from pretrain.observability.clock import StepClock
 
 
 class NonFiniteLoss(RuntimeError):

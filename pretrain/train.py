@@ -20,26 +20,29 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.files import write_json
-from data_pipeline.sample_log import SampleLog
-from data_pipeline.workers import stop_workers
-from pretrain import checkpoint, ds_compat, faults, watchdog
-from pretrain.clock import PHASES, StepClock
+from data_pipeline.loading.sample_log import SampleLog
+from data_pipeline.loading.workers import stop_workers
+from pretrain.checkpointing import checkpoint
+from pretrain.distributed import ds_compat
+from pretrain.resilience import faults
+from pretrain.resilience import watchdog
+from pretrain.observability.clock import PHASES, StepClock
 from pretrain.config import (Config, ConfigError, cli_errors, check_world_size, image_size, load_config,
                              save_config, to_dict)
-from pretrain.distributed import (init_distributed, is_peer_error, launched, set_collective_timeout,
+from pretrain.distributed.process import (init_distributed, is_peer_error, launched, set_collective_timeout,
                                   unreachable_peers)
-from pretrain.engine import deepspeed_config, initialize
-from pretrain.evaluator import InTrainingEval
-from pretrain.flops import analytic_flops, peak_tflops, train_flops_per_image
-from pretrain.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
-from pretrain.losses import classification_loss
-from pretrain.metrics import MetricsLogger, peak_memory_gb, throughput
-from pretrain.build import build_model, load_init_weights, num_params  # noqa: F401  (tests import them here)
-from pretrain.precision import check_precision, compute_dtype
-from pretrain.rundir import RunDir
+from pretrain.distributed.engine import deepspeed_config, initialize
+from pretrain.evaluation.in_training import InTrainingEval
+from pretrain.observability.flops import analytic_flops, peak_tflops, train_flops_per_image
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest
+from pretrain.models.losses import classification_loss
+from pretrain.observability.metrics import MetricsLogger, peak_memory_gb, throughput
+from pretrain.weights.init_from import build_model, load_init_weights, num_params  # noqa: F401  (tests import them here)
+from pretrain.distributed.precision import check_precision, compute_dtype
+from pretrain.checkpointing.rundir import RunDir
 from pretrain.step import NonFiniteGuard, NonFiniteLoss, train_step
-from pretrain.straggler import StragglerDetector
-from pretrain.watchdog import StartupGuard, Watchdog
+from pretrain.resilience.straggler import StragglerDetector
+from pretrain.resilience.watchdog import StartupGuard, Watchdog
 
 
 class CheckpointWriteError(RuntimeError):
@@ -82,7 +85,7 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
 class Checkpointer:
     """Decides at each step whether it saves (``train.steps``, ``checkpoint.every_steps``, a stop)
     and writes the checkpoint with the loader position, so the loop only calls ``maybe_save``.
-    With ``checkpoint.async`` the files are written in the background (``pretrain/async_save.py``):
+    With ``checkpoint.async`` the files are written in the background (``pretrain/checkpointing/async_save.py``):
     a save in flight is completed at sync points when every rank has written it, and waited for
     before the next save, on a stop and at the end (``close``)."""
 
@@ -93,7 +96,7 @@ class Checkpointer:
         self.logger, self.samples = logger, samples
         self.saver = None
         if cfg.checkpoint.async_save:
-            from pretrain.async_save import Saver
+            from pretrain.checkpointing.async_save import Saver
 
             self.saver = Saver(engine, dist.get_rank(), checkpoint.finish_async(self.keep))
         self.blocked_s: list[float] = []  # seconds each save held the training thread
@@ -265,7 +268,7 @@ def _sum_counters(counters: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------- main
 def run(cfg: Config) -> dict:
-    from data_pipeline.loader import build_loader
+    from data_pipeline.loading.loader import build_loader
 
     stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
     t = cfg.train
@@ -393,10 +396,10 @@ def run(cfg: Config) -> dict:
 
 
 def _prediction(cfg, world: int):
-    """``launch.perfmodel.run_record`` for this job's GPUs (none on CPU)."""
+    """``pretrain.perf.perfmodel.run_record`` for this job's GPUs (none on CPU)."""
     if not torch.cuda.is_available():
         return None
-    from launch.perfmodel import run_record
+    from pretrain.perf.perfmodel import run_record
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
     return run_record(cfg, world, per_node, torch.cuda.get_device_name())
@@ -436,7 +439,7 @@ def main(argv=None) -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
-    from data_pipeline.loader import DataError
+    from data_pipeline.loading.loader import DataError
 
     with cli_errors("vit-train", DataError, NonFiniteLoss, CheckpointWriteError):
         cfg = load_config(args.config, args.overrides)

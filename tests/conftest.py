@@ -60,7 +60,7 @@ def _held(paths: set) -> set:
 @pytest.fixture(autouse=True)
 def _no_shm_left():
     """A safety net for the machine, not a check (test_distributed checks the release): a job killed
-    before its ranks released DeepSpeed's 66 MB /dev/shm buffers (pretrain.distributed) would leave
+    before its ranks released DeepSpeed's 66 MB /dev/shm buffers (pretrain.distributed.process) would leave
     them in RAM for good. Files that appeared during this test and that no live process holds go
     when it ends; one a job is still setting up (another session's, say) stays: DeepSpeed's ranks
     spin forever waiting for a peer's file that disappeared."""
@@ -114,7 +114,7 @@ def _write_tar(path, samples) -> None:
 
 def _make_shards(root, shards, classes, multi_label=False, prefix="train"):
     """Write shards (a list of sample lists, see ``_write_tar``) and their manifest.json."""
-    from data_pipeline.manifest import FORMAT, VERSION, write_manifest
+    from data_pipeline.shards.manifest import FORMAT, VERSION, write_manifest
 
     root.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -149,7 +149,7 @@ def shard_kit():
 @pytest.fixture(scope="session")
 def demo_train(tmp_path_factory):
     """384 demo images in 16 shards of 24 (real procedurally drawn JPEGs)."""
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     out = tmp_path_factory.mktemp("demo") / "train"
     write_demo_shards(out, split="train", n=384, shard_size=24)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from launch.runner import deepspeed_executable
-from pretrain.distributed import free_port
+from pretrain.distributed.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -131,7 +131,7 @@ def train_single(shards, run_dir, *extra, env=None, timeout=240) -> subprocess.C
 
 def demo_manifest(tmp_path_factory, n: int, shard_size: int) -> Path:
     """``n`` demo images (real JPEGs) in shards of ``shard_size``: the manifest of a module's data."""
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     out = tmp_path_factory.mktemp(f"demo{n}x{shard_size}") / "train"
     write_demo_shards(out, "train", n=n, shard_size=shard_size)

@@ -6,7 +6,7 @@ A case is ``z<stage>-<precision>``; its files live in ROOT/<case>/. ``save`` (on
 world size) trains STEPS steps, saves ``ckpt/step_00000004`` with our run.json, records the full
 fp32 weights, Adam moments, step, param-group hyperparameters and LR at the save, then trains on to
 TOTAL steps as the uninterrupted reference curve. ``resume`` (on another world size) builds a fresh
-engine, loads through ``pretrain.elastic.load_checkpoint``, records the same quantities, trains to
+engine, loads through ``pretrain.checkpointing.elastic.load_checkpoint``, records the same quantities, trains to
 TOTAL on the same data, and saves again. Every case runs in one process one after another (a
 launch costs ~15 s here); each writes ROOT/<case>/<phase>.pt, or <phase>.error with the traceback.
 The checks are made by the test, which reads those files.
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import OptimConfig, TrainConfig, ZeroConfig
-from pretrain.engine import initialize
-from pretrain.model import VisionTransformer
+from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.distributed.engine import initialize
+from pretrain.models.vit import VisionTransformer
 
 SAVE_AT, TOTAL, GLOBAL_BATCH, CLASSES = 4, 8, 8, 7
 
@@ -136,7 +136,7 @@ def save_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
 def resume_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from pretrain import elastic
+    from pretrain.checkpointing import elastic
 
     ckpt = case_dir / "ckpt" / f"step_{SAVE_AT:08d}"
     raw = {}
@@ -170,7 +170,7 @@ def resume_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
 
 def fail_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
     """A checkpoint that cannot be converted: every rank gets the same one-line error, none hangs."""
-    from pretrain import elastic
+    from pretrain.checkpointing import elastic
 
     try:
         elastic.load_checkpoint(engine, case_dir / "ckpt" / f"step_{SAVE_AT:08d}")
@@ -184,7 +184,7 @@ def main():
 
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     root, jobs = Path(args[0]), args[1:]
-    from pretrain.distributed import init_distributed
+    from pretrain.distributed.process import init_distributed
 
     rank, _, world = init_distributed()  # the runner set RANK / WORLD_SIZE / MASTER_*
     torch.set_num_threads(1)

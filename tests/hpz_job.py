@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from pretrain.config import OptimConfig, TrainConfig, ZeroConfig
-from pretrain.distributed import init_distributed
-from pretrain.engine import initialize
-from pretrain.model import create_model
+from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.distributed.process import init_distributed
+from pretrain.distributed.engine import initialize
+from pretrain.models.vit import create_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 rank, _, world = init_distributed()

@@ -1,5 +1,5 @@
 """Run by the deepspeed runner from test_perfmodel: for ZeRO 0-3, a real engine built by
-``pretrain.engine.initialize`` on a small ViT takes optimizer steps while DeepSpeed's own comms
+``pretrain.distributed.engine.initialize`` on a small ViT takes optimizer steps while DeepSpeed's own comms
 logger records every collective; also the element counts and dtypes of what each rank's
 optimizer holds, and (last) the timed steps of a plain fp32 ZeRO-1 job with the CPU's measured
 matmul rate, memory bandwidth and gloo bandwidth for the performance model."""
@@ -12,10 +12,10 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.comm.comm import comms_logger
 
-from pretrain.config import OptimConfig, TrainConfig, ZeroConfig
-from pretrain.distributed import init_distributed
-from pretrain.engine import initialize
-from pretrain.model import create_model
+from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.distributed.process import init_distributed
+from pretrain.distributed.engine import initialize
+from pretrain.models.vit import create_model
 
 MODEL, IMG, CLASSES, MICRO, GAS, STEPS = "vit_tiny_patch16_224", 32, 10, 2, 2, 2
 BUCKET = 1_000_000  # elements: several gradient / gather buckets per step

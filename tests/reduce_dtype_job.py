@@ -1,5 +1,5 @@
 """Run by the deepspeed runner from test_reduce_dtype: for each case (ZeRO stage x reduce dtype),
-build a live bf16 engine from ``pretrain.engine.deepspeed_config`` on a one-weight model, take one
+build a live bf16 engine from ``pretrain.distributed.engine.deepspeed_config`` on a one-weight model, take one
 optimizer step of 16 accumulated micro-batches whose gradients are one large value then small ones,
 and record what DeepSpeed built and the gradient norm it saw."""
 import json
@@ -8,9 +8,9 @@ import sys
 import deepspeed
 import torch
 
-from pretrain.config import OptimConfig, TrainConfig, ZeroConfig
-from pretrain.distributed import init_distributed
-from pretrain.engine import deepspeed_config
+from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.distributed.process import init_distributed
+from pretrain.distributed.engine import deepspeed_config
 
 GAS, SMALL = 16, 1e-3
 

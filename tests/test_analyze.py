@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.analyze import (attention_maps, attention_modules, attention_rollout, embedding_components, main,
+from pretrain.evaluation.analyze import (attention_maps, attention_modules, attention_rollout, embedding_components, main,
                               mean_attention_distance, position_similarity, record_attention, rollout_map,
                               similarity_by_distance)
-from pretrain.model import create_model
+from pretrain.models.vit import create_model
 from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
 
@@ -25,7 +25,7 @@ def photos(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     out = tmp_path_factory.mktemp("shards")
     write_demo_shards(out, split="val", n=10, shard_size=4)
@@ -219,10 +219,10 @@ def test_run_directory(tmp_path, photos):
 
 
 def test_hybrid_skips_the_embedding_filters(tmp_path, photos, monkeypatch):
-    from pretrain import model as model_mod
+    from pretrain.models import arch
 
     # a small hybrid (one ResNet stage, stride 8) registered for this test only
-    monkeypatch.setitem(model_mod._REGISTRY, "vit_test_r1_s8_32", model_mod._Variant(
+    monkeypatch.setitem(arch.REGISTRY, "vit_test_r1_s8_32", arch.Variant(
         patch_size=1, embed_dim=64, depth=2, num_heads=2, img_size=32, stem_layers=(1, 1)))
     torch.manual_seed(0)
     torch.save(create_model("vit_test_r1_s8_32", num_classes=0).state_dict(), tmp_path / "h.pth")
@@ -265,7 +265,7 @@ def test_module_entry_point_reports_one_line(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "pretrain.analyze", "--checkpoint", str(tmp_path / "x.safetensors"),
+    r = subprocess.run([sys.executable, "-m", "pretrain.evaluation.analyze", "--checkpoint", str(tmp_path / "x.safetensors"),
                         "--images", str(tmp_path), "--output", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == f"vit-analyze: error: {tmp_path / 'x.safetensors'}: checkpoint not found"
@@ -295,7 +295,7 @@ def test_wandb_images_land_in_the_pretraining_run_at_its_step(tmp_path, monkeypa
 
 # ------------------------------------------------------------- output, skipped files, figure layout
 def test_unwritable_output_is_one_line_before_any_work(tmp_path, capsys, photos, monkeypatch):
-    import pretrain.transfer.checkpoints as checkpoints
+    import pretrain.weights.pretrained as checkpoints
 
     ckpt = tmp_path / "m.pth"
     torch.save(tiny_model(32).state_dict(), ckpt)

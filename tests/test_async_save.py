@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dist_utils import demo_manifest, job_env, metrics, train_single
-from pretrain import checkpoint
-from pretrain.async_save import SnapshotEngine, snapshot
-from pretrain.export import load_run_weights
+from pretrain.checkpointing import checkpoint
+from pretrain.checkpointing.async_save import SnapshotEngine, snapshot
+from pretrain.weights.export import load_run_weights
 
 COMMON = ["zero.stage=2", "train.steps=6", "train.log_every_steps=1", "checkpoint.every_steps=2",
           "checkpoint.keep_last=5", "optim.warmup_steps=2"]

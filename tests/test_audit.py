@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
-from data_pipeline import audit as A
+from data_pipeline.audit import index as I  # noqa: E741
+from data_pipeline.audit import match as M
+from pretrain.evaluation import audit as vit_audit
 from data_pipeline.errors import DataError
-from data_pipeline.exclude import read_exclusion
-from data_pipeline.sources import imagefolder
-from data_pipeline.write_shards import write_shards
+from data_pipeline.shards.exclude import read_exclusion
+from data_pipeline.shards.sources import imagefolder
+from data_pipeline.shards.writer import write_shards
 
 skdata = pytest.importorskip("skimage.data")
 
@@ -90,7 +92,7 @@ def _save(im, path: Path, fmt="PNG"):
 def world(tmp_path_factory):
     """Evaluation sets (ImageFolder of photo tiles, a CIFAR-100 folder of demo shapes, shards of
     demo shapes), pre-training shards with planted copies, and the planted (eval, id) -> file map."""
-    from data_pipeline.demo_data import demo_items
+    from data_pipeline.shards.demo_data import demo_items
     from tests.transfer_fixtures import py2_pickle
 
     root = tmp_path_factory.mktemp("audit")
@@ -135,12 +137,12 @@ def world(tmp_path_factory):
     for i, it in enumerate(items):
         _save(it.load().convert("RGB"), src / "demo" / f"demo_{i:03d}.jpg", "JPEG")
     # evaluation shards: demo transfer shapes; one planted as a colour-jittered copy
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     eval_shards = root / "eval_shards"
     write_demo_shards(eval_shards, split="transfer-test", n=24, shard_size=10)
-    from data_pipeline.shard_reader import read_shard
-    from data_pipeline.manifest import resolve_shards
+    from data_pipeline.shards.reader import read_shard
+    from data_pipeline.shards.manifest import resolve_shards
     from data_pipeline.tally import Tally
 
     raw = next(read_shard(resolve_shards(str(eval_shards)).shards[1], Tally()))
@@ -159,7 +161,7 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def audited(world):
     out = world["root"] / "out"
-    rc = A.main(["--shards", str(world["train"] / "manifest.json"), "--eval", f"imagefolder:{world['ev']}",
+    rc = vit_audit.main(["--shards", str(world["train"] / "manifest.json"), "--eval", f"imagefolder:{world['ev']}",
                  "--eval", f"cifar100:{world['cifar']}", "--eval", f"shards:{world['eval_shards']}",
                  "--output", str(out), "--quiet"])
     assert rc == 0
@@ -192,14 +194,14 @@ def test_every_planted_copy_found_and_nothing_else(world, audited):
     for p in doc["pairs"]:
         assert set(p) >= {"eval", "eval_id", "train_key", "shard", "distance"}
         assert p["shard"].startswith("train-") and p["shard"].endswith(".tar")
-        assert p["score"] >= A.MIN_SCORE and p["detail"] >= A.MIN_DETAIL and p["distance"] <= A.MAX_BITS
+        assert p["score"] >= I.MIN_SCORE and p["detail"] >= I.MIN_DETAIL and p["distance"] <= I.MAX_BITS
 
 
 def test_confirmation_rejects_unrelated_candidates(world, audited):
     """With a loose candidate threshold most candidates are unrelated (other tiles of the same
     photos, demo shapes): the confirmation step alone keeps the result exact."""
-    evals = list(A.read_eval(f"imagefolder:{world['ev']}"))
-    r = A.audit([A.train_index(world["train"])], evals, max_bits=26)
+    evals = list(vit_audit.read_eval(f"imagefolder:{world['ev']}"))
+    r = M.audit([I.train_index(world["train"])], evals, max_bits=26)
     got = {(p.eval, p.eval_id, p.train_key) for p in r.pairs}
     want = {e for e in world["expected"] if e[0] == "imagefolder/eval_folder"}
     assert want <= got and got - want == _symmetric(world, got - want)
@@ -221,7 +223,7 @@ def test_counts_per_set_and_split(world, audited):
 
 def test_outputs_beside_and_in_the_output_folder(world, audited):
     out, doc = audited
-    assert (world["train"] / A.HASHES_NAME).is_file()  # stored beside the manifest, once
+    assert (world["train"] / I.HASHES_NAME).is_file()  # stored beside the manifest, once
     grid = Image.open(out / "closest_pairs.png")
     assert grid.height >= len(doc["pairs"]) * 100
     ex = read_exclusion(out / "exclude.txt")
@@ -230,20 +232,20 @@ def test_outputs_beside_and_in_the_output_folder(world, audited):
 
 
 def test_stored_hashes_are_reused_and_rebuilt_when_shards_change(world, audited, tmp_path):
-    path = world["train"] / A.HASHES_NAME
+    path = world["train"] / I.HASHES_NAME
     before = path.stat().st_mtime_ns
-    idx = A.train_index(world["train"])
+    idx = I.train_index(world["train"])
     assert path.stat().st_mtime_ns == before and len(idx.keys) == world["manifest"]["total"]
     copy = tmp_path / "shards"
     shutil.copytree(world["train"], copy)
     m = json.loads((copy / "manifest.json").read_text())
     m["shards"], m["total"] = m["shards"][:2], sum(s["samples"] for s in m["shards"][:2])
     (copy / "manifest.json").write_text(json.dumps(m))
-    assert len(A.train_index(copy).keys) == m["total"]  # fingerprint differs: rebuilt
+    assert len(I.train_index(copy).keys) == m["total"]  # fingerprint differs: rebuilt
 
 
 def test_loader_skips_exactly_the_listed_keys(world, audited):
-    from data_pipeline.loader import build_loader
+    from data_pipeline.loading.loader import build_loader
     from pretrain.config import DataConfig
 
     out, _ = audited
@@ -265,8 +267,8 @@ def test_loader_skips_exactly_the_listed_keys(world, audited):
 
 
 def test_writer_leaves_out_the_listed_keys_and_keeps_the_others(world, audited, tmp_path):
-    from data_pipeline.manifest import resolve_shards
-    from data_pipeline.shard_reader import read_shard
+    from data_pipeline.shards.manifest import resolve_shards
+    from data_pipeline.shards.reader import read_shard
     from data_pipeline.tally import Tally
 
     out, _ = audited
@@ -288,7 +290,7 @@ def test_hash_table_matches_brute_force():
     for j in range(200):  # plant neighbours at 0..9 bits
         bits = rng.choice(64, size=j % 10, replace=False)
         queries[j] = stored[j * 7] ^ np.uint64(sum(1 << int(b) for b in bits))
-    qi, ti, d = A.HashTable(stored).query(queries, 10, chunk=64)
+    qi, ti, d = I.HashTable(stored).query(queries, 10, chunk=64)
     found = {(int(a), int(b)): int(c) for a, b, c in zip(qi, ti, d)}
     dist = np.bitwise_count(stored[None, :] ^ queries[:, None])
     truth = {(int(a), int(b)) for a, b in zip(*np.nonzero(dist <= 7))}
@@ -300,7 +302,7 @@ def test_vtab_reader_ids_are_paths_under_the_root(tmp_path):
     from tests.transfer_fixtures import write_vtab_task
 
     write_vtab_task(tmp_path, "dtd", n_test=3, counts=(4, 2))
-    items = list(A.read_eval(f"vtab1k:{tmp_path}"))
+    items = list(vit_audit.read_eval(f"vtab1k:{tmp_path}"))
     assert {(e.set, e.split) for e in items} == {("vtab1k/dtd", s) for s in ("train800", "val200", "test")}
     assert items[0].id == "dtd/images/train800_0000.png" and items[0].load().mode == "RGB"
     assert len(items) == 9  # train800val200 repeats train800 + val200: not twice
@@ -312,28 +314,28 @@ def test_user_mistakes_are_one_line(tmp_path, capsys):
             (["--shards", str(tmp_path)], "--eval"),
             (["--index", str(tmp_path / "missing.json")], "manifest not found")):
         with pytest.raises(SystemExit) as e:
-            A.main(argv)
+            vit_audit.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and text in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(DataError, match="unknown suite 'nope'"):
-        list(A.read_eval("nope:/x"))
+        list(vit_audit.read_eval("nope:/x"))
 
 
 def test_unwritable_output_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     write_demo_shards(tmp_path / "train", split="train", n=4, shard_size=4)
     started = []
-    monkeypatch.setattr(A, "train_index", lambda *a, **k: started.append(1))  # the hashing would start here
+    monkeypatch.setattr(vit_audit, "train_index", lambda *a, **k: started.append(1))  # the hashing would start here
     (tmp_path / "a_file").write_text("not a folder")
     for out in (tmp_path / "a_file" / "audit", tmp_path / "a_file"):  # under a file; the file itself
         with pytest.raises(SystemExit) as e:
-            A.main(["--shards", str(tmp_path / "train"), "--eval", f"shards:{tmp_path / 'train'}", "--output",
+            vit_audit.main(["--shards", str(tmp_path / "train"), "--eval", f"shards:{tmp_path / 'train'}", "--output",
                     str(out), "--quiet"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"vit-audit: error: --output {out}: {tmp_path / 'a_file'} is a file, not a folder"), err
-    assert started == [] and not (tmp_path / "train" / A.HASHES_NAME).exists()
+    assert started == [] and not (tmp_path / "train" / I.HASHES_NAME).exists()
 
 
 # ------------------------------------------------- crops of one scene are not copies (precision)
@@ -424,8 +426,8 @@ def test_crops_of_one_scene_are_not_copies_and_planted_copies_are(tmp_path):
     source = imagefolder(str(tmp_path / "src"))
     write_shards(source, tmp_path / "train", shard_size=64, quality=90, shuffle_seed=None, progress=False)
     key_of = {Path(it.path).stem: f"{i:09d}" for i, it in enumerate(source.items)}
-    r = A.audit([A.train_index(tmp_path / "train")],
-                [A.EvalImage("scenes", "test", i, lambda im=im: im) for i, im in evals.items()])
+    r = M.audit([I.train_index(tmp_path / "train")],
+                [M.EvalImage("scenes", "test", i, lambda im=im: im) for i, im in evals.items()])
     got = {(p.eval_id, p.train_key) for p in r.pairs}
     want = {(i, key_of[name]) for i, name in planted.items()}
     detail = {(p.eval_id, p.train_key): (p.distance, round(p.score, 3), round(p.detail, 3), p.mirrored)

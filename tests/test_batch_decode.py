@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from data_pipeline.batch_decode import DeferredBatch
+from data_pipeline.loading.batch_decode import DeferredBatch
 from data_pipeline.config import AugmentConfig, DataConfig
-from data_pipeline.loader import build_loader
-from data_pipeline.plan import Plan
-from data_pipeline.manifest import resolve_shards
-from data_pipeline.stream import Settings, SlotStream, Start
-from data_pipeline.transforms import Deferred, SampleTransform
+from data_pipeline.loading.loader import build_loader
+from data_pipeline.loading.plan import Plan
+from data_pipeline.shards.manifest import resolve_shards
+from data_pipeline.loading.stream import Settings, SlotStream, Start
+from data_pipeline.loading.transforms import Deferred, SampleTransform
 
 
 def _encode(arr, fmt, **kw) -> bytes:
@@ -190,7 +190,7 @@ def _broken(samples, at):
 def test_a_jpeg_cut_short_is_left_to_the_worker():
     """A file without its EOI marker is decoded (and rejected) by PIL in the worker: nvJPEG's batched
     decode may not fail on it. Zero padding after EOI, as some writers leave, is still shipped."""
-    from data_pipeline.transforms import ends_at_eoi
+    from data_pipeline.loading.transforms import ends_at_eoi
 
     tf = SampleTransform(AugmentConfig(), 16, train=True)
     jpg = _encode((np.random.default_rng(2).random((40, 48, 3)) * 255).astype(np.uint8), "JPEG", quality=95)

@@ -42,8 +42,8 @@ def test_compiled_blocks_match_eager(shards, tmp_path, stage, extra):
 def test_compile_blocks_in_place_keeps_names(stage):
     from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
-    from pretrain.engine import compile_blocks
-    from pretrain.model import create_model
+    from pretrain.distributed.engine import compile_blocks
+    from pretrain.models.vit import create_model
 
     model = create_model("vit_tiny_patch16_224", num_classes=10, img_size=32)
     names = list(model.state_dict())
@@ -58,7 +58,7 @@ def test_zero3_compiled_keeps_the_plain_linear():
     made dynamo recompile per Linear on torch 2.11; compiled ZeRO-3 blocks gather whole, so it is
     turned off there, and only there."""
     from pretrain.config import load_config
-    from pretrain.engine import deepspeed_config
+    from pretrain.distributed.engine import deepspeed_config
 
     def zero_section(*overrides):
         c = load_config("configs/tiny_cpu.yaml", ["zero.stage=3", *overrides])

@@ -42,7 +42,7 @@ def header(config: str) -> dict[str, str]:
 
 def fake_shards(root: Path, classes: int, samples: int, multi_label: bool, n_shards: int = 8) -> Path:
     """``n_shards`` tars of empty ``<key>.cls`` members (512-byte headers, no image) and their manifest."""
-    from data_pipeline.manifest import FORMAT, VERSION, write_manifest
+    from data_pipeline.shards.manifest import FORMAT, VERSION, write_manifest
 
     root.mkdir(parents=True)
     entries, key = [], 0

@@ -11,7 +11,7 @@ import zlib
 import pytest
 
 from data_pipeline.errors import DataError, TooManyCorruptSamples
-from data_pipeline.loader import build_loader
+from data_pipeline.loading.loader import build_loader
 from pretrain.config import DataConfig
 
 

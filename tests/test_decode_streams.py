@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_pipeline.batch_decode import BatchDecoder, DeferredBatch, crop_batch, decode_jpeg
+from data_pipeline.loading.batch_decode import BatchDecoder, DeferredBatch, crop_batch, decode_jpeg
 from data_pipeline.config import AugmentConfig
 from data_pipeline.errors import TooManyCorruptSamples
-from data_pipeline.loader import build_loader
-from data_pipeline.transforms import Deferred, SampleTransform
+from data_pipeline.loading.loader import build_loader
+from data_pipeline.loading.transforms import Deferred, SampleTransform
 
 
 from test_batch_decode import _broken, _cfg, _encode, _run  # noqa: E402  (shared helpers)
@@ -66,7 +66,8 @@ class RecordingStreams:
 def as_on_cuda(monkeypatch):
     """Loaders built with decode_device=cpu run the cuda path (prefetch, batched crop) on the CPU
     with RecordingStreams; decode_jpeg calls are logged as ("decode", current stream, outputs)."""
-    from data_pipeline import batch_decode, loader
+    from data_pipeline.loading import batch_decode
+    from data_pipeline.loading import loader
 
     log = []
     streams = RecordingStreams(log)
@@ -265,7 +266,7 @@ def test_cuda_path_on_cpu_gives_the_cpu_paths_batches(tmp_path, shard_kit, monke
                for i in range(40)]
     root = shard_kit.make_shards(tmp_path / "s", [_broken(samples, at=(7, 27))], [f"c{i}" for i in range(5)])
     want_loader, want = _run(_cfg(root, "cpu", workers=2, **aug), train=train, batches=4)
-    from data_pipeline import loader
+    from data_pipeline.loading import loader
 
     monkeypatch.setattr(loader, "BatchDecoder", functools.partial(
         BatchDecoder, streams=RecordingStreams([]), batched=True))

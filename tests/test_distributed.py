@@ -14,10 +14,10 @@ import torch
 
 from dist_utils import (REPO, deepspeed_cmd, demo_manifest, group_alive, job_env, kill_group, metrics, run_job,
                         start_job, wait_for, wandb_records)
-from pretrain import checkpoint
-from pretrain.export import export, load_run_weights
-from pretrain.model import create_model
-from pretrain.weights import load_weights
+from pretrain.checkpointing import checkpoint
+from pretrain.weights.export import export, load_run_weights
+from pretrain.models.vit import create_model
+from pretrain.weights.load import load_weights
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def check_bf16_optimizer_export(run, tmp_path):
     weights DeepSpeed saved for the module (on 2 ranks: partitions concatenated in rank order)."""
     from safetensors.torch import load_file
 
-    from pretrain.rundir import latest_complete
+    from pretrain.checkpointing.rundir import latest_complete
 
     ckpt = latest_complete(run / "checkpoints")
     assert len(list(ckpt.glob("bf16_zero_pp_rank_*optim_states.pt"))) == 2
@@ -183,7 +183,7 @@ def test_sigterm_saves_checkpoint_and_exits(shards, tmp_path):
     saved = checkpoint.latest_complete(run / "checkpoints")
     assert saved is not None, log.read_text()[-3000:]
     assert 2 <= json.loads((saved / "run.json").read_text())["step"] < 100000
-    assert "vit-train: stopped (SIGTERM) at step" in log.read_text()  # the one line of pretrain.lifecycle
+    assert "vit-train: stopped (SIGTERM) at step" in log.read_text()  # the one line of pretrain.resilience.lifecycle
 
     # the same run on another world size resumes (elastic: universal checkpoint + the data plan)
     step = json.loads((saved / "run.json").read_text())["step"]

@@ -1,4 +1,4 @@
-"""Elastic resume of model and optimizer (pretrain.elastic): a checkpoint saved on W ranks loads on
+"""Elastic resume of model and optimizer (pretrain.checkpointing.elastic): a checkpoint saved on W ranks loads on
 W' ranks through DeepSpeed universal checkpointing, for ZeRO-1/2/3, fp32 and bf16.
 
 Real jobs through the deepspeed runner on CPU (gloo): three launches (2 ranks, 1 rank, 2 ranks)
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_utils import deepspeed_cmd, run_job
-from pretrain import elastic
+from pretrain.checkpointing import elastic
 
 SAVE_AT = 4
 FROM_2 = ["z0-fp32", "z1-fp32", "z2-bf16", "z3-fp32"]  # saved on 2 ranks, resumed on 1
@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
 
 
 def consolidated(ckpt):
-    from pretrain.ds_compat import fp32_state_dict
+    from pretrain.distributed.ds_compat import fp32_state_dict
 
     if not list(ckpt.glob("*optim_states.pt")):  # ZeRO-0: the module state is whole
         return torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]

@@ -5,14 +5,16 @@ import json
 import pytest
 import torch
 
-from pretrain import checkpoint, rng
+from pretrain.checkpointing import checkpoint
+
+from pretrain.distributed import rng
 from pretrain.config import ConfigError, load_config
-from pretrain.engine import deepspeed_config, param_groups
-from pretrain.schedule import lr_multiplier
-from pretrain.flops import analytic_flops, train_flops_per_image
-from pretrain.metrics import throughput
-from pretrain.model import create_model
-from pretrain.losses import classification_loss
+from pretrain.distributed.engine import deepspeed_config, param_groups
+from pretrain.distributed.schedule import lr_multiplier
+from pretrain.observability.flops import analytic_flops, train_flops_per_image
+from pretrain.observability.metrics import throughput
+from pretrain.models.vit import create_model
+from pretrain.models.losses import classification_loss
 from pretrain.step import NonFiniteGuard, NonFiniteLoss
 
 
@@ -140,7 +142,7 @@ def test_throughput_and_mfu_numbers():
 def test_fused_adamw_follows_the_accelerator_not_the_parameters(accelerator, cuda, fused):
     """The optimizer is built while the parameters are still on the CPU; DeepSpeed moves them to
     its accelerator afterwards, so the choice must come from the accelerator."""
-    from pretrain.engine import use_fused_adamw
+    from pretrain.distributed.engine import use_fused_adamw
 
     assert use_fused_adamw(accelerator, cuda) is fused
 

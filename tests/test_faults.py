@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import REPO, demo_manifest, group_alive, job_env, kill_group, metrics, start_job, wait_for
-from pretrain import rundir
+from pretrain.checkpointing import rundir
 
 pytestmark = pytest.mark.slow
 EXIT_INTERRUPTED = 75

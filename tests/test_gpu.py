@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_utils import deepspeed_cmd, metrics, run_job
-from pretrain.model import create_model
+from pretrain.models.vit import create_model
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ def test_bf16_flash_attention_matches_fp32():
 
 
 def test_deepspeed_bf16_nccl_reports_mfu(tmp_path):
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     shards = tmp_path / "shards"
     write_demo_shards(shards, "train", n=2048, shard_size=128)

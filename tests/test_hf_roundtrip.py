@@ -19,13 +19,14 @@ import transformers  # the test extra (setup.py): a missing install fails here r
 import yaml
 from PIL import Image
 
-from data_pipeline.transforms import SampleTransform, normalized_batch
-from pretrain import hf, rundir
+from data_pipeline.loading.transforms import SampleTransform, normalized_batch
+from pretrain.weights import hf
+from pretrain.checkpointing import rundir
 from pretrain.config import load_config, save_config, to_dict
-from pretrain.export import main as export_main
-from pretrain.flops import analytic_flops
-from pretrain.model import create_model
-from pretrain.weights import load_weights, read_state_dict
+from pretrain.weights.export import main as export_main
+from pretrain.observability.flops import analytic_flops
+from pretrain.models.vit import create_model
+from pretrain.weights.load import load_weights, read_state_dict
 
 CLASSES = ["abyssinian", "beagle", "bengal", "boxer", "pug", "sphynx"]
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # not the defaults: proves they travel
@@ -152,7 +153,7 @@ def test_run_to_hf_folder_logits_labels_card(tmp_path, manifest, capsys):
 
 def test_ours_hf_ours_bit_identical_base_shapes(tmp_path):
     """ViT-B/16 shapes at 32 px, without a checkpoint: the conversion and folder writer alone."""
-    from pretrain.export import write_safetensors
+    from pretrain.weights.export import write_safetensors
 
     model = {"name": "vit_base_patch16_224", "img_size": 32, "num_classes": 7}
     ours = randomized(create_model("vit_base_patch16_224", img_size=32, num_classes=7, init_seed=2))
@@ -173,11 +174,11 @@ def test_ours_hf_ours_bit_identical_base_shapes(tmp_path):
 
 
 def test_hf_to_ours_to_hf(tmp_path, capsys):
-    """A transformers model loads into ours through pretrain.weights, into vit-transfer's backbone
+    """A transformers model loads into ours through pretrain.weights.load, into vit-transfer's backbone
     at another resolution (position embeddings resized, head replaced), and exports back to a
     folder transformers loads with the same logits and labels. Its LayerNorm eps is ours (1e-6):
     with transformers' default 1e-12 the logits differ by the eps alone (~5e-5 here)."""
-    from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+    from pretrain.weights.pretrained import build_backbone, load_pretrained
 
     torch.manual_seed(3)
     conf = transformers.ViTConfig(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,

@@ -16,7 +16,7 @@ from dist_utils import REPO, demo_manifest, job_env
 JOB = r"""
 import collections, json, os, sys
 import torch
-from pretrain import watchdog
+from pretrain.resilience import watchdog
 
 where = {"step": 0}
 counts = collections.Counter()
@@ -119,7 +119,7 @@ def test_sigint_stops_at_the_next_sync_point(shards, tmp_path):
     import signal
 
     from dist_utils import group_alive, kill_group, metrics, start_job, wait_for
-    from pretrain import rundir
+    from pretrain.checkpointing import rundir
 
     run, log = tmp_path / "run", tmp_path / "log.txt"
     cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",

@@ -18,7 +18,7 @@ import torch
 
 from data_pipeline.config import DataConfig
 from data_pipeline.errors import DataError
-from data_pipeline.loader import build_loader
+from data_pipeline.loading.loader import build_loader
 from dist_utils import free_port, job_env, start_job, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, s
     2 s later: the recorded samples are exactly the disk loader's, the retries are in ``data/*`` and
     the wait in ``data_wait_share``; then the server goes for good after a checkpoint: the run ends
     within data.remote_retry_s, exit 2, one line naming the URL, the checkpoint intact."""
-    from pretrain import checkpoint
+    from pretrain.checkpointing import checkpoint
     from pretrain.config import load_config
 
     rate = ["--rate", "45000"]  # ~0.6 s per 12-sample shard: the loader, not the model, sets the pace

@@ -4,7 +4,7 @@ of the writer (``vit-shards``) and of the loader's decode as the pixels a viewer
 Each case writes real bytes with PIL (or, for 16-bit colour PNGs, which PIL cannot write, with a
 few lines of zlib) and compares against a reference computed here with numpy from the arrays the
 file was made of, never by calling the code under test. The mapping under test is documented in
-``data_pipeline/decode.py``: alpha over white, 16-bit by the high byte, I/F by range or min-max.
+``data_pipeline/shards/decode.py``: alpha over white, 16-bit by the high byte, I/F by range or min-max.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_pipeline.decode import load_rgb, open_image, to_rgb
-from data_pipeline.transforms import SampleTransform
-from data_pipeline.write_shards import main
+from data_pipeline.shards.decode import load_rgb, open_image, to_rgb
+from data_pipeline.loading.transforms import SampleTransform
+from data_pipeline.shards.cli import main
 
 RNG = np.random.default_rng(12)
 H, W = 20, 28  # small: the writer re-encodes JPEG at 4:4:4 below 64 px, so q100 stays within ~2

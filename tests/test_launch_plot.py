@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from launch.plot_scaling import PlotError, load_run, scaling_table
-from pretrain.config import LoggingConfig, WandbConfig
-from pretrain.metrics import MetricsLogger, throughput
+from pretrain.config.schema import LoggingConfig, WandbConfig
+from pretrain.observability.metrics import MetricsLogger, throughput
 
 # images/s of the whole job after warm-up: 95% then 90% of linear
 RATES = {1: 100.0, 2: 190.0, 4: 360.0}

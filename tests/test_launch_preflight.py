@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from dist_utils import REPO
-from launch import memory, preflight
+from pretrain.perf import memory
+from launch import preflight
 from launch.cli import main
-from launch.memory import checkpoint_bytes, model_shape
+from pretrain.perf.memory import checkpoint_bytes, model_shape
 from pretrain.config import load_config
 
 CONFIG = "configs/tiny_cpu.yaml"

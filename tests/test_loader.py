@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data_pipeline.errors import DataError
-from data_pipeline.loader import build_loader
+from data_pipeline.loading.loader import build_loader
 from pretrain.config import AugmentConfig, DataConfig
 
 

@@ -8,8 +8,8 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from pretrain.checkpoint import WeightsError, load_weights
-from pretrain.model import create_model, list_models, model_defaults, resize_pos_embed
+from pretrain.checkpointing.checkpoint import WeightsError, load_weights
+from pretrain.models.vit import create_model, list_models, model_defaults, resize_pos_embed
 
 SMALL_ENOUGH = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
                 "vit_base_patch32_224", "vit_base_patch16_384", "vit_base_r50_s16_224"]
@@ -63,7 +63,7 @@ def test_parameter_counts_match_table1(name, millions):
 
 
 def test_meta_build_and_no_deepspeed_import():
-    code = ("import sys, torch; import pretrain.model as M\n"
+    code = ("import sys, torch; import pretrain.models.vit as M\n"
             "with torch.device('meta'): m = M.create_model('vit_huge_patch14_224')\n"
             "assert all(p.is_meta for p in m.parameters())\n"
             "assert 'deepspeed' not in sys.modules, 'model code must not import deepspeed'\n"
@@ -237,8 +237,8 @@ def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks():
     """A pre-trained state dict with timm's q_norm / ls gammas builds its transfer backbone with
     the same options (read from the tensors); toggling either key is a resume-blocking change,
     while older runs' configs (without the keys) still resume."""
-    from pretrain.checkpoint import config_changes
-    from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+    from pretrain.checkpointing.checkpoint import config_changes
+    from pretrain.weights.pretrained import build_backbone, load_pretrained
 
     src = create_model("vit_tiny_patch16_224", img_size=32, num_classes=4, qk_norm=True, init_values=1e-5)
     torch.nn.init.normal_(src.blocks[1].ls2.gamma)

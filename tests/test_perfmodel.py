@@ -1,4 +1,4 @@
-"""The performance model (launch/perfmodel.py) against the built models, the published runs,
+"""The performance model (pretrain/perf/perfmodel.py) against the built models, the published runs,
 DeepSpeed's own bytes and buffers on 2 real CPU ranks, and this machine's measured step time."""
 import json
 import subprocess
@@ -9,17 +9,19 @@ import pytest
 import torch
 
 from dist_utils import REPO, deepspeed_cmd, run_job
-from launch import memory, perfmodel
-from launch.perfmodel import GPUS, Layout, predict
-from pretrain import arch
-from pretrain.config import ConfigError, ZeroConfig, load_config
-from pretrain.engine import check_zeropp_device, deepspeed_config
-from pretrain.model import create_model
+from pretrain.perf import memory
+from pretrain.perf import perfmodel
+from pretrain.perf.perfmodel import GPUS, Layout, predict
+from pretrain.models import arch
+from pretrain.config import ConfigError, load_config
+from pretrain.config.schema import ZeroConfig
+from pretrain.distributed.engine import check_zeropp_device, deepspeed_config
+from pretrain.models.vit import create_model
 
 
 @pytest.mark.parametrize("name", arch.list_models())
 def test_parameter_counts_match_the_built_model(name):
-    """The torch-free counts the model prices are those of the modules pretrain.model builds."""
+    """The torch-free counts the model prices are those of the modules pretrain.models.vit builds."""
     for kw in ({}, dict(qk_norm=True, init_values=1e-5, representation_size=64, global_pool="avg", num_classes=10,
                         img_size=64)):
         with torch.device("meta"):
@@ -201,7 +203,7 @@ def test_collective_bytes_equal_deepspeeds(ds_bytes, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_states_equal_what_optimizers_hold(ds_bytes, stage):
     """Master weights, Adam moments and fp32 gradient buffers read off the live optimizer of each
-    stage, against launch.memory's bytes; then the model against DeepSpeed's own estimators."""
+    stage, against pretrain.perf.memory's bytes; then the model against DeepSpeed's own estimators."""
     world = ds_bytes["world"]
     got = ds_bytes["stages"][str(stage)]
     params = got["params"]

@@ -1,5 +1,5 @@
 """Gradient accumulation and reduction dtype under bf16 (``train.reduce_dtype``): the live engines
-DeepSpeed builds from ``pretrain.engine.deepspeed_config`` on 2 ranks, and what bf16 reduction
+DeepSpeed builds from ``pretrain.distributed.engine.deepspeed_config`` on 2 ranks, and what bf16 reduction
 loses that fp32 keeps: 16 accumulated micro-batches, one gradient of 1 and the rest 1e-3 (the
 small ones are below bf16's resolution next to the large one)."""
 import json
@@ -8,8 +8,9 @@ import math
 import pytest
 
 from dist_utils import REPO, deepspeed_cmd, run_job
-from pretrain.config import OptimConfig, TrainConfig, ZeroConfig, ConfigError
-from pretrain.engine import deepspeed_config
+from pretrain.config import ConfigError
+from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.distributed.engine import deepspeed_config
 
 GAS, SMALL, WORLD = 16, 1e-3, 2
 

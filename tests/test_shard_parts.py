@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from data_pipeline.manifest import resolve_shards
-from data_pipeline.write_shards import main, part_range
+from data_pipeline.shards.manifest import resolve_shards
+from data_pipeline.shards.cli import main
+from data_pipeline.shards.parts import part_range
 
 SHARD = ["--shard-size", "4", "--resize-shorter", "24", "--quiet"]
 

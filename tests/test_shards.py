@@ -16,10 +16,11 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from data_pipeline import sources
-from data_pipeline.demo_data import PRETRAIN_CLASSES, TRANSFER_CLASSES, demo_items
+from data_pipeline.shards import sources
+from data_pipeline.shards.demo_data import PRETRAIN_CLASSES, TRANSFER_CLASSES, demo_items
 from data_pipeline.errors import DataError
-from data_pipeline.write_shards import PROGRESS_NAME, main, write_shards
+from data_pipeline.shards.cli import main
+from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,7 +144,7 @@ def test_empty_class_folder_is_an_error_unless_allowed(tmp_path, capsys):
 
 
 def test_unreadable_files_are_named_capped_and_survive_resume(tmp_path, capsys, monkeypatch):
-    from data_pipeline import write_shards as ws
+    from data_pipeline.shards import writer as ws
 
     monkeypatch.setattr(ws, "SKIPPED_NAMES", 3)
     root = tmp_path / "images"

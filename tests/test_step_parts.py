@@ -8,10 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pretrain import clock, ds_compat, rng
-from pretrain.losses import classification_loss
-from pretrain.model import create_model
-from pretrain.straggler import StragglerDetector
+from pretrain.observability import clock
+
+from pretrain.distributed import ds_compat
+
+from pretrain.distributed import rng
+from pretrain.models.losses import classification_loss
+from pretrain.models.vit import create_model
+from pretrain.resilience.straggler import StragglerDetector
 
 
 # ------------------------------------------------------------------------------------ clocks
@@ -100,7 +104,7 @@ def test_initial_weights_come_from_their_own_generator():
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), k
     d = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, defer_init=True)
-    from pretrain.model import init_generator
+    from pretrain.models.init import init_generator
 
     state = torch.get_rng_state()
     d.init_weights(generator=init_generator(7))
@@ -123,7 +127,7 @@ def one_rank_group():
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_evaluation_of_a_training_batch_reports_the_training_loss(one_rank_group, multi):
-    from pretrain.evaluator import InTrainingEval
+    from pretrain.evaluation.in_training import InTrainingEval
 
     torch.manual_seed(0)
     model = torch.nn.Linear(12, 30)
@@ -195,7 +199,7 @@ def test_collective_timeout_reaches_every_process_group(tmp_path):
 
     code = (
         "import torch, torch.distributed as dist\n"
-        "from pretrain.distributed import set_collective_timeout\n"
+        "from pretrain.distributed.process import set_collective_timeout\n"
         "dist.init_process_group('gloo', rank=0, world_size=1)\n"
         "g = dist.new_group([0])\n"
         "set_collective_timeout(7)\n"
@@ -218,7 +222,7 @@ def test_a_failed_collective_names_the_peer_that_does_not_answer(tmp_path):
 
     code = (
         "import sys, torch.distributed as dist\n"
-        "from pretrain.distributed import unreachable_peers\n"
+        "from pretrain.distributed.process import unreachable_peers\n"
         "rank = int(sys.argv[1])\n"
         "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
         "hosts = ['node-a', 'node-b']\n"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from data_pipeline.write_shards import write_demo_shards
+    from data_pipeline.shards.writer import write_demo_shards
 
     root = tmp_path_factory.mktemp("evaldata")
     write_demo_shards(root / "train", "train", n=256, shard_size=64)

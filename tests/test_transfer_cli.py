@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config, to_dict
-from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.cli import main
 from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import (exported_metadata, save_safetensors, tiny_model, write_cifar100, write_imagefolder,
@@ -27,7 +27,7 @@ def colours(tmp_path_factory):
 
 
 def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc") -> Path:
-    """A run directory in the layout ``pretrain.checkpoint`` writes at ZeRO stage 0: per step a
+    """A run directory in the layout ``pretrain.checkpointing.checkpoint`` writes at ZeRO stage 0: per step a
     DeepSpeed module file, run.json and the COMPLETE marker; ``latest`` names the newest.
     ``steps``: {step: complete?}."""
     cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=10",
@@ -313,7 +313,7 @@ def test_progress_throttle_and_interval(monkeypatch):
     import io
 
     from data_pipeline.errors import ConfigError
-    from pretrain.transfer.progress import Progress, Throttle, interval_from_env
+    from pretrain.observability.progress import Progress, Throttle, interval_from_env
 
     now = [0.0]
     t = Throttle(10.0, clock=lambda: now[0])

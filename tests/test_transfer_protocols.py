@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pretrain.config import load_config
-from pretrain.model import resize_pos_embed
-from pretrain.transfer.checkpoints import build_backbone, load_pretrained
+from pretrain.models.vit import resize_pos_embed
+from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
 from pretrain.transfer.linear import fit_logistic

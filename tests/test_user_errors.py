@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import REPO, demo_manifest, job_env, metrics, train_single
-from pretrain import rundir
+from pretrain.checkpointing import rundir
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_export_failing_at_the_end_saves_the_weights_elsewhere(trained, tmp_path
     the weights go to the run directory and the one line says where."""
     from safetensors.torch import load_file
 
-    from pretrain import export as ex
+    from pretrain.weights import export as ex
 
     out_dir = tmp_path / "out"
     out_dir.mkdir()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_utils import deepspeed_cmd, run_job
-from pretrain.model import create_model
+from pretrain.models.vit import create_model
 
 
 @pytest.mark.parametrize("name, kw", [("vit_tiny_patch16_224", dict(qk_norm=True, init_values=1e-5)),

@@ -122,7 +122,7 @@ def write_imagefolder(root: Path, n_train: int = 12, n_test: int = 8, seed: int 
 
 # ------------------------------------------------------------------------------- checkpoints
 def tiny_model(img_size: int = 32, seed: int = 0, **kw):
-    from pretrain.model import create_model
+    from pretrain.models.vit import create_model
 
     torch.manual_seed(seed)
     return create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=10, **kw)

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint
+from pretrain.checkpointing import checkpoint
 from pretrain.config import from_dict
-from pretrain.distributed import init_distributed
-from pretrain.engine import initialize
+from pretrain.distributed.process import init_distributed
+from pretrain.distributed.engine import initialize
 from pretrain.train import build_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from pretrain.config import Config
-from pretrain.distributed import init_distributed
-from pretrain.engine import initialize, param_groups
-from pretrain.model import create_model
+from pretrain.distributed.process import init_distributed
+from pretrain.distributed.engine import initialize, param_groups
+from pretrain.models.vit import create_model
 from pretrain.train import build_model, num_params
 
 

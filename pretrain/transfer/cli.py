@@ -23,7 +23,7 @@ from typing import Optional
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors
 from pretrain.config import load_config
-from pretrain.transfer.checkpoints import ARCH_KEYS, load_pretrained
+from pretrain.weights.pretrained import ARCH_KEYS, load_pretrained
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.finetune import Dist
@@ -65,7 +65,7 @@ def setup_distributed(protocol: str) -> Dist:
         return Dist()
     if protocol != "finetune":
         raise TransferError(f"--protocol {protocol} runs in one process; start it without the deepspeed runner")
-    from pretrain.distributed import init_distributed
+    from pretrain.distributed.process import init_distributed
 
     rank, _, world = init_distributed()  # binds the rank to its own GPU
     return Dist(rank=rank, world=world, deepspeed=True)

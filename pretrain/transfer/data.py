@@ -6,7 +6,7 @@ Protocols see only :class:`Split`; where the images live is the split's business
   (CIFAR-100) or demo recipes drawn on the fly; decoded lazily in DataLoader workers, so a
   20k-image VTAB test set never sits in memory at 224 px. :class:`Subset` selects indices
   (CIFAR's minival) and shares its parent's images and cached features.
-* :class:`ShardSplit` -- our WebDataset shards + manifest.json, through ``data_pipeline.loader``.
+* :class:`ShardSplit` -- our WebDataset shards + manifest.json, through ``data_pipeline.loading.loader``.
 
 A :class:`View` says how images become tensors: resolution, resize mode, augmentation for
 training batches, normalisation. ``train=True`` gives an endless shuffled (augmented) stream,
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from data_pipeline.decode import to_rgb
+from data_pipeline.shards.decode import to_rgb
 from pretrain.transfer.errors import TransferError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -257,12 +257,12 @@ def holdout(split: ImageSet, fraction: float, seed: int) -> tuple[Subset, Subset
 
 
 class ShardSplit(Split):
-    """Our WebDataset shards (a manifest.json or its folder), via ``data_pipeline.loader``.
+    """Our WebDataset shards (a manifest.json or its folder), via ``data_pipeline.loading.loader``.
     Images arrive decoded, resized (the loader's own eval crop / train augmentation) and
     normalised with ``data.augment.mean/std``."""
 
     def __init__(self, name: str, manifest, data_cfg):
-        from data_pipeline.manifest import resolve_shards
+        from data_pipeline.shards.manifest import resolve_shards
 
         # one manifest (path or folder) or a list of them (train + val = trainval)
         self.name, self.spec = name, [str(m) for m in manifest] if isinstance(manifest, list) else str(manifest)
@@ -279,7 +279,7 @@ class ShardSplit(Split):
         return self.shardset.num_classes
 
     def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
-        from data_pipeline.loader import build_loader
+        from data_pipeline.loading.loader import build_loader
 
         aug = self.data_cfg.augment
         if not view.train_augment:  # full image, no flip: scale 1 at ratio 1 is a center crop

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from pretrain.config import Config
-from pretrain.transfer.checkpoints import Pretrained, build_backbone
+from pretrain.weights.pretrained import Pretrained, build_backbone
 from pretrain.transfer.data import View
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.features import FeatureCache

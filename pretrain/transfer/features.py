@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from pretrain.precision import autocast_bf16
+from pretrain.distributed.precision import autocast_bf16
 from pretrain.transfer.data import Concat, Split, Subset, View
-from pretrain.transfer.progress import Progress
+from pretrain.observability.progress import Progress
 
 
 def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Tensor:

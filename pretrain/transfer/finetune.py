@@ -4,7 +4,7 @@ one zero-initialised linear layer, optionally at a higher resolution (position e
 
 One process: plain PyTorch (the CPU tests, one GPU). Started by the deepspeed runner
 (WORLD_SIZE > 1): model and SGD go through ``deepspeed.initialize`` with a ZeRO config built by
-``pretrain.engine.deepspeed_config`` from the run's ``zero`` section (stage 3 shards a ViT-H that
+``pretrain.distributed.engine.deepspeed_config`` from the run's ``zero`` section (stage 3 shards a ViT-H that
 would not fit one device with its optimizer state) and bf16 when ``train.precision`` says so.
 Every rank trains on its own share of each batch; accuracy is summed over ranks.
 """
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import OptimConfig, TrainConfig
-from pretrain.precision import autocast_bf16, compute_dtype
-from pretrain.distributed import lockstep
-from pretrain.schedule import lr_multiplier
-from pretrain.transfer.checkpoints import Pretrained, build_backbone
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.precision import autocast_bf16, compute_dtype
+from pretrain.distributed.process import lockstep
+from pretrain.distributed.schedule import lr_multiplier
+from pretrain.weights.pretrained import Pretrained, build_backbone
 from pretrain.transfer.errors import TransferError
 
 MOMENTUM = 0.9
@@ -66,7 +66,7 @@ class _DeepSpeed:
     def __init__(self, model, opt, sched, *, lr: float, ev, zero, precision: str, world: int):
         import deepspeed
 
-        from pretrain.engine import deepspeed_config
+        from pretrain.distributed.engine import deepspeed_config
 
         optim = OptimConfig(name="sgd", lr=lr, momentum=MOMENTUM, weight_decay=0.0, grad_clip=ev.grad_clip)
         train = TrainConfig(steps=ev.steps, global_batch_size=ev.batch_size, micro_batch_size=ev.batch_size // world,

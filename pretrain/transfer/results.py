@@ -13,7 +13,7 @@ pre-training run.
      "mean": 0.61, "missing": ["sun397", ...], "seconds": 812.0}
 
 W&B: the same run id as pre-training and the checkpoint's step as ``train/step`` -- the x-axis
-``pretrain.metrics`` defines for ``transfer/*`` -- so transfer curves sit beside the loss curve;
+``pretrain.observability.metrics`` defines for ``transfer/*`` -- so transfer curves sit beside the loss curve;
 W&B's own step counter is left alone, so a transfer result for an older step is never dropped
 as out of order.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import unwritable, write_atomic
-from pretrain.metrics import open_checkpoint_run
+from pretrain.observability.metrics import open_checkpoint_run
 from pretrain.transfer import vtab
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.sweep import TaskResult

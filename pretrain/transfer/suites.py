@@ -13,7 +13,7 @@ Layouts:
                (the PyTorch VTAB-1k layout); task folders by paper or short name (``vtab.py``).
   imagefolder  ROOT/train/<class>/..., ROOT/test/<class>/..., optional ROOT/val/<class>/...
   shards       ROOT/{train,test}[/val] each holding WebDataset shards + manifest.json.
-  demo         the built-in held-out demo shapes (``data_pipeline.demo_data``): their shards
+  demo         the built-in held-out demo shapes (``data_pipeline.shards.demo_data``): their shards
                under ROOT/transfer-{train,test} when --data-root is given, else drawn on demand.
 """
 from __future__ import annotations
@@ -25,8 +25,17 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from pretrain.config.schema import SUITE_NEEDS_ROOT
 from pretrain.transfer import vtab
-from pretrain.transfer.data import ArrayImages, Concat, FileImages, RecipeImages, ShardSplit, Split, holdout
+from pretrain.transfer.data import (
+    ArrayImages,
+    Concat,
+    FileImages,
+    RecipeImages,
+    ShardSplit,
+    Split,
+    holdout,
+)
 from pretrain.transfer.errors import TransferError
 
 
@@ -51,7 +60,7 @@ def _need_dir(path: Path, what: str) -> Path:
 
 # ----------------------------------------------------------------------------------- CIFAR-100
 def _cifar_file(root: Path, name: str):
-    from data_pipeline.sources import safe_load_pickle
+    from data_pipeline.shards.sources import safe_load_pickle
 
     for base in (root, root / "cifar-100-python"):
         if (base / name).is_file():
@@ -153,7 +162,7 @@ def vtab1k(root: str, names: list[str]) -> tuple[list[Task], list[str]]:
 
 # -------------------------------------------------------------------------------- ImageFolder
 def _folder(root: Path, classes: Optional[list[str]] = None) -> tuple[list[str], FileImages]:
-    from data_pipeline.sources import imagefolder as read_folder
+    from data_pipeline.shards.sources import imagefolder as read_folder
 
     src = read_folder(str(root))
     if classes is None:
@@ -215,7 +224,7 @@ def demo(minival_fraction: float, seed: int, root: Optional[str] = None, data_cf
         train = ShardSplit("demo/transfer-train", manifests[0], data_cfg)
         test = ShardSplit("demo/transfer-test", manifests[1], data_cfg)
         return Task("demo", train.num_classes, train, None, train, test, resize="crop", augment=True)
-    from data_pipeline.demo_data import demo_items
+    from data_pipeline.shards.demo_data import demo_items
 
     classes, tr = demo_items("transfer-train", n_train)
     _, te = demo_items("transfer-test", n_test)
@@ -234,7 +243,8 @@ class Suite:
     help: str = ""
 
 
-# The one list of suites: the schema's check, vit-transfer's --suite choices and build_tasks read it.
+# The builders of the suites the schema names (pretrain.config.schema.SUITE_NEEDS_ROOT: names and
+# whether each needs a folder): vit-transfer's --suite choices and build_tasks read this table.
 SUITES: dict[str, Suite] = {
     "cifar100": Suite(lambda ev, d: ([cifar100(ev.data_root, ev.minival_fraction, ev.seed)], []),
                       help="the official CIFAR-100 python pickles"),
@@ -245,6 +255,7 @@ SUITES: dict[str, Suite] = {
                          help="CLASS/IMAGE folders"),
     "shards": Suite(lambda ev, d: ([shards(ev.data_root, d)], []), help="our shards: train/ [val/] test/"),
 }
+assert {n: s.needs_root for n, s in SUITES.items()} == SUITE_NEEDS_ROOT, "suites and schema disagree"
 
 
 def build_tasks(ev, data_cfg) -> tuple[list[Task], list[str]]:

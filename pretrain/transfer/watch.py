@@ -2,7 +2,7 @@
 
 Never in the training job's way: it only polls and reads -- no lock, no marker, nothing written
 under the run directory -- and lowers its own CPU priority. A checkpoint is evaluated only once it
-is complete: its directory holds the ``COMPLETE`` marker (written by ``pretrain.checkpoint`` after
+is complete: its directory holds the ``COMPLETE`` marker (written by ``pretrain.checkpointing.checkpoint`` after
 every rank finished), or it is the tag named by the checkpoint root's ``latest`` file (which is
 written last). Half-written directories are skipped until then; a checkpoint that the training
 job prunes while we read it is reported and skipped, never retried forever.
@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from pretrain.rundir import checkpoint_root, list_complete, step_of
+from pretrain.checkpointing.rundir import checkpoint_root, list_complete, step_of
 from pretrain.transfer.errors import TransferError
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
-    """Where a run keeps its checkpoints (``pretrain.rundir.checkpoint_root``)."""
+    """Where a run keeps its checkpoints (``pretrain.checkpointing.rundir.checkpoint_root``)."""
     if not Path(run_dir).is_dir():
         raise TransferError(f"{run_dir}: run directory not found")
     return checkpoint_root(run_dir)

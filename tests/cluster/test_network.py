@@ -37,8 +37,8 @@ from conftest import REPO, descendants, kill_pids, procs, train_overrides, wait_
 
 from dist_utils import free_port, job_env
 from netns import ADDR, Link
-from pretrain import checkpoint
-from pretrain.rundir import verify
+from pretrain.checkpointing import checkpoint
+from pretrain.checkpointing.rundir import verify
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, descendants, ds_env_file, kill_pids, procs, train_overrides, wait_until
 
 from launch.runner import deepspeed_executable
-from pretrain import checkpoint
+from pretrain.checkpointing import checkpoint
 from dist_utils import free_port
 
 pytestmark = pytest.mark.cluster

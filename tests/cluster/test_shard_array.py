@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import REPO, wait_until
 
-from data_pipeline.write_shards import main as vit_shards
+from data_pipeline.shards.cli import main as vit_shards
 from test_shard_parts import samples_of  # tests/ is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.cluster

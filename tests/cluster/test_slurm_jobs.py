@@ -20,7 +20,7 @@ import sys
 import pytest
 from conftest import REPO, kill_pids, procs, train_overrides, wait_until
 
-from pretrain import checkpoint
+from pretrain.checkpointing import checkpoint
 
 pytestmark = pytest.mark.cluster
 

@@ -1,0 +1,191 @@
+"""Image transforms (torchvision.transforms.v2) with per-sample seeding, draft-mode decoding, and
+batch-level normalisation and Mixup/CutMix.
+
+Pre-training: the ViT paper's Inception-style random resized crop + horizontal flip, optionally
+RandAugment (AugReg). Evaluation: resize the shorter side to ``img_size / eval_crop_pct``, center
+crop. Each sample's randomness comes from a seed derived from its identity (see ``plan.mix_seed``),
+set on torch's default generator inside ``fork_rng`` so the caller's RNG stream is untouched (this
+matters with ``workers=0``, where transforms run in the training process). That makes augmentation
+reproducible on resume, whichever worker decodes the sample.
+
+Decoding cost: the crop is chosen from the JPEG header's size *before* decoding, then PIL's draft
+mode decodes at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side, so
+no quality is lost against a full decode. Resizing runs on uint8 tensors (torch's vectorised
+antialiased kernel); samples leave as uint8 and are normalised into the batch buffer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import get_worker_info
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+from data_pipeline.shards.decode import draft, exif_orientation, load_rgb, oriented_size
+
+
+@dataclass
+class Deferred:
+    """A JPEG that the training process decodes (``data.decode_device``: cpu or cuda), with what its
+    worker drew for it from the sample's seed."""
+    data: Optional[bytes]  # the file (None once packed into its batch: see ``span``)
+    size: tuple  # (W, H) from the header
+    box: Optional[tuple]  # training: the crop (top, left, h, w) in the full image; None: evaluation
+    flip: bool
+    seed: int  # the sample's seed: RandAugment replays from it
+    span: Optional[tuple] = None  # (start, end) of the file in its batch's ``blob``
+    counted: bool = True  # a failure to decode counts as corrupt (False: counted on an earlier pass)
+
+
+def ends_at_eoi(data: bytes) -> bool:
+    """Whether a JPEG ends with its End Of Image marker (zero padding after it allowed)."""
+    return data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9")
+
+
+class SampleTransform:
+    """lazy PIL image (header parsed) + seed -> uint8 tensor (3, img_size, img_size)."""
+
+    def __init__(self, aug, img_size: int, train: bool):
+        self.size = int(img_size)
+        self.train = train
+        if not train:
+            self.resize = int(round(self.size / aug.eval_crop_pct))
+        else:
+            self.crop = v2.RandomResizedCrop(self.size, scale=tuple(aug.crop_scale), ratio=tuple(aug.crop_ratio),
+                                             antialias=True)
+            self.hflip = aug.hflip
+            self.randaug = v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude) \
+                if aug.randaugment_ops > 0 else None
+
+    def _draw(self, W: int, H: int) -> tuple[tuple[int, int, int, int], bool]:
+        """The sample's crop box (top, left, h, w) in a W x H image and its flip, drawn from torch's
+        default generator (seeded by the caller) in a fixed order; RandAugment draws next."""
+        # a zero-stride tensor stands in for an image of that size: nothing is decoded yet
+        p = self.crop.make_params([torch.empty(1, 1, 1).expand(1, H, W)])
+        flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)  # as v2.RandomHorizontalFlip draws
+        return (p["top"], p["left"], p["height"], p["width"]), flip
+
+    def _post(self, out: torch.Tensor, flip: bool) -> torch.Tensor:
+        if flip:
+            out = out.flip(-1)
+        return self.randaug(out) if self.randaug is not None else out
+
+    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+        if not self.train:
+            return self._eval(img)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            # The crop is drawn from the header's size as displayed (EXIF orientation 5..8 swaps
+            # it), before decoding.
+            W, H = oriented_size(img)
+            (top, left, h, w), flip = self._draw(W, H)
+            r = min(w, h) / self.size  # how much smaller the decode may be with no loss
+            img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
+            rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
+            sx, sy = rgb.size[0] / W, rgb.size[1] / H
+            if sx != 1.0 or sy != 1.0:
+                top, left = int(top * sy), int(left * sx)
+                h = max(1, min(rgb.size[1] - top, round(h * sy)))
+                w = max(1, min(rgb.size[0] - left, round(w * sx)))
+            # uint8 tensor resize: torch's antialiased bilinear kernel is about 1.7x faster than PIL's
+            out = F.resized_crop(F.pil_to_tensor(rgb), top, left, h, w, [self.size, self.size], antialias=True)
+            return self._post(out, flip)
+
+    # ---------------------------------------- data.decode_device: the training process decodes
+    def defer(self, img: Image.Image, data: bytes, seed: int, counted: bool = True) -> "Deferred | None":
+        """For a JPEG the training process can decode as it is (baseline, RGB or grey, no EXIF
+        rotation, at most ``(4 * img_size)^2`` pixels, ending in its EOI marker), what it needs: the
+        file and what this sample drew. None: decode it here (:meth:`__call__`). Progressive JPEGs
+        stay here because nvJPEG's hardware engine takes baseline only; large ones because draft
+        mode decodes them here at 1/2..1/8 scale, and the cap bounds what a batch's decode needs on
+        the GPU (3 bytes a pixel). A file without EOI at its end is most likely cut short: PIL
+        rejects it here, where nvJPEG's batched decode, which parses only the header before it
+        starts, may not fail on it (NVIDIA/DALI#3113) and would train on a half-grey image."""
+        w, h = img.size
+        if img.format != "JPEG" or img.mode not in ("RGB", "L") or img.info.get("progressive") \
+                or w * h > (4 * self.size) ** 2 or exif_orientation(img) != 1 or not ends_at_eoi(data):
+            return None
+        if not self.train:
+            return Deferred(data, img.size, None, False, seed, counted=counted)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            box, flip = self._draw(*img.size)
+        return Deferred(data, img.size, box, flip, seed, counted=counted)
+
+    def finish(self, pixels: torch.Tensor, item: "Deferred") -> torch.Tensor:
+        """Decoded uint8 (3, H, W) of ``item``, on any device -> uint8 (3, size, size): what
+        :meth:`__call__` gives for the same sample (identical when no draft decode applied there)."""
+        if item.box is None:
+            return F.center_crop(F.resize(pixels, self.resize, antialias=True), [self.size, self.size])
+        top, left, h, w = item.box
+        out = F.resized_crop(pixels, top, left, h, w, [self.size, self.size], antialias=True)
+        if self.randaug is None:
+            return self._post(out, item.flip)
+        with torch.random.fork_rng(devices=[]):  # replay the sample's draws, then RandAugment's
+            torch.random.default_generator.manual_seed(item.seed)
+            self._draw(*item.size)
+            return self._post(out, item.flip)
+
+    def _eval(self, img: Image.Image) -> torch.Tensor:
+        w, h = img.size
+        r = min(w, h) / self.resize
+        img, _, _ = draft(img, math.ceil(w / r), math.ceil(h / r))
+        x = F.pil_to_tensor(load_rgb(img))
+        return F.center_crop(F.resize(x, self.resize, antialias=True), [self.size, self.size])
+
+
+def normalized_batch(images: list, mean, std) -> torch.Tensor:
+    """uint8 (3,H,W) samples -> one float32 (B,3,H,W) batch, normalised sample by sample while the
+    sample is still in cache. Inside a DataLoader worker the batch is allocated in shared memory
+    (as torch's default_collate does), so it crosses to the training process without another copy;
+    a fresh 38 MB float batch (64 x 224 px) costs more in page faults than the arithmetic."""
+    b, (c, h, w) = len(images), images[0].shape
+    proto = torch.empty(0, dtype=torch.float32)
+    if get_worker_info() is not None:
+        out = proto.new(proto._typed_storage()._new_shared(b * c * h * w, device="cpu")).resize_(b, c, h, w)
+    else:
+        out = torch.empty((b, c, h, w), dtype=torch.float32)
+    scale = 1.0 / (torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255.0)
+    shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+    for i, img in enumerate(images):
+        o = out[i]
+        o.copy_(img)
+        o.mul_(scale).add_(shift)
+    return out
+
+
+def mix_labelled(images: torch.Tensor, targets: torch.Tensor, aug, seed: int, num_classes: int):
+    """:func:`mix_batch` for a batch's own targets: integer class labels become one-hot rows first."""
+    if targets.dtype == torch.int64:
+        targets = torch.nn.functional.one_hot(targets, num_classes).float()
+    return mix_batch(images, targets, aug, seed)
+
+
+def mix_batch(images: torch.Tensor, targets: torch.Tensor, aug, seed: int):
+    """Mixup / CutMix (AugReg) on a normalised batch with float (B, C) targets, pairing each sample
+    with the batch reversed. Own code rather than ``v2.MixUp/CutMix`` because those accept only
+    integer class labels, and multi-hot (JFT-style) targets need the same mixing. When both are on,
+    each batch picks one with equal odds (timm's convention)."""
+    rng = np.random.default_rng(seed)
+    use_cutmix = aug.cutmix_alpha > 0 and (aug.mixup_alpha <= 0 or rng.random() < 0.5)
+    alpha = aug.cutmix_alpha if use_cutmix else aug.mixup_alpha
+    lam = float(rng.beta(alpha, alpha))
+    flipped = images.flip(0)
+    if use_cutmix:
+        H, W = images.shape[-2:]
+        cut = math.sqrt(1.0 - lam)
+        ch, cw = int(H * cut), int(W * cut)
+        cy, cx = int(rng.integers(H)), int(rng.integers(W))
+        y0, y1 = max(cy - ch // 2, 0), min(cy + ch // 2, H)
+        x0, x1 = max(cx - cw // 2, 0), min(cx + cw // 2, W)
+        images = images.clone()
+        images[:, :, y0:y1, x0:x1] = flipped[:, :, y0:y1, x0:x1]
+        lam = 1.0 - (y1 - y0) * (x1 - x0) / float(H * W)  # the box was clipped: use its true area
+    else:
+        images = images.mul(lam).add_(flipped, alpha=1.0 - lam)
+    return images, targets.mul(lam).add_(targets.flip(0), alpha=1.0 - lam)

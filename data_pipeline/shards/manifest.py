@@ -1,0 +1,213 @@
+"""``manifest.json`` beside the shards, and turning ``data.train_shards`` into a checked shard list.
+
+The manifest is what makes the loader's promises possible *before* reading any tar: the per-shard
+sample counts give every rank the same number of batches, let a missing or truncated shard be
+measured in lost samples, and the class list gives ``num_classes``. Layout (``version`` 1)::
+
+    {"format": "vitscale-shards", "version": 1, "split": "train", "source": "imagefolder:/data",
+     "classes": ["n01440764", ...], "multi_label": false, "total": 1281167,
+     "shards": [{"name": "train-000000.tar", "samples": 1000, "bytes": 114000000}, ...],
+     "options": {"shard_size": 1000, "resize_shorter": 256, ...}, "skipped": {"unreadable": 0}}
+
+Shard names are relative to the manifest's folder. A shard's position in the manifest is its
+stable identity: the loader seeds each sample's augmentation from (shard position, index in shard),
+which does not depend on how shards are split over ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import braceexpand
+
+from data_pipeline.errors import DataError
+from data_pipeline.files import write_atomic
+from data_pipeline.storage.http import HTTPShard, RemotePolicy
+from data_pipeline.storage.urls import is_remote, local_path
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "vitscale-shards"
+VERSION = 1
+SKIPPED_NAMES = 1000  # names kept per reason in the manifest's "skipped_files"; "skipped" counts all
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int  # position in the manifest(s): the stable identity used for per-sample seeds
+    name: str
+    url: str
+    samples: int
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    shards: tuple[Shard, ...]  # selected shards in manifest order
+    classes: tuple[str, ...]
+    multi_label: bool
+    manifests: tuple[str, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def total(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def fingerprint(self) -> str:
+        """Short hash of names and counts: a stored data position only applies to the same data."""
+        text = "|".join(f"{s.index}:{s.name}:{s.samples}" for s in self.shards)
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
+    """Atomically write ``manifest.json`` (temp name + rename): it is the last file a job writes,
+    so its presence means every shard it lists is complete."""
+    return write_atomic(Path(out_dir) / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+
+
+def _read_text(url: str, allow_remote: bool, key: str) -> str:
+    if is_remote(url):
+        _check_remote(url, allow_remote, key)
+        from webdataset.gopen import gopen
+
+        if url.startswith(("http://", "https://")):  # retried like the shards (storage.http.HTTPShard)
+            try:
+                with HTTPShard(url, MANIFEST_NAME, RemotePolicy(retries=3, retry_s=10.0), kind="manifest") as f:
+                    return f.read().decode("utf-8")
+            except DataError as e:
+                raise DataError(f"{e} ({key})") from None
+
+        try:
+            with gopen(url, "rb") as f:
+                return f.read().decode("utf-8")
+        except Exception as e:  # any transport failure is the same user-facing problem
+            raise DataError(f"{url}: cannot read manifest ({e})") from None
+    path = Path(local_path(url))
+    if not path.is_file():
+        raise DataError(f"{path}: manifest not found ({key}); write shards with vit-shards, "
+                        f"which puts {MANIFEST_NAME} beside them")
+    return path.read_text()
+
+
+def parse_manifest(text: str, where: str) -> dict:
+    """Validate a manifest; every error names the file and the key."""
+    try:
+        m = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(m, dict):
+        raise DataError(f"{where}: top level must be an object")
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise DataError(f"{where}: format/version: expected {FORMAT!r} version {VERSION}, "
+                        f"got {m.get('format')!r} version {m.get('version')!r}")
+    classes = m.get("classes")
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+        raise DataError(f"{where}: classes: expected a non-empty list of class names")
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        raise DataError(f"{where}: shards: expected a list")
+    names = set()
+    for i, s in enumerate(shards):
+        if not (isinstance(s, dict) and isinstance(s.get("name"), str) and "/" not in s["name"]
+                and isinstance(s.get("samples"), int) and s["samples"] >= 0):
+            raise DataError(f"{where}: shards[{i}]: expected {{'name': file name, 'samples': int >= 0}}, got {s!r}")
+        if s["name"] in names:
+            raise DataError(f"{where}: shards[{i}]: duplicate shard name {s['name']!r}")
+        names.add(s["name"])
+    total = sum(s["samples"] for s in shards)
+    if m.get("total") != total:
+        raise DataError(f"{where}: total: {m.get('total')!r} differs from the sum of shard samples {total}")
+    if not isinstance(m.get("multi_label", False), bool):
+        raise DataError(f"{where}: multi_label: expected true or false")
+    return m
+
+
+def _check_remote(url: str, allow_remote: bool, key: str) -> None:
+    if not allow_remote:
+        raise DataError(f"{key}: remote URL {url!r} needs data.allow_remote=true "
+                        f"(pipe: and object-store URLs run commands or reach the network)")
+
+
+def _file_name(url: str) -> str:
+    """The file a URL names; for ``pipe:`` commands, the token that names a .tar or .json file."""
+    if url.startswith("pipe:"):
+        tokens = [t for t in url[5:].split() if ".tar" in t or t.endswith(".json")] or url[5:].split()[-1:]
+        return posixpath.basename(tokens[-1]) if tokens else url
+    return posixpath.basename(local_path(url).rstrip("/"))
+
+
+def _sibling(url: str, name: str, new_name: str) -> str:
+    """``url`` with its file name ``name`` replaced: the manifest beside a shard and back. For
+    ``pipe:`` URLs this keeps the command, so the manifest is read the way the shards are."""
+    i = url.rindex(name)
+    return url[:i] + new_name + url[i + len(name):]
+
+
+def _expand(spec: Union[str, list, tuple], key: str) -> list[str]:
+    items = [spec] if isinstance(spec, str) else list(spec)
+    urls: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise DataError(f"{key}: expected shard URLs (strings), got {item!r}")
+        urls.extend(braceexpand.braceexpand(item))
+    return urls
+
+
+def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = False,
+                   key: str = "data.train_shards") -> ShardSet:
+    """``spec`` is a manifest path/URL, a folder holding ``manifest.json``, a brace pattern
+    (``/data/train-{000000..000127}.tar``) or a list of those. Shard URLs must be listed in the
+    manifest beside them. Local files that are missing are *not* an error here (the loader skips
+    and counts them) unless none of the selected shards exists."""
+    if spec is None or (isinstance(spec, (list, tuple)) and not spec):
+        raise DataError(f"{key} is not set: give a manifest.json, a folder of shards or a brace pattern")
+    manifests: dict[str, Optional[set]] = {}  # manifest URL -> selected names (None: all)
+    for url in _expand(spec, key):
+        if is_remote(url):
+            _check_remote(url, allow_remote, key)
+        is_manifest = url.endswith(".json")
+        if not is_manifest and not is_remote(url) and Path(local_path(url)).is_dir():
+            url, is_manifest = str(Path(local_path(url)) / MANIFEST_NAME), True
+        if is_manifest:
+            manifests[url] = None
+        else:
+            murl = _sibling(url, _file_name(url), MANIFEST_NAME)
+            chosen = manifests.setdefault(murl, set())
+            if chosen is not None:
+                chosen.add(_file_name(url))
+
+    shards: list[Shard] = []
+    classes = None
+    multi = False
+    offset = 0
+    for murl, chosen in manifests.items():
+        m = parse_manifest(_read_text(murl, allow_remote, key), murl)
+        if classes is None:
+            classes = tuple(m["classes"])
+        elif tuple(m["classes"]) != classes:
+            raise DataError(f"{murl}: classes differ from those of {next(iter(manifests))}; "
+                            "shards of one stream must share one label space")
+        multi = multi or bool(m.get("multi_label", False))
+        listed = {s["name"] for s in m["shards"]}
+        missing = sorted((chosen or set()) - listed)
+        if missing:
+            raise DataError(f"{murl}: shard {missing[0]!r} is not listed in this manifest")
+        for i, s in enumerate(m["shards"]):
+            if chosen is None or s["name"] in chosen:
+                url = _sibling(murl, _file_name(murl), s["name"])
+                shards.append(Shard(index=offset + i, name=s["name"], url=url, samples=s["samples"]))
+        offset += len(m["shards"])
+    if not shards:
+        raise DataError(f"{key}: no shards match {spec!r}")
+    local = [s for s in shards if not is_remote(s.url)]
+    if local and len(local) == len(shards) and not any(os.path.exists(local_path(s.url)) for s in local):
+        raise DataError(f"{key}: no shards match {spec!r} (none of the {len(shards)} files exists, "
+                        f"e.g. {shards[0].url})")
+    return ShardSet(shards=tuple(shards), classes=classes, multi_label=multi,
+                    manifests=tuple(manifests))

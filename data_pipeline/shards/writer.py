@@ -1,0 +1,363 @@
+"""``vit-shards``: write WebDataset tar shards and ``manifest.json`` from a dataset.
+
+    vit-shards --source imagefolder:/data/imagenet21k/train --output /shards/in21k \\
+               --shard-size 1000 --resize-shorter 320 --workers 16
+    vit-shards --source cifar100:/data/cifar-100-python.tar.gz --split test --output /shards/c100-test
+    vit-shards --source filelist:labels.tsv --output /shards/jft      # path<TAB>3,17,512 = multi-label
+    vit-shards --source demo --output demo_out/shards/train            # built-in, no download
+    python -m data_pipeline.write_shards ...                           # the same
+    vit-shards --source imagefolder:/data/jft --output /shards/jft --part 3/64   # part 3 of 64, one per machine
+    vit-shards merge /shards/jft /shards/jft/part-*of0064.json                   # then: manifest.json
+
+Each sample is ``<key>.jpg`` (``.png``/``.webp`` when the source image is such and needs no
+re-encoding), ``<key>.cls`` (first label as text) and, for multi-label data, ``<key>.json``
+(``{"labels": [...]}``), so any stock ``webdataset.WebDataset`` reader reads the shards.
+``--resize-shorter S`` stores images with shorter side at most S: decoding a pre-resized JPEG is
+the single biggest saving of the training loader (see benchmarks/RESULTS.md). Files copied as
+they are (no resize needed, 8-bit without transparency) are checked by their header only; others
+go through ``decode.to_8bit`` (EXIF orientation, alpha over white, 16-bit scaled), the loader's own
+mapping. Unreadable files are skipped, counted in the manifest's ``skipped`` and named in its
+``skipped_files`` (the first 1,000 per reason) and in one line on stderr; the loader counts any
+that fail later. An imagefolder class folder without images is an error unless
+``--allow-empty-classes``.
+
+Crash safety: a shard is written under a temporary name and renamed when complete; the list of
+finished shards is kept in ``.vit-shards-progress.json`` and ``manifest.json`` is written last.
+Rerunning the same command after an interruption keeps the finished shards and continues; with a
+different source or options it refuses to mix the two jobs.
+
+Many machines (``--part I/N``): the job's sample order (same source and options, so the same keys)
+is cut into N runs of whole nominal shards (``part_range``); part I writes its run as
+``<split>-IIIIofNNNN-<j>.tar`` into the shared ``--output`` with its own progress file, and ends
+with ``part-IIIIofNNNN.json``. Parts may run at once and be rerun alone. ``vit-shards merge`` checks
+the N part manifests (``merge_parts``) and writes ``manifest.json``: the same samples, labels and
+keys as the one-process job. ``vit-launch slurm --shards`` writes this as a SLURM job array.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+from PIL import Image
+
+from data_pipeline.errors import DataError
+from data_pipeline.files import write_json
+from data_pipeline.shards.decode import to_8bit
+from data_pipeline.shards.demo_data import demo_items
+from data_pipeline.shards.manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    SKIPPED_NAMES,
+    VERSION,
+    write_manifest,
+)
+from data_pipeline.shards.parts import (
+    PART_FORMAT,
+    part_manifest_name,
+    part_range,
+    part_tag,
+)
+from data_pipeline.shards.sources import Source
+
+PROGRESS_NAME = ".vit-shards-progress.json"
+_KEEP = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # formats stored as they come
+# Formats read from sources (converted to JPEG unless kept); no plugin that runs external programs.
+_SOURCE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
+_TAR_BLOCK = 512
+
+
+def encode_item(args):
+    """(item, resize_shorter, quality) -> (bytes, ext) or (None, reason). Runs in worker processes."""
+    item, shorter, quality = args
+    if item is None:  # listed in --exclude: not even read
+        return None, "excluded"
+    try:
+        obj = item.load()
+    except OSError:
+        return None, "unreadable"
+    fmt, lossless = "JPEG", False
+    if isinstance(obj, bytes):
+        try:
+            img = Image.open(io.BytesIO(obj), formats=_SOURCE_FORMATS)
+            fmt = img.format
+            lossless = fmt == "WEBP" and _webp_lossless(obj)
+            if fmt in _KEEP and (shorter is None or min(img.size) <= shorter) and _plain(img):
+                return obj, _KEEP[fmt]  # copied as-is: no generation loss, no encode cost
+            if fmt == "JPEG" and shorter:
+                img.draft("RGB", _resized(img.size, shorter))
+            img.load()
+        except Image.DecompressionBombError:
+            return None, "too_large"
+        except Exception:  # any decode failure of a source file: skipped and counted
+            return None, "unreadable"
+    else:
+        img = obj
+    try:  # oriented, alpha over white, 16-bit scaled: the loader's own mapping (decode.to_8bit)
+        img = to_8bit(img)
+    except Exception:
+        return None, "unreadable"
+    if shorter is not None and min(img.size) > shorter:
+        img = img.resize(_resized(img.size, shorter), Image.BICUBIC, reducing_gap=3.0)
+    out_fmt = fmt if fmt in ("PNG", "WEBP") else "JPEG"
+    buf = io.BytesIO()
+    if out_fmt == "PNG":
+        img.save(buf, "PNG")
+    elif out_fmt == "JPEG" and min(img.size) <= 64:
+        # Tiny images (CIFAR's 32 px): 4:2:0 chroma subsampling would halve an already tiny colour
+        # resolution; full-resolution chroma costs little at this size.
+        img.save(buf, "JPEG", quality=quality, subsampling=0)
+    elif lossless:  # a lossless WebP (e.g. with alpha, composited here) stays lossless
+        img.save(buf, "WEBP", lossless=True, exact=True)
+    else:
+        img.save(buf, out_fmt, quality=quality)
+    return buf.getvalue(), _KEEP[out_fmt]
+
+
+def _plain(img: Image.Image) -> bool:
+    """Stored as it comes only when any reader's ``convert("RGB")`` gets the right pixels: 8-bit
+    grey/colour/palette without transparency. 16-bit, alpha and CMYK files are converted once
+    here (a lossless PNG stays PNG). EXIF orientation is kept in copied files (the loader applies
+    it) so a JPEG is not re-encoded just to turn it; a stock reader should call
+    ``ImageOps.exif_transpose``."""
+    return img.mode in ("RGB", "L", "P", "1") and "transparency" not in img.info
+
+
+def _webp_lossless(data: bytes) -> bool:
+    """Whether a WebP file's image chunk is VP8L (lossless) rather than VP8 (lossy)."""
+    pos = 12  # after "RIFF" size "WEBP"
+    while pos + 8 <= len(data):
+        kind, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
+        if kind in (b"VP8L", b"VP8 "):
+            return kind == b"VP8L"
+        pos += 8 + size + (size & 1)
+    return False
+
+
+def _resized(size, shorter):
+    w, h = size
+    s = shorter / min(w, h)
+    return max(1, round(w * s)), max(1, round(h * s))
+
+
+def _member_bytes(n: int) -> int:
+    return _TAR_BLOCK + -(-n // _TAR_BLOCK) * _TAR_BLOCK
+
+
+class _ShardSink:
+    """Writes samples into ``<split>-NNNNNN.tar`` files: each under a temporary name, fsynced and
+    renamed when complete, then recorded in the progress file (finished shards + where the next
+    one starts in the sample order + skip counts so far)."""
+
+    def __init__(self, out: Path, prefix: str, progress: Path, job: str, shards: list, skipped: Counter,
+                 skipped_files: dict):
+        self.out, self.prefix, self.progress, self.job = out, prefix, progress, job
+        self.shards, self.skipped = shards, skipped
+        self.skipped_files = skipped_files  # reason -> the first SKIPPED_NAMES names
+        self.current = None  # (tmp path, file, TarWriter, name)
+        self.count = self.size = 0
+
+    def add(self, sample: dict, nbytes: int) -> None:
+        import webdataset as wds
+
+        if self.current is None:
+            name = f"{self.prefix}-{len(self.shards):06d}.tar"
+            tmp = self.out / f".{name}.tmp-{os.getpid()}"
+            f = open(tmp, "wb")
+            self.current, self.count, self.size = (tmp, f, wds.TarWriter(f, mtime=0), name), 0, 0
+        self.current[2].write(sample)
+        self.count, self.size = self.count + 1, self.size + nbytes
+
+    def finish(self, end: int) -> None:
+        tmp, f, writer, name = self.current
+        writer.close()
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, self.out / name)
+        self.shards.append({"name": name, "samples": self.count, "bytes": (self.out / name).stat().st_size,
+                            "end": end, "skipped": dict(self.skipped),
+                            "skipped_files": {k: list(v) for k, v in self.skipped_files.items()}})
+        write_json(self.progress, {"job": self.job, "shards": self.shards})
+        self.current = None
+
+    def abandon(self) -> None:
+        """After an error or Ctrl-C: drop the unfinished shard (after kill -9 the next run does)."""
+        if self.current is not None:
+            tmp, f, writer, _ = self.current
+            with contextlib.suppress(Exception):
+                writer.close()
+            f.close()
+            tmp.unlink(missing_ok=True)
+            self.current = None
+
+
+def _finished_shards(out: Path, job: str, path: Path) -> list:
+    """Shards an interrupted run of the same job completed (files still intact)."""
+    if not path.exists():
+        return []
+    state = json.loads(path.read_text())
+    if state.get("job") != job:
+        raise DataError(f"{path}: an interrupted job with another source or options is in "
+                        "this folder; rerun that command, or use another --output")
+    shards = []
+    for rec in state["shards"]:
+        f = out / rec["name"]
+        if not f.is_file() or f.stat().st_size != rec["bytes"]:
+            break
+        shards.append(rec)
+    return shards
+
+
+def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 1000,
+                 max_shard_bytes: int | None = None, resize_shorter: int | None = None, quality: int = 95,
+                 workers: int = 1, shuffle_seed: int | None = 0, limit: int | None = None,
+                 progress: bool = True, exclude=None, part: tuple[int, int] | None = None) -> dict:
+    """Write ``source`` (see ``sources.py``) as shards into ``out_dir``; return the manifest.
+    Idempotent: a finished job returns its manifest, an interrupted one is completed.
+    ``exclude`` (``exclude.Exclusion``): keys of this same job (same source and options) to leave
+    out; the others keep their keys, and the skipped ones count as ``skipped["excluded"]``.
+    ``part=(I, N)``: write only part I of N (``part_range``) as ``<split>-IIIIofNNNN-<j>.tar`` and the
+    part manifest ``part-IIIIofNNNN.json`` (returned); ``merge_parts`` turns the N part manifests into
+    ``manifest.json``. Keys, samples and labels are those the one-process job gives them; parts of
+    one job may run at once in one folder, and a rerun of a part redoes only that part."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    options = {"split": split, "shard_size": shard_size, "max_shard_bytes": max_shard_bytes,
+               "resize_shorter": resize_shorter, "quality": quality, "shuffle_seed": shuffle_seed,
+               "limit": limit}
+    job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
+                       ).hexdigest()[:16]
+    if exclude is not None:  # a key is a position in this job's sample order: only its own keys apply
+        if exclude.jobs and job not in exclude.jobs:
+            raise DataError(f"{exclude.path}: lists keys of vit-shards job {', '.join(exclude.jobs)}, but this "
+                            f"source and these options make job {job}; rerun the audited command with --exclude")
+        options["exclude"] = hashlib.sha1("\n".join(sorted(exclude.keys)).encode()).hexdigest()[:16]
+        job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
+                           ).hexdigest()[:16]
+    manifest_path = out / MANIFEST_NAME
+    if manifest_path.exists():
+        done = json.loads(manifest_path.read_text())
+        if done.get("job") == job:
+            return done
+        raise DataError(f"{manifest_path}: the folder already holds shards of another source or options; "
+                        "use another --output or remove it")
+    prefix, progress_path = split, out / PROGRESS_NAME
+    if part is not None:
+        prefix, progress_path = f"{split}-{part_tag(part)}", out / f".vit-shards-progress-{part_tag(part)}.json"
+        part_path = out / part_manifest_name(part)
+        if part_path.exists():
+            done = json.loads(part_path.read_text())
+            if done.get("job") == job:
+                return done
+            raise DataError(f"{part_path}: this part was written by another source or options; "
+                            "use another --output or remove the folder's parts")
+    shards = _finished_shards(out, job, progress_path)
+    own = re.compile(rf"\.{re.escape(prefix)}-\d+\.tar\.tmp-\d+")  # this job's (or part's) unfinished shards
+    for stale in out.glob(".*.tar.tmp-*"):
+        if own.fullmatch(stale.name):
+            stale.unlink()
+
+    order = list(range(len(source.items)))
+    if shuffle_seed is not None:  # class-sorted sources (imagefolder) must not stay sorted in shards
+        random.Random(shuffle_seed).shuffle(order)
+    order = order[:limit]
+    lo, hi = part_range(len(order), shard_size, part) if part is not None else (0, len(order))
+    start = shards[-1]["end"] if shards else lo
+    last = shards[-1] if shards else {}
+    sink = _ShardSink(out, prefix, progress_path, job, shards, Counter(last.get("skipped", {})),
+                      {k: list(v) for k, v in last.get("skipped_files", {}).items()})
+    skip = exclude.keys if exclude is not None else frozenset()
+    tasks = ((None if f"{i:09d}" in skip else source.items[order[i]], resize_shorter, quality)
+             for i in range(start, hi))
+    pool = None
+    if workers > 1 and hi > start:
+        import multiprocessing
+
+        pool = multiprocessing.get_context().Pool(workers)
+        results = pool.imap(encode_item, tasks, chunksize=16)  # in order: shard contents are deterministic
+    else:
+        results = map(encode_item, tasks)
+    try:
+        desc = f"vit-shards {split}" + (f" part {part[0]}/{part[1]}" if part else "")
+        bar = tqdm(total=hi - lo, initial=start - lo, disable=not progress, unit="img", desc=desc)
+        for i, (data, ext) in enumerate(results, start):
+            bar.update(1)
+            if data is None:
+                sink.skipped[ext] += 1
+                names = sink.skipped_files.setdefault(ext, [])
+                if len(names) < SKIPPED_NAMES:
+                    names.append(_item_name(source.items[order[i]], order[i]))
+                continue
+            item = source.items[order[i]]
+            sample = {"__key__": f"{i:09d}", ext: data}
+            if item.labels:
+                sample["cls"] = str(item.labels[0])
+            if source.multi_label:
+                sample["json"] = json.dumps({"labels": list(item.labels)})
+            need = sum(_member_bytes(len(v)) for k, v in sample.items() if k != "__key__")
+            if sink.current and (sink.count >= shard_size or
+                                 (max_shard_bytes and sink.size + need > max_shard_bytes)):
+                sink.finish(i)
+            sink.add(sample, need)
+        if sink.current:
+            sink.finish(hi)
+        bar.close()
+    finally:
+        sink.abandon()
+        if pool is not None:
+            pool.terminate()
+    if not shards and part is None:
+        raise DataError(f"{source.description}: no readable images ({dict(sink.skipped)})")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "split": split, "source": source.description,
+        "classes": list(source.classes), "multi_label": bool(source.multi_label),
+        "total": sum(s["samples"] for s in shards),
+        "shards": [{k: s[k] for k in ("name", "samples", "bytes")} for s in shards],
+        "options": options, "skipped": dict(sink.skipped), "skipped_files": sink.skipped_files, "job": job,
+    }
+    if part is not None:  # what merge_parts checks: which part, which samples of how many
+        manifest.update(format=PART_FORMAT, part=part[0], parts=part[1], range=[lo, hi], job_samples=len(order))
+        write_json(out / part_manifest_name(part), manifest, indent=1)
+    else:
+        write_manifest(out, manifest)  # last: its presence means every listed shard is complete
+    progress_path.unlink(missing_ok=True)
+    return manifest
+
+
+def _item_name(item, index: int) -> str:
+    return getattr(item, "name", "") or getattr(item, "path", "") or f"item {index} of the source"
+
+
+def skipped_line(manifest: dict, manifest_path, show: int = 5) -> str:
+    """One line naming the first few skipped files and where the rest are listed ('' if none)."""
+    counts = manifest.get("skipped") or {}
+    if not counts:
+        return ""
+    names = [n for v in (manifest.get("skipped_files") or {}).values() for n in v]
+    total = sum(counts.values())
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    shown = ", ".join(names[:show]) + (", ..." if total > len(names[:show]) else "")
+    where = "all names" if len(names) == total else f"the first {SKIPPED_NAMES} of each kind"
+    return f"skipped {total} files ({kinds}): {shown}; {where} under \"skipped_files\" in {manifest_path}"
+
+
+def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard_size: int = 256,
+                      seed: int = 0, quality: int = 90, workers: int = 1, progress: bool = False) -> dict:
+    """Write a demo split as shards + manifest.json into ``out_dir``; returns the manifest."""
+    classes, items = demo_items(split, n, seed)
+    source = Source(f"demo:{split}", classes, items)
+    return write_shards(source, out_dir, split=split, shard_size=shard_size, quality=quality,
+                        workers=workers, progress=progress)
+
+
+
+

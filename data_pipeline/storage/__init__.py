@@ -1,0 +1,1 @@
+"""Where bytes live: URLs and the readers of each scheme (local files, http(s))."""

@@ -1,0 +1,4 @@
+"""``python -m pretrain.config`` = ``vit-config``."""
+from pretrain.config.cli import main
+
+main()

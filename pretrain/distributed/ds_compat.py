@@ -1,0 +1,196 @@
+"""Every place vitscale reaches into DeepSpeed's private internals, in one module.
+
+Each function here depends on DeepSpeed code that is not public API: a private attribute of the
+engine, a file DeepSpeed's CPU accelerator creates, or a loader defect we undo. They were written
+against, and are tested with, the releases in ``TESTED``; ``setup.py`` pins the same range.
+``check_version`` says in one line at start-up when the installed release is outside it, so a
+user who upgrades knows which assumptions to re-check (the tests in ``tests/test_elastic_ckpt.py``
+and ``tests/test_distributed.py`` exercise each of them).
+
+What lives here and why:
+
+- ``universal_loading``: DeepSpeed reads ``engine._config.load_universal_checkpoint`` only inside
+  ``load_checkpoint``; switching it on the live engine around one load lets a job built normally
+  load a universal checkpoint (elastic resume) and save normally afterwards.
+- ``fix_zero3_universal_load``: ZeRO-3's universal loader gives every param group the first
+  group's hyperparameters (our no-decay group would decay) and stores one shared ``step`` tensor
+  in every sub-group's state (torch's AdamW increments it once per sub-group, so bias correction
+  runs ahead). Each group gets its own saved hyperparameters back, each state its own step.
+- ``shm_buffer_path`` / ``release_shm_buffers``: DeepSpeed's CPU accelerator creates a 66 MB
+  ``/dev/shm`` file per rank for its shared-memory all-reduce and never unlinks it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+# the DeepSpeed releases this module was written for and tested with: [low, high)
+TESTED = ((0, 19, 0), (0, 20, 0))
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for p in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def tested_range() -> str:
+    lo, hi = (".".join(map(str, v)) for v in TESTED)
+    return f">={lo},<{hi}"
+
+
+def version_ok(version: str) -> bool:
+    return TESTED[0] <= _release(version) < TESTED[1]
+
+
+def check_version(prog: str = "vit-train") -> bool:
+    """One line on stderr when the installed DeepSpeed is outside ``TESTED``; returns whether it is in."""
+    import deepspeed
+
+    if version_ok(deepspeed.__version__):
+        return True
+    print(f"{prog}: warning: DeepSpeed {deepspeed.__version__} is outside the tested range {tested_range()}; "
+          "universal-checkpoint loading and the CPU shm clean-up rely on its internals (pretrain/distributed/ds_compat.py)",
+          file=sys.stderr, flush=True)
+    return False
+
+
+@contextlib.contextmanager
+def universal_loading(engine, on: bool = True) -> Iterator[None]:
+    """``"checkpoint": {"load_universal": true}`` for the duration of one load, on a live engine;
+    restored afterwards so later loads and saves take the normal path."""
+    before = engine._config.load_universal_checkpoint
+    engine._config.load_universal_checkpoint = bool(on) or before
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = before
+
+
+def fix_zero3_universal_load(engine, saved_param_groups: list[dict]) -> None:
+    """Undo ZeRO-3's universal-load defects (module docstring): each param group gets its own saved
+    hyperparameters, each parameter state its own ``step`` tensor."""
+    import torch
+
+    base = engine.optimizer.optimizer
+    if len(saved_param_groups) != len(base.param_groups):
+        raise ValueError(f"{len(saved_param_groups)} saved param groups, the optimizer has {len(base.param_groups)}")
+    for mine, theirs in zip(base.param_groups, saved_param_groups):
+        for k, v in theirs.items():
+            if k != "params":
+                mine[k] = v
+    for state in base.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def shm_buffer_path(rank: int) -> Path:
+    """The /dev/shm file DeepSpeed's CPU accelerator creates for ``rank`` of this job (its shm
+    all-reduce: named by uid, MASTER_ADDR, MASTER_PORT and rank)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_buffers() -> bool:
+    """Unlink this rank's DeepSpeed shm buffer once every rank has mapped every peer's.
+
+    On CPU, when all ranks are on one machine (the launcher's LOCAL_SIZE == WORLD_SIZE), each rank
+    creates a 66 MB /dev/shm file and maps its peers' files while the process group starts; left
+    there, every job filled RAM-backed /dev/shm by 66 MB per rank. After a barrier every mapping
+    exists, so the names can go: the memory stays mapped while the ranks live and the kernel frees
+    it when the last one exits, by kill -9 too. Returns whether a file was removed. A no-op on GPUs
+    and across several machines (no such files)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if os.environ.get("LOCAL_SIZE") != str(world):  # a world of one under the runner makes one too
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    dist.barrier()  # every rank has returned from DeepSpeed's shm set-up (it opens all peers' files)
+    try:
+        shm_buffer_path(dist.get_rank()).unlink()
+        return True
+    except FileNotFoundError:  # the shm op was not built (an older DeepSpeed, no compiler)
+        return False
+
+
+def fp32_state_dict(ckpt: Path) -> dict:
+    """The fp32 master weights of one ZeRO checkpoint directory (stages 1-3), whole, on the CPU.
+
+    DeepSpeed's ``zero_to_fp32`` reads the files of its ZeRO optimizers, but not those of its
+    ``BF16_Optimizer``, which it builds for ZeRO-1 with bf16 weights and fp32 gradient accumulation
+    (the default here): its ``bf16_zero_pp_rank_R_*optim_states.pt`` hold each rank's flat fp32
+    partition per parameter group and no ``zero_stage`` key. Those are concatenated in rank order
+    and cut by the parameter shapes the model-states file lists, group by group (the groups are
+    padded only at their end)."""
+    import contextlib
+    import io
+    import math
+
+    import torch
+
+    ckpt = Path(ckpt)
+    files = sorted(ckpt.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda p: int(p.name.split("_")[4]))
+    parts = [torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"] for f in files]
+    if not parts or "zero_stage" in parts[0]:  # a ZeRO optimizer's files (bf16 ones carry the prefix too)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        del parts
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    model = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    if len(parts) != parts[0]["partition_count"][0]:
+        raise ValueError(f"{ckpt}: {len(parts)} BF16_Optimizer partition files, saved on "
+                         f"{parts[0]['partition_count'][0]} ranks")
+    out: dict = {}
+    for g, shapes in enumerate(model["param_shapes"]):
+        flat = torch.cat([p["single_partition_of_fp32_groups"][g].float() for p in parts])
+        offset = 0
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            out[name] = flat[offset:offset + n].view(shape).clone()
+            offset += n
+        if offset + sum(p["group_paddings"][g] for p in parts) != flat.numel():
+            raise ValueError(f"{ckpt}: parameter group {g} holds {flat.numel()} values, its shapes {offset}")
+    for alias, name in (model.get("shared_params") or {}).items():
+        out[alias] = out[name]
+    return out
+
+
+def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
+    """Start a timer that, ``after_s`` seconds from now, says in one line if this process's main
+    thread is waiting for the lock of a JIT build of a compiled op. DeepSpeed's CPU shm op is built
+    by torch's ``cpp_extension.load`` on first use, under a lock on the build folder; a second
+    process waits on it silently while the first builds (about 1.5 minutes): torch 2.14 holds an
+    OS file lock (``filelock``, released if the builder dies), older torch a lock file
+    (``FileBaton``: a build killed mid-way leaves it, and every later run waits forever).
+    Returns the timer; ``cancel()`` it once the wait is over."""
+    import threading
+
+    main = threading.main_thread().ident
+
+    def look() -> None:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            lock = frame.f_locals.get("self")
+            path = getattr(lock, "lock_file_path", None) or getattr(lock, "lock_file", None)
+            if frame.f_code.co_name in ("wait", "acquire", "_poll_until_acquired") and isinstance(path, str):
+                print(f"{prog}: waiting {after_s:g}+ s for the lock {path} of a compiled op's build (another "
+                      "process is building it; with torch < 2.14 a killed build leaves it: remove the file if "
+                      "no build runs)", file=sys.stderr, flush=True)
+                return
+            frame = frame.f_back
+
+    timer = threading.Timer(after_s, look)
+    timer.daemon = True
+    timer.start()
+    return timer

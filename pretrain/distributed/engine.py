@@ -1,0 +1,185 @@
+"""DeepSpeed wiring: typed config -> DeepSpeed config dict (a pure function), AdamW/SGD parameter
+groups, and ``deepspeed.initialize`` with the LR schedule of ``pretrain.distributed.schedule``.
+
+The backend is DeepSpeed's accelerator's: NCCL on GPUs, gloo on its CPU accelerator, so the same
+code path runs in CI on CPU and on GPU clusters.
+"""
+from __future__ import annotations
+
+import torch
+
+from pretrain.distributed import schedule
+from pretrain.config import ConfigError, check_world_size
+from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+
+
+def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON config for these sections and world size. Pure: no torch, no I/O."""
+    gas = check_world_size(train, world_size)
+    z: dict = {"stage": zero.stage}
+    if zero.stage >= 1:
+        z.update(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
+                 contiguous_gradients=zero.contiguous_gradients)
+    if zero.stage in (1, 2):
+        z.update(allgather_bucket_size=zero.allgather_bucket_size, reduce_scatter=True,
+                 allgather_partitions=True)
+    if zero.stage == 3:
+        z.update(stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+                 stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
+                 # export consolidates from the fp32 shards; no 16-bit gather at save time
+                 stage3_gather_16bit_weights_on_model_save=False)
+        if train.compile:
+            # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
+            # ZeRO status: traced by dynamo, that guards on every Linear and can exhaust its
+            # recompile limit. Compiled blocks are ZeRO-3 leaf modules (compile_blocks), their
+            # weights gathered around the whole block, so the plain F.linear serves.
+            z["memory_efficient_linear"] = False
+        # ZeRO++ (Wang et al. 2023), DeepSpeed's own key names; qwZ/qgZ quantize with CUDA kernels
+        z.update(zero_hpz_partition_size=zero.hpz_partition_size, zero_quantized_weights=zero.quantized_weights,
+                 zero_quantized_gradients=zero.quantized_gradients)
+    if zero.offload_optimizer:
+        if zero.stage == 0:
+            raise ConfigError("zero.offload_optimizer needs zero.stage >= 1")
+        z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg = {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": z,
+        "bf16": bf16_section(train),
+        "fp16": {"enabled": False},
+        "steps_per_print": 10 ** 9,  # our metrics module logs; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,  # torch AdamW / SGD as client optimizers
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if optim.grad_clip > 0:
+        cfg["gradient_clipping"] = optim.grad_clip
+    cfg.update(reduction_dtypes(train, zero.stage))
+    return cfg
+
+
+def bf16_section(train: TrainConfig) -> dict:
+    """DeepSpeed's ``bf16`` block. Its ``check_grad_overflow`` (default on) makes ZeRO-1/2 all-reduce
+    an overflow flag and read it on the host every step; ``pretrain.train``'s non-finite guard
+    already drops a non-finite micro-batch on the device on every rank, so the check is off."""
+    if train.precision != "bf16":
+        return {"enabled": False}
+    return {"enabled": True, "check_grad_overflow": False}
+
+
+def reduction_dtypes(train: TrainConfig, zero_stage: int) -> dict:
+    """The dtype gradients are accumulated and reduced in, as DeepSpeed config keys.
+
+    Under bf16 DeepSpeed would accumulate micro-batch gradients and sum them across ranks in bf16
+    (8 mantissa bits: a sum over 64-256 ranks rounds small gradients away). ``train.reduce_dtype``
+    fp32 (the default) keeps both in fp32, at 2x the gradient bytes on the wire; bf16 halves them
+    knowingly. ZeRO stage 0 with bf16 is refused in one line: DeepSpeed has no fp32 accumulation for
+    a bf16 model there (its optimizer sanity check raises), and its bf16 path at stage 0 reads every
+    gradient on the host each step (an overflow check per parameter and the clipping norm)."""
+    if train.precision != "bf16":
+        return {}
+    if zero_stage == 0:
+        raise ConfigError("zero.stage=0 with train.precision=bf16: DeepSpeed accumulates and reduces gradients in "
+                          "bf16 there and reads every gradient on the host each step; use zero.stage=1 (fp32 "
+                          "master weights and gradients, optimizer states sharded: no more memory per rank) or "
+                          "train.precision=fp32")
+    if train.reduce_dtype == "bf16":
+        return {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
+    return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed weight matrices; and biases, norm weights, position embedding and
+    [class] token without decay (as big_vision / timm)."""
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitioned (zero.Init): p is a 0-size stub
+        if ndim <= 1 or name.endswith(".bias") or name in skip:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+    groups = param_groups(model, optim.weight_decay)
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
+    if offload:
+        # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed's vectorised CPU Adam is ~5x
+        # faster than torch's there (built once by JIT, cached in ~/.cache/torch_extensions).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                weight_decay=optim.weight_decay, adamw_mode=True)
+    from deepspeed.accelerator import get_accelerator
+
+    fused = use_fused_adamw(get_accelerator().device_name(), torch.cuda.is_available())
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             weight_decay=optim.weight_decay, fused=fused or None)
+
+
+def use_fused_adamw(accelerator: str, cuda_available: bool) -> bool:
+    """Fused (one-kernel) AdamW where DeepSpeed will run the model on CUDA. Decided from the
+    accelerator, not from the parameters: the optimizer is built before ``deepspeed.initialize``
+    moves the model there, so the parameters are still on the CPU at this point."""
+    return accelerator == "cuda" and cuda_available
+
+
+def compile_blocks(model: torch.nn.Module, zero_stage: int = 0, backend: str = "inductor") -> int:
+    """Regional compilation: ``torch.compile`` each Transformer block's ``forward`` in place (the
+    modules and their parameter names stay, so checkpoints and exports are unchanged). All blocks
+    share one shape, so one block's compile is reused by the others (seconds, not the minutes of a
+    whole-model compile). Activation checkpointing wraps the blocks' calls unchanged.
+
+    Only ``forward`` is compiled, not the module call: hooks on a block run eagerly around the
+    compiled code. Under ZeRO-3 each block is also made a leaf module
+    (``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered by one hook pair around
+    the whole block, and no ZeRO hook is left inside it. Without that, dynamo traces ZeRO-3's
+    per-Linear hooks, guards on each module's id and hits its recompile limit, slower than eager;
+    so does DeepSpeed's ``engine.compile()`` (a whole-model compile), and DeepCompile, DeepSpeed's
+    answer to this, runs on CUDA only. ZeRO 1/2's hooks sit on the parameters, outside the
+    compiled code. ``backend``: torch.compile's (training uses inductor). Returns the count."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or len(blocks) == 0:
+        raise ConfigError(f"train.compile: {type(model).__name__} has no Transformer blocks to compile")
+    for blk in blocks:
+        blk.forward = torch.compile(blk.forward, backend=backend)
+    if zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(blocks[0])])
+    return len(blocks)
+
+
+def check_zeropp_device(zero: ZeroConfig, cuda: bool) -> None:
+    """qwZ and qgZ quantize in DeepSpeed's CUDA quantizer op: without a GPU, one line instead of a
+    build error deep inside the first step. hpZ has no kernel of its own."""
+    keys = [k for k in ("quantized_weights", "quantized_gradients") if getattr(zero, k)]
+    if keys and not cuda:
+        raise ConfigError(f"zero.{keys[0]}=true needs CUDA (DeepSpeed's quantizer kernels); this process has no GPU: "
+                          f"set zero.{keys[0]}=false on CPU")
+
+
+def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, zero: ZeroConfig,
+               world_size: int):
+    """``deepspeed.initialize`` with our optimizer and schedule; returns (engine, ds_config)."""
+    import deepspeed
+
+    ds_cfg = deepspeed_config(optim, train, zero, world_size)
+    check_zeropp_device(zero, torch.cuda.is_available())
+    if train.activation_checkpointing:
+        model.set_grad_checkpointing(True)
+    if train.compile:
+        compile_blocks(model, zero.stage)
+    optimizer = build_optimizer(model, optim, zero.offload_optimizer)
+    factor = schedule.lr_multiplier(optim.schedule, optim.warmup_steps, train.steps, optim.min_lr / optim.lr)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_schedule,
+                                           config=ds_cfg)
+    return engine, ds_cfg

@@ -1,0 +1,158 @@
+"""Process-group helpers: how a rank joins its job, picks its device, and agrees with its peers.
+
+The backend is DeepSpeed's accelerator's: NCCL on GPUs, gloo on its CPU accelerator, so the same
+code path runs in CI on CPU and on GPU clusters. Pre-training, fine-tuning and in-training
+evaluation share these: one ``any_rank``, one lockstep for uneven batch counts.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Iterable, Iterator, Optional
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it), for a local rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched() -> bool:
+    """True under a runner (the deepspeed launcher sets RANK); False for a plain process."""
+    return "RANK" in os.environ
+
+
+def env_rank_world() -> tuple[int, int]:
+    """(rank, world size) as the runner set them, readable before the process group exists."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def set_device(local_rank: int) -> Optional[int]:
+    """Bind this process to GPU ``local_rank`` of its node (the runner shows every rank all of the
+    node's GPUs; without this every rank would allocate on cuda:0 first). Returns the index, or
+    None without CUDA. Called before the process group starts, so NCCL's communicator and every
+    ``torch.cuda`` default (streams, generator, allocator) are the rank's own device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.set_device(local_rank)
+    return local_rank
+
+
+def init_distributed(timeout_s: Optional[float] = None) -> tuple[int, int, int]:
+    """(rank, local_rank, world_size). Starts the process group when launched by a runner; a
+    plain ``python -m pretrain.train`` becomes a world of one (DeepSpeed still wants a group).
+    ``timeout_s``: how long a collective may wait for its peers before it fails (None: torch's
+    default, 30 min); on NCCL the watchdog then aborts the communicator and ends the process.
+    Training starts with the start-up bound here and narrows it with ``set_collective_timeout``
+    once the first step is done."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from pretrain.distributed import ds_compat
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    local_rank = int(os.environ["LOCAL_RANK"])
+    set_device(local_rank)
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    deepspeed.init_distributed(verbose=False, **kwargs)
+    ds_compat.release_shm_buffers()
+    return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """The timeout of every later collective, on every process group this rank belongs to: the
+    default group and the ones DeepSpeed made for itself (ZeRO's data-parallel groups, which reduce
+    the gradients and otherwise keep torch's 30-minute default whatever the default group says)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    setter = getattr(dist, "set_timeout", None)
+    if setter is None:  # torch before the public name
+        from torch.distributed.distributed_c10d import _set_pg_timeout as setter
+    timeout = timedelta(seconds=timeout_s)
+    groups = [None] + [g for g in getattr(getattr(c10d, "_world", None), "pg_map", {})
+                       if g is not c10d.GroupMember.WORLD and g is not c10d.GroupMember.NON_GROUP_MEMBER]
+    for group in groups:
+        try:
+            setter(timeout, group)
+        except ValueError:  # a group this rank is not part of
+            pass
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if ``flag`` is true on any (one tiny all-reduce and a host read: a sync
+    point; call it on the same steps on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def lockstep(batches: Iterable, device) -> Iterator:
+    """Yield this rank's batches, then ``None`` until every rank has run out.
+
+    Under ZeRO-3 each forward gathers the parameters collectively, so every rank must run the same
+    number of forwards: a rank that gets ``None`` runs a dummy forward. One tiny all-reduce (and a
+    host read) per batch."""
+    it = iter(batches)
+    while True:
+        item = next(it, None)
+        if not any_rank(item is not None, device):
+            return
+        yield item
+
+
+# Errors of a collective whose peer went away or could not be reached (gloo and NCCL wording)
+PEER_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Connection refused",
+               "Broken pipe", "NCCL communicator was aborted", "remote process exited")
+
+
+def is_peer_error(err: BaseException) -> bool:
+    return any(k in str(err) for k in PEER_ERRORS)
+
+
+def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0") -> Optional[str]:
+    """After a collective failed: which peers still answer, asked through the rendezvous store
+    (its own TCP connection to rank 0's host, not the collectives' links). Every rank that calls
+    this marks itself alive and waits ``wait_s`` for the others' marks. Returns one line naming the
+    ranks and hosts that did not answer, or the store's host when it cannot be reached at all;
+    None when every peer answered (the failure was elsewhere)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me = f"rank {rank} on {hosts[rank] if rank < len(hosts) else socket.gethostname()}"
+    key = f"vitscale/alive/{attempt}/"
+    try:
+        store = c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=wait_s))
+        store.set(f"{key}{rank}", "1")
+    except Exception:  # noqa: BLE001  the store itself is out of reach
+        where = os.environ.get("MASTER_ADDR", "?")
+        return (f"{me}: rank 0's host {hosts[0] if hosts else where} (rendezvous at {where}) is unreachable: "
+                f"the network between the hosts is cut, or rank 0 is gone")
+    others = [r for r in range(world) if r != rank]
+    try:
+        store.wait([f"{key}{r}" for r in others], timedelta(seconds=wait_s))
+        return None
+    except Exception:  # noqa: BLE001  some did not answer in time: which
+        pass
+    silent = [r for r in others if not store.check([f"{key}{r}"])]
+    if not silent:
+        return None
+    names = ", ".join(f"rank {r} on {hosts[r] if r < len(hosts) else '?'}" for r in silent[:8])
+    more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
+    return (f"{me}: no answer within {wait_s:g} s from {names}{more}: dead, or the network to "
+            f"{'it' if len(silent) == 1 else 'them'} is cut")

@@ -1,0 +1,187 @@
+"""Evaluation while pre-training: validation loss / top-1 / top-5 and few-shot linear probes.
+
+Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)``:
+
+* ``eval/loss``, ``eval/top1``, ``eval/top5`` (multi-label data: ``eval/prec@1``) over
+  ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
+  stream), reduced with sums after the pass.
+* ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on frozen [class]-token features
+  (``pretrain.transfer.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
+  ``NAME:PATH`` with the names of ``vit-transfer --suite``) at ``eval.fewshot_shots``. The few-shot
+  images are decoded once per run (this rank's share, cached as float16) and their features are
+  computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
+  number of forwards: ranks that run out pad with a dummy batch) and gathered on rank 0.
+* Training is not disturbed: its data stream is untouched (separate loaders), torch's RNG states
+  are saved and restored, the model returns to train mode, and the time is logged as
+  ``eval/seconds`` and left out of throughput and MFU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pretrain.distributed import rng
+from pretrain.observability.clock import synced_now
+from pretrain.distributed.process import lockstep
+from pretrain.models.losses import classification_loss
+
+def parse_suite(spec: str) -> tuple[str, Optional[str]]:
+    name, _, path = spec.partition(":")
+    return name, (path or None)
+
+
+class _Fewshot:
+    """One few-shot suite: this rank's share of train / test images, decoded once."""
+
+    def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int, shots: int, seeds: int):
+        from pretrain.transfer.data import View
+        from pretrain.transfer.fewshot import sample_shots
+
+        self.name, self.num_classes = name, task.num_classes
+        view = View(img_size=img_size, resize=task.resize)
+        train = task.trainval
+        labels = getattr(train, "labels", None)
+        if labels is not None:  # only the examples some seed's largest shot count can draw
+            from pretrain.transfer.data import Subset
+
+            import numpy as np
+
+            lab = np.asarray(labels)
+            keep = sorted({int(i) for s in range(seeds) for i in sample_shots(lab, self.num_classes, shots, s)})
+            train = Subset(f"{train.name}[few-shot pool]", train, keep)
+        self.parts = {}
+        for part, split in (("train", train), ("test", task.test)):
+            xs, ys = [], []
+            for x, y in split.batches(view, batch_size=batch, train=False, rank=rank, world=world):
+                xs.append(x.to(torch.float16))
+                ys.append(y)
+            self.parts[part] = (xs, ys)
+
+
+class InTrainingEval:
+    """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
+    ``batch``: images per forward; ``seed``: the validation loader's."""
+
+    def __init__(self, val, data, *, batch: int, seed: int, rank: int, world: int, img_size: int,
+                 num_classes: int, dtype: torch.dtype):
+        self.ev, self.data, self.rank, self.world = val, data, rank, world
+        self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
+        self.batch, self.seed = batch, seed
+        self.fewshot: Optional[list[_Fewshot]] = None  # built at the first evaluation
+        self.last_seconds = 0.0
+        self.val = None
+        if self.enabled and data.val_shards:
+            from data_pipeline.loading.loader import build_loader
+
+            self.val = build_loader(data, rank=rank, world_size=world, batch_size=self.batch, seed=self.seed,
+                                    img_size=img_size, train=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ev.every_steps > 0 and bool(self.data.val_shards or self.ev.fewshot_suites)
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.enabled and (step % self.ev.every_steps == 0 or step == last_step)
+
+    # ------------------------------------------------------------------------------------------ run
+    def __call__(self, engine, step: int) -> dict:
+        """Collective. Metrics on rank 0 (``{}`` elsewhere); training state left as it was."""
+        t0 = synced_now(engine.device)  # training steps still queued on the GPU are not eval time
+        engine.eval()
+        try:
+            with torch.no_grad(), rng.preserved():
+                out = self._validation(engine) if self.val is not None else {}
+                out.update(self._fewshot(engine))
+        finally:
+            engine.train()
+        out["seconds"] = self.last_seconds = synced_now(engine.device) - t0
+        return {f"eval/{k}": v for k, v in out.items()} if self.rank == 0 else {}
+
+    def _dummy(self, device) -> torch.Tensor:
+        """The input a rank that ran out of batches feeds ZeRO-3's collective forward."""
+        return torch.zeros(1, 3, self.img_size, self.img_size, device=device, dtype=self.dtype)
+
+    def _validation(self, engine) -> dict:
+        """Loss (``pretrain.models.losses``, the training definition, summed then divided by the image
+        count), top-1 / top-5 (multi-label: precision@1), over every validation sample once."""
+        device = engine.device
+        sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top1, top5 (or prec@1), count
+        multi = self.data.multi_label
+        for item in lockstep(self.val, device):
+            if item is None:
+                engine(self._dummy(device))
+                continue
+            x, y = item
+            logits = engine(x.to(device, self.dtype)).float()
+            y = y.to(device)
+            loss = classification_loss(logits, y, multi_label=multi, reduction="sum")
+            if multi:
+                hit1 = hit5 = y.gather(1, logits.argmax(1, keepdim=True)).sum()
+            else:
+                topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+                hit1, hit5 = (topk[:, 0] == y).sum(), (topk == y[:, None]).any(1).sum()
+            n = torch.tensor(len(x), device=device, dtype=torch.float64)
+            sums += torch.stack([loss.double(), hit1.double(), hit5.double(), n])
+        dist.all_reduce(sums)
+        total, hit1, hit5, count = sums.tolist()  # the evaluation's one host read
+        n = max(1.0, count)
+        if multi:
+            return {"loss": total / n, "prec@1": hit1 / n, "samples": int(count)}
+        return {"loss": total / n, "top1": hit1 / n, "top5": hit5 / n, "samples": int(count)}
+
+    def _suites(self) -> list[_Fewshot]:
+        if self.fewshot is None:
+            from types import SimpleNamespace
+
+            from pretrain.transfer.suites import SUITES
+
+            self.fewshot = []
+            for spec in self.ev.fewshot_suites:
+                name, path = parse_suite(spec)
+                ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=self.ev.minival_fraction,
+                                     seed=self.ev.seed, tasks=list(self.ev.tasks))
+                tasks, _ = SUITES[name].build(ev, self.data)
+                for task in tasks:
+                    label = name if len(tasks) == 1 else f"{name}/{task.name}"
+                    self.fewshot.append(_Fewshot(label, task, self.img_size, self.rank, self.world, self.batch,
+                                                 max(self.ev.fewshot_shots), self.ev.fewshot_seeds))
+        return self.fewshot
+
+    def _features(self, engine, batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """[class]-token features after the final norm, taken by a hook during the engine's own
+        forward (so ZeRO-3 gathers every parameter as in training), gathered on every rank."""
+        device, model = engine.device, engine.module
+        captured = []
+        hook = model.norm.register_forward_hook(lambda mod, inp, out: captured.append(out[:, 0].float().cpu()))
+        labels = []
+        try:
+            for item in lockstep(zip(*batches), device):
+                captured.clear()
+                engine(self._dummy(device) if item is None else item[0].to(device, self.dtype))
+                if item is not None:
+                    labels.append((captured[-1], item[1].cpu()))
+        finally:
+            hook.remove()
+        dim = getattr(model, "num_features", 0)
+        mine = (torch.cat([f for f, _ in labels]) if labels else torch.zeros(0, dim),
+                torch.cat([y for _, y in labels]) if labels else torch.zeros(0, dtype=torch.int64))
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        return torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
+
+    def _fewshot(self, engine) -> dict:
+        from pretrain.transfer.fewshot import fewshot_accuracy
+
+        out = {}
+        for s in self._suites():
+            Xtr, ytr = self._features(engine, s.parts["train"])
+            Xte, yte = self._features(engine, s.parts["test"])
+            if self.rank != 0:
+                continue
+            acc = fewshot_accuracy(Xtr, ytr, Xte, yte, s.num_classes, list(self.ev.fewshot_shots),
+                                   self.ev.fewshot_seeds, self.ev.fewshot_l2)
+            for k, per_seed in acc.items():
+                out[f"fewshot/{s.name}/{k}shot"] = sum(per_seed) / len(per_seed)
+        return out

@@ -1,0 +1,221 @@
+"""Architectures by name, and what follows from an architecture alone: FLOPs and parameter counts.
+
+No torch here: ``pretrain.perf.perfmodel`` and ``vit-launch plan`` price a layout from these numbers
+without building anything. ``pretrain.models.vit`` builds the modules from the same table, and
+tests compare :func:`param_count` / :func:`analytic_flops` with the built model and fvcore.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+def stem_stride(layers: tuple[int, ...]) -> int:
+    """Input pixels per output position of the stem: the /4 root, then /2 per stage after the first."""
+    return 4 * 2 ** (len(layers) - 1)
+
+
+def stem_channels(layers: tuple[int, ...]) -> int:
+    return 256 * 2 ** (len(layers) - 1)
+
+
+
+@dataclass(frozen=True)
+class Variant:
+    patch_size: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    img_size: int = 224
+    mlp_ratio: float = 4.0
+    stem_layers: tuple[int, ...] = ()  # ResNet stage depths for hybrids
+
+
+REGISTRY: dict[str, Variant] = {}
+
+
+def register(name: str, **arch) -> None:
+    REGISTRY[name] = Variant(**arch)
+
+
+# Table 1 of the paper (+ timm's Tiny / Small). Hybrid: R50 with stage 4 removed and its blocks
+# moved to stage 3 (3, 4, 9), total stride 16, patch size 1 on the feature map.
+register("vit_tiny_patch16_224", patch_size=16, embed_dim=192, depth=12, num_heads=3)
+register("vit_small_patch16_224", patch_size=16, embed_dim=384, depth=12, num_heads=6)
+register("vit_base_patch16_224", patch_size=16, embed_dim=768, depth=12, num_heads=12)
+register("vit_base_patch32_224", patch_size=32, embed_dim=768, depth=12, num_heads=12)
+register("vit_large_patch16_224", patch_size=16, embed_dim=1024, depth=24, num_heads=16)
+register("vit_large_patch32_224", patch_size=32, embed_dim=1024, depth=24, num_heads=16)
+register("vit_huge_patch14_224", patch_size=14, embed_dim=1280, depth=32, num_heads=16)
+# "Scaling Vision Transformers" (Zhai et al. 2021), Table 2: g/14 is 1408 wide with a 6144 MLP,
+# G/14 1664 wide with an 8192 MLP; timm writes these as the ratios 48/11 and 64/13 (same widths).
+register("vit_giant_patch14_224", patch_size=14, embed_dim=1408, depth=40, num_heads=16, mlp_ratio=48 / 11)
+register("vit_gigantic_patch14_224", patch_size=14, embed_dim=1664, depth=48, num_heads=16, mlp_ratio=64 / 13)
+register("vit_base_patch16_384", patch_size=16, embed_dim=768, depth=12, num_heads=12, img_size=384)
+register("vit_large_patch16_384", patch_size=16, embed_dim=1024, depth=24, num_heads=16, img_size=384)
+register("vit_base_r50_s16_224", patch_size=1, embed_dim=768, depth=12, num_heads=12,
+         stem_layers=(3, 4, 9))
+register("vit_base_r50_s16_384", patch_size=1, embed_dim=768, depth=12, num_heads=12, img_size=384,
+         stem_layers=(3, 4, 9))
+
+
+def list_models() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def variant(name: str) -> Variant:
+    if name not in REGISTRY:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(list_models())}")
+    return REGISTRY[name]
+
+
+def model_defaults(name: str) -> dict:
+    """Architecture of a registered variant as a dict (no tensors are built). ``stride``: input
+    pixels per token, per side; hybrids also give ``stem_layers`` and ``stem_stride``."""
+    v = variant(name)
+    d = dict(patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth, num_heads=v.num_heads,
+             img_size=v.img_size, stride=v.patch_size, stem_layers=v.stem_layers,
+             mlp_hidden=int(v.embed_dim * v.mlp_ratio))
+    if v.stem_layers:
+        d["stem_stride"] = stem_stride(v.stem_layers)
+        d["stride"] = v.patch_size * d["stem_stride"]
+    return d
+
+
+
+def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int, int]:
+    """Multiply-adds of the hybrid's ResNet (convs + GroupNorms); returns (macs, h, w) out."""
+    ceil = lambda a, s: -(-a // s)  # noqa: E731  TF 'SAME' output size
+    macs = 0
+    h, w = ceil(h, 2), ceil(w, 2)
+    macs += h * w * width * in_chans * 49 + 5 * h * w * width  # 7x7/2 conv + GN
+    h, w = ceil(h, 2), ceil(w, 2)  # max-pool (not counted by fvcore)
+    cin = width
+    for i, depth in enumerate(layers):
+        cout, stride = 256 * 2 ** i, 1 if i == 0 else 2
+        for j in range(depth):
+            s = stride if j == 0 else 1
+            mid = cout // 4
+            oh, ow = ceil(h, s), ceil(w, s)
+            if s != 1 or cin != cout:
+                macs += oh * ow * cout * cin + 5 * oh * ow * cout  # projection shortcut
+            macs += h * w * mid * cin + 5 * h * w * mid  # 1x1
+            macs += oh * ow * mid * mid * 9 + 5 * oh * ow * mid  # 3x3 (strided)
+            macs += oh * ow * cout * mid + 5 * oh * ow * cout  # 1x1
+            h, w, cin = oh, ow, cout
+    return macs, h, w
+
+
+def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
+                   representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False):
+    """The same count as :func:`forward_flops`, from the architecture alone (no tensors)."""
+    a = model_defaults(name)
+    img = img_size or a["img_size"]
+    h, w = (img, img) if isinstance(img, int) else img
+    d, depth, p = a["embed_dim"], a["depth"], a["patch_size"]
+    if "stem_stride" in a:
+        embed, gh, gw = _stem_macs(h, w, a["stem_layers"])
+        cin = stem_channels(a["stem_layers"])
+        embed += gh * gw * cin * d
+    else:
+        gh, gw = h // p, w // p
+        embed = gh * gw * 3 * p * p * d
+    n = gh * gw + 1
+    hidden = a["mlp_hidden"]  # 4 d, except g/14 and G/14
+    per_block = (
+        (4 if qk_norm else 2) * 5 * n * d  # two LayerNorms (+ the queries' and keys' with qk_norm)
+        + n * d * 3 * d  # qkv
+        + 2 * n * n * d  # Q K^T and A V over all heads
+        + n * d * d  # output projection
+        + 2 * n * d * hidden  # MLP
+    )
+    blocks = depth * per_block
+    final_norm = 5 * n * d if global_pool == "token" else 5 * d
+    feat = d
+    head = 0
+    if representation_size:
+        head += d * representation_size
+        feat = representation_size
+    head += feat * num_classes
+    total = embed + blocks + final_norm + head
+    if breakdown:
+        return dict(embed=embed, blocks=blocks, head=head + final_norm, total=total)
+    return total
+
+
+
+
+def _stem_params(layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int]:
+    """(parameters, largest module's own parameters) of the hybrid's ResNet: bias-free
+    weight-standardised convs, each followed by a GroupNorm (weight + bias)."""
+    total = largest = in_chans * width * 49
+    total += 2 * width
+    cin = width
+    for i, depth in enumerate(layers):
+        cout = 256 * 2 ** i
+        mid = cout // 4
+        for j in range(depth):
+            stride = 1 if (i == 0 or j > 0) else 2
+            convs = [cin * mid, 9 * mid * mid, mid * cout] + ([cin * cout] if (stride != 1 or cin != cout) else [])
+            total += sum(convs) + 2 * (mid + mid + cout) + (2 * cout if len(convs) == 4 else 0)
+            largest = max(largest, *convs)
+            cin = cout
+    return total, largest
+
+
+def param_count(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
+                representation_size: Optional[int] = None, qk_norm: bool = False,
+                layer_scale: bool = False) -> tuple[int, int]:
+    """(parameters, parameters of the largest single module) of the model ``pretrain.models.vit``
+    builds with these arguments. The second is what ZeRO-3 gathers at once at most: the
+    module's own parameters, as DeepSpeed fetches them per submodule."""
+    a = model_defaults(name)
+    img = img_size or a["img_size"]
+    h, w = (img, img) if isinstance(img, int) else img
+    d, depth, m = a["embed_dim"], a["depth"], a["mlp_hidden"]
+    if a["stem_layers"]:
+        stem, stem_largest = _stem_params(a["stem_layers"])
+        s = a["stem_stride"]
+        ceil = lambda x: -(-x // s)  # noqa: E731  'SAME' padding keeps partial positions
+        tokens = ceil(h) * ceil(w)
+        embed = stem + stem_channels(a["stem_layers"]) * d + d
+        modules = [stem_largest, stem_channels(a["stem_layers"]) * d + d]
+    else:
+        p = a["patch_size"]
+        tokens = (h // p) * (w // p)
+        embed = 3 * p * p * d + d
+        modules = [embed]
+    top = d + (tokens + 1) * d  # class token + position embeddings
+    hd = d // a["num_heads"]
+    block = (4 * d + 3 * d * d + 3 * d + d * d + d + d * m + m + m * d + d
+             + (4 * hd if qk_norm else 0) + (2 * d if layer_scale else 0))
+    head_in = representation_size or d
+    head = 2 * d + (d * representation_size + representation_size if representation_size else 0) \
+        + head_in * num_classes + num_classes
+    modules += [top, 3 * d * d + 3 * d, d * m + m, head_in * num_classes + num_classes]
+    if representation_size:
+        modules.append(d * representation_size + representation_size)
+    return embed + top + depth * block + head, max(modules)
+
+
+def param_tensors(name: str, img_size=None, num_classes: int = 1000) -> list[int]:
+    """Element counts of the model's parameter tensors (token pooling, no extras): what ZeRO-3
+    partitions one by one, and its persistence threshold compares against."""
+    a = model_defaults(name)
+    img = img_size or a["img_size"]
+    d, m = a["embed_dim"], a["mlp_hidden"]
+    total, _ = param_count(name, img, num_classes)
+    if a["stem_layers"]:
+        c = stem_channels(a["stem_layers"])
+        embed = [c * d, d]
+        stem = _stem_params(a["stem_layers"])[0]
+    else:
+        p = a["patch_size"]
+        embed, stem = [3 * p * p * d, d], 0
+    s_ = a["stride"]
+    h, w = (img, img) if isinstance(img, int) else img
+    tokens = (-(-h // s_)) * (-(-w // s_)) if a["stem_layers"] else (h // s_) * (w // s_)
+    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, d * m, m, m * d, d]
+    out = ([stem] if stem else []) + embed + [d, (tokens + 1) * d] + block * a["depth"] + [d, d, d * num_classes, num_classes]
+    assert sum(out) == total, (name, sum(out), total)
+    return out

@@ -1,0 +1,400 @@
+"""The ViT family of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020).
+
+Conv patch embedding, learnable [class] token, learnable 1-D position embeddings, pre-norm
+encoder blocks (LN -> MSA -> residual, LN -> MLP(GELU) -> residual), final LayerNorm, optional
+tanh pre-logits layer, linear head (zero-initialised).
+
+Parameter names and shapes equal timm's model of the same name (``strict=True`` both ways) as
+long as ``representation_size`` is None: timm 1.x dropped the pre-logits layer, ours keeps it as
+``pre_logits.fc`` (the name older timm and the original JAX->PyTorch ports use).
+
+This module knows nothing of distribution: it imports no deepspeed, builds wherever the default
+device is (its initialisation skips meta tensors), and activation checkpointing is a plain
+per-block switch (``set_grad_checkpointing``). Initial weights come from one CPU generator
+(``init_seed``), drawn parameter by parameter in a fixed order and copied to wherever the
+parameters live, so one seed gives the same weights on CPU or GPU, plain or ZeRO-3-partitioned,
+on any world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager, Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.models.arch import list_models, model_defaults, register, variant  # noqa: F401  (model API in one place)
+from pretrain.models.init import fill, init_generator
+from pretrain.models.hybrid import ResNetStem
+
+_Size = Union[int, tuple[int, int]]
+# Called around the initialisation of each module's own parameters; the default does nothing.
+# A caller whose parameters are partitioned (ZeRO-3) passes a gather that makes them whole.
+Gather = Callable[[list[nn.Parameter]], ContextManager]
+
+
+def _no_gather(params: Iterable[nn.Parameter]) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def _pair(x: _Size) -> tuple[int, int]:
+    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
+
+
+# ------------------------------------------------------------------------------------- layers
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample (Huang et al. 2016)."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+class PatchEmbed(nn.Module):
+    """Image -> (B, N, D) tokens with one strided convolution (a linear map of each patch)."""
+
+    def __init__(self, img_size: _Size, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.img_size = _pair(img_size)
+        self.patch_size = (patch_size, patch_size)
+        self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class HybridEmbed(nn.Module):
+    """Section 3.1 hybrid: a CNN feature map is the patch grid (patch size 1 on the feature map)."""
+
+    def __init__(self, backbone: nn.Module, img_size: _Size, embed_dim: int):
+        super().__init__()
+        self.backbone = backbone
+        self.img_size = _pair(img_size)
+        s = backbone.stride
+        self.patch_size = (s, s)
+        self.grid_size = (self.img_size[0] // s, self.img_size[1] // s)
+        self.proj = nn.Conv2d(backbone.out_channels, embed_dim, kernel_size=1, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.backbone(x)).flatten(2).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention. ``qk_norm``: LayerNorm over each head's queries and keys before
+    the dot product (Dehghani et al. 2023, ViT-22B), which keeps attention logits from growing
+    without bound at large width; adds 4 * head_dim parameters."""
+
+    def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 qk_norm: bool = False, norm_layer: Optional[Callable[[int], nn.Module]] = None):
+        super().__init__()
+        assert dim % num_heads == 0, f"embed dim {dim} not divisible by {num_heads} heads"
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        # Fused kernel (flash / memory-efficient) on GPUs; the math path on CPU.
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = x.transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, drop: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class LayerScale(nn.Module):
+    """Per-channel scale of a residual branch, initialised small (CaiT, Touvron et al. 2021):
+    each block starts close to the identity, which steadies very deep models."""
+
+    def __init__(self, dim: int, init_values: float):
+        super().__init__()
+        self.init_values = init_values
+        self.gamma = nn.Parameter(torch.full((dim,), init_values))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class Block(nn.Module):
+    """Pre-norm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)); with ``init_values`` each
+    branch is scaled by a LayerScale (``ls1`` / ``ls2``, absent when it is None or 0, as timm)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, drop: float, attn_drop: float,
+                 drop_path: float, norm_layer: Callable[[int], nn.Module], qk_norm: bool = False,
+                 init_values: Optional[float] = None):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, qk_norm=qk_norm,
+                              norm_layer=norm_layer)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+# -------------------------------------------------------------------------------------- model
+class VisionTransformer(nn.Module):
+    def __init__(
+        self,
+        img_size: _Size = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        representation_size: Optional[int] = None,
+        global_pool: str = "token",
+        backbone: Optional[nn.Module] = None,
+        qk_norm: bool = False,
+        init_values: Optional[float] = None,
+        defer_init: bool = False,
+        init_seed: Optional[int] = None,
+    ):
+        """``defer_init``: leave the weights as the layers' constructors made them; the caller
+        runs ``init_weights(gather, generator)`` later (ZeRO-3 builds partitioned parameters
+        first). ``init_seed``: the initialisation's seed (None: one drawn from torch's global
+        CPU generator, so ``torch.manual_seed`` still decides it)."""
+        super().__init__()
+        if global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        norm_layer = lambda d: nn.LayerNorm(d, eps=1e-6)  # noqa: E731  (eps of the JAX original)
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1
+        self.grad_checkpointing = False
+
+        if backbone is None:
+            self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        else:
+            self.patch_embed = HybridEmbed(backbone, img_size, embed_dim)
+        num_patches = self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
+        self.pos_drop = nn.Dropout(drop_rate)
+
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
+        self.blocks = nn.Sequential(*[
+            Block(embed_dim, num_heads, mlp_ratio, drop_rate, attn_drop_rate, dpr[i], norm_layer,
+                  qk_norm=qk_norm, init_values=init_values)
+            for i in range(depth)])
+        # timm's layout: the final LN sits on the tokens for [class]-token pooling and after
+        # pooling (fc_norm) for average pooling; names must match for strict loading.
+        self.norm = norm_layer(embed_dim) if global_pool == "token" else nn.Identity()
+        self.fc_norm = norm_layer(embed_dim) if global_pool == "avg" else nn.Identity()
+        if representation_size:
+            self.pre_logits = nn.Sequential()
+            self.pre_logits.add_module("fc", nn.Linear(embed_dim, representation_size))
+            self.pre_logits.add_module("act", nn.Tanh())
+            self.num_features = representation_size
+        else:
+            self.pre_logits = nn.Identity()
+            self.num_features = embed_dim
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if not defer_init:
+            self.init_weights(generator=init_generator(init_seed))
+
+    # -------------------------------------------------------------------------- init
+    @torch.no_grad()
+    def init_weights(self, gather: Optional[Gather] = None, generator: Optional[torch.Generator] = None) -> None:
+        """The paper's (JAX) initialisation: Xavier-uniform linears, LeCun-normal patch conv,
+        tiny-normal MLP biases, N(0, 0.02) position embeddings, zero [class] token and head,
+        LayerScale at ``init_values`` (the hybrid's ResNet stem: its own rule).
+
+        Module by module, each inside ``gather(its own parameters)``, so partitioned parameters
+        (ZeRO-3) are whole only one module at a time. Every draw comes from ``generator`` (a CPU
+        generator; None: a fresh one seeded from torch's global CPU generator) into a CPU fp32
+        tensor in a fixed order, then is copied to the parameter's device and dtype: the same
+        generator state gives the same weights on any device and layout."""
+        gather = gather or _no_gather
+        g = generator if generator is not None else init_generator(None)
+        backbone = getattr(self.patch_embed, "backbone", None)
+        if backbone is not None:
+            backbone.init_weights(gather, g)
+        self._init_encoder(gather, g)
+
+    @torch.no_grad()
+    def _init_encoder(self, gather: Gather, g: torch.Generator) -> None:
+        root = []
+        for name, m in self.named_modules():
+            if name.startswith("patch_embed.backbone"):
+                continue
+            own = list(m.parameters(recurse=False))
+            if not own:
+                continue
+            if m is self:
+                root = own  # pos_embed, cls_token: last, as before
+                continue
+            with gather(own):
+                _init_module(name, m, g)
+        with gather(root):
+            fill(self.pos_embed, lambda t: nn.init.normal_(t, std=0.02, generator=g))
+            nn.init.zeros_(self.cls_token)
+
+    # ------------------------------------------------------------------------- public
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        return self.patch_embed.patch_size
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        return self.patch_embed.img_size
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return self.patch_embed.grid_size
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters excluded from weight decay besides biases and norm weights."""
+        return {"pos_embed", "cls_token"}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass: about 1/3 more compute, activation memory
+        of one block instead of all. Results equal the non-checkpointed model."""
+        self.grad_checkpointing = enable
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new zero-initialised head (transfer): the pooling's norm layer is kept as is."""
+        if global_pool is not None and global_pool != self.global_pool:
+            raise ValueError("changing global_pool would change the norm layout; rebuild the model")
+        self.num_classes = num_classes
+        p = next(self.parameters())
+        self.head = nn.Linear(self.num_features, num_classes, device=p.device, dtype=p.dtype) \
+            if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            for blk in self.blocks:
+                # non-reentrant: works with ZeRO-3's parameter hooks and unused inputs
+                x = checkpoint(blk, x, use_reentrant=False)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
+        x = self.pre_logits(self.fc_norm(x))
+        return x if pre_logits else self.head(self.head_drop(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
+    """One module's own parameters, by the rules in ``VisionTransformer.init_weights``."""
+    if isinstance(m, nn.Linear):
+        if name == "head":
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+            return
+        fill(m.weight, lambda t: nn.init.xavier_uniform_(t, generator=g))
+        if "mlp" in name:
+            fill(m.bias, lambda t: nn.init.normal_(t, std=1e-6, generator=g))
+        else:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv2d):
+        fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+        # LeCun normal: truncated normal with variance 1/fan_in (std corrected for truncation)
+        std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+        fill(m.weight, lambda t: nn.init.trunc_normal_(t, std=std, a=-2 * std, b=2 * std, generator=g))
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, LayerScale):
+        nn.init.constant_(m.gamma, m.init_values)
+
+
+def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,
+                 drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 representation_size: Optional[int] = None, global_pool: str = "token",
+                 qk_norm: bool = False, init_values: Optional[float] = None, defer_init: bool = False,
+                 init_seed: Optional[int] = None, **kwargs) -> VisionTransformer:
+    """Build a registered variant. ``with torch.device('meta'):`` builds it without memory.
+    ``qk_norm`` / ``init_values``: timm's options of the same names (QK LayerNorm, LayerScale).
+    ``defer_init``: skip the initialisation; call ``model.init_weights(gather, generator)``
+    afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``)."""
+    v = variant(name)
+    img_size = img_size or v.img_size
+    backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3), defer_init=True) \
+        if v.stem_layers else None
+    return VisionTransformer(
+        img_size=img_size, patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth,
+        num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
+        defer_init=defer_init, init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate,
+        drop_path_rate=drop_path_rate, representation_size=representation_size,
+        global_pool=global_pool, backbone=backbone, **kwargs)
+
+
+# ------------------------------------------------------------------------ position embeddings
+def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int],
+                     old_grid: Optional[tuple[int, int]] = None, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Resize (1, prefix + H*W, D) position embeddings to a new patch grid by 2-D bicubic
+    interpolation of the grid part; the [class] token's embedding is kept unchanged (as in the
+    paper's fine-tuning at higher resolution). Non-square grids work when ``old_grid`` is given;
+    without it the old grid is taken as square."""
+    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
+    n_old = grid.shape[1]
+    if old_grid is None:
+        side = int(math.isqrt(n_old))
+        if side * side != n_old:
+            raise ValueError(f"position embedding has {n_old} grid tokens, not a square; pass old_grid")
+        old_grid = (side, side)
+    if old_grid[0] * old_grid[1] != n_old:
+        raise ValueError(f"old_grid {old_grid} does not match {n_old} grid tokens")
+    if tuple(old_grid) == tuple(new_grid):
+        return posemb
+    dim = grid.shape[-1]
+    orig_dtype = grid.dtype
+    grid = grid.reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2).float()
+    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(orig_dtype)
+    return torch.cat([prefix, grid], dim=1)

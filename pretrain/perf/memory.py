@@ -1,0 +1,232 @@
+"""Per-GPU memory estimate for a ViT training job: model states by ZeRO stage + activations.
+
+Model states (bytes per parameter, after DeepSpeed 0.19's own estimators
+``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``, whose
+"2 + 18" split is the ZeRO paper's 16 bytes (Rajbhandari et al. 2020, sec. 3.1) plus the fp32
+gradient partition ZeRO casts to for the optimizer step)::
+
+                                   bf16   fp32   sharded over the N ranks from
+    module weights                   2      4    stage 3
+    module gradients                 2      4    stage 2
+    fp32 master weights              4      4    stage 1   (fp32 + stage 0: none, torch's own step)
+    fp32 gradient partition          4      -    stage 1
+    Adam m, v (SGD: momentum 4)      8      8    stage 1   (moved to CPU by zero.offload_optimizer)
+
+So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with ZeRO-3. ZeRO-1 in
+bf16 with fp32 gradient accumulation (our default) is DeepSpeed's ``BF16_Optimizer``: it keeps
+the bf16 gradients and a whole fp32 accumulation buffer (``fp32_groups_gradients_flat``, with
+``bf16.immediate_grad_update`` off as by default) and partitions only the master weights and
+moments: 2 + 6 + 12/N. ``tests/test_perfmodel.py`` reads these buffers off live optimizers. ZeRO-1/2
+also hold one or two (``overlap_comm``) gradient buckets of ``zero.reduce_bucket_size`` elements
+whatever the model size (``setup_buckets`` in stage_1_and_2.py): 2 GB for the 5e8 default in bf16,
+which is why small GPUs lower that setting. ZeRO-3 gathers one layer at a time (weights + grads).
+
+Activations per micro-batch, per transformer block, from Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", sec. 4.1 (s sequence length, b micro
+batch, h width, a heads, 16-bit activations)::
+
+    attention: 11 s b h + 5 a s^2 b   (QKV input 2sbh, Q K 4sbh, softmax 2as^2b + dropout mask
+                                       as^2b, dropped probs 2as^2b, V 2sbh, proj input 2sbh, mask sbh)
+    MLP:       19 s b h               (fc1 input 2sbh, GELU input 8sbh, fc2 input 8sbh, mask sbh)
+    norms:      4 s b h               -> 34 s b h + 5 a s^2 b per block
+
+For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper (g/14 and G/14:
+about 4.4h and 4.9h, so the two MLP terms scale by hidden / 4h). ``model.qk_norm`` keeps the
+normalised Q and K and part of the norms' inputs (``6 s b h`` more, as autograd saves them on
+CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each branch's output for the gradient of
+its gamma (``4 s b h``). Two changes:
+``F.scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient) that keeps no
+s x s matrix, only Q, K, V, the output and a log-sum-exp (``4 a s b`` bytes, fp32), so the
+``5 a s^2 b`` term becomes ``4 a s b``; and dropout masks exist only with ``model.drop_rate > 0``:
+timm's block layout drops after the projection, after the GELU (4h wide) and after fc2, so
+``6 s b h`` bytes of CUDA's 1-byte masks instead of the paper's ``2 s b h`` (on CPU, dropout keeps
+a scaled mask in the activation dtype, twice that in bf16). fp32 training doubles every 16-bit
+term. With activation
+checkpointing (``model.set_grad_checkpointing``: each block recomputed in backward) only each
+block's input stays (``2 s b h`` per block, the paper's "full recomputation") plus one block's
+full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
+logits. The formula is checked against the bytes autograd actually saves in
+``tests/test_launch_memory.py``.
+
+Host memory while the model is built (``host_build``, per rank, CPU RAM): without ZeRO-3 every
+rank builds and initialises the whole fp32 model on the CPU before DeepSpeed moves it (4 B/param;
+8 ranks on a node of ViT-G/14: 8 x 7.4 GB). Under ZeRO-3 ``train.build_model`` builds inside
+``deepspeed.zero.Init``: each layer is made whole, broadcast and partitioned onto the device as
+soon as it exists, and initialised one layer at a time under ``GatheredParameters``, so the host
+and the device each hold at most one whole layer (fp32) beyond the rank's 1/N share (which is
+already in ``weights``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 2 ** 30
+# CUDA context, cuBLAS / NCCL workspaces and allocator fragmentation: not in any formula above;
+# about 0.5-1.5 GB in practice, so the estimate carries 1 GB for it.
+RUNTIME_OVERHEAD_BYTES = 1 * GB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    largest_layer: int  # parameters of the largest single module (ZeRO-3 gathers one at a time)
+    seq_len: int
+    width: int
+    depth: int
+    heads: int
+    img_size: int
+    num_classes: int
+    mlp_hidden: int = 0  # 0: 4 x width
+    qk_norm: bool = False
+    layer_scale: bool = False
+
+
+def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
+                   global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False) -> ModelShape:
+    """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch)."""
+    from pretrain.models.arch import model_defaults, param_count
+
+    d = model_defaults(name)
+    img = img_size or d["img_size"]
+    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale)
+    s = d["stride"]
+    tokens = (-(-img // s)) ** 2 if d["stem_layers"] else (img // s) ** 2
+    return ModelShape(params=params, largest_layer=largest, seq_len=tokens + 1, width=d["embed_dim"],
+                      depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
+                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale)
+
+
+def model_shape(model_cfg) -> ModelShape:
+    """:func:`analytic_shape` for a config's ``model:`` section (tests check it against the built model)."""
+    from pretrain.config import image_size
+
+    return analytic_shape(model_cfg.name, img_size=image_size(model_cfg), num_classes=model_cfg.num_classes,
+                          representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
+                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values))
+
+
+def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",
+                      offload_optimizer: bool = False) -> dict[str, float]:
+    """Bytes per GPU for weights, gradients and optimizer states (table in the module docstring);
+    ``cpu`` is what ZeRO-Offload keeps in host memory per rank instead."""
+    e = 2 if precision == "bf16" else 4
+    master = 0 if (precision == "fp32" and stage == 0) else 4
+    opt_per_param = master + (4 if precision == "bf16" else 0) + (8 if optimizer == "adamw" else 4)
+    n = max(1, world)
+    weights = e * params / (n if stage >= 3 else 1)
+    grads = e * params / (n if stage >= 2 else 1)
+    opt = opt_per_param * params / (n if stage >= 1 else 1)
+    if stage == 1 and precision == "bf16":
+        # BF16_Optimizer (ZeRO-1 + fp32 accumulation): the bf16 grads and a whole fp32
+        # accumulation buffer, not a partition of one
+        grads, opt = (e + 4) * params, (opt_per_param - 4) * params / n
+    out = {"weights": weights, "gradients": grads, "optimizer": 0.0 if offload_optimizer else opt,
+           "cpu": opt if offload_optimizer else 0.0}
+    return out
+
+
+def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str) -> float:
+    """Communication buffers DeepSpeed allocates at a fixed size (see module docstring)."""
+    e = 2 if precision == "bf16" else 4
+    if zero_cfg.stage in (1, 2):
+        if not zero_cfg.contiguous_gradients:
+            return 0.0
+        return zero_cfg.reduce_bucket_size * e * (2 if zero_cfg.overlap_comm else 1)
+    if zero_cfg.stage == 3:
+        return (zero_cfg.reduce_bucket_size + zero_cfg.stage3_prefetch_bucket_size) * e + 2 * e * shape.largest_layer
+    return 0.0
+
+
+def block_activation_bytes(s: int, b: int, h: int, a: int, *, precision: str = "bf16",
+                           dropout: bool = False, fused_attention: bool = True, mlp_hidden: int = 0,
+                           qk_norm: bool = False, layer_scale: bool = False) -> float:
+    """Korthikanti et al. 2022 eq. (1) per block, adapted as in the module docstring."""
+    scale = 1 if precision == "bf16" else 2  # the paper counts 16-bit activations
+    sbh = s * b * h
+    r = (mlp_hidden or 4 * h) / (4 * h)  # MLP width against the paper's 4h
+    # the paper's 34 s b h without its two 1-byte dropout masks; its MLP's 16 s b h (GELU input
+    # and fc2 input, each 4h wide) scale with the MLP width
+    acts = (16 + 16 * r) * sbh * scale
+    if qk_norm:
+        acts += (6 * sbh + 8 * a * s * b) * scale  # normalised Q, K, norms' inputs; mean, 1/std per row
+    if layer_scale:
+        acts += 4 * sbh * scale  # both branches' outputs, for the gradients of the gammas
+    masks = (2 + 4 * r) * sbh if dropout else 0  # proj (h), after GELU (4h), fc2 (h): CUDA's bool masks
+    attn = 4 * a * s * b if fused_attention else (4 * a * s * s * b * scale + (a * s * s * b if dropout else 0))
+    return acts + masks + attn
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "bf16", checkpointing: bool = False,
+                     dropout: bool = False, fused_attention: bool = True) -> float:
+    """Activation memory of one micro-batch's forward, held until its backward."""
+    s, b, h, L = shape.seq_len, micro_batch, shape.width, shape.depth
+    e = 2 if precision == "bf16" else 4
+    block = block_activation_bytes(s, b, h, shape.heads, precision=precision, dropout=dropout,
+                                   fused_attention=fused_attention, mlp_hidden=shape.mlp_hidden,
+                                   qk_norm=shape.qk_norm, layer_scale=shape.layer_scale)
+    blocks = L * e * s * b * h + block if checkpointing else L * block
+    # image batch (patch-embedding input) + final norm input + head input and fp32 logits
+    outside = 3 * shape.img_size ** 2 * b * e + e * s * b * h + e * b * h + 4 * b * shape.num_classes
+    return blocks + outside
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    states: dict  # weights / gradients / optimizer / cpu (bytes per GPU)
+    buffers: float
+    activations: float  # as configured (with or without checkpointing)
+    activations_other: float  # the other setting, for the "what to change" line
+    checkpointing: bool
+    host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
+
+    @property
+    def total(self) -> float:
+        s = self.states
+        return s["weights"] + s["gradients"] + s["optimizer"] + self.buffers + self.activations + RUNTIME_OVERHEAD_BYTES
+
+    def total_if_checkpointing(self, on: bool) -> float:
+        act = self.activations if on == self.checkpointing else self.activations_other
+        return self.total - self.activations + act
+
+
+def host_build_bytes(shape: ModelShape, stage: int) -> float:
+    """Peak host bytes per rank for building the model (see the module docstring): the whole
+    fp32 model, or under ZeRO-3 (``deepspeed.zero.Init``) one whole fp32 layer at a time."""
+    return 4.0 * (shape.largest_layer if stage == 3 else shape.params)
+
+
+def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate:
+    """Per-GPU estimate for a full ``pretrain.config.Config`` at this world size."""
+    shape = shape or model_shape(cfg.model)
+    t = cfg.train
+    states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
+                               optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer)
+    kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
+    act = activation_bytes(shape, t.micro_batch_size, checkpointing=t.activation_checkpointing, **kw)
+    other = activation_bytes(shape, t.micro_batch_size, checkpointing=not t.activation_checkpointing, **kw)
+    return MemoryEstimate(params=shape.params, states=states, buffers=zero_buffer_bytes(cfg.zero, shape, t.precision),
+                          activations=act, activations_other=other, checkpointing=t.activation_checkpointing,
+                          host_build=host_build_bytes(shape, cfg.zero.stage))
+
+
+def largest_micro_batch(cfg, world: int, budget_bytes: float, shape: ModelShape, checkpointing: bool) -> int:
+    """The largest micro batch whose estimate fits ``budget_bytes`` (0 if none does)."""
+    base = estimate(cfg, world, shape)
+    fixed = base.total - base.activations
+    kw = dict(precision=cfg.train.precision, checkpointing=checkpointing, dropout=cfg.model.drop_rate > 0)
+    per_sample = activation_bytes(shape, 2, **kw) - activation_bytes(shape, 1, **kw)
+    const = activation_bytes(shape, 1, **kw) - per_sample
+    room = budget_bytes - fixed - const
+    return max(0, int(room // per_sample))
+
+
+def checkpoint_bytes(params: int, precision: str, optimizer: str = "adamw", stage: int = 1) -> float:
+    """Size on disk of one DeepSpeed checkpoint, all ranks together: the module's weights in
+    their training dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for fp32 without
+    ZeRO, where the optimizer steps the module's own weights) and the moments (Adam 8, SGD 4):
+    14-16 B/param with AdamW. Measured on the tiny config (fp32, ZeRO-1, 2 ranks): 4.0 + 12.0
+    B/param. 5% on top for pickling, RNG and loader state."""
+    weights = 2 if precision == "bf16" else 4
+    master = 0 if (precision == "fp32" and stage == 0) else 4
+    return 1.05 * params * (weights + master + (8 if optimizer == "adamw" else 4))

@@ -1,0 +1,546 @@
+"""Step-time model of a ViT training job on any cluster: compute, DeepSpeed's collectives, memory.
+
+Pure functions over numbers (``pretrain.models.arch`` gives the architecture; no torch import), so
+``vit-launch plan`` prices a layout in milliseconds before any GPU is claimed.
+
+Per optimizer step, per GPU (``k`` accumulation micro-steps of ``b`` images):
+
+compute
+    Matmul work: ``pretrain.models.arch.analytic_flops`` multiply-adds x 2 flops x 3 (forward + a
+    backward twice as costly), plus one more forward of the blocks with activation checkpointing
+    (hardware FLOPs, not model FLOPs), over ``peak x efficiency``. ``efficiency`` is the one
+    calibrated constant per GPU type (:data:`GPUS`, each naming its calibration point or the GPU
+    it borrows from). Element-wise work (LayerNorms, GELU over the MLP width, residual adds,
+    softmax without a fused attention kernel) moves bytes, not flops: it is priced at
+    :data:`HBM_EFFICIENCY` of the memory bandwidth, which is why narrow models (ViT-B) reach a
+    lower MFU than wide ones and why the gap grows on GPUs whose flops outgrew their bandwidth
+    (H100 against A100). ``torch.compile`` fuses element-wise chains: half that traffic.
+    The optimizer step reads and writes its fp32 states once per step (memory bound).
+
+communication (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``)
+    ``G`` = gradient bytes per element in ``train.reduce_dtype`` (fp32: 4), ``W`` = weight bytes
+    (bf16: 2), ``P`` = parameters:
+    - stage 0: one all-reduce of ``P x G`` at the accumulation boundary, after the backward;
+    - stage 1: the same all-reduce, issued in ``zero.reduce_bucket_size`` buckets during the last
+      micro-step's backward (``reduce_ready_partitions_and_remove_grads`` runs only at the
+      boundary), then an all-gather of the updated ``P x W`` weights after the step;
+    - stage 2: the bucketed all-reduce in every micro-step's backward (gradients are partitioned
+      as they are produced), the same all-gather after the step. Both use all-reduce, not
+      reduce-scatter: ``use_multi_rank_bucket_allreduce`` defaults to true;
+    - stage 3: each micro-step all-gathers the partitioned weights for the forward (tensors of at
+      most ``stage3_param_persistence_threshold`` elements stay whole on every rank; the trace's
+      prefetch coalesces up to ``stage3_prefetch_bucket_size`` elements per call), gathers again in
+      the backward only what was released after the forward (:func:`_released_numel`: nothing for
+      models under ~1e9 elements with DeepSpeed's defaults), reduce-scatters every gradient in
+      ``reduce_bucket_size`` buckets; after the step one all-gather refreshes the persistent
+      tensors on every rank.
+    bf16 with ZeRO-1 and fp32 accumulation is DeepSpeed's ``BF16_Optimizer``: one all-reduce of
+    the whole fp32 gradient buffer at the boundary, whatever the bucket size.
+    Time per collective (nccl-tests' bus bandwidth): all-reduce ``S 2(n-1)/n / busbw``,
+    all-gather and reduce-scatter ``S (n-1)/n / busbw`` (``S`` the whole tensor), plus a fixed
+    latency. ``busbw`` is the slowest link the ring crosses: NVLink/PCIe inside a node, the
+    node's NICs between nodes (NCCL runs one ring per NIC, so a node's rate is the sum of its
+    NICs), each at :data:`LINK_EFFICIENCY` of its line rate. Overlap: the reduction stream runs
+    gradient buckets under the backward of the micro-step that issues them, all but the last
+    bucket; ZeRO-3 prefetches the next layers' weights under the current layer's compute, all but
+    the first layer's; the ZeRO-1/2 post-step all-gather and stage 0's all-reduce are exposed.
+
+memory
+    ``pretrain.perf.memory``: model states by stage (DeepSpeed's estimators' 2 + 18 bytes/param for bf16
+    + AdamW, not the paper's 16), fixed communication buffers, activations (Korthikanti et al.
+    with SDPA's fused attention), 1 GB of runtime.
+
+ZeRO++ (Wang et al. 2023): ``quantized_weights`` (qwZ) sends the forward all-gather in int8 (half
+of bf16); ``hpz_partition_size`` (hpZ) keeps a secondary copy of the weights partitioned inside
+groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays inside a node;
+``quantized_gradients`` (qgZ) replaces the gradient reduce-scatter with an int4 all-to-all
+(a quarter of the bf16 bytes, over the same ring volume).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+from pretrain.perf import memory
+from pretrain.models import arch
+
+GB = 1e9
+
+# Element-wise kernels reach about this fraction of the HBM bandwidth on the data sheets
+# (STREAM-like copy kernels measure 80-90 % on A100 and H100).
+HBM_EFFICIENCY = 0.8
+# nccl-tests bus bandwidth against the line rate: NVLink about 0.8 (A100 all-reduce ~235 of
+# 300 GB/s), InfiniBand/RoCE about 0.9 (8 x HDR nodes ~180 of 200 GB/s).
+LINK_EFFICIENCY = {"intra": 0.8, "inter": 0.9}
+# Fixed cost of one collective (kernel launch, ring set-up, first chunk's hops), seconds.
+LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
+# Adam / AdamW step: read master, grad, m, v (4 x 4 B), write master, m, v (3 x 4 B) and the
+# bf16 copy (2 B): bytes per parameter the step moves on its shard.
+OPTIMIZER_BYTES_PER_PARAM = 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    peak_tflops: float  # dense bf16 tensor-core peak (data sheet, no sparsity)
+    memory_gb: float
+    hbm_gbs: float  # memory bandwidth, GB/s
+    link_gbps: float  # a GPU's own intra-node link, one direction, Gbit/s (NVLink or PCIe)
+    efficiency: float  # achieved fraction of peak on ViT matmuls (the one constant per type)
+    calibration: str  # where efficiency comes from
+
+
+# efficiency: A100 and H100 are solved by :func:`calibrate` from one published point each (the
+# test recomputes them); the other types borrow from the closest calibrated architecture.
+GPUS: dict[str, GPU] = {
+    "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.510, "borrowed from a100-80gb (same SMs and clocks)"),
+    "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.510, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s"),
+    "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.344, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s"),
+    "h200": GPU(989.4, 141, 4800, 3600, 0.344, "borrowed from h100-sxm (same Hopper SMs)"),
+    "b200": GPU(2250.0, 180, 8000, 7200, 0.344, "borrowed from h100-sxm (no published ViT point)"),
+    "l40s": GPU(362.0, 48, 864, 256, 0.510, "borrowed from a100-80gb (no published ViT point)"),
+    "rtx3090": GPU(71.0, 24, 936, 256, 0.510, "borrowed from a100-80gb (bf16 with fp32 accumulate)"),
+    "rtx4090": GPU(165.2, 24, 1008, 256, 0.510, "borrowed from a100-80gb (bf16 with fp32 accumulate)"),
+}
+
+
+@dataclass(frozen=True)
+class Network:
+    intra_gbps: Optional[float]  # per GPU, one direction; None: the GPU's own link
+    inter_gbps: float  # per node, all NICs together, one direction
+    note: str = ""
+
+
+NETWORKS: dict[str, Network] = {
+    "dgx-a100": Network(2400, 8 * 200, "NVLink 3 (300 GB/s per GPU), 8 x 200 Gb/s HDR InfiniBand per node"),
+    "dgx-h100": Network(3600, 8 * 400, "NVLink 4 (450 GB/s per GPU), 8 x 400 Gb/s NDR InfiniBand per node"),
+    "pcie-100gbe": Network(256, 100, "PCIe 4.0 x16 between GPUs, one 100 Gb/s Ethernet NIC per node"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything the model needs about a job; defaults follow ``pretrain.config``'s."""
+    model: str
+    gpu: str
+    nodes: int = 1
+    gpus_per_node: int = 8
+    micro_batch: int = 32
+    global_batch: Optional[int] = None  # None: micro_batch x world (no accumulation)
+    img_size: Optional[int] = None
+    num_classes: int = 1000
+    zero: int = 1
+    precision: str = "bf16"
+    reduce_dtype: str = "fp32"
+    checkpointing: bool = False
+    compile: bool = False
+    fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
+    optimizer: str = "adamw"
+    overlap_comm: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    persistence_threshold: int = 100_000
+    max_reuse_distance: int = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
+    hpz_partition_size: int = 1
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    network: str = "dgx-h100"
+    intra_node_gbps: Optional[float] = None  # overrides the preset
+    inter_node_gbps: Optional[float] = None
+    efficiency: Optional[float] = None  # overrides the GPU table (calibration, measured CPUs)
+    peak_tflops: Optional[float] = None
+    hbm_gbs: Optional[float] = None
+    memory_gb: Optional[float] = None
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def accumulation(self) -> int:
+        gb = self.global_batch or self.micro_batch * self.world
+        k, rest = divmod(gb, self.micro_batch * self.world)
+        if rest or k < 1:
+            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} x world {self.world}")
+        return k
+
+
+def gpu_of(layout: Layout) -> GPU:
+    if layout.gpu not in GPUS and layout.peak_tflops is None:
+        raise KeyError(f"unknown GPU {layout.gpu!r}; known: {', '.join(GPUS)}")
+    g = GPUS.get(layout.gpu, GPU(0, 0, 0, 0, 1.0, "given"))
+    return replace(g, peak_tflops=layout.peak_tflops or g.peak_tflops, hbm_gbs=layout.hbm_gbs or g.hbm_gbs,
+                   memory_gb=layout.memory_gb or g.memory_gb,
+                   efficiency=layout.efficiency if layout.efficiency is not None else g.efficiency)
+
+
+# ----------------------------------------------------------------------------------- compute
+def _elementwise_elems(d: int, m: int, heads: int, s: int, fused_attention: bool) -> float:
+    """Elements read + written per token per block by the forward's element-wise kernels in
+    eager mode: two LayerNorms (read, write: 2 d each), the head split of q, k, v and the merge of
+    the attention output (copies: 6 d + 2 d), two residual adds (read 2, write 1: 3 d each), the
+    GELU over the MLP width (2 m); biases ride in the matmuls' epilogues. Without a fused
+    attention kernel the scores are written, softmaxed (read, write) and read again by the
+    product with V: 4 heads s per token."""
+    return 18 * d + 2 * m + (0 if fused_attention else 4 * heads * s)
+
+
+def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
+    """Seconds of one GPU's forward + backward over ``images`` images (one or more micro-batches)."""
+    g = gpu_of(layout)
+    a = arch.model_defaults(layout.model)
+    img = layout.img_size or a["img_size"]
+    parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True)
+    model_flops = 6.0 * parts["total"] * images
+    recompute = 2.0 * parts["blocks"] * images if layout.checkpointing else 0.0
+    t_mm = (model_flops + recompute) / (g.peak_tflops * 1e12 * g.efficiency)
+    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+    e = 2 if layout.precision == "bf16" else 4
+    per_token = _elementwise_elems(shape.width, shape.mlp_hidden, shape.heads, shape.seq_len, layout.fused_attention)
+    passes = 3 + (1 if layout.checkpointing else 0)  # backward's element-wise traffic ~ twice the forward's
+    elem_bytes = per_token * e * shape.seq_len * shape.depth * images * passes * (0.5 if layout.compile else 1.0)
+    t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY)
+    return {"matmul": t_mm, "elementwise": t_mem, "total": t_mm + t_mem, "model_flops": model_flops,
+            "hardware_flops": model_flops + recompute}
+
+
+def optimizer_seconds(layout: Layout, params: int) -> float:
+    g = gpu_of(layout)
+    shard = params / (layout.world if layout.zero >= 1 else 1)
+    return OPTIMIZER_BYTES_PER_PARAM * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
+
+
+# ----------------------------------------------------------------------------- communication
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    bytes: float  # the whole tensor S (nccl-tests' "size"), per call
+    calls: int  # per optimizer step
+    ranks: int
+    crosses_nodes: bool
+    overlappable_with: str = ""  # "backward" / "forward+backward" / "" (exposed)
+    what: str = ""
+
+    def bus_factor(self) -> float:
+        n = self.ranks
+        return 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
+
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends for all calls (nccl-tests' bus volume)."""
+        return self.bytes * self.calls * self.bus_factor()
+
+
+def busbw(layout: Layout, crosses_nodes: bool) -> float:
+    """Bus bandwidth (bytes/s) of the slowest link a ring over these ranks crosses."""
+    net = NETWORKS[layout.network]
+    g = gpu_of(layout)
+    intra = layout.intra_node_gbps or net.intra_gbps or g.link_gbps
+    intra = min(intra, g.link_gbps) if layout.intra_node_gbps is None else intra
+    bw = intra / 8 * GB * LINK_EFFICIENCY["intra"]
+    if crosses_nodes:
+        inter = (layout.inter_node_gbps or net.inter_gbps) / 8 * GB * LINK_EFFICIENCY["inter"]
+        bw = min(bw, inter)
+    return bw
+
+
+def collective_seconds(layout: Layout, c: Collective) -> float:
+    if c.ranks <= 1 or c.calls == 0:
+        return 0.0
+    lat = LATENCY_S["inter" if c.crosses_nodes else "intra"]
+    return c.calls * (c.bytes * c.bus_factor() / busbw(layout, c.crosses_nodes) + lat)
+
+
+def _partitioned(layout: Layout) -> list[int]:
+    """Element counts of the tensors ZeRO-3 partitions (and gathers one module at a time):
+    those above the persistence threshold; the rest stay whole on every rank."""
+    return [n for n in arch.param_tensors(layout.model, layout.img_size, layout.num_classes)
+            if n > layout.persistence_threshold]
+
+
+def _released_numel(layout: Layout, tensors: list[int]) -> int:
+    """Elements ZeRO-3 frees after their forward use and gathers again in the backward.
+    ``PartitionedParameterCoordinator.__params_to_release`` keeps a parameter gathered when it
+    is used again within ``stage3_max_reuse_distance`` elements of other parameters (DeepSpeed's
+    default 1e9): a tensor with ``x`` elements after it in the forward comes back after about
+    ``2 x`` (the rest of the forward, then the backward down to it). So models under about a
+    billion partitioned elements gather each weight once per micro-step and keep it until the
+    backward has used it."""
+    after, out = sum(tensors), 0
+    for t in tensors:
+        after -= t
+        if 2 * after >= layout.max_reuse_distance:
+            out += t
+    return out
+
+
+def collectives(layout: Layout, params: int) -> list[Collective]:
+    """Every collective DeepSpeed issues per optimizer step (module docstring)."""
+    n, k = layout.world, layout.accumulation
+    multi = layout.nodes > 1
+    w = 2 if layout.precision == "bf16" else 4
+    g = 4 if (layout.precision == "fp32" or layout.reduce_dtype == "fp32") else 2
+    out: list[Collective] = []
+
+    def buckets(total_elems: int, bucket: int) -> tuple[int, float]:
+        calls = max(1, math.ceil(total_elems / bucket))
+        return calls, total_elems / calls
+
+    if layout.zero in (0, 1, 2):
+        calls, per = buckets(params, layout.reduce_bucket_size)
+        times = k if layout.zero == 2 else 1
+        over = "backward" if layout.zero == 2 or (layout.zero == 1 and layout.overlap_comm) else ""
+        if layout.zero == 1 and layout.precision == "bf16":  # BF16_Optimizer: one exposed all-reduce
+            calls, per, over = 1, params, ""
+        out.append(Collective("all_reduce", per * g, calls * times, n, multi, over, "gradients"))
+    if layout.zero in (1, 2):
+        calls, per = buckets(params, layout.allgather_bucket_size)
+        out.append(Collective("all_gather", per * w, calls, n, multi, "", "updated weights after the step"))
+    if layout.zero == 3:
+        tensors = _partitioned(layout)
+        part = sum(tensors)
+        released = _released_numel(layout, tensors)
+        fwd_w = 1 if layout.quantized_weights else w  # qwZ: int8 blocks
+        calls = k * max(1, math.ceil(part / layout.prefetch_bucket_size))
+        out.append(Collective("all_gather", part * fwd_w * k / calls, calls, n, multi, "forward", "weights, forward"))
+        if released:
+            hpz = layout.hpz_partition_size if layout.hpz_partition_size > 1 else n
+            calls = k * max(1, math.ceil(released / layout.prefetch_bucket_size))
+            out.append(Collective("all_gather", released * w * k / calls, calls, min(hpz, n),
+                                  multi and hpz > layout.gpus_per_node, "backward",
+                                  "weights released after the forward, backward" + (" (hpZ secondary)" if hpz < n else "")))
+        calls, per = buckets(params, layout.reduce_bucket_size)
+        if layout.quantized_gradients:
+            out.append(Collective("all_to_all", per * 0.5, k * calls, n, multi, "backward", "gradients, int4 (qgZ)"))
+        else:
+            out.append(Collective("reduce_scatter", per * g, k * calls, n, multi, "backward", "gradients"))
+        if params > part:
+            out.append(Collective("all_gather", (params - part) * w, 1, n, multi, "", "persistent weights after the step"))
+    return out
+
+
+# ------------------------------------------------------------------------------------- result
+@dataclass
+class Prediction:
+    layout: dict
+    params: int
+    images_per_second: float
+    images_per_second_per_gpu: float
+    mfu: float
+    hfu: float
+    step_seconds: float
+    compute_seconds: float
+    elementwise_seconds: float
+    optimizer_seconds: float
+    comm_seconds: float
+    exposed_comm_seconds: float
+    comm_bytes_per_gpu: dict  # kind -> bytes each GPU sends per step (bus volume)
+    collective_calls: dict  # kind -> calls per step
+    memory_gb_per_gpu: dict  # part -> GB
+    fits: bool
+    bottleneck: str
+    train_flops_per_image: float
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def predict(layout: Layout) -> Prediction:
+    g = gpu_of(layout)
+    img = layout.img_size or arch.model_defaults(layout.model)["img_size"]
+    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+    k, b = layout.accumulation, layout.micro_batch
+    micro = compute_seconds(layout, b)
+    comp = micro["total"] * k
+    opt = optimizer_seconds(layout, shape.params)
+    colls = collectives(layout, shape.params)
+    comm_total = exposed = 0.0
+    # compute each kind of collective can hide under, per step
+    backward_share = 2 / 3 + (1 / 4 if layout.checkpointing else 0)
+    hide = {"backward": micro["total"] * backward_share * (k if layout.zero in (2, 3) else 1),
+            "forward": micro["total"] * (1 - backward_share) * k}
+    for c in colls:
+        t = collective_seconds(layout, c)
+        comm_total += t
+        if not c.overlappable_with or not layout.overlap_comm:
+            exposed += t
+            continue
+        per_call = t / c.calls
+        tail = per_call if layout.zero in (1, 2) else per_call * 4  # last bucket / first block's weights
+        room = hide[c.overlappable_with]
+        exposed += tail + max(0.0, t - tail - room)
+        hide[c.overlappable_with] = max(0.0, room - (t - tail))
+    step = comp + opt + exposed
+    ips = b * k * layout.world / step
+    flops_img = micro["model_flops"] / b
+    mfu = flops_img * ips / layout.world / (g.peak_tflops * 1e12)
+    hfu = micro["hardware_flops"] / b * ips / layout.world / (g.peak_tflops * 1e12)
+
+    est = _memory(layout, shape, img)
+    mem = {"weights": est.states["weights"] / GB, "gradients": est.states["gradients"] / GB,
+           "optimizer": est.states["optimizer"] / GB, "buffers": est.buffers / GB,
+           "activations": est.activations / GB, "runtime": memory.RUNTIME_OVERHEAD_BYTES / GB}
+    if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
+        tensors = _partitioned(layout)
+        mem["gathered_weights"] = (sum(tensors) - _released_numel(layout, tensors)) * (2 if layout.precision == "bf16" else 4) / GB
+    if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
+        mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / GB
+    mem["total"] = sum(mem.values())
+    fits = mem["total"] <= g.memory_gb * 0.95 if g.memory_gb else True
+
+    by_kind: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for c in colls:
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.wire_bytes()
+        calls[c.kind] = calls.get(c.kind, 0) + c.calls
+    parts = {"matmul compute": micro["matmul"] * k, "element-wise (memory-bound) kernels": micro["elementwise"] * k,
+             "exposed communication": exposed, "optimizer step": opt}
+    worst = max(parts, key=parts.get)
+    bottleneck = f"{worst}: {parts[worst] / step:.0%} of the step"
+    if exposed > 0.1 * step:
+        slow = "inter-node" if layout.nodes > 1 else "intra-node"
+        bottleneck += f"; {exposed / step:.0%} waits on the {slow} network"
+    if not fits:
+        bottleneck = f"does not fit: {mem['total']:.1f} GB needed of {g.memory_gb:.0f} GB; " + bottleneck
+    return Prediction(layout=asdict(layout), params=shape.params, images_per_second=ips,
+                      images_per_second_per_gpu=ips / layout.world, mfu=mfu, hfu=hfu, step_seconds=step,
+                      compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k, optimizer_seconds=opt,
+                      comm_seconds=comm_total, exposed_comm_seconds=exposed, comm_bytes_per_gpu=by_kind,
+                      collective_calls=calls, memory_gb_per_gpu=mem, fits=fits, bottleneck=bottleneck,
+                      train_flops_per_image=flops_img)
+
+
+def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.MemoryEstimate:
+    from types import SimpleNamespace as NS
+
+    zero = NS(stage=layout.zero, contiguous_gradients=True, overlap_comm=layout.overlap_comm,
+              reduce_bucket_size=layout.reduce_bucket_size, stage3_prefetch_bucket_size=layout.prefetch_bucket_size,
+              offload_optimizer=False)
+    cfg = NS(zero=zero, model=NS(drop_rate=0.0),
+             optim=NS(name=layout.optimizer),
+             train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
+                      activation_checkpointing=layout.checkpointing))
+    return memory.estimate(cfg, layout.world, shape)
+
+
+# ------------------------------------------------------------------------------ calibration
+def calibrate(layout: Layout, published_images_per_second: float) -> float:
+    """The efficiency constant at which :func:`predict` gives ``published_images_per_second``."""
+    lo, hi = 0.01, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = predict(replace(layout, efficiency=mid)).images_per_second
+        lo, hi = (mid, hi) if got < published_images_per_second else (lo, mid)
+    return round((lo + hi) / 2, 3)
+
+
+# ---------------------------------------------------------------------------------- search
+def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 3)) -> list[Prediction]:
+    """Layouts that fit, best predicted throughput first: ZeRO stage x micro batch x activation
+    checkpointing x ZeRO++ (hpZ within a node, qwZ; stage 3 only). The global batch stays
+    ``base.global_batch`` (when given), so micro batches that do not divide it are skipped."""
+    out = []
+    for stage in stages:
+        pp = [(1, False)]
+        if stage == 3:
+            pp += [(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1 else [(1, True)]
+        for mb in micro_batches:
+            for ckpt in (False, True):
+                for hpz, qw in pp:
+                    lay = replace(base, zero=stage, micro_batch=mb, checkpointing=ckpt, hpz_partition_size=hpz,
+                                  quantized_weights=qw)
+                    try:
+                        lay.accumulation
+                    except ValueError:
+                        continue
+                    p = predict(lay)
+                    if p.fits:
+                        out.append(p)
+    # ties (within 0.5 %) go to the larger micro batch: the model has no per-kernel launch cost,
+    # which favours fewer, larger micro-steps on real GPUs
+    out.sort(key=lambda p: (-round(math.log(p.images_per_second) / math.log(1.005)), -p.layout["micro_batch"],
+                            p.memory_gb_per_gpu["total"]))
+    return out
+
+
+# --------------------------------------------------------------------------- published runs
+PUBLISHED = __import__("pathlib").Path(__file__).with_name("published_runs.json")
+
+
+def published_table() -> list[dict]:
+    """Each row of ``published_runs.json`` with the model's prediction and relative error."""
+    import json
+
+    out = []
+    for row in json.loads(PUBLISHED.read_text())["rows"]:
+        lay = Layout(**row["layout"])
+        if row["metric"] == "scaling_efficiency":
+            ref = replace(lay, nodes=row["reference_nodes"])
+            pred = predict(lay).images_per_second_per_gpu / predict(ref).images_per_second_per_gpu
+        else:
+            pred = predict(lay).images_per_second
+        out.append(dict(row, predicted=pred, error=pred / row["published"] - 1))
+    return out
+
+
+# ------------------------------------------------------------------------------ from configs
+# CUDA device names (torch.cuda.get_device_name) -> GPUS keys, most specific first
+_DEVICE_NAMES = [("A100", "40GB", "a100-40gb"), ("A100", "", "a100-80gb"), ("H100", "", "h100-sxm"),
+                 ("H200", "", "h200"), ("B200", "", "b200"), ("L40S", "", "l40s"), ("3090", "", "rtx3090"),
+                 ("4090", "", "rtx4090")]
+
+
+def gpu_key(device_name: str) -> Optional[str]:
+    """The :data:`GPUS` key of a CUDA device name, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100-sxm'."""
+    for part, extra, key in _DEVICE_NAMES:
+        if part in device_name and extra in device_name:
+            return key
+    return None
+
+
+def default_network(gpu: str) -> str:
+    """The interconnect preset a GPU type usually comes with (DGX nodes; PCIe boxes otherwise)."""
+    if gpu.startswith("a100"):
+        return "dgx-a100"
+    return "dgx-h100" if gpu in ("h100-sxm", "h200", "b200") else "pcie-100gbe"
+
+
+def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
+                       **overrides) -> Layout:
+    """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs."""
+    from pretrain.config import image_size
+
+    t, z, m = cfg.train, cfg.zero, cfg.model
+    network = network or default_network(gpu)
+    kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
+              global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes, zero=z.stage,
+              precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
+              compile=t.compile, optimizer=cfg.optim.name, overlap_comm=z.overlap_comm,
+              reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
+              prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+              persistence_threshold=z.stage3_param_persistence_threshold,
+              hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
+              quantized_gradients=z.quantized_gradients, network=network)
+    kw.update(overrides)
+    return Layout(**kw)
+
+
+def summary_line(p: Prediction) -> str:
+    lay = p.layout
+    return (f"predicted on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']}: {p.images_per_second:,.0f} img/s "
+            f"({p.images_per_second_per_gpu:,.1f} per GPU), MFU {p.mfu:.1%}, step {p.step_seconds * 1e3:,.1f} ms, "
+            f"{p.memory_gb_per_gpu['total']:.1f} GB per GPU{'' if p.fits else ' (does NOT fit)'}; {p.bottleneck}")
+
+
+def run_record(cfg, world: int, gpus_per_node: int, device_name: Optional[str]) -> Optional[dict]:
+    """What training records of the model's prediction for its own layout (run config, W&B
+    config), so predicted and measured MFU sit side by side; None when the GPU type is unknown
+    (CPU runs, GPUs not in :data:`GPUS`)."""
+    key = gpu_key(device_name or "")
+    if key is None:
+        return None
+    per_node = max(1, min(gpus_per_node, world))
+    p = predict(layout_from_config(cfg, nodes=max(1, world // per_node), gpus_per_node=per_node, gpu=key))
+    return {"gpu": key, "images_per_second": p.images_per_second, "mfu": p.mfu, "step_seconds": p.step_seconds,
+            "memory_gb_per_gpu": p.memory_gb_per_gpu["total"], "bottleneck": p.bottleneck}

@@ -1,0 +1,92 @@
+"""How a training rank stops: signals, a lost launcher, and the exit codes that say why.
+
+Exit codes of ``pretrain.train`` (each rank) and ``vit-launch run`` (the whole job):
+
+    0   EXIT_OK           finished ``train.steps``
+    1                     a failure (exception, a dead peer, a non-finite loss streak)
+    2   EXIT_USAGE        a user mistake, said in one line (nothing to retry)
+    3   EXIT_HANG         the hang watchdog fired (``pretrain/resilience/watchdog.py``): stacks in <output_dir>/hang/
+    75  EXIT_INTERRUPTED  stopped on request (SIGTERM, SIGINT, the launcher went away) after saving
+                          a checkpoint, or (``vit-launch``) during start-up before any step: start
+                          the same command again to resume (EX_TEMPFAIL, so a scheduler may requeue
+                          and ``train && export`` stops)
+
+SIGTERM (preemption, ``scancel``) and SIGINT (Ctrl-C) both ask for a checkpoint at a step boundary
+within ``train.sync_every_steps`` steps (the ranks agree only at the loop's sync points, so no step
+waits on the host) and then a clean exit; a second SIGINT exits at once (130). Every rank also watches its
+launcher: when the process that started it (the deepspeed launcher) or that launcher's parent
+(the runner) exits, the rank stops as if signalled, so a killed runner leaves no orphans.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+EXIT_OK, EXIT_USAGE, EXIT_HANG, EXIT_INTERRUPTED = 0, 2, 3, 75
+
+
+def _ppid_of(pid: int) -> Optional[int]:
+    """The parent pid of ``pid`` (None once it is gone), from /proc on Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StopRequest:
+    """Set by SIGTERM, SIGINT or a lost launcher; read by the loop at its sync points (``agreed``)."""
+
+    def __init__(self, watch_launcher: bool, poll_s: float = 2.0):
+        self.reason: Optional[str] = None
+        self._sigints = 0
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        if watch_launcher:
+            self._lifeline(poll_s)
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self._sigints += 1
+            if self._sigints > 1:  # the second Ctrl-C: no checkpoint, out now (data workers die with us)
+                print("vit-train: second SIGINT: exiting without a checkpoint", file=sys.stderr, flush=True)
+                os._exit(130)
+        self.request(signal.Signals(signum).name)
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def agreed(self, device) -> bool:
+        """All ranks stop together if any rank was asked to (one tiny all-reduce and a host read:
+        call it only at the loop's sync points, the same steps on every rank)."""
+        from pretrain.distributed.process import any_rank
+
+        stop = any_rank(self.requested, device)
+        if stop and self.reason is None:
+            self.reason = "another rank's request"
+        return stop
+
+    def _lifeline(self, poll_s: float) -> None:
+        """A daemon thread noticing that the launcher (our parent) or the runner (its parent) exited."""
+        parent = os.getppid()
+        grandparent = _ppid_of(parent)
+
+        def watch():
+            import time
+
+            while self.reason is None:
+                time.sleep(poll_s)
+                if os.getppid() != parent:
+                    self.request("launcher exited")
+                elif grandparent not in (None, 1) and _ppid_of(parent) != grandparent:
+                    self.request("runner exited")
+
+        threading.Thread(target=watch, name="vitscale-lifeline", daemon=True).start()

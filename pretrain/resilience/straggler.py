@@ -1,0 +1,78 @@
+"""Straggler detection: which rank (and host) is slow, and in which phase.
+
+In synchronous data parallelism every rank's step takes as long as the slowest rank's: the others
+wait for it inside collectives. So the whole step time says nothing about *who* is slow; the time
+each rank spends in work that waits on nobody does. ``LOCAL`` phases (reading the batch, the
+forward pass) hold no collective under ZeRO 0-2; a rank slowed by its GPU, its CPU or its input
+pipeline takes longer there, while its peers' extra time shows up in the collective phases
+(``agree``, ``backward``, ``step``) where they wait. Under ZeRO-3 the forward all-gathers
+parameters, so a slow rank makes its peers' forward longer too and the ratio understates it.
+
+At each logging window every rank contributes its phase seconds (one small all-gather in the
+loop). A rank whose local time exceeds the median of the *other* ranks' by ``factor`` in
+``windows`` windows in a row is named once, with the phase where it lost most time against the
+median of that phase (``rank 1 on node7: 1.8x the median step, mostly in forward``); it is named
+again only after it recovered and slowed down again.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Optional
+
+from pretrain.observability.clock import PHASES
+
+LOCAL = ("data", "forward")
+
+
+def median_of_others(values: list[float], i: int) -> float:
+    others = values[:i] + values[i + 1:]
+    return statistics.median(others) if others else values[i]
+
+
+class StragglerDetector:
+    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 3, record: Optional[Path] = None):
+        """``record``: a JSON file (rank 0's) rewritten whenever a rank is named: the named ranks, their
+        hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
+        self.hosts, self.factor, self.windows, self.record = list(hosts), factor, windows, record
+        self.streak = [0] * len(self.hosts)
+        self.named: set[int] = set()
+
+    def observe(self, per_rank: list[dict]) -> tuple[dict, Optional[str]]:
+        """One window's phase seconds per rank -> (metrics for this window, a line naming a
+        persistent straggler or None)."""
+        local = [sum(p.get(k, 0.0) for k in LOCAL) for p in per_rank]
+        ratios = [local[i] / max(median_of_others(local, i), 1e-9) for i in range(len(local))]
+        slowest = max(range(len(ratios)), key=ratios.__getitem__)
+        metrics = {"straggler/slowest_rank": slowest, "straggler/slowest_host": self.hosts[slowest],
+                   "straggler/ratio": ratios[slowest]}
+        if len(per_rank) <= 64:  # one series per rank in W&B; past that the summary says enough
+            metrics.update({f"straggler/local_seconds/rank_{r}": v for r, v in enumerate(local)})
+        line = None
+        for r, ratio in enumerate(ratios):
+            self.streak[r] = self.streak[r] + 1 if ratio >= self.factor else 0
+            if self.streak[r] == 0:
+                self.named.discard(r)
+            elif self.streak[r] >= self.windows and r not in self.named and line is None:
+                self.named.add(r)
+                line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "
+                        f"{self.worst_phase(per_rank, r)}")
+        if line and self.record is not None:
+            from data_pipeline.files import write_json
+
+            write_json(self.record, {"ranks": sorted(self.named), "hosts": self.slow_hosts(), "line": line,
+                                     "time": time.time()})
+        return metrics, line
+
+    @staticmethod
+    def worst_phase(per_rank: list[dict], r: int) -> str:
+        """The phase where rank ``r`` spent the most time beyond the other ranks' median."""
+        def excess(phase):
+            vals = [p.get(phase, 0.0) for p in per_rank]
+            return vals[r] - median_of_others(vals, r)
+        return max(PHASES, key=excess)
+
+    def slow_hosts(self) -> list[str]:
+        """Hosts of the ranks named so far and not recovered since."""
+        return sorted({self.hosts[r] for r in self.named})

@@ -1,0 +1,290 @@
+"""Export a run's weights: one safetensors file with timm names, or a Hugging Face transformers folder.
+
+    python -m pretrain.export RUN_OR_CKPT OUT.safetensors [--step N]          # timm (default)
+    python -m pretrain.export RUN_OR_CKPT OUT_DIR --format hf [--step N]      # transformers
+
+Works from any ZeRO stage: DeepSpeed's ``zero_to_fp32`` merges the fp32 master-weight shards of
+stages 1-3 (the exact weights the optimizer holds, also when training in bf16); stage 0 stores
+the whole module. The timm file's metadata records the model section of the config, the patch
+grid, the step, the W&B run id (so ``load_weights`` and ``vit-transfer`` need nothing else) and
+timm's ``pretrained_cfg`` (input size, mean, std, crop, interpolation, classes); the command
+prints the ``timm.create_model`` call that loads it with that preprocessing. ``--format hf``
+writes what ``ViTForImageClassification.from_pretrained`` loads (``pretrain.weights.hf``), with a model
+card made from the run directory. RUN_OR_CKPT may also be a transformers ViT folder: that
+converts it (to timm names, or to a folder again).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from data_pipeline.errors import cli_errors
+from pretrain.weights import hf
+from pretrain.checkpointing import rundir
+from pretrain.config import AugmentConfig, from_dict, image_size
+from pretrain.models.vit import model_defaults
+
+
+class ExportError(ValueError):
+    pass
+
+
+class ExportRescued(RuntimeError):
+    """The output could not be written at the end; the weights went elsewhere (the message says where)."""
+
+
+def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
+    """A complete, verified checkpoint of a run (``pretrain.checkpointing.rundir.find_checkpoint``); a damaged
+    newest one is skipped with a warning on stderr, and left where it is (training owns it)."""
+    try:
+        return rundir.find_checkpoint(run_dir, step, warn=lambda msg: print(f"vit-export: warning: {msg}",
+                                                                             file=sys.stderr, flush=True))
+    except LookupError as e:
+        raise ExportError(str(e)) from None
+
+
+def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
+    """fp32 full state dict from one DeepSpeed checkpoint directory, on CPU."""
+    info = json.loads((ckpt / "run.json").read_text())
+    stage = info["config"]["zero"]["stage"]
+    if stage == 0:
+        # our own file, written by this program: DeepSpeed's module state is a plain state dict
+        states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        sd = states["module"]
+    else:  # ZeRO's fp32 master weights; BF16_Optimizer's files too (ZeRO-1, bf16, fp32 accumulation)
+        from pretrain.distributed.ds_compat import fp32_state_dict
+
+        sd = fp32_state_dict(ckpt)
+    return {k: v.detach().float().contiguous() for k, v in sd.items()}
+
+
+def run_info(ckpt: Path) -> dict:
+    """What a checkpoint's run.json says, without reading weights: model (config section), config
+    (the whole), step, wandb_run_id, img_size, grid_size, checkpoint (path), run_dir."""
+    run = json.loads((ckpt / "run.json").read_text())
+    cfg = from_dict(run["config"])
+    img = image_size(cfg.model)
+    stride = model_defaults(cfg.model.name)["stride"]
+    return {"model": run["config"]["model"], "config": run["config"], "step": run["step"],
+            "wandb_run_id": run.get("wandb_run_id"), "img_size": img, "grid_size": [img // stride, img // stride],
+            "checkpoint": str(ckpt), "run_dir": str(Path(cfg.train.output_dir))}
+
+
+def _hf_folder_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A transformers ViT folder read like a run: our names, and ``info`` with the architecture
+    read from its config.json (no step, no run)."""
+    from pretrain.weights.load import WeightsError, read_state_dict
+
+    try:
+        sd, meta = read_state_dict(path)
+        config = json.loads(meta["hf_config"])
+        model = hf.arch_from_config(config, sd, str(path / hf.CONFIG))
+    except (WeightsError, ValueError) as e:
+        raise ExportError(str(e)) from None
+    gh, gw = (int(v) for v in meta["grid_size"].split("x"))
+    labels = [config.get("id2label", {}).get(str(i)) for i in range(model["num_classes"])]
+    return {k: v.float().contiguous() for k, v in sd.items()}, {
+        "model": model, "config": {"model": model}, "step": None, "wandb_run_id": None, "img_size": model["img_size"],
+        "grid_size": [gh, gw], "checkpoint": str(path), "run_dir": None, "labels": labels}
+
+
+def load_run_weights(run_dir: str | Path, step: Optional[int] = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(fp32 state dict, info) of a run (``run_info``), or of a transformers ViT folder."""
+    if hf.is_hf_folder(run_dir):
+        return _hf_folder_weights(Path(run_dir))
+    ckpt = find_checkpoint(run_dir, step)
+    return consolidate(ckpt), run_info(ckpt)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it: set and put back
+    os.umask(mask)
+    return mask
+
+
+def write_safetensors(sd: dict[str, torch.Tensor], out: Path, meta: dict) -> Path:
+    """Atomically (temp file beside ``out``, then rename), with the mode of a normal new file:
+    safetensors writes through a 0600 temp file, which would keep other users from the weights."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(sd, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _rescue_dirs(run_dir: str | Path) -> list[Path]:
+    """Where the weights go when OUT cannot be written at the end: the run directory (not inside a
+    checkpoint), then $TMPDIR."""
+    p = Path(run_dir).absolute()
+    if (p / rundir.COMPLETE).is_file():  # one checkpoint: its run directory holds the checkpoints
+        p = p.parent
+    if p.name == "checkpoints" and (p.parent / "config.yaml").is_file():
+        p = p.parent
+    return [p, Path(tempfile.gettempdir())]
+
+
+def preprocessing(info: dict) -> dict:
+    """How the run's evaluation prepares an image: mean, std, crop_pct, interpolation. From the
+    run's ``data.augment``; for a converted transformers folder from its preprocessor_config.json;
+    else the defaults."""
+    aug = (info.get("config") or {}).get("data", {}).get("augment")
+    d = AugmentConfig()
+    out = {"mean": list(d.mean), "std": list(d.std), "crop_pct": d.eval_crop_pct, "interpolation": "bilinear"}
+    if aug:
+        out.update(mean=list(aug["mean"]), std=list(aug["std"]), crop_pct=aug.get("eval_crop_pct", d.eval_crop_pct))
+    elif info.get("run_dir") is None and (Path(info["checkpoint"]) / "preprocessor_config.json").is_file():
+        p = json.loads((Path(info["checkpoint"]) / "preprocessor_config.json").read_text())
+        out.update(mean=list(p.get("image_mean", d.mean)), std=list(p.get("image_std", d.std)))
+    return out
+
+
+def timm_pretrained_cfg(info: dict, labels: Optional[list[str]] = None) -> dict:
+    """timm's ``pretrained_cfg`` for the exported file: what ``timm.data.resolve_data_config``
+    reads (input size, mean, std, crop, interpolation) and the class count the head has."""
+    m, prep, img = info["model"], preprocessing(info), info["img_size"]
+    cfg = {"architecture": m["name"], "num_classes": int(m.get("num_classes", 1000)), "input_size": [3, img, img],
+           "fixed_input_size": True, "crop_mode": "center", "classifier": "head", **prep}
+    if labels:
+        cfg["label_names"] = list(labels)
+    return cfg
+
+
+def timm_call(info: dict, out: Path, pcfg: dict) -> str:
+    """The ``timm.create_model(...)`` call that loads ``out`` with this run's architecture and
+    preprocessing. ``custom_load=False``: timm's own ViT configs load .npz files otherwise."""
+    m = info["model"]
+    args = [repr(m["name"]), "pretrained=True", f"img_size={info['img_size']}", f"num_classes={pcfg['num_classes']}"]
+    if m.get("global_pool", "token") != "token":
+        args.append(f"global_pool={m['global_pool']!r}")
+    if m.get("qk_norm"):
+        args.append("qk_norm=True")
+    if m.get("init_values"):
+        args.append(f"init_values={m['init_values']!r}")
+    overlay = [f"file={str(out.absolute())!r}", "custom_load=False", f"num_classes={pcfg['num_classes']}",
+               f"input_size={tuple(pcfg['input_size'])}", f"mean={tuple(pcfg['mean'])}", f"std={tuple(pcfg['std'])}",
+               f"crop_pct={pcfg['crop_pct']}", f"interpolation={pcfg['interpolation']!r}"]
+    return f"timm.create_model({', '.join(args)}, pretrained_cfg_overlay=dict({', '.join(overlay)}))"
+
+
+def _class_names(info: dict) -> tuple[Optional[list[str]], Optional[str]]:
+    """(class names, data set name): a converted folder's labels, else the run's shard manifest."""
+    if info.get("labels") and all(info["labels"]):
+        return info["labels"], None
+    data = (info.get("config") or {}).get("data")
+    return hf.shard_source(from_dict(info["config"]).data) if data else (None, None)
+
+
+def _run_root(info: dict, given: Path) -> Optional[Path]:
+    """The run directory holding metrics.jsonl / summary.json: the one named on the command line,
+    the checkpoint's grandparent, or ``train.output_dir``."""
+    if info.get("run_dir") is None:
+        return None
+    ckpt = Path(info["checkpoint"])
+    for p in (given, ckpt.parent.parent, Path(info["run_dir"])):
+        if (p / "metrics.jsonl").is_file() or (p / "summary.json").is_file():
+            return p
+    return None
+
+
+def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> dict:
+    """Write a transformers folder (``pretrain.weights.hf``). A model transformers' ViT cannot express is
+    refused from run.json alone, before the weights are consolidated."""
+    from pretrain.checkpointing.checkpoint import check_writable
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file; --format hf writes a folder (config.json, model.safetensors, ...)")
+    check_writable(out if out.is_dir() else out.parent, "output folder")
+    if hf.is_hf_folder(run_dir):
+        sd, info = load_run_weights(run_dir, step)
+        hf.check_expressible(info["model"])
+    else:
+        ckpt = find_checkpoint(run_dir, step)
+        info = run_info(ckpt)
+        hf.check_expressible(info["model"])  # before consolidating (minutes for a large ZeRO-3 run)
+        sd = consolidate(ckpt)
+    classes, dataset = _class_names(info)
+    labels = hf.labels_for(int(info["model"].get("num_classes", 0)), classes)
+    prep = preprocessing(info)
+    card = hf.model_card(info["config"], info["step"], labels, dataset, _run_root(info, Path(run_dir)),
+                         sum(v.numel() for v in sd.values()), prep)
+    hf.write_folder(out, sd, hf.hf_config(info["model"], labels), hf.preprocessor_config(info["img_size"], prep["mean"],
+                                                                                        prep["std"]),
+                    card, write_safetensors)
+    return {**info, "output": str(out), "tensors": len(sd), "labels": labels}
+
+
+def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> dict:
+    """Write one safetensors file in timm's names; ``pretrained_cfg`` and ``timm_call`` in the result."""
+    from pretrain.checkpointing.checkpoint import check_writable
+
+    out = Path(out)
+    if out.is_dir():
+        raise ExportError(f"{out} is a folder; name the file, e.g. {out / 'model.safetensors'}")
+    check_writable(out.parent, "output folder")  # before consolidating (minutes for a large ZeRO-3 run)
+    sd, info = load_run_weights(run_dir, step)
+    classes, _ = _class_names(info)
+    pcfg = timm_pretrained_cfg(info, classes if classes and len(classes) == info["model"].get("num_classes") else None)
+    meta = {"format": "pt", "model_name": info["model"]["name"], "model": json.dumps(info["model"]),
+            "grid_size": "x".join(map(str, info["grid_size"])), "img_size": str(info["img_size"]),
+            "step": "" if info["step"] is None else str(info["step"]), "wandb_run_id": info["wandb_run_id"] or "",
+            "pretrained_cfg": json.dumps(pcfg)}
+    try:
+        write_safetensors(sd, out, meta)
+    except OSError as e:
+        why = f"cannot write {out} ({e.strerror or e})"
+        for d in _rescue_dirs(run_dir):
+            try:
+                saved = write_safetensors(sd, d / out.name, meta)
+            except OSError:
+                continue
+            raise ExportRescued(f"{why}; the weights were saved to {saved} instead") from None
+        raise ExportRescued(f"{why}, nor in {' or '.join(map(str, _rescue_dirs(run_dir)))}") from None
+    return {**info, "output": str(out), "tensors": len(sd), "pretrained_cfg": pcfg,
+            "timm_call": timm_call(info, out, pcfg)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="vit-export", description="Export a run's weights for timm or transformers")
+    ap.add_argument("run_dir", help="run directory, its checkpoints/ directory, one checkpoint, or a transformers "
+                                    "ViT folder")
+    ap.add_argument("output", help="OUT.safetensors (--format timm) or a folder (--format hf)")
+    ap.add_argument("--format", choices=["timm", "hf"], default="timm",
+                    help="timm: one safetensors file in timm's names (default); hf: a transformers "
+                         "ViTForImageClassification folder with a model card")
+    ap.add_argument("--step", type=int, default=None, help="export this step instead of the newest")
+    args = ap.parse_args(argv)
+    with cli_errors("vit-export", ExportError, hf.HFUnsupported):
+        try:
+            r = (export_hf if args.format == "hf" else export)(args.run_dir, args.output, args.step)
+        except ExportRescued as e:  # not a user mistake (the folder passed the check): exit 1, one line
+            print(f"vit-export: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+    step = "" if r["step"] is None else f" step {r['step']}"
+    print(f"vit-export: {r['model']['name']}{step} from {r['checkpoint']} -> {r['output']} "
+          f"({r['tensors']} tensors)", file=sys.stderr)
+    if args.format == "hf":
+        print(f"from transformers import ViTForImageClassification; "
+              f"ViTForImageClassification.from_pretrained({str(Path(r['output']).absolute())!r})")
+        return
+    if r["model"].get("representation_size"):
+        print("vit-export: note: timm 1.x drops the pre-logits layer (model.representation_size) when loading: "
+              "its logits differ from ours; load the file with pretrain.weights.load instead", file=sys.stderr)
+    print(f"import timm; m = {r['timm_call']}")
+
+
+if __name__ == "__main__":
+    main()

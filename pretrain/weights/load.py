@@ -1,0 +1,155 @@
+"""Loading weights into a model from a state dict, a safetensors file, a ``.pth``/``.bin`` file
+or a Hugging Face transformers ViT folder (config.json + model.safetensors or pytorch_model.bin,
+names mapped back to ours and query / key / value fused: ``pretrain.weights.hf``).
+
+Never unpickles arbitrary objects: ``.pth``/``.bin``/``.pt`` go through ``torch.load(weights_only=True)``.
+Position embeddings are resized by 2-D interpolation when the patch grids differ (224 -> 384
+fine-tuning), the [class] token kept. Missing, unexpected and shape-mismatched keys are reported
+by name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import torch
+
+from pretrain.weights import hf
+from pretrain.models.vit import resize_pos_embed
+
+Source = Union[str, Path, Mapping[str, torch.Tensor]]
+_WRAPPER_KEYS = ("state_dict", "model", "module", "model_state_dict")
+
+
+class WeightsError(ValueError):
+    """Weights that do not fit the model; the message names the keys."""
+
+
+@dataclass
+class LoadReport:
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)  # "name: (ckpt shape) vs (model shape)"
+    resized: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def summary(self) -> str:
+        parts = []
+        for label, keys in (("missing", self.missing), ("unexpected", self.unexpected),
+                            ("shape mismatch", self.mismatched), ("resized", self.resized),
+                            ("skipped", self.skipped)):
+            if keys:
+                shown = ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
+                parts.append(f"{label}: {shown}")
+        return "; ".join(parts) or "all keys matched"
+
+
+def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict on CPU, metadata) from a mapping, a file or a transformers ViT folder. Unwraps
+    {'state_dict': ...}-style containers and strips the 'module.' prefix of DDP / DeepSpeed
+    wrappers."""
+    meta: dict[str, str] = {}
+    if isinstance(source, Mapping):
+        sd = dict(source)
+    elif Path(source).is_dir():
+        return read_hf_folder(Path(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: weights file not found")
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = dict(f.metadata() or {})
+                sd = {k: f.get_tensor(k) for k in f.keys()}
+        elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # weights_only refuses pickled code: say so in one line
+                raise WeightsError(f"{path}: not a plain tensor state dict ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200]})") from None
+        else:
+            raise WeightsError(f"{path}: unknown weights format {path.suffix!r} "
+                               "(expected .safetensors, .pth, .pt, .bin)")
+    for key in _WRAPPER_KEYS:
+        if key in sd and isinstance(sd[key], Mapping):
+            sd = dict(sd[key])
+            break
+    if sd and all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise WeightsError(f"entries that are not tensors: {', '.join(bad[:5])}")
+    return sd, meta
+
+
+def read_hf_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict in our names, metadata with the patch grid) of a transformers ViT folder; its
+    weight files are read as any other (safetensors, or ``torch.load(weights_only=True)``)."""
+    if not hf.is_hf_folder(path):
+        raise WeightsError(f"{path}: a folder, but not a transformers ViT folder (config.json with model_type "
+                           f"'vit' and {' or '.join(hf.WEIGHT_FILES[::2])}); give a weights file")
+    config = json.loads((path / hf.CONFIG).read_text())
+    try:
+        hf.check_config(config, str(path / hf.CONFIG))
+    except ValueError as e:
+        raise WeightsError(str(e)) from None
+    sd: dict[str, torch.Tensor] = {}
+    for f in hf.weight_files(path):
+        sd.update(read_state_dict(f)[0])
+    return hf.from_hf(sd), {**hf.folder_meta(config), "hf_config": json.dumps(config)}
+
+
+def _grid_from_meta(meta: dict[str, str]) -> Optional[tuple[int, int]]:
+    g = meta.get("grid_size")
+    if g:
+        h, w = g.lower().split("x")
+        return int(h), int(w)
+    return None
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
+                 exclude: tuple[str, ...] = (), old_grid: Optional[tuple[int, int]] = None) -> LoadReport:
+    """Load ``source`` into ``model``.
+
+    ``exclude``: key prefixes not to load (e.g. ``("head.",)`` for a new transfer head); those
+    keep the model's own initialisation and are reported as skipped, not missing.
+    ``old_grid``: the checkpoint's patch grid when it is not square (safetensors files exported
+    by vitscale carry it in their metadata). With ``strict=True`` any missing, unexpected or
+    shape-mismatched key raises :class:`WeightsError` naming the keys; nothing is loaded then.
+    """
+    sd, meta = read_state_dict(source)
+    report = LoadReport()
+    for k in list(sd):
+        if any(k.startswith(p) for p in exclude):
+            report.skipped.append(k)
+            del sd[k]
+    own = model.state_dict()
+    pe = sd.get("pos_embed")
+    if pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
+        prefix = getattr(model, "num_prefix_tokens", 1)
+        if pe.shape[-1] == own["pos_embed"].shape[-1]:
+            sd["pos_embed"] = resize_pos_embed(pe, tuple(model.grid_size), old_grid or _grid_from_meta(meta),
+                                               num_prefix_tokens=prefix)
+            report.resized.append(f"pos_embed: {tuple(pe.shape)} -> {tuple(sd['pos_embed'].shape)}")
+    for k, v in list(sd.items()):
+        if k in own and own[k].shape != v.shape:
+            report.mismatched.append(f"{k}: {tuple(v.shape)} vs model {tuple(own[k].shape)}")
+            del sd[k]
+    skipped = set(report.skipped)
+    report.missing = [k for k in own if k not in sd and k not in skipped]
+    report.unexpected = [k for k in sd if k not in own]
+    if strict and not report.clean:
+        raise WeightsError(f"weights do not fit {type(model).__name__}: {report.summary()}")
+    for k in report.unexpected:
+        del sd[k]
+    model.load_state_dict(sd, strict=False)
+    return report

@@ -1,0 +1,163 @@
+"""Pre-trained weights from any checkpoint we accept, and the backbone built from them.
+
+Accepted: (1) one of our run directories, any ZeRO stage (through ``pretrain.weights.export``'s
+``load_run_weights``, which merges the fp32 shards); (2) an exported ``.safetensors`` file, whose
+metadata may carry ``model`` / ``config`` JSON, ``model_name``, ``grid_size`` ("HxW"), ``step``
+and ``wandb_run_id``; (3) a timm / torch state dict (``.pth``/``.bin``/``.pt``, read with
+``weights_only=True``). Nothing here unpickles code.
+
+The architecture comes, in increasing priority, from the tensors themselves (patch size, width,
+depth, pooling and pre-logits layer are all visible in the shapes and names), the file's metadata,
+and the user's explicit ``model.*`` keys. Position embeddings are resized by ``load_weights`` when
+the evaluation resolution differs from the checkpoint's.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pretrain.models.vit import create_model, list_models, model_defaults
+from pretrain.transfer.errors import TransferError
+from pretrain.weights.load import WeightsError, load_weights, read_state_dict
+
+ARCH_KEYS = ("name", "img_size", "global_pool", "representation_size")
+
+
+@dataclass
+class Pretrained:
+    state_dict: dict[str, torch.Tensor]
+    arch: dict  # name, img_size (None: the name's), global_pool, representation_size
+    grid: Optional[tuple[int, int]]  # the checkpoint's patch grid when known (non-square grids)
+    step: Optional[int]
+    wandb_run_id: Optional[str]
+    source: str
+    kind: str  # "run", "safetensors" or "state_dict"
+    run_dir: Optional[str] = None
+
+    @property
+    def img_size(self) -> int:
+        return int(self.arch.get("img_size") or model_defaults(self.arch["name"])["img_size"])
+
+
+def _shape_key(d: dict) -> tuple:
+    return d["patch_size"], d["embed_dim"], d["depth"], "stem_stride" in d
+
+
+def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
+    """Architecture keys readable from the tensors alone; {} when this is not a ViT state dict."""
+    w, pe = sd.get("patch_embed.proj.weight"), sd.get("pos_embed")
+    depth_ids = {int(k.split(".")[1]) for k in sd if k.startswith("blocks.") and k.split(".")[1].isdigit()}
+    if w is None or pe is None or w.ndim != 4 or not depth_ids:
+        return {}
+    dim, patch, depth = w.shape[0], w.shape[-1], max(depth_ids) + 1
+    hybrid = any(k.startswith("patch_embed.backbone.") for k in sd)
+    n = pe.shape[1] - 1
+    side = math.isqrt(n)
+    names = [m for m in list_models() if _shape_key(model_defaults(m)) == (patch, dim, depth, hybrid)]
+    if not names:
+        return {}
+    d = model_defaults(names[0])
+    img = side * d["stride"] if side * side == n else None
+    name = next((m for m in names if model_defaults(m)["img_size"] == img), names[0])
+    rep = sd.get("pre_logits.fc.weight")
+    return {"name": name, "img_size": img, "global_pool": "avg" if "fc_norm.weight" in sd else "token",
+            "representation_size": int(rep.shape[0]) if rep is not None else None}
+
+
+def _meta_arch(meta: dict[str, str], where: str) -> tuple[dict, Optional[tuple[int, int]], Optional[int], Optional[str]]:
+    """(arch, grid, step, wandb run id) from safetensors metadata written by ``vit-export``."""
+    arch: dict = {}
+    try:
+        for key in ("config", "model"):  # the model section inside a full config, or on its own
+            if meta.get(key):
+                d = json.loads(meta[key])
+                d = d.get("model", {}) if key == "config" else d
+                arch.update({k: d[k] for k in ARCH_KEYS if k in d})
+        if meta.get("model_name"):
+            arch["name"] = meta["model_name"]
+        grid = tuple(int(v) for v in meta["grid_size"].lower().split("x")) if meta.get("grid_size") else None
+        if grid is not None and len(grid) != 2:
+            raise ValueError(f"grid_size {meta['grid_size']!r}")
+        step = int(meta["step"]) if meta.get("step") not in (None, "") else None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise TransferError(f"{where}: unreadable metadata ({e})") from None
+    return arch, grid, step, meta.get("wandb_run_id") or None
+
+
+def _read_run_dir(path: Path) -> tuple[dict, dict]:
+    """The single entry to run directories: ``pretrain.weights.export.load_run_weights``."""
+    from pretrain.weights.export import load_run_weights
+
+    try:
+        return load_run_weights(path)
+    except TransferError:
+        raise
+    except Exception as e:  # a user-given path: any failure to read it is a one-line error
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TransferError(f"{path}: cannot read run checkpoint: {msg}") from None
+
+
+def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretrained:
+    """Read a checkpoint of any accepted kind. ``user_arch``: model keys the user set explicitly;
+    they win over metadata and inference."""
+    p = Path(path)
+    grid = step = run_id = run_dir = None
+    arch: dict = {}
+    if p.is_dir():
+        sd, info = _read_run_dir(p)
+        kind, arch = "run", {k: info["model"][k] for k in ARCH_KEYS if k in info.get("model", {})}
+        grid = tuple(info["grid_size"]) if info.get("grid_size") else None
+        step, run_id, run_dir = info.get("step"), info.get("wandb_run_id"), info.get("run_dir")
+    elif not p.exists():
+        raise TransferError(f"{p}: checkpoint not found")
+    else:
+        try:
+            sd, meta = read_state_dict(p)
+        except WeightsError as e:
+            raise TransferError(str(e)) from None
+        except Exception as e:  # a truncated or foreign file: say so in one line
+            raise TransferError(f"{p}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
+        arch, grid, step, run_id = _meta_arch(meta, str(p))
+    if not sd:
+        raise TransferError(f"{p}: checkpoint holds no tensors")
+    full = {**infer_arch(sd), **arch, **(user_arch or {})}
+    if not full.get("name"):
+        raise TransferError(f"{p}: cannot tell the architecture (no ViT tensors recognised, no metadata); "
+                            "give it with model.name=... or --config FILE")
+    if full["name"] not in list_models():
+        raise TransferError(f"{p}: unknown model {full['name']!r}; known: {', '.join(list_models())}")
+    full.setdefault("global_pool", "token")
+    return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir)
+
+
+def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, finetune: bool = False,
+                   drop_path_rate: float = 0.0) -> torch.nn.Module:
+    """The pre-trained ViT at ``img_size`` (position embeddings resized when it differs).
+
+    ``finetune=True`` follows the ViT paper: the whole pre-training head goes -- the tanh
+    pre-logits layer too -- and one zero-initialised linear layer of ``num_classes`` replaces it.
+    Frozen-feature protocols keep the pre-logits layer (big_vision's ``pre_logits`` representation)."""
+    a = pre.arch
+    stride = model_defaults(a["name"])["stride"]
+    if img_size % stride:
+        raise TransferError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
+    # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
+    qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
+    layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)
+    model = create_model(a["name"], num_classes=0, img_size=img_size, global_pool=a["global_pool"] or "token",
+                         representation_size=None if finetune else a.get("representation_size"),
+                         drop_path_rate=drop_path_rate, qk_norm=qk_norm, init_values=1.0 if layer_scale else None)
+    exclude = ("head.", "pre_logits.") if finetune else ("head.",)
+    try:
+        load_weights(model, pre.state_dict, strict=True, exclude=exclude, old_grid=pre.grid)
+    except WeightsError as e:
+        raise TransferError(f"{pre.source}: {e}") from None
+    if num_classes:
+        model.reset_classifier(num_classes)  # zero-initialised
+    return model
