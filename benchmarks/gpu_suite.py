@@ -150,7 +150,8 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 def train_flops(name: str, img: int) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs with activation checkpointing) per image, pretrain.observability.flops'
     convention: 6 x forward multiply-adds; checkpointing re-runs the blocks' forward."""
-    from pretrain.observability.flops import analytic_flops, train_flops_per_image
+    from pretrain.models.arch import analytic_flops
+    from pretrain.observability.flops import train_flops_per_image
 
     parts = analytic_flops(name, img, breakdown=True)
     return train_flops_per_image(parts["total"], recompute_macs=parts["blocks"])
@@ -170,8 +171,8 @@ def compile_helper(backend: str):
 # --------------------------------------------------------------------------------- peak matmul
 def measure_matmul(plan: Plan, device, budget: float) -> dict:
     """Best of several timed windows of n x n x n matmuls in the compute dtype."""
-    from pretrain.observability.flops import peak_tflops
     from pretrain.distributed.precision import bf16_supported
+    from pretrain.observability.flops import peak_tflops
 
     dtype = torch.bfloat16 if bf16_supported() else torch.float32
     n = plan.matmul_n
@@ -347,8 +348,8 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
     from pretrain.config import Config
     from pretrain.config.schema import ModelConfig, OptimConfig, TrainConfig, ZeroConfig
     from pretrain.distributed.engine import initialize
-    from pretrain.models.vit import create_model
     from pretrain.distributed.precision import compute_dtype, default_precision
+    from pretrain.models.vit import create_model
 
     name, batch = plan.zero_model, plan.zero_batch
     precision = default_precision()
@@ -366,7 +367,7 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
                      train=TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch,
                                        precision=precision), zero=ZeroConfig(stage=stage))
         try:  # training's own build: under ZeRO-3 inside deepspeed.zero.Init
-            from pretrain.train import build_model
+            from pretrain.weights.init_from import build_model
         except ImportError:
             build_model = None
         model = build_model(cfg) if build_model else create_model(name, img_size=plan.img, num_classes=1000)

@@ -89,7 +89,8 @@ def main(argv=None) -> None:
         print(f"  {k:5s} median step {med[k] * 1e3:8.1f} ms   {batch / med[k]:8.1f} img/s")
     print(f"ratio ours/timm step time = {med['ours'] / med['timm']:.3f}  (target <= 1.0)")
     if cuda:
-        from pretrain.observability.flops import analytic_flops, peak_tflops, train_flops_per_image
+        from pretrain.models.arch import analytic_flops
+        from pretrain.observability.flops import peak_tflops, train_flops_per_image
 
         f_model, _ = train_flops_per_image(analytic_flops(name, args.img))
         peak = peak_tflops()

@@ -6,9 +6,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pretrain.config import ConfigError, check_world_size, from_dict, load_config, save_config, to_dict
-
-from pretrain.config.schema import parse_override
+from pretrain.config import (
+    ConfigError,
+    check_world_size,
+    from_dict,
+    load_config,
+    save_config,
+    to_dict,
+)
+from pretrain.config.load import parse_override
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from pretrain.checkpointing import checkpoint
-
-from pretrain.distributed import rng
 from pretrain.config import ConfigError, load_config
+from pretrain.distributed import rng
 from pretrain.distributed.engine import deepspeed_config, param_groups
 from pretrain.distributed.schedule import lr_multiplier
-from pretrain.observability.flops import analytic_flops, train_flops_per_image
-from pretrain.observability.metrics import throughput
-from pretrain.models.vit import create_model
+from pretrain.models.arch import analytic_flops
 from pretrain.models.losses import classification_loss
-from pretrain.step import NonFiniteGuard, NonFiniteLoss
+from pretrain.models.vit import create_model
+from pretrain.observability.flops import train_flops_per_image
+from pretrain.observability.metrics import throughput
+from pretrain.resilience.nonfinite import NonFiniteGuard
+from pretrain.step import NonFiniteLoss
 
 
 def loss_fn(logits, targets, multi_label, smoothing):

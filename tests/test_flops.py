@@ -2,8 +2,14 @@
 import pytest
 import torch
 
-from pretrain.observability.flops import (analytic_flops, forward_flops, mfu, peak_tflops, train_flops_per_image)
+from pretrain.models.arch import analytic_flops
 from pretrain.models.vit import create_model
+from pretrain.observability.flops import (
+    forward_flops,
+    mfu,
+    peak_tflops,
+    train_flops_per_image,
+)
 
 
 def meta_model(name, **kw):
@@ -49,7 +55,7 @@ def test_analytic_equals_fvcore(name, img, kw):
 def test_analytic_equals_fvcore_with_qk_norm_layerscale_and_odd_mlp():
     """qk_norm's two LayerNorms per block are counted (5 per element, as fvcore); LayerScale's
     multiply is element-wise and, like residual adds, counted by neither."""
-    from pretrain.models.vit import register
+    from pretrain.models.arch import register
 
     # a g/14-shaped block at toy width: MLP ratio 48/11 (hidden 768 for width 176)
     register("vit_test_g_shape_patch14_56", patch_size=14, embed_dim=176, depth=2, num_heads=2, img_size=56,

@@ -20,12 +20,12 @@ import yaml
 from PIL import Image
 
 from data_pipeline.loading.transforms import SampleTransform, normalized_batch
-from pretrain.weights import hf
 from pretrain.checkpointing import rundir
 from pretrain.config import load_config, save_config, to_dict
-from pretrain.weights.export import main as export_main
-from pretrain.observability.flops import analytic_flops
+from pretrain.models.arch import analytic_flops
 from pretrain.models.vit import create_model
+from pretrain.weights import hf
+from pretrain.weights.export import main as export_main
 from pretrain.weights.load import load_weights, read_state_dict
 
 CLASSES = ["abyssinian", "beagle", "bengal", "boxer", "pug", "sphynx"]

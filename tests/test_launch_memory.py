@@ -4,10 +4,10 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from pretrain.perf import memory
 from pretrain.config import load_config
 from pretrain.config.schema import ModelConfig
 from pretrain.models.vit import create_model
+from pretrain.perf import memory
 
 
 def saved_activation_bytes(name, img, batch, dtype, checkpointing, **kw):
@@ -85,7 +85,7 @@ def test_vit_huge_needs_zero3_or_checkpointing_on_80gb():
 def test_activation_formula_with_qk_norm_layerscale_and_odd_mlp(name, opts):
     """qk_norm and LayerScale keep more for backward; a g/14-shaped MLP (48/11 of the width)
     scales the MLP terms: the formula follows autograd's saved bytes for each."""
-    from pretrain.models.vit import register
+    from pretrain.models.arch import register
 
     register("vit_test_mem_g_shape_patch14_112", patch_size=14, embed_dim=176, depth=2, num_heads=2, img_size=112,
              mlp_ratio=48 / 11)

@@ -8,8 +8,9 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from pretrain.checkpointing.checkpoint import WeightsError, load_weights
-from pretrain.models.vit import create_model, list_models, model_defaults, resize_pos_embed
+from pretrain.models.arch import list_models, model_defaults
+from pretrain.models.vit import create_model, resize_pos_embed
+from pretrain.weights.load import WeightsError, load_weights
 
 SMALL_ENOUGH = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
                 "vit_base_patch32_224", "vit_base_patch16_384", "vit_base_r50_s16_224"]

@@ -7,9 +7,9 @@ import torch
 
 from pretrain.checkpointing import checkpoint
 from pretrain.config import from_dict
-from pretrain.distributed.process import init_distributed
 from pretrain.distributed.engine import initialize
-from pretrain.train import build_model
+from pretrain.distributed.process import init_distributed
+from pretrain.weights.init_from import build_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
 run_dir, out = Path(args[0]), Path(args[1])

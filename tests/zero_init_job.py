@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from pretrain.config import Config
-from pretrain.distributed.process import init_distributed
 from pretrain.distributed.engine import initialize, param_groups
+from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
-from pretrain.train import build_model, num_params
+from pretrain.weights.init_from import build_model, num_params
 
 
 def rss_kb(field: str) -> int:

@@ -18,6 +18,7 @@ cut anyway.
 from __future__ import annotations
 
 import os
+from typing import Iterator, Optional
 from pathlib import Path
 
 
@@ -63,3 +64,11 @@ class SampleLog:
             self.flush()
             self._file.close()
             self._file = None
+
+
+def logged_batches(loader, samples: Optional[SampleLog], start_step: int, accumulation: int) -> Iterator:
+    """The loader's batches; with ``data.record_samples`` each batch's keys are logged at its step."""
+    for i, batch in enumerate(loader):
+        if samples is not None:
+            samples.write(start_step + 1 + i // accumulation, loader.last_epoch, loader.last_keys)
+        yield batch

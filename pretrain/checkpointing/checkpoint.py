@@ -1,4 +1,4 @@
-"""Checkpoints: save / auto-resume of training runs, and import of weights (``load_weights``).
+"""Checkpoints: save / auto-resume of training runs (weights alone load with ``pretrain.weights.load``).
 
 A checkpoint directory (layout: ``pretrain/checkpointing/rundir.py``) holds DeepSpeed's engine state (module,
 ZeRO optimizer shards, LR schedule), ``rank_<R>.json`` per rank (data-loader position, Python /
@@ -21,13 +21,21 @@ from typing import Any, Callable, Optional
 
 from data_pipeline.errors import ConfigError
 from data_pipeline.files import unwritable, write_atomic
-from pretrain.weights.load import LoadReport, WeightsError, load_weights, read_state_dict
-
-from pretrain.resilience import faults
+from pretrain.checkpointing.rundir import (
+    COMPLETE,
+    LATEST,
+    latest_complete,
+    list_complete,
+    marker,
+    newest_valid,
+    set_aside,
+    step_of,
+    tag_for,
+)
 from pretrain.distributed.rng import rng_state, set_rng_state
-from pretrain.checkpointing.rundir import COMPLETE, LATEST, latest_complete, list_complete, marker, newest_valid, set_aside, step_of, tag_for
+from pretrain.resilience import faults
 
-__all__ = ["load_weights", "read_state_dict", "LoadReport", "WeightsError", "save", "resume",
+__all__ = ["save", "resume",
            "latest_complete", "list_complete", "tag_for", "COMPLETE", "check_writable", "config_changes"]
 
 # Keys whose change makes a checkpoint unloadable into this run (tensor shapes, parameter names,
@@ -67,7 +75,7 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)  # ends with a barrier
     except RuntimeError as e:  # torch.save's writer fails with a RuntimeError, e.g. on a full disk
-        raise _as_os_error(e, path) from None
+        raise as_os_error(e, path) from None
     rank = dist.get_rank()
     _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
     if rank == 0:
@@ -119,7 +127,7 @@ def finish_async(keep_last: int) -> Callable[[int, Path], None]:
     return finish
 
 
-def _as_os_error(err: RuntimeError, path: Path) -> Exception:
+def as_os_error(err: RuntimeError, path: Path) -> Exception:
     """torch.save's writer reports a failed write as a RuntimeError ("PytorchStreamWriter failed
     writing file", "[enforce fail at inline_container.cc] unexpected pos"): an OSError for the
     caller's one line, ENOSPC when the folder has no space left; other errors unchanged."""
@@ -196,7 +204,7 @@ def choose(ckpt_dir: str | Path) -> Optional[Path]:
 
 def _resume_view(config: dict) -> dict:
     """The RESUME_KEYS of a config dict (``to_dict`` form), the image size resolved from the name."""
-    from pretrain.models.vit import model_defaults
+    from pretrain.models.arch import model_defaults
 
     view = {}
     for key in RESUME_KEYS:

@@ -24,11 +24,6 @@ def launched() -> bool:
     return "RANK" in os.environ
 
 
-def env_rank_world() -> tuple[int, int]:
-    """(rank, world size) as the runner set them, readable before the process group exists."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 def set_device(local_rank: int) -> Optional[int]:
     """Bind this process to GPU ``local_rank`` of its node (the runner shows every rank all of the
     node's GPUs; without this every rank would allocate on cuda:0 first). Returns the index, or
@@ -156,3 +151,23 @@ def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0")
     more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
     return (f"{me}: no answer within {wait_s:g} s from {names}{more}: dead, or the network to "
             f"{'it' if len(silent) == 1 else 'them'} is cut")
+
+
+def set_cpu_threads(local_world: int, data_workers: int) -> None:
+    """On CPU, ranks (and their data workers) share the cores, and torch's default of one thread
+    per core in every rank oversubscribes them many times over: each rank gets its share of the
+    cores, less one per node left to the data workers."""
+    import torch
+
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        per_rank = (os.cpu_count() or 1) // max(1, local_world) - (1 if data_workers > 0 else 0)
+        torch.set_num_threads(max(1, per_rank))
+
+
+def all_hosts() -> list[str]:
+    """Every rank's host name, in rank order (one all-gather at start-up)."""
+    import torch.distributed as dist
+
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts

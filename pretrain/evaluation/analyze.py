@@ -294,11 +294,11 @@ class ImageSource:
     def _folder(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         # one process, file by file: a file that does not decode is skipped here, where the
         # transfer splits' DataLoader (whose benchmark numbers must not have holes) would stop
-        from pretrain.transfer.data import FileImages, View, _SampleTransform, normalize
+        from pretrain.transfer.data import FileImages, View, SampleTransform, normalize
 
         view = View(self.img_size, resize="crop", crop_pct=self.augment.eval_crop_pct,
                     mean=tuple(self.augment.mean), std=tuple(self.augment.std))
-        transform = _SampleTransform(view, train=False)
+        transform = SampleTransform(view, train=False)
         images = FileImages(f"--images {self.spec}", self.files, [0] * len(self.files))
         xs, names, taken = [], [], 0
         for i, path in enumerate(self.files):
@@ -478,8 +478,8 @@ def analyze(pre, images: str, out_dir: str | Path, *, img_size: Optional[int] = 
     the summary also written as ``analysis.json``."""
     from data_pipeline.config import AugmentConfig
     from data_pipeline.files import write_atomic
-    from pretrain.weights.pretrained import build_backbone
     from pretrain.observability.progress import Progress
+    from pretrain.weights.pretrained import build_backbone
 
     augment = augment or AugmentConfig()
     out = Path(out_dir)
@@ -617,8 +617,8 @@ def parser() -> Parser:
 def main(argv=None) -> None:
     args = parser().parse_intermixed_args(argv)
     from pretrain.config import load_config
-    from pretrain.weights.pretrained import load_pretrained
     from pretrain.transfer.cli import explicit_model_keys
+    from pretrain.weights.pretrained import load_pretrained
 
     with cli_errors(PROG):
         for flag in ("num_images", "rollout_images", "batch_size"):
@@ -629,7 +629,7 @@ def main(argv=None) -> None:
         check_output_dir(args.output)  # before any work: a mistake costs a second, not the analysis
         pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model))
         if args.img_size is not None:
-            from pretrain.models.vit import model_defaults
+            from pretrain.models.arch import model_defaults
 
             stride = model_defaults(pre.arch["name"])["stride"]
             if args.img_size <= 0 or args.img_size % stride:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.models.arch import stem_channels, stem_stride  # noqa: F401
+from pretrain.models.arch import stem_stride
 from pretrain.models.init import fill
 
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.models.arch import list_models, model_defaults, register, variant  # noqa: F401  (model API in one place)
-from pretrain.models.init import fill, init_generator
+from pretrain.models.arch import variant
 from pretrain.models.hybrid import ResNetStem
+from pretrain.models.init import fill, init_generator
 
 _Size = Union[int, tuple[int, int]]
 # Called around the initialisation of each module's own parameters; the default does nothing.

@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from pretrain.models.arch import _stem_macs, analytic_flops  # noqa: F401  (re-exported: the torch-free count)
-from pretrain.models.vit import VisionTransformer, create_model, list_models, model_defaults
+from pretrain.models.arch import analytic_flops, list_models, model_defaults
+from pretrain.models.vit import VisionTransformer, create_model
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, without sparsity).
 PEAK_BF16_TFLOPS = {

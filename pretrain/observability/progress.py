@@ -111,3 +111,15 @@ def _isatty(f) -> bool:
         return bool(f.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
+
+
+class StartupLines:
+    """Start-up lines on rank 0 (stderr), with seconds since start: building the model, DeepSpeed
+    init, loading a checkpoint and the first batch take 10-90 s that would otherwise be silent."""
+
+    def __init__(self, rank: int):
+        self.on, self.t0 = rank == 0, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.on:
+            print(f"vit-train: {msg} [{time.perf_counter() - self.t0:.1f} s]", file=sys.stderr, flush=True)

@@ -23,7 +23,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Optional
+
+from data_pipeline.files import write_json
 
 EXIT_OK, EXIT_USAGE, EXIT_HANG, EXIT_INTERRUPTED = 0, 2, 3, 75
 
@@ -90,3 +93,12 @@ class StopRequest:
                     self.request("runner exited")
 
         threading.Thread(target=watch, name="vitscale-lifeline", daemon=True).start()
+
+
+def write_status(path, state: str, step: int) -> None:
+    """How this invocation ended, for schedulers and ``vit-launch`` (best effort on failure)."""
+    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(state, 1)
+    try:
+        write_json(path, {"state": state, "step": step, "exit_code": code, "time": time.time()})
+    except OSError:
+        pass

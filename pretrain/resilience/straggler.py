@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
 from pretrain.observability.clock import PHASES
 
 LOCAL = ("data", "forward")
@@ -76,3 +79,14 @@ class StragglerDetector:
     def slow_hosts(self) -> list[str]:
         """Hosts of the ranks named so far and not recovered since."""
         return sorted({self.hosts[r] for r in self.named})
+
+
+def gather_and_judge(detector: Optional[StragglerDetector], phases: dict, device) -> tuple[dict, Optional[str]]:
+    """Every rank's phase seconds of the window to rank 0 (one small all-gather); its verdict."""
+    if detector is None:
+        return {}, None
+    mine = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    per_rank = [dict(zip(PHASES, t.tolist())) for t in every]
+    return detector.observe(per_rank)

@@ -57,7 +57,7 @@ def normalize(batch_u8: torch.Tensor, view: View) -> torch.Tensor:
     return batch_u8.float().sub_(m).div_(s)
 
 
-class _SampleTransform:
+class SampleTransform:
     """PIL image -> uint8 (3, S, S) tensor; picklable for DataLoader workers."""
 
     def __init__(self, view: View, train: bool):
@@ -93,7 +93,7 @@ class Split(abc.ABC):
 
 
 class _Mapped(Dataset):
-    def __init__(self, images: "ImageSet", indices: np.ndarray, transform: _SampleTransform):
+    def __init__(self, images: "ImageSet", indices: np.ndarray, transform: SampleTransform):
         self.images, self.indices, self.transform = images, indices, transform
 
     def __len__(self) -> int:
@@ -141,7 +141,7 @@ class ImageSet(Split):
 
 def _iterate(images: ImageSet, indices: np.ndarray, view: View, *, batch_size: int, train: bool, seed: int,
              rank: int, world: int, workers: int) -> Iterator[Batch]:
-    transform = _SampleTransform(view, train)
+    transform = SampleTransform(view, train)
     epoch = 0
     while True:
         if train:  # a new permutation per epoch; equal shares per rank (DDP needs equal counts)

@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Optional
 
 from pretrain.checkpointing.rundir import checkpoint_root, list_complete, step_of
 from pretrain.transfer.errors import TransferError
+from pretrain.weights.pretrained import CheckpointError
+
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     """Where a run keeps its checkpoints (``pretrain.checkpointing.rundir.checkpoint_root``)."""
@@ -69,7 +71,7 @@ def watch(run_dir: str | Path, evaluate: Callable[[int, Path], None], *, poll_s:
             try:
                 evaluate(step, path)
                 evaluated.append(step)
-            except (TransferError, OSError) as e:  # e.g. pruned by the training job mid-read
+            except (TransferError, CheckpointError, OSError) as e:  # e.g. pruned by the training job mid-read
                 log(f"vit-transfer: skipped step {step} ({path}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         if items:
             step, path = items[-1]

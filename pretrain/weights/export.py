@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from data_pipeline.errors import cli_errors
-from pretrain.weights import hf
 from pretrain.checkpointing import rundir
 from pretrain.config import AugmentConfig, from_dict, image_size
-from pretrain.models.vit import model_defaults
+from pretrain.models.arch import model_defaults
+from pretrain.weights import hf
 
 
 class ExportError(ValueError):

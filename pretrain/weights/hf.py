@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from pretrain.models.vit import list_models, model_defaults
+from pretrain.models.arch import list_models, model_defaults
 
 CONFIG = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -336,7 +336,7 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
     from the run directory (steps, images seen, final loss, compute, device-hours) and the
     run's transfer results when it holds any. ``cfg``: the run's whole config (a dict; only
     ``model`` for a converted folder); ``prep``: mean, std, crop_pct."""
-    from pretrain.observability.flops import analytic_flops
+    from pretrain.models.arch import analytic_flops
 
     m, t, o = cfg["model"], cfg.get("train", {}), cfg.get("optim", {})
     img = m.get("img_size") or model_defaults(m["name"])["img_size"]

@@ -47,11 +47,11 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
     Position embeddings are resized to ``model.img_size``; head and pre-logits layer are loaded
     when their shapes fit, else keep their initialisation (the new task's classes). Under ZeRO-3
     the parameters are gathered, rank 0 loads, and the partitions are updated from it."""
-    from pretrain.weights.pretrained import TransferError, load_pretrained
+    from pretrain.weights.pretrained import CheckpointError, load_pretrained
 
     try:
         pre = load_pretrained(cfg.model.init_from)
-    except TransferError as e:
+    except CheckpointError as e:
         raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
     if pre.arch["name"] != cfg.model.name and model_defaults(pre.arch["name"])["embed_dim"] != \
             model_defaults(cfg.model.name)["embed_dim"]:

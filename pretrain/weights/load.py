@@ -16,8 +16,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from pretrain.weights import hf
 from pretrain.models.vit import resize_pos_embed
+from pretrain.weights import hf
 
 Source = Union[str, Path, Mapping[str, torch.Tensor]]
 _WRAPPER_KEYS = ("state_dict", "model", "module", "model_state_dict")

@@ -21,9 +21,16 @@ from typing import Optional
 
 import torch
 
-from pretrain.models.vit import create_model, list_models, model_defaults
-from pretrain.transfer.errors import TransferError
+from data_pipeline.errors import ConfigError
+from pretrain.models.arch import list_models, model_defaults
+from pretrain.models.vit import create_model
 from pretrain.weights.load import WeightsError, load_weights, read_state_dict
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read or whose architecture cannot be told: a user mistake, so
+    ``cli_errors`` prints it as one line (exit 2) naming the path."""
+
 
 ARCH_KEYS = ("name", "img_size", "global_pool", "representation_size")
 
@@ -85,7 +92,7 @@ def _meta_arch(meta: dict[str, str], where: str) -> tuple[dict, Optional[tuple[i
             raise ValueError(f"grid_size {meta['grid_size']!r}")
         step = int(meta["step"]) if meta.get("step") not in (None, "") else None
     except (ValueError, TypeError, AttributeError) as e:
-        raise TransferError(f"{where}: unreadable metadata ({e})") from None
+        raise CheckpointError(f"{where}: unreadable metadata ({e})") from None
     return arch, grid, step, meta.get("wandb_run_id") or None
 
 
@@ -95,11 +102,11 @@ def _read_run_dir(path: Path) -> tuple[dict, dict]:
 
     try:
         return load_run_weights(path)
-    except TransferError:
+    except CheckpointError:
         raise
     except Exception as e:  # a user-given path: any failure to read it is a one-line error
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TransferError(f"{path}: cannot read run checkpoint: {msg}") from None
+        raise CheckpointError(f"{path}: cannot read run checkpoint: {msg}") from None
 
 
 def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretrained:
@@ -114,24 +121,24 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         grid = tuple(info["grid_size"]) if info.get("grid_size") else None
         step, run_id, run_dir = info.get("step"), info.get("wandb_run_id"), info.get("run_dir")
     elif not p.exists():
-        raise TransferError(f"{p}: checkpoint not found")
+        raise CheckpointError(f"{p}: checkpoint not found")
     else:
         try:
             sd, meta = read_state_dict(p)
         except WeightsError as e:
-            raise TransferError(str(e)) from None
+            raise CheckpointError(str(e)) from None
         except Exception as e:  # a truncated or foreign file: say so in one line
-            raise TransferError(f"{p}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            raise CheckpointError(f"{p}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
         kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
         arch, grid, step, run_id = _meta_arch(meta, str(p))
     if not sd:
-        raise TransferError(f"{p}: checkpoint holds no tensors")
+        raise CheckpointError(f"{p}: checkpoint holds no tensors")
     full = {**infer_arch(sd), **arch, **(user_arch or {})}
     if not full.get("name"):
-        raise TransferError(f"{p}: cannot tell the architecture (no ViT tensors recognised, no metadata); "
+        raise CheckpointError(f"{p}: cannot tell the architecture (no ViT tensors recognised, no metadata); "
                             "give it with model.name=... or --config FILE")
     if full["name"] not in list_models():
-        raise TransferError(f"{p}: unknown model {full['name']!r}; known: {', '.join(list_models())}")
+        raise CheckpointError(f"{p}: unknown model {full['name']!r}; known: {', '.join(list_models())}")
     full.setdefault("global_pool", "token")
     return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir)
 
@@ -146,7 +153,7 @@ def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, fine
     a = pre.arch
     stride = model_defaults(a["name"])["stride"]
     if img_size % stride:
-        raise TransferError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
+        raise CheckpointError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
     # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
     qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
     layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)
@@ -157,7 +164,7 @@ def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, fine
     try:
         load_weights(model, pre.state_dict, strict=True, exclude=exclude, old_grid=pre.grid)
     except WeightsError as e:
-        raise TransferError(f"{pre.source}: {e}") from None
+        raise CheckpointError(f"{pre.source}: {e}") from None
     if num_classes:
         model.reset_classifier(num_classes)  # zero-initialised
     return model

@@ -1,0 +1,82 @@
+"""The Checkpointer: the loop calls it every step and it decides itself whether this step saves."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from data_pipeline.loading.sample_log import SampleLog
+from pretrain.checkpointing import checkpoint
+from pretrain.checkpointing.async_save import Saver
+from pretrain.config import Config
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (one line: the folder, why, the last good checkpoint)."""
+
+
+class Checkpointer:
+    """Decides at each step whether it saves (``train.steps``, ``checkpoint.every_steps``, a stop)
+    and writes the checkpoint with the loader position, so the loop only calls ``maybe_save``.
+    With ``checkpoint.async`` the files are written in the background (``pretrain/checkpointing/async_save.py``):
+    a save in flight is completed at sync points when every rank has written it, and waited for
+    before the next save, on a stop and at the end (``close``)."""
+
+    def __init__(self, cfg: Config, engine, loader, ckpt_dir: Path, run_info: dict, logger,
+                 samples: Optional[SampleLog]):
+        self.every, self.last, self.keep = cfg.checkpoint.every_steps, cfg.train.steps, cfg.checkpoint.keep_last
+        self.engine, self.loader, self.dir, self.run_info = engine, loader, ckpt_dir, run_info
+        self.logger, self.samples = logger, samples
+        self.saver = None
+        if cfg.checkpoint.async_save:
+            self.saver = Saver(engine, dist.get_rank(), checkpoint.finish_async(self.keep))
+        self.blocked_s: list[float] = []  # seconds each save held the training thread
+        self.waited_s: list[float] = []  # of which waiting for the previous asynchronous save
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last
+
+    def maybe_save(self, step: int, stopping: bool = False, sync: bool = False) -> None:
+        saving = stopping or self.due(step)
+        try:
+            if self.saver is not None and sync and not saving:
+                self.saver.poll()  # a sync point: complete the save in flight if every rank wrote it
+            if not saving:
+                return
+            if self.samples is not None:
+                self.samples.flush()
+            t0 = time.perf_counter()
+            state = dict(rank_state={"loader": self.loader.state_dict()},
+                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id})
+            if self.saver is None:
+                checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)
+            else:
+                waited = self.saver.waited_s
+                checkpoint.save_async(self.engine, self.saver, self.dir, step, **state)
+                if stopping or step == self.last:
+                    self.saver.close()
+                self.waited_s.append(self.saver.waited_s - waited)
+            self.blocked_s.append(time.perf_counter() - t0)
+        except (OSError, RuntimeError) as e:
+            self._failed(step, e)
+
+    def close(self) -> None:
+        """The save in flight, if any, complete and on disk (collective)."""
+        if self.saver is None:
+            return
+        step = self.saver.pending[0] if self.saver.pending else 0
+        try:
+            self.saver.close()
+        except (OSError, RuntimeError) as e:
+            self._failed(step, e)
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        """A save that could not be written (folder made read-only, disk full; torch.save's writer
+        says so with a RuntimeError, also on the background thread): one line saying what survives,
+        not a traceback. Other errors go on unchanged."""
+        err = e if isinstance(e, OSError) else checkpoint.as_os_error(e, self.dir / checkpoint.tag_for(step))
+        if not isinstance(err, OSError):
+            raise e
+        raise CheckpointWriteError(checkpoint.save_failed(self.dir, step, err)) from None

@@ -1,0 +1,50 @@
+"""A logging window: what the loop sums on the device between sync points, and the metrics of the
+window at a log step (the one place the loop reads the device and the clock together)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pretrain.observability.clock import PHASES, StepClock
+from pretrain.observability.flops import peak_tflops
+from pretrain.observability.metrics import peak_memory_gb, throughput
+
+
+class Window:
+    """What a logging window sums on the device between sync points: losses, images."""
+
+    def __init__(self, device):
+        self.loss = torch.zeros(2, device=device)  # (sum of kept losses, their count)
+        self.images = 0
+
+    def add(self, loss: torch.Tensor, images: int) -> None:
+        self.loss += loss
+        self.images += images
+
+
+def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world: int, global_batch: int,
+                   flops: tuple[float, float], nonfinite_skipped: int, loader) -> tuple[dict, dict]:
+    """The log step's metrics (a sync point: the device finishes the window, then the clock is
+    read) and this rank's phase seconds of the window."""
+    elapsed, phases = clock.close_window()
+    dist.all_reduce(window.loss)
+    total, count = window.loss.tolist()
+    gn = engine.get_global_grad_norm()
+    metrics = {"loss": total / count if count else None, "lr": engine.get_lr()[0],
+               "grad_norm": float(gn) if gn is not None else None, "examples_seen": step * global_batch,
+               "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
+               "nonfinite_skipped": nonfinite_skipped, **throughput(window.images * world, elapsed, world, *flops, peak_tflops()),
+               **{f"phase_share/{p}": phases[p] / elapsed for p in PHASES},  # rank 0's step-time breakdown
+               **{f"data/{k}": v for k, v in sum_counters(loader.counters).items()}}
+    return metrics, phases
+
+
+def sum_counters(counters: dict) -> dict:
+    """Loader counters summed over ranks (an all-gather of a small dict, only at log steps)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(counters))
+    total: dict = {}
+    for c in gathered:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
