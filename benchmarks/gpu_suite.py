@@ -97,7 +97,7 @@ def smoke_plan() -> Plan:
                 zero_model="vit_tiny_patch16_224", zero_batch=4, zero_budget=25.0, matmul_n=256,
                 matmul_budget=1.0, loader_images=64, loader_sources=8, loader_batch=8, loader_workers=1,
                 loader_budget=8.0, total_budget=85.0,
-                # inductor's C++ code generation is slow on 2 cores (tests/test_compile.py covers
+                # inductor's C++ code generation is slow on 2 cores (tests/integration/test_compile.py covers
                 # it); aot_eager still traces each block through dynamo and AOTAutograd
                 compile_backend="aot_eager")
 

@@ -208,7 +208,7 @@ class HashTable:
     keeps the stored hashes within ``max_bits`` of the query by a vectorised popcount. Every pair
     within 7 bits is found (one of the four bands then differs in at most one bit); pairs up to
     ``max_bits`` are found when one band differs in at most one bit, which for near copies the
-    many probes of one image nearly always give (measured in tests/test_audit.py)."""
+    many probes of one image nearly always give (measured in tests/unit/test_audit.py)."""
 
     _FLIPS = np.array([0] + [1 << k for k in range(16)], dtype=np.int64)
 

@@ -36,7 +36,7 @@ How a pair is found:
    candidate (within ``MAX_BITS``), as a direct match needs a direct probe; ``mirrored`` in the
    pair says which matched, ``distance`` is that orientation's nearest probe.
 
-Calibration (tests/test_audit.py holds the same data): scikit-image's sample photos, their
+Calibration (tests/unit/test_audit.py holds the same data): scikit-image's sample photos, their
 quadrants and the demo shapes; copies re-encoded (JPEG q=60), resized (x0.5..x1.5), cropped
 (random boxes, <= 10% of the area) and colour-jittered (brightness, contrast, saturation, hue), and
 all four at once. Nearest-probe pHash distance of such copies: mean 3, 99th percentile 10, max 12
@@ -49,7 +49,7 @@ mirror search keeps a 0.14 margin below 0.7. Within one photo, a mirrored half o
 scene reaches 0.95 (retina, clock) and two tiles of a regular grid of objects 0.79 direct
 (coins): true look-alikes that only the pHash distance kept apart.
 The detail check (2026-11-24): crops of one scene at other places (IoU < 0.5) are no copies, but
-where the scene is mirror-symmetric (facades, faces, clocks; ``hard_set`` in tests/test_audit.py)
+where the scene is mirror-symmetric (facades, faces, clocks; ``hard_set`` in tests/unit/test_audit.py)
 a crop's mirror image scores 0.7-0.9 against the crop at the mirrored place: the symmetric
 outlines carry the 32x32 correlation while the asymmetric texture around them disagrees. Detail of
 copies: the photo tiles' transforms above (two seeds) and the 32 px shapes x4, 808: min 0.59 (a

@@ -17,7 +17,7 @@ on a side stream (:class:`CudaStreams`), and with no host sync: while step N run
 decoded, cropped, resized, flipped and normalised in a constant number of kernels
 (:func:`crop_batch`: one ``roi_align`` over the batch laid out as an atlas, which averages over each
 output pixel's area where torch's antialiased resize weighs a triangle twice as wide: within about
-a grey level on average, see tests/test_batch_decode.py).
+a grey level on average, see tests/unit/test_batch_decode.py).
 
 A JPEG that fails to decode here is retried alone and then through the worker path (PIL); one that
 fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``; once,

@@ -4,8 +4,8 @@ Each function here depends on DeepSpeed code that is not public API: a private a
 engine, a file DeepSpeed's CPU accelerator creates, or a loader defect we undo. They were written
 against, and are tested with, the releases in ``TESTED``; ``setup.py`` pins the same range.
 ``check_version`` says in one line at start-up when the installed release is outside it, so a
-user who upgrades knows which assumptions to re-check (the tests in ``tests/test_elastic_ckpt.py``
-and ``tests/test_distributed.py`` exercise each of them).
+user who upgrades knows which assumptions to re-check (the tests in ``tests/integration/test_elastic_ckpt.py``
+and ``tests/integration/test_distributed.py`` exercise each of them).
 
 What lives here and why:
 

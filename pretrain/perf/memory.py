@@ -16,7 +16,7 @@ So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with Ze
 bf16 with fp32 gradient accumulation (our default) is DeepSpeed's ``BF16_Optimizer``: it keeps
 the bf16 gradients and a whole fp32 accumulation buffer (``fp32_groups_gradients_flat``, with
 ``bf16.immediate_grad_update`` off as by default) and partitions only the master weights and
-moments: 2 + 6 + 12/N. ``tests/test_perfmodel.py`` reads these buffers off live optimizers. ZeRO-1/2
+moments: 2 + 6 + 12/N. ``tests/integration/test_perfmodel.py`` reads these buffers off live optimizers. ZeRO-1/2
 also hold one or two (``overlap_comm``) gradient buckets of ``zero.reduce_bucket_size`` elements
 whatever the model size (``setup_buckets`` in stage_1_and_2.py): 2 GB for the 5e8 default in bf16,
 which is why small GPUs lower that setting. ZeRO-3 gathers one layer at a time (weights + grads).
@@ -46,7 +46,7 @@ checkpointing (``model.set_grad_checkpointing``: each block recomputed in backwa
 block's input stays (``2 s b h`` per block, the paper's "full recomputation") plus one block's
 full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
 logits. The formula is checked against the bytes autograd actually saves in
-``tests/test_launch_memory.py``.
+``tests/unit/test_launch_memory.py``.
 
 Host memory while the model is built (``host_build``, per rank, CPU RAM): without ZeRO-3 every
 rank builds and initialises the whole fp32 model on the CPU before DeepSpeed moves it (4 B/param;

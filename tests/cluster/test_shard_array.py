@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, wait_until
 
 from data_pipeline.shards.cli import main as vit_shards
-from test_shard_parts import samples_of  # tests/ is on sys.path (conftest.py)
+from shard_utils import samples_of  # tests/ is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.cluster
 

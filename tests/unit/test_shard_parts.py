@@ -6,8 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -15,6 +13,7 @@ from PIL import Image
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.shards.cli import main
 from data_pipeline.shards.parts import part_range
+from shard_utils import samples_of
 
 SHARD = ["--shard-size", "4", "--resize-shorter", "24", "--quiet"]
 
@@ -23,21 +22,6 @@ def _jpeg(i: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (32 + i % 5, 30), (i * 37 % 256, i * 91 % 256, i * 13 % 256)).save(buf, "JPEG")
     return buf.getvalue()
-
-
-def samples_of(out: Path) -> dict:
-    """key -> (image extension, image bytes, label) over the shards manifest.json lists, read with tarfile."""
-    found = {}
-    for s in json.loads((out / "manifest.json").read_text())["shards"]:
-        with tarfile.open(out / s["name"]) as t:
-            members = {m.name: t.extractfile(m).read() for m in t if m.isfile()}
-        keys = {n.split(".")[0] for n in members}
-        assert len(keys) == s["samples"], s
-        for k in keys:
-            ext = next(e for e in ("jpg", "png") if f"{k}.{e}" in members)
-            assert k not in found, f"key {k} twice"
-            found[k] = (ext, members[f"{k}.{ext}"], members[f"{k}.cls"])
-    return found
 
 
 @pytest.fixture(scope="module")

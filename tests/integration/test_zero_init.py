@@ -57,7 +57,7 @@ def test_zero3_build_is_partitioned_initialised_and_trains(tmp_path):
     """ViT-B/16 (86 M parameters, a 343 MB fp32 copy) on 2 ranks. glibc's mmap threshold is fixed
     so that freed full-size layers go back to the OS and the resident-set peak tracks the live
     tensors (by default it grows after the first large free and keeps them in the heap)."""
-    r = run_job(deepspeed_cmd("tests.zero_init_job", str(tmp_path), "vit_base_patch16_224"), timeout=300,
+    r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_base_patch16_224"), timeout=300,
                 MALLOC_MMAP_THRESHOLD_=131072)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
@@ -81,7 +81,7 @@ def test_zero3_weights_equal_the_plain_build_on_any_world_size(tmp_path, ranks):
     """The initialisation draws from one CPU generator seeded by train.seed, so ZeRO-3 (which
     builds on the rank's device under zero.Init) gives the plain build's weights, parameter by
     parameter, on 1 rank here and on 2 in the ViT-B test above."""
-    r = run_job(deepspeed_cmd("tests.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks), timeout=300)
+    r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["world"] == ranks and rec["mismatch"] == [], rec["mismatch"]

@@ -15,8 +15,7 @@ from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
 from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import throughput
-from pretrain.resilience.nonfinite import NonFiniteGuard
-from pretrain.step import NonFiniteLoss
+from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 
 
 def loss_fn(logits, targets, multi_label, smoothing):

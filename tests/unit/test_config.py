@@ -16,7 +16,7 @@ from pretrain.config import (
 )
 from pretrain.config.load import parse_override
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 
 

@@ -2,7 +2,7 @@
 under ZeRO-3 (``deepspeed.zero.Init``), record this rank's peak host memory during the build,
 compare the gathered weights with the plain build from the same seed, and take one training step.
 
-    deepspeed --num_gpus 2 --module tests.zero_init_job OUT_DIR MODEL_NAME
+    deepspeed --num_gpus 2 --module tests.jobs.zero_init_job OUT_DIR MODEL_NAME
 """
 import gc
 import json

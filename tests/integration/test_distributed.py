@@ -85,7 +85,7 @@ def check_bf16_optimizer_export(run, tmp_path):
 def check_zero3_export(run, tmp_path):
     """Export consolidates ZeRO-3 shards; its outputs equal the live sharded model's; timm loads it."""
     live = tmp_path / "live.pt"
-    r = run_job(deepspeed_cmd("tests.zero3_live_outputs", str(run), str(live)))
+    r = run_job(deepspeed_cmd("tests.jobs.zero3_live_outputs", str(run), str(live)))
     assert_ok(r)
     out = tmp_path / "w.safetensors"
     info = export(run, out)

@@ -2,7 +2,7 @@
 W' ranks through DeepSpeed universal checkpointing, for ZeRO-1/2/3, fp32 and bf16.
 
 Real jobs through the deepspeed runner on CPU (gloo): three launches (2 ranks, 1 rank, 2 ranks)
-run every case of the matrix in turn (tests/elastic_job.py), about 2 minutes in all; the tests
+run every case of the matrix in turn (tests/jobs/elastic_job.py), about 2 minutes in all; the tests
 then read what each job recorded. Matrix (saved ranks -> resumed ranks):
 
     ZeRO-0 fp32 2->1    ZeRO-1 fp32 2->1    ZeRO-2 bf16 2->1    ZeRO-3 fp32 2->1
@@ -31,7 +31,7 @@ def tag_dir(root, case):
 
 
 def launch(root, ranks, *jobs):
-    r = run_job(deepspeed_cmd("tests.elastic_job", str(root), *jobs, ranks=ranks), timeout=420)
+    r = run_job(deepspeed_cmd("tests.jobs.elastic_job", str(root), *jobs, ranks=ranks), timeout=420)
     errors = sorted(root.glob("*/*.error.*"))
     detail = "\n".join(p.read_text()[-2500:] for p in errors) or (r.stdout + r.stderr)[-4000:]
     assert r.returncode == 0, detail

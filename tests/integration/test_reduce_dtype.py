@@ -26,7 +26,7 @@ def exact_norm() -> float:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("reduce") / "cases.json"
-    r = run_job(deepspeed_cmd("tests.reduce_dtype_job", str(out)), timeout=400)
+    r = run_job(deepspeed_cmd("tests.jobs.reduce_dtype_job", str(out)), timeout=400)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return json.loads(out.read_text())
 

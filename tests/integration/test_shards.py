@@ -22,7 +22,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.shards.cli import main
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _read_stock(out: Path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][a-zA-Z0-9]*(?:[-_][a-zA-Z0-9]+)*")
 # sbatch's own flags, written into the generated script (README "SLURM"; launch/slurm.py)

@@ -1,5 +1,5 @@
 """Shards over HTTP (``data.train_shards: http://...`` with ``data.allow_remote``), against a real
-HTTP server on 127.0.0.1 (tests/shard_http_server.py, its own process, stopped by PID): the same
+HTTP server on 127.0.0.1 (tests/jobs/shard_http_server.py, its own process, stopped by PID): the same
 batches as from disk; the server crashing mid-shard and coming back resumes the shard at its byte
 (no sample twice, none skipped) and counts the retries; a server that stays away ends the read
 within the retry bound naming the URL; a 404 names the shard; a rate-limited server is only slow."""
@@ -21,8 +21,8 @@ from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
 from dist_utils import free_port, job_env, start_job, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
-SERVER = REPO / "tests" / "shard_http_server.py"
+REPO = Path(__file__).resolve().parents[2]
+SERVER = REPO / "tests" / "jobs" / "shard_http_server.py"
 
 
 class Server:

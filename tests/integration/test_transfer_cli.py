@@ -17,7 +17,7 @@ from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import (exported_metadata, save_safetensors, tiny_model, write_cifar100, write_imagefolder,
                                write_vtab_task)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["eval.workers=0", "eval.batch_size=16", "eval.fewshot_shots=[1,5]", "eval.fewshot_seeds=2"]
 
 

@@ -1,6 +1,6 @@
 """A small real HTTP file server for the remote-shard tests, run as its own process:
 
-    python tests/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
+    python tests/jobs/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
                                                [--no-range] [--busy N]
 
 Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with

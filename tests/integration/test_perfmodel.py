@@ -164,7 +164,7 @@ def test_zeropp_keys_reach_deepspeed_and_are_checked():
 @pytest.fixture(scope="module")
 def ds_bytes(tmp_path_factory):
     out = tmp_path_factory.mktemp("perf") / "bytes.json"
-    r = run_job(deepspeed_cmd("tests.perf_bytes_job", str(out)), timeout=600)
+    r = run_job(deepspeed_cmd("tests.jobs.perf_bytes_job", str(out)), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -268,7 +268,7 @@ def test_hpz_runs_on_gloo_with_the_losses_of_plain_zero3(tmp_path):
     the same losses as ZeRO-3 without it: the secondary copy changes where weights are gathered
     from, not what is computed."""
     out = tmp_path / "hpz.json"
-    r = run_job(deepspeed_cmd("tests.hpz_job", str(out), ranks=4), timeout=600)
+    r = run_job(deepspeed_cmd("tests.jobs.hpz_job", str(out), ranks=4), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["2"]["hpz_in_config"] == 2 and got["2"]["secondary"] == [2], got  # secondary groups of 2 ranks

@@ -147,7 +147,7 @@ def test_cuda_path_orders_each_batch_by_events(smooth, as_on_cuda):
 
 def test_cuda_path_reads_nothing_on_the_host(smooth, as_on_cuda, monkeypatch):
     """No tensor read on the host and no synchronize in the training process while batches are
-    decoded, cropped, normalised and mixed, after start-up (counted as tests/test_host_sync.py
+    decoded, cropped, normalised and mixed, after start-up (counted as tests/integration/test_host_sync.py
     counts; the worker runs in its own process). RandAugment (per sample, its draws on the host) is
     not part of this check."""
     counts = collections.Counter()

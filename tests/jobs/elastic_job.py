@@ -1,6 +1,6 @@
 """Run by the deepspeed runner from test_elastic_ckpt: save / elastic-resume cases on CPU.
 
-    deepspeed --num_gpus W --module tests.elastic_job ROOT save:z2-bf16 resume:z3-fp32 ...
+    deepspeed --num_gpus W --module tests.jobs.elastic_job ROOT save:z2-bf16 resume:z3-fp32 ...
 
 A case is ``z<stage>-<precision>``; its files live in ROOT/<case>/. ``save`` (on the case's first
 world size) trains STEPS steps, saves ``ckpt/step_00000004`` with our run.json, records the full

@@ -21,7 +21,7 @@ from launch.cli import _parser, _spec, main
 from launch.runner import spec_world_size
 from pretrain.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").glob("*.yaml"))
 
 
