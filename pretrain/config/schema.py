@@ -188,8 +188,6 @@ class EvalConfig:
     wandb: bool = False
     watch_poll_s: float = 30.0  # --watch: seconds between looks for new checkpoints
     watch_idle_timeout_s: Optional[float] = None  # --watch: stop after this long without one
-    # in-training evaluation (pretrain/evaluation/in_training.py): data.val_shards loss/top-1/top-5 and few-shot
-    # probes every this many steps (0: off); uses fewshot_shots / fewshot_seeds / fewshot_l2
 
 
 @dataclass
