@@ -16,50 +16,74 @@ DEVICES = ("worker", "cpu", "cuda")  # data.decode_device
 
 @dataclass
 class AugmentConfig:
-    # Inception-style random resized crop (the paper's pre-processing) + horizontal flip.
     crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    """Inception-style random resized crop (the paper's pre-processing): range of the crop's share
+    of the image area."""
     crop_ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333333])
+    """Random resized crop: range of the crop's aspect ratio."""
     hflip: float = 0.5
-    # AugReg recipe (Steiner et al. 2021): RandAugment(num_ops, magnitude), Mixup / CutMix.
-    randaugment_ops: int = 0  # 0 disables RandAugment
+    """Probability of a horizontal flip."""
+    randaugment_ops: int = 0
+    """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops; 0 disables RandAugment."""
     randaugment_magnitude: int = 10
+    """RandAugment's magnitude."""
     mixup_alpha: float = 0.0
+    """Mixup's alpha (AugReg); 0 = off."""
     cutmix_alpha: float = 0.0
-    # Normalisation: big_vision / the ViT paper map pixels to [-1, 1].
+    """CutMix's alpha (AugReg); 0 = off."""
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    """Normalisation mean per channel: big_vision / the ViT paper map pixels to [-1, 1]."""
     std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    """Normalisation standard deviation per channel."""
     eval_crop_pct: float = 0.875
+    """Evaluation: the shorter side is resized to `img_size / eval_crop_pct`, then the centre
+    crop is taken."""
 
 
 @dataclass
 class DataConfig:
-    # Brace pattern ("shards/train-{000000..000127}.tar"), a list of URLs, or a manifest.json path.
     train_shards: Union[str, list[str], None] = None
+    """Brace pattern (`dir/train-{000000..000999}.tar`), a folder, a list of URLs, or a
+    `manifest.json`; a pattern selects tars of the `manifest.json` that must sit beside them."""
     val_shards: Union[str, list[str], None] = None
-    img_size: Optional[int] = None  # None: the model's resolution
+    """The same, for evaluation streams."""
+    img_size: Optional[int] = None
+    """Loader resolution; null: the model's resolution."""
     workers: int = 4
+    """DataLoader worker processes per rank."""
     shuffle_buffer: int = 2000
-    multi_label: bool = False  # sigmoid targets from <key>.json labels (ImageNet-21k / JFT style)
-    allow_remote: bool = False  # permit pipe:, http(s)://, s3://, gs:// URLs
-    # http(s) shards: a failed connect/read is retried with backoff (0.25 s doubling, at most 8 s)
-    # and resumes at its byte; the run stops after this many failures in a row, or after one
-    # outage lasted remote_retry_s; a connect or read that waits remote_timeout_s is a failure
+    """Samples per shuffle buffer (per worker)."""
+    multi_label: bool = False
+    """Sigmoid targets from `<key>.json` labels (ImageNet-21k / JFT style)."""
+    allow_remote: bool = False
+    """Permit `pipe:`, `http(s)://`, `s3://`, `gs://` shard URLs."""
     remote_retries: int = 8
+    """`http(s)://` shards: failures in a row (refused connect, dropped or stalled read,
+    408/429/5xx) retried with backoff (0.25 s doubling, at most 8 s) before the run stops; a read
+    resumes at its byte (data_pipeline/DATA.md, "Shards over HTTP")."""
     remote_retry_s: float = 120.0
+    """The longest one outage of an `http(s)://` server is retried, waits included."""
     remote_timeout_s: float = 30.0
-    max_corrupt_rate: float = 0.01  # stop the run when more than this share of samples is bad
-    max_image_pixels: int = 89_478_485  # decompression-bomb guard (PIL's default limit)
+    """A connect or a read of an `http(s)://` shard that waits this long counts as a failure."""
+    max_corrupt_rate: float = 0.01
+    """Stop the run when more than this share of samples is bad."""
+    max_image_pixels: int = 89_478_485
+    """Decompression-bomb guard: larger images are refused (PIL's default limit)."""
     prefetch_factor: int = 2
-    # where JPEGs are decoded: "worker" (PIL in the dataloader workers), or "cuda" / "cpu": the
-    # training process decodes each batch with torchvision's decode_jpeg (nvJPEG on a GPU) and
-    # crops, flips, normalises there; workers only read and pick crop boxes (batch_decode.py)
+    """Batches each DataLoader worker prepares ahead."""
     decode_device: str = "worker"
-    # write step<TAB>epoch<TAB>key per consumed sample to <output_dir>/samples/rank-<R>.tsv
+    """Where JPEGs are decoded: `worker` (PIL in the data workers, draft-mode DCT scaling), `cuda`
+    (the training process decodes each batch with nvJPEG and crops, flips, normalises and mixes on
+    the GPU; workers only read tar members and draw crop boxes) or `cpu` (the same decode in the
+    training process, bit-identical batches to `worker`). Details: data_pipeline/DATA.md."""
     record_samples: bool = False
-    # a file of sample keys to skip, one per line (vit-audit's exclude.txt): never decoded,
-    # counted as ``excluded``
+    """Write `step<TAB>epoch<TAB>key` per consumed sample to `<output_dir>/samples/rank-<R>.tsv`
+    (cut back to the checkpoint's step on resume)."""
     exclude_keys: Optional[str] = None
+    """A file of sample keys to skip, one per line (vit-audit's `exclude.txt`): never decoded,
+    counted as `excluded`."""
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    """Training augmentation and normalisation (the paper's by default)."""
 
 
 def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:

@@ -17,130 +17,224 @@ from data_pipeline.config import DataConfig
 @dataclass
 class ModelConfig:
     name: str = "vit_base_patch16_224"
+    """timm name: `vit_{tiny,small,base,large}_patch16_224`, `vit_base_patch32_224`,
+    `vit_large_patch32_224`, `vit_huge_patch14_224`, `vit_giant_patch14_224` (g/14, 1.0 B),
+    `vit_gigantic_patch14_224` (G/14, 1.8 B), `vit_{base,large}_patch16_384`, hybrid
+    `vit_base_r50_s16_224`."""
     num_classes: int = 1000
-    img_size: Optional[int] = None  # None: the resolution in the model name
+    """Classes of the head; must match the shards' class list."""
+    img_size: Optional[int] = None
+    """Training resolution; null: the resolution in the model name."""
     drop_rate: float = 0.0
+    """Dropout."""
     drop_path_rate: float = 0.0
-    representation_size: Optional[int] = None  # tanh pre-logits layer (the paper's pre-training head)
+    """Stochastic depth."""
+    representation_size: Optional[int] = None
+    """Width of the tanh pre-logits layer of the paper's pre-training head; null: none."""
     global_pool: Literal["token", "avg"] = "token"
-    # stability past ViT-H (timm's options of the same names): LayerNorm over each head's queries
-    # and keys; LayerScale on both residual branches, initialised at init_values (null: none)
+    """`token` ([class] token) or `avg`."""
     qk_norm: bool = False
+    """LayerNorm over each head's queries and keys (timm's `qk_norm`, keys `attn.q_norm` /
+    `attn.k_norm`): bounded attention logits at g/14-G/14 scale (stability past ViT-H)."""
     init_values: Optional[float] = None
-    # start pre-training from existing weights (a run directory, an exported or timm safetensors
-    # file, a transformers ViT folder): position embeddings resized, the head kept when its shape
-    # fits num_classes, else freshly initialised. A resumed run ignores it (the checkpoint wins).
+    """LayerScale on both residual branches starting at this value (timm's `init_values`, keys
+    `ls1.gamma` / `ls2.gamma`), e.g. `1e-5`; null: none."""
     init_from: Optional[str] = None
+    """Start from existing weights (e.g. continue from an ImageNet-21k model): a run directory, an
+    exported or timm safetensors file, or a transformers ViT folder; null: a fresh model. How the
+    weights are fitted: pretrain/weights/WEIGHTS.md."""
 
 
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "sgd"] = "adamw"
+    """`adamw` or `sgd`."""
     lr: float = 1e-3
+    """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's betas."""
     eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
+    """AdamW's epsilon."""
+    momentum: float = 0.9
+    """SGD momentum (`sgd` only)."""
     weight_decay: float = 0.1
-    grad_clip: float = 1.0  # 0 disables clipping
+    """Decoupled weight decay; none on biases, norms, position embedding, [class] token."""
+    grad_clip: float = 1.0
+    """Global-norm gradient clipping; 0 disables clipping."""
     warmup_steps: int = 10_000
+    """Linear warmup steps, then `schedule`."""
     schedule: Literal["linear", "cosine", "constant"] = "linear"
+    """Learning-rate decay after the warmup: `linear`, `cosine` or `constant`."""
     min_lr: float = 0.0
+    """The learning rate the decay ends at."""
     label_smoothing: float = 0.0
+    """Label smoothing of the classification loss."""
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000  # optimizer steps
+    steps: int = 1000
+    """Optimizer steps to run."""
     global_batch_size: int = 4096
-    micro_batch_size: int = 64  # per rank, per forward/backward
+    """Images per optimizer step; must be divisible by micro batch x world size, the rest is
+    gradient accumulation. On other hardware keep it and change `train.micro_batch_size`."""
+    micro_batch_size: int = 64
+    """Images per rank and forward/backward."""
     seed: int = 0
+    """Seed of the model's initialisation, the data order and augmentations, the dropout
+    streams."""
     precision: Literal["bf16", "fp32"] = "bf16"
-    # dtype of gradient accumulation and of the gradient reduction across ranks under bf16:
-    # fp32 keeps small gradients that a bf16 sum of many ranks rounds away, at 2x the bytes on the wire
+    """`bf16` or `fp32`. bf16 needs `zero.stage` >= 1: at stage 0 DeepSpeed accumulates and
+    reduces gradients in bf16 and reads every gradient on the host each step, so that pair is
+    refused in one line (stage 1 holds no more per rank)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # start-up (DeepSpeed init, a universal-checkpoint conversion, the first collectives) may take this
-    # long before the job ends naming the phase; larger than any step-time bound
+    """Under bf16, the dtype gradients are accumulated in across micro-batches and summed in across
+    ranks. `fp32` (DeepSpeed's `data_types.grad_accum_dtype` and `communication_data_type`) keeps
+    the small gradients that a bf16 sum over 64-256 ranks rounds away (8 mantissa bits), at 2x the
+    gradient bytes on the wire; `bf16` halves those bytes knowingly (the performance model prices
+    both)."""
     startup_timeout_s: float = 3600.0
+    """The bound on start-up: process group and DeepSpeed's communication set-up, model build,
+    DeepSpeed init, checkpoint resume (a universal-checkpoint conversion on another world size),
+    the first step; collectives wait this long until the first step is done. Past it one line
+    names the phase and the rank ends (a guard process: DeepSpeed's CPU shm set-up spins in C++
+    for a dead peer's buffer file, where no Python thread can run); larger than any step-time
+    bound; 0 = off."""
     activation_checkpointing: bool = False
+    """Recompute each block in backward."""
     log_every_steps: int = 10
-    max_nonfinite_steps: int = 5  # this many non-finite losses in a row stop the run
+    """Steps per logging window (metrics.jsonl, W&B, the progress line)."""
+    max_nonfinite_steps: int = 5
+    """Non-finite losses in a row before the run stops; a non-finite micro-batch is dropped on
+    every rank (its gradients are zeroed on the device, the step still counts) and the streak is
+    checked at the next sync point."""
     output_dir: str = "runs/default"
-    # a rank without progress this long dumps its stacks to <output_dir>/hang/ and ends the job
-    # (the first step and checkpoints get 3x); 0 disables the watchdog
+    """Metrics, config, summary, status, checkpoints, W&B files (layout:
+    `pretrain/checkpointing/rundir.py`)."""
     hang_timeout_s: float = 600.0
-    pg_timeout_s: float = 1800.0  # process-group (gloo / NCCL) collective timeout
-    # the loop reads the device (stop agreement across ranks, the non-finite verdict) only at log
-    # and checkpoint steps and every this many steps: a signal stops the run within this many steps
+    """A rank without progress this long dumps every thread's stack to
+    `<output_dir>/hang/rank-R.txt` and the job ends (exit 3); the first step and checkpoints get
+    3x; 0 = off."""
+    pg_timeout_s: float = 1800.0
+    """How long a collective waits for its peers (gloo / NCCL process-group timeout), from the end
+    of the first step on."""
     sync_every_steps: int = 10
-    # compile each Transformer block's forward (regional torch.compile; every ZeRO stage, see README)
+    """The loop reads the device (stop agreement across ranks, the non-finite verdict) only at log
+    and checkpoint steps and every this many steps; a signal stops the run within this many steps.
+    What that saves: pretrain/perf/PERFORMANCE.md."""
     compile: bool = False
-    # a rank whose batch reading + forward takes this many times the other ranks' median, in this
-    # many logging windows in a row, is named as a straggler (metrics straggler/*, one line)
+    """`torch.compile` each Transformer block's forward (regional: one compile reused by every
+    block; works with activation checkpointing and every ZeRO stage; see
+    pretrain/perf/PERFORMANCE.md)."""
     straggler_factor: float = 1.5
+    """A rank whose batch reading + forward (the phases that wait on no peer) takes this many times
+    the other ranks' median, in `train.straggler_windows` logging windows in a row, is named as a
+    straggler."""
     straggler_windows: int = 3
+    """Logging windows in a row a slow rank must lag before it is named in one line (`rank R on
+    HOST: 2.0x the median step, mostly in forward`), in `straggler/*` metrics and in
+    `<output_dir>/stragglers.json`; `vit-launch run --exclude-slow-hosts` leaves its host out at
+    the next start."""
 
 
 @dataclass
 class ZeroConfig:
     stage: int = 1
+    """DeepSpeed ZeRO stage, 0-3."""
     offload_optimizer: bool = False
+    """Keep the optimizer states in host memory (DeepSpeed's `offload_optimizer` to CPU)."""
     overlap_comm: bool = True
+    """Overlap the gradient reduction with the backward (DeepSpeed's `overlap_comm`)."""
     contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (DeepSpeed's
+    `contiguous_gradients`)."""
     reduce_bucket_size: int = 500_000_000
+    """Elements per gradient-reduction bucket (DeepSpeed's `reduce_bucket_size`)."""
     allgather_bucket_size: int = 500_000_000
+    """Elements per all-gather bucket, stages 1-2 (DeepSpeed's `allgather_bucket_size`)."""
     stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of weights fetched ahead of use (DeepSpeed's
+    `stage3_prefetch_bucket_size`)."""
     stage3_param_persistence_threshold: int = 100_000
-    # ZeRO++ (stage 3 only): hpZ keeps a secondary weight partition inside groups of this many GPUs
-    # (one node), qwZ all-gathers int8 weights, qgZ reduces int4 gradients (both need CUDA kernels)
+    """Stage 3: tensors smaller than this many elements stay whole on every rank (DeepSpeed's
+    `stage3_param_persistence_threshold`)."""
     hpz_partition_size: int = 1
+    """ZeRO++ hpZ (stage 3 only): a secondary weight partition inside groups of this many GPUs (a
+    node), so the backward all-gather stays on NVLink, for `2 x params / hpz` bytes per GPU."""
     quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): int8 weight all-gather; needs DeepSpeed's CUDA quantizer, so a CPU
+    run refuses it in one line."""
     quantized_gradients: bool = False
+    """ZeRO++ qgZ (stage 3): int4 gradient all-to-all; needs DeepSpeed's CUDA quantizer, so a CPU
+    run refuses it in one line."""
 
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None  # None: <train.output_dir>/checkpoints
+    dir: Optional[str] = None
+    """Where checkpoints go; null: `<train.output_dir>/checkpoints`."""
     every_steps: int = 1000
+    """Save every this many steps (and at the end, and on SIGTERM)."""
     keep_last: int = 3
-    resume: bool = True  # resume automatically from the latest complete checkpoint
-    # write in the background while training goes on (pretrain/checkpointing/async_save.py); YAML key
-    # `checkpoint.async` (a Python keyword, so the field is named async_save)
+    """Complete checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """Resume automatically from the newest complete checkpoint."""
     async_save: bool = False
+    """Write checkpoints in the background while training goes on
+    (`pretrain/checkpointing/async_save.py`). YAML key `checkpoint.async` (a Python keyword, so
+    the field is named async_save; `checkpoint.async_save` is also accepted); see
+    pretrain/checkpointing/CHECKPOINTS.md."""
 
 
 @dataclass
 class WandbConfig:
     mode: Literal["online", "offline", "disabled"] = "offline"
+    """`online`, `offline` or `disabled`."""
     project: str = "vitscale"
+    """W&B project."""
     entity: Optional[str] = None
+    """W&B entity (user or team); null: W&B's default."""
     group: Optional[str] = None
+    """W&B group; `vit-launch sweep` sets one shared by its runs."""
     name: Optional[str] = None
+    """W&B run name; null: W&B's."""
     tags: list[str] = field(default_factory=list)
-    # online only: how long wandb.init may wait for the server (or a missing API key) before the
-    # run goes on offline; training never stalls or dies for W&B
+    """W&B tags."""
     init_timeout_s: float = 30.0
+    """`online`: the longest wait for W&B at start-up (no API key, no network); then the run logs
+    offline and says how to `wandb sync`. Training never stalls or dies for W&B."""
 
 
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases."""
     jsonl: bool = True
+    """Write `metrics.jsonl` in the run directory."""
 
 
 @dataclass
 class ValidationConfig:
     """Evaluation while pre-training (``pretrain/evaluation/in_training.py``): validation loss / top-k over
     ``data.val_shards`` and few-shot probes, every ``every_steps`` steps."""
-    every_steps: int = 0  # 0: off
-    # few-shot probes: vit-transfer suite names, NAME or NAME:PATH
-    # (e.g. demo, cifar100:/data/cifar-100-python, imagefolder:/data/pets)
+    every_steps: int = 0
+    """Evaluate while pre-training every N steps and at the last one; 0 = off (see
+    pretrain/evaluation/EVALUATION.md)."""
     fewshot_suites: list[str] = field(default_factory=list)
+    """Few-shot probes while pre-training: vit-transfer suite names, `NAME` or `NAME:PATH` (e.g.
+    `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`)."""
     fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    """The probes' shots per class."""
     fewshot_seeds: int = 3
-    fewshot_l2: float = 1024.0  # big_vision's l2_reg = 2**10
-    tasks: list[str] = field(default_factory=list)  # vtab1k: probe only these (empty: all present)
-    minival_fraction: float = 0.02  # val split cut from train where a suite has none (big_vision)
+    """The probes' seeds (draws of the few-shot examples), averaged."""
+    fewshot_l2: float = 1024.0
+    """The probes' ridge penalty (big_vision's l2_reg = 2**10)."""
+    tasks: list[str] = field(default_factory=list)
+    """VTAB-1k tasks to probe (empty: all present)."""
+    minival_fraction: float = 0.02
+    """The val split cut from train where a suite has none (big_vision)."""
     seed: int = 0
+    """Seed of that split."""
 
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
@@ -157,51 +251,81 @@ class EvalConfig:
     """Transfer evaluation of a checkpoint (``vit-transfer``, ``pretrain/transfer``); evaluation
     while pre-training is ``ValidationConfig``. Plain keys are the settings
     used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
-    suite: str = "cifar100"  # a name in pretrain.transfer.suites.SUITES
+    suite: str = "cifar100"
+    """vit-transfer's suite: a name in `pretrain.transfer.suites.SUITES`."""
     protocol: Literal["finetune", "linear", "fewshot"] = "linear"
+    """vit-transfer's protocol: `finetune`, `linear` or `fewshot`."""
     data_root: Optional[str] = None
-    tasks: list[str] = field(default_factory=list)  # vtab1k: run only these (empty: all present)
-    img_size: Optional[int] = None  # None: the checkpoint's resolution; else pos-embed resized
-    pool: Literal["model", "token", "avg"] = "model"  # frozen features: model = its pre-logits
+    """The suite's data folder (`--data-root`)."""
+    tasks: list[str] = field(default_factory=list)
+    """VTAB-1k: run only these tasks (empty: all present)."""
+    img_size: Optional[int] = None
+    """Evaluation resolution; null: the checkpoint's resolution, else the position embedding is
+    resized."""
+    pool: Literal["model", "token", "avg"] = "model"
+    """Frozen features: `model` = the model's own pre-logits, `token` or `avg`."""
     batch_size: int = 64
+    """Images per batch."""
     workers: int = 2
+    """Data-loading worker processes."""
     seed: int = 0
-    # fine-tune (ViT paper / big_vision): SGD momentum 0.9, no weight decay, cosine + warmup
+    """Seed of the new head, the fine-tune data order and the minival split."""
     steps: int = 500
+    """Fine-tune steps (ViT paper / big_vision: SGD momentum 0.9, no weight decay, cosine +
+    warmup)."""
     lr: float = 0.01
+    """Fine-tune learning rate."""
     warmup_steps: int = 100
-    grad_clip: float = 1.0  # 0 disables clipping
-    train_augment: Optional[bool] = None  # None: off for vtab1k (flips change structured labels)
-    # linear probe: multinomial logistic regression, L2 penalty on the weights
+    """Fine-tune warmup steps."""
+    grad_clip: float = 1.0
+    """Fine-tune global-norm clipping; 0 disables clipping."""
+    train_augment: Optional[bool] = None
+    """Fine-tune with random crops and flips; null: off for vtab1k (flips change structured
+    labels), on otherwise."""
     linear_l2: float = 1e-4
-    # few-shot: big_vision's regularised least squares to +-1 targets
+    """Linear probe (multinomial logistic regression): L2 penalty on the weights."""
     fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    """Few-shot (big_vision's regularised least squares to +-1 targets): shots per class."""
     fewshot_seeds: int = 3
-    fewshot_l2: float = 1024.0  # big_vision's l2_reg = 2**10
-    # hyper-parameter sweep: select on train -> val, retrain on train+val, report test
-    sweep: Optional[bool] = None  # None: on for vtab1k (train800 -> val200), off otherwise
+    """Few-shot: seeds (draws of the examples), averaged."""
+    fewshot_l2: float = 1024.0
+    """Few-shot ridge penalty (big_vision's l2_reg = 2**10)."""
+    sweep: Optional[bool] = None
+    """Hyper-parameter sweep: select on train -> val, retrain on train+val, report test; null: on
+    for vtab1k (train800 -> val200), off otherwise."""
     sweep_lr: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03])
+    """Fine-tune learning rates searched when sweeping."""
     sweep_linear_l2: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
+    """Linear-probe L2 penalties searched when sweeping."""
     sweep_fewshot_l2: list[float] = field(default_factory=lambda: [64.0, 256.0, 1024.0, 4096.0])
-    minival_fraction: float = 0.02  # val split cut from train where a suite has none (big_vision)
-    # results: log into the pre-training W&B run (same id, at the checkpoint's step)
+    """Few-shot ridge penalties searched when sweeping."""
+    minival_fraction: float = 0.02
+    """The val split cut from train where a suite has none (big_vision)."""
     wandb: bool = False
-    watch_poll_s: float = 30.0  # --watch: seconds between looks for new checkpoints
-    watch_idle_timeout_s: Optional[float] = None  # --watch: stop after this long without one
+    """Log the results into the pre-training W&B run (same id, at the checkpoint's step)."""
+    watch_poll_s: float = 30.0
+    """`--watch`: seconds between looks for new checkpoints."""
+    watch_idle_timeout_s: Optional[float] = None
+    """`--watch`: stop after this long without a new checkpoint; null: never."""
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The ViT."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Shards and the loader (``data_pipeline/config.py``)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The training job."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """DeepSpeed ZeRO."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Defaults for ``vit-transfer``."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-
-
-
-
+    """Evaluation while pre-training."""
