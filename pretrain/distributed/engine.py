@@ -14,18 +14,26 @@ from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 
 
 def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON config for these sections and world size. Pure: no torch, no I/O."""
+    """The DeepSpeed JSON config for these sections and world size. Pure: no torch, no I/O.
+
+    Every key whose value the training algorithm depends on is written out, DeepSpeed's default or
+    not (``tests/unit/test_engine.py`` reads them back through DeepSpeed's own parser), so a new
+    DeepSpeed release that changes a default cannot change a run: clipping (absent, DeepSpeed clips
+    at 1.0), gradient pre-scaling, the ZeRO buckets and their overlap, the stage-3 gather limits."""
     gas = check_world_size(train, world_size)
     z: dict = {"stage": zero.stage}
     if zero.stage >= 1:
         z.update(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
-                 contiguous_gradients=zero.contiguous_gradients)
+                 contiguous_gradients=zero.contiguous_gradients, round_robin_gradients=False,
+                 load_from_fp32_weights=True)
     if zero.stage in (1, 2):
         z.update(allgather_bucket_size=zero.allgather_bucket_size, reduce_scatter=True,
-                 allgather_partitions=True)
+                 allgather_partitions=True, use_multi_rank_bucket_allreduce=True)
     if zero.stage == 3:
         z.update(stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                  stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
+                 stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
+                 sub_group_size=1_000_000_000,
                  # export consolidates from the fp32 shards; no 16-bit gather at save time
                  stage3_gather_16bit_weights_on_model_save=False)
         if train.compile:
@@ -52,9 +60,12 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # torch AdamW / SGD as client optimizers
         "zero_force_ds_cpu_optimizer": False,
+        # 0.0 disables clipping: DeepSpeed clips at 1.0 when the key is absent
+        "gradient_clipping": float(optim.grad_clip),
+        # gradients are averaged over ranks after the reduction, not divided before it
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
     }
-    if optim.grad_clip > 0:
-        cfg["gradient_clipping"] = optim.grad_clip
     cfg.update(reduction_dtypes(train, zero.stage))
     return cfg
 

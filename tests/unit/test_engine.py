@@ -47,7 +47,7 @@ def test_deepspeed_config_offload_and_errors():
     c = cfg("zero.stage=2", "zero.offload_optimizer=true", "optim.grad_clip=0", "train.precision=fp32")
     ds = deepspeed_config(c.optim, c.train, c.zero, world_size=2)
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    assert "gradient_clipping" not in ds and ds["bf16"]["enabled"] is False
+    assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["enabled"] is False  # 0: no clipping, said explicitly
     with pytest.raises(ConfigError, match="offload_optimizer needs zero.stage >= 1"):
         c0 = cfg("zero.stage=0", "zero.offload_optimizer=true")
         deepspeed_config(c0.optim, c0.train, c0.zero, 2)
@@ -179,3 +179,38 @@ def test_nonfinite_verdict_reads_pending_flags_in_order():
     guard.pending += [(5, torch.tensor(False)), (6, torch.tensor(False))]
     with pytest.raises(NonFiniteLoss, match="3 non-finite losses in a row at steps 4-6"):
         guard.verdict()
+
+
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "bf16"), (2, "bf16"), (2, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_every_deepspeed_default_we_rely_on_is_explicit(stage, precision, clip):
+    """DeepSpeed's own parser reads our config back with the values we mean, whatever its defaults:
+    a release that changes one fails here, not in a run. The defect this guards: without the key,
+    DeepSpeed clips the gradient norm at 1.0, so optim.grad_clip=0 silently clipped."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    c = cfg(f"zero.stage={stage}", "train.global_batch_size=32", "train.micro_batch_size=16",
+            f"train.precision={precision}", f"optim.grad_clip={clip}")
+    ds = deepspeed_config(c.optim, c.train, c.zero, world_size=1)
+    parsed = DeepSpeedConfig(json.loads(json.dumps(ds)))  # as a runner would hand it over
+    assert parsed.gradient_clipping == clip
+    assert parsed.prescale_gradients is False and parsed.gradient_predivide_factor == 1.0
+    assert parsed.gradient_accumulation_steps == 2 and parsed.train_micro_batch_size_per_gpu == 16
+    assert parsed.bfloat16_config.enabled == (precision == "bf16") and not parsed.float16_config.enabled
+    assert parsed.zero_allow_untested_optimizer is True
+    z = parsed.zero_config
+    assert z.stage == stage
+    if stage >= 1:
+        assert (z.reduce_bucket_size, z.overlap_comm, z.contiguous_gradients) == (
+            c.zero.reduce_bucket_size, c.zero.overlap_comm, c.zero.contiguous_gradients)
+        assert z.round_robin_gradients is False and z.load_from_fp32_weights is True
+    if stage in (1, 2):
+        assert z.reduce_scatter is True and z.allgather_partitions is True
+        assert z.allgather_bucket_size == c.zero.allgather_bucket_size and z.use_multi_rank_bucket_allreduce is True
+    if stage == 3:
+        assert (z.prefetch_bucket_size, z.param_persistence_threshold) == (
+            c.zero.stage3_prefetch_bucket_size, c.zero.stage3_param_persistence_threshold)
+        assert z.max_live_parameters == z.max_reuse_distance == z.sub_group_size == 1_000_000_000
+        assert z.gather_16bit_weights_on_model_save is False
+    if precision == "bf16":  # gradients accumulated and reduced in fp32 (train.reduce_dtype)
+        assert parsed.grad_accum_dtype == "fp32" and parsed.communication_data_type == torch.float32
