@@ -147,6 +147,15 @@ def shard_kit():
 
 
 @pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """The tiny runs' data: 256 demo images (real JPEGs) in 4 shards of 64, its manifest's path.
+    Built once per test process; a file that needs other counts declares its own ``shards``."""
+    from dist_utils import demo_manifest
+
+    return demo_manifest(tmp_path_factory, 256, 64)
+
+
+@pytest.fixture(scope="session")
 def demo_train(tmp_path_factory):
     """384 demo images in 16 shards of 24 (real procedurally drawn JPEGs)."""
     from data_pipeline.shards.writer import write_demo_shards

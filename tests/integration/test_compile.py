@@ -7,12 +7,7 @@ import sys
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, job_env, metrics
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
+from dist_utils import REPO, job_env, metrics
 
 
 def losses(shards, run_dir, *extra):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, job_env
+from dist_utils import REPO, job_env
 
 # Runs pretrain.train.main in this process with the counters installed; writes the counts.
 JOB = r"""
@@ -66,11 +66,6 @@ ALLOWED = {
     3: {NORM_CHECK: 1, ADAM_STEP: 2},
 }
 OURS = ("pretrain/", "data_pipeline/", "launch/")
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
 
 
 def run_counted(shards, tmp_path, *extra):

@@ -6,7 +6,6 @@
 * One rank of a 2-rank job slowed for real (SIGSTOP/SIGCONT bursts) is named within a bounded
   number of logging windows; the same job unslowed names nobody.
 """
-import json
 import os
 import signal
 import subprocess
@@ -14,9 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
-from dist_utils import REPO, deepspeed_cmd, demo_manifest, free_port, group_alive, job_env, kill_group, metrics, \
+from dist_utils import REPO, deepspeed_cmd, free_port, group_alive, job_env, kill_group, metrics, \
     start_job, wait_for
 
 PEER_THAT_DIES = """
@@ -25,11 +23,6 @@ dist.init_process_group("gloo", init_method="env://", rank=1, world_size=2)
 import os
 os._exit(0)  # before DeepSpeed's shm set-up would create this rank's buffer file
 """
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
 
 
 def test_a_peer_dead_before_the_shm_setup_ends_start_up_within_the_bound(shards, tmp_path):

@@ -2,12 +2,7 @@
 
 import pytest
 
-from dist_utils import demo_manifest, job_env, metrics, train_single
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
+from dist_utils import job_env, metrics, train_single
 
 
 def train(shards, run_dir, *extra, fault=None, timeout=240):

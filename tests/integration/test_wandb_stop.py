@@ -14,15 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, free_port, group_alive, job_env, kill_group, metrics, start_job, wait_for, \
+from dist_utils import REPO, free_port, group_alive, job_env, kill_group, metrics, start_job, wait_for, \
     wandb_records
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=64)
 
 
 def launch(shards, run, *extra):
