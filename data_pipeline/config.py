@@ -44,7 +44,7 @@ class AugmentConfig:
 class DataConfig:
     train_shards: Union[str, list[str], None] = None
     """Brace pattern (`dir/train-{000000..000999}.tar`), a folder, a list of URLs, or a
-    `manifest.json`; a pattern selects tars of the `manifest.json` that must sit beside them."""
+    `manifest.json`."""
     val_shards: Union[str, list[str], None] = None
     """The same, for evaluation streams."""
     img_size: Optional[int] = None
@@ -72,10 +72,8 @@ class DataConfig:
     prefetch_factor: int = 2
     """Batches each DataLoader worker prepares ahead."""
     decode_device: str = "worker"
-    """Where JPEGs are decoded: `worker` (PIL in the data workers, draft-mode DCT scaling), `cuda`
-    (the training process decodes each batch with nvJPEG and crops, flips, normalises and mixes on
-    the GPU; workers only read tar members and draw crop boxes) or `cpu` (the same decode in the
-    training process, bit-identical batches to `worker`). Details: data_pipeline/DATA.md."""
+    """Where JPEGs are decoded: `worker` (the data workers), `cuda` (the training process, on the
+    GPU) or `cpu` (the training process, on the CPU); what each does: data_pipeline/DATA.md."""
     record_samples: bool = False
     """Write `step<TAB>epoch<TAB>key` per consumed sample to `<output_dir>/samples/rank-<R>.tsv`
     (cut back to the checkpoint's step on resume)."""

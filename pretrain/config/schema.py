@@ -77,7 +77,7 @@ class TrainConfig:
     """Optimizer steps to run."""
     global_batch_size: int = 4096
     """Images per optimizer step; must be divisible by micro batch x world size, the rest is
-    gradient accumulation. On other hardware keep it and change `train.micro_batch_size`."""
+    gradient accumulation."""
     micro_batch_size: int = 64
     """Images per rank and forward/backward."""
     seed: int = 0

@@ -1,5 +1,5 @@
-"""Every option of every command's ``--help`` is in the README, and every ``--option`` the README
-shows belongs to a command.
+"""Every option of every command's ``--help`` is in the README or a guide (any ``*.md`` under
+``pretrain/``, ``data_pipeline/``, ``launch/``), and every ``--option`` they show belongs to a command.
 
 The parsers are the real ones: each command's ``main`` is called with ``parse_known_args``
 replaced by a catch, so the parser it built is read back without running anything. Commands:
@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
+# the README and the guides beside the code: every *.md under the three packages
+DOCS = [REPO / "README.md"] + sorted(p for d in ("pretrain", "data_pipeline", "launch") for p in (REPO / d).rglob("*.md"))
+README = "\n".join(p.read_text() for p in DOCS)
 OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][a-zA-Z0-9]*(?:[-_][a-zA-Z0-9]+)*")
 # sbatch's own flags, written into the generated script (README "SLURM"; launch/slurm.py)
 SBATCH = {"--exclusive", "--gres", "--open-mode", "--signal", "--requeue", "--output", "--time", "--partition",
@@ -92,14 +94,14 @@ NAMED = ["vit-launch run", "vit-launch check", "vit-launch slurm", "vit-launch s
 @pytest.mark.parametrize("command", NAMED)
 def test_every_option_of_the_command_is_in_the_readme(cmds, command):
     missing = sorted(o for o in cmds[command] if not re.search(re.escape(o) + r"(?![\w-])", README))
-    assert not missing, f"{command}: options in --help but not in README.md: {missing}"
+    assert not missing, f"{command}: options in --help but not in README.md or a guide: {missing}"
 
 
 def test_every_option_in_the_readme_belongs_to_a_command(cmds):
     ours = set().union(*cmds.values(), {"--help"})
     foreign = deepspeed_runner_options() | SBATCH | PYTEST
     unknown = sorted(set(OPTION.findall(README)) - ours - foreign)
-    assert not unknown, f"README.md shows options no command has: {unknown}"
+    assert not unknown, f"README.md or a guide shows options no command has: {unknown}"
 
 
 def test_the_check_sees_a_made_up_option():
