@@ -333,8 +333,9 @@ def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkp
     """The performance model's img/s and MFU for a row (one GPU, no ZeRO), beside the measured
     ones; nothing on a device the model has no entry for (CPUs, unlisted GPUs)."""
     from pretrain.perf import perfmodel
+    from pretrain.perf.hardware import gpu_key
 
-    key = perfmodel.gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    key = gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if key is None:
         return {}
     p = perfmodel.predict(perfmodel.Layout(name, key, nodes=1, gpus_per_node=1, micro_batch=batch, img_size=img,

@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.perf import perfmodel  # noqa: E402
+from pretrain.perf.published import published_table  # noqa: E402
 
 # ViT paper (Dosovitskiy et al. 2021), Table 2 / Figure 5: pre-training compute on JFT-300M
 BUDGET_EXAFLOPS = {"vit_large_patch16_224": 1567, "vit_huge_patch14_224": 4262}
@@ -21,7 +22,7 @@ BUDGET_EXAFLOPS = {"vit_large_patch16_224": 1567, "vit_huge_patch14_224": 4262}
 def main() -> None:
     print("| published run | metric | published | predicted | error | tolerance |")
     print("|---|---|---:|---:|---:|---:|")
-    for r in perfmodel.published_table():
+    for r in published_table():
         cal = " (calibration point)" if r.get("calibration") else ""
         fmt = "{:,.0f}" if r["metric"] == "images_per_second" else "{:.2f}"
         print(f"| {r['name']}{cal} | {r['metric']} | {fmt.format(r['published'])} | {fmt.format(r['predicted'])} | "

@@ -231,9 +231,10 @@ def cmd_check(args) -> int:
     ok = _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
     if args.gpu:
         from pretrain.perf import perfmodel
+        from pretrain.perf.hardware import GPUS
 
-        if args.gpu not in perfmodel.GPUS:
-            print(f"{PROG}: error: --gpu {args.gpu!r} is not one of {', '.join(perfmodel.GPUS)}", file=sys.stderr)
+        if args.gpu not in GPUS:
+            print(f"{PROG}: error: --gpu {args.gpu!r} is not one of {', '.join(GPUS)}", file=sys.stderr)
             return 2
         per_node = args.gpus_per_node or min(world, 8)
         nodes = max(1, world // per_node)

@@ -12,13 +12,13 @@ import json
 import sys
 from dataclasses import replace
 
-from pretrain.perf import perfmodel
+from pretrain.perf import hardware, perfmodel
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")
     ap.add_argument("--model", help="registered model name (without --config), e.g. vit_large_patch16_224")
-    ap.add_argument("--gpu", required=True, choices=sorted(perfmodel.GPUS), help="GPU type")
+    ap.add_argument("--gpu", required=True, choices=sorted(hardware.GPUS), help="GPU type")
     ap.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     ap.add_argument("--world-size", type=int, help="total GPUs (with --config; nodes = world / gpus-per-node)")
@@ -32,7 +32,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hpz", type=int, help="ZeRO++ hpZ: secondary partition group size (stage 3)")
     ap.add_argument("--quantized-weights", action="store_true", help="ZeRO++ qwZ: int8 weight all-gather (stage 3)")
     ap.add_argument("--quantized-gradients", action="store_true", help="ZeRO++ qgZ: int4 gradient all-to-all (stage 3)")
-    ap.add_argument("--network", choices=sorted(perfmodel.NETWORKS),
+    ap.add_argument("--network", choices=sorted(hardware.NETWORKS),
                     help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, else pcie-100gbe)")
     ap.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
     ap.add_argument("--inter-node-gbps", type=float, help="a node's NICs together, Gbit/s one way (overrides the preset)")
@@ -67,7 +67,7 @@ def layout(args) -> perfmodel.Layout:
 
         if args.model not in list_models():
             raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
-        net = args.network or perfmodel.default_network(args.gpu)
+        net = args.network or hardware.default_network(args.gpu)
         lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                network=net)
     kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
@@ -123,7 +123,7 @@ def command(args) -> int:
     if args.search:
         rows = perfmodel.search(lay)
         if not rows:
-            print(f"vit-launch plan: no layout of {lay.model} fits {perfmodel.gpu_of(lay).memory_gb:.0f} GB per GPU",
+            print(f"vit-launch plan: no layout of {lay.model} fits {hardware.gpu_of(lay).memory_gb:.0f} GB per GPU",
                   file=sys.stderr)
             return 2
         rows = rows[:args.top]

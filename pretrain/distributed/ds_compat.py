@@ -184,9 +184,10 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
             lock = frame.f_locals.get("self")
             path = getattr(lock, "lock_file_path", None) or getattr(lock, "lock_file", None)
             if frame.f_code.co_name in ("wait", "acquire", "_poll_until_acquired") and isinstance(path, str):
-                print(f"{prog}: waiting {after_s:g}+ s for the lock {path} of a compiled op's build (another "
-                      "process is building it; with torch < 2.14 a killed build leaves it: remove the file if "
-                      "no build runs)", file=sys.stderr, flush=True)
+                print(f"{prog}: waiting {after_s:g}+ s for the lock {path} of a compiled op's build: normal on "
+                      "a first start, another process is building DeepSpeed's op (about 1.5 min, once per "
+                      "TORCH_EXTENSIONS_DIR). Only if no build runs for long (torch < 2.14 leaves the file "
+                      "after a killed build): remove it", file=sys.stderr, flush=True)
                 return
             frame = frame.f_back
 

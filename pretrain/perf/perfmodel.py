@@ -9,9 +9,10 @@ compute
     Matmul work: ``pretrain.models.arch.analytic_flops`` multiply-adds x 2 flops x 3 (forward + a
     backward twice as costly), plus one more forward of the blocks with activation checkpointing
     (hardware FLOPs, not model FLOPs), over ``peak x efficiency``. ``efficiency`` is the one
-    calibrated constant per GPU type (:data:`GPUS`, each naming its calibration point or the GPU
-    it borrows from). Element-wise work (LayerNorms, GELU over the MLP width, residual adds,
-    softmax without a fused attention kernel) moves bytes, not flops: it is priced at
+    calibrated constant per GPU type (``pretrain.perf.hardware.GPUS``, each naming its calibration
+    point or the GPU it borrows from; ``pretrain.perf.published`` solves it). Element-wise work
+    (LayerNorms, GELU over the MLP width, residual adds, softmax without a fused attention
+    kernel) moves bytes, not flops: it is priced at
     :data:`HBM_EFFICIENCY` of the memory bandwidth, which is why narrow models (ViT-B) reach a
     lower MFU than wide ones and why the gap grows on GPUs whose flops outgrew their bandwidth
     (H100 against A100). ``torch.compile`` fuses element-wise chains: half that traffic.
@@ -63,6 +64,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from pretrain.perf import memory
+from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
 from pretrain.models import arch
 
 GB = 1e9
@@ -78,44 +80,6 @@ LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
 # Adam / AdamW step: read master, grad, m, v (4 x 4 B), write master, m, v (3 x 4 B) and the
 # bf16 copy (2 B): bytes per parameter the step moves on its shard.
 OPTIMIZER_BYTES_PER_PARAM = 30
-
-
-@dataclass(frozen=True)
-class GPU:
-    peak_tflops: float  # dense bf16 tensor-core peak (data sheet, no sparsity)
-    memory_gb: float
-    hbm_gbs: float  # memory bandwidth, GB/s
-    link_gbps: float  # a GPU's own intra-node link, one direction, Gbit/s (NVLink or PCIe)
-    efficiency: float  # achieved fraction of peak on ViT matmuls (the one constant per type)
-    calibration: str  # where efficiency comes from
-
-
-# efficiency: A100 and H100 are solved by :func:`calibrate` from one published point each (the
-# test recomputes them); the other types borrow from the closest calibrated architecture.
-GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.510, "borrowed from a100-80gb (same SMs and clocks)"),
-    "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.510, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s"),
-    "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.344, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s"),
-    "h200": GPU(989.4, 141, 4800, 3600, 0.344, "borrowed from h100-sxm (same Hopper SMs)"),
-    "b200": GPU(2250.0, 180, 8000, 7200, 0.344, "borrowed from h100-sxm (no published ViT point)"),
-    "l40s": GPU(362.0, 48, 864, 256, 0.510, "borrowed from a100-80gb (no published ViT point)"),
-    "rtx3090": GPU(71.0, 24, 936, 256, 0.510, "borrowed from a100-80gb (bf16 with fp32 accumulate)"),
-    "rtx4090": GPU(165.2, 24, 1008, 256, 0.510, "borrowed from a100-80gb (bf16 with fp32 accumulate)"),
-}
-
-
-@dataclass(frozen=True)
-class Network:
-    intra_gbps: Optional[float]  # per GPU, one direction; None: the GPU's own link
-    inter_gbps: float  # per node, all NICs together, one direction
-    note: str = ""
-
-
-NETWORKS: dict[str, Network] = {
-    "dgx-a100": Network(2400, 8 * 200, "NVLink 3 (300 GB/s per GPU), 8 x 200 Gb/s HDR InfiniBand per node"),
-    "dgx-h100": Network(3600, 8 * 400, "NVLink 4 (450 GB/s per GPU), 8 x 400 Gb/s NDR InfiniBand per node"),
-    "pcie-100gbe": Network(256, 100, "PCIe 4.0 x16 between GPUs, one 100 Gb/s Ethernet NIC per node"),
-}
 
 
 @dataclass(frozen=True)
@@ -164,15 +128,6 @@ class Layout:
         if rest or k < 1:
             raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} x world {self.world}")
         return k
-
-
-def gpu_of(layout: Layout) -> GPU:
-    if layout.gpu not in GPUS and layout.peak_tflops is None:
-        raise KeyError(f"unknown GPU {layout.gpu!r}; known: {', '.join(GPUS)}")
-    g = GPUS.get(layout.gpu, GPU(0, 0, 0, 0, 1.0, "given"))
-    return replace(g, peak_tflops=layout.peak_tflops or g.peak_tflops, hbm_gbs=layout.hbm_gbs or g.hbm_gbs,
-                   memory_gb=layout.memory_gb or g.memory_gb,
-                   efficiency=layout.efficiency if layout.efficiency is not None else g.efficiency)
 
 
 # ----------------------------------------------------------------------------------- compute
@@ -424,17 +379,6 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
     return memory.estimate(cfg, layout.world, shape)
 
 
-# ------------------------------------------------------------------------------ calibration
-def calibrate(layout: Layout, published_images_per_second: float) -> float:
-    """The efficiency constant at which :func:`predict` gives ``published_images_per_second``."""
-    lo, hi = 0.01, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        got = predict(replace(layout, efficiency=mid)).images_per_second
-        lo, hi = (mid, hi) if got < published_images_per_second else (lo, mid)
-    return round((lo + hi) / 2, 3)
-
-
 # ---------------------------------------------------------------------------------- search
 def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 3)) -> list[Prediction]:
     """Layouts that fit, best predicted throughput first: ZeRO stage x micro batch x activation
@@ -464,48 +408,7 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
     return out
 
 
-# --------------------------------------------------------------------------- published runs
-PUBLISHED = __import__("pathlib").Path(__file__).with_name("published_runs.json")
-
-
-def published_table() -> list[dict]:
-    """Each row of ``published_runs.json`` with the model's prediction and relative error."""
-    import json
-
-    out = []
-    for row in json.loads(PUBLISHED.read_text())["rows"]:
-        lay = Layout(**row["layout"])
-        if row["metric"] == "scaling_efficiency":
-            ref = replace(lay, nodes=row["reference_nodes"])
-            pred = predict(lay).images_per_second_per_gpu / predict(ref).images_per_second_per_gpu
-        else:
-            pred = predict(lay).images_per_second
-        out.append(dict(row, predicted=pred, error=pred / row["published"] - 1))
-    return out
-
-
 # ------------------------------------------------------------------------------ from configs
-# CUDA device names (torch.cuda.get_device_name) -> GPUS keys, most specific first
-_DEVICE_NAMES = [("A100", "40GB", "a100-40gb"), ("A100", "", "a100-80gb"), ("H100", "", "h100-sxm"),
-                 ("H200", "", "h200"), ("B200", "", "b200"), ("L40S", "", "l40s"), ("3090", "", "rtx3090"),
-                 ("4090", "", "rtx4090")]
-
-
-def gpu_key(device_name: str) -> Optional[str]:
-    """The :data:`GPUS` key of a CUDA device name, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100-sxm'."""
-    for part, extra, key in _DEVICE_NAMES:
-        if part in device_name and extra in device_name:
-            return key
-    return None
-
-
-def default_network(gpu: str) -> str:
-    """The interconnect preset a GPU type usually comes with (DGX nodes; PCIe boxes otherwise)."""
-    if gpu.startswith("a100"):
-        return "dgx-a100"
-    return "dgx-h100" if gpu in ("h100-sxm", "h200", "b200") else "pcie-100gbe"
-
-
 def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
                        **overrides) -> Layout:
     """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs."""
@@ -536,7 +439,7 @@ def summary_line(p: Prediction) -> str:
 def run_record(cfg, world: int, gpus_per_node: int, device_name: Optional[str]) -> Optional[dict]:
     """What training records of the model's prediction for its own layout (run config, W&B
     config), so predicted and measured MFU sit side by side; None when the GPU type is unknown
-    (CPU runs, GPUs not in :data:`GPUS`)."""
+    (CPU runs, GPUs not in ``pretrain.perf.hardware.GPUS``)."""
     key = gpu_key(device_name or "")
     if key is None:
         return None

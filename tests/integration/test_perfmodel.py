@@ -11,7 +11,9 @@ import torch
 from dist_utils import REPO, deepspeed_cmd, run_job
 from pretrain.perf import memory
 from pretrain.perf import perfmodel
-from pretrain.perf.perfmodel import GPUS, Layout, predict
+from pretrain.perf.hardware import GPUS, gpu_key
+from pretrain.perf.perfmodel import Layout, predict
+from pretrain.perf.published import calibrate, published_table
 from pretrain.models import arch
 from pretrain.config import ConfigError, load_config
 from pretrain.config.schema import ZeroConfig
@@ -40,7 +42,7 @@ def test_parameter_counts_match_the_built_model(name):
 
 
 def test_published_runs_within_stated_tolerance():
-    rows = perfmodel.published_table()
+    rows = published_table()
     calibrated = {}
     for r in rows:
         assert r["source"] and r["why"], r["name"]
@@ -48,7 +50,7 @@ def test_published_runs_within_stated_tolerance():
         if r.get("calibration"):
             gpu = r["layout"]["gpu"]
             assert gpu not in calibrated, f"two calibration points for {gpu}"
-            calibrated[gpu] = perfmodel.calibrate(Layout(**r["layout"]), r["published"])
+            calibrated[gpu] = calibrate(Layout(**r["layout"]), r["published"])
     # the table's constants are the ones the named points give; every other row is a prediction
     for gpu, eff in calibrated.items():
         assert GPUS[gpu].efficiency == pytest.approx(eff, abs=0.002), gpu
@@ -251,11 +253,11 @@ def test_cpu_step_time_predicted_from_measured_rates(ds_bytes):
 
 
 def test_training_records_the_prediction_for_known_gpus():
-    assert perfmodel.gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
-    assert perfmodel.gpu_key("NVIDIA A100-SXM4-80GB") == "a100-80gb"
-    assert perfmodel.gpu_key("NVIDIA H100 80GB HBM3") == "h100-sxm"
-    assert perfmodel.gpu_key("NVIDIA GeForce RTX 4090") == "rtx4090"
-    assert perfmodel.gpu_key("cpu") is None
+    assert gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert gpu_key("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert gpu_key("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert gpu_key("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert gpu_key("cpu") is None
     cfg = load_config("configs/vit_l16_in21k.yaml")
     rec = perfmodel.run_record(cfg, 16, 8, "NVIDIA H100 80GB HBM3")
     want = predict(perfmodel.layout_from_config(cfg, nodes=2, gpus_per_node=8, gpu="h100-sxm"))

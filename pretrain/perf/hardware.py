@@ -1,0 +1,77 @@
+"""The hardware the performance model prices a job on: GPU types (data-sheet peaks, memory,
+bandwidths and the one calibrated efficiency constant per type) and interconnect presets, and how a
+CUDA device name or a GPU type maps onto them. Numbers only, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class GPU:
+    peak_tflops: float  # dense bf16 tensor-core peak (data sheet, no sparsity)
+    memory_gb: float
+    hbm_gbs: float  # memory bandwidth, GB/s
+    link_gbps: float  # a GPU's own intra-node link, one direction, Gbit/s (NVLink or PCIe)
+    efficiency: float  # achieved fraction of peak on ViT matmuls (the one constant per type)
+    calibration: str  # where efficiency comes from
+
+
+# efficiency: A100 and H100 are solved by ``pretrain.perf.published.calibrate`` from one published point each (the
+# test recomputes them); the other types borrow from the closest calibrated architecture.
+GPUS: dict[str, GPU] = {
+    "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.510, "borrowed from a100-80gb (same SMs and clocks)"),
+    "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.510, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s"),
+    "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.344, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s"),
+    "h200": GPU(989.4, 141, 4800, 3600, 0.344, "borrowed from h100-sxm (same Hopper SMs)"),
+    "b200": GPU(2250.0, 180, 8000, 7200, 0.344, "borrowed from h100-sxm (no published ViT point)"),
+    "l40s": GPU(362.0, 48, 864, 256, 0.510, "borrowed from a100-80gb (no published ViT point)"),
+    "rtx3090": GPU(71.0, 24, 936, 256, 0.510, "borrowed from a100-80gb (bf16 with fp32 accumulate)"),
+    "rtx4090": GPU(165.2, 24, 1008, 256, 0.510, "borrowed from a100-80gb (bf16 with fp32 accumulate)"),
+}
+
+
+@dataclass(frozen=True)
+class Network:
+    intra_gbps: Optional[float]  # per GPU, one direction; None: the GPU's own link
+    inter_gbps: float  # per node, all NICs together, one direction
+    note: str = ""
+
+
+NETWORKS: dict[str, Network] = {
+    "dgx-a100": Network(2400, 8 * 200, "NVLink 3 (300 GB/s per GPU), 8 x 200 Gb/s HDR InfiniBand per node"),
+    "dgx-h100": Network(3600, 8 * 400, "NVLink 4 (450 GB/s per GPU), 8 x 400 Gb/s NDR InfiniBand per node"),
+    "pcie-100gbe": Network(256, 100, "PCIe 4.0 x16 between GPUs, one 100 Gb/s Ethernet NIC per node"),
+}
+
+
+def gpu_of(layout) -> GPU:
+    """The GPU of a ``pretrain.perf.perfmodel.Layout``: its :data:`GPUS` entry with the layout's
+    overrides (peak, bandwidth, memory, efficiency); a type not in the table needs ``peak_tflops``."""
+    if layout.gpu not in GPUS and layout.peak_tflops is None:
+        raise KeyError(f"unknown GPU {layout.gpu!r}; known: {', '.join(GPUS)}")
+    g = GPUS.get(layout.gpu, GPU(0, 0, 0, 0, 1.0, "given"))
+    return replace(g, peak_tflops=layout.peak_tflops or g.peak_tflops, hbm_gbs=layout.hbm_gbs or g.hbm_gbs,
+                   memory_gb=layout.memory_gb or g.memory_gb,
+                   efficiency=layout.efficiency if layout.efficiency is not None else g.efficiency)
+
+
+# CUDA device names (torch.cuda.get_device_name) -> GPUS keys, most specific first
+DEVICE_NAMES = [("A100", "40GB", "a100-40gb"), ("A100", "", "a100-80gb"), ("H100", "", "h100-sxm"),
+                ("H200", "", "h200"), ("B200", "", "b200"), ("L40S", "", "l40s"), ("3090", "", "rtx3090"),
+                ("4090", "", "rtx4090")]
+
+
+def gpu_key(device_name: str) -> Optional[str]:
+    """The :data:`GPUS` key of a CUDA device name, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100-sxm'."""
+    for part, extra, key in DEVICE_NAMES:
+        if part in device_name and extra in device_name:
+            return key
+    return None
+
+
+def default_network(gpu: str) -> str:
+    """The interconnect preset a GPU type usually comes with (DGX nodes; PCIe boxes otherwise)."""
+    if gpu.startswith("a100"):
+        return "dgx-a100"
+    return "dgx-h100" if gpu in ("h100-sxm", "h200", "b200") else "pcie-100gbe"
