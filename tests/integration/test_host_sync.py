@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dist_utils import REPO, job_env
 
@@ -65,6 +66,12 @@ ALLOWED = {
     2: {NORM_CHECK: 2, ADAM_STEP: 2},  # step()'s validity check and unscale_and_clip_grads'
     3: {NORM_CHECK: 1, ADAM_STEP: 2},
 }
+
+
+def allowed(stage: int, cuda: bool) -> dict:
+    """ALLOWED for this machine: with CUDA the AdamW is fused (pretrain.distributed.engine.use_fused_adamw)
+    and keeps its step counter on the device, so its host reads are gone."""
+    return {k: v for k, v in ALLOWED[stage].items() if not (cuda and k == ADAM_STEP)}
 OURS = ("pretrain/", "data_pipeline/", "launch/")
 
 
@@ -91,7 +98,7 @@ def test_no_host_sync_between_sync_points(shards, tmp_path, stage):
     ours = {s: {k: v for k, v in c.items() if k.startswith(OURS)} for s, c in between.items()}
     assert all(not v for v in ours.values()), ours
     for s, callers in between.items():
-        assert callers == ALLOWED[stage], (s, callers)
+        assert callers == allowed(stage, torch.cuda.is_available()), (s, callers)
     assert sum(per_step[4].values()) > 0 and sum(per_step[8].values()) > 0  # the counter does see the sync points
     m = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln]
     assert [x["nonfinite_skipped"] for x in m] == [0, 1]  # step 6's dropped micro-batch, read at step 8

@@ -71,7 +71,7 @@ mismatch, stats = [], {}
 for (n, p), (n2, q) in zip(model.named_parameters(), plain.named_parameters()):
     assert n == n2, (n, n2)
     with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-        if rank == 0 and not torch.equal(p.data, q.data):
+        if rank == 0 and not torch.equal(p.data.cpu(), q.data):  # ZeRO-3 puts p on the accelerator
             mismatch.append(n)
         if n in ("blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.bias", "pos_embed", "blocks.0.ls1.gamma"):
             stats[n] = [p.data.float().mean().item(), p.data.float().std().item(),
