@@ -295,7 +295,7 @@ def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
     if cmd == "slurm" and "--shards" in argv[:argv.index("--") if "--" in argv else len(argv)]:
-        from launch.slurm import shards_main  # a vit-shards job array: no training config
+        from launch.slurm_shards import shards_main  # a vit-shards job array: no training config
 
         shards_main(argv)
     args = _parser(cmd).parse_intermixed_args(argv)

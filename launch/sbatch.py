@@ -1,0 +1,28 @@
+"""What every sbatch script ``vit-launch slurm`` writes shares: SLURM's ``--time`` formats, and
+shell words and bash arrays laid out for a person to edit."""
+from __future__ import annotations
+
+import re
+import shlex
+
+# SLURM's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}|\d+-\d{1,2}:\d{1,2}:\d{1,2})$")
+
+
+def shell_word(word: str) -> str:
+    """Shell-quote, but leave our "$VAR" / "${VAR[@]}" words to the shell."""
+    return word if word.startswith('"$') else shlex.quote(word)
+
+
+def bash_array(name: str, words: list[str], indent: str = "  ") -> str:
+    """A bash array, one option (with its value) per line so a person can edit it."""
+    lines, i = [], 0
+    while i < len(words):
+        w = words[i]
+        if w.startswith("--") and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            lines.append(f"{shell_word(w)} {shell_word(words[i + 1])}")
+            i += 2
+        else:
+            lines.append(shell_word(w))
+            i += 1
+    return f"{name}=(\n" + "".join(f"{indent}{line}\n" for line in lines) + ")"
