@@ -23,8 +23,8 @@ How a pair is found:
    nearest probe (calibration below).
 3. Candidates: exact-hash equality, and pHash pairs within ``MAX_BITS`` bits of any probe, looked
    up by multi-index hashing (``HashTable``): four 16-bit bands, each probed at Hamming radius 1,
-   then the full 64-bit distance is checked (popcount). 1M stored hashes x 10k images x 29
-   probes take ~6.5 s on one core (benchmarks/audit_speed.py).
+   then the full 64-bit distance is checked (popcount); timings for 1M stored hashes against 10k
+   images in benchmarks/RESULTS.md (``python benchmarks/audit_speed.py``).
 4. Confirmation (reads only the candidates' samples from the shards): an exact pair needs equal
    pixels; a near pair needs ``score >= MIN_SCORE``: the normalised cross-correlation of
    high-passed 32x32 grey thumbnails (a thumbnail minus its Gaussian blur: brightness, contrast
