@@ -139,3 +139,24 @@ def exported_metadata(model_section: dict, step: int, grid: tuple, run_id: str =
     """The metadata ``vit-export`` writes."""
     return {"format": "pt", "model_name": model_section["name"], "model": json.dumps(model_section),
             "grid_size": f"{grid[0]}x{grid[1]}", "step": str(step), "wandb_run_id": run_id}
+
+
+def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc") -> Path:
+    """A run directory in the layout ``pretrain.checkpointing.checkpoint`` writes at ZeRO stage 0: per step a
+    DeepSpeed module file, run.json and the COMPLETE marker; ``latest`` names the newest.
+    ``steps``: {step: complete?}."""
+    from pretrain.config import load_config, to_dict
+
+    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=10",
+                             "zero.stage=0", f"train.steps={final}", f"train.output_dir={run}"])
+    ck = run / "checkpoints"
+    for step, complete in steps.items():
+        d = ck / f"step_{step:08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": model.state_dict()}, d / "mp_rank_00_model_states.pt")
+        (d / "run.json").write_text(json.dumps({"config": to_dict(cfg), "step": step, "wandb_run_id": run_id,
+                                                "world_size": 1}))
+        if complete:
+            (d / "COMPLETE").write_text(json.dumps({"step": step}))
+            (ck / "latest").write_text(d.name)
+    return run

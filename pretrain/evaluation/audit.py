@@ -174,3 +174,7 @@ def _print_counts(doc: dict, out: str) -> None:
                   f"{c['near_pairs']:6d}")
     print(f"{len(doc['pairs'])} pairs ({doc['candidates']} candidates checked) -> {Path(out) / 'audit.json'}, "
           f"{Path(out) / 'exclude.txt'}, {Path(out) / 'closest_pairs.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import load_config, to_dict
 from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.cli import main
 from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import (exported_metadata, save_safetensors, tiny_model, write_cifar100, write_imagefolder,
-                               write_vtab_task)
+                               write_run_dir, write_vtab_task)
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["eval.workers=0", "eval.batch_size=16", "eval.fewshot_shots=[1,5]", "eval.fewshot_seeds=2"]
@@ -24,25 +23,6 @@ FAST = ["eval.workers=0", "eval.batch_size=16", "eval.fewshot_shots=[1,5]", "eva
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory):
     return write_imagefolder(tmp_path_factory.mktemp("if") / "colours", n_train=8, n_test=6)
-
-
-def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc") -> Path:
-    """A run directory in the layout ``pretrain.checkpointing.checkpoint`` writes at ZeRO stage 0: per step a
-    DeepSpeed module file, run.json and the COMPLETE marker; ``latest`` names the newest.
-    ``steps``: {step: complete?}."""
-    cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=10",
-                             "zero.stage=0", f"train.steps={final}", f"train.output_dir={run}"])
-    ck = run / "checkpoints"
-    for step, complete in steps.items():
-        d = ck / f"step_{step:08d}"
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save({"module": model.state_dict()}, d / "mp_rank_00_model_states.pt")
-        (d / "run.json").write_text(json.dumps({"config": to_dict(cfg), "step": step, "wandb_run_id": run_id,
-                                                "world_size": 1}))
-        if complete:
-            (d / "COMPLETE").write_text(json.dumps({"step": step}))
-            (ck / "latest").write_text(d.name)
-    return run
 
 
 # ----------------------------------------------------------------------------- checkpoint formats

@@ -209,7 +209,7 @@ def test_export_with_metadata_and_shards_folder(tmp_path, shards):
 
 
 def test_run_directory(tmp_path, photos):
-    from test_transfer_cli import write_run_dir
+    from transfer_fixtures import write_run_dir
 
     run = write_run_dir(tmp_path / "run", tiny_model(32, seed=5), {10: True, 20: True}, final=20)
     main(["--checkpoint", str(run), "--images", str(photos / "test"), "--output", str(tmp_path / "out"),
