@@ -42,11 +42,35 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top", type=int, default=10, help="rows --search prints (default 10)")
 
 
+# Layout fields as the flags that set them, for one-line errors
+FLAGS = {"micro_batch": "--micro-batch", "global_batch": "--global-batch", "gpus_per_node": "--gpus-per-node",
+         "nodes": "--nodes", "hpz_partition_size": "--hpz", "intra_node_gbps": "--intra-node-gbps",
+         "inter_node_gbps": "--inter-node-gbps", "zero=": "--zero "}
+
+
 def layout(args) -> perfmodel.Layout:
-    from pretrain.config import ConfigError, load_config
+    from pretrain.config import ConfigError
+
+    try:
+        return _layout(args)
+    except ConfigError:
+        raise
+    except ValueError as e:  # an impossible layout: the model's message, in the flags' names
+        msg = str(e)
+        for field, flag in FLAGS.items():
+            msg = msg.replace(field, flag if field.endswith("=") else flag + " ").replace(flag + " =", flag + " ")
+        raise ConfigError(msg) from None
+
+
+def _layout(args) -> perfmodel.Layout:
+    from pretrain.config import ConfigError, check_world_size, load_config
 
     if args.config:
         cfg = load_config(args.config, args.overrides)
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+        if args.world_size and args.micro_batch is None and args.global_batch is None:
+            check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
         nodes = args.nodes
         if args.world_size:
             nodes, rest = divmod(args.world_size, args.gpus_per_node)
@@ -82,7 +106,7 @@ def layout(args) -> perfmodel.Layout:
     try:
         lay.accumulation
     except ValueError as e:
-        raise ConfigError(f"--global-batch: {e}") from None
+        raise ConfigError(f"--global-batch / --micro-batch: {e}") from None
     return lay
 
 

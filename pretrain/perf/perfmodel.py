@@ -117,6 +117,24 @@ class Layout:
     hbm_gbs: Optional[float] = None
     memory_gb: Optional[float] = None
 
+    def __post_init__(self):
+        bad = [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("nodes", "gpus_per_node", "micro_batch")
+               if getattr(self, k) < 1]
+        bad += [f"{k}={getattr(self, k)} (must be > 0)" for k in ("intra_node_gbps", "inter_node_gbps", "efficiency",
+                                                                  "peak_tflops", "hbm_gbs", "memory_gb")
+                if getattr(self, k) is not None and not getattr(self, k) > 0]
+        if self.global_batch is not None and self.global_batch < 1:
+            bad.append(f"global_batch={self.global_batch} (must be >= 1)")
+        if self.hpz_partition_size < 1:
+            bad.append(f"hpz_partition_size={self.hpz_partition_size} (must be >= 1)")
+        elif self.hpz_partition_size > 1 and self.gpus_per_node % self.hpz_partition_size:
+            bad.append(f"hpz_partition_size={self.hpz_partition_size} (must divide gpus_per_node={self.gpus_per_node}:"
+                       " hpZ keeps its secondary partition inside a node)")
+        if self.zero != 3 and (self.hpz_partition_size > 1 or self.quantized_weights or self.quantized_gradients):
+            bad.append(f"ZeRO++ (hpZ / qwZ / qgZ) with zero={self.zero} (DeepSpeed runs it only with ZeRO-3)")
+        if bad:
+            raise ValueError("; ".join(bad))
+
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -322,7 +340,9 @@ def predict(layout: Layout) -> Prediction:
             exposed += t
             continue
         per_call = t / c.calls
-        tail = per_call if layout.zero in (1, 2) else per_call * 4  # last bucket / first block's weights
+        # what cannot hide: the last gradient bucket, or ZeRO-3's first gathers (the first block's
+        # weights, before any compute exists to hide them); never more than the collective itself
+        tail = min(t, per_call if layout.zero in (1, 2) else per_call * 4)
         room = hide[c.overlappable_with]
         exposed += tail + max(0.0, t - tail - room)
         hide[c.overlappable_with] = max(0.0, room - (t - tail))
@@ -393,7 +413,7 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
             for ckpt in (False, True):
                 for hpz, qw in pp:
                     lay = replace(base, zero=stage, micro_batch=mb, checkpointing=ckpt, hpz_partition_size=hpz,
-                                  quantized_weights=qw)
+                                  quantized_weights=qw, quantized_gradients=base.quantized_gradients and stage == 3)
                     try:
                         lay.accumulation
                     except ValueError:
@@ -401,10 +421,8 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
                     p = predict(lay)
                     if p.fits:
                         out.append(p)
-    # ties (within 0.5 %) go to the larger micro batch: the model has no per-kernel launch cost,
-    # which favours fewer, larger micro-steps on real GPUs
-    out.sort(key=lambda p: (-round(math.log(p.images_per_second) / math.log(1.005)), -p.layout["micro_batch"],
-                            p.memory_gb_per_gpu["total"]))
+    # best img/s first; an exact tie goes to the larger micro batch, then the smaller memory
+    out.sort(key=lambda p: (-p.images_per_second, -p.layout["micro_batch"], p.memory_gb_per_gpu["total"]))
     return out
 
 
