@@ -36,6 +36,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, else pcie-100gbe)")
     ap.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
     ap.add_argument("--inter-node-gbps", type=float, help="a node's NICs together, Gbit/s one way (overrides the preset)")
+    ap.add_argument("--decode", choices=["cpu", "cuda"],
+                    help="where JPEGs are decoded: loader workers (cpu, default) or the GPU (cuda: data.decode_device)")
+    ap.add_argument("--decode-rate", type=float, help="measured img/s per loader worker on that path "
+                    "(benchmarks/loader_throughput.py on the training machine; default: pretrain/perf/inputs.py)")
+    ap.add_argument("--cpu-cores", type=int, help="CPU cores per node for the loaders (default: the network preset's)")
+    ap.add_argument("--stored-side", type=int, help="shorter side the shards store, px (default 256; "
+                    "vit-shards --resize-shorter)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (with --search: a list)")
     ap.add_argument("--search", action="store_true",
                     help="rank ZeRO stage x micro batch x checkpointing x ZeRO++ layouts that fit, best first")
@@ -43,7 +50,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 # Layout fields as the flags that set them, for one-line errors
-FLAGS = {"micro_batch": "--micro-batch", "global_batch": "--global-batch", "gpus_per_node": "--gpus-per-node",
+FLAGS = {"decode_rate": "--decode-rate", "cpu_cores": "--cpu-cores", "stored_side": "--stored-side",
+         "micro_batch": "--micro-batch", "global_batch": "--global-batch", "gpus_per_node": "--gpus-per-node",
          "nodes": "--nodes", "hpz_partition_size": "--hpz", "intra_node_gbps": "--intra-node-gbps",
          "inter_node_gbps": "--inter-node-gbps", "zero=": "--zero "}
 
@@ -97,7 +105,8 @@ def _layout(args) -> perfmodel.Layout:
     kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
                                 zero=args.zero, reduce_dtype=args.reduce_dtype, hpz_partition_size=args.hpz,
                                 network=args.network, intra_node_gbps=args.intra_node_gbps,
-                                inter_node_gbps=args.inter_node_gbps).items() if v is not None}
+                                inter_node_gbps=args.inter_node_gbps, decode=args.decode, decode_rate=args.decode_rate,
+                                cpu_cores=args.cpu_cores, stored_side=args.stored_side).items() if v is not None}
     for flag, key in (("checkpointing", "checkpointing"), ("compile", "compile"),
                       ("quantized_weights", "quantized_weights"), ("quantized_gradients", "quantized_gradients")):
         if getattr(args, flag):
@@ -125,6 +134,8 @@ def describe(p: perfmodel.Prediction) -> str:
         f"(element-wise {p.elementwise_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
         f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",
         f"  sent per GPU    {comm} per step",
+        f"  input           {p.input_images_per_second:,.0f} img/s from the loaders ({p.input_limit} per node, "
+        f"{lay['decode']} decode)" + (": INPUT-BOUND" if p.input_bound else ""),
         f"  memory per GPU  {p.memory_gb_per_gpu['total']:.1f} GB ({mem}) -> "
         + ("fits" if p.fits else "does NOT fit"),
         f"  bottleneck      {p.bottleneck}",

@@ -33,15 +33,20 @@ GPUS: dict[str, GPU] = {
 
 @dataclass(frozen=True)
 class Network:
+    """A node preset: its links, and the CPU cores its loaders share (physical cores)."""
     intra_gbps: Optional[float]  # per GPU, one direction; None: the GPU's own link
     inter_gbps: float  # per node, all NICs together, one direction
     note: str = ""
+    cpu_cores: int = 64
 
 
 NETWORKS: dict[str, Network] = {
-    "dgx-a100": Network(2400, 8 * 200, "NVLink 3 (300 GB/s per GPU), 8 x 200 Gb/s HDR InfiniBand per node"),
-    "dgx-h100": Network(3600, 8 * 400, "NVLink 4 (450 GB/s per GPU), 8 x 400 Gb/s NDR InfiniBand per node"),
-    "pcie-100gbe": Network(256, 100, "PCIe 4.0 x16 between GPUs, one 100 Gb/s Ethernet NIC per node"),
+    "dgx-a100": Network(2400, 8 * 200, "NVLink 3 (300 GB/s per GPU), 8 x 200 Gb/s HDR InfiniBand per node; "
+                        "2 x AMD EPYC 7742 (128 cores)", 128),
+    "dgx-h100": Network(3600, 8 * 400, "NVLink 4 (450 GB/s per GPU), 8 x 400 Gb/s NDR InfiniBand per node; "
+                        "2 x Xeon Platinum 8480C (112 cores)", 112),
+    "pcie-100gbe": Network(256, 100, "PCIe 4.0 x16 between GPUs, one 100 Gb/s Ethernet NIC per node; "
+                           "64 cores assumed", 64),
 }
 
 

@@ -51,6 +51,11 @@ memory
     + AdamW, not the paper's 16), fixed communication buffers, activations (Korthikanti et al.
     with SDPA's fused attention), 1 GB of runtime.
 
+input
+    ``pretrain.perf.inputs``: the images per second a node's loaders decode on the run's path
+    (CPU workers, or workers reading + the GPU's JPEG decoder), from measured rates; a layout whose
+    GPUs would consume more is input-bound and runs at the loaders' rate.
+
 ZeRO++ (Wang et al. 2023): ``quantized_weights`` (qwZ) sends the forward all-gather in int8 (half
 of bf16); ``hpz_partition_size`` (hpZ) keeps a secondary copy of the weights partitioned inside
 groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays inside a node;
@@ -63,7 +68,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from pretrain.perf import memory
+from pretrain.perf import inputs, memory
 from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
 from pretrain.models import arch
 
@@ -116,6 +121,12 @@ class Layout:
     peak_tflops: Optional[float] = None
     hbm_gbs: Optional[float] = None
     memory_gb: Optional[float] = None
+    # the input pipeline (pretrain.perf.inputs): decode path, img/s per loader worker (None: the
+    # measured defaults), CPU cores per node (None: the network preset's), stored shorter side
+    decode: str = "cpu"
+    decode_rate: Optional[float] = None
+    cpu_cores: Optional[int] = None
+    stored_side: int = 256
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("nodes", "gpus_per_node", "micro_batch")
@@ -123,6 +134,10 @@ class Layout:
         bad += [f"{k}={getattr(self, k)} (must be > 0)" for k in ("intra_node_gbps", "inter_node_gbps", "efficiency",
                                                                   "peak_tflops", "hbm_gbs", "memory_gb")
                 if getattr(self, k) is not None and not getattr(self, k) > 0]
+        bad += [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("cpu_cores", "stored_side")
+                if getattr(self, k) is not None and getattr(self, k) < 1]
+        if self.decode_rate is not None and not self.decode_rate > 0:
+            bad.append(f"decode_rate={self.decode_rate} (must be > 0)")
         if self.global_batch is not None and self.global_batch < 1:
             bad.append(f"global_batch={self.global_batch} (must be >= 1)")
         if self.hpz_partition_size < 1:
@@ -313,6 +328,9 @@ class Prediction:
     fits: bool
     bottleneck: str
     train_flops_per_image: float
+    input_images_per_second: float = 0.0  # what the loaders of all nodes make (pretrain.perf.inputs)
+    input_limit: str = ""
+    input_bound: bool = False
     notes: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -348,6 +366,12 @@ def predict(layout: Layout) -> Prediction:
         hide[c.overlappable_with] = max(0.0, room - (t - tail))
     step = comp + opt + exposed
     ips = b * k * layout.world / step
+    feed = inputs.node_rate(layout.decode, layout.cpu_cores or NETWORKS[layout.network].cpu_cores,
+                            layout.gpus_per_node, layout.stored_side, layout.decode_rate)
+    input_bound = feed.images_per_second * layout.nodes < ips
+    if input_bound:  # the GPUs wait for batches: the step takes as long as the loaders need
+        ips = feed.images_per_second * layout.nodes
+        step = b * k * layout.world / ips
     flops_img = micro["model_flops"] / b
     mfu = flops_img * ips / layout.world / (g.peak_tflops * 1e12)
     hfu = micro["hardware_flops"] / b * ips / layout.world / (g.peak_tflops * 1e12)
@@ -376,6 +400,10 @@ def predict(layout: Layout) -> Prediction:
     if exposed > 0.1 * step:
         slow = "inter-node" if layout.nodes > 1 else "intra-node"
         bottleneck += f"; {exposed / step:.0%} waits on the {slow} network"
+    if input_bound:
+        bottleneck = (f"input pipeline: {feed.images_per_second:,.0f} img/s per node ({feed.limit}) of the "
+                      f"{b * k * layout.gpus_per_node / (comp + opt + exposed):,.0f} the GPUs could take; fix with "
+                      f"{inputs.advice(layout.decode, layout.stored_side)}")
     if not fits:
         bottleneck = f"does not fit: {mem['total']:.1f} GB needed of {g.memory_gb:.0f} GB; " + bottleneck
     return Prediction(layout=asdict(layout), params=shape.params, images_per_second=ips,
@@ -383,7 +411,8 @@ def predict(layout: Layout) -> Prediction:
                       compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k, optimizer_seconds=opt,
                       comm_seconds=comm_total, exposed_comm_seconds=exposed, comm_bytes_per_gpu=by_kind,
                       collective_calls=calls, memory_gb_per_gpu=mem, fits=fits, bottleneck=bottleneck,
-                      train_flops_per_image=flops_img)
+                      train_flops_per_image=flops_img, input_images_per_second=feed.images_per_second * layout.nodes,
+                      input_limit=feed.limit, input_bound=input_bound)
 
 
 def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.MemoryEstimate:
@@ -451,7 +480,8 @@ def summary_line(p: Prediction) -> str:
     lay = p.layout
     return (f"predicted on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']}: {p.images_per_second:,.0f} img/s "
             f"({p.images_per_second_per_gpu:,.1f} per GPU), MFU {p.mfu:.1%}, step {p.step_seconds * 1e3:,.1f} ms, "
-            f"{p.memory_gb_per_gpu['total']:.1f} GB per GPU{'' if p.fits else ' (does NOT fit)'}; {p.bottleneck}")
+            f"{p.memory_gb_per_gpu['total']:.1f} GB per GPU{'' if p.fits else ' (does NOT fit)'}, input "
+            f"{p.input_images_per_second:,.0f} img/s ({lay['decode']} decode); {p.bottleneck}")
 
 
 def run_record(cfg, world: int, gpus_per_node: int, device_name: Optional[str]) -> Optional[dict]:

@@ -29,6 +29,7 @@ def test_every_layout_of_the_grid_has_a_possible_prediction():
         assert 0 < p.mfu <= p.hfu <= 1, (where, p.mfu, p.hfu)
         assert all(v >= 0 for v in p.memory_gb_per_gpu.values()), (where, p.memory_gb_per_gpu)
         assert p.step_seconds >= p.compute_seconds, where
+        assert 0 < p.images_per_second <= p.input_images_per_second + 1e-6, where  # never faster than its loaders
         seen += 1
     assert seen == 3 * 3 * 3 * 2 * (1 + 1 + 3)  # models x nodes x micro batches x checkpointing x (stage 1, 2, 3 x 3)
 
@@ -49,6 +50,8 @@ def test_zero3_exposed_communication_stays_within_its_collectives():
     (["--zero", "3", "--hpz", "3"], "--hpz 3 (must divide --gpus-per-node 8"),
     (["--zero", "2", "--hpz", "8"], "with --zero 2 (DeepSpeed runs it only with ZeRO-3)"),
     (["--zero", "1", "--quantized-weights"], "with --zero 1 (DeepSpeed runs it only with ZeRO-3)"),
+    (["--decode-rate", "-1"], "--decode-rate -1.0 (must be > 0)"),
+    (["--cpu-cores", "0"], "--cpu-cores 0 (must be >= 1)"),
 ])
 def test_impossible_layouts_are_one_line_and_exit_2(args, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -76,3 +79,23 @@ def main_rc(argv) -> int:
     with pytest.raises(SystemExit) as e:
         main(argv)
     return e.value.code
+
+
+def test_a_layout_the_loaders_cannot_feed_is_input_bound_and_says_what_fixes_it(capsys):
+    """ViT-B/16 on a DGX H100 node from shards stored at ImageNet's native size: the GPUs could take
+    more than the CPU workers decode; pre-resized shards and GPU decode each raise the input rate."""
+    base = dict(model="vit_base_patch16_224", gpu="h100-sxm", micro_batch=128)
+    native = predict(Layout(**base, stored_side=500))
+    assert native.input_bound and native.images_per_second == native.input_images_per_second
+    assert "input pipeline" in native.bottleneck and "--resize-shorter 256" in native.bottleneck
+    assert "data.decode_device: cuda" in native.bottleneck
+    resized = predict(Layout(**base))
+    assert resized.input_images_per_second > 3 * native.input_images_per_second  # (500 / 256)^2 fewer pixels
+    gpu = predict(Layout(**base, stored_side=500, decode="cuda"))
+    assert gpu.input_images_per_second > native.input_images_per_second
+    slow = predict(Layout(**base, decode_rate=10.0))  # a measured rate replaces the default
+    assert slow.input_bound and slow.input_images_per_second == 10.0 * (112 - 8)
+    assert main_rc(["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm", "--micro-batch", "128",
+                    "--stored-side", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "INPUT-BOUND" in out and "input pipeline" in out
