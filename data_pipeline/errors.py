@@ -31,6 +31,11 @@ class TooManyCorruptSamples(DataError):
     the worst shards."""
 
 
+def is_user_error(e: BaseException, *user_errors: type) -> bool:
+    """Whether ``cli_errors(prog, *user_errors)`` reports ``e`` as a user mistake (exit 2)."""
+    return isinstance(e, (ConfigError, FileNotFoundError, *user_errors))
+
+
 @contextlib.contextmanager
 def cli_errors(prog: str, *user_errors: type):
     """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on

@@ -10,8 +10,10 @@
   it, and the ranks notice their runner is gone (``pretrain.resilience.lifecycle``) and stop.
 * The supervisor waits until the *group* is empty, not just the runner (DeepSpeed's runner can exit
   while its launcher still waits for ranks that are saving).
-* The exit code says what happened (``pretrain.resilience.lifecycle``): 0 done, 2 user error, 75 interrupted
-  after a checkpoint (requeue it), 3 hang, else the job's failure code. ``status.json`` in the run
+* The exit code says what happened (``pretrain.resilience.lifecycle``), with one closing line:
+  0 done, 2 user error, 75 interrupted after a checkpoint (requeue it), 3 hang, 130 killed on a
+  second interrupt, 1 any other failure (a rank's exception, a rank killed by a signal: DeepSpeed's
+  launcher would pass on 245 or 247). ``status.json`` in the run
   directory, written by rank 0, decides between "completed" / "interrupted" and what the runner
   reported (DeepSpeed's launcher turns a signalled job into exit 1).
 * ``--max-restarts N``: after a failure (not after a user error, a completed run or an
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from pretrain.resilience.lifecycle import EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
 PROG = "vit-launch"
 MAX_BACKOFF_S = 300.0
@@ -67,6 +69,31 @@ def _read_status(path: Optional[Path], since: float) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and doc.get("time", 0) >= since else None
+
+
+def outcome(code: int) -> tuple[int, str]:
+    """The documented exit code for the job's raw one, and the closing line saying what happened.
+    DeepSpeed's launcher exits with a signalled rank's negative return code modulo 256 (SIGKILL:
+    247, SIGSEGV: 245); a shell-style 128 + N means signal N; both are failures (exit 1)."""
+    if code == EXIT_OK:
+        return code, "the job completed (exit 0)"
+    if code == EXIT_USAGE:
+        return code, "the job stopped on a user error, said above (exit 2; nothing to retry)"
+    if code == EXIT_HANG:
+        return code, "the hang watchdog ended the job; stacks in <output_dir>/hang/ (exit 3)"
+    if code == EXIT_INTERRUPTED:
+        return code, f"the job stopped after a checkpoint (exit {EXIT_INTERRUPTED}); run the same command to resume"
+    if code == 130:
+        return code, "the job was killed on a second interrupt, without a checkpoint (exit 130)"
+    why = f"exit code {code}"
+    for sig in (256 - code, code - 128):
+        if 0 < sig < 65 and code > 128:
+            try:
+                why = f"a process was killed by {signal.Signals(sig).name} (raw exit code {code})"
+            except ValueError:
+                continue
+            break
+    return 1, f"the job failed: {why}; the logs above say where (exit 1)"
 
 
 class Supervisor:
@@ -135,8 +162,8 @@ class Supervisor:
                 _log(f"the job failed with exit code {code}; restart {attempt}/{max_restarts} in {wait:g}s "
                      f"(it resumes from the last complete checkpoint)")
                 time.sleep(wait)
-            if code == EXIT_INTERRUPTED:
-                _log(f"the job stopped after a checkpoint (exit {EXIT_INTERRUPTED}); run the same command to resume")
+            code, line = outcome(code)
+            _log(line)
             return code
         finally:
             for s, h in old.items():

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataError, is_user_error
 from data_pipeline.files import write_json
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
@@ -46,12 +46,15 @@ from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, StopRequest, write_status
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
 from pretrain.step import train_step
 from pretrain.weights.init_from import build_model, load_init_weights, num_params
+
+
+USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's one-line errors: exit 2
 
 
 # ------------------------------------------------------------------------------------- builders
@@ -83,6 +86,7 @@ class Loop:
     detector: Optional[StragglerDetector] = None
     evaluator: Optional[InTrainingEval] = None
     say: Callable[[str], None] = lambda msg: None
+    logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
 
 # ----------------------------------------------------------------------------------------- loop
@@ -115,6 +119,7 @@ def train_loop(lp: Loop) -> dict:
             straggling, line = gather_and_judge(lp.detector, phases, device)
             lp.logger.log(step, {**metrics, **straggling})
             lp.logger.print(step, metrics)
+            lp.logged(step)
             if line:
                 lp.say(f"straggler: {line}")
             history.append(metrics["loss"])
@@ -224,13 +229,15 @@ def run(cfg: Config) -> dict:
                                world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(t.precision))
     hosts = all_hosts()
+    status = RunStatus(layout.status if rank == 0 else None)
+    status(start)
     lp = Loop(cfg, engine, faults.wrap_batches(logged_batches(loader, samples, start, gas), rank=rank, start_step=start,
                                                accumulation=gas),
               loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples),
               StepClock(engine.device, dog), stop, startup, start_step=start, world=world, flops=flops,
               detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
                                          record=layout.stragglers if rank == 0 else None) if world > 1 else None,
-              evaluator=evaluator if evaluator.enabled else None, say=say)
+              evaluator=evaluator if evaluator.enabled else None, say=say, logged=status)
     lp.clock.begin_step(start, startup=True)
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     startup.phase("first step (first batch, first collectives)")
@@ -243,8 +250,7 @@ def run(cfg: Config) -> dict:
             line = unreachable_peers(hosts)
             if line:
                 print(f"vit-train: {line}", file=sys.stderr, flush=True)
-        if rank == 0:
-            write_status(layout.status, "failed", max(start, lp.clock.completed))
+        status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
         raise
     finally:
         startup.done()
@@ -262,8 +268,8 @@ def run(cfg: Config) -> dict:
         except OSError as e:  # the checkpoint is saved (maybe in checkpoint.dir): report, do not fail
             print(f"vit-train: warning: cannot write {layout.summary} ({e.strerror or e}); "
                   f"final step {result['step']}", file=sys.stderr, flush=True)
-        write_status(layout.status, "interrupted" if result["preempted"] else "completed", result["step"])
-        print(_goodbye(result), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
+        status(result["step"], "interrupted" if result["preempted"] else "completed")
+        print(goodbye_line(result, checkpoint.latest_complete(result["checkpoint_dir"])), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
     dist.barrier()
     return result
 
@@ -276,23 +282,13 @@ def _prediction(cfg, world: int):
     return run_record(cfg, world, per_node, torch.cuda.get_device_name())
 
 
-def _goodbye(result: dict) -> str:
-    """The one line saying how the run ended."""
-    ckpt = checkpoint.latest_complete(result["checkpoint_dir"])
-    if result["preempted"]:
-        return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {ckpt}; run the "
-                f"same command to resume (exit {EXIT_INTERRUPTED})")
-    return (f"vit-train: done at step {result['step']}: checkpoint {ckpt}; export with: python -m pretrain.export "
-            f"{result['run_dir']} OUT.safetensors")
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="vit-train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML experiment file")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
-    with cli_errors("vit-train", DataError, NonFiniteLoss, CheckpointWriteError):
+    with cli_errors("vit-train", *USER_ERRORS):
         cfg = load_config(args.config, args.overrides)
         code = EXIT_INTERRUPTED if run(cfg)["preempted"] else EXIT_OK
     if dist.is_initialized():

@@ -51,7 +51,11 @@ class MetricsLogger:
         """``resume_step``: the step of the checkpoint this attempt resumed from. Records of later
         steps (logged by an attempt that crashed before its next checkpoint) are cut from
         metrics.jsonl, since this attempt logs those steps again; W&B, whose steps only increase,
-        is not sent the steps it already holds (an exact resume recomputes them identically)."""
+        is not sent the steps it already holds (an exact resume recomputes them identically).
+        A fresh start (no ``resume_step``) in a run directory that already holds a metrics.jsonl
+        (an attempt that crashed before its first checkpoint) keeps that file beside the new one as
+        ``metrics.K.jsonl`` and starts a new file (and, with no run id in a checkpoint, a new W&B
+        run), so no step appears twice."""
         self.enabled = rank == 0
         self.run_dir = Path(run_dir)
         self.run_id = run_id
@@ -66,6 +70,10 @@ class MetricsLogger:
             path = self.run_dir / "metrics.jsonl"
             if resume_step is not None:
                 self._wandb_has_until = cut_back(path, resume_step)
+            elif path.is_file() and path.stat().st_size:
+                kept = set_aside(path)
+                print(f"metrics: a fresh start: the earlier attempt's records are kept in {kept}; "
+                      f"{path.name} starts anew", file=sys.stderr, flush=True)
             self._jsonl = open(path, "a", buffering=1)
         if cfg.wandb.mode != "disabled":
             self._start_wandb(cfg, run_config)
@@ -179,6 +187,15 @@ class MetricsLogger:
             wandb.teardown()
             self._service = None
             os.environ.pop("WANDB_SERVICE", None)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename ``path`` (metrics.jsonl) to the first free ``metrics.K.jsonl`` beside it; returns that."""
+    k = 1
+    while (kept := path.with_name(f"{path.stem}.{k}{path.suffix}")).exists():
+        k += 1
+    path.rename(kept)
+    return kept
 
 
 def cut_back(path: Path, step: int) -> int:

@@ -95,10 +95,35 @@ class StopRequest:
         threading.Thread(target=watch, name="vitscale-lifeline", daemon=True).start()
 
 
-def write_status(path, state: str, step: int) -> None:
-    """How this invocation ended, for schedulers and ``vit-launch`` (best effort on failure)."""
-    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(state, 1)
+def write_status(path, state: str, step: int, exit_code: Optional[int] = None) -> None:
+    """``status.json`` for schedulers and ``vit-launch``, written atomically (best effort): ``running``
+    at start and at each log step (no exit code yet), then how this invocation ended with the code
+    the process exits with (``completed`` 0, ``interrupted`` 75, ``failed`` the given code)."""
+    doc = {"state": state, "step": step, "time": time.time()}
+    if state != "running":
+        doc["exit_code"] = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(
+            state, 1 if exit_code is None else exit_code)
     try:
-        write_json(path, {"state": state, "step": step, "exit_code": code, "time": time.time()})
+        write_json(path, doc)
     except OSError:
         pass
+
+
+class RunStatus:
+    """Rank 0's ``status.json`` (``path`` None: another rank, which writes nothing)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, step: int, state: str = "running", exit_code: Optional[int] = None) -> None:
+        if self.path is not None:
+            write_status(self.path, state, step, exit_code)
+
+
+def goodbye_line(result: dict, checkpoint) -> str:
+    """The one line saying how a training run ended (``checkpoint``: its newest complete one)."""
+    if result["preempted"]:
+        return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {checkpoint}; run "
+                f"the same command to resume (exit {EXIT_INTERRUPTED})")
+    return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: python -m pretrain.export "
+            f"{result['run_dir']} OUT.safetensors")

@@ -1,5 +1,7 @@
 """`python -m pretrain.train` as one process: guard rails and one-line errors."""
 
+import json
+
 import pytest
 
 from dist_utils import job_env, metrics, train_single
@@ -54,6 +56,27 @@ def test_nonfinite_in_a_row_stops_naming_steps(shards, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert lines[-1] == "vit-train: error: 3 non-finite losses in a row at steps 2-3; lower optim.lr or check the data"
     assert not (tmp_path / "run" / "checkpoints" / "step_00000005").exists()
+    status = json.loads((tmp_path / "run" / "status.json").read_text())  # the process's own code
+    assert status["state"] == "failed" and status["exit_code"] == r.returncode == 2, status
+
+
+def test_a_crash_before_the_first_checkpoint_then_a_fresh_start_logs_each_step_once(shards, tmp_path):
+    """The same command after a crash at step 5 with no checkpoint yet starts from scratch: the
+    crashed attempt's records are kept beside as metrics.1.jsonl, metrics.jsonl holds steps 1-8 once."""
+    run = tmp_path / "run"
+    args = ("train.steps=8", "train.log_every_steps=1", "checkpoint.every_steps=100")
+    crashed = train(shards, run, *args, fault="crash_in_step:5")
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 1 and status["step"] == 4, status
+    again = train(shards, run, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps
+    kept = [json.loads(ln)["step"] for ln in (run / "metrics.1.jsonl").read_text().splitlines()]
+    assert kept == [1, 2, 3, 4], kept
+    assert "metrics.1.jsonl" in again.stderr
+    assert json.loads((run / "status.json").read_text())["exit_code"] == 0
 
 
 @pytest.mark.parametrize("override, needle", [

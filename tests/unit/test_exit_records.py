@@ -1,0 +1,36 @@
+"""What a scheduler reads when a job ends: vit-launch's exit code and closing line for every outcome,
+and status.json's states."""
+import json
+import signal
+
+import pytest
+
+from launch.supervise import outcome
+from pretrain.resilience.lifecycle import RunStatus, write_status
+
+
+@pytest.mark.parametrize("raw, code, says", [
+    (0, 0, "completed"), (2, 2, "user error"), (3, 3, "hang watchdog"), (75, 75, "run the same command"),
+    (130, 130, "second interrupt"), (1, 1, "exit code 1"),
+    (256 - signal.SIGKILL, 1, "killed by SIGKILL (raw exit code 247)"),  # DeepSpeed's launcher, a rank killed
+    (256 - signal.SIGSEGV, 1, "killed by SIGSEGV"),
+    (128 + signal.SIGTERM, 1, "killed by SIGTERM"),
+    (7, 1, "exit code 7"),
+])
+def test_every_way_a_job_ends_maps_to_a_documented_code_and_one_line(raw, code, says):
+    got, line = outcome(raw)
+    assert got == code and says in line and "\n" not in line, (got, line)
+    assert got in (0, 1, 2, 3, 75, 130)  # the table in pretrain/resilience/lifecycle.py
+
+
+def test_status_says_running_then_the_processs_own_exit_code(tmp_path):
+    path = tmp_path / "status.json"
+    RunStatus(path)(7)
+    doc = json.loads(path.read_text())
+    assert doc["state"] == "running" and doc["step"] == 7 and "exit_code" not in doc
+    write_status(path, "failed", 9, 2)
+    assert json.loads(path.read_text())["exit_code"] == 2
+    write_status(path, "interrupted", 10)
+    assert json.loads(path.read_text())["exit_code"] == 75
+    RunStatus(None)(3)  # other ranks write nothing
+    assert json.loads(path.read_text())["step"] == 10
