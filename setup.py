@@ -28,7 +28,12 @@ setup(
         "matplotlib>=3.7",
         "imagehash>=4.3",  # vit-audit's perceptual hash (pulls scipy, PyWavelets)
     ],
-    extras_require={"test": ["pytest>=8.0", "pytest-xdist>=3.5", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40"]},
+    extras_require={
+        # s3:// shards (data_pipeline/storage/s3.py); 1.28.57: AWS_ENDPOINT_URL(_S3) honoured
+        "s3": ["boto3>=1.28.57"],
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
+                 "boto3>=1.28.57", "moto[server]>=5.0"],  # moto: the S3 API server of tests/s3_server.py
+    },
     entry_points={
         "console_scripts": [
             "vit-shards=data_pipeline.shards.cli:main",

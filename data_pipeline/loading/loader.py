@@ -60,7 +60,7 @@ from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.remainder import RestEpoch, rest_epoch
-from data_pipeline.storage.http import RemotePolicy
+from data_pipeline.storage.retry import RemotePolicy
 from data_pipeline.loading.stream import Settings, SlotStream, Start
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.loading.workers import worker_init

@@ -31,7 +31,7 @@ from data_pipeline.loading.batch_decode import DeferredBatch
 from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.shards.reader import read_shard
-from data_pipeline.storage.http import RemotePolicy, RemoteShardError
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
 from data_pipeline.tally import Tally
 from data_pipeline.loading.transforms import SampleTransform, mix_labelled, normalized_batch
 

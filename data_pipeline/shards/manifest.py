@@ -27,8 +27,10 @@ import braceexpand
 
 from data_pipeline.errors import DataError
 from data_pipeline.files import write_atomic
-from data_pipeline.storage.http import HTTPShard, RemotePolicy
-from data_pipeline.storage.urls import is_remote, local_path
+from data_pipeline.storage.http import HTTPShard
+from data_pipeline.storage.retry import RemotePolicy
+from data_pipeline.storage.s3 import S3Object
+from data_pipeline.storage.urls import is_http, is_remote, is_s3, local_path
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "vitscale-shards"
@@ -65,10 +67,15 @@ class ShardSet:
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def manifest_text(manifest: dict) -> str:
+    """A manifest as its file holds it."""
+    return json.dumps(manifest, indent=1) + "\n"
+
+
 def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
     """Atomically write ``manifest.json`` (temp name + rename): it is the last file a job writes,
     so its presence means every shard it lists is complete."""
-    return write_atomic(Path(out_dir) / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+    return write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(manifest))
 
 
 def _read_text(url: str, allow_remote: bool, key: str) -> str:
@@ -76,9 +83,10 @@ def _read_text(url: str, allow_remote: bool, key: str) -> str:
         _check_remote(url, allow_remote, key)
         from webdataset.gopen import gopen
 
-        if url.startswith(("http://", "https://")):  # retried like the shards (storage.http.HTTPShard)
+        if is_http(url) or is_s3(url):  # retried like the shards (storage.http, storage.s3)
+            reader = HTTPShard if is_http(url) else S3Object
             try:
-                with HTTPShard(url, MANIFEST_NAME, RemotePolicy(retries=3, retry_s=10.0), kind="manifest") as f:
+                with reader(url, MANIFEST_NAME, RemotePolicy(retries=3, retry_s=10.0), kind="manifest") as f:
                     return f.read().decode("utf-8")
             except DataError as e:
                 raise DataError(f"{e} ({key})") from None
@@ -161,7 +169,7 @@ def _expand(spec: Union[str, list, tuple], key: str) -> list[str]:
 
 def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = False,
                    key: str = "data.train_shards") -> ShardSet:
-    """``spec`` is a manifest path/URL, a folder holding ``manifest.json``, a brace pattern
+    """``spec`` is a manifest path/URL, a folder (or ``s3://bucket/prefix``) holding ``manifest.json``, a brace pattern
     (``/data/train-{000000..000127}.tar``) or a list of those. Shard URLs must be listed in the
     manifest beside them. Local files that are missing are *not* an error here (the loader skips
     and counts them) unless none of the selected shards exists."""
@@ -174,6 +182,8 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
         is_manifest = url.endswith(".json")
         if not is_manifest and not is_remote(url) and Path(local_path(url)).is_dir():
             url, is_manifest = str(Path(local_path(url)) / MANIFEST_NAME), True
+        elif not is_manifest and is_s3(url) and not url.endswith(".tar"):  # s3://bucket/prefix: a "folder"
+            url, is_manifest = f"{url.rstrip('/')}/{MANIFEST_NAME}", True
         if is_manifest:
             manifests[url] = None
         else:

@@ -6,7 +6,7 @@ Only members whose extension the decoder understands are read; ``.pyd/.pickle/.p
 are skipped *unread* and counted, so nothing in a shard can reach ``pickle`` or ``torch.load``.
 Nothing is extracted to disk, so member names like ``../../x`` or symlinks cannot escape.
 
-Remote shards are opened through ``data_pipeline.storage.http`` (``open_shard``).
+Remote shards are opened through ``data_pipeline.storage.places`` (``open_shard``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from typing import Iterator, Optional
 from webdataset.tariterators import base_plus_ext
 
 from data_pipeline.shards.manifest import Shard
-from data_pipeline.storage.http import RemotePolicy, RemoteShardError, open_shard
+from data_pipeline.storage.places import open_shard
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
 from data_pipeline.tally import Tally
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")

@@ -1,1 +1,2 @@
-"""Where bytes live: URLs and the readers of each scheme (local files, http(s))."""
+"""Where bytes live: URLs, the retry policy, and the readers and writers of each scheme (local
+files, ``http(s)://``, ``s3://``)."""

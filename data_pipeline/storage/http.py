@@ -1,4 +1,4 @@
-"""Where shard bytes are read from: local files, ``http(s)://`` with retries, other schemes.
+"""``http(s)://`` files read with retries (``storage.retry``) and ranged resume.
 
 ``http://`` / ``https://`` shards (``data.allow_remote``) are read by ``HTTPShard``: a dropped
 connection, a timeout, a refused connect or a 408/429/5xx answer is retried with exponential
@@ -14,38 +14,14 @@ from __future__ import annotations
 import http.client
 import io
 import re
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from typing import Optional
 
-from data_pipeline.errors import DataError
-from data_pipeline.storage.urls import is_http, is_remote, local_path
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, retrying
 from data_pipeline.tally import Tally
 
-BACKOFF_FIRST_S = 0.25  # first wait after a failure; doubles per failure in a row
-BACKOFF_MAX_S = 8.0  # longest single wait
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # the server may answer later
-
-
-@dataclass(frozen=True)
-class RemotePolicy:
-    """How long an HTTP shard read keeps trying (``data.remote_*``)."""
-    retries: int = 8  # failures in a row before giving up
-    retry_s: float = 120.0  # the longest one outage is retried (waits included)
-    timeout_s: float = 30.0  # a connect or a read waiting this long counts as a failure
-
-    @classmethod
-    def of(cls, data_cfg) -> "RemotePolicy":
-        return cls(getattr(data_cfg, "remote_retries", cls.retries),
-                   getattr(data_cfg, "remote_retry_s", cls.retry_s),
-                   getattr(data_cfg, "remote_timeout_s", cls.timeout_s))
-
-
-class RemoteShardError(DataError):
-    """An HTTP shard the server refused (404, 403, ...) or stayed unreachable for past the
-    ``RemotePolicy``; the message is one line naming the URL and the shard."""
 
 
 class HTTPShard(io.RawIOBase):
@@ -120,37 +96,4 @@ class HTTPShard(io.RawIOBase):
         self.resp = resp
 
     def _retrying(self, op):
-        """``op()``; after a transient failure, reconnect after a backoff and try again, until
-        ``policy.retries`` failures in a row or ``policy.retry_s`` seconds of this outage."""
-        failures, first = 0, None
-        while True:
-            try:
-                return op()
-            except RemoteShardError:
-                raise
-            except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, short reads
-                self._drop()
-                now = time.monotonic()
-                first = now if first is None else first
-                failures += 1
-                delay = min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
-                if failures > self.policy.retries or now - first + delay > self.policy.retry_s:
-                    reason = getattr(e, "reason", None) or e
-                    raise RemoteShardError(
-                        f"{self.url}: server unreachable, gave up on {self.name} after {failures - 1} "
-                        f"retries over {now - first:.1f} s (data.remote_retries={self.policy.retries}, "
-                        f"data.remote_retry_s={self.policy.retry_s:g}); last error: {reason}") from None
-                if self.tally is not None:
-                    self.tally.add("remote_retries")
-                time.sleep(delay)
-
-
-def open_shard(url: str, name: str = "", tally: Optional[Tally] = None, policy: Optional[RemotePolicy] = None):
-    if is_http(url):
-        return io.BufferedReader(HTTPShard(url, name or url.rsplit("/", 1)[-1], policy or RemotePolicy(), tally),
-                                 1 << 20)
-    if is_remote(url):  # allowed only when data.allow_remote was checked in resolve_shards
-        from webdataset.gopen import gopen
-
-        return gopen(url, "rb")
-    return open(local_path(url), "rb", buffering=1 << 20)
+        return retrying(op, policy=self.policy, url=self.url, name=self.name, tally=self.tally, drop=self._drop)

@@ -16,3 +16,13 @@ def is_http(url: str) -> bool:
 
 def local_path(url: str) -> str:
     return url[len("file://"):] if url.startswith("file://") else url
+
+
+def is_s3(url: str) -> bool:
+    return url.startswith("s3://")
+
+
+def split_s3(url: str) -> tuple[str, str]:
+    """``s3://bucket/key/of/object`` -> ``("bucket", "key/of/object")`` (the key may be empty)."""
+    bucket, _, key = url[len("s3://"):].partition("/")
+    return bucket, key

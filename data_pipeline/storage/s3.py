@@ -1,0 +1,321 @@
+"""``s3://bucket/key``: shards, manifests and ``vit-shards`` output in S3 and S3-compatible stores.
+
+Credentials, region and endpoint come from boto3's standard chain: ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``~/.aws/credentials`` and
+``~/.aws/config``, instance roles; ``AWS_DEFAULT_REGION`` / ``AWS_REGION``; ``AWS_ENDPOINT_URL_S3``
+or ``AWS_ENDPOINT_URL`` (or ``endpoint_url`` in the profile) for MinIO, Cloudflare R2, GCS's XML
+API, moto... When the endpoint is not AWS's own, requests use path-style addressing
+(``http://host/bucket/key``), which every S3-compatible store serves.
+
+Reading (``S3Object``) follows ``storage.retry``: a refused connect, a reset or stalled read, a 5xx
+answer and S3's ``SlowDown`` are retried under the ``RemotePolicy`` and the read resumes at its byte
+with a ranged GET (``If-Match`` the object's ETag, so a replaced object is an error rather than a
+mix of two). A missing bucket or key, a 403 and bad credentials are one-line ``RemoteShardError``s
+naming the URL and what to check. botocore's own retries are off: every retry is ours, counted as
+``remote_retries``.
+
+Writing (``S3Upload``): bytes are buffered up to ``PART_BYTES`` and sent as the parts of a multipart
+upload (each part retried under the policy), so memory stays bounded whatever the object's size;
+``commit`` completes the upload (the object appears whole, at once), ``abort`` drops it. An object
+smaller than one part is a single PUT. ``S3Prefix`` is a "folder" of such objects for the writer.
+"""
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+import re
+import threading
+from typing import Callable, Optional, TypeVar
+from urllib.parse import urlparse
+
+from data_pipeline.errors import DataError
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, retrying
+from data_pipeline.storage.urls import split_s3
+from data_pipeline.tally import Tally
+
+PART_BYTES = 8 << 20  # multipart upload part size (S3's minimum is 5 MiB, but for the last)
+_RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "InternalError",
+                          "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests"})
+_CREDENTIALS = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+                "~/.aws/credentials) and that they may access this bucket")
+_clients: dict = {}
+_clients_lock = threading.Lock()
+T = TypeVar("T")
+
+
+def client(timeout_s: float = 30.0):
+    """A boto3 S3 client of this process (clients do not survive a fork) and of the AWS_* variables
+    now set, without botocore's retries; path-style addressing when the endpoint is not AWS's."""
+    key = (os.getpid(), timeout_s, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    with _clients_lock:
+        if key not in _clients:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise DataError("s3:// URLs need boto3: pip install boto3") from None
+            session = boto3.session.Session()
+            kw = dict(connect_timeout=timeout_s, read_timeout=timeout_s,
+                      retries={"total_max_attempts": 1, "mode": "standard"})
+            c = session.client("s3", config=Config(**kw))
+            host = urlparse(c.meta.endpoint_url).hostname or ""
+            if not host.endswith((".amazonaws.com", ".amazonaws.com.cn")):  # MinIO, R2, GCS, moto...
+                c = session.client("s3", config=Config(s3={"addressing_style": "path"}, **kw))
+            _clients[key] = c
+        return _clients[key]
+
+
+def call(op: Callable[[], T], url: str, name: str, kind: str = "shard") -> T:
+    """``op()`` (one boto3 request) with its failures sorted: transient ones become a
+    ``ConnectionError`` (which ``retrying`` retries), refusals a one-line ``RemoteShardError``."""
+    from botocore import exceptions as bx
+
+    try:
+        return op()
+    except bx.ClientError as e:
+        err = e.response.get("Error", {})
+        code, msg = str(err.get("Code", "")), err.get("Message") or ""
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        said = f"S3 {status}" + (f" {code}" if code and code != str(status) else "")
+        if code in _RETRY_CODES or status in (408, 429) or status >= 500:
+            raise ConnectionError(said) from None
+        error = S3NotFound if status == 404 and code != "NoSuchBucket" else RemoteShardError
+        raise error(f"{url}: {said}: {_why(code, status, url, name, kind)}") from None
+    except (bx.NoCredentialsError, bx.PartialCredentialsError) as e:
+        raise RemoteShardError(f"{url}: {e}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                               "AWS_PROFILE or ~/.aws/credentials") from None
+    except (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError) as e:
+        raise ConnectionError(str(e)) from None
+
+
+def _why(code: str, status: int, url: str, name: str, kind: str) -> str:
+    bucket = split_s3(url)[0]
+    if code == "NoSuchBucket":
+        return (f"bucket {bucket!r} does not exist at this endpoint; check the URL and AWS_ENDPOINT_URL / "
+                "AWS_ENDPOINT_URL_S3")
+    if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+        return (f"shard {name} is listed in the manifest but not in the bucket" if kind == "shard"
+                else "no such object in the bucket")
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken",
+                "InvalidToken") or status == 403:
+        return _CREDENTIALS
+    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "301") or status == 301:
+        return f"bucket {bucket!r} is in another region; set AWS_DEFAULT_REGION to it"
+    if code == "PreconditionFailed" or status == 412:
+        return f"the {kind} was replaced while it was being read; rerun"
+    return f"refused by the store ({kind} {name})"
+
+
+class S3NotFound(RemoteShardError):
+    """No such object (404): for the writer, "not written yet"."""
+
+
+class S3Object(io.RawIOBase):
+    """A read-only stream of one S3 object that survives connection cuts and ``SlowDown``: every
+    transient failure is retried under ``policy`` (``storage.retry``) and the read resumes at byte
+    ``pos`` with ``Range: bytes=pos-``. ``kind``: ``shard`` or ``manifest``, for errors."""
+
+    def __init__(self, url: str, name: str, policy: RemotePolicy, tally: Optional[Tally] = None,
+                 kind: str = "shard"):
+        super().__init__()
+        self.url, self.name, self.policy, self.tally, self.kind = url, name, policy, tally, kind
+        self.bucket, self.key = split_s3(url)
+        self.pos, self.size, self.etag, self.body = 0, None, None, None
+        self._retrying(self._connect)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        def once():
+            if self.body is None:
+                self._connect()
+            data = call(lambda: self.body.read(len(b)), self.url, self.name, self.kind)
+            if not data and len(b) and self.size is not None and self.pos < self.size:  # closed early
+                raise ConnectionError(f"connection closed at byte {self.pos} of {self.size}")
+            return data
+        data = self._retrying(once)
+        n = len(data)
+        b[:n] = data
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+    def _drop(self) -> None:
+        if self.body is not None:
+            try:
+                self.body.close()
+            except Exception:
+                pass
+            self.body = None
+
+    def _connect(self) -> None:
+        kw = dict(Bucket=self.bucket, Key=self.key)
+        if self.pos:
+            kw.update(Range=f"bytes={self.pos}-", **({"IfMatch": self.etag} if self.etag else {}))
+        c = client(self.policy.timeout_s)
+        resp = call(lambda: c.get_object(**kw), self.url, self.name, self.kind)
+        if self.pos:
+            m = re.match(r"bytes (\d+)-", resp.get("ContentRange") or "")
+            if not m or int(m.group(1)) != self.pos:
+                resp["Body"].close()
+                raise ConnectionError(f"resumed at byte {self.pos} but the store sent "
+                                      f"Content-Range {resp.get('ContentRange')!r}")
+        else:
+            self.size, self.etag = resp.get("ContentLength"), resp.get("ETag")
+        self.body = resp["Body"]
+
+    def _retrying(self, op):
+        return retrying(op, policy=self.policy, url=self.url, name=self.name, tally=self.tally, drop=self._drop)
+
+
+class S3Upload(io.RawIOBase):
+    """A writable stream into one S3 object: parts of ``part_bytes`` go up as they fill
+    (multipart upload, each part retried under ``policy``); ``commit()`` completes the object and
+    returns ``{"bytes", "etag"}``, ``abort()`` (or ``close()`` without ``commit``) drops it."""
+
+    def __init__(self, url: str, policy: RemotePolicy = RemotePolicy(), part_bytes: Optional[int] = None):
+        super().__init__()
+        self.url, self.policy, self.part_bytes = url, policy, part_bytes or PART_BYTES
+        self.bucket, self.key = split_s3(url)
+        self.name = self.key.rsplit("/", 1)[-1]
+        self.buf, self.parts, self.upload_id, self.size = bytearray(), [], None, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.buf += b
+        self.size += len(b)
+        while len(self.buf) >= self.part_bytes:
+            self._send(bytes(self.buf[:self.part_bytes]))
+            del self.buf[:self.part_bytes]
+        return len(b)
+
+    def commit(self) -> dict:
+        c = client(self.policy.timeout_s)
+        if self.upload_id is None:  # smaller than one part: one PUT
+            data = bytes(self.buf)
+            resp = self._call(lambda: c.put_object(Bucket=self.bucket, Key=self.key, Body=data))
+        else:
+            if self.buf or not self.parts:
+                self._send(bytes(self.buf))
+            parts = {"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(self.parts)]}
+            resp = self._call(lambda: c.complete_multipart_upload(Bucket=self.bucket, Key=self.key,
+                                                                  UploadId=self.upload_id, MultipartUpload=parts))
+        self.buf, self.upload_id = bytearray(), None
+        super().close()
+        return {"bytes": self.size, "etag": resp.get("ETag")}
+
+    def abort(self) -> None:
+        if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
+            try:
+                client(self.policy.timeout_s).abort_multipart_upload(Bucket=self.bucket, Key=self.key,
+                                                                     UploadId=upload_id)
+            except Exception:  # left for the next run's clean-up (S3Prefix.clean_unfinished)
+                pass
+        self.buf = bytearray()
+        super().close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.abort()
+
+    def _send(self, data: bytes) -> None:
+        c = client(self.policy.timeout_s)
+        if self.upload_id is None:
+            self.upload_id = self._call(lambda: c.create_multipart_upload(Bucket=self.bucket, Key=self.key))["UploadId"]
+        n = len(self.parts) + 1
+        resp = self._call(lambda: c.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                                                PartNumber=n, Body=data))
+        self.parts.append(resp["ETag"])
+
+    def _call(self, op):
+        return retrying(lambda: call(op, self.url, self.name, "object"), policy=self.policy, url=self.url,
+                        name=self.name)
+
+
+class S3Prefix:
+    """``s3://bucket/prefix`` as the writer's output folder: objects named ``prefix/<name>``."""
+
+    def __init__(self, url: str, policy: RemotePolicy = RemotePolicy()):
+        self.root = url.rstrip("/")
+        self.bucket, key = split_s3(self.root)
+        if not self.bucket:
+            raise DataError(f"{url}: no bucket in the URL; expected s3://bucket/prefix")
+        self.prefix = f"{key}/" if key else ""
+        self.policy = policy
+
+    def url(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _call(self, op, name: str):
+        url = self.url(name) if name else self.root
+        return retrying(lambda: call(op, url, name or self.root, "object"), policy=self.policy, url=url,
+                        name=name or self.root)
+
+    def prepare(self) -> None:
+        """Check the bucket is there and ours to write, before any work."""
+        c = client(self.policy.timeout_s)
+        self._call(lambda: c.head_bucket(Bucket=self.bucket), "")
+
+    def read_text(self, name: str) -> Optional[str]:
+        """The object's text, or None when there is no such object."""
+        c = client(self.policy.timeout_s)
+        try:
+            resp = self._call(lambda: c.get_object(Bucket=self.bucket, Key=self.prefix + name), name)
+        except S3NotFound:
+            return None
+        return self._call(lambda: resp["Body"].read(), name).decode("utf-8")
+
+    def write_text(self, name: str, text: str) -> str:
+        """One PUT: an object appears whole or not at all."""
+        c = client(self.policy.timeout_s)
+        data = text.encode("utf-8")
+        self._call(lambda: c.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=data), name)
+        return self.url(name)
+
+    def stat(self, name: str) -> Optional[dict]:
+        """``{"bytes", "etag"}`` of the object, or None when there is none."""
+        c = client(self.policy.timeout_s)
+        try:
+            h = self._call(lambda: c.head_object(Bucket=self.bucket, Key=self.prefix + name), name)
+        except S3NotFound:
+            return None
+        return {"bytes": h["ContentLength"], "etag": h.get("ETag")}
+
+    def create(self, name: str) -> S3Upload:
+        return S3Upload(self.url(name), self.policy)
+
+    def remove(self, name: str) -> None:
+        c = client(self.policy.timeout_s)
+        self._call(lambda: c.delete_object(Bucket=self.bucket, Key=self.prefix + name), name)
+
+    def names(self, pattern: str = "*") -> list[str]:
+        """Names of the objects directly under the prefix that match the shell ``pattern``."""
+        c = client(self.policy.timeout_s)
+        out, token = [], None
+        while True:
+            kw = dict(Bucket=self.bucket, Prefix=self.prefix, Delimiter="/", **({"ContinuationToken": token}
+                                                                                 if token else {}))
+            page = self._call(lambda: c.list_objects_v2(**kw), "")
+            out += [o["Key"][len(self.prefix):] for o in page.get("Contents", [])]
+            token = page.get("NextContinuationToken")
+            if not token:
+                break
+        return sorted(n for n in out if fnmatch.fnmatchcase(n, pattern))
+
+    def clean_unfinished(self, own: "re.Pattern") -> None:
+        """Abort the multipart uploads of names ``own`` matches that an interrupted run left."""
+        c = client(self.policy.timeout_s)
+        page = self._call(lambda: c.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix), "")
+        for u in page.get("Uploads", []):
+            name = u["Key"][len(self.prefix):]
+            if own.fullmatch(name):
+                self._call(lambda: c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"],
+                                                            UploadId=u["UploadId"]), name)
