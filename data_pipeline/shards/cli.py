@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from data_pipeline.errors import DataError, Parser, cli_errors
 from data_pipeline.shards.exclude import read_exclusion
@@ -15,6 +14,7 @@ from data_pipeline.shards.manifest import MANIFEST_NAME
 from data_pipeline.shards.parts import merge_parts, part_manifest_name
 from data_pipeline.shards.sources import open_source
 from data_pipeline.shards.writer import skipped_line, write_shards
+from data_pipeline.storage.places import open_place
 
 
 def _bytes(text: str) -> int:
@@ -52,8 +52,10 @@ def merge_main(argv) -> int:
     """``vit-shards merge OUT PART_MANIFEST...``"""
     p = Parser(prog="vit-shards merge", description="Check the part manifests of a vit-shards --part I/N job "
                "and write the one manifest.json beside the shards.")
-    p.add_argument("out", metavar="OUT", help="the folder holding every part's shards (their --output)")
-    p.add_argument("parts", metavar="PART_MANIFEST", nargs="+", help="part-IIIIofNNNN.json of each part")
+    p.add_argument("out", metavar="OUT", help="the folder or s3://bucket/prefix holding every part's shards "
+                   "(their --output)")
+    p.add_argument("parts", metavar="PART_MANIFEST", nargs="+", help="part-IIIIofNNNN.json of each part "
+                   "(in a store: their URLs, or a quoted pattern such as 's3://b/p/part-*of0064.json')")
     args = p.parse_args(argv)
     with cli_errors("vit-shards merge"):
         try:
@@ -61,7 +63,7 @@ def merge_main(argv) -> int:
         except OSError as e:
             raise DataError(f"{getattr(e, 'filename', None) or args.out}: {e.strerror or e}") from None
     print(f"{m['total']} samples in {len(m['shards'])} shards of {m['parts']} parts, {len(m['classes'])} classes -> "
-          f"{Path(args.out) / MANIFEST_NAME}" + (f"; skipped {m['skipped']}" if m["skipped"] else ""))
+          f"{open_place(args.out).url(MANIFEST_NAME)}" + (f"; skipped {m['skipped']}" if m["skipped"] else ""))
     return 0
 
 
@@ -72,7 +74,7 @@ def parse_args(argv) -> argparse.Namespace:
                "`vit-shards merge OUT PART_MANIFEST...` joins the parts of a --part I/N job.")
     p.add_argument("--source", required=True,
                    help="imagefolder:DIR | cifar100:PATH | filelist:FILE | demo | demo-transfer")
-    p.add_argument("--output", required=True, help="folder for the shards and manifest.json")
+    p.add_argument("--output", required=True, help="folder (or s3://bucket/prefix) for the shards and manifest.json")
     p.add_argument("--split", default="train", help="shard name prefix; cifar100: train|test, "
                    "demo: train|val, demo-transfer: train|test")
     p.add_argument("--shard-size", type=_positive, default=1000, help="samples per shard")
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
             print("vit-shards: interrupted; rerun the same command to finish the job", file=sys.stderr)
             raise SystemExit(130) from None
     skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
-    written = Path(args.output) / (part_manifest_name(args.part) if "part" in m else MANIFEST_NAME)
+    written = open_place(args.output).url(part_manifest_name(args.part) if "part" in m else MANIFEST_NAME)
     print(f"{m['total']} samples in {len(m['shards'])} shards, {len(m['classes'])} classes -> {written}{skipped}")
     line = skipped_line(m, written)
     if line:

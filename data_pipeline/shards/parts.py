@@ -4,11 +4,14 @@ whole scheme)."""
 from __future__ import annotations
 
 import json
+import posixpath
 from collections import Counter
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.shards.manifest import FORMAT, SKIPPED_NAMES, VERSION, write_manifest
+from data_pipeline.shards.manifest import FORMAT, MANIFEST_NAME, SKIPPED_NAMES, VERSION, manifest_text
+from data_pipeline.storage.places import open_place
+from data_pipeline.storage.urls import is_remote
 
 PART_FORMAT = "vitscale-shards-part"  # part-IIIIofNNNN.json of a --part I/N job
 
@@ -31,23 +34,41 @@ def part_manifest_name(part: tuple[int, int]) -> str:
     return f"part-{part_tag(part)}.json"
 
 
+def _part_files(out, part_paths) -> list[tuple[str, str | None]]:
+    """(where, text or None when missing) of each part manifest: a local path, or a URL in the
+    store (a shell pattern such as ``s3://b/p/part-*of0064.json`` is listed there)."""
+    found = []
+    for p in map(str, part_paths):
+        if not is_remote(p):
+            found.append((str(Path(p)), Path(p).read_text() if Path(p).is_file() else None))
+            continue
+        folder, name = posixpath.split(p)
+        place = open_place(folder, "part manifest")
+        names = place.names(name) if any(c in name for c in "*?[") else [name]
+        if not names:
+            found.append((p, None))
+        found += [(place.url(n), place.read_text(n)) for n in names]
+    return found
+
+
 def merge_parts(out_dir, part_paths) -> dict:
     """Check the part manifests of one ``--part I/N`` job and write the one ``manifest.json`` the
-    loader reads, into ``out_dir`` (the folder holding every part's shards). Checks: each is a part
+    loader reads, into ``out_dir`` (the folder, or ``s3://bucket/prefix``, holding every part's
+    shards; part manifests there may be given as URLs or patterns, see ``_part_files``). Checks: each is a part
     manifest; all have the same job (source, classes, options), split and N; parts 1..N each once,
     their sample ranges end to end over the whole job; every shard name once, its file present with
     the size its part recorded. The first problem is a ``DataError`` naming the file or the part.
     Shards are listed in part order, so keys increase through the manifest as in a one-process job."""
-    out = Path(out_dir)
+    out = open_place(out_dir, "OUT")
     if not part_paths:
-        raise DataError(f"{out}: no part manifests given")
-    parts: dict[int, tuple[Path, dict]] = {}
+        raise DataError(f"{out.root}: no part manifests given")
+    parts: dict[int, tuple[str, dict]] = {}
     first = None
-    for p in map(Path, part_paths):
-        if not p.is_file():
+    for p, text in _part_files(out, part_paths):
+        if text is None:
             raise DataError(f"{p}: part manifest not found (has that part finished?)")
         try:
-            m = json.loads(p.read_text())
+            m = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{p}: not a part manifest (invalid JSON: {e})") from None
         if not isinstance(m, dict) or m.get("format") != PART_FORMAT or m.get("version") != VERSION:
@@ -66,7 +87,7 @@ def merge_parts(out_dir, part_paths) -> dict:
     n_parts, n = first[1]["parts"], first[1]["job_samples"]
     missing = [i for i in range(1, n_parts + 1) if i not in parts]
     if missing:
-        raise DataError(f"{out}: part {missing[0]} of {n_parts} is missing "
+        raise DataError(f"{out.root}: part {missing[0]} of {n_parts} is missing "
                         f"({part_manifest_name((missing[0], n_parts))}; {len(missing)} missing in all)")
     shards, names, skipped, skipped_files, end = [], {}, Counter(), {}, 0
     for i in range(1, n_parts + 1):
@@ -81,11 +102,11 @@ def merge_parts(out_dir, part_paths) -> dict:
             if s["name"] in names:
                 raise DataError(f"{p}: shard {s['name']} is also listed by {names[s['name']]}")
             names[s["name"]] = p
-            f = out / s["name"]
-            if not f.is_file():
+            f, st = out.url(s["name"]), out.stat(s["name"])
+            if st is None:
                 raise DataError(f"{f}: shard of part {i} ({p}) is missing")
-            if f.stat().st_size != s["bytes"]:
-                raise DataError(f"{f}: {f.stat().st_size} bytes, but part {i} ({p}) wrote {s['bytes']}")
+            if st["bytes"] != s["bytes"]:
+                raise DataError(f"{f}: {st['bytes']} bytes, but part {i} ({p}) wrote {s['bytes']}")
             shards.append(s)
         skipped.update(m.get("skipped", {}))
         for reason, files in (m.get("skipped_files") or {}).items():
@@ -102,5 +123,5 @@ def merge_parts(out_dir, part_paths) -> dict:
         "shards": shards, "options": m["options"], "skipped": dict(skipped), "skipped_files": skipped_files,
         "job": m["job"], "parts": n_parts,
     }
-    write_manifest(out, manifest)
+    out.write_text(MANIFEST_NAME, manifest_text(manifest))
     return manifest

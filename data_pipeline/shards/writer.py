@@ -26,6 +26,12 @@ finished shards is kept in ``.vit-shards-progress.json`` and ``manifest.json`` i
 Rerunning the same command after an interruption keeps the finished shards and continues; with a
 different source or options it refuses to mix the two jobs.
 
+``--output s3://bucket/prefix`` (``storage.places``, ``storage.s3``): each shard streams into a
+multipart upload (parts of 8 MiB: no shard in memory or on local disk) completed when the shard
+is, the progress file is an object beside the shards recording each finished shard's size and
+ETag (a rerun keeps a shard only if both still match, and aborts the uploads a killed run left),
+and ``manifest.json`` is written last. Any other URL scheme is a one-line error.
+
 Many machines (``--part I/N``): the job's sample order (same source and options, so the same keys)
 is cut into N runs of whole nominal shards (``part_range``); part I writes its run as
 ``<split>-IIIIofNNNN-<j>.tar`` into the shared ``--output`` with its own progress file, and ends
@@ -39,16 +45,13 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import random
 import re
 from collections import Counter
-from pathlib import Path
 
 from PIL import Image
 
 from data_pipeline.errors import DataError
-from data_pipeline.files import write_json
 from data_pipeline.shards.decode import to_8bit
 from data_pipeline.shards.demo_data import demo_items
 from data_pipeline.shards.manifest import (
@@ -56,7 +59,7 @@ from data_pipeline.shards.manifest import (
     MANIFEST_NAME,
     SKIPPED_NAMES,
     VERSION,
-    write_manifest,
+    manifest_text,
 )
 from data_pipeline.shards.parts import (
     PART_FORMAT,
@@ -65,6 +68,7 @@ from data_pipeline.shards.parts import (
     part_tag,
 )
 from data_pipeline.shards.sources import Source
+from data_pipeline.storage.places import open_place
 
 PROGRESS_NAME = ".vit-shards-progress.json"
 _KEEP = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # formats stored as they come
@@ -151,16 +155,17 @@ def _member_bytes(n: int) -> int:
 
 
 class _ShardSink:
-    """Writes samples into ``<split>-NNNNNN.tar`` files: each under a temporary name, fsynced and
-    renamed when complete, then recorded in the progress file (finished shards + where the next
-    one starts in the sample order + skip counts so far)."""
+    """Writes samples into ``<split>-NNNNNN.tar`` files of ``out`` (``storage.places``): each
+    streamed under a temporary name (a multipart upload in S3) that becomes the file when complete,
+    then recorded in the progress file (finished shards with their size and the store's ETag +
+    where the next one starts in the sample order + skip counts so far)."""
 
-    def __init__(self, out: Path, prefix: str, progress: Path, job: str, shards: list, skipped: Counter,
+    def __init__(self, out, prefix: str, progress: str, job: str, shards: list, skipped: Counter,
                  skipped_files: dict):
         self.out, self.prefix, self.progress, self.job = out, prefix, progress, job
         self.shards, self.skipped = shards, skipped
         self.skipped_files = skipped_files  # reason -> the first SKIPPED_NAMES names
-        self.current = None  # (tmp path, file, TarWriter, name)
+        self.current = None  # (output stream, TarWriter, name)
         self.count = self.size = 0
 
     def add(self, sample: dict, nbytes: int) -> None:
@@ -168,48 +173,46 @@ class _ShardSink:
 
         if self.current is None:
             name = f"{self.prefix}-{len(self.shards):06d}.tar"
-            tmp = self.out / f".{name}.tmp-{os.getpid()}"
-            f = open(tmp, "wb")
-            self.current, self.count, self.size = (tmp, f, wds.TarWriter(f, mtime=0), name), 0, 0
-        self.current[2].write(sample)
+            f = self.out.create(name)
+            self.current, self.count, self.size = (f, wds.TarWriter(f, mtime=0), name), 0, 0
+        self.current[1].write(sample)
         self.count, self.size = self.count + 1, self.size + nbytes
 
     def finish(self, end: int) -> None:
-        tmp, f, writer, name = self.current
+        f, writer, name = self.current
         writer.close()
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, self.out / name)
-        self.shards.append({"name": name, "samples": self.count, "bytes": (self.out / name).stat().st_size,
+        done = f.commit()  # {"bytes"}, and the store's "etag" for S3
+        self.shards.append({"name": name, "samples": self.count, "bytes": done["bytes"],
+                            **({"etag": done["etag"]} if done.get("etag") else {}),
                             "end": end, "skipped": dict(self.skipped),
                             "skipped_files": {k: list(v) for k, v in self.skipped_files.items()}})
-        write_json(self.progress, {"job": self.job, "shards": self.shards})
+        self.out.write_text(self.progress, json.dumps({"job": self.job, "shards": self.shards}))
         self.current = None
 
     def abandon(self) -> None:
         """After an error or Ctrl-C: drop the unfinished shard (after kill -9 the next run does)."""
         if self.current is not None:
-            tmp, f, writer, _ = self.current
+            f, writer, _ = self.current
             with contextlib.suppress(Exception):
                 writer.close()
-            f.close()
-            tmp.unlink(missing_ok=True)
+            f.abort()
             self.current = None
 
 
-def _finished_shards(out: Path, job: str, path: Path) -> list:
-    """Shards an interrupted run of the same job completed (files still intact)."""
-    if not path.exists():
+def _finished_shards(out, job: str, name: str) -> list:
+    """Shards an interrupted run of the same job completed (files still intact: the size, and in
+    S3 the ETag, the progress file recorded)."""
+    text = out.read_text(name)
+    if text is None:
         return []
-    state = json.loads(path.read_text())
+    state = json.loads(text)
     if state.get("job") != job:
-        raise DataError(f"{path}: an interrupted job with another source or options is in "
+        raise DataError(f"{out.url(name)}: an interrupted job with another source or options is in "
                         "this folder; rerun that command, or use another --output")
     shards = []
     for rec in state["shards"]:
-        f = out / rec["name"]
-        if not f.is_file() or f.stat().st_size != rec["bytes"]:
+        st = out.stat(rec["name"])
+        if st is None or st["bytes"] != rec["bytes"] or rec.get("etag", st.get("etag")) != st.get("etag"):
             break
         shards.append(rec)
     return shards
@@ -226,11 +229,12 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     ``part=(I, N)``: write only part I of N (``part_range``) as ``<split>-IIIIofNNNN-<j>.tar`` and the
     part manifest ``part-IIIIofNNNN.json`` (returned); ``merge_parts`` turns the N part manifests into
     ``manifest.json``. Keys, samples and labels are those the one-process job gives them; parts of
-    one job may run at once in one folder, and a rerun of a part redoes only that part."""
+    one job may run at once in one folder, and a rerun of a part redoes only that part.
+    ``out_dir``: a folder or ``s3://bucket/prefix`` (``storage.places.open_place``)."""
     from tqdm import tqdm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = open_place(out_dir)
+    out.prepare()
     options = {"split": split, "shard_size": shard_size, "max_shard_bytes": max_shard_bytes,
                "resize_shorter": resize_shorter, "quality": quality, "shuffle_seed": shuffle_seed,
                "limit": limit}
@@ -243,28 +247,25 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
         options["exclude"] = hashlib.sha1("\n".join(sorted(exclude.keys)).encode()).hexdigest()[:16]
         job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
                            ).hexdigest()[:16]
-    manifest_path = out / MANIFEST_NAME
-    if manifest_path.exists():
-        done = json.loads(manifest_path.read_text())
+    text = out.read_text(MANIFEST_NAME)
+    if text is not None:
+        done = json.loads(text)
         if done.get("job") == job:
             return done
-        raise DataError(f"{manifest_path}: the folder already holds shards of another source or options; "
+        raise DataError(f"{out.url(MANIFEST_NAME)}: the folder already holds shards of another source or options; "
                         "use another --output or remove it")
-    prefix, progress_path = split, out / PROGRESS_NAME
+    prefix, progress_path = split, PROGRESS_NAME
     if part is not None:
-        prefix, progress_path = f"{split}-{part_tag(part)}", out / f".vit-shards-progress-{part_tag(part)}.json"
-        part_path = out / part_manifest_name(part)
-        if part_path.exists():
-            done = json.loads(part_path.read_text())
+        prefix, progress_path = f"{split}-{part_tag(part)}", f".vit-shards-progress-{part_tag(part)}.json"
+        text = out.read_text(part_manifest_name(part))
+        if text is not None:
+            done = json.loads(text)
             if done.get("job") == job:
                 return done
-            raise DataError(f"{part_path}: this part was written by another source or options; "
-                            "use another --output or remove the folder's parts")
+            raise DataError(f"{out.url(part_manifest_name(part))}: this part was written by another source or "
+                            "options; use another --output or remove the folder's parts")
     shards = _finished_shards(out, job, progress_path)
-    own = re.compile(rf"\.{re.escape(prefix)}-\d+\.tar\.tmp-\d+")  # this job's (or part's) unfinished shards
-    for stale in out.glob(".*.tar.tmp-*"):
-        if own.fullmatch(stale.name):
-            stale.unlink()
+    out.clean_unfinished(re.compile(rf"{re.escape(prefix)}-\d+\.tar"))  # this job's (or part's) unfinished shards
 
     order = list(range(len(source.items)))
     if shuffle_seed is not None:  # class-sorted sources (imagefolder) must not stay sorted in shards
@@ -326,10 +327,10 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     }
     if part is not None:  # what merge_parts checks: which part, which samples of how many
         manifest.update(format=PART_FORMAT, part=part[0], parts=part[1], range=[lo, hi], job_samples=len(order))
-        write_json(out / part_manifest_name(part), manifest, indent=1)
+        out.write_text(part_manifest_name(part), manifest_text(manifest))
     else:
-        write_manifest(out, manifest)  # last: its presence means every listed shard is complete
-    progress_path.unlink(missing_ok=True)
+        out.write_text(MANIFEST_NAME, manifest_text(manifest))  # last: its presence means every listed shard is complete
+    out.remove(progress_path)
     return manifest
 
 
