@@ -1,0 +1,278 @@
+"""Shards in an S3 API store (``s3://bucket/prefix``), against a real server: ``moto_server`` in its
+own process with IAM authentication on (tests/s3_server.py), behind a TCP proxy that cuts
+connections, refuses new ones and answers ``503 SlowDown``. ``vit-shards --output s3://...`` writes
+what it writes to disk, byte for byte; the loader reads the same samples from the store as from
+disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a missing key, a
+missing bucket and wrong credentials are one line; an interrupted write is finished by a rerun that
+keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
+nobody writes is one line and no local folder."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.config import DataConfig
+from data_pipeline.errors import DataError
+from data_pipeline.loading.loader import build_loader
+from data_pipeline.shards import cli, sources
+from data_pipeline.shards.demo_data import demo_items
+from data_pipeline.shards.manifest import resolve_shards
+from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
+from data_pipeline.storage.s3 import S3Prefix
+from dist_utils import run_job
+from s3_server import MotoS3, Proxy
+
+BUCKET = "vitscale-test"
+DEMO = ["--source", "demo", "--limit", "96", "--shard-size", "12", "--quiet"]
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory):
+    """moto_server + the proxy, the bucket, and this process's (and its jobs') AWS_* variables
+    pointing at the proxy; all restored and stopped (by PID) at the end."""
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = MotoS3(log).start()
+    proxy = Proxy(server.port).start()
+    saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update({**server.env, "AWS_ENDPOINT_URL": proxy.url})
+    server.client().create_bucket(Bucket=BUCKET)
+    try:
+        yield type("Store", (), {"server": server, "proxy": proxy, "client": server.client()})
+    finally:
+        proxy.stop()
+        server.stop()
+        for k in [k for k in os.environ if k.startswith("AWS_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def proxy(store):
+    store.proxy.reset()
+    yield store.proxy
+    store.proxy.reset()
+
+
+@pytest.fixture(scope="session")
+def written(store, tmp_path_factory):
+    """The same demo shards written by ``python -m data_pipeline.write_shards`` to disk and to the store."""
+    local = tmp_path_factory.mktemp("s3local") / "train"
+    url = f"s3://{BUCKET}/demo/train"
+    for out in (str(local), url):
+        r = run_job([sys.executable, "-m", "data_pipeline.write_shards", *DEMO, "--output", out], timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip().endswith(f"96 samples in 8 shards, 10 classes -> {out}/manifest.json"), r.stdout
+    return local, url
+
+
+def _cfg(shards: str, **kw) -> DataConfig:
+    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retries=8,
+                remote_retry_s=20.0, remote_timeout_s=5.0)
+    return DataConfig(**{**base, **kw})
+
+
+def _epoch(cfg: DataConfig):
+    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+    out = []
+    for x, y in loader:
+        out.append((list(loader.last_keys), y.clone(), x.clone()))
+        if loader.epoch == 1:
+            break
+    return out, loader.counters
+
+
+@pytest.fixture(scope="session")
+def from_disk(written):
+    batches, counters = _epoch(_cfg(str(written[0])))
+    assert counters == {"samples": 96} and len(batches) == 12
+    return batches
+
+
+def _same(a, b):
+    assert [k for k, _, _ in a] == [k for k, _, _ in b]
+    for (_, ya, xa), (_, yb, xb) in zip(a, b):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+def _objects(client, prefix: str) -> dict:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"][len(prefix):]: o["Size"] for p in pages for o in p.get("Contents", [])}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/shards", "foo://x"])
+def test_output_url_nobody_writes_is_one_line_and_no_folder(url, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*DEMO, "--output", url])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    scheme = url.split(":")[0]
+    assert err.startswith(f"vit-shards: error: --output {url}: cannot write to {scheme}: URLs"), err
+    assert list(tmp_path.iterdir()) == []  # no folder named "gs:" or "foo:"
+
+
+def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, written, from_disk, proxy):
+    local, url = written
+    objects = _objects(store.client, "demo/train/")
+    assert sorted(objects) == sorted(p.name for p in local.iterdir())  # no progress file, no leftovers
+    for name in objects:
+        body = store.client.get_object(Bucket=BUCKET, Key=f"demo/train/{name}")["Body"].read()
+        assert _sha(body) == _sha((local / name).read_bytes()), name
+    assert not store.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+    for spec in (url, f"{url}/manifest.json", f"{url}/"):
+        batches, counters = _epoch(_cfg(spec))
+        _same(batches, from_disk)
+        assert counters == {"samples": 96}
+    picked = resolve_shards(f"{url}/train-{{000002..000004}}.tar", allow_remote=True)
+    assert [s.url for s in picked.shards] == [f"{url}/train-00000{i}.tar" for i in (2, 3, 4)]
+    assert [s.index for s in picked.shards] == [2, 3, 4]
+    with pytest.raises(DataError, match="needs data.allow_remote=true"):
+        resolve_shards(url)
+    assert proxy.log == []
+
+
+def test_read_through_two_cuts_and_a_slowdown_burst(store, written, from_disk, proxy):
+    """In a dataloader worker: two connection cuts mid-shard (the second refusing connections for 1 s)
+    and three 503 SlowDown answers: every sample once, in order, bit for bit; the retries counted."""
+    total = sum(_objects(store.client, "demo/train/").values())
+    proxy.plan([(total // 4, 0.0, 0), (total // 4, 1.0, 0), (total // 4, 0.0, 3)])
+    batches, counters = _epoch(_cfg(written[1], workers=1))
+    _same(batches, from_disk)
+    assert proxy.events == [] and proxy.log.count("cut") == 3 and proxy.log.count("slowdown") == 3, proxy.log
+    # each failure retried: cut 1 (1), cut 2 then refused for 1 s (>= 3: 0.25 + 0.5 s of backoff < 1 s),
+    # cut 3 (1) then 3 SlowDowns (3)
+    assert counters["remote_retries"] >= 8, counters
+    assert set(counters) == {"samples", "remote_retries"}, counters
+
+
+def test_store_gone_for_good_ends_within_the_bound(store, written, proxy):
+    proxy.plan([(10_000, 60.0, 0)])  # cut mid-shard, then refused (the fixture reopens the port)
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        _epoch(_cfg(written[1], remote_retries=50, remote_retry_s=2.0))
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{written[1]}/train-") and "server unreachable" in msg, msg
+    assert "data.remote_retry_s=2" in msg, msg
+    assert took < 2.0 + 5.0, took
+
+
+def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, monkeypatch, capsys):
+    c = store.client
+    for name in _objects(c, "demo/train/"):
+        if name != "train-000005.tar":
+            c.copy_object(Bucket=BUCKET, Key=f"partial/{name}", CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
+    url = f"s3://{BUCKET}/partial"
+    with pytest.raises(DataError) as e:
+        _epoch(_cfg(url))
+    assert str(e.value) == (f"{url}/train-000005.tar: S3 404 NoSuchKey: shard train-000005.tar is listed in the "
+                            "manifest but not in the bucket"), e.value
+    with pytest.raises(DataError) as e:
+        build_loader(_cfg(f"s3://{BUCKET}/nope"), batch_size=8)
+    assert str(e.value) == (f"s3://{BUCKET}/nope/manifest.json: S3 404 NoSuchKey: no such object in the bucket "
+                            "(data.train_shards)"), e.value
+    with pytest.raises(DataError) as e:
+        build_loader(_cfg("s3://no-such-bucket/train"), batch_size=8)
+    assert "S3 404 NoSuchBucket: bucket 'no-such-bucket' does not exist at this endpoint" in str(e.value)
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(DataError) as e:
+        build_loader(_cfg(written[1]), batch_size=8)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{written[1]}/manifest.json: S3 403 SignatureDoesNotMatch: "
+                                              "check the credentials (AWS_ACCESS_KEY_ID"), msg
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOBODY")
+    with pytest.raises(SystemExit) as e:
+        cli.main([*DEMO, "--output", f"s3://{BUCKET}/denied"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"vit-shards: error: s3://{BUCKET}/denied: S3 403: check the credentials "
+                                         "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+                                         "~/.aws/credentials) and that they may access this bucket\n"), err
+    assert not _objects(c, "denied/")
+
+
+class _Boom:
+    """An item that interrupts the writer (Ctrl-C) the first time it is read."""
+    armed = True
+
+    def __init__(self, inner):
+        self.inner, self.labels = inner, inner.labels
+
+    def load(self):
+        if _Boom.armed:
+            _Boom.armed = False
+            raise KeyboardInterrupt
+        return self.inner.load()
+
+
+def test_interrupted_write_to_the_store_is_finished_by_a_rerun(store, tmp_path, monkeypatch):
+    classes, items = demo_items("val", 40)
+    ref = tmp_path / "ref"
+    write_shards(sources.Source("demo:val", classes, items), ref, split="val", shard_size=8, progress=False)
+    order = list(range(40))
+    random.Random(0).shuffle(order)
+    wrapped = list(items)
+    wrapped[order[21]] = _Boom(items[order[21]])  # the 22nd sample written: shard 2 is half done
+    src = sources.Source("demo:val", classes, wrapped)
+    url, c = f"s3://{BUCKET}/rerun/val", store.client
+    monkeypatch.setattr("data_pipeline.storage.s3.PART_BYTES", 20_000)  # multipart uploads of several parts
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(src, url, split="val", shard_size=8, progress=False)
+    assert sorted(_objects(c, "rerun/val/")) == [PROGRESS_NAME, "val-000000.tar", "val-000001.tar"]
+    progress = json.loads(c.get_object(Bucket=BUCKET, Key=f"rerun/val/{PROGRESS_NAME}")["Body"].read())
+    assert [s["etag"] for s in progress["shards"]] == [
+        c.head_object(Bucket=BUCKET, Key=f"rerun/val/val-00000{i}.tar")["ETag"] for i in (0, 1)]
+    for s in progress["shards"]:  # multipart ETags: "<md5 of the parts' md5s>-<parts>"
+        assert s["etag"].endswith(f'-{-(-s["bytes"] // 20_000)}"'), s
+    assert not c.list_multipart_uploads(Bucket=BUCKET, Prefix="rerun/").get("Uploads")  # aborted
+    c.create_multipart_upload(Bucket=BUCKET, Key="rerun/val/val-000002.tar")  # as a kill -9 would leave
+
+    created = []
+    real_create = S3Prefix.create
+    monkeypatch.setattr(S3Prefix, "create", lambda self, name: created.append(name) or real_create(self, name))
+    m = write_shards(src, url, split="val", shard_size=8, progress=False)
+    assert created == ["val-000002.tar", "val-000003.tar", "val-000004.tar"]  # complete shards kept
+    assert m == json.loads((ref / "manifest.json").read_text())
+    for s in m["shards"]:
+        body = c.get_object(Bucket=BUCKET, Key=f"rerun/val/{s['name']}")["Body"].read()
+        assert body == (ref / s["name"]).read_bytes()
+    assert sorted(_objects(c, "rerun/val/")) == sorted(p.name for p in ref.iterdir())
+    assert not c.list_multipart_uploads(Bucket=BUCKET, Prefix="rerun/").get("Uploads")
+    created.clear()
+    assert write_shards(src, url, split="val", shard_size=8, progress=False) == m and created == []
+
+    c.put_object(Bucket=BUCKET, Key="rerun/val/val-000001.tar", Body=b"replaced by someone else")
+    c.put_object(Bucket=BUCKET, Key=f"rerun/val/{PROGRESS_NAME}", Body=json.dumps(progress).encode())
+    c.delete_object(Bucket=BUCKET, Key="rerun/val/manifest.json")
+    write_shards(src, url, split="val", shard_size=8, progress=False)
+    assert created[0] == "val-000001.tar"  # a shard whose size or ETag changed is written again
+
+
+def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
+    url = f"s3://{BUCKET}/parts/train"
+    for i in (2, 1):
+        assert cli.main([*DEMO, "--output", url, "--part", f"{i}/2"]) == 0
+    assert cli.main(["merge", url, f"{url}/part-*of0002.json"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"-> {url}/manifest.json")
+    batches, counters = _epoch(_cfg(url))
+    assert sorted(k for b, _, _ in batches for k in b) == sorted(k for b, _, _ in from_disk for k in b)
+    merged = json.loads(store.client.get_object(Bucket=BUCKET, Key="parts/train/manifest.json")["Body"].read())
+    assert merged["total"] == 96 and merged["parts"] == 2
+    with pytest.raises(SystemExit):
+        cli.main(["merge", url, f"{url}/part-0003of0003.json"])
+    assert "part-0003of0003.json: part manifest not found" in capsys.readouterr().err
