@@ -56,15 +56,15 @@ class DataConfig:
     multi_label: bool = False
     """Sigmoid targets from `<key>.json` labels (ImageNet-21k / JFT style)."""
     allow_remote: bool = False
-    """Permit `pipe:`, `http(s)://`, `s3://`, `gs://` shard URLs."""
+    """Permit `pipe:`, `http(s)://`, `s3://`, `gs://` shard URLs (`s3://`: boto3's AWS_* chain)."""
     remote_retries: int = 8
-    """`http(s)://` shards: failures in a row (refused connect, dropped or stalled read,
-    408/429/5xx) retried with backoff (0.25 s doubling, at most 8 s) before the run stops; a read
-    resumes at its byte (data_pipeline/DATA.md, "Shards over HTTP")."""
+    """`http(s)://` and `s3://` shards: failures in a row (refused connect, dropped or stalled read,
+    408/429/5xx, S3 SlowDown) retried with backoff (0.25 s doubling, at most 8 s) before the run
+    stops; a read resumes at its byte (data_pipeline/DATA.md, "Shards over HTTP")."""
     remote_retry_s: float = 120.0
-    """The longest one outage of an `http(s)://` server is retried, waits included."""
+    """The longest one outage of an `http(s)://` server or an S3 store is retried, waits included."""
     remote_timeout_s: float = 30.0
-    """A connect or a read of an `http(s)://` shard that waits this long counts as a failure."""
+    """A connect or a read of an `http(s)://` or `s3://` shard that waits this long counts as a failure."""
     max_corrupt_rate: float = 0.01
     """Stop the run when more than this share of samples is bad."""
     max_image_pixels: int = 89_478_485
