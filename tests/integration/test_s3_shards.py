@@ -5,7 +5,8 @@ what it writes to disk, byte for byte; the loader reads the same samples from th
 disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a missing key, a
 missing bucket and wrong credentials are one line; an interrupted write is finished by a rerun that
 keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
-nobody writes is one line and no local folder."""
+nobody writes is one line and no local folder; 2 ranks train from the store through a cut on
+exactly the samples they read from disk."""
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ from data_pipeline.shards.demo_data import demo_items
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 from data_pipeline.storage.s3 import S3Prefix
-from dist_utils import run_job
+from dist_utils import deepspeed_cmd, metrics, run_job
 from s3_server import MotoS3, Proxy
 
 BUCKET = "vitscale-test"
@@ -276,3 +277,29 @@ def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
     with pytest.raises(SystemExit):
         cli.main(["merge", url, f"{url}/part-0003of0003.json"])
     assert "part-0003of0003.json: part manifest not found" in capsys.readouterr().err
+
+
+def _train(shards: str, run_dir: Path):
+    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
+                        "data.allow_remote=true", f"train.output_dir={run_dir}", "train.global_batch_size=16",
+                        "train.micro_batch_size=8", "data.workers=1", "data.record_samples=true",
+                        "data.remote_retries=20", "data.remote_retry_s=20", "logging.wandb.mode=disabled",
+                        "train.log_every_steps=1", "optim.warmup_steps=2", "train.steps=6")  # 96 samples: one epoch
+    r = run_job(cmd, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {f.name: f.read_text() for f in sorted((run_dir / "samples").glob("rank-*.tsv"))}
+
+
+@pytest.mark.slow
+def test_two_ranks_train_from_the_store_through_a_cut_on_the_samples_of_disk(store, written, proxy, tmp_path):
+    """The deepspeed runner, 2 ranks x 1 data worker: the store is cut mid-shard and refuses
+    connections for 1 s; each rank records exactly the (step, epoch, key) rows of the same run from disk."""
+    disk = _train(str(written[0]), tmp_path / "disk")
+    proxy.plan([(150_000, 1.0, 0)])
+    s3 = _train(written[1], tmp_path / "s3")
+    assert proxy.events == [] and "cut" in proxy.log, proxy.log
+    assert sorted(disk) == ["rank-0.tsv", "rank-1.tsv"] and len(disk["rank-0.tsv"].splitlines()) == 48
+    assert s3 == disk  # no sample twice, none skipped, the same order on each rank
+    m = metrics(tmp_path / "s3")
+    assert max(r.get("data/remote_retries", 0) for r in m.values()) >= 1, m[max(m)]
+    assert not any(k in r for r in m.values() for k in ("data/lost_in_shard", "data/missing_shard"))
