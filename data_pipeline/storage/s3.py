@@ -205,8 +205,14 @@ class S3Upload(io.RawIOBase):
             if self.buf or not self.parts:
                 self._send(bytes(self.buf))
             parts = {"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(self.parts)]}
-            resp = self._call(lambda: c.complete_multipart_upload(Bucket=self.bucket, Key=self.key,
-                                                                  UploadId=self.upload_id, MultipartUpload=parts))
+            try:
+                resp = self._call(lambda: c.complete_multipart_upload(Bucket=self.bucket, Key=self.key,
+                                                                      UploadId=self.upload_id, MultipartUpload=parts))
+            except S3NotFound:  # NoSuchUpload: an earlier try completed it and its answer was lost
+                resp = self._call(lambda: c.head_object(Bucket=self.bucket, Key=self.key))
+                if resp["ContentLength"] != self.size:
+                    raise
+
         self.buf, self.upload_id = bytearray(), None
         super().close()
         return {"bytes": self.size, "etag": resp.get("ETag")}
@@ -262,16 +268,18 @@ class S3Prefix:
     def prepare(self) -> None:
         """Check the bucket is there and ours to write, before any work."""
         c = client(self.policy.timeout_s)
-        self._call(lambda: c.head_bucket(Bucket=self.bucket), "")
+        try:
+            self._call(lambda: c.head_bucket(Bucket=self.bucket), "")
+        except S3NotFound:  # a HEAD answer has no error code to tell a bucket from a key
+            raise RemoteShardError(f"{self.root}: S3 404: {_why('NoSuchBucket', 404, self.root, '', '')}") from None
 
     def read_text(self, name: str) -> Optional[str]:
-        """The object's text, or None when there is no such object."""
-        c = client(self.policy.timeout_s)
+        """The object's text (read as shards are: retried, resumed), or None when there is no such object."""
         try:
-            resp = self._call(lambda: c.get_object(Bucket=self.bucket, Key=self.prefix + name), name)
+            with S3Object(self.url(name), name, self.policy, kind="object") as f:
+                return f.read().decode("utf-8")
         except S3NotFound:
             return None
-        return self._call(lambda: resp["Body"].read(), name).decode("utf-8")
 
     def write_text(self, name: str, text: str) -> str:
         """One PUT: an object appears whole or not at all."""

@@ -190,6 +190,11 @@ def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, m
     with pytest.raises(DataError) as e:
         build_loader(_cfg("s3://no-such-bucket/train"), batch_size=8)
     assert "S3 404 NoSuchBucket: bucket 'no-such-bucket' does not exist at this endpoint" in str(e.value)
+    with pytest.raises(SystemExit):
+        cli.main([*DEMO, "--output", "s3://no-such-bucket/train"])
+    assert capsys.readouterr().err == ("vit-shards: error: s3://no-such-bucket/train: S3 404: bucket 'no-such-bucket' "
+                                       "does not exist at this endpoint; check the URL and AWS_ENDPOINT_URL / "
+                                       "AWS_ENDPOINT_URL_S3\n")
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(DataError) as e:
