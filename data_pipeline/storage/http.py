@@ -12,58 +12,21 @@ run with it rather than count the shard's samples as lost.
 from __future__ import annotations
 
 import http.client
-import io
 import re
 import urllib.error
 import urllib.request
-from typing import Optional
 
-from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, retrying
-from data_pipeline.tally import Tally
+from data_pipeline.storage.retry import RemoteShardError, ResumableRead
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # the server may answer later
 
 
-class HTTPShard(io.RawIOBase):
-    """A read-only stream of one HTTP(S) file that survives server restarts: every failure is
-    retried under ``policy`` and the read resumes at byte ``pos`` (``Range: bytes=pos-``; a server
-    that ignores ``Range`` answers 200 and the bytes already read are skipped). Costs one request
-    per (re)connect; no byte is read twice from the caller's point of view. ``kind``: what the
-    file is to the user (a ``shard`` listed in a manifest, or the ``manifest`` itself), for errors."""
+class HTTPShard(ResumableRead):
+    """One HTTP(S) file, resumed with ``Range: bytes=pos-``; a server that ignores ``Range``
+    answers 200 and the bytes already read are skipped. One request per (re)connect."""
 
-    def __init__(self, url: str, name: str, policy: RemotePolicy, tally: Optional[Tally] = None,
-                 kind: str = "shard"):
-        super().__init__()
-        self.url, self.name, self.policy, self.tally, self.kind = url, name, policy, tally, kind
-        self.pos, self.size, self.resp = 0, None, None
-        self._retrying(self._connect)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        def once():
-            if self.resp is None:
-                self._connect()
-            n = self.resp.readinto(b)
-            if not n and len(b) and self.size is not None and self.pos < self.size:  # closed early
-                raise http.client.IncompleteRead(b"", self.size - self.pos)
-            return n
-        n = self._retrying(once)
-        self.pos += n
-        return n
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
-
-    def _drop(self) -> None:
-        if self.resp is not None:
-            try:
-                self.resp.close()
-            except Exception:
-                pass
-            self.resp = None
+    def _read(self, b) -> int:
+        return self.body.readinto(b)
 
     def _connect(self) -> None:
         headers = {"Range": f"bytes={self.pos}-"} if self.pos else {}
@@ -93,7 +56,4 @@ class HTTPShard(io.RawIOBase):
                 left -= len(chunk)
         elif resp.headers.get("Content-Length", "").isdigit():
             self.size = int(resp.headers["Content-Length"])
-        self.resp = resp
-
-    def _retrying(self, op):
-        return retrying(op, policy=self.policy, url=self.url, name=self.name, tally=self.tally, drop=self._drop)
+        self.body = resp

@@ -11,6 +11,7 @@ refusal that waiting cannot fix (missing file, no permission, bad credentials), 
 from __future__ import annotations
 
 import http.client
+import io
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
@@ -70,3 +71,49 @@ def retrying(op: Callable[[], T], *, policy: RemotePolicy, url: str, name: str,
             if tally is not None:
                 tally.add("remote_retries")
             time.sleep(delay)
+
+
+class ResumableRead(io.RawIOBase):
+    """A read-only stream of one remote file that survives outages: every transient failure is
+    retried under ``policy`` (``retrying``) and the read resumes at byte ``pos``, so no byte is
+    read twice or skipped from the caller's point of view. A subclass opens the file at ``pos``
+    (``_connect``: sets ``self.body``, and ``self.size`` on the first connect) and reads from it
+    (``_read``). ``kind``: what the file is to the user (a ``shard`` listed in a manifest, or the
+    ``manifest`` itself), for errors."""
+
+    def __init__(self, url: str, name: str, policy: RemotePolicy, tally: Optional[Tally] = None,
+                 kind: str = "shard"):
+        super().__init__()
+        self.url, self.name, self.policy, self.tally, self.kind = url, name, policy, tally, kind
+        self.pos, self.size, self.body = 0, None, None
+        self._retrying(self._connect)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        def once():
+            if self.body is None:
+                self._connect()
+            n = self._read(b)
+            if not n and len(b) and self.size is not None and self.pos < self.size:  # closed early
+                raise ConnectionError(f"connection closed at byte {self.pos} of {self.size}")
+            return n
+        n = self._retrying(once)
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+    def _drop(self) -> None:
+        if self.body is not None:
+            try:
+                self.body.close()
+            except Exception:
+                pass
+            self.body = None
+
+    def _retrying(self, op):
+        return retrying(op, policy=self.policy, url=self.url, name=self.name, tally=self.tally, drop=self._drop)

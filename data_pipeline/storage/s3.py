@@ -30,7 +30,7 @@ from typing import Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
 from data_pipeline.errors import DataError
-from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, retrying
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, ResumableRead, retrying
 from data_pipeline.storage.urls import split_s3
 from data_pipeline.tally import Tally
 
@@ -111,47 +111,20 @@ class S3NotFound(RemoteShardError):
     """No such object (404): for the writer, "not written yet"."""
 
 
-class S3Object(io.RawIOBase):
-    """A read-only stream of one S3 object that survives connection cuts and ``SlowDown``: every
-    transient failure is retried under ``policy`` (``storage.retry``) and the read resumes at byte
-    ``pos`` with ``Range: bytes=pos-``. ``kind``: ``shard`` or ``manifest``, for errors."""
+class S3Object(ResumableRead):
+    """One S3 object that survives connection cuts and ``SlowDown``, resumed with a ranged GET
+    that must match the object's first ETag (an object replaced mid-read is an error, not a mix)."""
 
     def __init__(self, url: str, name: str, policy: RemotePolicy, tally: Optional[Tally] = None,
                  kind: str = "shard"):
-        super().__init__()
-        self.url, self.name, self.policy, self.tally, self.kind = url, name, policy, tally, kind
         self.bucket, self.key = split_s3(url)
-        self.pos, self.size, self.etag, self.body = 0, None, None, None
-        self._retrying(self._connect)
+        self.etag = None
+        super().__init__(url, name, policy, tally, kind)
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        def once():
-            if self.body is None:
-                self._connect()
-            data = call(lambda: self.body.read(len(b)), self.url, self.name, self.kind)
-            if not data and len(b) and self.size is not None and self.pos < self.size:  # closed early
-                raise ConnectionError(f"connection closed at byte {self.pos} of {self.size}")
-            return data
-        data = self._retrying(once)
-        n = len(data)
-        b[:n] = data
-        self.pos += n
-        return n
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
-
-    def _drop(self) -> None:
-        if self.body is not None:
-            try:
-                self.body.close()
-            except Exception:
-                pass
-            self.body = None
+    def _read(self, b) -> int:
+        data = call(lambda: self.body.read(len(b)), self.url, self.name, self.kind)
+        b[:len(data)] = data
+        return len(data)
 
     def _connect(self) -> None:
         kw = dict(Bucket=self.bucket, Key=self.key)
@@ -169,8 +142,6 @@ class S3Object(io.RawIOBase):
             self.size, self.etag = resp.get("ContentLength"), resp.get("ETag")
         self.body = resp["Body"]
 
-    def _retrying(self, op):
-        return retrying(op, policy=self.policy, url=self.url, name=self.name, tally=self.tally, drop=self._drop)
 
 
 class S3Upload(io.RawIOBase):
