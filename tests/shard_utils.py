@@ -20,3 +20,27 @@ def samples_of(out: Path) -> dict:
             assert k not in found, f"key {k} twice"
             found[k] = (ext, members[f"{k}.{ext}"], members[f"{k}.cls"])
     return found
+
+
+def remote_data_cfg(shards: str, **kw):
+    """The data section the remote-shard tests read with: no workers, a small shuffle buffer,
+    retries bounded well inside a test's time (``kw`` overrides)."""
+    from data_pipeline.config import DataConfig
+
+    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retries=6,
+                remote_retry_s=20.0, remote_timeout_s=5.0)
+    return DataConfig(**{**base, **kw})
+
+
+def one_epoch(cfg):
+    """One epoch of the training loader on ``cfg``: (keys, targets, images) per batch, and the
+    loader's counters."""
+    from data_pipeline.loading.loader import build_loader
+
+    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+    out = []
+    for x, y in loader:
+        out.append((list(loader.last_keys), y.clone(), x.clone()))
+        if loader.epoch == 1:
+            break
+    return out, loader.counters

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from shard_utils import one_epoch, remote_data_cfg
 import torch
 
-from data_pipeline.config import DataConfig
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
-from dist_utils import free_port, job_env, start_job, wait_for
+from dist_utils import free_port, start_job, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "tests" / "jobs" / "shard_http_server.py"
@@ -84,26 +84,11 @@ def server(served, tmp_path):
     s.stop()
 
 
-def _cfg(shards: str, **kw) -> DataConfig:
-    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retries=6,
-                remote_retry_s=20.0, remote_timeout_s=5.0)
-    return DataConfig(**{**base, **kw})
-
-
-def _epoch(cfg: DataConfig):
-    """One epoch: (keys, targets, images) per batch, and the loader's counters."""
-    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
-    out = []
-    for x, y in loader:
-        out.append((list(loader.last_keys), y.clone(), x.clone()))
-        if loader.epoch == 1:
-            break
-    return out, loader.counters
 
 
 @pytest.fixture(scope="module")
 def from_disk(served):
-    batches, counters = _epoch(_cfg(str(served)))
+    batches, counters = one_epoch(remote_data_cfg(str(served)))
     assert counters["samples"] == 96 and len(batches) == 12
     return batches
 
@@ -116,7 +101,7 @@ def _same(a, b):
 
 def test_http_reads_the_same_batches_as_disk(server, from_disk):
     server.start()
-    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json"))
+    batches, counters = one_epoch(remote_data_cfg(f"{server.url}/manifest.json"))
     _same(batches, from_disk)
     assert counters == {"samples": 96}
     assert not [r for r in server.requests() if "range=None" not in r]  # no retry, no Range request
@@ -127,7 +112,7 @@ def test_server_crash_mid_shard_resumes_at_the_byte(server, from_disk, served):
     size = (served / "train-000003.tar").stat().st_size
     server.start("--die-after", f"train-000003.tar:{size // 2}")
     server.restart_after_death(2.0)
-    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json", workers=1))
+    batches, counters = one_epoch(remote_data_cfg(f"{server.url}/manifest.json", workers=1))
     _same(batches, from_disk)  # every sample once, in the same order, bit for bit
     assert counters["remote_retries"] >= 2, counters  # refused while the server was down
     assert not {"lost_in_shard", "truncated_tar", "missing_shard"} & set(counters), counters
@@ -142,7 +127,7 @@ def test_server_back_without_range_support_or_busy(server, from_disk, served, re
     size = (served / "train-000006.tar").stat().st_size
     server.start("--die-after", f"train-000006.tar:{size // 2}")
     server.restart_after_death(0.5, *restart)
-    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json"))
+    batches, counters = one_epoch(remote_data_cfg(f"{server.url}/manifest.json"))
     _same(batches, from_disk)
     assert counters["remote_retries"] >= (2 if "--busy" in restart else 1), counters
     assert set(counters) == {"samples", "remote_retries"}, counters
@@ -155,7 +140,7 @@ def test_server_back_without_range_support_or_busy(server, from_disk, served, re
 def test_server_gone_for_good_ends_within_the_bound(server, served):
     size = (served / "train-000002.tar").stat().st_size
     server.start("--die-after", f"train-000002.tar:{size // 3}")
-    cfg = _cfg(f"{server.url}/manifest.json", remote_retries=50, remote_retry_s=3.0)
+    cfg = remote_data_cfg(f"{server.url}/manifest.json", remote_retries=50, remote_retry_s=3.0)
     loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
@@ -175,12 +160,12 @@ def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_p
     server.root = root
     server.start()
     with pytest.raises(DataError) as e:
-        for _ in build_loader(_cfg(f"{server.url}/manifest.json"), batch_size=8, seed=3, img_size=16):
+        for _ in build_loader(remote_data_cfg(f"{server.url}/manifest.json"), batch_size=8, seed=3, img_size=16):
             pass
     assert str(e.value).startswith(f"{server.url}/train-000005.tar: HTTP 404 Not Found: shard train-000005.tar "
                                    "is listed in the manifest but not on the server"), e.value
     with pytest.raises(DataError, match=r"manifest\.json: HTTP 404 Not Found: not on the server \(data\.train_shards\)"):
-        build_loader(_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
+        build_loader(remote_data_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
 
 
 def test_rate_limited_server_is_slow_not_an_error(server, served, from_disk):
@@ -188,7 +173,7 @@ def test_rate_limited_server_is_slow_not_an_error(server, served, from_disk):
     rate = total / 1.5  # the epoch's shards take at least 1.5 s to arrive
     server.start("--rate", str(rate))
     t0 = time.monotonic()
-    batches, counters = _epoch(_cfg(f"{server.url}/manifest.json"))
+    batches, counters = one_epoch(remote_data_cfg(f"{server.url}/manifest.json"))
     assert time.monotonic() - t0 >= 1.4
     _same(batches, from_disk)
     assert counters == {"samples": 96}
@@ -202,7 +187,7 @@ def test_remote_keys_are_checked(tmp_path):
         with pytest.raises(ConfigError, match=says):
             load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [bad])
     with pytest.raises(DataError, match="needs data.allow_remote=true"):
-        build_loader(_cfg("http://127.0.0.1:1/manifest.json", allow_remote=False), batch_size=8)
+        build_loader(remote_data_cfg("http://127.0.0.1:1/manifest.json", allow_remote=False), batch_size=8)
 
 
 def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, served, tmp_path):

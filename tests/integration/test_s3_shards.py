@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+from shard_utils import one_epoch, remote_data_cfg
 import torch
 
-from data_pipeline.config import DataConfig
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.shards import cli, sources
@@ -33,6 +33,10 @@ from s3_server import MotoS3, Proxy
 
 BUCKET = "vitscale-test"
 DEMO = ["--source", "demo", "--limit", "96", "--shard-size", "12", "--quiet"]
+
+
+def _cfg(shards: str, **kw):
+    return remote_data_cfg(shards, **{"remote_retries": 8, **kw})
 
 
 @pytest.fixture(scope="session")
@@ -76,25 +80,11 @@ def written(store, tmp_path_factory):
     return local, url
 
 
-def _cfg(shards: str, **kw) -> DataConfig:
-    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retries=8,
-                remote_retry_s=20.0, remote_timeout_s=5.0)
-    return DataConfig(**{**base, **kw})
-
-
-def _epoch(cfg: DataConfig):
-    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
-    out = []
-    for x, y in loader:
-        out.append((list(loader.last_keys), y.clone(), x.clone()))
-        if loader.epoch == 1:
-            break
-    return out, loader.counters
 
 
 @pytest.fixture(scope="session")
 def from_disk(written):
-    batches, counters = _epoch(_cfg(str(written[0])))
+    batches, counters = one_epoch(_cfg(str(written[0])))
     assert counters == {"samples": 96} and len(batches) == 12
     return batches
 
@@ -136,7 +126,7 @@ def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, wr
     assert not store.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
     for spec in (url, f"{url}/manifest.json", f"{url}/"):
-        batches, counters = _epoch(_cfg(spec))
+        batches, counters = one_epoch(_cfg(spec))
         _same(batches, from_disk)
         assert counters == {"samples": 96}
     picked = resolve_shards(f"{url}/train-{{000002..000004}}.tar", allow_remote=True)
@@ -152,7 +142,7 @@ def test_read_through_two_cuts_and_a_slowdown_burst(store, written, from_disk, p
     and three 503 SlowDown answers: every sample once, in order, bit for bit; the retries counted."""
     total = sum(_objects(store.client, "demo/train/").values())
     proxy.plan([(total // 4, 0.0, 0), (total // 4, 1.0, 0), (total // 4, 0.0, 3)])
-    batches, counters = _epoch(_cfg(written[1], workers=1))
+    batches, counters = one_epoch(_cfg(written[1], workers=1))
     _same(batches, from_disk)
     assert proxy.events == [] and proxy.log.count("cut") == 3 and proxy.log.count("slowdown") == 3, proxy.log
     # each failure retried: cut 1 (1), cut 2 then refused for 1 s (>= 3: 0.25 + 0.5 s of backoff < 1 s),
@@ -165,7 +155,7 @@ def test_store_gone_for_good_ends_within_the_bound(store, written, proxy):
     proxy.plan([(10_000, 60.0, 0)])  # cut mid-shard, then refused (the fixture reopens the port)
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
-        _epoch(_cfg(written[1], remote_retries=50, remote_retry_s=2.0))
+        one_epoch(_cfg(written[1], remote_retries=50, remote_retry_s=2.0))
     took = time.monotonic() - t0
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{written[1]}/train-") and "server unreachable" in msg, msg
@@ -180,7 +170,7 @@ def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, m
             c.copy_object(Bucket=BUCKET, Key=f"partial/{name}", CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
     url = f"s3://{BUCKET}/partial"
     with pytest.raises(DataError) as e:
-        _epoch(_cfg(url))
+        one_epoch(_cfg(url))
     assert str(e.value) == (f"{url}/train-000005.tar: S3 404 NoSuchKey: shard train-000005.tar is listed in the "
                             "manifest but not in the bucket"), e.value
     with pytest.raises(DataError) as e:
@@ -275,7 +265,7 @@ def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
         assert cli.main([*DEMO, "--output", url, "--part", f"{i}/2"]) == 0
     assert cli.main(["merge", url, f"{url}/part-*of0002.json"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"-> {url}/manifest.json")
-    batches, counters = _epoch(_cfg(url))
+    batches, counters = one_epoch(_cfg(url))
     assert sorted(k for b, _, _ in batches for k in b) == sorted(k for b, _, _ in from_disk for k in b)
     merged = json.loads(store.client.get_object(Bucket=BUCKET, Key="parts/train/manifest.json")["Body"].read())
     assert merged["total"] == 96 and merged["parts"] == 2
