@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from data_pipeline.errors import ConfigError
+
 
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to a hidden per-process temp file beside ``path``, then rename it over
@@ -46,3 +48,14 @@ def unwritable(folder: str | Path) -> Optional[str]:
     except OSError as e:
         return f"cannot write in {anc} ({e.strerror})"
     return None
+
+
+def check_output_file(path: str | Path) -> None:
+    """ConfigError (one line) when a command could not write its ``--output`` file ``path``: a
+    folder there, or no file can be created in its folder. Commands call it before any work."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--output {path}: a folder, not a file; name the file to write")
+    why = unwritable(p.parent)
+    if why:
+        raise ConfigError(f"--output {path}: {why}; choose a writable --output")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.errors import ConfigError, cli_errors
+from data_pipeline.files import check_output_file
 
 
 class PlotError(ConfigError):
@@ -148,9 +149,11 @@ def main(argv=None) -> None:
     ap.add_argument("--title", default="", help="figure title")
     args = ap.parse_args(argv)
     with cli_errors("plot_scaling", PlotError):
+        check_output_file(args.output)  # before reading the runs: a mistake costs a second
         rows = scaling_table([load_run(d) for d in args.run_dirs])
     print(format_table(rows))
-    print(f"plot: {plot(rows, args.output, args.title)}")
+    with cli_errors("plot_scaling", OSError):
+        print(f"plot: {plot(rows, args.output, args.title)}")
 
 
 if __name__ == "__main__":

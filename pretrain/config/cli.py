@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from data_pipeline.errors import cli_errors
-from data_pipeline.files import write_atomic
+from data_pipeline.files import check_output_file, write_atomic
 from pretrain.config.load import load_config, save_config, to_dict
 
 
@@ -21,6 +21,9 @@ def main(argv=None) -> None:
                     help="print the reference of every config key (key, default, meaning) as Markdown")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
+    if args.output:
+        with cli_errors("vit-config"):
+            check_output_file(args.output)
     if args.reference:
         from pretrain.config.reference import reference
 
@@ -37,7 +40,8 @@ def main(argv=None) -> None:
     with cli_errors("vit-config"):
         cfg = load_config(args.config, args.overrides)
     if args.output:
-        save_config(cfg, args.output)
+        with cli_errors("vit-config"):
+            save_config(cfg, args.output)
     else:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import difflib
 import types
 import typing
@@ -22,7 +23,9 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -120,6 +123,8 @@ def _type_name(tp: Any) -> str:
 def _coerce(tp: Any, value: Any, key: str, where: str) -> Any:
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{where}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # YAML's .nan / .inf: no key of ours means them
+        raise ConfigError(f"{where}: {key}: expected a finite number, got {value!r}")
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

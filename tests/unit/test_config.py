@@ -96,6 +96,9 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
     ("logging: {wandb: {mode: loud}}\n", "logging.wandb.mode"),
     ("model: {name: vit_base_patch61_224}\n", "did you mean 'vit_base_patch16_224'"),
     ("data: {workers: 2.5}\n", "data.workers"),
+    ("optim: {lr: .nan}\n", "optim.lr: expected a finite number, got nan"),
+    ("optim: {weight_decay: .inf}\n", "optim.weight_decay: expected a finite number"),
+    ("train: {hang_timeout_s: -.inf}\n", "train.hang_timeout_s: expected a finite number"),
 ])
 def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     bad = write(tmp_path / "bad.yaml", text)
@@ -118,6 +121,46 @@ def test_cli_unknown_key_missing_file_bad_yaml_bad_override(tmp_path):
         r = run_cli(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert needle in r.stderr
+
+
+def test_nan_is_refused_from_an_override_and_in_every_float_key():
+    with pytest.raises(ConfigError, match="optim.lr: expected a finite number"):
+        load_config(REPO / "configs/tiny_cpu.yaml", ["optim.lr=.nan"])
+    import dataclasses
+    import typing
+
+    from pretrain.config.schema import Config
+
+    def float_keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from float_keys(tp, f"{prefix}{f.name}.")
+            elif tp is float or float in typing.get_args(tp):
+                yield prefix + ("async" if f.name == "async_save" else f.name)
+
+    keys = list(float_keys(Config))
+    assert len(keys) > 20
+    for key in keys:
+        with pytest.raises(ConfigError, match=f"{key}: expected a finite number"):
+            load_config(None, [f"{key}=.inf"])
+
+
+def test_non_utf8_yaml_and_unwritable_output_are_one_line(tmp_path):
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("# r\xe9sum\xe9\ntrain: {seed: 1}\n".encode("latin-1"))
+    r = run_cli("--config", str(latin))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not UTF-8" in r.stderr, r.stderr
+    (tmp_path / "a_file").write_text("x")
+    for out in (tmp_path / "a_file" / "resolved.yaml", tmp_path):  # under a file; a folder
+        r = run_cli("--config", str(REPO / "configs/tiny_cpu.yaml"), "--output", str(out))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--output" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    from launch.plot_scaling import main as plot_main
+
+    with pytest.raises(SystemExit) as e:
+        plot_main([str(tmp_path), "--output", str(tmp_path / "a_file" / "s.png")])
+    assert e.value.code == 2
 
 
 def test_cli_prints_resolved_config():
