@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +26,9 @@ from typing import Optional
 
 import torch
 
-from data_pipeline.errors import cli_errors
+from data_pipeline.errors import DataError, cli_errors
+from data_pipeline.storage.s3 import S3Prefix
+from data_pipeline.storage.urls import is_s3
 from pretrain.checkpointing import rundir
 from pretrain.config import AugmentConfig, from_dict, image_size
 from pretrain.models.arch import model_defaults
@@ -257,25 +260,55 @@ def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> 
             "timm_call": timm_call(info, out, pcfg)}
 
 
+def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, fmt: str = "timm") -> dict:
+    """``export`` (``fmt`` timm) or ``export_hf`` (hf) to a local path, or to ``s3://bucket/key``:
+    there the bucket is checked first (before consolidating), the export is staged in a temporary
+    folder and uploaded one object per file (multipart, retried as shards are), the safetensors file
+    at the URL itself, a transformers folder's files under the URL as a prefix."""
+    if not is_s3(str(out)):
+        return (export_hf if fmt == "hf" else export)(run_dir, out, step)
+    url = str(out).rstrip("/")
+    prefix, name = (url, "hf") if fmt == "hf" else url.rsplit("/", 1)
+    if fmt != "hf" and (prefix == "s3:/" or not name.endswith(".safetensors")):
+        raise ExportError(f"{out}: name the object, e.g. s3://bucket/models/vit.safetensors")
+    place = S3Prefix(prefix)
+    place.prepare()
+    with tempfile.TemporaryDirectory(prefix="vit-export-") as tmp:
+        local = Path(tmp) / name
+        r = (export_hf if fmt == "hf" else export)(run_dir, local, step)
+        for f in sorted(local.iterdir()) if fmt == "hf" else [local]:
+            with open(f, "rb") as src, place.create(f.name) as up:  # a failed upload is aborted on close
+                shutil.copyfileobj(src, up, 8 << 20)
+                up.commit()
+    r["output"] = url
+    if fmt != "hf":
+        r["timm_call"] = timm_call(r, Path(name), r["pretrained_cfg"])  # once downloaded beside the script
+    return r
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="vit-export", description="Export a run's weights for timm or transformers")
     ap.add_argument("run_dir", help="run directory, its checkpoints/ directory, one checkpoint, or a transformers "
                                     "ViT folder")
-    ap.add_argument("output", help="OUT.safetensors (--format timm) or a folder (--format hf)")
+    ap.add_argument("output", help="OUT.safetensors (--format timm) or a folder (--format hf); either may be "
+                                   "s3://bucket/key (one object per file)")
     ap.add_argument("--format", choices=["timm", "hf"], default="timm",
                     help="timm: one safetensors file in timm's names (default); hf: a transformers "
                          "ViTForImageClassification folder with a model card")
     ap.add_argument("--step", type=int, default=None, help="export this step instead of the newest")
     args = ap.parse_args(argv)
-    with cli_errors("vit-export", ExportError, hf.HFUnsupported):
+    with cli_errors("vit-export", ExportError, hf.HFUnsupported, DataError):  # DataError: the store refused
         try:
-            r = (export_hf if args.format == "hf" else export)(args.run_dir, args.output, args.step)
+            r = export_to(args.run_dir, args.output, args.step, args.format)
         except ExportRescued as e:  # not a user mistake (the folder passed the check): exit 1, one line
             print(f"vit-export: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None
     step = "" if r["step"] is None else f" step {r['step']}"
     print(f"vit-export: {r['model']['name']}{step} from {r['checkpoint']} -> {r['output']} "
           f"({r['tensors']} tensors)", file=sys.stderr)
+    if is_s3(args.output):
+        print(f"vit-export: in the store; download it first (aws s3 cp{' --recursive' if args.format == 'hf' else ''} "
+              f"{r['output']} .)", file=sys.stderr)
     if args.format == "hf":
         print(f"from transformers import ViTForImageClassification; "
               f"ViTForImageClassification.from_pretrained({str(Path(r['output']).absolute())!r})")

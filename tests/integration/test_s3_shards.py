@@ -298,3 +298,40 @@ def test_two_ranks_train_from_the_store_through_a_cut_on_the_samples_of_disk(sto
     m = metrics(tmp_path / "s3")
     assert max(r.get("data/remote_retries", 0) for r in m.values()) >= 1, m[max(m)]
     assert not any(k in r for r in m.values() for k in ("data/lost_in_shard", "data/missing_shard"))
+
+
+def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
+    """vit-export to s3://: the timm file and each file of a transformers folder become objects with
+    the bytes of the same export on disk; a missing bucket is one line before any work."""
+    import boto3
+    import torch
+    from safetensors import safe_open
+
+    from pretrain.weights.export import export, export_hf, export_to
+    from transfer_fixtures import tiny_model, write_run_dir
+
+    run = write_run_dir(tmp_path / "run", tiny_model(), {3: True}, 3)
+    s3 = boto3.client("s3")
+
+    def body(key):
+        return s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+    r = export_to(run, f"s3://{BUCKET}/exports/tiny.safetensors")
+    assert r["output"] == f"s3://{BUCKET}/exports/tiny.safetensors" and r["step"] == 3
+    local = export(run, tmp_path / "tiny.safetensors")
+    (tmp_path / "from_store.safetensors").write_bytes(body("exports/tiny.safetensors"))
+    with safe_open(tmp_path / "from_store.safetensors", "pt") as a, safe_open(local["output"], "pt") as b:
+        assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    export_to(run, f"s3://{BUCKET}/exports/hf/", fmt="hf")
+    export_hf(run, tmp_path / "hf")
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    listed = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="exports/hf/")["Contents"])
+    assert listed == [f"exports/hf/{n}" for n in files] and "model.safetensors" in files
+    # (safetensors writes its metadata in no fixed order: the weights file is compared by its tensors)
+    assert all(body(f"exports/hf/{n}") == (tmp_path / "hf" / n).read_bytes() for n in files if n != "model.safetensors")
+    (tmp_path / "hf_store.safetensors").write_bytes(body("exports/hf/model.safetensors"))
+    with safe_open(tmp_path / "hf_store.safetensors", "pt") as a, safe_open(tmp_path / "hf" / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys()) and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    r = run_job([sys.executable, "-m", "pretrain.export", str(run), "s3://no-such-bucket/x.safetensors"], timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no-such-bucket" in r.stderr, r.stderr
