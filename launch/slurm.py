@@ -183,7 +183,9 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
         env_file = (
             "\n# pdsh forwards only NCCL*/PYTHON*/UCX*/MV2* variables; the runner adds the lines of DS_ENV_FILE.\n"
             f"export DS_ENV_FILE={logs}/\"deepspeed_env.$SLURM_JOB_ID\"\n"
-            "env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS)=' > \"$DS_ENV_FILE\" || true\n")
+            "# (where the store is, never its secrets: those stay in ~/.aws/credentials, read on every node)\n"
+            "(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|AWS_(ENDPOINT_URL[A-Z_0-9]*|"
+            "DEFAULT_REGION|REGION|PROFILE|CONFIG_FILE|SHARED_CREDENTIALS_FILE))=' > \"$DS_ENV_FILE\") || true\n")
     start = _START.format(dry=dry, launch=run_line, grace=job.signal_grace)
     return f"""#!/bin/bash
 # vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.

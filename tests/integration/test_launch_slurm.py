@@ -36,7 +36,7 @@ def write_new(tmp_path, capsys, *args):
     return out
 
 
-def dry_run_script(tmp_path, script, nodes=("gpu07", "gpu08"), cpus=32):
+def dry_run_script(tmp_path, script, nodes=("gpu07", "gpu08"), cpus=32, **extra_env):
     """Run the script as sbatch would on the first node, with a stand-in scontrol."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -47,6 +47,7 @@ def dry_run_script(tmp_path, script, nodes=("gpu07", "gpu08"), cpus=32):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DRY_RUN="1", SLURM_JOB_NODELIST="gpu[07-08]",
                SLURM_JOB_ID="4242", SLURM_NNODES=str(len(nodes)), SLURM_CPUS_ON_NODE=str(cpus))
     env.pop("MASTER_PORT", None)
+    env.update(extra_env)
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().splitlines()
@@ -72,7 +73,9 @@ def runner_argv(launch):
 
 
 def test_pdsh_script_builds_hostfile_and_runs_the_runner_on_the_first_node(tmp_path, capsys):
-    lines = dry_run_script(tmp_path, write_script(tmp_path, capsys))
+    store = dict(AWS_ENDPOINT_URL_S3="http://minio.internal:9000", AWS_DEFAULT_REGION="us-east-1",
+                 AWS_SECRET_ACCESS_KEY="not-to-be-written")
+    lines = dry_run_script(tmp_path, write_script(tmp_path, capsys), **store)
     hostfile = tmp_path / "logs" / "hostfile.4242"
     assert hostfile.read_text() == "gpu07 slots=4\ngpu08 slots=4\n"
     assert [h.name for h in parse_hostfile(hostfile)] == ["gpu07", "gpu08"]
@@ -90,6 +93,10 @@ def test_pdsh_script_builds_hostfile_and_runs_the_runner_on_the_first_node(tmp_p
     env_file = tmp_path / "logs" / "deepspeed_env.4242"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in env_file.read_text().splitlines()
     assert "OMP_NUM_THREADS=8" in env_file.read_text().splitlines()  # 32 CPUs / 4 ranks
+    # where the S3 store is reaches every node; its secret does not go into a file
+    assert {"AWS_ENDPOINT_URL_S3=http://minio.internal:9000", "AWS_DEFAULT_REGION=us-east-1"} <= set(
+        env_file.read_text().splitlines())
+    assert "not-to-be-written" not in env_file.read_text() and env_file.stat().st_mode & 0o077 == 0
 
 
 def test_log_folder_is_created_when_the_script_is_written(tmp_path, capsys):
