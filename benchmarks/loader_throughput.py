@@ -16,6 +16,9 @@ and fine noise), so file sizes are in ImageNet's range. Default run: under two m
     python benchmarks/loader_throughput.py                    # 768 images, 1 worker, batch 64, 3 rounds
     python benchmarks/loader_throughput.py --images 2048 --workers 2
     python benchmarks/loader_throughput.py --workers 8 --decode-device cuda   # on a GPU machine
+
+The last lines give the measured per-worker rates as ``vit-launch plan --decode-rate`` flags, so
+the performance model's input line uses this machine's own decode speed.
 """
 from __future__ import annotations
 
@@ -161,6 +164,12 @@ def main(argv=None) -> int:
               f"{spread['bd']}   bd/b = {med['bd'] / med['b']:.2f}")
     print(f"b/a = {med['b'] / med['a']:.2f} (target >= 0.8)   b/c = {med['b'] / med['c']:.2f} (target >= 1.5)   "
           f"[median of {args.rounds} rounds; workers={args.workers}, batch={args.batch}, torch threads=1]")
+    # the measured rates, in the words of the performance model's input line (pretrain/perf/inputs.py)
+    print(f"vit-launch plan ... --decode cpu --decode-rate {med['b']:.0f} --stored-side {args.resize_shorter}")
+    if "b0" in med:
+        print(f"vit-launch plan ... --decode cpu --decode-rate {med['b0']:.0f} --stored-side 375   # full-size shards")
+    if "bd" in med and args.decode_device == "cuda":
+        print(f"vit-launch plan ... --decode cuda --decode-rate {med['bd']:.0f} --stored-side {args.resize_shorter}")
     return 0
 
 
