@@ -14,18 +14,8 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread. Two OpenMP threads contending
-    with other jobs ran the fine-tune test 7x slower (36 s vs 5 s at load 4); restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 COLOURS = np.array([[220, 40, 40], [40, 200, 60], [50, 70, 230], [230, 210, 40]], dtype=np.float32)

@@ -1,7 +1,9 @@
 """``train.compile``: regional compilation of each Transformer block's forward (inductor; on CPU it
 needs a C++ compiler). Five steps compiled and eager give the same losses (1e-4 relative), with
-ZeRO 0, 2 (activation checkpointing on) and 3 (each block a leaf module; checkpointing on), and
-dynamo never hits its recompile limit (it did under ZeRO-3 while its per-Linear hooks were traced)."""
+ZeRO 0 and 3 (each block a leaf module), both with activation checkpointing on, and dynamo never
+hits its recompile limit (it did under ZeRO-3 while its per-Linear hooks were traced). ZeRO 1-2
+compile the blocks exactly as ZeRO 0 does (``compile_blocks``: only stage 3 differs); the GPU
+suite's smoke test compiles them without checkpointing."""
 import subprocess
 import sys
 
@@ -24,7 +26,7 @@ def losses(shards, run_dir, *extra):
 CKPT = ("train.activation_checkpointing=true",)
 
 
-@pytest.mark.parametrize("stage, extra", [(0, ()), (2, CKPT), (3, CKPT)])
+@pytest.mark.parametrize("stage, extra", [(0, CKPT), (3, CKPT)])
 def test_compiled_blocks_match_eager(shards, tmp_path, stage, extra):
     eager = losses(shards, tmp_path / "eager", f"zero.stage={stage}", *extra)
     compiled = losses(shards, tmp_path / "compiled", f"zero.stage={stage}", "train.compile=true", *extra)

@@ -12,7 +12,6 @@ import torch
 
 from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.cli import main
-from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import (exported_metadata, save_safetensors, tiny_model, write_cifar100, write_imagefolder,
                                write_run_dir, write_vtab_task)
 

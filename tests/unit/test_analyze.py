@@ -12,7 +12,6 @@ from pretrain.evaluation.analyze import (attention_maps, attention_modules, atte
                               mean_attention_distance, position_similarity, record_attention, rollout_map,
                               similarity_by_distance)
 from pretrain.models.vit import create_model
-from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
 
 

@@ -12,7 +12,6 @@ from pretrain.config import DataConfig
 from pretrain.transfer import suites, vtab
 from pretrain.transfer.data import Concat, View
 from pretrain.transfer.errors import TransferError
-from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import colour_image, py2_pickle, write_cifar100, write_imagefolder, write_vtab_task
 
 

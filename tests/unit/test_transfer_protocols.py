@@ -12,7 +12,6 @@ from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
 from pretrain.transfer.linear import fit_logistic
 from pretrain.transfer.suites import imagefolder
-from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
 
 

@@ -7,7 +7,6 @@ import pytest
 from pretrain.transfer import suites
 from pretrain.transfer.cli import main
 from pretrain.transfer.sweep import run_task
-from transfer_fixtures import one_thread  # noqa: F401  (autouse)
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_vtab_task
 
 
