@@ -39,7 +39,7 @@ def assert_ok(r):
 
 @pytest.mark.parametrize("stage, extra", [
     (1, ["train.precision=bf16"]),
-    (2, ["train.precision=bf16"]),
+    (2, ["train.precision=fp32"]),  # bf16 at ZeRO-2: test_reduce_dtype, test_host_sync (bf16 is slow on CPUs)
     (3, ["train.activation_checkpointing=true", "train.precision=fp32"]),  # fp32: export compared tightly
 ])
 def test_zero_stage_trains_and_reduces_loss(shards, tmp_path, stage, extra):
