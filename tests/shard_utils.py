@@ -44,3 +44,17 @@ def one_epoch(cfg):
         if loader.epoch == 1:
             break
     return out, loader.counters
+
+
+class InterruptOnce:
+    """A source item that interrupts the writer (as Ctrl-C would) the first time it is loaded,
+    then loads normally: a rerun of the same job reads it."""
+
+    def __init__(self, inner):
+        self.inner, self.labels, self.armed = inner, inner.labels, True
+
+    def load(self):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.inner.load()

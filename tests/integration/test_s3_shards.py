@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shard_utils import one_epoch, remote_data_cfg
+from shard_utils import InterruptOnce, one_epoch, remote_data_cfg
 import torch
 
 from data_pipeline.errors import DataError
@@ -202,18 +202,6 @@ def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, m
     assert not _objects(c, "denied/")
 
 
-class _Boom:
-    """An item that interrupts the writer (Ctrl-C) the first time it is read."""
-    armed = True
-
-    def __init__(self, inner):
-        self.inner, self.labels = inner, inner.labels
-
-    def load(self):
-        if _Boom.armed:
-            _Boom.armed = False
-            raise KeyboardInterrupt
-        return self.inner.load()
 
 
 def test_interrupted_write_to_the_store_is_finished_by_a_rerun(store, tmp_path, monkeypatch):
@@ -223,7 +211,7 @@ def test_interrupted_write_to_the_store_is_finished_by_a_rerun(store, tmp_path, 
     order = list(range(40))
     random.Random(0).shuffle(order)
     wrapped = list(items)
-    wrapped[order[21]] = _Boom(items[order[21]])  # the 22nd sample written: shard 2 is half done
+    wrapped[order[21]] = InterruptOnce(items[order[21]])  # the 22nd sample written: shard 2 is half done
     src = sources.Source("demo:val", classes, wrapped)
     url, c = f"s3://{BUCKET}/rerun/val", store.client
     monkeypatch.setattr("data_pipeline.storage.s3.PART_BYTES", 20_000)  # multipart uploads of several parts

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shard_utils import InterruptOnce
 import webdataset as wds
 from PIL import Image
 
@@ -165,8 +166,7 @@ def test_unreadable_files_are_named_capped_and_survive_resume(tmp_path, capsys, 
 
     # an interrupted job keeps the names found before the interruption
     items = sources.imagefolder(str(root)).items
-    src = sources.Source("imagefolder:x", ["a"], [_Boom(it) if i == 7 else it for i, it in enumerate(items)])
-    monkeypatch.setattr(_Boom, "armed", True)  # restored for the crash-safety test below
+    src = sources.Source("imagefolder:x", ["a"], [InterruptOnce(it) if i == 7 else it for i, it in enumerate(items)])
     with pytest.raises(KeyboardInterrupt):
         write_shards(src, tmp_path / "re", shuffle_seed=None, shard_size=2, progress=False)
     m2 = write_shards(src, tmp_path / "re", shuffle_seed=None, shard_size=2, progress=False)
@@ -311,18 +311,6 @@ def test_filelist_multilabel(tmp_path, shard_kit):
 
 
 # ---------------------------------------------------------------------------- crash safety
-class _Boom:
-    """An item that interrupts the job the first time it is loaded (like Ctrl-C mid-write)."""
-    armed = True
-
-    def __init__(self, inner):
-        self.inner, self.labels = inner, inner.labels
-
-    def load(self):
-        if _Boom.armed:
-            _Boom.armed = False
-            raise KeyboardInterrupt
-        return self.inner.load()
 
 
 def test_interrupted_write_is_finished_by_rerun(tmp_path):
@@ -335,7 +323,7 @@ def test_interrupted_write_is_finished_by_rerun(tmp_path):
     import random
     random.Random(0).shuffle(order)
     wrapped = list(items)
-    wrapped[order[21]] = _Boom(items[order[21]])  # the 22nd sample written: shard 2 is half done
+    wrapped[order[21]] = InterruptOnce(items[order[21]])  # the 22nd sample written: shard 2 is half done
     src = sources.Source("demo:val", classes, wrapped)
     with pytest.raises(KeyboardInterrupt):
         write_shards(src, out, split="val", shard_size=8, progress=False)
