@@ -199,6 +199,18 @@ class _ShardSink:
             self.current = None
 
 
+def _job_done(out, name: str, job: str, other: str):
+    """The manifest ``name`` in ``out`` when this job already finished it (a rerun returns it), None
+    when there is none; another job's is a DataError (``other`` says what to do)."""
+    text = out.read_text(name)
+    if text is None:
+        return None
+    done = json.loads(text)
+    if done.get("job") != job:
+        raise DataError(f"{out.url(name)}: {other}")
+    return done
+
+
 def _finished_shards(out, job: str, name: str) -> list:
     """Shards an interrupted run of the same job completed (files still intact: the size, and in
     S3 the ETag, the progress file recorded)."""
@@ -247,23 +259,17 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
         options["exclude"] = hashlib.sha1("\n".join(sorted(exclude.keys)).encode()).hexdigest()[:16]
         job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
                            ).hexdigest()[:16]
-    text = out.read_text(MANIFEST_NAME)
-    if text is not None:
-        done = json.loads(text)
-        if done.get("job") == job:
-            return done
-        raise DataError(f"{out.url(MANIFEST_NAME)}: the folder already holds shards of another source or options; "
-                        "use another --output or remove it")
+    done = _job_done(out, MANIFEST_NAME, job, "the folder already holds shards of another source or options; "
+                     "use another --output or remove it")
+    if done is not None:
+        return done
     prefix, progress_path = split, PROGRESS_NAME
     if part is not None:
         prefix, progress_path = f"{split}-{part_tag(part)}", f".vit-shards-progress-{part_tag(part)}.json"
-        text = out.read_text(part_manifest_name(part))
-        if text is not None:
-            done = json.loads(text)
-            if done.get("job") == job:
-                return done
-            raise DataError(f"{out.url(part_manifest_name(part))}: this part was written by another source or "
-                            "options; use another --output or remove the folder's parts")
+        done = _job_done(out, part_manifest_name(part), job, "this part was written by another source or options; "
+                         "use another --output or remove the folder's parts")
+        if done is not None:
+            return done
     shards = _finished_shards(out, job, progress_path)
     out.clean_unfinished(re.compile(rf"{re.escape(prefix)}-\d+\.tar"))  # this job's (or part's) unfinished shards
 
