@@ -158,12 +158,40 @@ def shard_kit():
 
 
 @pytest.fixture(scope="session")
-def shards(tmp_path_factory):
-    """The tiny runs' data: 256 demo images (real JPEGs) in 4 shards of 64, its manifest's path.
-    Built once per test process; a file that needs other counts declares its own ``shards``."""
+def demo_shards(tmp_path_factory):
+    """Demo images (real JPEGs) in shards: ``demo_shards(n, shard_size)`` is the manifest's path,
+    written once per test process for each layout."""
     from dist_utils import demo_manifest
 
-    return demo_manifest(tmp_path_factory, 256, 64)
+    made = {}
+
+    def get(n: int, shard_size: int):
+        if (n, shard_size) not in made:
+            made[n, shard_size] = demo_manifest(tmp_path_factory, n, shard_size)
+        return made[n, shard_size]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shards(demo_shards):
+    """The tiny runs' data: 256 demo images in 4 shards of 64, its manifest's path."""
+    return demo_shards(256, 64)
+
+
+@pytest.fixture
+def tiny_run(shards, tmp_path):
+    """A factory of tiny training jobs (``dist_utils.TinyRun``) on this test's ``shards``, each in
+    its own run folder under ``tmp_path``: ``tiny_run("train.steps=4", via="deepspeed", ranks=2,
+    name="ref").run()``. ``shards=`` and ``run_dir=`` may be given instead."""
+    from dist_utils import TinyRun
+
+    def make(*extra, name="run", **kw):
+        kw.setdefault("shards", shards)
+        kw.setdefault("run_dir", tmp_path / name)
+        return TinyRun(extra=extra, **kw)
+
+    return make
 
 
 @pytest.fixture(scope="session")

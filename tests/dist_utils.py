@@ -8,6 +8,8 @@ import struct
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from launch.runner import deepspeed_executable
@@ -68,6 +70,17 @@ def group_alive(proc: subprocess.Popen) -> bool:
     return True
 
 
+@contextmanager
+def reaped(proc: subprocess.Popen):
+    """Yields ``proc``; on the way out SIGKILLs whatever of its process group still runs, so a
+    test that fails half-way leaves no rank behind."""
+    try:
+        yield proc
+    finally:
+        if group_alive(proc):
+            kill_group(proc)
+
+
 def metrics(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl as {step: record}; a step logged twice (re-run after a kill) keeps the last."""
     out = {}
@@ -120,13 +133,58 @@ def wandb_history(run: Path, until_key: str, timeout: float = 30) -> dict:
     return logged
 
 
+TINY_CONFIG = "configs/tiny_cpu.yaml"
+
+
+@dataclass
+class TinyRun:
+    """One tiny training job on demo shards (``configs/tiny_cpu.yaml``): steps of 16 images as two
+    micro-batches of 8, no data workers, W&B off; ``extra`` overrides come last and win.
+
+    ``via`` says how it starts: ``python`` (``python -m pretrain.train``, one process),
+    ``deepspeed`` (the deepspeed runner with ``ranks`` local ranks) or ``launch`` (``vit-launch run
+    --skip-checks`` with ``ranks`` GPUs per node and ``launch_args`` before the overrides)."""
+    shards: Path | str
+    run_dir: Path
+    extra: tuple[str, ...] = ()
+    via: str = "python"
+    ranks: int = 1
+    launch_args: tuple[str, ...] = ()
+
+    def overrides(self) -> list[str]:
+        return [f"data.train_shards={self.shards}", f"train.output_dir={self.run_dir}", "train.global_batch_size=16",
+                "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *self.extra]
+
+    def args(self) -> list[str]:
+        """vit-train's arguments: the config and the overrides."""
+        return ["--config", TINY_CONFIG, *self.overrides()]
+
+    def cmd(self) -> list[str]:
+        args = self.args()
+        if self.via == "python":
+            return [sys.executable, "-m", "pretrain.train", *args]
+        if self.via == "deepspeed":
+            return deepspeed_cmd("pretrain.train", *args, ranks=self.ranks)
+        if self.via == "launch":
+            return [sys.executable, "-m", "launch", "run", "--skip-checks", "--gpus-per-node", str(self.ranks),
+                    "--master-port", str(free_port()), *self.launch_args, *args]
+        raise ValueError(f"TinyRun.via={self.via!r}: expected python, deepspeed or launch")
+
+    def run(self, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+        """Run to the end; the caller reads ``returncode`` (some tests expect a failure)."""
+        return run_job(self.cmd(), timeout=timeout, **env)
+
+    def start(self, log: Path, **env) -> subprocess.Popen:
+        return start_job(self.cmd(), log, **env)
+
+    def metrics(self) -> dict[int, dict]:
+        return metrics(self.run_dir)
+
+
 def train_single(shards, run_dir, *extra, env=None, timeout=240) -> subprocess.CompletedProcess:
-    """``python -m pretrain.train`` as one process on the tiny config: steps of 16 images as two
-    micro-batches of 8, no data workers, W&B off; ``extra`` overrides come last and win."""
-    args = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
-            f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
-            "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *extra]
-    return subprocess.run(args, cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+    """``python -m pretrain.train`` of a :class:`TinyRun` (one process)."""
+    cmd = TinyRun(shards, run_dir, extra).cmd()
+    return subprocess.run(cmd, cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def demo_manifest(tmp_path_factory, n: int, shard_size: int) -> Path:

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO / "tests"))  # dist_utils
 
-from dist_utils import free_port  # noqa: E402  (wherever the project keeps it)
+from dist_utils import TinyRun, free_port  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- processes
@@ -320,9 +320,11 @@ def ds_env_file(path: Path, **extra) -> Path:
 
 
 def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=32",
-            "train.micro_batch_size=16", "data.workers=1", "logging.wandb.mode=offline",
-            "train.log_every_steps=5", "optim.warmup_steps=5", *extra]
+    """A tiny run's overrides (``dist_utils.TinyRun``) as the cluster jobs use them: micro-batches
+    of 16, one data worker, W&B offline, a line every 5 steps."""
+    return TinyRun(shards, run_dir, ("train.global_batch_size=32", "train.micro_batch_size=16", "data.workers=1",
+                                     "logging.wandb.mode=offline", "train.log_every_steps=5", "optim.warmup_steps=5",
+                                     *extra)).overrides()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import demo_manifest, job_env, metrics, train_single
+from dist_utils import metrics
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.async_save import SnapshotEngine, snapshot
 from pretrain.weights.export import load_run_weights
@@ -22,11 +22,6 @@ def zip_members(path) -> dict:
     """A torch.save file's members, less the random id torch writes into every file."""
     with zipfile.ZipFile(path) as z:
         return {n: z.read(n) for n in z.namelist() if not n.endswith("serialization_id")}
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, 16, 64)
 
 
 def test_snapshot_is_private_and_keeps_storage_sharing(tmp_path):
@@ -62,18 +57,18 @@ def test_writer_runs_off_the_calling_thread_and_reports_errors(tmp_path):
     assert eng.error is not None
 
 
-def test_async_run_matches_sync_and_survives_kill9_mid_write(shards, tmp_path):
-    sync, run = tmp_path / "sync", tmp_path / "async"
-    r = train_single(shards, sync, *COMMON)
+def test_async_run_matches_sync_and_survives_kill9_mid_write(tiny_run):
+    sync_job, async_job = tiny_run(*COMMON, name="sync"), tiny_run(*COMMON, "checkpoint.async=true", name="async")
+    sync, run = sync_job.run_dir, async_job.run_dir
+    r = sync_job.run()
     assert r.returncode == 0, r.stderr[-3000:]
     # the writer thread SIGKILLs the process in the middle of writing step 4's files
-    r = train_single(shards, run, *COMMON, "checkpoint.async=true",
-                     env=job_env(VITSCALE_FAULT="kill_in_save:4"))
+    r = async_job.run(VITSCALE_FAULT="kill_in_save:4")
     assert r.returncode == -9, r.stderr[-3000:]
     ckpts = run / "checkpoints"
     assert (ckpts / "step_00000004").is_dir() and not (ckpts / "step_00000004" / "COMPLETE").exists()
     assert checkpoint.latest_complete(ckpts).name == "step_00000002"
-    r = train_single(shards, run, *COMMON, "checkpoint.async=true")
+    r = async_job.run()
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from step 2" in r.stderr
     # the same files as the synchronous saves (run.json holds the output folder)

@@ -4,22 +4,14 @@ ZeRO 0 and 3 (each block a leaf module), both with activation checkpointing on, 
 hits its recompile limit (it did under ZeRO-3 while its per-Linear hooks were traced). ZeRO 1-2
 compile the blocks exactly as ZeRO 0 does (``compile_blocks``: only stage 3 differs); the GPU
 suite's smoke test compiles them without checkpointing."""
-import subprocess
-import sys
-
 import pytest
 
-from dist_utils import REPO, job_env, metrics
 
-
-def losses(shards, run_dir, *extra):
-    args = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-            f"train.output_dir={run_dir}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
-            "logging.wandb.mode=disabled", "train.steps=5", "train.log_every_steps=1", *extra]
-    r = subprocess.run(args, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=400)
+def losses(job):
+    r = job.run(timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "recompile_limit" not in r.stderr and "recompile limit" not in r.stderr, r.stderr[-3000:]
-    m = metrics(run_dir)
+    m = job.metrics()
     return [m[s]["loss"] for s in sorted(m)]
 
 
@@ -27,9 +19,10 @@ CKPT = ("train.activation_checkpointing=true",)
 
 
 @pytest.mark.parametrize("stage, extra", [(0, CKPT), (3, CKPT)])
-def test_compiled_blocks_match_eager(shards, tmp_path, stage, extra):
-    eager = losses(shards, tmp_path / "eager", f"zero.stage={stage}", *extra)
-    compiled = losses(shards, tmp_path / "compiled", f"zero.stage={stage}", "train.compile=true", *extra)
+def test_compiled_blocks_match_eager(tiny_run, stage, extra):
+    five = ("train.steps=5", "train.log_every_steps=1", f"zero.stage={stage}", *extra)
+    eager = losses(tiny_run(*five, name="eager"))
+    compiled = losses(tiny_run(*five, "train.compile=true", name="compiled"))
     assert len(eager) == len(compiled) == 5
     assert compiled == pytest.approx(eager, rel=1e-4), (eager, compiled)
     assert eager[-1] < eager[0]  # it trains

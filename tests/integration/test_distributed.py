@@ -5,14 +5,12 @@ between checks where one run can prove several things.
 """
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_utils import (REPO, deepspeed_cmd, demo_manifest, group_alive, job_env, kill_group, metrics, run_job,
+from dist_utils import (deepspeed_cmd, group_alive, kill_group, metrics, run_job,
                         start_job, wait_for, wandb_records)
 from pretrain.checkpointing import checkpoint
 from pretrain.weights.export import export, load_run_weights
@@ -22,45 +20,41 @@ from pretrain.weights.load import load_weights
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=1536, shard_size=96)
-
-
-def train_args(shards, run_dir, *extra):
-    return ["--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}", f"train.output_dir={run_dir}",
-            "train.global_batch_size=32", "train.micro_batch_size=16", "data.workers=1",
-            "logging.wandb.mode=offline", *extra]
+def job(tiny_run, name, *extra, via="deepspeed"):
+    """A run of these tests: 2 ranks (``via`` deepspeed) x micro-batches of 16, one data worker each,
+    W&B offline."""
+    return tiny_run("train.global_batch_size=32", "train.micro_batch_size=16", "data.workers=1",
+                    "logging.wandb.mode=offline", *extra, name=name, via=via, ranks=2)
 
 
 def assert_ok(r):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
 
 
-@pytest.mark.parametrize("stage, extra", [
-    (1, ["train.precision=bf16"]),
-    (2, ["train.precision=fp32"]),  # bf16 at ZeRO-2: test_reduce_dtype, test_host_sync (bf16 is slow on CPUs)
-    (3, ["train.activation_checkpointing=true", "train.precision=fp32"]),  # fp32: export compared tightly
+@pytest.mark.parametrize("stage, steps, extra", [
+    (1, 12, ["train.precision=bf16"]),  # bf16 matmuls are slow on CPUs without bf16 units: 12 steps
+    (2, 20, ["train.precision=fp32"]),  # bf16 at ZeRO-2: test_reduce_dtype, test_host_sync
+    (3, 20, ["train.activation_checkpointing=true", "train.precision=fp32"]),  # fp32: export compared tightly
 ])
-def test_zero_stage_trains_and_reduces_loss(shards, tmp_path, stage, extra):
-    run = tmp_path / f"zero{stage}"
-    r = run_job(deepspeed_cmd("pretrain.train", *train_args(
-        shards, run, f"zero.stage={stage}", "train.steps=20", "train.log_every_steps=5",
-        "checkpoint.every_steps=20", "optim.warmup_steps=5", "optim.lr=2e-3", *extra)))
-    assert_ok(r)
-    m = metrics(run)
-    assert sorted(m) == list(range(5, 25, 5))
-    first, last = m[5]["loss"], m[20]["loss"]
+def test_zero_stage_trains_and_reduces_loss(tiny_run, tmp_path, stage, steps, extra):
+    every = steps // 4
+    run = job(tiny_run, f"zero{stage}", f"zero.stage={stage}", f"train.steps={steps}",
+              f"train.log_every_steps={every}", f"checkpoint.every_steps={steps}", f"optim.warmup_steps={every}",
+              "optim.lr=2e-3", *extra)
+    assert_ok(run.run())
+    m = run.metrics()
+    assert sorted(m) == list(range(every, steps + 1, every))
+    first, last = m[every]["loss"], m[steps]["loss"]
     assert last < first - 0.3, f"ZeRO-{stage}: loss {first:.3f} -> {last:.3f}"
     for key in ("lr", "grad_norm", "images_per_sec", "images_per_sec_per_device", "tflops_per_device",
                 "data_wait_share", "peak_memory_gb", "examples_seen", "data/samples"):
-        assert key in m[20], key
-    assert m[20]["examples_seen"] == 20 * 32
+        assert key in m[steps], key
+    assert m[steps]["examples_seen"] == steps * 32
     if stage == 3:
-        assert m[20]["hw_tflops_per_device"] > m[20]["tflops_per_device"]  # recompute counted as HFU only
-        check_zero3_export(run, tmp_path)
+        assert m[steps]["hw_tflops_per_device"] > m[steps]["tflops_per_device"]  # recompute counted as HFU only
+        check_zero3_export(run.run_dir, tmp_path)
     if stage == 1:
-        check_bf16_optimizer_export(run, tmp_path)
+        check_bf16_optimizer_export(run.run_dir, tmp_path)
 
 
 def check_bf16_optimizer_export(run, tmp_path):
@@ -104,24 +98,25 @@ def check_zero3_export(run, tmp_path):
         torch.testing.assert_close(ref(x), ours, rtol=1e-5, atol=1e-5)
 
 
-def test_exact_resume_after_kills_and_wandb_run(shards, tmp_path):
+def test_exact_resume_after_kills_and_wandb_run(tiny_run, tmp_path):
     """N steps in one go == N/2 steps, SIGKILL in the middle of a save, kill -9 of the whole job,
     and restarts to N: bit-identical exported weights and the same loss curve."""
     common = ["zero.stage=2", "train.steps=8", "train.log_every_steps=1", "checkpoint.every_steps=2",
               "checkpoint.keep_last=5", "optim.warmup_steps=2"]
     ref = tmp_path / "straight"
-    assert_ok(run_job(deepspeed_cmd("pretrain.train", *train_args(shards, ref, *common))))
+    assert_ok(job(tiny_run, "straight", *common).run())
 
-    run = tmp_path / "interrupted"
+    interrupted = job(tiny_run, "interrupted", *common)
+    run = interrupted.run_dir
     ckpts = run / "checkpoints"
     # 1) rank 0 is SIGKILLed after DeepSpeed wrote step 6 but before it was marked complete
-    r = run_job(deepspeed_cmd("pretrain.train", *train_args(shards, run, *common)), VITSCALE_FAULT="kill_in_save:6")
+    r = interrupted.run(VITSCALE_FAULT="kill_in_save:6")
     assert r.returncode != 0
     assert (ckpts / "step_00000006").is_dir() and not (ckpts / "step_00000006" / "COMPLETE").exists()
     assert checkpoint.latest_complete(ckpts).name == "step_00000004"
     # 2) resumes from step 4; the whole job is kill -9'ed once step 6 is complete
     log = tmp_path / "second.log"
-    p = start_job(deepspeed_cmd("pretrain.train", *train_args(shards, run, *common)), log)
+    p = interrupted.start(log)
     try:
         wait_for(lambda: (ckpts / "step_00000006" / "COMPLETE").exists(), 240, p, "checkpoint 6")
     finally:
@@ -129,7 +124,7 @@ def test_exact_resume_after_kills_and_wandb_run(shards, tmp_path):
         p.wait()
     assert "resuming from step 4" in log.read_text()
     # 3) resumes again and finishes
-    r = run_job(deepspeed_cmd("pretrain.train", *train_args(shards, run, *common)))
+    r = interrupted.run()
     assert_ok(r)
     assert "resuming from step" in r.stderr
 
@@ -159,12 +154,11 @@ def test_exact_resume_after_kills_and_wandb_run(shards, tmp_path):
     assert {"world_size", "zero_stage", "global_batch_size", "model_gflops_fwd"} <= config_keys
 
 
-def test_sigterm_saves_checkpoint_and_exits(shards, tmp_path):
-    run = tmp_path / "preempt"
-    log = tmp_path / "job.log"
-    cmd = deepspeed_cmd("pretrain.train", *train_args(
-        shards, run, "zero.stage=1", "train.steps=100000", "train.log_every_steps=1",
-        "checkpoint.every_steps=100000"))
+def test_sigterm_saves_checkpoint_and_exits(tiny_run, tmp_path):
+    preempt = job(tiny_run, "preempt", "zero.stage=1", "train.steps=100000", "train.log_every_steps=1",
+                  "checkpoint.every_steps=100000")
+    run, log = preempt.run_dir, tmp_path / "job.log"
+    cmd = preempt.cmd()
     p = start_job(cmd, log)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
@@ -187,9 +181,7 @@ def test_sigterm_saves_checkpoint_and_exits(shards, tmp_path):
 
     # the same run on another world size resumes (elastic: universal checkpoint + the data plan)
     step = json.loads((saved / "run.json").read_text())["step"]
-    r = subprocess.run([sys.executable, "-m", "pretrain.train", *train_args(shards, run, "zero.stage=1",
-                                                                             f"train.steps={step + 1}")],
-                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    r = job(tiny_run, "preempt", "zero.stage=1", f"train.steps={step + 1}", via="python").run(300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "was saved on 2 rank(s), resuming on 1" in r.stderr and f"resuming from step {step}" in r.stderr
     assert f"vit-train: done at step {step + 1}" in r.stderr

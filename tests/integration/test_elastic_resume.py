@@ -5,53 +5,47 @@ instead of jumping back to a fresh model's."""
 import collections
 import json
 import math
-import subprocess
-
 import pytest
 
-from dist_utils import REPO, deepspeed_cmd, demo_manifest, job_env, metrics
+from dist_utils import metrics
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=48)  # uneven last shard: ranges cross shards
-
-
-def run(shards, run_dir, ranks, workers, stage, **env):
-    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-                        f"train.output_dir={run_dir}", "train.global_batch_size=16", "train.micro_batch_size=8",
-                        f"data.workers={workers}", "data.record_samples=true", "logging.wandb.mode=disabled",
-                        "train.log_every_steps=1", "checkpoint.every_steps=3", "checkpoint.keep_last=10",
-                        f"zero.stage={stage}", "optim.lr=1e-3", "optim.warmup_steps=2", "optim.schedule=constant",
-                        "train.steps=16", ranks=ranks)  # 256 samples / 16 per step: epoch 0 ends at step 16
-    return subprocess.run(cmd, cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=600)
+def run(tiny_run, shards, ranks, workers, stage, **env):
+    job = tiny_run(f"data.workers={workers}", "data.record_samples=true", "train.log_every_steps=1",
+                   "checkpoint.every_steps=3", "checkpoint.keep_last=10", f"zero.stage={stage}", "optim.lr=1e-3",
+                   "optim.warmup_steps=2", "optim.schedule=constant",
+                   "train.steps=8",  # 128 samples / 16 per step: epoch 0 ends at step 8
+                   shards=shards, via="deepspeed", ranks=ranks)
+    return job.run(600, **env)
 
 
 @pytest.mark.parametrize("stage, before, after", [(2, (2, 2), (1, 1)), (3, (1, 1), (2, 2))])
-def test_resume_on_another_layout_finishes_the_epoch_with_every_sample_once(shards, tmp_path, stage, before, after):
+def test_resume_on_another_layout_finishes_the_epoch_with_every_sample_once(demo_shards, tiny_run, tmp_path, stage,
+                                                                            before, after):
+    shards = demo_shards(128, 48)  # 48 + 48 + 32: reader ranges cross shards
     out = tmp_path / "run"
-    r = run(shards, out, *before, stage=stage, VITSCALE_FAULT="crash_in_step:10")  # dies after saving step 9
-    assert r.returncode != 0 and "injected crash in step 10" in r.stderr, r.stderr[-3000:]
+    r = run(tiny_run, shards, *before, stage=stage, VITSCALE_FAULT="crash_in_step:7")  # dies after saving step 6
+    assert r.returncode != 0 and "injected crash in step 7" in r.stderr, r.stderr[-3000:]
     first = metrics(out)
-    r = run(shards, out, *after, stage=stage)
+    r = run(tiny_run, shards, *after, stage=stage)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"was saved on {before[0]} rank(s), resuming on {after[0]}" in r.stderr
-    assert "resuming from step 9" in r.stderr
-    assert (out / "checkpoints" / "step_00000009" / "universal" / "UNIVERSAL").is_file()
+    assert "resuming from step 6" in r.stderr
+    assert (out / "checkpoints" / "step_00000006" / "universal" / "UNIVERSAL").is_file()
     keys = collections.Counter()
     for f in (out / "samples").glob("rank-*.tsv"):
         for line in f.read_text().splitlines():
             step, epoch, key = line.split("\t")
-            assert int(epoch) == 0 and 1 <= int(step) <= 16
+            assert int(epoch) == 0 and 1 <= int(step) <= 8
             keys[key] += 1
-    assert len(keys) == 256 and set(keys.values()) == {1}, keys.most_common(3)
+    assert len(keys) == 128 and set(keys.values()) == {1}, keys.most_common(3)
     m = metrics(out)
-    assert sorted(m) == list(range(1, 17))
+    assert sorted(m) == list(range(1, 9))
     # the curve continues: a fresh model's zero-initialised head gives exactly ln(10) at its first step
     fresh = math.log(10)
-    assert first[1]["loss"] == pytest.approx(fresh, abs=1e-4) and abs(first[9]["loss"] - fresh) > 0.02, first
-    assert abs(m[10]["loss"] - first[9]["loss"]) < abs(m[10]["loss"] - fresh), (first[9], m[10])
-    assert m[10]["lr"] == first[9]["lr"]
-    assert json.loads((out / "summary.json").read_text())["step"] == 16
+    assert first[1]["loss"] == pytest.approx(fresh, abs=1e-4) and abs(first[6]["loss"] - fresh) > 0.02, first
+    assert abs(m[7]["loss"] - first[6]["loss"]) < abs(m[7]["loss"] - fresh), (first[6], m[7])
+    assert m[7]["lr"] == first[6]["lr"]
+    assert json.loads((out / "summary.json").read_text())["step"] == 8

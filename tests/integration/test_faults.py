@@ -11,32 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, group_alive, job_env, kill_group, metrics, start_job, wait_for
+from dist_utils import REPO, TinyRun, group_alive, job_env, kill_group, metrics, reaped, wait_for
 from pretrain.checkpointing import rundir
 
 pytestmark = pytest.mark.slow
 EXIT_INTERRUPTED = 75
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=256, shard_size=32)
+ZERO1 = ("train.log_every_steps=1", "zero.stage=1")  # every job here: ZeRO-1, a line per step
 
 
-def overrides(shards, run_dir, *extra):
-    return [f"data.train_shards={shards}", f"train.output_dir={run_dir}", "train.global_batch_size=16",
-            "train.micro_batch_size=8", "logging.wandb.mode=disabled", "train.log_every_steps=1",
-            "zero.stage=1", *extra]
-
-
-def train_cmd(shards, run_dir, *extra):
-    return [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml",
-            *overrides(shards, run_dir, *extra)]
-
-
-def launch_cmd(shards, run_dir, *extra, ranks=2, launch_args=()):
-    return [sys.executable, "-m", "launch", "run", "--config", "configs/tiny_cpu.yaml", "--skip-checks",
-            "--gpus-per-node", str(ranks), *launch_args, *overrides(shards, run_dir, *extra)]
+def launched(tiny_run, *extra, launch_args=()):
+    """``vit-launch run`` of a tiny ZeRO-1 job on 2 local ranks."""
+    return tiny_run(*ZERO1, *extra, via="launch", ranks=2, launch_args=launch_args)
 
 
 def logged_step(run_dir: Path) -> int:
@@ -62,10 +49,10 @@ def wait_gone(proc, timeout: float) -> None:
     assert not group_alive(proc), "processes of the job are still running"
 
 
-def test_sigint_single_process_checkpoints_and_exits_75(shards, tmp_path):
-    run = tmp_path / "run"
-    log = tmp_path / "log.txt"
-    p = start_job(train_cmd(shards, run, "train.steps=500", "checkpoint.every_steps=1000", "data.workers=2"), log)
+def test_sigint_single_process_checkpoints_and_exits_75(tiny_run, tmp_path):
+    job = tiny_run(*ZERO1, "train.steps=500", "checkpoint.every_steps=1000", "data.workers=2")
+    run, log = job.run_dir, tmp_path / "log.txt"
+    p = job.start(log)
     try:
         wait_for(lambda: logged_step(run) >= 2, 240, p, "step 2")
         os.kill(p.pid, signal.SIGINT)  # the main process only, as `kill -INT PID` does
@@ -85,11 +72,10 @@ def test_sigint_single_process_checkpoints_and_exits_75(shards, tmp_path):
     assert "Traceback" not in out
 
 
-def test_sigint_to_process_group_of_two_ranks_then_resume(shards, tmp_path):
-    run = tmp_path / "run"
-    log = tmp_path / "log.txt"
-    cmd = launch_cmd(shards, run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1")
-    p = start_job(cmd, log)
+def test_sigint_to_process_group_of_two_ranks_then_resume(tiny_run, tmp_path):
+    job = launched(tiny_run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1")
+    run, log = job.run_dir, tmp_path / "log.txt"
+    p = job.start(log)
     try:
         wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
         t0 = time.time()
@@ -108,19 +94,17 @@ def test_sigint_to_process_group_of_two_ranks_then_resume(shards, tmp_path):
     assert took < 120
     assert "the job stopped after a checkpoint (exit 75)" in out
     # the same command resumes there and finishes
-    cmd = launch_cmd(shards, run, f"train.steps={step + 2}", "checkpoint.every_steps=1000", "data.workers=1")
-    r = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    r = launched(tiny_run, f"train.steps={step + 2}", "checkpoint.every_steps=1000", "data.workers=1").run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from step {step}" in r.stderr
     assert json.loads((run / "summary.json").read_text())["step"] == step + 2
 
 
-def test_hung_rank_trips_the_watchdog(shards, tmp_path):
-    run = tmp_path / "run"
-    cmd = launch_cmd(shards, run, "train.steps=50", "train.hang_timeout_s=8", "data.workers=0")
+def test_hung_rank_trips_the_watchdog(tiny_run):
+    job = launched(tiny_run, "train.steps=50", "train.hang_timeout_s=8", "data.workers=0")
+    run = job.run_dir
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=REPO, env=job_env(VITSCALE_FAULT="hang_in_step:4@1"), capture_output=True,
-                       text=True, timeout=240)
+    r = job.run(240, VITSCALE_FAULT="hang_in_step:4@1")
     took = time.time() - t0
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
@@ -134,12 +118,11 @@ def test_hung_rank_trips_the_watchdog(shards, tmp_path):
     assert "at step 4" in lines[0] and "stopped progressing: rank 1 (in data of step 4)" in lines[0]
 
 
-def test_failed_job_restarts_and_resumes(shards, tmp_path):
-    run = tmp_path / "run"
-    cmd = launch_cmd(shards, run, "train.steps=6", "checkpoint.every_steps=2", "data.workers=0",
-                     launch_args=("--max-restarts", "2", "--restart-backoff", "1"))
-    r = subprocess.run(cmd, cwd=REPO, env=job_env(VITSCALE_FAULT="crash_in_step:5@1"), capture_output=True,
-                       text=True, timeout=400)
+def test_failed_job_restarts_and_resumes(tiny_run):
+    job = launched(tiny_run, "train.steps=6", "checkpoint.every_steps=2", "data.workers=0",
+                   launch_args=("--max-restarts", "2", "--restart-backoff", "1"))
+    run = job.run_dir
+    r = job.run(400, VITSCALE_FAULT="crash_in_step:5@1")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "restart 1/2" in out and "restart 2/2" not in out
@@ -153,15 +136,13 @@ def test_failed_job_restarts_and_resumes(shards, tmp_path):
 @pytest.fixture(scope="module")
 def two_checkpoints(shards, tmp_path_factory):
     run = tmp_path_factory.mktemp("dmg") / "run"
-    r = subprocess.run(train_cmd(shards, run, "train.steps=4", "checkpoint.every_steps=2", "data.workers=0",
-                                 "checkpoint.keep_last=3"),
-                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    r = TinyRun(shards, run, (*ZERO1, "train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=3")).run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     return run
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_damaged_newest_checkpoint_falls_back(two_checkpoints, shards, tmp_path, damage):
+def test_damaged_newest_checkpoint_falls_back(two_checkpoints, tiny_run, tmp_path, damage):
     import shutil
 
     run = tmp_path / "run"
@@ -183,9 +164,7 @@ def test_damaged_newest_checkpoint_falls_back(two_checkpoints, shards, tmp_path,
     assert "step 2 from" in r.stderr and newest.is_dir()
 
     # resume falls back to step 2, sets step 4 aside (kept), trains on
-    r = subprocess.run(train_cmd(shards, run, "train.steps=5", "checkpoint.every_steps=2", "data.workers=0",
-                                 "checkpoint.keep_last=3"),
-                       cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    r = tiny_run(*ZERO1, "train.steps=5", "checkpoint.every_steps=2", "checkpoint.keep_last=3").run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from step 2" in r.stderr and "is damaged" in r.stderr
     kept = run / "checkpoints" / "damaged" / "step_00000004"
@@ -194,16 +173,12 @@ def test_damaged_newest_checkpoint_falls_back(two_checkpoints, shards, tmp_path,
     assert rundir.step_of(rundir.latest_complete(run / "checkpoints")) == 5
 
 
-def test_sigterm_to_the_runner_only_leaves_no_orphans(shards, tmp_path):
+def test_sigterm_to_the_runner_only_leaves_no_orphans(tiny_run, tmp_path):
     """`kill RUNNER_PID`: DeepSpeed's runner dies at once and its launcher is orphaned; the ranks
     notice their runner is gone, checkpoint at the next step and exit."""
-    from dist_utils import deepspeed_cmd
-
-    run = tmp_path / "run"
-    log = tmp_path / "log.txt"
-    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml",
-                        *overrides(shards, run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1"))
-    p = start_job(cmd, log)
+    job = tiny_run(*ZERO1, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1", via="deepspeed", ranks=2)
+    run, log = job.run_dir, tmp_path / "log.txt"
+    p = job.start(log)
     try:
         wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
         os.kill(p.pid, signal.SIGTERM)
@@ -219,18 +194,14 @@ def test_sigterm_to_the_runner_only_leaves_no_orphans(shards, tmp_path):
     assert "vit-train: stopped (runner exited)" in text or "vit-train: stopped (another rank's request)" in text
 
 
-def test_sigterm_during_start_up_is_a_stop_on_request(shards, tmp_path):
+def test_sigterm_during_start_up_is_a_stop_on_request(tiny_run, tmp_path):
     """SIGTERM to vit-launch before training reached its first step: exit 75 (stopped on request,
     the same command starts again), not the 143 of a signalled runner."""
     run, log = tmp_path / "run", tmp_path / "log.txt"
-    job = start_job(launch_cmd(shards, run, "train.steps=50", "data.workers=0"), log)
-    try:
+    with reaped(launched(tiny_run, "train.steps=50", "data.workers=0").start(log)) as job:
         wait_for(lambda: "$ " in log.read_text(), 60, job, "the runner's command line")
         time.sleep(1.0)  # the runner is up; the ranks are still importing
         os.kill(job.pid, signal.SIGTERM)
         job.wait(120)
-    finally:
-        if group_alive(job):
-            kill_group(job)
     assert job.returncode == 75, log.read_text()[-3000:]
     assert not (run / "metrics.jsonl").exists() or not metrics(run)

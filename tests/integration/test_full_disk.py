@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, job_env
+from dist_utils import REPO, job_env
 
 pytestmark = pytest.mark.slow
 
@@ -26,22 +26,15 @@ mount -o remount,size=400m "$CKPT"
 """
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=128, shard_size=64)
-
-
-def test_disk_full_mid_save_keeps_the_last_checkpoint_and_resumes(shards, tmp_path):
+def test_disk_full_mid_save_keeps_the_last_checkpoint_and_resumes(tiny_run, tmp_path):
     unshare = shutil.which("unshare")
     assert unshare, "util-linux's unshare is needed for a private tmpfs"
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
     ns = [unshare, "-m"] if os.geteuid() == 0 else [unshare, "-rm"]
-    args = ["--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}", f"train.output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={ckpt}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
-            "zero.stage=1", "train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
-            "logging.wandb.mode=disabled"]
+    args = tiny_run(f"checkpoint.dir={ckpt}", "zero.stage=1", "train.steps=6", "checkpoint.every_steps=2",
+                    "checkpoint.keep_last=1").args()
     r = subprocess.run([*ns, "bash", "-c", SCRIPT, "job", *args], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=job_env(CKPT=str(ckpt), OUT=str(out), PY=sys.executable))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -75,13 +75,13 @@ def allowed(stage: int, cuda: bool) -> dict:
 OURS = ("pretrain/", "data_pipeline/", "launch/")
 
 
-def run_counted(shards, tmp_path, *extra):
-    out = tmp_path / "counts.json"
-    args = ["--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}", f"train.output_dir={tmp_path / 'run'}",
-            "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=1", "logging.wandb.mode=disabled",
-            "train.steps=8", "train.log_every_steps=4", "train.sync_every_steps=4", "checkpoint.every_steps=1000",
-            "train.precision=bf16", *extra]
-    r = subprocess.run([sys.executable, "-c", JOB, str(REPO), str(out), *args], cwd=REPO,
+def run_counted(tiny_run, out, *extra):
+    """Steps of two micro-batches of 2 (the reads do not depend on the batch; bf16 matmuls are
+    slow on CPUs without bf16 units)."""
+    job = tiny_run("train.global_batch_size=4", "train.micro_batch_size=2", "data.workers=1", "train.steps=8",
+                   "train.log_every_steps=4", "train.sync_every_steps=4", "checkpoint.every_steps=1000",
+                   "train.precision=bf16", *extra)
+    r = subprocess.run([sys.executable, "-c", JOB, str(REPO), str(out), *job.args()], cwd=REPO,
                        env=job_env(VITSCALE_FAULT="nan_loss:6"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
@@ -90,9 +90,9 @@ def run_counted(shards, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_no_host_sync_between_sync_points(shards, tmp_path, stage):
+def test_no_host_sync_between_sync_points(tiny_run, tmp_path, stage):
     extra = [f"zero.stage={stage}"] + (["train.precision=fp32"] if stage == 0 else [])  # bf16 needs stage >= 1
-    counts, _ = run_counted(shards, tmp_path, *extra)
+    counts, _ = run_counted(tiny_run, tmp_path / "counts.json", *extra)
     per_step = {s: {k: v for k, v in counts.items() if int(k.split("|")[0]) == s} for s in range(1, 9)}
     between = {s: _callers(per_step[s]) for s in (2, 3, 5, 6, 7)}  # step 1 is start-up; 4 and 8 sync
     ours = {s: {k: v for k, v in c.items() if k.startswith(OURS)} for s, c in between.items()}
@@ -114,28 +114,21 @@ def _callers(counts: dict) -> dict:
     return out
 
 
-def test_sigint_stops_at_the_next_sync_point(shards, tmp_path):
+def test_sigint_stops_at_the_next_sync_point(tiny_run, tmp_path):
     """Between log steps the ranks agree on a stop only every train.sync_every_steps: Ctrl-C still
     ends in a checkpoint at a step boundary and exit 75, at a sync step (a multiple of 3 or 5)."""
     import os
     import signal
 
-    from dist_utils import group_alive, kill_group, metrics, start_job, wait_for
+    from dist_utils import metrics, reaped, wait_for
     from pretrain.checkpointing import rundir
 
-    run, log = tmp_path / "run", tmp_path / "log.txt"
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-           f"train.output_dir={run}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
-           "logging.wandb.mode=disabled", "train.steps=500", "train.log_every_steps=5", "train.sync_every_steps=3",
-           "checkpoint.every_steps=1000"]
-    p = start_job(cmd, log)
-    try:
+    job = tiny_run("train.steps=500", "train.log_every_steps=5", "train.sync_every_steps=3", "checkpoint.every_steps=1000")
+    run, log = job.run_dir, tmp_path / "log.txt"
+    with reaped(job.start(log)) as p:
         wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 5, 240, p, "step 5")
         os.kill(p.pid, signal.SIGINT)
         p.wait(120)
-    finally:
-        if group_alive(p):
-            kill_group(p)
     assert p.returncode == 75, log.read_text()[-3000:]
     ckpt = rundir.latest_complete(run / "checkpoints")
     assert ckpt is not None and rundir.verify(ckpt) is None

@@ -19,7 +19,7 @@ import torch
 
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
-from dist_utils import free_port, start_job, wait_for
+from dist_utils import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "tests" / "jobs" / "shard_http_server.py"
@@ -190,7 +190,7 @@ def test_remote_keys_are_checked(tmp_path):
         build_loader(remote_data_cfg("http://127.0.0.1:1/manifest.json", allow_remote=False), batch_size=8)
 
 
-def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, served, tmp_path):
+def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, served, tiny_run, tmp_path):
     """``python -m pretrain.train`` reading a rate-limited server that crashes mid-shard and comes back
     2 s later: the recorded samples are exactly the disk loader's, the retries are in ``data/*`` and
     the wait in ``data_wait_share``; then the server goes for good after a checkpoint: the run ends
@@ -202,15 +202,13 @@ def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, s
     size = (served / "train-000004.tar").stat().st_size
     server.start("--die-after", f"train-000004.tar:{size // 2}", *rate)
     server.restart_after_death(2.0, *rate)
-    run_dir = tmp_path / "run"
-    overrides = [f"data.train_shards={server.url}/manifest.json", "data.allow_remote=true", "data.workers=0",
-                 "data.record_samples=true", "data.remote_retries=20", "data.remote_retry_s=4",
-                 "data.shuffle_buffer=16", "model.num_classes=96", "train.global_batch_size=16",
-                 "train.micro_batch_size=8", "train.steps=200", "train.log_every_steps=2",
-                 "checkpoint.every_steps=8", "optim.warmup_steps=2", f"train.output_dir={run_dir}",
-                 "logging.wandb.mode=disabled"]
+    job = tiny_run("data.allow_remote=true", "data.record_samples=true", "data.remote_retries=20",
+                   "data.remote_retry_s=4", "data.shuffle_buffer=16", "model.num_classes=96", "train.steps=200",
+                   "train.log_every_steps=2", "checkpoint.every_steps=8", "optim.warmup_steps=2",
+                   shards=f"{server.url}/manifest.json")
+    run_dir, overrides = job.run_dir, job.overrides()
     log = tmp_path / "train.log"
-    proc = start_job([sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", *overrides], log)
+    proc = job.start(log)
     try:
         ckpts = run_dir / "checkpoints"
         wait_for(lambda: ckpts.is_dir() and checkpoint.latest_complete(ckpts) is not None, 400, proc,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dist_utils import REPO, deepspeed_cmd, run_job
+from dist_utils import deepspeed_cmd, run_job
 from pretrain.config import ConfigError
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 from pretrain.distributed.engine import deepspeed_config

@@ -15,7 +15,6 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from shard_utils import InterruptOnce, one_epoch, remote_data_cfg
@@ -28,7 +27,7 @@ from data_pipeline.shards.demo_data import demo_items
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 from data_pipeline.storage.s3 import S3Prefix
-from dist_utils import deepspeed_cmd, metrics, run_job
+from dist_utils import metrics, run_job
 from s3_server import MotoS3, Proxy
 
 BUCKET = "vitscale-test"
@@ -262,24 +261,24 @@ def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
     assert "part-0003of0003.json: part manifest not found" in capsys.readouterr().err
 
 
-def _train(shards: str, run_dir: Path):
-    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-                        "data.allow_remote=true", f"train.output_dir={run_dir}", "train.global_batch_size=16",
-                        "train.micro_batch_size=8", "data.workers=1", "data.record_samples=true",
-                        "data.remote_retries=20", "data.remote_retry_s=20", "logging.wandb.mode=disabled",
-                        "train.log_every_steps=1", "optim.warmup_steps=2", "train.steps=6")  # 96 samples: one epoch
-    r = run_job(cmd, timeout=600)
+def _train(tiny_run, shards: str, name: str):
+    job = tiny_run("data.allow_remote=true", "data.workers=1", "data.record_samples=true", "data.remote_retries=20",
+                   "data.remote_retry_s=20", "train.log_every_steps=1", "optim.warmup_steps=2",
+                   "train.steps=6",  # 96 samples: one epoch
+                   shards=shards, name=name, via="deepspeed", ranks=2)
+    r = job.run(600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {f.name: f.read_text() for f in sorted((run_dir / "samples").glob("rank-*.tsv"))}
+    return {f.name: f.read_text() for f in sorted((job.run_dir / "samples").glob("rank-*.tsv"))}
 
 
 @pytest.mark.slow
-def test_two_ranks_train_from_the_store_through_a_cut_on_the_samples_of_disk(store, written, proxy, tmp_path):
+def test_two_ranks_train_from_the_store_through_a_cut_on_the_samples_of_disk(store, written, proxy, tiny_run,
+                                                                             tmp_path):
     """The deepspeed runner, 2 ranks x 1 data worker: the store is cut mid-shard and refuses
     connections for 1 s; each rank records exactly the (step, epoch, key) rows of the same run from disk."""
-    disk = _train(str(written[0]), tmp_path / "disk")
+    disk = _train(tiny_run, str(written[0]), "disk")
     proxy.plan([(150_000, 1.0, 0)])
-    s3 = _train(written[1], tmp_path / "s3")
+    s3 = _train(tiny_run, written[1], "s3")
     assert proxy.events == [] and "cut" in proxy.log, proxy.log
     assert sorted(disk) == ["rank-0.tsv", "rank-1.tsv"] and len(disk["rank-0.tsv"].splitlines()) == 48
     assert s3 == disk  # no sample twice, none skipped, the same order on each rank

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 
-from dist_utils import REPO, deepspeed_cmd, free_port, group_alive, job_env, kill_group, metrics, \
-    start_job, wait_for
+from dist_utils import REPO, free_port, group_alive, job_env, kill_group, metrics, wait_for
 
 PEER_THAT_DIES = """
 import torch.distributed as dist
@@ -25,16 +24,13 @@ os._exit(0)  # before DeepSpeed's shm set-up would create this rank's buffer fil
 """
 
 
-def test_a_peer_dead_before_the_shm_setup_ends_start_up_within_the_bound(shards, tmp_path):
+def test_a_peer_dead_before_the_shm_setup_ends_start_up_within_the_bound(tiny_run, tmp_path):
     port = str(free_port())
     env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2", LOCAL_WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-           f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "train.global_batch_size=16",
-           "train.micro_batch_size=8", "data.workers=0", "train.startup_timeout_s=8"]
     log = tmp_path / "rank0.txt"
     t0 = time.time()
-    rank0 = start_job(cmd, log, **env)
+    rank0 = tiny_run("train.startup_timeout_s=8").start(log, **env)
     peer = subprocess.Popen([sys.executable, "-c", PEER_THAT_DIES], cwd=REPO, env=job_env(**dict(env, RANK="1")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -69,17 +65,15 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def straggler_job(shards, run: Path, log: Path):
-    cmd = deepspeed_cmd("pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-                        f"train.output_dir={run}", "logging.wandb.mode=disabled", "train.global_batch_size=16",
-                        "train.micro_batch_size=8", "data.workers=0", "train.steps=400", "train.log_every_steps=2",
-                        "checkpoint.every_steps=1000", "train.straggler_factor=2.0", "train.straggler_windows=3")
-    return start_job(cmd, log)
+def straggler_job(tiny_run, name: str, log: Path):
+    return tiny_run("train.steps=400", "train.log_every_steps=2", "checkpoint.every_steps=1000",
+                    "train.straggler_factor=2.0", "train.straggler_windows=3", via="deepspeed", ranks=2,
+                    name=name).start(log)
 
 
-def test_a_rank_slowed_for_real_is_named_and_an_even_job_names_nobody(shards, tmp_path):
+def test_a_rank_slowed_for_real_is_named_and_an_even_job_names_nobody(tiny_run, tmp_path):
     run, log = tmp_path / "slow", tmp_path / "slow.txt"
-    job = straggler_job(shards, run, log)
+    job = straggler_job(tiny_run, "slow", log)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 4, 240, job, "step 4")
         before = max(metrics(run))
@@ -103,7 +97,7 @@ def test_a_rank_slowed_for_real_is_named_and_an_even_job_names_nobody(shards, tm
     assert recs and recs[-1]["straggler/slowest_rank"] == 1 and recs[-1]["straggler/ratio"] >= 2.0
 
     run, log = tmp_path / "even", tmp_path / "even.txt"
-    job = straggler_job(shards, run, log)
+    job = straggler_job(tiny_run, "even", log)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 10, 240, job, "step 10")
     finally:
@@ -112,7 +106,7 @@ def test_a_rank_slowed_for_real_is_named_and_an_even_job_names_nobody(shards, tm
     assert all("straggler/ratio" in r for s, r in metrics(run).items() if s % 2 == 0)
 
 
-def test_waiting_on_the_compiled_op_build_lock_is_said(shards, tmp_path):
+def test_waiting_on_the_compiled_op_build_lock_is_said(tiny_run, tmp_path):
     """Another process holds the build lock of DeepSpeed's CPU shm op (as while it builds it): the
     rank says so after 10 s instead of waiting silently, still in the process-group set-up."""
     import shutil
@@ -131,10 +125,7 @@ def test_waiting_on_the_compiled_op_build_lock_is_said(shards, tmp_path):
     lock = FileLock(str(lock_path))
     lock.acquire()
     log = tmp_path / "log.txt"
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-           f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "train.global_batch_size=16",
-           "train.micro_batch_size=8", "data.workers=0", "train.steps=2", "checkpoint.every_steps=1000"]
-    job = start_job(cmd, log, TORCH_EXTENSIONS_DIR=str(ext))
+    job = tiny_run("train.steps=2", "checkpoint.every_steps=1000").start(log, TORCH_EXTENSIONS_DIR=str(ext))
     try:
         wait_for(lambda: "of a compiled op's build" in log.read_text(), 90, job, "the lock line")
         assert job.poll() is None and "building vit_tiny" not in log.read_text()  # still waiting for it

@@ -15,13 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, demo_manifest, job_env, metrics, train_single
+from dist_utils import REPO, job_env, metrics, train_single
 from pretrain.checkpointing import rundir
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, n=128, shard_size=64)
 
 
 def train(shards, run_dir, *extra, env=None, timeout=180):
@@ -183,19 +178,17 @@ def test_wandb_online_falls_back_to_offline(shards, tmp_path, case):
 
 
 # ------------------------------------------------------------------- a save that fails mid-run
-def test_checkpoint_folder_locked_mid_run_names_the_last_good_checkpoint(shards, tmp_path):
+def test_checkpoint_folder_locked_mid_run_names_the_last_good_checkpoint(tiny_run, tmp_path):
     """The folder passed the start-up check, then became unwritable: the failed save is one line
     (exit 2) naming the last complete checkpoint, which stays intact for the resume."""
-    from dist_utils import start_job, wait_for
+    from dist_utils import wait_for
 
     if os.geteuid() != 0 or not shutil.which("chattr"):
         pytest.skip("needs root and chattr to lock a folder under a running job")
-    run_dir, log = tmp_path / "run", tmp_path / "log.txt"
-    ckpts = run_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
-           f"train.output_dir={run_dir}", "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
-           "zero.stage=0", "train.steps=60", "checkpoint.every_steps=30", "logging.wandb.mode=disabled"]
-    proc = start_job(cmd, log)
+    job = tiny_run("zero.stage=0", "train.steps=60", "checkpoint.every_steps=30")
+    log = tmp_path / "log.txt"
+    ckpts = job.run_dir / "checkpoints"
+    proc = job.start(log)
     first = ckpts / rundir.tag_for(30)
     try:
         wait_for(lambda: (first / rundir.COMPLETE).is_file(), 120, proc, "the first checkpoint")

@@ -7,24 +7,19 @@ unwritten history (a 7-byte file), so it now runs out of the ranks' process tree
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, free_port, group_alive, job_env, kill_group, metrics, start_job, wait_for, \
-    wandb_records
+from dist_utils import group_alive, kill_group, metrics, wait_for, wandb_records
 
 pytestmark = pytest.mark.slow
 
 
-def launch(shards, run, *extra):
-    return [sys.executable, "-m", "launch", "run", "--config", "configs/tiny_cpu.yaml", "--skip-checks",
-            "--gpus-per-node", "2", "--master-port", str(free_port()), f"data.train_shards={shards}", f"train.output_dir={run}",
-            "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=offline",
-            "train.log_every_steps=2", *extra]
+def launch(tiny_run, *extra):
+    """``vit-launch run`` on 2 local ranks, W&B offline, a line every 2 steps."""
+    return tiny_run("logging.wandb.mode=offline", "train.log_every_steps=2", *extra, via="launch", ranks=2)
 
 
 def wandb_steps(run: Path, settle_s: float = 20.0) -> dict[str, list[int]]:
@@ -49,10 +44,10 @@ def run_ids(run: Path) -> set[str]:
     return {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
 
 
-def test_sigterm_keeps_every_logged_step(shards, tmp_path):
+def test_sigterm_keeps_every_logged_step(tiny_run, tmp_path):
     """(The resume that continues the run id is checked after the crash below.)"""
     run, log = tmp_path / "run", tmp_path / "log.txt"
-    job = start_job(launch(shards, run, "train.steps=400", "checkpoint.every_steps=1000"), log)
+    job = launch(tiny_run, "train.steps=400", "checkpoint.every_steps=1000").start(log)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 8, 240, job, "step 8")
         os.kill(job.pid, signal.SIGTERM)  # vit-launch: the whole job is asked to stop
@@ -66,13 +61,12 @@ def test_sigterm_keeps_every_logged_step(shards, tmp_path):
     assert len(steps) == 1 and list(steps.values())[0] == logged, (steps, logged)  # every step, once
 
 
-def test_a_crashed_peer_leaves_rank_0s_history_whole_and_the_resume_logs_each_step_once(shards, tmp_path):
+def test_a_crashed_peer_leaves_rank_0s_history_whole_and_the_resume_logs_each_step_once(tiny_run, tmp_path):
     """Rank 1 crashes in step 11: rank 0 logged up to step 10, the last checkpoint is step 8. The
     resume recomputes steps 9-10: metrics.jsonl holds each step once (cut back to step 8 on resume),
     and W&B, which already holds step 10, is sent only the steps after it."""
     run = tmp_path / "run"
-    r = subprocess.run(launch(shards, run, "train.steps=400", "checkpoint.every_steps=4"), cwd=REPO,
-                       env=job_env(VITSCALE_FAULT="crash_in_step:11@1"), capture_output=True, text=True, timeout=300)
+    r = launch(tiny_run, "train.steps=400", "checkpoint.every_steps=4").run(300, VITSCALE_FAULT="crash_in_step:11@1")
     assert r.returncode != 0
     assert sorted(metrics(run)) == [2, 4, 6, 8, 10], (r.stdout + r.stderr)[-3000:]
     assert list(wandb_steps(run).values()) == [[2, 4, 6, 8, 10]]
@@ -80,8 +74,7 @@ def test_a_crashed_peer_leaves_rank_0s_history_whole_and_the_resume_logs_each_st
     assert status["state"] == "failed" and status["step"] == 10  # the last step reached, not the start
     first = set(wandb_steps(run))
 
-    r = subprocess.run(launch(shards, run, "train.steps=14", "checkpoint.every_steps=4"), cwd=REPO, env=job_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = launch(tiny_run, "train.steps=14", "checkpoint.every_steps=4").run(300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "resuming from step 8" in r.stdout + r.stderr
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]

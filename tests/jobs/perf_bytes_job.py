@@ -7,7 +7,6 @@ import json
 import sys
 import time
 
-import deepspeed
 import deepspeed.comm as dist
 import torch
 from deepspeed.comm.comm import comms_logger

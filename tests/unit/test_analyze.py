@@ -23,7 +23,7 @@ def photos(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
+def val_shards(tmp_path_factory):
     from data_pipeline.shards.writer import write_demo_shards
 
     out = tmp_path_factory.mktemp("shards")
@@ -186,22 +186,22 @@ def test_timm_state_dict_and_an_image_folder(tmp_path, photos):
     _check_output(tmp_path / "out", layers=12, heads=3, images=12, rollout=3, grid=(2, 2))
 
 
-def test_our_state_dict_at_a_higher_resolution_with_shards(tmp_path, shards):
+def test_our_state_dict_at_a_higher_resolution_with_shards(tmp_path, val_shards):
     """A timm-format .pth saved from our model, analysed at twice its resolution (the position
     embeddings resized, as for 224 -> 384 fine-tuning), images from shards."""
     model = tiny_model(32, seed=2)
     torch.save(model.state_dict(), tmp_path / "ours.pth")
-    main(["--checkpoint", str(tmp_path / "ours.pth"), "--images", str(shards), "--output", str(tmp_path / "out"),
+    main(["--checkpoint", str(tmp_path / "ours.pth"), "--images", str(val_shards), "--output", str(tmp_path / "out"),
           "--img-size", "64", "--num-images", "7", "--rollout-images", "2", "--batch-size", "4"])
     doc = _check_output(tmp_path / "out", layers=12, heads=3, images=7, rollout=2, grid=(4, 4))
     assert doc["img_size"] == 64 and doc["model"]["img_size"] == 32
 
 
-def test_export_with_metadata_and_shards_folder(tmp_path, shards):
+def test_export_with_metadata_and_shards_folder(tmp_path, val_shards):
     model = tiny_model(32, seed=4)
     ckpt = save_safetensors(model, tmp_path / "e.safetensors", exported_metadata(
         {"name": "vit_tiny_patch16_224", "img_size": 32}, step=1234, grid=(2, 2), run_id="abc"))
-    main(["--checkpoint", str(ckpt), "--images", str(shards.parent), "--output", str(tmp_path / "out"),
+    main(["--checkpoint", str(ckpt), "--images", str(val_shards.parent), "--output", str(tmp_path / "out"),
           "--rollout-images", "1"])
     doc = _check_output(tmp_path / "out", layers=12, heads=3, images=10, rollout=1, grid=(2, 2), step=1234)
     assert doc["wandb_run_id"] == "abc" and doc["checkpoint_kind"] == "safetensors"

@@ -4,7 +4,7 @@ number of classes; bad sources are one line naming the key."""
 import pytest
 import torch
 
-from dist_utils import demo_manifest, train_single
+from dist_utils import train_single
 from pretrain.weights import hf
 from pretrain.weights.export import load_run_weights, write_safetensors
 from pretrain.models.vit import create_model, resize_pos_embed
@@ -12,11 +12,6 @@ from pretrain.models.vit import create_model, resize_pos_embed
 # lr 1e-30, no weight decay: the one step moves no loaded weight by as much as one float32 ulp
 STILL = ["train.steps=1", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0.0", "checkpoint.every_steps=1",
          "zero.stage=2"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return demo_manifest(tmp_path_factory, 8, 64)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,13 @@ CONFIG = "configs/tiny_cpu.yaml"
 
 
 @pytest.fixture()
-def shards(tmp_path, shard_kit):
+def id_dir(tmp_path, shard_kit):
     """8 real shards of 12 samples with manifest.json (byte sizes recorded); labels 0-95 -> 96 classes."""
     return shard_kit.id_shards(tmp_path / "shards", [12] * 8)
 
 
-def args(shards, tmp_path, *extra):
-    return ["--config", CONFIG, f"data.train_shards={shards}/manifest.json", f"train.output_dir={tmp_path / 'run'}",
+def args(id_dir, tmp_path, *extra):
+    return ["--config", CONFIG, f"data.train_shards={id_dir}/manifest.json", f"train.output_dir={tmp_path / 'run'}",
             "model.num_classes=96", "train.micro_batch_size=4", "train.global_batch_size=8", "data.workers=2", *extra]
 
 
@@ -45,8 +45,8 @@ def the_error(capsys, argv, topic):
     return errors[0]
 
 
-def test_all_checks_pass_without_touching_a_device(capsys, shards, tmp_path):
-    code, out, err = check(capsys, args(shards, tmp_path, "--gpus-per-node", "2"))
+def test_all_checks_pass_without_touching_a_device(capsys, id_dir, tmp_path):
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--gpus-per-node", "2"))
     assert code == 0 and err == [], err
     topics = [line.split(":")[0].strip() for line in out.splitlines()[1:]]
     assert topics == ["ok  batch", "ok  manifest", "ok  shards", "ok  plan", "ok  run dir", "ok  memory"]
@@ -59,59 +59,59 @@ def test_all_checks_pass_without_touching_a_device(capsys, shards, tmp_path):
     assert not (tmp_path / "run").exists()  # and leaves nothing behind
 
 
-def test_missing_shard(capsys, shards, tmp_path):
-    os.remove(shards / "train-000003.tar")
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1"), "manifest")
-    assert f"1 of 8 shard(s) do not match {shards}/manifest.json, first {shards}/train-000003.tar: missing" in line
+def test_missing_shard(capsys, id_dir, tmp_path):
+    os.remove(id_dir / "train-000003.tar")
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1"), "manifest")
+    assert f"1 of 8 shard(s) do not match {id_dir}/manifest.json, first {id_dir}/train-000003.tar: missing" in line
     assert "re-copy them or re-write the shards" in line
 
 
-def test_truncated_shard(capsys, shards, tmp_path):
-    p = shards / "train-000005.tar"
+def test_truncated_shard(capsys, id_dir, tmp_path):
+    p = id_dir / "train-000005.tar"
     size = p.stat().st_size
     os.truncate(p, size - 1024)  # an interrupted copy
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1"), "manifest")
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1"), "manifest")
     assert f"train-000005.tar: {size - 1024} bytes, the manifest says {size}" in line
 
 
-def test_file_that_is_not_a_tar(capsys, shards, tmp_path):
-    p = shards / "train-000001.tar"
+def test_file_that_is_not_a_tar(capsys, id_dir, tmp_path):
+    p = id_dir / "train-000001.tar"
     p.write_bytes(b"<html>403 Forbidden</html>".ljust(p.stat().st_size, b" "))  # same size, wrong content
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1"), "manifest")
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1"), "manifest")
     assert "train-000001.tar: does not start with a tar header" in line
 
 
-def test_reader_slots_share_shards_but_each_needs_a_batch(capsys, shards, tmp_path):
+def test_reader_slots_share_shards_but_each_needs_a_batch(capsys, id_dir, tmp_path):
     # 8 shards feed 12 reader slots: slots take sample ranges, not whole shards
-    code, out, err = check(capsys, args(shards, tmp_path, "--world-size", "2", "data.workers=6"))
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--world-size", "2", "data.workers=6"))
     assert code == 0, err
     assert "on 2 rank(s) x 6 worker(s), batch 4: 12 batches per rank per epoch; 96 samples used, 0 dropped" in out
     # 96 samples cannot give 16 ranks x 2 workers a batch of 4 each
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "16", "train.global_batch_size=64"), "shards")
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "16", "train.global_batch_size=64"), "shards")
     assert "each of the 32 reader slots (16 rank(s) x 2 worker(s)) gets fewer than batch_size=4 samples" in line
     assert "use more data, a smaller batch or fewer workers" in line
 
 
-def test_classes_must_match_the_model(capsys, shards, tmp_path):
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", "model.num_classes=10"), "shards")
+def test_classes_must_match_the_model(capsys, id_dir, tmp_path):
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1", "model.num_classes=10"), "shards")
     assert "model.num_classes=10 but" in line and "set model.num_classes=96" in line
 
 
-def test_batch_arithmetic(capsys, shards, tmp_path):
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "3"), "batch")
+def test_batch_arithmetic(capsys, id_dir, tmp_path):
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "3"), "batch")
     assert "train.global_batch_size=8 is not divisible by train.micro_batch_size x world size = 4 x 3 = 12" in line
     assert "set train.global_batch_size=12" in line
 
 
-def test_run_dir_not_writable(capsys, shards, tmp_path):
+def test_run_dir_not_writable(capsys, id_dir, tmp_path):
     (tmp_path / "afile").write_text("x")
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", f"train.output_dir={tmp_path}/afile/run"),
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1", f"train.output_dir={tmp_path}/afile/run"),
                      "run dir")
     assert f"train.output_dir={tmp_path}/afile/run: {tmp_path}/afile is a file, not a folder" in line
 
 
-def test_disk_space_for_checkpoints(shards, tmp_path):
-    cfg = load_config(CONFIG, args(shards, tmp_path)[1:][1:] + ["checkpoint.keep_last=3"])
+def test_disk_space_for_checkpoints(id_dir, tmp_path):
+    cfg = load_config(CONFIG, args(id_dir, tmp_path)[1:][1:] + ["checkpoint.keep_last=3"])
     free = shutil.disk_usage(tmp_path).free
     # a model whose checkpoint cannot fit on this disk at all
     (f,) = preflight.check_run_dir(cfg, params=10 ** 14)
@@ -124,14 +124,14 @@ def test_disk_space_for_checkpoints(shards, tmp_path):
     assert "lower checkpoint.keep_last" in f.message
 
 
-def test_a_resume_with_changed_shape_keys_is_refused_before_the_gpus(shards, tmp_path):
+def test_a_resume_with_changed_shape_keys_is_refused_before_the_gpus(id_dir, tmp_path):
     """A run dir whose newest checkpoint has another model: vit-launch check and the start of
     pretrain.train say so in one line, before any model is built."""
     import json
 
     from pretrain.config import to_dict
 
-    cfg = load_config(CONFIG, args(shards, tmp_path)[1:][1:])
+    cfg = load_config(CONFIG, args(id_dir, tmp_path)[1:][1:])
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)
     saved = to_dict(cfg)
@@ -142,15 +142,15 @@ def test_a_resume_with_changed_shape_keys_is_refused_before_the_gpus(shards, tmp
     (f,) = preflight.check_run_dir(cfg, params=10 ** 6)
     assert f.level == "error" and f.topic == "resume", f
     assert "model.name=vit_small_patch16_224->vit_tiny_patch16_224" in f.message
-    r = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", CONFIG, f"data.train_shards={shards}",
+    r = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", CONFIG, f"data.train_shards={id_dir}",
                         f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "model.name=vit_small_patch16_224->vit_tiny_patch16_224" in r.stderr
     assert "building" not in r.stderr  # said before the model build
 
 
-def test_memory_over_the_device_is_a_warning_with_fixes(capsys, shards, tmp_path):
-    code, out, err = check(capsys, args(shards, tmp_path, "--world-size", "1", "--gpu-memory-gb", "1",
+def test_memory_over_the_device_is_a_warning_with_fixes(capsys, id_dir, tmp_path):
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--world-size", "1", "--gpu-memory-gb", "1",
                                         "train.precision=bf16", "zero.reduce_bucket_size=10000000"))
     assert code == 0  # an estimate warns; it does not block the launch
     (line,) = [x for x in err if "memory" in x]
@@ -169,34 +169,34 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, shards, tmp_path
     assert whole > 50 * est.host_build
 
 
-def test_launch_stops_before_the_runner_when_a_check_fails(capsys, shards, tmp_path):
-    os.remove(shards / "train-000000.tar")
+def test_launch_stops_before_the_runner_when_a_check_fails(capsys, id_dir, tmp_path):
+    os.remove(id_dir / "train-000000.tar")
     with pytest.raises(SystemExit) as e:
-        main(args(shards, tmp_path, "--gpus-per-node", "1"))  # no --dry-run: would exec deepspeed
+        main(args(id_dir, tmp_path, "--gpus-per-node", "1"))  # no --dry-run: would exec deepspeed
     assert e.value.code == 2
     assert "manifest: 1 of 8 shard(s)" in capsys.readouterr().err
 
 
-def _rewrite_manifest(shards, **counts):
+def _rewrite_manifest(id_dir, **counts):
     """Change the sample counts a manifest claims (byte sizes untouched: the tars are intact)."""
     import json
 
-    m = json.loads((shards / "manifest.json").read_text())
+    m = json.loads((id_dir / "manifest.json").read_text())
     for s in m["shards"]:
         s["samples"] = counts.get(s["name"].replace("-", "_").removesuffix(".tar"), s["samples"])
     m["total"] = sum(s["samples"] for s in m["shards"])
-    (shards / "manifest.json").write_text(json.dumps(m))
+    (id_dir / "manifest.json").write_text(json.dumps(m))
 
 
-def test_manifest_that_overclaims_its_tars_fails_before_the_run(capsys, shards, tmp_path):
+def test_manifest_that_overclaims_its_tars_fails_before_the_run(capsys, id_dir, tmp_path):
     """Counts above the tars passed the check and the run failed on "bad samples"."""
-    before = {p.name: p.read_bytes() for p in shards.glob("*.tar")}
-    _rewrite_manifest(shards, train_000006=15)
-    line = the_error(capsys, args(shards, tmp_path, "--world-size", "1", "model.num_classes=96"), "manifest")
+    before = {p.name: p.read_bytes() for p in id_dir.glob("*.tar")}
+    _rewrite_manifest(id_dir, train_000006=15)
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1", "model.num_classes=96"), "manifest")
     assert line == (f"vit-launch: error: manifest: 1 of 8 counted tar(s) disagree with their manifest, first: "
-                    f"{shards}/manifest.json says train-000006.tar holds 15 samples but the tar has 12 (-3); "
+                    f"{id_dir}/manifest.json says train-000006.tar holds 15 samples but the tar has 12 (-3); "
                     "re-write the shards with vit-shards")
-    assert {p.name: p.read_bytes() for p in shards.glob("*.tar")} == before  # read, never changed
+    assert {p.name: p.read_bytes() for p in id_dir.glob("*.tar")} == before  # read, never changed
 
 
 def test_counting_reads_headers_only_and_samples_many_shards(capsys, shard_kit, tmp_path, monkeypatch):
