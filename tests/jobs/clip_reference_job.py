@@ -1,7 +1,22 @@
-"""Run by the deepspeed runner from tests/integration/test_reference_step.py: one SGD step of our
-engine (``pretrain.distributed.engine.initialize``: ZeRO-3, activation checkpointing, 2 ranks, fp32)
-against plain PyTorch on the same global batch, for each ``optim.grad_clip`` given; writes the
-relative error of the update and the reference gradient norm per case (rank 0)."""
+"""Run by the deepspeed runner from tests/integration/test_reference_step.py: a few optimizer steps
+of our engine (``pretrain.distributed.engine.initialize``, 2 ranks) against plain PyTorch on the
+same global batches, for each case given; rank 0 writes, per case, the relative error of the
+whole update (our fp32 masters from where DeepSpeed started them), the cosine between the two
+updates, the reference's first gradient norm, the reference's own floating-point noise (the same
+steps summed over our micro-batches instead of the whole batch) and how far DeepSpeed's masters
+started from the given weights.
+
+    deepspeed --num_gpus 2 --module tests.jobs.clip_reference_job OUT.json '{"name": {case}, ...}'
+
+A case sets ``stage`` (ZeRO 0-3), ``optim`` (sgd / adamw), ``steps``, ``gas`` (micro-batches per
+step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``momentum``, ``wd``
+(weight decay) and ``precision``. Every case starts from the same weights; the batches of step t
+are the same on every rank and in the reference.
+
+The reference is written here, from the algorithm, not from our code: the mean cross-entropy over
+the whole global batch, ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
+weight decay on weight matrices only (not on biases, norm weights, the position embedding or the
+[class] token, as in big_vision and timm), a constant learning rate."""
 import copy
 import json
 import sys
@@ -15,45 +30,126 @@ from pretrain.distributed.engine import initialize
 from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
 
-MICRO, IMG, CLASSES, LR = 4, 32, 10, 0.1
+MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
+LR = {"sgd": 0.1, "adamw": 1e-3}
+BETAS, EPS = (0.9, 0.999), 1e-8
+DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32")
 
-args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-out, clips = args[0], [float(c) for c in args[1:]]
-rank, _, world = init_distributed()
-torch.manual_seed(0)
-images = torch.randn(MICRO * world, 3, IMG, IMG) * 3  # the global batch, the same on every rank
-labels = torch.randint(0, CLASSES, (MICRO * world,))
-results = {}
-for clip in clips:
-    base = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0)
+
+def base_model() -> torch.nn.Module:
+    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0)
     with torch.no_grad():  # a head that is not zero, so every layer has a gradient at the first step
-        base.head.weight.copy_(torch.randn(base.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
-    ref = copy.deepcopy(base)
-    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    return model
 
-    # the reference: autograd on the whole batch, clip_grad_norm_ (when asked), one SGD step
-    loss = F.cross_entropy(ref(images), labels)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip > 0 else float("inf"))
-    torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.0).step()
 
-    # ours: each rank its micro-batch, DeepSpeed averages over ranks and clips as configured
-    optim = OptimConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0, grad_clip=clip, warmup_steps=0,
+def batch(step: int, world: int):
+    """The global batch of ``step``: images (scaled so that gradients are large enough to clip) and labels."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(MICRO * world, 3, IMG, IMG, generator=g) * 3, torch.randint(0, CLASSES, (MICRO * world,), generator=g)
+
+
+def reference(model: torch.nn.Module, case: dict, world: int, split: bool = False) -> float:
+    """Plain PyTorch: ``case["steps"]`` steps on the whole global batch; the first gradient norm.
+    ``split``: each step's gradient summed over the micro-batches our ranks take (the same
+    mathematics in another floating-point order: how far two exact implementations drift apart)."""
+    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1 or n in ("pos_embed", "cls_token")]
+    decay = [p for n, p in model.named_parameters() if not (p.ndim <= 1 or n in ("pos_embed", "cls_token"))]
+    groups = [{"params": decay, "weight_decay": case["wd"]}, {"params": no_decay, "weight_decay": 0.0}]
+    if case["optim"] == "sgd":
+        opt = torch.optim.SGD(groups, lr=LR["sgd"], momentum=case["momentum"])
+    else:
+        opt = torch.optim.AdamW(groups, lr=LR["adamw"], betas=BETAS, eps=EPS)
+    first_norm = None
+    for step in range(case["steps"]):
+        images, labels = batch(step, world)
+        opt.zero_grad()
+        if split:
+            per = MICRO // case["gas"]
+            for lo in range(0, MICRO * world, per):
+                (F.cross_entropy(model(images[lo:lo + per]), labels[lo:lo + per]) * per / (MICRO * world)).backward()
+        else:
+            F.cross_entropy(model(images), labels).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"] if case["clip"] > 0 else float("inf"))
+        first_norm = float(norm) if first_norm is None else first_norm
+        opt.step()
+    return first_norm
+
+
+def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
+    """Our engine: each rank its micro-batches of every step, DeepSpeed reduces, clips and steps."""
+    optim = OptimConfig(name=case["optim"], lr=LR[case["optim"]], betas=list(BETAS), eps=EPS,
+                        momentum=case["momentum"], weight_decay=case["wd"], grad_clip=case["clip"], warmup_steps=0,
                         schedule="constant")
-    train = TrainConfig(steps=1, global_batch_size=MICRO * world, micro_batch_size=MICRO, precision="fp32",
-                        activation_checkpointing=True)
-    engine, _ = initialize(base, optim, train, ZeroConfig(stage=3), world)
-    mine = slice(rank * MICRO, (rank + 1) * MICRO)
-    engine.backward(F.cross_entropy(engine(images[mine]), labels[mine]))
-    engine.step()
-    num = den = 0.0
-    for (name, p), (_, q) in zip(engine.module.named_parameters(), ref.named_parameters()):
-        with deepspeed.zero.GatheredParameters([p]):
-            num += float(((p.detach() - before[name]) - (q.detach() - before[name])).pow(2).sum())
-            den += float((q.detach() - before[name]).pow(2).sum())
-    results[str(clip)] = {"relative_error": (num / den) ** 0.5, "reference_grad_norm": float(norm)}
-    del engine
-if rank == 0:
-    with open(out, "w") as f:
-        json.dump(results, f)
-torch.distributed.barrier()
+    gas = case["gas"]
+    train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
+                        precision=case["precision"], activation_checkpointing=case["ckpt"])
+    engine, _ = initialize(model, optim, train, ZeroConfig(stage=case["stage"]), world)
+    start = weights(engine)  # the fp32 masters DeepSpeed made (from the bf16-rounded module in bf16)
+    dtype = torch.bfloat16 if case["precision"] == "bf16" else torch.float32
+    per = MICRO // gas
+    for step in range(case["steps"]):
+        images, labels = batch(step, world)
+        mine = images[rank * MICRO:(rank + 1) * MICRO], labels[rank * MICRO:(rank + 1) * MICRO]
+        for m in range(gas):
+            x, y = mine[0][m * per:(m + 1) * per], mine[1][m * per:(m + 1) * per]
+            engine.backward(F.cross_entropy(engine(x.to(dtype)).float(), y))
+            engine.step()
+    return start, weights(engine)
+
+
+def weights(engine) -> dict:
+    """Collective: every weight in full, the fp32 master where DeepSpeed keeps one apart."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], enabled=engine.zero_optimization_stage() == 3):
+            master = deepspeed.utils.safe_get_full_fp32_param(p)
+            out[name] = (master if master is not None else p).detach().float().clone()
+    return out
+
+
+def compare(start: dict, end: dict, ref: torch.nn.Module, before: dict) -> dict:
+    """Relative error of our whole update (``end - start``) against the reference's, and their cosine."""
+    num = den = dot = ours_sq = 0.0
+    for name, q in ref.named_parameters():
+        a, b = end[name] - start[name], q.detach() - before[name]
+        num += float((a - b).pow(2).sum())
+        den += float(b.pow(2).sum())
+        dot += float((a * b).sum())
+        ours_sq += float(a.pow(2).sum())
+    return {"relative_error": (num / den) ** 0.5, "cosine": dot / (ours_sq * den) ** 0.5}
+
+
+def start_offset(start: dict, before: dict, ref: torch.nn.Module) -> float:
+    """How far our masters started from the given weights, relative to the reference's update."""
+    num = sum(float((start[n] - before[n]).pow(2).sum()) for n in before)
+    den = sum(float((q.detach() - before[n]).pow(2).sum()) for n, q in ref.named_parameters())
+    return (num / den) ** 0.5
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    out, cases = args[0], json.loads(args[1])
+    rank, _, world = init_distributed()
+    torch.set_num_threads(1)
+    results = {}
+    for name, given in cases.items():
+        case = {**DEFAULTS, **given}
+        base = base_model()
+        ref, twin = copy.deepcopy(base), copy.deepcopy(base)
+        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        norm = reference(ref, case, world)
+        reference(twin, case, world, split=True)
+        start, end = ours(base, case, rank, world)
+        twin_weights = {n: p.detach() for n, p in twin.named_parameters()}
+        results[name] = {**compare(start, end, ref, before), "reference_grad_norm": norm,
+                         "reference_noise": compare(before, twin_weights, ref, before)["relative_error"],
+                         "masters_start_offset": start_offset(start, before, ref)}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
