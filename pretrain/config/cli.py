@@ -1,5 +1,7 @@
-"""``vit-config``: validate an experiment config and print it resolved, or print the reference of
-every key (``--reference``)."""
+"""``vit-config``: validate an experiment config and print it resolved, the DeepSpeed config a run
+of it will use (``--deepspeed``), or the reference of every key (``--reference``).
+
+An entry point on the top floor: ``--deepspeed`` reads ``pretrain.distributed.engine``."""
 from __future__ import annotations
 
 import yaml
@@ -11,7 +13,8 @@ from pretrain.config.load import load_config, save_config, to_dict
 
 def main(argv=None) -> None:
     """``vit-config --config FILE [a.b=c ...] [--output resolved.yaml]``: validate and print;
-    ``vit-config --reference``: print the Markdown reference of every key."""
+    ``--deepspeed --world-size N``: print the DeepSpeed JSON config instead; ``vit-config
+    --reference``: print the Markdown reference of every key."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="vit-config", description="Validate a config and print it resolved")
@@ -19,6 +22,9 @@ def main(argv=None) -> None:
     ap.add_argument("--output", help="write the resolved config (or the reference) here instead of printing it")
     ap.add_argument("--reference", action="store_true",
                     help="print the reference of every config key (key, default, meaning) as Markdown")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="print the DeepSpeed JSON config a run of this config on --world-size ranks will use")
+    ap.add_argument("--world-size", type=int, help="ranks of the run, for --deepspeed (it sets the accumulation)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
     if args.output:
@@ -37,8 +43,24 @@ def main(argv=None) -> None:
         return
     if not args.config:
         ap.error("the following arguments are required: --config (or give --reference)")
+    if args.deepspeed and not args.world_size:
+        ap.error("--deepspeed needs --world-size N: the ranks set the gradient accumulation")
+    if args.world_size is not None and args.world_size < 1:
+        ap.error(f"--world-size {args.world_size}: must be >= 1")
     with cli_errors("vit-config"):
         cfg = load_config(args.config, args.overrides)
+    if args.deepspeed:
+        import json
+
+        from pretrain.distributed.engine import deepspeed_config
+
+        with cli_errors("vit-config"):
+            text = json.dumps(deepspeed_config(cfg.optim, cfg.train, cfg.zero, args.world_size), indent=2) + "\n"
+            if args.output:
+                write_atomic(args.output, text)
+            else:
+                print(text, end="")
+        return
     if args.output:
         with cli_errors("vit-config"):
             save_config(cfg, args.output)

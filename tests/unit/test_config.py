@@ -200,3 +200,28 @@ def test_evaluation_while_training_has_its_own_section(tmp_path):
     cfg = from_dict(stored)
     assert cfg.validation.every_steps == 7 and cfg.validation.fewshot_suites == ["demo"]
     assert cfg.validation.fewshot_shots == [2] and cfg.eval.fewshot_shots == [2]
+
+
+def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
+    """``--deepspeed --world-size N``: the JSON a run hands DeepSpeed, read back by DeepSpeed's own
+    parser (here a world of one); the world size sets the accumulation; without it, one line."""
+    import json
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    tiny = str(REPO / "configs/tiny_cpu.yaml")
+    out = tmp_path / "ds.json"
+    r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "--output", str(out), "optim.grad_clip=0",
+                "zero.stage=3")
+    assert r.returncode == 0, r.stderr
+    parsed = DeepSpeedConfig(json.loads(out.read_text()))
+    assert parsed.gradient_clipping == 0.0 and parsed.zero_config.stage == 3
+    assert parsed.train_micro_batch_size_per_gpu == 32 and parsed.gradient_accumulation_steps == 2
+    r = run_cli("--config", tiny, "--deepspeed", "--world-size", "2")
+    assert r.returncode == 0, r.stderr
+    two = json.loads(r.stdout)
+    assert (two["train_batch_size"], two["gradient_accumulation_steps"], two["gradient_clipping"]) == (64, 1, 1.0)
+    r = run_cli("--config", tiny, "--deepspeed")
+    assert r.returncode == 2 and "--deepspeed needs --world-size N" in r.stderr.strip().splitlines()[-1]
+    r = run_cli("--config", tiny, "--deepspeed", "--world-size", "3")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "3" in r.stderr, r.stderr
