@@ -32,7 +32,8 @@ setup(
         # s3:// shards (data_pipeline/storage/s3.py); 1.28.57: AWS_ENDPOINT_URL(_S3) honoured
         "s3": ["boto3>=1.28.57"],
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
-                 "boto3>=1.28.57", "moto[server]>=5.0"],  # moto: the S3 API server of tests/s3_server.py
+                 "boto3>=1.28.57", "moto[server]>=5.0",  # moto: the S3 API server of tests/s3_server.py
+                 "scikit-learn>=1.3"],  # the linear probe's reference (LogisticRegression)
     },
     entry_points={
         "console_scripts": [
