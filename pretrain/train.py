@@ -3,9 +3,8 @@
     deepspeed [runner options] --module pretrain.train --config FILE [a.b=c ...]
     python -m pretrain.train --config FILE [a.b=c ...]          # one process
 
-``run`` assembles the parts (each from its own package), ``train_loop`` is the loop. Every rank
-runs the same code; only rank 0 writes metrics. Resumes automatically from the newest complete
-checkpoint.
+``run`` assembles the parts (each from its own package), ``train_loop`` is the loop. Every rank runs
+the same code; only rank 0 writes metrics; a run resumes from the newest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
 from pretrain.step import train_step
-from pretrain.weights.init_from import build_model, load_init_weights, num_params
-
+from pretrain.weights.init_from import build_model, load_init_weights, masters_from_init_file, num_params
 
 USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's one-line errors: exit 2
 
@@ -182,6 +180,8 @@ def run(cfg: Config) -> dict:
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world)
+    if cfg.model.init_from and not resuming:  # bf16 masters with the file's fp32 bits, not the rounded module's
+        masters_from_init_file(engine, cfg)
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
                           seed=t.seed, img_size=img, train=True)
     if loader.num_classes != cfg.model.num_classes:

@@ -28,10 +28,14 @@ def hf_folder(tmp_path_factory):
     return root / "src", src.state_dict()
 
 
-def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_path, precision):
+    """The trained weights are the file's, bit for bit; in bf16 too, where DeepSpeed would make its
+    fp32 masters from the bf16-rounded module (the file's fp32 values are set into them)."""
     folder, src = hf_folder
     run = tmp_path / "run"
-    r = train_single(shards, run, f"model.init_from={folder}", *STILL)  # tiny_cpu: 64 px, 10 classes
+    small = (f"train.precision={precision}", "train.micro_batch_size=4", "train.global_batch_size=4")
+    r = train_single(shards, run, f"model.init_from={folder}", *STILL, *small)  # tiny_cpu: 64 px, 10 classes
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"initialised from {folder}" in r.stderr and "new head for 10 classes" in r.stderr
     got, _ = load_run_weights(run)
@@ -43,7 +47,7 @@ def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_pa
         else:
             assert torch.equal(got[k], v), k
     # the same command, longer: the run resumes from its checkpoint, init_from is not read again
-    r = train_single(shards, run, f"model.init_from={folder}", *STILL[1:], "train.steps=2")
+    r = train_single(shards, run, f"model.init_from={folder}", *STILL[1:], *small, "train.steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr
 
