@@ -33,8 +33,7 @@ from pretrain.config import (Config, ConfigError, check_world_size, cli_errors, 
 from pretrain.distributed import ds_compat
 from pretrain.distributed.engine import deepspeed_config, initialize
 from pretrain.distributed.precision import check_precision, compute_dtype
-from pretrain.distributed.process import (all_hosts, init_distributed, is_peer_error, launched, set_collective_timeout,
-                                          set_cpu_threads, unreachable_peers)
+from pretrain.distributed.process import all_hosts, init_distributed, launched, set_collective_timeout, set_cpu_threads
 from pretrain.evaluation.in_training import InTrainingEval
 from pretrain.models.arch import analytic_flops
 from pretrain.models.losses import classification_loss
@@ -45,7 +44,8 @@ from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line
+from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line,
+                                          report_lost_peer)
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
@@ -246,11 +246,10 @@ def run(cfg: Config) -> dict:
         result = train_loop(lp)
     except BaseException as e:
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        if world > 1 and is_peer_error(e):  # say who is gone or cut off, not only that a recv timed out
-            line = unreachable_peers(hosts)
-            if line:
-                print(f"vit-train: {line}", file=sys.stderr, flush=True)
+        lost = world > 1 and report_lost_peer(e, hosts, layout.errors, rank)  # who is gone, not gloo's words
         status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
+        if lost:
+            raise SystemExit(1) from None
         raise
     finally:
         startup.done()

@@ -75,7 +75,7 @@ def call(op: Callable[[], T], url: str, name: str, kind: str = "shard") -> T:
         return op()
     except bx.ClientError as e:
         err = e.response.get("Error", {})
-        code, msg = str(err.get("Code", "")), err.get("Message") or ""
+        code = str(err.get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         said = f"S3 {status}" + (f" {code}" if code and code != str(status) else "")
         if code in _RETRY_CODES or status in (408, 429) or status >= 500:

@@ -6,6 +6,7 @@
         summary.json           how the last invocation ended (step, losses, seconds, ...)
         status.json            {"state": running|completed|interrupted|failed, "step", "exit_code"}
         hang/rank-<R>.txt      every thread's Python stack of rank R when the hang watchdog fired
+        errors/rank-<R>.txt    the traceback of rank R when a peer went away under a collective
         samples/rank-<R>.tsv   with data.record_samples: step<TAB>epoch<TAB>key per consumed sample
         checkpoints/           (or checkpoint.dir)
             latest             tag of the newest complete checkpoint, for DeepSpeed's own tools
@@ -65,6 +66,10 @@ class RunDir:
     @property
     def hang(self) -> Path:
         return self.root / "hang"
+
+    @property
+    def errors(self) -> Path:
+        return self.root / "errors"
 
     @property
     def samples(self) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Iterable, Iterator, Optional
 
@@ -138,13 +139,16 @@ def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0")
         where = os.environ.get("MASTER_ADDR", "?")
         return (f"{me}: rank 0's host {hosts[0] if hosts else where} (rendezvous at {where}) is unreachable: "
                 f"the network between the hosts is cut, or rank 0 is gone")
-    others = [r for r in range(world) if r != rank]
-    try:
-        store.wait([f"{key}{r}" for r in others], timedelta(seconds=wait_s))
-        return None
-    except Exception:  # noqa: BLE001  some did not answer in time: which
-        pass
-    silent = [r for r in others if not store.check([f"{key}{r}"])]
+    silent = [r for r in range(world) if r != rank]
+    deadline = time.monotonic() + wait_s
+    while silent:  # polled with check(): a store.wait() that times out logs two lines of C++ warnings
+        try:
+            silent = [r for r in silent if not store.check([f"{key}{r}"])]
+        except Exception:  # noqa: BLE001  the store went away meanwhile: those left did not answer
+            break
+        if not silent or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     if not silent:
         return None
     names = ", ".join(f"rank {r} on {hosts[r] if r < len(hosts) else '?'}" for r in silent[:8])

@@ -13,6 +13,7 @@ CIFAR-100, the file path relative to the set's root for folder sets, the sample 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Iterator, Optional
 

@@ -95,6 +95,33 @@ class StopRequest:
         threading.Thread(target=watch, name="vitscale-lifeline", daemon=True).start()
 
 
+def report_lost_peer(err: BaseException, hosts: list[str], errors_dir, rank: int) -> bool:
+    """After a collective failed because a peer went away or could not be reached: one line naming
+    the ranks and hosts that did not answer (asked through the rendezvous store), with this rank's
+    traceback written to ``errors_dir/rank-<R>.txt`` instead of the terminal, where it repeated in
+    27 lines of gloo wording what the line says. Returns whether that was the failure (the caller
+    then exits 1 without a traceback); False for any other error, which keeps its traceback."""
+    import traceback
+    from pathlib import Path
+
+    from pretrain.distributed.process import is_peer_error, unreachable_peers
+
+    if not is_peer_error(err):
+        return False
+    line = unreachable_peers(hosts)
+    if not line:
+        return False
+    where = Path(errors_dir) / f"rank-{rank}.txt"
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_text("".join(traceback.format_exception(err)))
+        line += f" (traceback: {where})"
+    except OSError as e:  # the line still says what happened
+        line += f" (traceback not written to {where}: {e.strerror or e})"
+    print(f"vit-train: {line}", file=sys.stderr, flush=True)
+    return True
+
+
 def write_status(path, state: str, step: int, exit_code: Optional[int] = None) -> None:
     """``status.json`` for schedulers and ``vit-launch``, written atomically (best effort): ``running``
     at start and at each log step (no exit code yet), then how this invocation ended with the code

@@ -127,6 +127,13 @@ def test_failed_job_restarts_and_resumes(tiny_run):
     assert r.returncode == 0, out[-3000:]
     assert "restart 1/2" in out and "restart 2/2" not in out
     assert "resuming from step 4" in out
+    # rank 0, left in a collective by its crashed peer: one line, its traceback in errors/ (unless
+    # the launcher ended it first); the crashed rank's own traceback stays on the terminal
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" in out, out[-3000:]
+    lost = [ln for ln in out.splitlines() if "no answer within" in ln]
+    assert all(f"(traceback: {run / 'errors' / 'rank-0.txt'})" in ln for ln in lost), lost
+    if lost:
+        assert "Connection closed" in (run / "errors" / "rank-0.txt").read_text()
     assert json.loads((run / "summary.json").read_text())["step"] == 6
     m = metrics(run)
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
