@@ -238,20 +238,6 @@ def test_model_states_equal_what_optimizers_hold(ds_bytes, stage):
         assert ours - 2 * params / world == pytest.approx(ds - 4 * largest, abs=1)
 
 
-def test_cpu_step_time_predicted_from_measured_rates(ds_bytes):
-    """This machine as a 'GPU type': the matmul rate, memory bandwidth and gloo bus bandwidth
-    measured in the job, efficiency 1, predict the timed fp32 ZeRO-1 step of a ViT-Ti/16 at 224
-    on 2 ranks within 40 %: the model has no term for Python, autograd and the unfused CPU kernels
-    it does not name, which on a CPU are a larger share than on a GPU."""
-    cpu, world = ds_bytes["cpu"], ds_bytes["world"]
-    lay = Layout("vit_tiny_patch16_224", "cpu", nodes=1, gpus_per_node=world, micro_batch=cpu["micro"],
-                 img_size=cpu["img"], num_classes=10, zero=1, precision="fp32", efficiency=1.0,
-                 peak_tflops=cpu["matmul_flops"] / 1e12, hbm_gbs=cpu["mem_bytes_per_s"] / 1e9, memory_gb=24,
-                 intra_node_gbps=cpu["gloo_busbw"] * 8 / 1e9 / perfmodel.LINK_EFFICIENCY["intra"])
-    pred = predict(lay).step_seconds
-    assert pred == pytest.approx(cpu["step_seconds"], rel=0.40), (pred, cpu)
-
-
 def test_training_records_the_prediction_for_known_gpus():
     assert gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
     assert gpu_key("NVIDIA A100-SXM4-80GB") == "a100-80gb"

@@ -1,8 +1,11 @@
 """Run by the deepspeed runner from test_perfmodel: for ZeRO 0-3, a real engine built by
 ``pretrain.distributed.engine.initialize`` on a small ViT takes optimizer steps while DeepSpeed's own comms
 logger records every collective; also the element counts and dtypes of what each rank's
-optimizer holds, and (last) the timed steps of a plain fp32 ZeRO-1 job with the CPU's measured
-matmul rate, memory bandwidth and gloo bandwidth for the performance model."""
+optimizer holds. With ``timed`` (benchmarks/perf_model_cpu.py), last, the timed steps of a plain
+fp32 ZeRO-1 job with the CPU's measured matmul rate, memory bandwidth and gloo bandwidth for the
+performance model.
+
+    deepspeed --num_gpus 2 --module tests.jobs.perf_bytes_job OUT.json [0123|none] [timed]"""
 import json
 import sys
 import time
@@ -55,7 +58,8 @@ out_path = args[0]
 rank, _, world = init_distributed()
 torch.manual_seed(0)
 results = {"world": world, "stages": {}}
-STAGES = [int(s) for s in (args[1] if len(args) > 1 else "0123")]
+STAGES = [int(s) for s in next((a for a in args[1:] if a.isdigit()), "" if "none" in args else "0123")]
+TIMED = "timed" in args[1:]
 for stage in STAGES:
     precision = "fp32" if stage == 0 else "bf16"  # our config refuses bf16 without ZeRO
     train = TrainConfig(steps=10, global_batch_size=MICRO * GAS * world, micro_batch_size=MICRO, precision=precision)
@@ -83,41 +87,48 @@ for stage in STAGES:
     dist.barrier()
 
 # --- the CPU as a "GPU type": measured matmul rate, memory bandwidth, gloo bus bandwidth, then timed steps
-torch.manual_seed(1)
-a, b = torch.randn(2048, 192), torch.randn(192, 768)
-for _ in range(3):
-    a @ b
-t0 = time.perf_counter()
-for _ in range(20):
-    a @ b
-mm = 20 * 2 * 2048 * 192 * 768 / (time.perf_counter() - t0)
-x = torch.randn(8_000_000)
-y = x + 1
-t0 = time.perf_counter()
-for _ in range(10):
-    torch.add(x, 1, out=y)
-bw = 10 * 2 * 4 * x.numel() / (time.perf_counter() - t0)
-buf = torch.randn(4_000_000)
-dist.all_reduce(buf)
-dist.barrier()
-t0 = time.perf_counter()
-for _ in range(5):
+
+
+def timed_cpu() -> dict:
+    torch.manual_seed(1)
+    a, b = torch.randn(2048, 192), torch.randn(192, 768)
+    for _ in range(3):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    mm = 20 * 2 * 2048 * 192 * 768 / (time.perf_counter() - t0)
+    x = torch.randn(8_000_000)
+    y = x + 1
+    t0 = time.perf_counter()
+    for _ in range(10):
+        torch.add(x, 1, out=y)
+    bw = 10 * 2 * 4 * x.numel() / (time.perf_counter() - t0)
+    buf = torch.randn(4_000_000)
     dist.all_reduce(buf)
-ar = (time.perf_counter() - t0) / 5
-busbw = buf.numel() * 4 * 2 * (world - 1) / world / ar
-TIMED_IMG, TIMED_MICRO = 224, 4
-train = TrainConfig(steps=10, global_batch_size=TIMED_MICRO * world, micro_batch_size=TIMED_MICRO, precision="fp32")
-model = create_model(MODEL, img_size=TIMED_IMG, num_classes=CLASSES, init_seed=0)
-engine, _ = initialize(model, OptimConfig(name="adamw", lr=1e-4), train, ZeroConfig(stage=1), world)
-gen = torch.Generator().manual_seed(rank)
-run_steps(engine, 2, TIMED_MICRO, TIMED_IMG, gen)
-dist.barrier()
-t0 = time.perf_counter()
-run_steps(engine, 4, TIMED_MICRO, TIMED_IMG, gen)
-dist.barrier()
-step = (time.perf_counter() - t0) / 4
-results["cpu"] = {"matmul_flops": mm, "mem_bytes_per_s": bw, "gloo_busbw": busbw, "step_seconds": step,
-                  "img": TIMED_IMG, "micro": TIMED_MICRO}
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(buf)
+    ar = (time.perf_counter() - t0) / 5
+    busbw = buf.numel() * 4 * 2 * (world - 1) / world / ar
+    TIMED_IMG, TIMED_MICRO = 224, 4
+    train = TrainConfig(steps=10, global_batch_size=TIMED_MICRO * world, micro_batch_size=TIMED_MICRO, precision="fp32")
+    model = create_model(MODEL, img_size=TIMED_IMG, num_classes=CLASSES, init_seed=0)
+    engine, _ = initialize(model, OptimConfig(name="adamw", lr=1e-4), train, ZeroConfig(stage=1), world)
+    gen = torch.Generator().manual_seed(rank)
+    run_steps(engine, 2, TIMED_MICRO, TIMED_IMG, gen)
+    dist.barrier()
+    t0 = time.perf_counter()
+    run_steps(engine, 4, TIMED_MICRO, TIMED_IMG, gen)
+    dist.barrier()
+    step = (time.perf_counter() - t0) / 4
+    return {"matmul_flops": mm, "mem_bytes_per_s": bw, "gloo_busbw": busbw, "step_seconds": step,
+            "img": TIMED_IMG, "micro": TIMED_MICRO}
+
+
+if TIMED:
+    results["cpu"] = timed_cpu()
 if rank == 0:
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
