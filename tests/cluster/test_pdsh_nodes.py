@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, descendants, ds_env_file, kill_pids, procs, train_overrides, wait_until
@@ -84,15 +85,21 @@ def steps_logged(run_dir) -> int:
         return 0
 
 
-def test_two_loopback_nodes_train_to_the_end(ssh_nodes, job, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "smoke.log"
-    p = job(run_dir, log, tmp_path, "train.steps=10", "checkpoint.every_steps=10")
+def finished(p: subprocess.Popen, log: Path, timeout: float, what: str) -> str:
+    """Waits for a job that must succeed; its log's text (the test fails with the log's tail if
+    it runs past ``timeout`` or exits non-zero)."""
     try:
-        p.wait(300)
+        p.wait(timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"2-node job still running after 300 s:\n{log.read_text()[-4000:]}")
+        pytest.fail(f"{what} still running after {timeout:g} s:\n{log.read_text()[-4000:]}")
     out = log.read_text()
     assert p.returncode == 0, out[-4000:]
+    return out
+
+
+def test_two_loopback_nodes_train_to_the_end(ssh_nodes, job, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "smoke.log"
+    out = finished(job(run_dir, log, tmp_path, "train.steps=10", "checkpoint.every_steps=10"), log, 300, "2-node job")
     # one launcher per node, started over pdsh (the runner's log names both workers)
     assert "127.0.0.1" in out and "127.0.0.2" in out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -144,13 +151,7 @@ def test_kill_rank_on_second_node_ends_job_then_resume(ssh_nodes, job, tmp_path)
 
     # start again: resumes from the last complete checkpoint and finishes
     log2 = tmp_path / "second.log"
-    p2 = job(run_dir, log2, tmp_path, *common)
-    try:
-        p2.wait(400)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"resumed job still running after 400 s:\n{log2.read_text()[-4000:]}")
-    out = log2.read_text()
-    assert p2.returncode == 0, out[-4000:]
+    out = finished(job(run_dir, log2, tmp_path, *common), log2, 400, "resumed job")
     m = re.search(r"resuming from step (\d+)", out)
     assert m, out[-4000:]
     assert int(m.group(1)) == saved, (m.group(0), last)
