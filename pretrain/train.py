@@ -50,7 +50,7 @@ from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
 from pretrain.step import train_step
-from pretrain.weights.init_from import build_model, load_init_weights, masters_from_init_file, num_params
+from pretrain.weights.init_from import build_model, load_init_weights, num_params, set_masters
 
 USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's one-line errors: exit 2
 
@@ -175,13 +175,11 @@ def run(cfg: Config) -> dict:
     torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
     model = build_model(cfg)
     resuming = cfg.checkpoint.resume and checkpoint.latest_complete(ckpt_dir) is not None
-    if cfg.model.init_from and not resuming:
-        load_init_weights(model, cfg, say)
+    masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world)
-    if cfg.model.init_from and not resuming:  # bf16 masters with the file's fp32 bits, not the rounded module's
-        masters_from_init_file(engine, cfg)
+    set_masters(engine, masters)  # bf16 ZeRO-1/2: the init_from file's fp32 bits, not the rounded module's
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
                           seed=t.seed, img_size=img, train=True)
     if loader.num_classes != cfg.model.num_classes:

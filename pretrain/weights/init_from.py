@@ -25,7 +25,9 @@ def build_model(cfg: Config) -> torch.nn.Module:
     ``GatheredParameters(modifier_rank=0)``, on partitioned parameters it would otherwise change
     nothing."""
     m = cfg.model
-    kw = _model_kwargs(cfg)
+    kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
+              drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
+              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
     if cfg.zero.stage != 3:
         return create_model(m.name, init_seed=cfg.train.seed, **kw)
     import deepspeed
@@ -39,20 +41,29 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
-def _model_kwargs(cfg: Config) -> dict:
-    m = cfg.model
-    return dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
-                drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
-                global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
-
-
-def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], None]) -> None:
+def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], None]) -> dict:
     """``model.init_from``: existing weights into the freshly built model, read by the loader
     ``vit-transfer`` uses (run directories, safetensors / timm files, transformers ViT folders).
     Position embeddings are resized to ``model.img_size``; head and pre-logits layer are loaded
     when their shapes fit, else keep their initialisation (the new task's classes). Under ZeRO-3
-    the parameters are gathered, rank 0 loads, and the partitions are updated from it."""
-    pre, drop = _read_init(model, cfg)
+    the parameters are gathered, rank 0 loads, and the partitions are updated from it.
+
+    Returns what :func:`set_masters` needs after ``deepspeed.initialize``: in bf16 at ZeRO-1/2, an
+    fp32 copy of every loaded parameter (DeepSpeed makes its fp32 masters from the module after
+    casting it to bf16, which drops the file's low 16 bits); otherwise nothing."""
+    from pretrain.weights.pretrained import CheckpointError, load_pretrained
+
+    try:
+        pre = load_pretrained(cfg.model.init_from)
+    except CheckpointError as e:
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
+    if pre.arch["name"] != cfg.model.name and model_defaults(pre.arch["name"])["embed_dim"] != \
+            model_defaults(cfg.model.name)["embed_dim"]:
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: holds a {pre.arch['name']}, which does not fit "
+                          f"model.name={cfg.model.name}")
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
+    drop = tuple(f"{k.rsplit('.', 1)[0]}." for k in ("head.weight", "pre_logits.fc.weight")
+                 if k in pre.state_dict and tuple(pre.state_dict[k].shape) != shapes.get(k))
     gather = contextlib.nullcontext()
     if cfg.zero.stage == 3:
         import deepspeed
@@ -67,54 +78,22 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
                 + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes" if drop else ""))
+    if cfg.train.precision != "bf16" or cfg.zero.stage not in (1, 2):
+        return {}  # fp32: the module is the masters; ZeRO-3: DeepSpeed 0.19 cannot set a padded partition
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if p.requires_grad and not any(n.startswith(d) for d in drop)}
 
 
-def _read_init(model: torch.nn.Module, cfg: Config):
-    """The ``model.init_from`` weights, checked against the model, and the layers they leave out
-    (head and pre-logits layer whose shapes do not fit: the new task's classes)."""
-    from pretrain.weights.pretrained import CheckpointError, load_pretrained
-
-    try:
-        pre = load_pretrained(cfg.model.init_from)
-    except CheckpointError as e:
-        raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
-    if pre.arch["name"] != cfg.model.name and model_defaults(pre.arch["name"])["embed_dim"] != \
-            model_defaults(cfg.model.name)["embed_dim"]:
-        raise ConfigError(f"model.init_from={cfg.model.init_from}: holds a {pre.arch['name']}, which does not fit "
-                          f"model.name={cfg.model.name}")
-    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
-    drop = tuple(f"{k.rsplit('.', 1)[0]}." for k in ("head.weight", "pre_logits.fc.weight")
-                 if k in pre.state_dict and tuple(pre.state_dict[k].shape) != shapes.get(k))
-    return pre, drop
-
-
-def masters_from_init_file(engine, cfg: Config) -> int:
-    """bf16 at ZeRO-1/2: DeepSpeed makes its fp32 master weights from the module after casting it
-    to bf16, so a ``model.init_from`` file's low 16 bits were gone before the first step (the first
-    update's direction fell from cosine 0.9998 to 0.988 against an fp32 reference when the step is
-    small). Reads the file again into an fp32 copy of the model (the same resizing and head rule)
-    and sets every master it holds from it; layers the file leaves out keep theirs. Each rank holds
-    one fp32 copy of the model for the duration. Returns how many parameters were set.
-
-    ZeRO-3 is left as it is: DeepSpeed 0.19's ``set_full_hp_param`` cannot set a partition that
-    is padded (a parameter whose size the ranks do not divide)."""
+def set_masters(engine, values: dict) -> None:
+    """Sets each named parameter's fp32 master weight in ``engine`` from ``values`` (from
+    :func:`load_init_weights`): the file's fp32 values, not the bf16-rounded module's."""
+    if not values:
+        return
     from deepspeed.utils import safe_set_full_fp32_param
 
-    if cfg.train.precision != "bf16" or cfg.zero.stage not in (1, 2):
-        return 0
-    plain = create_model(cfg.model.name, init_seed=cfg.train.seed, **_model_kwargs(cfg))
-    pre, drop = _read_init(plain, cfg)
-    try:
-        load_weights(plain, pre.state_dict, strict=True, exclude=drop, old_grid=pre.grid)
-    except WeightsError as e:
-        raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
-    values = dict(plain.named_parameters())
-    count = 0
     for name, p in engine.module.named_parameters():
-        if p.requires_grad and not any(name.startswith(d) for d in drop):
-            safe_set_full_fp32_param(p, values[name].detach().to(p.device))
-            count += 1
-    return count
+        if name in values:
+            safe_set_full_fp32_param(p, values[name].to(p.device))
 
 
 def num_params(model: torch.nn.Module) -> int:
