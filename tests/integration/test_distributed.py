@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import (deepspeed_cmd, group_alive, kill_group, metrics, run_job,
+from dist_utils import (deepspeed_cmd, group_alive, kill_group, metrics, reaped, run_job,
                         start_job, wait_for, wandb_records)
 from pretrain.checkpointing import checkpoint
 from pretrain.weights.export import export, load_run_weights
@@ -159,8 +159,7 @@ def test_sigterm_saves_checkpoint_and_exits(tiny_run, tmp_path):
                   "checkpoint.every_steps=100000")
     run, log = preempt.run_dir, tmp_path / "job.log"
     cmd = preempt.cmd()
-    p = start_job(cmd, log)
-    try:
+    with reaped(start_job(cmd, log)) as p:
         wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
                  240, p, "two logged steps")
         # DeepSpeed's CPU shm all-reduce made a 66 MB /dev/shm file per rank; the ranks unlinked
@@ -171,9 +170,6 @@ def test_sigterm_saves_checkpoint_and_exits(tiny_run, tmp_path):
         assert left == [], f"rank shm buffers not released: {left}"
         kill_group(p, signal.SIGTERM)  # as SLURM does on preemption: every process of the job
         wait_for(lambda: not group_alive(p), 120, None, "the job to exit after SIGTERM")
-    finally:
-        if group_alive(p):
-            kill_group(p, signal.SIGKILL)
     saved = checkpoint.latest_complete(run / "checkpoints")
     assert saved is not None, log.read_text()[-3000:]
     assert 2 <= json.loads((saved / "run.json").read_text())["step"] < 100000

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, TinyRun, group_alive, job_env, kill_group, metrics, reaped, wait_for
+from dist_utils import REPO, TinyRun, group_alive, job_env, metrics, reaped, wait_for
 from pretrain.checkpointing import rundir
 
 pytestmark = pytest.mark.slow
@@ -33,15 +33,6 @@ def logged_step(run_dir: Path) -> int:
         return 0
 
 
-def finish(proc, timeout):
-    try:
-        proc.wait(timeout)
-    finally:
-        if group_alive(proc):
-            kill_group(proc)
-    return proc.returncode
-
-
 def wait_gone(proc, timeout: float) -> None:
     end = time.time() + timeout
     while group_alive(proc) and time.time() < end:
@@ -52,14 +43,10 @@ def wait_gone(proc, timeout: float) -> None:
 def test_sigint_single_process_checkpoints_and_exits_75(tiny_run, tmp_path):
     job = tiny_run(*ZERO1, "train.steps=500", "checkpoint.every_steps=1000", "data.workers=2")
     run, log = job.run_dir, tmp_path / "log.txt"
-    p = job.start(log)
-    try:
+    with reaped(job.start(log)) as p:
         wait_for(lambda: logged_step(run) >= 2, 240, p, "step 2")
         os.kill(p.pid, signal.SIGINT)  # the main process only, as `kill -INT PID` does
-        code = finish(p, 120)
-    finally:
-        if group_alive(p):
-            kill_group(p)
+        code = p.wait(120)
     out = log.read_text()
     assert code == EXIT_INTERRUPTED, out[-3000:]
     wait_gone(p, 10)  # its data workers too
@@ -75,16 +62,12 @@ def test_sigint_single_process_checkpoints_and_exits_75(tiny_run, tmp_path):
 def test_sigint_to_process_group_of_two_ranks_then_resume(tiny_run, tmp_path):
     job = launched(tiny_run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1")
     run, log = job.run_dir, tmp_path / "log.txt"
-    p = job.start(log)
-    try:
+    with reaped(job.start(log)) as p:
         wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
         t0 = time.time()
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C at a terminal: every process of the group
-        code = finish(p, 150)
+        code = p.wait(150)
         took = time.time() - t0
-    finally:
-        if group_alive(p):
-            kill_group(p)
     out = log.read_text()
     assert code == EXIT_INTERRUPTED, out[-3000:]
     wait_gone(p, 10)
@@ -185,14 +168,10 @@ def test_sigterm_to_the_runner_only_leaves_no_orphans(tiny_run, tmp_path):
     notice their runner is gone, checkpoint at the next step and exit."""
     job = tiny_run(*ZERO1, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=1", via="deepspeed", ranks=2)
     run, log = job.run_dir, tmp_path / "log.txt"
-    p = job.start(log)
-    try:
+    with reaped(job.start(log)) as p:
         wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
         os.kill(p.pid, signal.SIGTERM)
         wait_gone(p, 120)
-    finally:
-        if group_alive(p):
-            kill_group(p)
     ckpt = rundir.latest_complete(run / "checkpoints")
     assert ckpt is not None and rundir.verify(ckpt) is None, log.read_text()[-3000:]
     status = json.loads((run / "status.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import group_alive, kill_group, metrics, wait_for, wandb_records
+from dist_utils import metrics, reaped, wait_for, wandb_records
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +47,10 @@ def run_ids(run: Path) -> set[str]:
 def test_sigterm_keeps_every_logged_step(tiny_run, tmp_path):
     """(The resume that continues the run id is checked after the crash below.)"""
     run, log = tmp_path / "run", tmp_path / "log.txt"
-    job = launch(tiny_run, "train.steps=400", "checkpoint.every_steps=1000").start(log)
-    try:
+    with reaped(launch(tiny_run, "train.steps=400", "checkpoint.every_steps=1000").start(log)) as job:
         wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 8, 240, job, "step 8")
         os.kill(job.pid, signal.SIGTERM)  # vit-launch: the whole job is asked to stop
         job.wait(120)
-    finally:
-        if group_alive(job):
-            kill_group(job)
     assert job.returncode == 75, log.read_text()[-3000:]
     logged = sorted(metrics(run))
     steps = wandb_steps(run)
