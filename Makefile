@@ -22,7 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not cluster" -n 2 --dist loadfile tests
 
-# issue 14's GPU figures on one GPU (budgeted to end within 9 min on an H100): JSON + Markdown in BENCH_OUT
+# the GPU figures on one GPU (budgeted to end within 9 min on an H100): JSON + Markdown in BENCH_OUT
 BENCH_OUT ?= runs/bench-gpu
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu_suite.py --output $(BENCH_OUT)
