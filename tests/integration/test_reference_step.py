@@ -9,13 +9,16 @@ from dist_utils import deepspeed_cmd, run_job
 
 pytestmark = pytest.mark.slow
 
-# name -> what differs from one fp32 SGD step at ZeRO-3 without clipping (the job's DEFAULTS);
+# name -> what differs from one fp32 SGD step at ZeRO-3 without clipping, constant LR (the job's DEFAULTS);
 # weight decay only on weight matrices (not biases, norms, position embedding, [class] token)
 CASES = {
     "z3-ckpt-clip0": dict(ckpt=True, clip=0.0),  # 0 must not clip: DeepSpeed clips at 1.0 when its key is absent
     "z3-ckpt-clip0.5": dict(ckpt=True, clip=0.5),  # clips as torch's clip_grad_norm_ does
-    "z0-sgd-momentum-3steps": dict(stage=0, momentum=0.9, steps=3, clip=1.0, wd=0.05),
-    "z1-adamw-3steps": dict(stage=1, optim="adamw", steps=3, clip=1.0, wd=0.05),  # moments, bias correction
+    # with warmup, then linear / cosine decay to a floor: the LR of every step against torch's schedulers
+    "z0-sgd-momentum-linear-4steps": dict(stage=0, momentum=0.9, steps=4, clip=1.0, wd=0.05,
+                                          schedule="linear", warmup=2, min_ratio=0.1),
+    "z1-adamw-cosine-5steps": dict(stage=1, optim="adamw", steps=5, clip=1.0, wd=0.05,  # moments, bias correction
+                                   schedule="cosine", warmup=2, min_ratio=0.1),
     "z2-adamw-accumulate2": dict(stage=2, optim="adamw", steps=2, gas=2, clip=1.0, wd=0.05),
     "z3-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05),
     "z1-bf16-sgd": dict(stage=1, precision="bf16", clip=1.0),

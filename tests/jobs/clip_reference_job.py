@@ -10,13 +10,16 @@ started from the given weights.
 
 A case sets ``stage`` (ZeRO 0-3), ``optim`` (sgd / adamw), ``steps``, ``gas`` (micro-batches per
 step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``momentum``, ``wd``
-(weight decay) and ``precision``. Every case starts from the same weights; the batches of step t
+(weight decay), ``precision`` and the learning-rate schedule: ``schedule`` (constant / linear /
+cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr). Every case starts from the same weights; the batches of step t
 are the same on every rank and in the reference.
 
 The reference is written here, from the algorithm, not from our code: the mean cross-entropy over
 the whole global batch, ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
 weight decay on weight matrices only (not on biases, norm weights, the position embedding or the
-[class] token, as in big_vision and timm), a constant learning rate."""
+[class] token, as in big_vision and timm), and torch's own schedulers for the learning rate:
+``LinearLR`` from 1/warmup for the warmup, then ``LinearLR`` or ``CosineAnnealingLR`` down to
+``min_ratio`` of the base at the last step, joined by ``SequentialLR``."""
 import copy
 import json
 import sys
@@ -33,7 +36,8 @@ from pretrain.models.vit import create_model
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
 LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
-DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32")
+DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
+                schedule="constant", warmup=0, min_ratio=0.0)
 
 
 def base_model() -> torch.nn.Module:
@@ -60,6 +64,7 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
         opt = torch.optim.SGD(groups, lr=LR["sgd"], momentum=case["momentum"])
     else:
         opt = torch.optim.AdamW(groups, lr=LR["adamw"], betas=BETAS, eps=EPS)
+    sched = reference_schedule(opt, case)
     first_norm = None
     for step in range(case["steps"]):
         images, labels = batch(step, world)
@@ -73,14 +78,35 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"] if case["clip"] > 0 else float("inf"))
         first_norm = float(norm) if first_norm is None else first_norm
         opt.step()
+        sched.step()
     return first_norm
+
+
+def reference_schedule(opt, case: dict):
+    """The case's learning rate from torch's schedulers: warmup from 1/warmup of the base up to it,
+    then held (constant) or decayed to ``min_ratio`` of it at the last step."""
+    sch = torch.optim.lr_scheduler
+    warm, decay_steps = case["warmup"], case["steps"] - case["warmup"]
+    if case["schedule"] == "constant" or decay_steps <= 0:
+        after = sch.ConstantLR(opt, factor=1.0, total_iters=0)
+    elif case["schedule"] == "linear":
+        after = sch.LinearLR(opt, start_factor=1.0, end_factor=case["min_ratio"], total_iters=decay_steps)
+    else:
+        base = opt.param_groups[0]["lr"]
+        after = sch.CosineAnnealingLR(opt, T_max=decay_steps, eta_min=case["min_ratio"] * base)
+    if warm == 0:
+        return after
+    # (the groups' LRs are all the base here: one eta_min serves every group)
+    up = sch.LinearLR(opt, start_factor=1.0 / warm, end_factor=1.0, total_iters=max(1, warm - 1))
+    return sch.SequentialLR(opt, [up, after], milestones=[warm])
 
 
 def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     """Our engine: each rank its micro-batches of every step, DeepSpeed reduces, clips and steps."""
     optim = OptimConfig(name=case["optim"], lr=LR[case["optim"]], betas=list(BETAS), eps=EPS,
-                        momentum=case["momentum"], weight_decay=case["wd"], grad_clip=case["clip"], warmup_steps=0,
-                        schedule="constant")
+                        momentum=case["momentum"], weight_decay=case["wd"], grad_clip=case["clip"],
+                        warmup_steps=case["warmup"], schedule=case["schedule"],
+                        min_lr=case["min_ratio"] * LR[case["optim"]])
     gas = case["gas"]
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
                         precision=case["precision"], activation_checkpointing=case["ckpt"])
