@@ -127,14 +127,15 @@ class TrainConfig:
     block; works with activation checkpointing and every ZeRO stage; see
     pretrain/perf/PERFORMANCE.md)."""
     straggler_factor: float = 1.5
-    """A rank whose batch reading + forward (the phases that wait on no peer) takes this many times
-    the other ranks' median, in `train.straggler_windows` logging windows in a row, is named as a
-    straggler."""
-    straggler_windows: int = 3
-    """Logging windows in a row a slow rank must lag before it is named in one line (`rank R on
-    HOST: 2.0x the median step, mostly in forward`), in `straggler/*` metrics and in
-    `<output_dir>/stragglers.json`; `vit-launch run --exclude-slow-hosts` leaves its host out at
-    the next start."""
+    """A rank whose batch reading + forward (the phases that wait on no peer), summed over the last
+    `train.straggler_windows` logging windows, takes this many times the other ranks' median is
+    named as a straggler (a rank slowed 40 % shows about 1.67x, whether uniformly or in bursts)."""
+    straggler_windows: int = 6
+    """The span of evidence: logging windows whose phase seconds are summed before a rank is judged
+    (a burst lands in any phase, so single windows swing; sums over a span do not). Nobody is named
+    before a full span; a slow rank is named in one line (`rank R on HOST: 2.0x the median step,
+    mostly in forward`), in `straggler/*` metrics and in `<output_dir>/stragglers.json`;
+    `vit-launch run --exclude-slow-hosts` leaves its host out at the next start."""
 
 
 @dataclass

@@ -9,15 +9,24 @@ pipeline takes longer there, while its peers' extra time shows up in the collect
 parameters, so a slow rank makes its peers' forward longer too and the ratio understates it.
 
 At each logging window every rank contributes its phase seconds (one small all-gather in the
-loop). A rank whose local time exceeds the median of the *other* ranks' by ``factor`` in
-``windows`` windows in a row is named once, with the phase where it lost most time against the
-median of that phase (``rank 1 on node7: 1.8x the median step, mostly in forward``); it is named
-again only after it recovered and slowed down again.
+loop). The verdict rests on evidence accumulated over a sliding span of the last ``windows``
+windows, not on a streak of single windows: a rank slowed in bursts (a noisy neighbour, a GPU that
+throttles, SIGSTOP/SIGCONT) loses its time in whichever phase the burst lands in, so one window's
+ratio swings between 1 and several times the factor, and a streak of windows above the factor can
+be broken by every other window. Over a span the bursts average out: a rank that runs only a
+fraction ``1 - s`` of the time has local seconds about ``1 / (1 - s)`` times its peers' whatever
+the bursts' phase (a rank slowed 40 % shows 1.67x, half the time 2x), and an even job's noise
+shrinks. A rank whose local seconds summed over a full span exceed the median of the *other*
+ranks' sums by ``factor`` is named once, with the phase where it lost most time against the
+median of that phase over the span (``rank 1 on node7: 1.8x the median step, mostly in
+forward``); it is named again only after its span ratio fell below half-way to the factor
+(recovered) and rose to it again.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -35,32 +44,37 @@ def median_of_others(values: list[float], i: int) -> float:
 
 
 class StragglerDetector:
-    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 3, record: Optional[Path] = None):
-        """``record``: a JSON file (rank 0's) rewritten whenever a rank is named: the named ranks, their
-        hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
+    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 6, record: Optional[Path] = None):
+        """``windows``: the span (logging windows) over which the evidence is summed; nobody is named
+        before a full span is seen. ``record``: a JSON file (rank 0's) rewritten whenever a rank is
+        named: the named ranks, their hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
         self.hosts, self.factor, self.windows, self.record = list(hosts), factor, windows, record
-        self.streak = [0] * len(self.hosts)
+        self.span: deque[list[dict]] = deque(maxlen=windows)
         self.named: set[int] = set()
 
     def observe(self, per_rank: list[dict]) -> tuple[dict, Optional[str]]:
         """One window's phase seconds per rank -> (metrics for this window, a line naming a
-        persistent straggler or None)."""
-        local = [sum(p.get(k, 0.0) for k in LOCAL) for p in per_rank]
+        straggler or None)."""
+        self.span.append([dict(p) for p in per_rank])
+        summed = [{k: sum(w[r].get(k, 0.0) for w in self.span) for k in PHASES} for r in range(len(per_rank))]
+        local = [sum(p.get(k, 0.0) for k in LOCAL) for p in summed]
         ratios = [local[i] / max(median_of_others(local, i), 1e-9) for i in range(len(local))]
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         metrics = {"straggler/slowest_rank": slowest, "straggler/slowest_host": self.hosts[slowest],
                    "straggler/ratio": ratios[slowest]}
         if len(per_rank) <= 64:  # one series per rank in W&B; past that the summary says enough
-            metrics.update({f"straggler/local_seconds/rank_{r}": v for r, v in enumerate(local)})
+            metrics.update({f"straggler/local_seconds/rank_{r}": sum(p.get(k, 0.0) for k in LOCAL)
+                            for r, p in enumerate(per_rank)})
         line = None
+        recovered = 1.0 + (self.factor - 1.0) / 2
         for r, ratio in enumerate(ratios):
-            self.streak[r] = self.streak[r] + 1 if ratio >= self.factor else 0
-            if self.streak[r] == 0:
+            if ratio < recovered:
                 self.named.discard(r)
-            elif self.streak[r] >= self.windows and r not in self.named and line is None:
+            elif (ratio >= self.factor and len(self.span) == self.windows and r not in self.named
+                  and line is None):
                 self.named.add(r)
                 line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "
-                        f"{self.worst_phase(per_rank, r)}")
+                        f"{self.worst_phase(summed, r)}")
         if line and self.record is not None:
             from data_pipeline.files import write_json
 

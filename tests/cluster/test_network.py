@@ -224,7 +224,7 @@ def test_slow_link_trains_to_the_end_and_time_goes_to_communication(veth_nodes, 
     # physics: a step cannot be shorter than its bytes at the shaped rate
     assert ms["step_s"] > 0.9 * wire_bytes * 8 / RATE_BITS, report
     # a slow link slows every rank alike: no rank is named a straggler (single windows of a few steps
-    # on a shared 2-core machine can pass the ratio; naming takes train.straggler_windows in a row)
+    # on a shared 2-core machine can pass the ratio; naming sums train.straggler_windows of them)
     assert "straggler:" not in slow.rank_log(0).read_text(), [s[st]["straggler/ratio"] for st in s]
 
 
