@@ -179,7 +179,7 @@ def run(cfg: Config) -> dict:
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world)
-    set_masters(engine, masters)  # bf16 ZeRO-1/2: the init_from file's fp32 bits, not the rounded module's
+    set_masters(engine, masters)  # bf16: the init_from file's fp32 bits, not the rounded module's
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
                           seed=t.seed, img_size=img, train=True)
     if loader.num_classes != cfg.model.num_classes:

@@ -48,9 +48,10 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
     when their shapes fit, else keep their initialisation (the new task's classes). Under ZeRO-3
     the parameters are gathered, rank 0 loads, and the partitions are updated from it.
 
-    Returns what :func:`set_masters` needs after ``deepspeed.initialize``: in bf16 at ZeRO-1/2, an
-    fp32 copy of every loaded parameter (DeepSpeed makes its fp32 masters from the module after
-    casting it to bf16, which drops the file's low 16 bits); otherwise nothing."""
+    Returns what :func:`set_masters` needs after ``deepspeed.initialize``: in bf16, the file's fp32
+    value of every loaded trainable parameter (DeepSpeed makes its fp32 masters from the bf16
+    module, which dropped the file's low 16 bits); under ZeRO-3 on rank 0 only, which loaded them.
+    In fp32 nothing: the module is the masters."""
     from pretrain.weights.pretrained import CheckpointError, load_pretrained
 
     try:
@@ -78,22 +79,48 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
                 + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes" if drop else ""))
-    if cfg.train.precision != "bf16" or cfg.zero.stage not in (1, 2):
-        return {}  # fp32: the module is the masters; ZeRO-3: DeepSpeed 0.19 cannot set a padded partition
-    return {n: p.detach().clone() for n, p in model.named_parameters()
-            if p.requires_grad and not any(n.startswith(d) for d in drop)}
+    if cfg.train.precision != "bf16" or (cfg.zero.stage == 3 and dist.is_initialized() and dist.get_rank() != 0):
+        return {}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {n: v.detach().float() for n, v in report.values.items() if n in trainable}
 
 
 def set_masters(engine, values: dict) -> None:
     """Sets each named parameter's fp32 master weight in ``engine`` from ``values`` (from
-    :func:`load_init_weights`): the file's fp32 values, not the bf16-rounded module's."""
+    :func:`load_init_weights`): the file's fp32 values, not the bf16-rounded module's. Under ZeRO-3
+    a collective: every rank calls it (rank 0 with the values)."""
+    params = dict(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        _set_partitioned_masters(params, values)
+        return
     if not values:
         return
     from deepspeed.utils import safe_set_full_fp32_param
 
-    for name, p in engine.module.named_parameters():
+    for name, p in params.items():
         if name in values:
             safe_set_full_fp32_param(p, values[name].to(p.device))
+
+
+def _set_partitioned_masters(params: dict, values: dict) -> None:
+    """ZeRO-3: rank 0 sends each value to every rank, one parameter at a time, and each rank writes
+    its own slice into its fp32 partition (``safe_set_local_fp32_param``). DeepSpeed's whole-tensor
+    setter cuts its slice at ``partition size x rank`` without the padding of a last partition
+    whose parameter does not split evenly, and fails there."""
+    from deepspeed.utils import safe_set_local_fp32_param
+
+    rank0 = dist.get_rank() == 0
+    names = [sorted(values) if rank0 else None]
+    dist.broadcast_object_list(names, src=0)
+    for name in names[0]:
+        p = params[name]
+        device = p.ds_tensor.device
+        full = (values[name].to(device, torch.float32).contiguous() if rank0
+                else torch.empty(tuple(p.ds_shape), dtype=torch.float32, device=device))
+        dist.broadcast(full, src=0)
+        n, r = p.ds_tensor.numel(), dist.get_rank(group=getattr(p, "ds_process_group", None))
+        part = full.flatten()[r * n:(r + 1) * n]
+        safe_set_local_fp32_param(p, torch.nn.functional.pad(part, (0, n - part.numel())))
 
 
 def num_params(model: torch.nn.Module) -> int:

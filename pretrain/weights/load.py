@@ -34,6 +34,7 @@ class LoadReport:
     mismatched: list[str] = field(default_factory=list)  # "name: (ckpt shape) vs (model shape)"
     resized: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    values: dict = field(default_factory=dict, repr=False)  # name -> the tensor loaded, in the file's dtype
 
     @property
     def clean(self) -> bool:
@@ -152,4 +153,5 @@ def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
     for k in report.unexpected:
         del sd[k]
     model.load_state_dict(sd, strict=False)
+    report.values = sd  # (resized) as read: a module of lower precision rounds them, these do not
     return report

@@ -70,6 +70,7 @@ def test_zero3_build_is_partitioned_initialised_and_trains(tmp_path):
         # ... and under ZeRO-3 a rank holds its half plus about one layer, never the whole model
         assert rec["zero3_build_peak_bytes"] < 0.65 * full, rec
         assert rec["mismatch"] == [], rec["mismatch"]  # gathered weights == plain build, same seed
+        assert "head.bias" in rec["padded"] and rec["masters_mismatch"] == [], rec  # set_masters, padding too
         for n, (zm, zs, pm, ps) in rec["stats"].items():
             assert zm == pm and zs == ps, n
         assert rec["groups_zero3"] == rec["groups_plain"]  # decay / no-decay by full shapes
@@ -80,7 +81,7 @@ def test_zero3_build_is_partitioned_initialised_and_trains(tmp_path):
 def test_zero3_weights_equal_the_plain_build_on_any_world_size(tmp_path, ranks):
     """The initialisation draws from one CPU generator seeded by train.seed, so ZeRO-3 (which
     builds on the rank's device under zero.Init) gives the plain build's weights, parameter by
-    parameter, on 1 rank here and on 2 in the ViT-B test above."""
+    parameter, on 1 rank here and on 2 in the ViT-S test above."""
     r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())

@@ -1,6 +1,7 @@
 """Run by the deepspeed runner from test_zero_init: build a model through ``train.build_model``
 under ZeRO-3 (``deepspeed.zero.Init``), record this rank's peak host memory during the build,
-compare the gathered weights with the plain build from the same seed, and take one training step.
+compare the gathered weights with the plain build from the same seed, set the fp32 masters from
+whole tensors on rank 0 (padded partitions included), and take one training step.
 
     deepspeed --num_gpus 2 --module tests.jobs.zero_init_job OUT_DIR MODEL_NAME
 """
@@ -43,7 +44,7 @@ out_dir, name = Path(args[0]), args[1]
 rank, _, world = init_distributed()
 torch.set_num_threads(1)
 cfg = Config()
-cfg.model.name, cfg.model.img_size, cfg.model.num_classes = name, 32, 10
+cfg.model.name, cfg.model.img_size, cfg.model.num_classes = name, 32, 7  # 7: the head's bias splits unevenly
 cfg.model.qk_norm, cfg.model.init_values = True, 1e-4
 cfg.train.precision, cfg.zero.stage = "fp32", 3
 cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.steps = 2, 2 * world, 1
@@ -65,7 +66,7 @@ import deepspeed  # noqa: E402
 
 torch.manual_seed(12345)  # the global generator plays no part: the weights come from train.seed alone
 plain, plain_peak = measured_build(lambda: create_model(
-    name, num_classes=10, img_size=32, qk_norm=True, init_values=1e-4, init_seed=cfg.train.seed))
+    name, num_classes=7, img_size=32, qk_norm=True, init_values=1e-4, init_seed=cfg.train.seed))
 record["plain_build_peak_bytes"] = plain_peak
 mismatch, stats = [], {}
 for (n, p), (n2, q) in zip(model.named_parameters(), plain.named_parameters()):
@@ -84,8 +85,19 @@ record["groups_zero3"], record["groups_plain"] = sizes(param_groups(model, 0.1))
 del plain
 gc.collect()
 
-# and it trains: one step through the DeepSpeed engine
 engine, _ = initialize(model, cfg.optim, cfg.train, cfg.zero, world)
+
+# fp32 masters set from whole tensors that rank 0 holds (model.init_from's path), padded partitions too
+from pretrain.weights.init_from import set_masters  # noqa: E402
+
+g = torch.Generator().manual_seed(7)  # the same values on every rank, to compare with
+values = {n: torch.randn(tuple(p.ds_shape), generator=g) for n, p in engine.module.named_parameters()}
+set_masters(engine, values if rank == 0 else {})
+record["padded"] = [n for n, p in engine.module.named_parameters() if p.ds_numel % world]
+record["masters_mismatch"] = [n for n, p in engine.module.named_parameters()
+                              if not torch.equal(deepspeed.utils.safe_get_full_fp32_param(p).cpu(), values[n])]
+
+# and it trains: one step through the DeepSpeed engine
 x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(rank))
 loss = torch.nn.functional.cross_entropy(engine(x), torch.tensor([1, 2]))
 engine.backward(loss)

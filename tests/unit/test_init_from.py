@@ -10,8 +10,7 @@ from pretrain.weights.export import load_run_weights, write_safetensors
 from pretrain.models.vit import create_model, resize_pos_embed
 
 # lr 1e-30, no weight decay: the one step moves no loaded weight by as much as one float32 ulp
-STILL = ["train.steps=1", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0.0", "checkpoint.every_steps=1",
-         "zero.stage=2"]
+STILL = ["train.steps=1", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0.0", "checkpoint.every_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +27,20 @@ def hf_folder(tmp_path_factory):
     return root / "src", src.state_dict()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_path, precision):
+@pytest.mark.parametrize("precision, stage, ranks", [("fp32", 2, 1), ("bf16", 2, 1), ("bf16", 3, 2)])
+def test_pretraining_starts_from_a_transformers_folder(tiny_run, hf_folder, precision, stage, ranks):
     """The trained weights are the file's, bit for bit; in bf16 too, where DeepSpeed would make its
-    fp32 masters from the bf16-rounded module (the file's fp32 values are set into them)."""
+    fp32 masters from the bf16-rounded module (the file's fp32 values are set into them), also in
+    ZeRO-3 partitions on 2 ranks."""
     folder, src = hf_folder
-    run = tmp_path / "run"
-    small = (f"train.precision={precision}", "train.micro_batch_size=4", "train.global_batch_size=4")
-    r = train_single(shards, run, f"model.init_from={folder}", *STILL, *small)  # tiny_cpu: 64 px, 10 classes
+    small = (f"train.precision={precision}", f"zero.stage={stage}", f"train.micro_batch_size={4 // ranks}",
+             "train.global_batch_size=4")
+    job = tiny_run(f"model.init_from={folder}", *STILL, *small, via="python" if ranks == 1 else "deepspeed",
+                   ranks=ranks)  # tiny_cpu: 64 px, 10 classes
+    r = job.run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"initialised from {folder}" in r.stderr and "new head for 10 classes" in r.stderr
-    got, _ = load_run_weights(run)
+    got, _ = load_run_weights(job.run_dir)
     for k, v in src.items():
         if k.startswith("head."):
             assert got[k].shape[0] == 10  # a new head: 10 classes, not the source's 7
@@ -46,10 +48,10 @@ def test_pretraining_starts_from_a_transformers_folder(shards, hf_folder, tmp_pa
             assert torch.equal(got[k], resize_pos_embed(v, (4, 4), (2, 2)))  # 2x2 -> 4x4 grid
         else:
             assert torch.equal(got[k], v), k
-    # the same command, longer: the run resumes from its checkpoint, init_from is not read again
-    r = train_single(shards, run, f"model.init_from={folder}", *STILL[1:], *small, "train.steps=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr
+    if precision == "fp32":  # the same command, longer: the run resumes from its checkpoint, init_from is not read again
+        r = tiny_run(f"model.init_from={folder}", *STILL[1:], *small, "train.steps=2").run(300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr
 
 
 @pytest.mark.parametrize("source, words", [("missing.safetensors", "not found"), ("base", "does not fit")])
