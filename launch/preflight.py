@@ -10,7 +10,8 @@ line; a failure says what to change.
               every reader slot gets a full micro batch
     manifest  every local tar exists, has the byte size the manifest recorded, starts with a tar header;
               its samples (members grouped by key, headers only) are counted against the manifest,
-              for every local tar up to COUNT_SAMPLE of them, else for COUNT_SAMPLE spread over the list
+              for every local tar up to COUNT_SAMPLE of them, else for COUNT_SAMPLE spread over the list;
+              s3:// tars: listed (existence, byte size), S3_HEADERS of them read for the tar header
     run dir   output and checkpoint folders writable, room for a checkpoint (memory.checkpoint_bytes)
     memory    per-GPU estimate (memory.estimate) against --gpu-memory-gb; over it is a warning
 """
@@ -144,10 +145,54 @@ def _tar_problem(path: str, expected: Optional[int]) -> Optional[str]:
     return None
 
 
+S3_HEADERS = 8  # tars in the store whose first 512 bytes are read (ranged GETs), spread over the list
+
+
+def _s3_problems(remote, manifests, policy) -> tuple[list[tuple[str, str]], int]:
+    """[(shard URL, what is wrong)] for ``s3://`` shards, and how many tar headers were read. One
+    LIST per folder gives every object's size (a request per 1,000 shards), compared with the size
+    its manifest recorded; a spread of S3_HEADERS tars has its first 512 bytes read for the tar
+    header. Samples are not counted in the store: that reads every member's header, a request each.
+    Raises ``DataError`` (one line: credentials, bucket) when the store refuses."""
+    from data_pipeline.shards.manifest import parse_manifest
+    from data_pipeline.storage.s3 import S3Prefix
+    from data_pipeline.storage.urls import is_s3
+
+    def place(url: str) -> tuple[S3Prefix, str]:
+        parent, name = url.rsplit("/", 1)
+        return S3Prefix(parent, policy), name
+
+    recorded: dict[str, Optional[int]] = {}
+    for murl in filter(is_s3, manifests):
+        folder, name = place(murl)
+        for sh in parse_manifest(folder.read_text(name) or "", murl)["shards"]:
+            b = sh.get("bytes")
+            recorded[folder.url(sh["name"])] = b if isinstance(b, int) else None
+    listed: dict[str, int] = {}
+    for parent in sorted({s.url.rsplit("/", 1)[0] for s in remote}):
+        folder = S3Prefix(parent, policy)
+        listed.update({folder.url(n): b for n, b in folder.sizes().items()})
+    problems = []
+    for s in remote:
+        if s.url not in listed:
+            problems.append((s.url, "missing"))
+        elif recorded.get(s.url) is not None and listed[s.url] != recorded[s.url]:
+            problems.append((s.url, f"{listed[s.url]} bytes, the manifest says {recorded[s.url]}"))
+    if problems:
+        return problems, 0
+    picked = spread(len(remote), S3_HEADERS)
+    for i in picked:
+        folder, name = place(remote[i].url)
+        head = folder.head_bytes(name, 512)
+        if len(head) < 512 or head[257:265] not in _TAR_MAGIC:
+            problems.append((remote[i].url, "does not start with a tar header"))
+    return problems, len(picked)
+
+
 def check_shards(cfg: Config, world: int) -> list[Finding]:
     from data_pipeline.errors import DataError
     from data_pipeline.shards.manifest import resolve_shards
-    from data_pipeline.storage.urls import is_remote
+    from data_pipeline.storage.urls import is_remote, is_s3
     from data_pipeline.loading.plan import Plan, plan_line
 
     d = cfg.data
@@ -183,9 +228,26 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
         else:
             out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes; samples "
                                                f"counted in {which} match the manifest"))
-    if len(local) < len(shardset.shards):
-        out.append(Finding(WARN, "manifest", f"{len(shardset.shards) - len(local)} remote shard(s) not checked "
-                                             "(only the loader reads them)"))
+    # -- the same in an S3 store, by listing: existence, byte size, a spread of headers
+    in_s3 = [s for s in shardset.shards if is_s3(s.url)]
+    if in_s3:
+        from data_pipeline.storage.retry import RemotePolicy
+
+        try:
+            bad, heads = _s3_problems(in_s3, shardset.manifests, RemotePolicy.of(d))
+        except DataError as e:
+            bad, heads = [], -1
+            out.append(Finding(FAIL, "manifest", str(e).splitlines()[0]))
+        if bad:
+            url, why = bad[0]
+            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {len(in_s3)} shard(s) in the store do not match "
+                                                 f"{where}, first {url}: {why}; re-write them with vit-shards"))
+        elif heads >= 0:
+            out.append(Finding(OK, "manifest", f"{len(in_s3)} shard(s) in the store with the recorded sizes; tar "
+                                               f"headers read in {heads}; samples not counted in the store"))
+    unchecked = len(shardset.shards) - len(local) - len(in_s3)
+    if unchecked:
+        out.append(Finding(WARN, "manifest", f"{unchecked} remote shard(s) not checked (only the loader reads them)"))
 
     # -- the data plan for this layout: equal batches per rank, what an epoch uses and drops
     workers = max(1, d.workers)

@@ -3,7 +3,8 @@ own process with IAM authentication on (tests/s3_server.py), behind a TCP proxy 
 connections, refuses new ones and answers ``503 SlowDown``. ``vit-shards --output s3://...`` writes
 what it writes to disk, byte for byte; the loader reads the same samples from the store as from
 disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a missing key, a
-missing bucket and wrong credentials are one line; an interrupted write is finished by a rerun that
+missing bucket and wrong credentials are one line; ``vit-launch check`` checks the shards in
+the store as on disk; an interrupted write is finished by a rerun that
 keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
 nobody writes is one line and no local folder; 2 ranks train from the store through a cut on
 exactly the samples they read from disk."""
@@ -201,6 +202,48 @@ def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, m
     assert not _objects(c, "denied/")
 
 
+
+
+def test_preflight_checks_the_shards_in_the_store(store, written, tmp_path, capsys, monkeypatch):
+    """``vit-launch check`` on s3:// shards: sizes by listing, tar headers by ranged GETs, as on disk;
+    a missing shard, a short one, a non-tar and refused credentials each fail in one line."""
+    from launch.cli import main
+
+    c = store.client
+    for name in _objects(c, "demo/train/"):
+        c.copy_object(Bucket=BUCKET, Key=f"checked/{name}", CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
+    url = f"s3://{BUCKET}/checked"
+
+    def check():
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={url}/manifest.json",
+                  "data.allow_remote=true", "data.remote_retries=1", f"train.output_dir={tmp_path / 'run'}",
+                  "model.num_classes=10", "train.micro_batch_size=4", "train.global_batch_size=8",
+                  "data.workers=1", "--world-size", "2"])
+        out, err = capsys.readouterr()
+        return e.value.code, out, [x for x in err.splitlines() if x.startswith("vit-launch: error:")]
+
+    code, out, errors = check()
+    assert code == 0 and errors == [], (out, errors)
+    assert "8 shard(s) in the store with the recorded sizes; tar headers read in 8" in out, out
+    assert "not checked" not in out
+
+    tar = c.get_object(Bucket=BUCKET, Key="checked/train-000003.tar")["Body"].read()
+    c.put_object(Bucket=BUCKET, Key="checked/train-000003.tar", Body=tar[:-1024])
+    code, out, errors = check()
+    assert code == 2 and len(errors) == 1, (out, errors)
+    assert errors[0] == (f"vit-launch: error: manifest: 1 of 8 shard(s) in the store do not match {url}/manifest.json, "
+                         f"first {url}/train-000003.tar: {len(tar) - 1024} bytes, the manifest says {len(tar)}; "
+                         "re-write them with vit-shards"), errors[0]
+    c.put_object(Bucket=BUCKET, Key="checked/train-000003.tar", Body=b"x" * len(tar))  # right size, not a tar
+    assert check()[2][0].endswith(f"first {url}/train-000003.tar: does not start with a tar header; "
+                                  "re-write them with vit-shards")
+    c.delete_object(Bucket=BUCKET, Key="checked/train-000003.tar")
+    assert check()[2][0].endswith(f"first {url}/train-000003.tar: missing; re-write them with vit-shards")
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    code, out, errors = check()
+    assert code == 2 and len(errors) == 1 and "S3 403" in errors[0] and "check the credentials" in errors[0], errors
 
 
 def test_interrupted_write_to_the_store_is_finished_by_a_rerun(store, tmp_path, monkeypatch):
