@@ -6,14 +6,15 @@ disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a
 missing bucket and wrong credentials are one line; ``vit-launch check`` checks the shards in
 the store as on disk; an interrupted write is finished by a rerun that
 keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
-nobody writes is one line and no local folder; 2 ranks train from the store through a cut on
-exactly the samples they read from disk."""
+nobody writes is one line and no local folder; 2 ranks train from the store through a cut and a
+kill -9 + resume on exactly the samples they read from disk."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 
@@ -28,7 +29,7 @@ from data_pipeline.shards.demo_data import demo_items
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 from data_pipeline.storage.s3 import S3Prefix
-from dist_utils import metrics, run_job
+from dist_utils import kill_group, metrics, reaped, run_job, wait_for
 from s3_server import MotoS3, Proxy
 
 BUCKET = "vitscale-test"
@@ -304,28 +305,44 @@ def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
     assert "part-0003of0003.json: part manifest not found" in capsys.readouterr().err
 
 
-def _train(tiny_run, shards: str, name: str):
-    job = tiny_run("data.allow_remote=true", "data.workers=1", "data.record_samples=true", "data.remote_retries=20",
-                   "data.remote_retry_s=20", "train.log_every_steps=1", "optim.warmup_steps=2",
-                   "train.steps=6",  # 96 samples: one epoch
-                   shards=shards, name=name, via="deepspeed", ranks=2)
-    r = job.run(600)
-    assert r.returncode == 0, r.stderr[-3000:]
+def _job(tiny_run, shards: str, name: str):
+    return tiny_run("data.allow_remote=true", "data.workers=1", "data.record_samples=true", "data.remote_retries=20",
+                    "data.remote_retry_s=20", "train.log_every_steps=1", "optim.warmup_steps=2",
+                    "checkpoint.every_steps=3", "train.steps=6",  # 96 samples: one epoch
+                    shards=shards, name=name, via="deepspeed", ranks=2)
+
+
+def _records(job) -> dict[str, str]:
     return {f.name: f.read_text() for f in sorted((job.run_dir / "samples").glob("rank-*.tsv"))}
 
 
 @pytest.mark.slow
-def test_two_ranks_train_from_the_store_through_a_cut_on_the_samples_of_disk(store, written, proxy, tiny_run,
-                                                                             tmp_path):
+def test_two_ranks_train_from_the_store_through_a_cut_and_a_kill_on_the_samples_of_disk(store, written, proxy,
+                                                                                       tiny_run, tmp_path):
     """The deepspeed runner, 2 ranks x 1 data worker: the store is cut mid-shard and refuses
-    connections for 1 s; each rank records exactly the (step, epoch, key) rows of the same run from disk."""
-    disk = _train(tiny_run, str(written[0]), "disk")
+    connections for 1 s; the job is killed (SIGKILL, every process) in step 5, after its step-3
+    checkpoint, and the same command resumes it. Each rank records exactly the (step, epoch, key)
+    rows of the same run from disk, straight through."""
+    disk = _job(tiny_run, str(written[0]), "disk")
+    r = disk.run(600)
+    assert r.returncode == 0, r.stderr[-3000:]
     proxy.plan([(150_000, 1.0, 0)])
-    s3 = _train(tiny_run, written[1], "s3")
+    s3 = _job(tiny_run, written[1], "s3")
+    ckpt = s3.run_dir / "checkpoints" / "step_00000003" / "COMPLETE"
+    log = tmp_path / "killed.log"
+    with reaped(s3.start(log, VITSCALE_FAULT="hang_in_step:5")) as p:
+        wait_for(lambda: ckpt.exists() and max(metrics(s3.run_dir), default=0) >= 4, 300, p, "checkpoint 3, step 4")
+        kill_group(p, signal.SIGKILL)
+        p.wait(60)
     assert proxy.events == [] and "cut" in proxy.log, proxy.log
-    assert sorted(disk) == ["rank-0.tsv", "rank-1.tsv"] and len(disk["rank-0.tsv"].splitlines()) == 48
-    assert s3 == disk  # no sample twice, none skipped, the same order on each rank
+    r = s3.run(600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 3" in r.stderr, r.stderr[-3000:]
+    ours, theirs = _records(s3), _records(disk)
+    assert sorted(theirs) == ["rank-0.tsv", "rank-1.tsv"] and len(theirs["rank-0.tsv"].splitlines()) == 48
+    assert ours == theirs  # no sample twice, none skipped, the same order on each rank
     m = metrics(tmp_path / "s3")
+    assert sorted(m) == list(range(1, 7))
     assert max(r.get("data/remote_retries", 0) for r in m.values()) >= 1, m[max(m)]
     assert not any(k in r for r in m.values() for k in ("data/lost_in_shard", "data/missing_shard"))
 
