@@ -347,6 +347,44 @@ def test_two_ranks_train_from_the_store_through_a_cut_and_a_kill_on_the_samples_
     assert not any(k in r for r in m.values() for k in ("data/lost_in_shard", "data/missing_shard"))
 
 
+@pytest.mark.slow
+def test_store_gone_after_a_checkpoint_ends_the_run_within_the_bound_and_the_run_resumes(store, written, proxy,
+                                                                                          tiny_run, tmp_path):
+    """One process, two epochs from the store: once step 2's checkpoint is complete the store refuses
+    every connection; the run ends within data.remote_retry_s (+ the exit) with one line naming the
+    shard and the bound. With the store back, the same command resumes from that checkpoint and ends."""
+    bound = 3.0
+    job = tiny_run("data.allow_remote=true", f"data.remote_retry_s={bound}", "data.remote_retries=100",
+                   "train.log_every_steps=1", "checkpoint.every_steps=2", "train.steps=12",  # epoch 2 needs the store
+                   shards=written[1], name="gone")
+    ckpts = job.run_dir / "checkpoints"
+    log = tmp_path / "gone.log"
+    with reaped(job.start(log)) as p:
+        wait_for(lambda: (ckpts / "step_00000002" / "COMPLETE").exists(), 300, p, "checkpoint 2")
+        cut_at = time.monotonic()
+        proxy.cut(refuse_s=600)  # gone for good, as far as this run can tell
+        code = p.wait(bound + 60)
+        took = time.monotonic() - cut_at
+    out = log.read_text()
+    assert code != 0, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert f"{written[1]}/train-" in last and "server unreachable" in last and f"data.remote_retry_s={bound:g}" in last, \
+        out[-3000:]
+    assert took < bound + 20, took  # the bound, then the exit (DeepSpeed and the process)
+    print(f"store gone after checkpoint 2: the run ended {took:.1f} s after the cut (bound {bound:g} s)")
+    from pretrain.checkpointing.rundir import latest_complete
+
+    saved = latest_complete(ckpts)
+    step = json.loads((saved / "run.json").read_text())["step"]
+    assert 2 <= step < 12 and max(metrics(job.run_dir)) < 12, step
+
+    proxy.reset()  # the store is back
+    r = job.run(300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from step {step}" in r.stderr, r.stderr[-3000:]  # the checkpoint is intact
+    assert "vit-train: done at step 12" in r.stderr
+
+
 def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
     """vit-export to s3://: the timm file and each file of a transformers folder become objects with
     the bytes of the same export on disk; a missing bucket is one line before any work."""
