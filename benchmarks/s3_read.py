@@ -1,9 +1,14 @@
 """Shard read throughput per worker from an S3 API store against the same shards on local disk,
 both measured in the same run:
 
+  (fetch)  every shard object's bytes, whole, by each client: ours (``S3Object``: boto3 behind
+           the retrying, resumable reader the loader uses), boto3's plain ``get_object().read()``
+           and obstore (Rust, ``obstore.get(...).bytes()``); from disk ``open().read()``
   (raw)    the shard reader alone (``read_shard``: tar members, no image decode) over every shard
   (loader) the training loader (``build_loader``, one process, data.workers=0) at 224 with the
            pre-training transforms, one epoch
+
+obstore is the peer a user would pick instead of boto3 (``pip install obstore``; not a dependency).
 
 The store is ``moto_server`` on 127.0.0.1 (tests/s3_server.py; ``pip install -e .[test]``), the
 shards are ``vit-shards --source demo`` written once to disk and once to ``s3://`` (the same bytes).
@@ -33,6 +38,44 @@ from data_pipeline.shards.reader import read_shard  # noqa: E402
 from data_pipeline.shards.writer import write_demo_shards  # noqa: E402
 from data_pipeline.tally import Tally  # noqa: E402
 from s3_server import MotoS3  # noqa: E402
+
+
+def fetch(read, shards: list[str]) -> tuple[float, int, int]:
+    """(seconds, objects, bytes) to fetch every shard whole with ``read(url) -> bytes``."""
+    t0, size = time.perf_counter(), 0
+    for url in shards:
+        size += len(read(url))
+    return time.perf_counter() - t0, len(shards), size
+
+
+def fetchers(env: dict) -> dict:
+    """url -> bytes, per client."""
+    import boto3
+    import obstore
+    from obstore.store import S3Store
+
+    from data_pipeline.storage.retry import RemotePolicy
+    from data_pipeline.storage.s3 import S3Object
+    from data_pipeline.storage.urls import split_s3
+
+    b3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_DEFAULT_REGION"],
+                      aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    stores: dict = {}
+
+    def ob(url: str) -> bytes:
+        bucket, key = split_s3(url)
+        if bucket not in stores:
+            stores[bucket] = S3Store(bucket, endpoint=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
+                                     access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                     secret_access_key=env["AWS_SECRET_ACCESS_KEY"], client_options={"allow_http": True})
+        return obstore.get(stores[bucket], key).bytes().to_bytes()
+
+    def ours(url: str) -> bytes:
+        with S3Object(url, url.rsplit("/", 1)[1], RemotePolicy()) as f:
+            return f.read()
+
+    return {"ours": ours, "boto3": lambda url: b3.get_object(Bucket=split_s3(url)[0], Key=split_s3(url)[1])["Body"].read(),
+            "obstore": ob}
 
 
 def raw_read(spec: str) -> tuple[float, int, int]:
@@ -73,6 +116,17 @@ def main() -> int:
         mib = sum(f.stat().st_size for f in local.glob("*.tar")) / 2 ** 20
         print(f"{args.images} demo images in {len(list(local.glob('*.tar')))} shards, {mib:.1f} MiB; "
               f"best of {args.rounds} rounds, one process")
+        names = sorted(f.name for f in local.glob("*.tar"))
+        best = {}
+        clients = {"disk": lambda u: Path(u).read_bytes(), **fetchers(store.env)}
+        for _ in range(args.rounds):
+            for who, read in clients.items():
+                r = fetch(read, [str(local / n) if who == "disk" else f"{url}/{n}" for n in names])
+                if who not in best or r[0] < best[who][0]:
+                    best[who] = r
+        for who, (t, n, size) in best.items():
+            print(f"fetch   {who:8s} {size / 2 ** 20 / t:7.1f} MiB/s  {n / t:6.1f} objects/s"
+                  + ("" if who == "disk" else f"   vs ours {best['ours'][0] / t:.2f}x"))
         for what, fn in (("raw", raw_read), ("loader", lambda s: loader_epoch(s, args.batch))):
             best = {}
             for _ in range(args.rounds):
