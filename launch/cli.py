@@ -182,6 +182,13 @@ def cmd_run(args) -> int:
     from pretrain.checkpointing.rundir import RunDir
 
     layout = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
+    if spec.hostfile:  # other nodes' ranks see only what pdsh forwards and DS_ENV_FILE holds
+        from launch.runner import node_env_file
+
+        made = node_env_file(layout.root / "deepspeed_env")
+        if made:
+            os.environ["DS_ENV_FILE"] = str(made[0])
+            print(f"{PROG}: {', '.join(made[1])} to every node through DS_ENV_FILE={made[0]}", flush=True)
     if args.exclude_slow_hosts:
         if not spec.hostfile:
             print(f"{PROG}: error: --exclude-slow-hosts needs --hostfile (the hosts to choose from)", file=sys.stderr)

@@ -12,6 +12,7 @@ the pdsh backend (the default) or one runner per node with ``--no_ssh --node_ran
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -22,6 +23,38 @@ from typing import Optional
 from launch.hostfile import Host, LaunchError, active_ranks, local_gpu_count, parse_hostfile, world_size
 
 TRAIN_MODULE = "pretrain.train"
+
+# Where an S3 store is, never its secrets (those stay in ~/.aws/credentials, read on every node): the
+# runner forwards only PYTHON* / NCCL* / UCX* / MV2* variables to other nodes over pdsh, so these go
+# through its DS_ENV_FILE (node_env_file here; the script of launch/slurm.py greps the same names).
+STORE_ENV = re.compile(r"AWS_(ENDPOINT_URL[A-Z_0-9]*|DEFAULT_REGION|REGION|PROFILE|CONFIG_FILE|SHARED_CREDENTIALS_FILE)")
+
+
+def node_env_file(path: Path, environ: Optional[dict] = None) -> Optional[tuple[Path, list[str]]]:
+    """The DS_ENV_FILE of a multi-node pdsh launch: the lines the deepspeed runner would have read
+    (the file ``$DS_ENV_FILE`` names, else ``~/.deepspeed_env`` and ``./.deepspeed_env``), then this
+    environment's STORE_ENV variables that those lines do not set. Written to ``path`` (mode 600: the
+    user's files may hold anything) and returned with the names added; None when there is none to
+    add, and the runner reads its usual files."""
+    environ = os.environ if environ is None else environ
+    store = {k: v for k, v in environ.items() if STORE_ENV.fullmatch(k) and "\n" not in v}
+    if not store:
+        return None
+    name, seen, lines = environ.get("DS_ENV_FILE", ".deepspeed_env"), set(), []
+    for folder in (os.path.expanduser("~"), "."):  # as the runner looks (an absolute name: one file)
+        f = Path(folder, name).resolve()
+        if f not in seen and f.is_file():
+            seen.add(f)
+            lines += [ln for ln in f.read_text().splitlines() if "=" in ln]
+    have = {ln.split("=", 1)[0].strip() for ln in lines}
+    added = sorted(k for k in store if k not in have)
+    if not added:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("".join(f"{ln}\n" for ln in lines + [f"{k}={store[k]}" for k in added]))
+    return path, added
 
 
 @dataclass

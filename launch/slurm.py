@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch.hostfile import LaunchError
-from launch.runner import TRAIN_MODULE, deepspeed_executable
+from launch.runner import STORE_ENV, TRAIN_MODULE, deepspeed_executable
 from launch.sbatch import SLURM_TIME, bash_array, shell_word
 from launch.slurm_shards import shards_main
 
@@ -184,8 +184,8 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "\n# pdsh forwards only NCCL*/PYTHON*/UCX*/MV2* variables; the runner adds the lines of DS_ENV_FILE.\n"
             f"export DS_ENV_FILE={logs}/\"deepspeed_env.$SLURM_JOB_ID\"\n"
             "# (where the store is, never its secrets: those stay in ~/.aws/credentials, read on every node)\n"
-            "(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|AWS_(ENDPOINT_URL[A-Z_0-9]*|"
-            "DEFAULT_REGION|REGION|PROFILE|CONFIG_FILE|SHARED_CREDENTIALS_FILE))=' > \"$DS_ENV_FILE\") || true\n")
+            f"(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|{STORE_ENV.pattern})=' "
+            "> \"$DS_ENV_FILE\") || true\n")
     start = _START.format(dry=dry, launch=run_line, grace=job.signal_grace)
     return f"""#!/bin/bash
 # vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.

@@ -158,3 +158,51 @@ def test_kill_rank_on_second_node_ends_job_then_resume(ssh_nodes, job, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == steps, summary
     print(f"dead rank: job gone {took:.0f} s after kill -9; resumed from step {saved}")
+
+
+def test_vit_launch_over_pdsh_trains_from_an_s3_store_on_both_nodes(ssh_nodes, tmp_path, monkeypatch):
+    """``vit-launch run --hostfile`` over pdsh, shards in moto_server on 127.0.0.1: each node's rank
+    reads the store only because vit-launch hands every node the store's location (endpoint, region,
+    the shared credentials file) through the runner's DS_ENV_FILE; pdsh forwards no AWS_* variable.
+    The keys themselves live in that credentials file, as on a cluster's shared home."""
+    import sys
+
+    from data_pipeline.shards.writer import write_demo_shards
+    from s3_server import MotoS3
+
+    run_dir, log = tmp_path / "run", tmp_path / "s3.log"
+    with MotoS3(tmp_path / "moto.log") as s3:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        s3.client().create_bucket(Bucket="cluster")
+        write_demo_shards("s3://cluster/demo/train", n=96, shard_size=12)
+        creds = tmp_path / "credentials"
+        creds.write_text(f"[default]\naws_access_key_id = {s3.env['AWS_ACCESS_KEY_ID']}\n"
+                         f"aws_secret_access_key = {s3.env['AWS_SECRET_ACCESS_KEY']}\n")
+        bin_dir = tmp_path / "bin"  # the runner's own `ssh HOST hostname` check reads only ssh's config
+        bin_dir.mkdir()
+        (bin_dir / "ssh").write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {ssh_nodes.ssh_config} \"$@\"\n")
+        (bin_dir / "ssh").chmod(0o755)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(ssh_nodes.env, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONUNBUFFERED="1",
+                   DS_ENV_FILE=str(ds_env_file(tmp_path / "deepspeed_env.user")), AWS_ENDPOINT_URL=s3.url,
+                   AWS_DEFAULT_REGION=s3.env["AWS_DEFAULT_REGION"], AWS_SHARED_CREDENTIALS_FILE=str(creds))
+        env.pop("VITSCALE_FAULT", None)
+        cmd = [sys.executable, "-m", "launch", "run", "--hostfile", str(ssh_nodes.hostfile), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), "--config", "configs/tiny_cpu.yaml",
+               *train_overrides("s3://cluster/demo/train", run_dir, "data.allow_remote=true", "data.record_samples=true",
+                                "train.steps=4", "checkpoint.every_steps=4")]
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            out = finished(p, log, 300, "vit-launch over pdsh from the store")
+        finally:
+            kill_pids(job_pids(p, ssh_nodes, run_dir))
+    assert "8 shard(s) in the store with the recorded sizes" in out  # pre-flight read the store too
+    assert (f"vit-launch: AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, AWS_SHARED_CREDENTIALS_FILE to every node through "
+            f"DS_ENV_FILE={run_dir / 'deepspeed_env'}") in out, out[-3000:]
+    assert "127.0.0.1" in out and "127.0.0.2" in out
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 4
+    rows = {f.name: f.read_text().splitlines() for f in (run_dir / "samples").glob("rank-*.tsv")}
+    assert sorted(rows) == ["rank-0.tsv", "rank-1.tsv"] and all(len(r) == 4 * 16 for r in rows.values()), rows.keys()
+    assert "AWS_SECRET" not in (run_dir / "deepspeed_env").read_text()

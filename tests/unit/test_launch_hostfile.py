@@ -90,3 +90,34 @@ def test_no_hostfile_is_one_local_node():
     assert world_size(active_ranks(None, gpus_per_node=4)) == 4
     with pytest.raises(LaunchError, match="--num-nodes 2 needs --hostfile"):
         active_ranks(None, num_nodes=2, gpus_per_node=4)
+
+
+def test_node_env_file_adds_the_store_location_to_what_the_runner_reads(tmp_path, monkeypatch):
+    """Other nodes' ranks get what pdsh forwards and the lines of DS_ENV_FILE: the file vit-launch
+    hands the runner keeps the user's lines and adds where the S3 store is, never its secrets."""
+    import stat
+
+    from launch.runner import node_env_file
+
+    user = tmp_path / "user_env"
+    user.write_text("PATH=/opt/bin\nAWS_DEFAULT_REGION=eu-west-1\n")
+    env = {"DS_ENV_FILE": str(user), "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_SHARED_CREDENTIALS_FILE": "/shared/aws/credentials", "AWS_ACCESS_KEY_ID": "AKIA",
+           "AWS_SECRET_ACCESS_KEY": "secret", "AWS_SESSION_TOKEN": "token"}
+    path, added = node_env_file(tmp_path / "run" / "deepspeed_env", env)
+    assert added == ["AWS_ENDPOINT_URL", "AWS_SHARED_CREDENTIALS_FILE"]  # the user's region line wins
+    assert path.read_text() == ("PATH=/opt/bin\nAWS_DEFAULT_REGION=eu-west-1\nAWS_ENDPOINT_URL=http://127.0.0.1:9000\n"
+                                "AWS_SHARED_CREDENTIALS_FILE=/shared/aws/credentials\n")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert node_env_file(tmp_path / "none", {"PATH": "/bin", "AWS_ACCESS_KEY_ID": "AKIA"}) is None  # nothing to add
+    assert not (tmp_path / "none").exists()
+
+    # no DS_ENV_FILE: the runner's own two files, ~/.deepspeed_env and ./.deepspeed_env
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / ".deepspeed_env").write_text("A=1\n")
+    (cwd / ".deepspeed_env").write_text("B=2\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    path, added = node_env_file(tmp_path / "run2" / "env", {"AWS_ENDPOINT_URL_S3": "http://minio:9000"})
+    assert added == ["AWS_ENDPOINT_URL_S3"] and path.read_text() == "A=1\nB=2\nAWS_ENDPOINT_URL_S3=http://minio:9000\n"
