@@ -22,6 +22,11 @@ CASES = {
     "z2-adamw-accumulate2": dict(stage=2, optim="adamw", steps=2, gas=2, clip=1.0, wd=0.05),
     "z3-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05),
     "z1-bf16-sgd": dict(stage=1, precision="bf16", clip=1.0),
+    # the losses users choose: label smoothing, and sigmoid targets summed over classes (ImageNet-21k, JFT)
+    "z2-sgd-smoothing0.1": dict(stage=2, smoothing=0.1, clip=1.0),
+    # (SGD: AdamW's per-element scaling turns the last-bit difference between two correct sigmoid
+    # cross-entropy formulas, torch's and the reference's, into 2x the reference's own noise)
+    "z1-sgd-multilabel-2steps": dict(stage=1, momentum=0.9, steps=2, multi_label=True, clip=1.0, wd=0.05),
 }
 FP32_BOUND = 1e-5  # relative error of the whole update: reduction order only
 # AdamW divides each element by the root of its own squared-gradient average, so rounding in a tiny

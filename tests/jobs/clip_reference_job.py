@@ -10,12 +10,15 @@ started from the given weights.
 
 A case sets ``stage`` (ZeRO 0-3), ``optim`` (sgd / adamw), ``steps``, ``gas`` (micro-batches per
 step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``momentum``, ``wd``
-(weight decay), ``precision`` and the learning-rate schedule: ``schedule`` (constant / linear /
-cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr). Every case starts from the same weights; the batches of step t
+(weight decay), ``precision``, the learning-rate schedule: ``schedule`` (constant / linear /
+cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the loss: ``smoothing``
+(optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label). Every case starts from the same weights; the batches of step t
 are the same on every rank and in the reference.
 
-The reference is written here, from the algorithm, not from our code: the mean cross-entropy over
-the whole global batch, ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
+The reference is written here, from the algorithm, not from our code: the mean loss over the whole
+global batch (cross-entropy against ``1 - smoothing`` on the label plus ``smoothing`` spread over
+every class, or for multi-label targets the sigmoid cross-entropy summed over classes), while our
+side trains with ``pretrain.models.losses.classification_loss`` as training does; ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
 weight decay on weight matrices only (not on biases, norm weights, the position embedding or the
 [class] token, as in big_vision and timm), and torch's own schedulers for the learning rate:
 ``LinearLR`` from 1/warmup for the warmup, then ``LinearLR`` or ``CosineAnnealingLR`` down to
@@ -31,13 +34,14 @@ import torch.nn.functional as F
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.distributed.process import init_distributed
+from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
 LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
-                schedule="constant", warmup=0, min_ratio=0.0)
+                schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False)
 
 
 def base_model() -> torch.nn.Module:
@@ -47,10 +51,24 @@ def base_model() -> torch.nn.Module:
     return model
 
 
-def batch(step: int, world: int):
-    """The global batch of ``step``: images (scaled so that gradients are large enough to clip) and labels."""
+def batch(step: int, world: int, multi_label: bool = False):
+    """The global batch of ``step``: images (scaled so that gradients are large enough to clip) and
+    labels (class indices, or multi-hot rows with about 3 of 10 classes on)."""
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(MICRO * world, 3, IMG, IMG, generator=g) * 3, torch.randint(0, CLASSES, (MICRO * world,), generator=g)
+    images = torch.randn(MICRO * world, 3, IMG, IMG, generator=g) * 3
+    if multi_label:
+        return images, (torch.rand(MICRO * world, CLASSES, generator=g) < 0.3).float()
+    return images, torch.randint(0, CLASSES, (MICRO * world,), generator=g)
+
+
+def reference_loss(logits: torch.Tensor, targets: torch.Tensor, case: dict) -> torch.Tensor:
+    """Mean over images, from the formulas: sigmoid cross-entropy summed over classes (multi-label), or
+    cross-entropy against the smoothed target ``(1 - s) * one_hot + s / classes``."""
+    if case["multi_label"]:
+        return -(targets * F.logsigmoid(logits) + (1 - targets) * F.logsigmoid(-logits)).sum(1).mean()
+    logp = F.log_softmax(logits, dim=1)
+    nll = -logp.gather(1, targets[:, None])[:, 0]
+    return ((1 - case["smoothing"]) * nll - case["smoothing"] * logp.mean(1)).mean()
 
 
 def reference(model: torch.nn.Module, case: dict, world: int, split: bool = False) -> float:
@@ -67,14 +85,14 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
     sched = reference_schedule(opt, case)
     first_norm = None
     for step in range(case["steps"]):
-        images, labels = batch(step, world)
+        images, labels = batch(step, world, case["multi_label"])
         opt.zero_grad()
         if split:
             per = MICRO // case["gas"]
             for lo in range(0, MICRO * world, per):
-                (F.cross_entropy(model(images[lo:lo + per]), labels[lo:lo + per]) * per / (MICRO * world)).backward()
+                (reference_loss(model(images[lo:lo + per]), labels[lo:lo + per], case) * per / (MICRO * world)).backward()
         else:
-            F.cross_entropy(model(images), labels).backward()
+            reference_loss(model(images), labels, case).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"] if case["clip"] > 0 else float("inf"))
         first_norm = float(norm) if first_norm is None else first_norm
         opt.step()
@@ -115,11 +133,12 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     dtype = torch.bfloat16 if case["precision"] == "bf16" else torch.float32
     per = MICRO // gas
     for step in range(case["steps"]):
-        images, labels = batch(step, world)
+        images, labels = batch(step, world, case["multi_label"])
         mine = images[rank * MICRO:(rank + 1) * MICRO], labels[rank * MICRO:(rank + 1) * MICRO]
         for m in range(gas):
             x, y = mine[0][m * per:(m + 1) * per], mine[1][m * per:(m + 1) * per]
-            engine.backward(F.cross_entropy(engine(x.to(dtype)).float(), y))
+            engine.backward(classification_loss(engine(x.to(dtype)), y, multi_label=case["multi_label"],
+                                                smoothing=case["smoothing"]))
             engine.step()
     return start, weights(engine)
 
