@@ -49,6 +49,11 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         if zero.stage == 0:
             raise ConfigError("zero.offload_optimizer needs zero.stage >= 1")
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if zero.offload_params:
+        if zero.stage != 3:
+            raise ConfigError(f"zero.offload_params needs zero.stage=3 (parameters are partitioned only there), "
+                              f"got zero.stage={zero.stage}")
+        z["offload_param"] = {"device": "cpu", "pin_memory": True}
     cfg = {
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,

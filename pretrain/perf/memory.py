@@ -11,6 +11,7 @@ gradient partition ZeRO casts to for the optimizer step)::
     fp32 master weights              4      4    stage 1   (fp32 + stage 0: none, torch's own step)
     fp32 gradient partition          4      -    stage 1
     Adam m, v (SGD: momentum 4)      8      8    stage 1   (moved to CPU by zero.offload_optimizer)
+    (zero.offload_params moves the stage-3 module weight partitions to CPU)
 
 So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with ZeRO-3. ZeRO-1 in
 bf16 with fp32 gradient accumulation (our default) is DeepSpeed's ``BF16_Optimizer``: it keeps
@@ -106,9 +107,11 @@ def model_shape(model_cfg) -> ModelShape:
 
 
 def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",
-                      offload_optimizer: bool = False) -> dict[str, float]:
+                      offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, float]:
     """Bytes per GPU for weights, gradients and optimizer states (table in the module docstring);
-    ``cpu`` is what ZeRO-Offload keeps in host memory per rank instead."""
+    ``cpu`` is what ZeRO-Offload keeps in host memory per rank instead (the optimizer states, and
+    with ``offload_params`` at ZeRO-3 the weight partitions: the GPU then holds the gathered layers,
+    which ``zero_buffer_bytes``' prefetch bucket bounds)."""
     e = 2 if precision == "bf16" else 4
     master = 0 if (precision == "fp32" and stage == 0) else 4
     opt_per_param = master + (4 if precision == "bf16" else 0) + (8 if optimizer == "adamw" else 4)
@@ -120,8 +123,9 @@ def model_state_bytes(params: int, *, stage: int, world: int, precision: str, op
         # BF16_Optimizer (ZeRO-1 + fp32 accumulation): the bf16 grads and a whole fp32
         # accumulation buffer, not a partition of one
         grads, opt = (e + 4) * params, (opt_per_param - 4) * params / n
-    out = {"weights": weights, "gradients": grads, "optimizer": 0.0 if offload_optimizer else opt,
-           "cpu": opt if offload_optimizer else 0.0}
+    on_host = weights if offload_params and stage == 3 else 0.0
+    out = {"weights": weights - on_host, "gradients": grads, "optimizer": 0.0 if offload_optimizer else opt,
+           "cpu": (opt if offload_optimizer else 0.0) + on_host}
     return out
 
 
@@ -201,7 +205,8 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     shape = shape or model_shape(cfg.model)
     t = cfg.train
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
-                               optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer)
+                               optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer,
+                               offload_params=cfg.zero.offload_params)
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
     act = activation_bytes(shape, t.micro_batch_size, checkpointing=t.activation_checkpointing, **kw)
     other = activation_bytes(shape, t.micro_batch_size, checkpointing=not t.activation_checkpointing, **kw)

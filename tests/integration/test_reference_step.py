@@ -21,6 +21,7 @@ CASES = {
                                    schedule="cosine", warmup=2, min_ratio=0.1),
     "z2-adamw-accumulate2": dict(stage=2, optim="adamw", steps=2, gas=2, clip=1.0, wd=0.05),
     "z3-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05),
+    "z3-adamw-offload-params-2steps": dict(optim="adamw", steps=2, offload_params=True, clip=1.0, wd=0.05),
     "z1-bf16-sgd": dict(stage=1, precision="bf16", clip=1.0),
     # the losses users choose: label smoothing, and sigmoid targets summed over classes (ImageNet-21k, JFT)
     "z2-sgd-smoothing0.1": dict(stage=2, smoothing=0.1, clip=1.0),

@@ -12,7 +12,8 @@ A case sets ``stage`` (ZeRO 0-3), ``optim`` (sgd / adamw), ``steps``, ``gas`` (m
 step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``momentum``, ``wd``
 (weight decay), ``precision``, the learning-rate schedule: ``schedule`` (constant / linear /
 cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the loss: ``smoothing``
-(optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label). Every case starts from the same weights; the batches of step t
+(optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label), and
+``offload_params`` (zero.offload_params). Every case starts from the same weights; the batches of step t
 are the same on every rank and in the reference.
 
 The reference is written here, from the algorithm, not from our code: the mean loss over the whole
@@ -41,7 +42,8 @@ MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the
 LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
-                schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False)
+                schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
+                offload_params=False)
 
 
 def base_model() -> torch.nn.Module:
@@ -128,7 +130,8 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     gas = case["gas"]
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
                         precision=case["precision"], activation_checkpointing=case["ckpt"])
-    engine, _ = initialize(model, optim, train, ZeroConfig(stage=case["stage"]), world)
+    zero = ZeroConfig(stage=case["stage"], offload_params=case["offload_params"])
+    engine, _ = initialize(model, optim, train, zero, world)
     start = weights(engine)  # the fp32 masters DeepSpeed made (from the bf16-rounded module in bf16)
     dtype = torch.bfloat16 if case["precision"] == "bf16" else torch.float32
     per = MICRO // gas

@@ -212,10 +212,12 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
     tiny = str(REPO / "configs/tiny_cpu.yaml")
     out = tmp_path / "ds.json"
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "--output", str(out), "optim.grad_clip=0",
-                "zero.stage=3")
+                "zero.stage=3", "zero.offload_params=true")
     assert r.returncode == 0, r.stderr
     parsed = DeepSpeedConfig(json.loads(out.read_text()))
     assert parsed.gradient_clipping == 0.0 and parsed.zero_config.stage == 3
+    assert parsed.zero_config.offload_param.device == "cpu" and parsed.zero_config.offload_param.pin_memory
+    assert parsed.zero_config.offload_optimizer is None
     assert parsed.train_micro_batch_size_per_gpu == 32 and parsed.gradient_accumulation_steps == 2
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "2")
     assert r.returncode == 0, r.stderr

@@ -53,6 +53,13 @@ def test_deepspeed_config_offload_and_errors():
         deepspeed_config(c0.optim, c0.train, c0.zero, 2)
     with pytest.raises(ConfigError, match="not divisible"):
         deepspeed_config(c.optim, c.train, c.zero, world_size=3)
+    c3 = cfg("zero.stage=3", "zero.offload_params=true", "train.precision=fp32")
+    ds3 = deepspeed_config(c3.optim, c3.train, c3.zero, world_size=2)
+    assert ds3["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_optimizer" not in ds3["zero_optimization"]
+    with pytest.raises(ConfigError, match="zero.offload_params needs zero.stage=3 .* got zero.stage=2"):
+        c2 = cfg("zero.stage=2", "zero.offload_params=true")
+        deepspeed_config(c2.optim, c2.train, c2.zero, 2)
 
 
 def test_param_groups_exclude_bias_norm_posembed_cls_from_decay():

@@ -67,6 +67,8 @@ def test_model_states_by_zero_stage():
     assert per_gpu[2] == pytest.approx(ds_gpu, abs=1)
     off = memory.model_state_bytes(p, stage=2, world=n, precision="bf16", offload_optimizer=True)
     assert off["optimizer"] == 0 and off["cpu"] == 16 / n * p
+    both = memory.model_state_bytes(p, stage=3, world=n, precision="bf16", offload_optimizer=True, offload_params=True)
+    assert both["weights"] == 0 and both["gradients"] == 2 / n * p and both["cpu"] == (16 + 2) / n * p
 
 
 def test_vit_huge_needs_zero3_or_checkpointing_on_80gb():
