@@ -31,7 +31,7 @@ from pretrain.checkpointing.rundir import RunDir
 from pretrain.config import (Config, ConfigError, check_world_size, cli_errors, image_size, load_config, save_config,
                              to_dict)
 from pretrain.distributed import ds_compat
-from pretrain.distributed.engine import deepspeed_config, initialize
+from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_collective_timeout, set_cpu_threads
 from pretrain.evaluation.in_training import InTrainingEval
@@ -60,7 +60,7 @@ def check_machine(cfg: Config, world_size: int) -> int:
     """Before any expensive work: the precision on this device, the batch on this world size, and
     the DeepSpeed config these sections make (a refused combination is one line here)."""
     check_precision(cfg.train.precision)
-    deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size)
+    check_with_deepspeed(deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size, cfg.deepspeed))
     if cfg.model.init_from and not Path(cfg.model.init_from).exists():
         raise ConfigError(f"model.init_from={cfg.model.init_from}: not found")
     return check_world_size(cfg.train, world_size)
@@ -178,7 +178,7 @@ def run(cfg: Config) -> dict:
     masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     startup.phase("DeepSpeed initialize")
-    engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world)
+    engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world, cfg.deepspeed)
     set_masters(engine, masters)  # bf16: the init_from file's fp32 bits, not the rounded module's
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
                           seed=t.seed, img_size=img, train=True)

@@ -4,6 +4,9 @@ of it will use (``--deepspeed``), or the reference of every key (``--reference``
 An entry point on the top floor: ``--deepspeed`` reads ``pretrain.distributed.engine``."""
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import yaml
 
 from data_pipeline.errors import cli_errors
@@ -52,10 +55,13 @@ def main(argv=None) -> None:
     if args.deepspeed:
         import json
 
-        from pretrain.distributed.engine import deepspeed_config
+        from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config
 
         with cli_errors("vit-config"):
-            text = json.dumps(deepspeed_config(cfg.optim, cfg.train, cfg.zero, args.world_size), indent=2) + "\n"
+            ds = deepspeed_config(cfg.optim, cfg.train, cfg.zero, args.world_size, cfg.deepspeed)
+            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout: the JSON alone goes there
+                check_with_deepspeed(ds)
+            text = json.dumps(ds, indent=2) + "\n"
             if args.output:
                 write_atomic(args.output, text)
             else:

@@ -150,6 +150,13 @@ def _coerce(tp: Any, value: Any, key: str, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {key}: expected a mapping (section), got {value!r}")
         return _build(tp, value, key + ".", {}, where)
+    if tp is dict:  # a free-form mapping (the ``deepspeed:`` pass-through), checked where it is used
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key}: expected a mapping, got {value!r}")
+        for k, v in value.items():
+            if isinstance(v, (dict, float)):
+                _coerce(dict if isinstance(v, dict) else float, v, f"{key}.{k}", where)
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value

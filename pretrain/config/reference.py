@@ -92,7 +92,7 @@ def reference_table() -> str:
     docs = field_docs()
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for path, doc in docs.items():
-        value = defaults[path]
+        value = defaults.get(path, {})  # an empty mapping (``deepspeed``) flattens to nothing
         shown = value if isinstance(value, str) else json.dumps(value)
         rows.append(f"| `{yaml_key(path)}` | `{_cell(shown)}` | {_cell(doc)} |")
     return "\n".join(rows) + "\n"

@@ -334,3 +334,9 @@ class Config:
     """Defaults for ``vit-transfer``."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """Evaluation while pre-training."""
+    deepspeed: dict = field(default_factory=dict)
+    """DeepSpeed config keys the sections above do not cover (e.g. `comms_logger`, `flops_profiler`,
+    `zero_optimization.ignore_unused_parameters`), merged into the config a run hands DeepSpeed and
+    read by DeepSpeed's own parser before any work. A key vitscale sets from the
+    sections above may repeat its value; a different value is refused in one line naming the key to
+    change instead (`vit-config --deepspeed --world-size N` prints the merged config)."""

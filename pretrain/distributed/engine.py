@@ -6,6 +6,9 @@ code path runs in CI on CPU and on GPU clusters.
 """
 from __future__ import annotations
 
+import json
+from typing import Optional
+
 import torch
 
 from pretrain.distributed import schedule
@@ -13,8 +16,10 @@ from pretrain.config import ConfigError, check_world_size
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 
 
-def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON config for these sections and world size. Pure: no torch, no I/O.
+def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, world_size: int,
+                     extra: Optional[dict] = None) -> dict:
+    """The DeepSpeed JSON config for these sections and world size, with the ``deepspeed:``
+    pass-through ``extra`` merged in (:func:`merge_passthrough`). Pure: no torch, no I/O.
 
     Every key whose value the training algorithm depends on is written out, DeepSpeed's default or
     not (``tests/unit/test_engine.py`` reads them back through DeepSpeed's own parser), so a new
@@ -72,7 +77,51 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         "gradient_predivide_factor": 1.0,
     }
     cfg.update(reduction_dtypes(train, zero.stage))
-    return cfg
+    return merge_passthrough(cfg, extra or {})
+
+
+# keys of the DeepSpeed config that come from a section of ours: where to change them instead
+OWNERS = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+          "gradient_accumulation_steps": "train.global_batch_size and train.micro_batch_size",
+          "gradient_clipping": "optim.grad_clip", "bf16": "train.precision", "fp16": "train.precision",
+          "data_types": "train.reduce_dtype", "communication_data_type": "train.reduce_dtype",
+          "zero_optimization.stage": "zero.stage", "zero_optimization.offload_optimizer": "zero.offload_optimizer",
+          "zero_optimization.offload_param": "zero.offload_params",
+          "zero_optimization.zero_hpz_partition_size": "zero.hpz_partition_size"}
+BUILT = ("optimizer", "scheduler")  # vitscale hands DeepSpeed its own optimizer and LR schedule (optim.*)
+
+
+def merge_passthrough(ours: dict, extra: dict, prefix: str = "") -> dict:
+    """``ours`` with the ``deepspeed:`` section's keys added. A key we set may repeat our value; a
+    different one raises ConfigError naming the key of ours that sets it."""
+    out = dict(ours)
+    for k, v in extra.items():
+        path = f"{prefix}{k}"
+        if not prefix and k in BUILT:
+            raise ConfigError(f"deepspeed.{k}: vitscale builds the {k} itself from optim.*; remove it")
+        if k not in out:
+            out[k] = v
+        elif isinstance(out[k], dict) and isinstance(v, dict) and path not in OWNERS:
+            out[k] = merge_passthrough(out[k], v, f"{path}.")
+        elif out[k] != v:
+            owner = next((o for key, o in OWNERS.items() if path == key or path.startswith(key + ".")), None)
+            raise ConfigError(f"deepspeed.{path}={json.dumps(v)} contradicts {json.dumps(out[k])}, which vitscale "
+                              + (f"sets from {owner}: change that instead" if owner else
+                                 "sets itself (vit-config --deepspeed --world-size N shows its config)"))
+    return out
+
+
+def check_with_deepspeed(ds_cfg: dict) -> None:
+    """DeepSpeed's own parser reads ``ds_cfg`` (as for a world of one: the batch keys are checked
+    by ``check_world_size``); what it refuses is a one-line ConfigError."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one = dict(ds_cfg, train_batch_size=ds_cfg["train_micro_batch_size_per_gpu"] * ds_cfg["gradient_accumulation_steps"])
+    try:
+        DeepSpeedConfig(one)
+    except Exception as e:  # noqa: BLE001  pydantic's ValidationError, DeepSpeed's asserts and ValueErrors
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise ConfigError(f"deepspeed: DeepSpeed refuses the merged config: {' '.join(lines[:3])[:400]}") from None
 
 
 def bf16_section(train: TrainConfig) -> dict:
@@ -183,11 +232,12 @@ def check_zeropp_device(zero: ZeroConfig, cuda: bool) -> None:
 
 
 def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, zero: ZeroConfig,
-               world_size: int):
-    """``deepspeed.initialize`` with our optimizer and schedule; returns (engine, ds_config)."""
+               world_size: int, extra: Optional[dict] = None):
+    """``deepspeed.initialize`` with our optimizer and schedule; returns (engine, ds_config).
+    ``extra``: the config's ``deepspeed:`` pass-through."""
     import deepspeed
 
-    ds_cfg = deepspeed_config(optim, train, zero, world_size)
+    ds_cfg = deepspeed_config(optim, train, zero, world_size, extra)
     check_zeropp_device(zero, torch.cuda.is_available())
     if train.activation_checkpointing:
         model.set_grad_checkpointing(True)

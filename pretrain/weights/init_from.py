@@ -33,7 +33,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
     import deepspeed
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world)  # its dtype (bf16 / fp32) for the shards
+    ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world, cfg.deepspeed)  # its dtype for the shards
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
         model = create_model(m.name, defer_init=True, **kw)
     model.init_weights(gather=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0),

@@ -83,6 +83,8 @@ def test_a_crash_before_the_first_checkpoint_then_a_fresh_start_logs_each_step_o
     ("model.num_classes=7", "model.num_classes=7 but the shards have 10 classes"),
     ("data.train_shards=/nonexistent/manifest.json", "/nonexistent"),
     ("train.micro_batch_size=5", "train.global_batch_size"),
+    ("deepspeed.gradient_clipping=0.5", "deepspeed.gradient_clipping=0.5 contradicts 1.0, which vitscale sets from "
+                                        "optim.grad_clip: change that instead"),
 ])
 def test_user_errors_are_one_line(shards, tmp_path, override, needle):
     r = train(shards, tmp_path / "run", "train.steps=2", override)
@@ -90,3 +92,12 @@ def test_user_errors_are_one_line(shards, tmp_path, override, needle):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("vit-train: error:") and needle in last, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_the_deepspeed_section_reaches_deepspeed(shards, tmp_path):
+    """A key of ``deepspeed:`` that no section of ours covers is in the config DeepSpeed runs with:
+    its flops profiler reports at step 1."""
+    r = train(shards, tmp_path / "run", "train.steps=2",
+              'deepspeed.flops_profiler={"enabled": true, "profile_step": 1, "top_modules": 1, "detailed": false}')
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "DeepSpeed Flops Profiler" in r.stdout + r.stderr

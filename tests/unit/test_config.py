@@ -212,8 +212,9 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
     tiny = str(REPO / "configs/tiny_cpu.yaml")
     out = tmp_path / "ds.json"
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "--output", str(out), "optim.grad_clip=0",
-                "zero.stage=3", "zero.offload_params=true")
+                "zero.stage=3", "zero.offload_params=true", "deepspeed.comms_logger.enabled=true")
     assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["comms_logger"] == {"enabled": True}  # the deepspeed: pass-through
     parsed = DeepSpeedConfig(json.loads(out.read_text()))
     assert parsed.gradient_clipping == 0.0 and parsed.zero_config.stage == 3
     assert parsed.zero_config.offload_param.device == "cpu" and parsed.zero_config.offload_param.pin_memory
@@ -225,5 +226,8 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
     assert (two["train_batch_size"], two["gradient_accumulation_steps"], two["gradient_clipping"]) == (64, 1, 1.0)
     r = run_cli("--config", tiny, "--deepspeed")
     assert r.returncode == 2 and "--deepspeed needs --world-size N" in r.stderr.strip().splitlines()[-1]
+    r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "deepspeed.zero_optimization.stag3=1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "vit-config: error: deepspeed: DeepSpeed refuses the merged config:"), r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "3")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "3" in r.stderr, r.stderr

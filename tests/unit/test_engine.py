@@ -221,3 +221,29 @@ def test_every_deepspeed_default_we_rely_on_is_explicit(stage, precision, clip):
         assert z.gather_16bit_weights_on_model_save is False
     if precision == "bf16":  # gradients accumulated and reduced in fp32 (train.reduce_dtype)
         assert parsed.grad_accum_dtype == "fp32" and parsed.communication_data_type == torch.float32
+
+
+def test_the_deepspeed_section_merges_and_contradictions_are_one_line():
+    from pretrain.distributed.engine import check_with_deepspeed
+
+    c = cfg("zero.stage=3", "optim.grad_clip=1.0", "train.precision=fp32")
+    extra = {"comms_logger": {"enabled": True}, "gradient_clipping": 1.0,  # a repeat of ours is fine
+             "zero_optimization": {"stage": 3, "ignore_unused_parameters": False}}  # ... and a new ZeRO key
+    ds = deepspeed_config(c.optim, c.train, c.zero, 2, extra)
+    assert ds["comms_logger"] == {"enabled": True} and ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["ignore_unused_parameters"] is False
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == c.zero.stage3_prefetch_bucket_size
+    check_with_deepspeed(ds)  # DeepSpeed's own parser takes it
+    for bad, needle in [({"zero_optimization": {"stage": 2}}, "deepspeed.zero_optimization.stage=2 contradicts 3, "
+                                                               "which vitscale sets from zero.stage: change that instead"),
+                        ({"bf16": {"enabled": True}}, "sets from train.precision"),
+                        ({"optimizer": {"type": "Adam"}}, "deepspeed.optimizer: vitscale builds the optimizer itself"),
+                        ({"zero_optimization": {"stage3_max_live_parameters": 5}},
+                         "stage3_max_live_parameters=5 contradicts 1000000000, which vitscale sets itself")]:
+        with pytest.raises(ConfigError) as e:
+            deepspeed_config(c.optim, c.train, c.zero, 2, bad)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:  # DeepSpeed's parser: an unknown ZeRO key
+        check_with_deepspeed(deepspeed_config(c.optim, c.train, c.zero, 2, {"zero_optimization": {"stag3": 1}}))
+    msg = str(e.value)
+    assert msg.startswith("deepspeed: DeepSpeed refuses the merged config:") and "stag3" in msg and "\n" not in msg, msg
