@@ -112,13 +112,17 @@ def merge_passthrough(ours: dict, extra: dict, prefix: str = "") -> dict:
 
 
 def check_with_deepspeed(ds_cfg: dict) -> None:
-    """DeepSpeed's own parser reads ``ds_cfg`` (as for a world of one: the batch keys are checked
-    by ``check_world_size``); what it refuses is a one-line ConfigError."""
+    """DeepSpeed's own parser reads ``ds_cfg``; what it refuses is a one-line ConfigError. The parser
+    checks the batch against the process group's world size (1 without one, as in ``vit-config``);
+    the batch keys are ``check_world_size``'s, so they are restated for that world."""
+    import torch.distributed as dist
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    one = dict(ds_cfg, train_batch_size=ds_cfg["train_micro_batch_size_per_gpu"] * ds_cfg["gradient_accumulation_steps"])
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    here = dict(ds_cfg, train_batch_size=ds_cfg["train_micro_batch_size_per_gpu"]
+                * ds_cfg["gradient_accumulation_steps"] * world)
     try:
-        DeepSpeedConfig(one)
+        DeepSpeedConfig(here)
     except Exception as e:  # noqa: BLE001  pydantic's ValidationError, DeepSpeed's asserts and ValueErrors
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise ConfigError(f"deepspeed: DeepSpeed refuses the merged config: {' '.join(lines[:3])[:400]}") from None
