@@ -420,7 +420,7 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
 
     zero = NS(stage=layout.zero, contiguous_gradients=True, overlap_comm=layout.overlap_comm,
               reduce_bucket_size=layout.reduce_bucket_size, stage3_prefetch_bucket_size=layout.prefetch_bucket_size,
-              offload_optimizer=False)
+              offload_optimizer=False, offload_params=False)
     cfg = NS(zero=zero, model=NS(drop_rate=0.0),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,

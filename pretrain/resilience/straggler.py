@@ -21,6 +21,13 @@ ranks' sums by ``factor`` is named once, with the phase where it lost most time 
 median of that phase over the span (``rank 1 on node7: 1.8x the median step, mostly in
 forward``); it is named again only after its span ratio fell below half-way to the factor
 (recovered) and rose to it again.
+
+What phase times cannot show: a burst that lands in a collective phase (backward's reductions,
+the optimizer step) makes the peers wait there exactly as long as the stopped rank, so it leaves no
+trace; only bursts in the local phases count. Bursts at irregular times land there in proportion to
+the local share of the step, which the sums average out. A strictly periodic pattern can lock the
+job's steps to it so that every burst lands in the collective phases (measured: SIGSTOP 0.3 s /
+SIGCONT 0.3 s on the tiny CPU config, local phases 12 % of the step, nothing seen for 15 windows).
 """
 from __future__ import annotations
 
