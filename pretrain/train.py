@@ -234,7 +234,8 @@ def run(cfg: Config) -> dict:
               loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples),
               StepClock(engine.device, dog), stop, startup, start_step=start, world=world, flops=flops,
               detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
-                                         record=layout.stragglers if rank == 0 else None) if world > 1 else None,
+                                         record=layout.stragglers if rank == 0 else None,
+                                         span_s=t.straggler_span_s) if world > 1 else None,
               evaluator=evaluator if evaluator.enabled else None, say=say, logged=status)
     lp.clock.begin_step(start, startup=True)
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")

@@ -68,6 +68,8 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("train.straggler_factor", f"must be > 1, got {t.straggler_factor}")
     if t.straggler_windows < 1:
         fail("train.straggler_windows", f"must be >= 1, got {t.straggler_windows}")
+    if t.straggler_span_s < 0:
+        fail("train.straggler_span_s", f"must be >= 0, got {t.straggler_span_s}")
     if t.log_every_steps <= 0:
         fail("train.log_every_steps", f"must be positive, got {t.log_every_steps}")
     if t.sync_every_steps <= 0:

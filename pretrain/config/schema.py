@@ -136,6 +136,9 @@ class TrainConfig:
     before a full span; a slow rank is named in one line (`rank R on HOST: 2.0x the median step,
     mostly in forward`), in `straggler/*` metrics and in `<output_dir>/stragglers.json`;
     `vit-launch run --exclude-slow-hosts` leaves its host out at the next start."""
+    straggler_span_s: float = 5.0
+    """The span is lengthened past `train.straggler_windows` windows until it holds at least this
+    many seconds of steps: a window of one short step is mostly scheduling noise."""
 
 
 @dataclass

@@ -51,18 +51,32 @@ def median_of_others(values: list[float], i: int) -> float:
 
 
 class StragglerDetector:
-    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 6, record: Optional[Path] = None):
-        """``windows``: the span (logging windows) over which the evidence is summed; nobody is named
-        before a full span is seen. ``record``: a JSON file (rank 0's) rewritten whenever a rank is
-        named: the named ranks, their hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
+    def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 6, record: Optional[Path] = None,
+                 span_s: float = 5.0):
+        """``windows``: the span (logging windows) over which the evidence is summed, lengthened
+        until it holds at least ``span_s`` seconds of steps (short windows, e.g. a log line every
+        step, are each mostly scheduling noise); nobody is named before a full span is seen.
+        ``record``: a JSON file (rank 0's) rewritten whenever a rank is named: the named ranks, their
+        hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
         self.hosts, self.factor, self.windows, self.record = list(hosts), factor, windows, record
-        self.span: deque[list[dict]] = deque(maxlen=windows)
+        self.span_s = span_s
+        self.span: deque[list[dict]] = deque()
         self.named: set[int] = set()
+
+    @staticmethod
+    def _seconds(window: list[dict]) -> float:
+        return max(sum(p.values()) for p in window)
+
+    def _full(self) -> bool:
+        return len(self.span) >= self.windows and sum(map(self._seconds, self.span)) >= self.span_s
 
     def observe(self, per_rank: list[dict]) -> tuple[dict, Optional[str]]:
         """One window's phase seconds per rank -> (metrics for this window, a line naming a
         straggler or None)."""
         self.span.append([dict(p) for p in per_rank])
+        while len(self.span) > self.windows and (
+                sum(map(self._seconds, list(self.span)[1:])) >= self.span_s or len(self.span) > 100 * self.windows):
+            self.span.popleft()
         summed = [{k: sum(w[r].get(k, 0.0) for w in self.span) for k in PHASES} for r in range(len(per_rank))]
         local = [sum(p.get(k, 0.0) for k in LOCAL) for p in summed]
         ratios = [local[i] / max(median_of_others(local, i), 1e-9) for i in range(len(local))]
@@ -77,7 +91,7 @@ class StragglerDetector:
         for r, ratio in enumerate(ratios):
             if ratio < recovered:
                 self.named.discard(r)
-            elif (ratio >= self.factor and len(self.span) == self.windows and r not in self.named
+            elif (ratio >= self.factor and self._full() and r not in self.named
                   and line is None):
                 self.named.add(r)
                 line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "

@@ -4,9 +4,9 @@
   peer's buffer file. A peer that joined the process group and died before creating its file left
   rank 0 spinning forever; ``train.startup_timeout_s`` ends it with one line naming the phase.
 * One rank of a 2-rank job stopped half its time in bursts for real (SIGSTOP / SIGCONT for 0.1-0.5 s
-  each, at irregular times; logging every 5 steps, the default factor and span) is named within 10 logging windows; the same
-  job unslowed, logging every step, names nobody in 200 windows while the machine is busy with the
-  rest of the suite.
+  each, at irregular times; logging every 5 steps, the default factor and span) is named within 10
+  logging windows; the same job unslowed names nobody in 40 windows (200 steps) while the machine
+  is busy with the rest of the suite (test_step_parts models 200 windows of a loaded machine).
 """
 import os
 import random
@@ -102,11 +102,11 @@ def test_a_rank_slowed_in_bursts_is_named_and_an_even_job_names_nobody(tiny_run,
     assert recs and recs[-1]["straggler/slowest_rank"] == 1 and recs[-1]["straggler/ratio"] >= 1.5
 
     run, log = tmp_path / "even", tmp_path / "even.txt"
-    with reaped(straggler_job(tiny_run, "even", log, every=1, steps=200)) as job:
+    with reaped(straggler_job(tiny_run, "even", log, every=5, steps=200)) as job:
         code = job.wait(300)
     assert code == 0, log.read_text()[-3000:]
     m = metrics(run)
-    assert sorted(m) == list(range(1, 201)) and all("straggler/ratio" in r for r in m.values())
+    assert sorted(m) == list(range(5, 201, 5)) and all("straggler/ratio" in r for r in m.values())
     assert "straggler:" not in log.read_text(), (max(r["straggler/ratio"] for s, r in m.items() if s >= 6),
                                                  log.read_text()[-2000:])
 

@@ -158,7 +158,7 @@ def _window(rank_local: list[float]) -> list[dict]:
 
 
 def test_a_persistent_straggler_is_named_once_with_its_phase():
-    d = StragglerDetector(["a", "a", "b", "b"], factor=1.5, windows=3)
+    d = StragglerDetector(["a", "a", "b", "b"], factor=1.5, windows=3, span_s=0.0)
     lines = []
     for _ in range(5):
         metrics, line = d.observe(_window([0.3, 0.31, 0.29, 0.6]))
@@ -233,8 +233,20 @@ def test_an_even_job_on_a_loaded_machine_names_nobody_in_200_windows():
         assert d.slow_hosts() == []
 
 
+def test_short_windows_are_judged_over_enough_seconds():
+    """Windows of one 0.2 s step: a rank slow for 4 of them (0.8 s: a scheduling hiccup) is not named
+    (the span grows to 5 s, 25 windows); slow for 30 it is."""
+    d = StragglerDetector(["a", "b"], factor=1.5, windows=6, span_s=5.0)
+    even = [{"data": 0.02, "forward": 0.06, "backward": 0.12}] * 2
+    slow = [even[0], {"data": 0.02, "forward": 0.18, "backward": 0.12}]
+    assert not any(d.observe(w)[1] for w in [even] * 30 + [slow] * 4 + [even] * 10)
+    lines = [d.observe(slow)[1] for _ in range(30)]
+    assert any(lines) and lines[0] is None
+    assert len(d.span) <= 26
+
+
 def test_an_even_job_names_nobody():
-    d = StragglerDetector(["a", "b"], factor=1.5, windows=2)
+    d = StragglerDetector(["a", "b"], factor=1.5, windows=2, span_s=0.0)
     assert all(d.observe(_window([0.3 + 0.02 * (i % 2), 0.31]))[1] is None for i in range(10))
 
 
