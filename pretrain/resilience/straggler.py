@@ -60,25 +60,33 @@ class StragglerDetector:
         hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
         self.hosts, self.factor, self.windows, self.record = list(hosts), factor, windows, record
         self.span_s = span_s
-        self.span: deque[list[dict]] = deque()
+        self.span: deque[tuple[list[dict], float]] = deque()  # (phase seconds per rank, the window's seconds)
+        self.seconds = 0.0  # of the windows in the span
+        # phase seconds per rank over the span, kept as windows come and go
+        self.summed = [dict.fromkeys(PHASES, 0.0) for _ in self.hosts]
         self.named: set[int] = set()
 
-    @staticmethod
-    def _seconds(window: list[dict]) -> float:
-        return max(sum(p.values()) for p in window)
-
     def _full(self) -> bool:
-        return len(self.span) >= self.windows and sum(map(self._seconds, self.span)) >= self.span_s
+        return len(self.span) >= self.windows and self.seconds >= self.span_s
+
+    def _add(self, window: list[dict], sign: float) -> None:
+        for total, p in zip(self.summed, window):
+            for k in PHASES:
+                total[k] += sign * p.get(k, 0.0)
 
     def observe(self, per_rank: list[dict]) -> tuple[dict, Optional[str]]:
         """One window's phase seconds per rank -> (metrics for this window, a line naming a
         straggler or None)."""
-        self.span.append([dict(p) for p in per_rank])
-        while len(self.span) > self.windows and (
-                sum(map(self._seconds, list(self.span)[1:])) >= self.span_s or len(self.span) > 100 * self.windows):
-            self.span.popleft()
-        summed = [{k: sum(w[r].get(k, 0.0) for w in self.span) for k in PHASES} for r in range(len(per_rank))]
-        local = [sum(p.get(k, 0.0) for k in LOCAL) for p in summed]
+        window = [dict(p) for p in per_rank]
+        self.span.append((window, max(sum(p.values()) for p in window)))
+        self.seconds += self.span[-1][1]
+        self._add(window, 1.0)
+        while len(self.span) > self.windows and (self.seconds - self.span[0][1] >= self.span_s
+                                                 or len(self.span) > 100 * self.windows):
+            old, sec = self.span.popleft()
+            self.seconds -= sec
+            self._add(old, -1.0)
+        local = [sum(p.get(k, 0.0) for k in LOCAL) for p in self.summed]
         ratios = [local[i] / max(median_of_others(local, i), 1e-9) for i in range(len(local))]
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         metrics = {"straggler/slowest_rank": slowest, "straggler/slowest_host": self.hosts[slowest],
@@ -95,7 +103,7 @@ class StragglerDetector:
                   and line is None):
                 self.named.add(r)
                 line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "
-                        f"{self.worst_phase(summed, r)}")
+                        f"{self.worst_phase(self.summed, r)}")
         if line and self.record is not None:
             from data_pipeline.files import write_json
 
