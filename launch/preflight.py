@@ -65,21 +65,36 @@ _TAR_MAGIC = (b"ustar\x0000", b"ustar  \x00")  # POSIX ustar / old GNU tar, at o
 COUNT_SAMPLE = 64  # tars whose samples are counted; beyond that many, a sample spread over the list
 
 
-def _manifest_bytes(manifests) -> dict[str, tuple[Optional[int], str]]:
-    """Local shard path -> (byte size recorded in its manifest or None, that manifest's path)."""
+def _manifest_bytes(manifests, policy) -> dict[str, tuple[Optional[int], str]]:
+    """Local shard path or ``s3://`` URL -> (byte size recorded in its manifest or None, that
+    manifest's path). ``policy``: the retries of an S3 manifest's read; other remote manifests are
+    skipped."""
     from data_pipeline.shards.manifest import parse_manifest
-    from data_pipeline.storage.urls import is_remote, local_path
+    from data_pipeline.storage.s3 import S3Prefix
+    from data_pipeline.storage.urls import is_remote, is_s3, local_path
 
     sizes: dict[str, tuple[Optional[int], str]] = {}
     for murl in manifests:
-        if is_remote(murl):
+        if is_s3(murl):
+            parent, name = murl.rsplit("/", 1)
+            folder = S3Prefix(parent, policy)
+            shards, where = parse_manifest(folder.read_text(name) or "", murl)["shards"], murl
+            keys = [folder.url(sh["name"]) for sh in shards]
+        elif is_remote(murl):
             continue
-        path = Path(local_path(murl))
-        m = parse_manifest(path.read_text(), str(path))
-        for s in m["shards"]:
-            b = s.get("bytes")
-            sizes[str(path.parent / s["name"])] = (b if isinstance(b, int) else None, str(path))
+        else:
+            path = Path(local_path(murl))
+            shards, where = parse_manifest(path.read_text(), str(path))["shards"], str(path)
+            keys = [str(path.parent / sh["name"]) for sh in shards]
+        for key, sh in zip(keys, shards):
+            b = sh.get("bytes")
+            sizes[key] = (b if isinstance(b, int) else None, where)
     return sizes
+
+
+def _is_tar_header(head: bytes) -> bool:
+    """The first 512 bytes of a file start a POSIX ustar or old GNU tar archive."""
+    return len(head) >= 512 and head[257:265] in _TAR_MAGIC
 
 
 def count_samples(path: str) -> int:
@@ -140,51 +155,38 @@ def _tar_problem(path: str, expected: Optional[int]) -> Optional[str]:
             head = f.read(512)
     except OSError as e:
         return f"unreadable ({e.strerror})"
-    if len(head) < 512 or head[257:265] not in _TAR_MAGIC:
-        return "does not start with a tar header"
-    return None
+    return None if _is_tar_header(head) else "does not start with a tar header"
 
 
 S3_HEADERS = 8  # tars in the store whose first 512 bytes are read (ranged GETs), spread over the list
 
 
-def _s3_problems(remote, manifests, policy) -> tuple[list[tuple[str, str]], int]:
+def _s3_problems(remote, sizes, policy) -> tuple[list[tuple[str, str]], int]:
     """[(shard URL, what is wrong)] for ``s3://`` shards, and how many tar headers were read. One
     LIST per folder gives every object's size (a request per 1,000 shards), compared with the size
-    its manifest recorded; a spread of S3_HEADERS tars has its first 512 bytes read for the tar
-    header. Samples are not counted in the store: that reads every member's header, a request each.
-    Raises ``DataError`` (one line: credentials, bucket) when the store refuses."""
-    from data_pipeline.shards.manifest import parse_manifest
+    its manifest recorded (``sizes``: :func:`_manifest_bytes`); a spread of S3_HEADERS tars has its
+    first 512 bytes read for the tar header. Samples are not counted in the store: that reads every
+    member's header, a request each. Raises ``DataError`` (one line: credentials, bucket) when the
+    store refuses."""
     from data_pipeline.storage.s3 import S3Prefix
-    from data_pipeline.storage.urls import is_s3
 
-    def place(url: str) -> tuple[S3Prefix, str]:
-        parent, name = url.rsplit("/", 1)
-        return S3Prefix(parent, policy), name
-
-    recorded: dict[str, Optional[int]] = {}
-    for murl in filter(is_s3, manifests):
-        folder, name = place(murl)
-        for sh in parse_manifest(folder.read_text(name) or "", murl)["shards"]:
-            b = sh.get("bytes")
-            recorded[folder.url(sh["name"])] = b if isinstance(b, int) else None
     listed: dict[str, int] = {}
     for parent in sorted({s.url.rsplit("/", 1)[0] for s in remote}):
         folder = S3Prefix(parent, policy)
         listed.update({folder.url(n): b for n, b in folder.sizes().items()})
     problems = []
     for s in remote:
+        recorded = sizes.get(s.url, (None, ""))[0]
         if s.url not in listed:
             problems.append((s.url, "missing"))
-        elif recorded.get(s.url) is not None and listed[s.url] != recorded[s.url]:
-            problems.append((s.url, f"{listed[s.url]} bytes, the manifest says {recorded[s.url]}"))
+        elif recorded is not None and listed[s.url] != recorded:
+            problems.append((s.url, f"{listed[s.url]} bytes, the manifest says {recorded}"))
     if problems:
         return problems, 0
     picked = spread(len(remote), S3_HEADERS)
     for i in picked:
-        folder, name = place(remote[i].url)
-        head = folder.head_bytes(name, 512)
-        if len(head) < 512 or head[257:265] not in _TAR_MAGIC:
+        parent, name = remote[i].url.rsplit("/", 1)
+        if not _is_tar_header(S3Prefix(parent, policy).head_bytes(name, 512)):
             problems.append((remote[i].url, "does not start with a tar header"))
     return problems, len(picked)
 
@@ -192,13 +194,14 @@ def _s3_problems(remote, manifests, policy) -> tuple[list[tuple[str, str]], int]
 def check_shards(cfg: Config, world: int) -> list[Finding]:
     from data_pipeline.errors import DataError
     from data_pipeline.shards.manifest import resolve_shards
+    from data_pipeline.storage.retry import RemotePolicy
     from data_pipeline.storage.urls import is_remote, is_s3
     from data_pipeline.loading.plan import Plan, plan_line
 
     d = cfg.data
     try:
         shardset = resolve_shards(d.train_shards, allow_remote=d.allow_remote, key="data.train_shards")
-        sizes = _manifest_bytes(shardset.manifests)
+        sizes = _manifest_bytes(shardset.manifests, RemotePolicy.of(d))
     except (DataError, OSError) as e:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
     where = shardset.manifests[0] + (f" (+{len(shardset.manifests) - 1} more)" if len(shardset.manifests) > 1 else "")
@@ -231,10 +234,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     # -- the same in an S3 store, by listing: existence, byte size, a spread of headers
     in_s3 = [s for s in shardset.shards if is_s3(s.url)]
     if in_s3:
-        from data_pipeline.storage.retry import RemotePolicy
-
         try:
-            bad, heads = _s3_problems(in_s3, shardset.manifests, RemotePolicy.of(d))
+            bad, heads = _s3_problems(in_s3, sizes, RemotePolicy.of(d))
         except DataError as e:
             bad, heads = [], -1
             out.append(Finding(FAIL, "manifest", str(e).splitlines()[0]))
