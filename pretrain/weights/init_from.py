@@ -70,8 +70,9 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
         import deepspeed
 
         gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
+    loads = not (cfg.zero.stage == 3 and dist.is_initialized() and dist.get_rank() != 0)  # ZeRO-3: rank 0 alone
     with gather:
-        if not dist.is_initialized() or dist.get_rank() == 0 or cfg.zero.stage != 3:
+        if loads:
             try:
                 report = load_weights(model, pre.state_dict, strict=True, exclude=drop, old_grid=pre.grid)
             except WeightsError as e:
@@ -79,7 +80,7 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
                 + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes" if drop else ""))
-    if cfg.train.precision != "bf16" or (cfg.zero.stage == 3 and dist.is_initialized() and dist.get_rank() != 0):
+    if cfg.train.precision != "bf16" or not loads:
         return {}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     return {n: v.detach().float() for n, v in report.values.items() if n in trainable}
