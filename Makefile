@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.vitscale-installed
 # the venv's tools first (deepspeed, ninja for DeepSpeed's JIT-built CPU op, console scripts)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-cluster cluster-packages install clean bench-gpu device-kit
+.PHONY: demo test test-gpu test-cluster cluster-packages install clean bench-gpu device-kit
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ demo: $(STAMP)
 	$(PY) -m launch.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster" -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -m "not cluster and not gpu" -n 2 --dist loadfile tests
+
+# the checks only a GPU can make (bf16 fused attention, NCCL, nvJPEG); a CPU machine leaves them out
+test-gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: no CUDA device here')"
+	$(PY) -m pytest -q -m gpu tests
 
 # the GPU figures on one GPU (budgeted to end within 9 min on an H100): JSON + Markdown in BENCH_OUT
 BENCH_OUT ?= runs/bench-gpu

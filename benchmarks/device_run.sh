@@ -34,7 +34,7 @@ case "$part" in
     # shellcheck disable=SC2086  # SUITE_ARGS=--smoke rehearses the whole script on a CPU machine
     "$PY" benchmarks/gpu_suite.py --output "$OUT/bench-gpu" ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log"
     exit "${PIPESTATUS[0]}" ;;
-  tests)  # the `gpu`-marked tests (CI and CPU machines skip them)
+  tests)  # the `gpu`-marked tests (make test-gpu; CPU machines leave them out)
     # shellcheck disable=SC2086  # PYTEST_ARGS: another selection (a rehearsal on CPU runs CPU tests)
     "$PY" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:--m gpu tests} 2>&1 | tee "$OUT/gpu-tests.log"
     exit "${PIPESTATUS[0]}" ;;

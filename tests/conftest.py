@@ -1,5 +1,5 @@
 """Shared pytest setup. Everything runs on CPU; checks that need a GPU carry the `gpu` marker and
-run only where CUDA is present (CI never has one)."""
+are collected only where CUDA is present (`make test-gpu`; CI never has one)."""
 import os
 import sys
 from pathlib import Path
@@ -85,12 +85,14 @@ def _no_shm_left():
 
 
 def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are a tier of their own (`make test-gpu`), like `cluster`: selected where CUDA is
+    present, deselected (not skipped) elsewhere, so a CPU run reports only tests that ran."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if "gpu" not in item.keywords]
 
 
 # ------------------------------------------------------------------ data pipeline: real shards

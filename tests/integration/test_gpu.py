@@ -1,4 +1,4 @@
-"""Checks only a GPU can make (marker `gpu`; CI and CPU machines skip them): bf16 fused attention
+"""Checks only a GPU can make (marker `gpu`, `make test-gpu`; CPU machines leave them out): bf16 fused attention
 against the fp32 math path, and a DeepSpeed bf16 ZeRO-2 step over NCCL reporting MFU."""
 import json
 
