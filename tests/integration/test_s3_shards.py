@@ -6,14 +6,16 @@ disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a
 missing bucket and wrong credentials are one line; ``vit-launch check`` checks the shards in
 the store as on disk; an interrupted write is finished by a rerun that
 keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
-nobody writes is one line and no local folder; 2 ranks train from the store through a cut and a
-kill -9 + resume on exactly the samples they read from disk."""
+nobody writes is one line and no local folder; ``vit-transfer --suite shards`` gives from the store
+the numbers it gives from disk; 2 ranks train from the store through a cut and a kill -9 + resume
+on exactly the samples they read from disk."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -303,6 +305,79 @@ def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
     with pytest.raises(SystemExit):
         cli.main(["merge", url, f"{url}/part-0003of0003.json"])
     assert "part-0003of0003.json: part manifest not found" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def suite(store, written, tmp_path_factory):
+    """The shards suite's ROOT on disk and in the store (objects with the files' bytes): train/ (the
+    written demo shards), test/ (40 other demo images), val/ (a copy of test/)."""
+    disk = tmp_path_factory.mktemp("suite") / "suite"
+    classes, items = demo_items("val", 40)
+    write_shards(sources.Source("demo:val", classes, items), disk / "test", split="test", shard_size=20,
+                 progress=False)
+    shutil.copytree(written[0], disk / "train")
+    shutil.copytree(disk / "test", disk / "val")
+    for split in ("train", "test", "val"):
+        for f in (disk / split).iterdir():
+            store.client.put_object(Bucket=BUCKET, Key=f"suite/{split}/{f.name}", Body=f.read_bytes())
+    return disk, f"s3://{BUCKET}/suite"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transfer_fixtures import save_safetensors, tiny_model
+
+    return save_safetensors(tiny_model(32), tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
+
+
+def _transfer(checkpoint, root: str, out, *overrides):
+    from pretrain.transfer.cli import main
+
+    main(["--checkpoint", str(checkpoint), "--suite", "shards", "--protocol", "fewshot", "--data-root", root,
+          "--output", str(out), "eval.workers=0", "eval.batch_size=32", "eval.fewshot_shots=[1,5]",
+          "eval.fewshot_seeds=2", *overrides])
+
+
+def test_transfer_shards_suite_from_the_store_gives_the_numbers_of_disk(store, suite, checkpoint, tmp_path, proxy):
+    """``vit-transfer --suite shards --data-root s3://...``: the same task (train/ test/, val/ found
+    by asking the store) and the same few-shot accuracies, to the last digit, as from disk."""
+    from data_pipeline.config import DataConfig
+    from pretrain.transfer import suites
+
+    disk, url = suite
+    task = suites.shards(url, DataConfig(allow_remote=True))
+    assert (task.name, task.num_classes, len(task.train), len(task.val), len(task.trainval), len(task.test)) == \
+        ("suite", 10, 96, 40, 136, 40)
+    for split in ("train", "test"):  # no val/ under this prefix: none, as on disk
+        store.client.copy_object(Bucket=BUCKET, Key=f"noval/{split}/manifest.json",
+                                 CopySource={"Bucket": BUCKET, "Key": f"suite/{split}/manifest.json"})
+    assert suites.shards(f"s3://{BUCKET}/noval/", DataConfig(allow_remote=True)).val is None
+
+    docs = {}
+    for where, root in (("disk", str(disk)), ("store", url)):
+        _transfer(checkpoint, root, tmp_path / f"{where}.json", "data.allow_remote=true")
+        docs[where] = json.loads((tmp_path / f"{where}.json").read_text())["tasks"]["suite"]
+        del docs[where]["seconds"]
+    r = docs["store"]
+    assert r == docs["disk"], docs  # accuracies, per-shot details, settings, counts
+    assert r["num_train"] == 136 and r["num_test"] == 40 and r["accuracy"] > 0.1, r  # 10 classes: chance 0.1
+    assert proxy.log == []
+
+
+def test_transfer_shards_root_mistakes_are_one_line(store, suite, checkpoint, tmp_path, capsys):
+    url = suite[1]
+    for root, overrides, said in (
+            (f"s3://{BUCKET}/demo", ["data.allow_remote=true"],  # demo/train only
+             f"s3://{BUCKET}/demo/test/manifest.json: not found (shards suite: ROOT/train and ROOT/test, each with "
+             "shards + manifest.json)"),
+            (url, [], f"{url}: an s3:// shards root needs data.allow_remote=true (it reaches the network)"),
+            ("https://example.org/suite", ["data.allow_remote=true"], "https://example.org/suite: the shards suite "
+             "reads a folder or s3://bucket/prefix (https: URLs cannot be searched for train/ test/ val/)")):
+        with pytest.raises(SystemExit) as e:
+            _transfer(checkpoint, root, tmp_path / "r.json", *overrides)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"vit-transfer: error: {said}\n", err
+    assert not (tmp_path / "r.json").exists()
 
 
 def _job(tiny_run, shards: str, name: str):
