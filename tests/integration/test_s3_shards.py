@@ -6,9 +6,9 @@ disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a
 missing bucket and wrong credentials are one line; ``vit-launch check`` checks the shards in
 the store as on disk; an interrupted write is finished by a rerun that
 keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
-nobody writes is one line and no local folder; ``vit-transfer --suite shards`` gives from the store
-the numbers it gives from disk; 2 ranks train from the store through a cut and a kill -9 + resume
-on exactly the samples they read from disk."""
+nobody writes is one line and no local folder; ``vit-transfer --suite shards`` and ``vit-audit``
+give from the store the numbers and pairs they give from disk; 2 ranks train from the store through
+a cut and a kill -9 + resume on exactly the samples they read from disk."""
 from __future__ import annotations
 
 import hashlib
@@ -378,6 +378,71 @@ def test_transfer_shards_root_mistakes_are_one_line(store, suite, checkpoint, tm
         err = capsys.readouterr().err
         assert e.value.code == 2 and err == f"vit-transfer: error: {said}\n", err
     assert not (tmp_path / "r.json").exists()
+
+
+def _reader(store) -> dict:
+    """AWS_* variables of a user who may read the bucket but not write to it."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=store.server.url, region_name="us-east-1",
+                       aws_access_key_id=store.server.env["AWS_ACCESS_KEY_ID"],
+                       aws_secret_access_key=store.server.env["AWS_SECRET_ACCESS_KEY"])
+    name = f"reader{os.getpid()}"
+    iam.create_user(UserName=name)
+    iam.put_user_policy(UserName=name, PolicyName="read", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
+                                                "Resource": "*"}]}))
+    key = iam.create_access_key(UserName=name)["AccessKey"]
+    return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+
+def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suite, tmp_path, capsys, monkeypatch):
+    """vit-audit with the evaluation ROOT or the pre-training shards in the store reports the pairs it
+    reports from disk. Pre-training shards: test/ (40 images); evaluation: the ROOT, whose test/ and
+    val/ hold those very images (80 exact pairs) and train/ other ones. hashes.npz goes to the
+    prefix and is reused; a user who may not write there gets the hashes for the run only."""
+    from data_pipeline.audit import index
+    from pretrain.evaluation import audit as vit_audit
+
+    disk, url = suite
+
+    def pairs(shards: str, evals: str, name: str) -> list:
+        out = tmp_path / name
+        assert vit_audit.main(["--shards", shards, "--eval", f"shards:{evals}", "--output", str(out), "--quiet",
+                               "--grid", "2"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].startswith("80 pairs")
+        doc = json.loads((out / "audit.json").read_text())
+        assert doc["shards"][0]["manifest"] == index.manifest_url(shards) and doc["evals"][0]["images"] == 176
+        return sorted(tuple(v for k, v in p.items() if k != "manifest") for p in doc["pairs"])
+
+    ref = pairs(str(disk / "test"), str(disk), "disk")
+    assert len(ref) == 80 and {(p[0], p[1]) for p in ref} == {("shards/suite", "test"), ("shards/suite", "val")}
+    assert all(p[2] == p[3] and p[-2] == "exact" for p in ref), ref[:3]  # (eval_id, train_key, ..., match, mirrored)
+    assert pairs(str(disk / "test"), url, "eval_in_store") == ref
+
+    stored = "suite/test/hashes.npz"
+    with monkeypatch.context() as m:
+        for k, v in _reader(store).items():
+            m.setenv(k, v)
+        assert vit_audit.main(["--index", f"{url}/test", "--quiet"]) == 0
+        out, err = capsys.readouterr()
+        assert out == "40 images hashed (0 unreadable) -> hashes.npz not stored (see the note above)\n", out
+        assert err == (f"vit-audit: note: cannot store {url}/test/hashes.npz (S3 403 AccessDenied: check the "
+                       "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) "
+                       "and that they may access this bucket); the hashes are used for this run only\n"), err
+        assert pairs(f"{url}/test/manifest.json", str(disk), "read_only") == ref
+    assert "Contents" not in store.client.list_objects_v2(Bucket=BUCKET, Prefix=stored)
+
+    assert pairs(f"{url}/test/manifest.json", str(disk), "shards_in_store") == ref
+    etag = store.client.head_object(Bucket=BUCKET, Key=stored)["ETag"]
+    built = []
+    real_build = index.build_index
+    monkeypatch.setattr(index, "build_index", lambda *a, **k: built.append(a) or real_build(*a, **k))
+    assert vit_audit.main(["--index", f"{url}/test/", "--quiet"]) == 0  # the stored hashes, fingerprint checked
+    assert capsys.readouterr().out == f"40 images hashed (0 unreadable) -> {url}/test/hashes.npz\n"
+    assert built == [] and store.client.head_object(Bucket=BUCKET, Key=stored)["ETag"] == etag
+    assert vit_audit.main(["--index", f"{url}/test", "--force", "--quiet"]) == 0
+    assert len(built) == 1
 
 
 def _job(tiny_run, shards: str, name: str):
