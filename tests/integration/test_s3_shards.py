@@ -119,7 +119,7 @@ def test_output_url_nobody_writes_is_one_line_and_no_folder(url, tmp_path, monke
     assert list(tmp_path.iterdir()) == []  # no folder named "gs:" or "foo:"
 
 
-def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, written, from_disk, proxy):
+def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, written, from_disk, proxy, capsys):
     local, url = written
     objects = _objects(store.client, "demo/train/")
     assert sorted(objects) == sorted(p.name for p in local.iterdir())  # no progress file, no leftovers
@@ -128,7 +128,8 @@ def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, wr
         assert _sha(body) == _sha((local / name).read_bytes()), name
     assert not store.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
-    for spec in (url, f"{url}/manifest.json", f"{url}/"):
+    halves = [f"{url}/train-{{000000..000003}}.tar", f"{url}/train-00000{{4..7}}.tar"]  # a list of patterns
+    for spec in (url, f"{url}/manifest.json", f"{url}/", halves):
         batches, counters = one_epoch(_cfg(spec))
         _same(batches, from_disk)
         assert counters == {"samples": 96}
@@ -137,6 +138,13 @@ def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, wr
     assert [s.index for s in picked.shards] == [2, 3, 4]
     with pytest.raises(DataError, match="needs data.allow_remote=true"):
         resolve_shards(url)
+    from data_pipeline.loading.plan import main as plan
+
+    lines = []
+    for spec, flag in ((str(local), []), (url, ["--allow-remote"])):  # python -m data_pipeline.loading.plan
+        plan([spec, "--world-size", "2", "--workers", "2", "--batch", "4", *flag])
+        lines.append(capsys.readouterr().out.strip().rsplit("; planned in", 1)[0])
+    assert lines[0] == lines[1] and lines[0].startswith("96 samples in 8 shards on 2 rank(s) x 2 worker(s)"), lines
     assert proxy.log == []
 
 
