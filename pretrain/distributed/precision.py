@@ -88,4 +88,5 @@ def check_precision(precision: str, key: str = "train.precision") -> None:
     if not ok():
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
         alt = "bf16 or fp32" if dtype == torch.float16 and acc.is_bf16_supported() else "fp32"
-        raise ConfigError(f"{key}={precision}: this {acc.device_name()} device does not support {name}; use {key}={alt}")
+        raise ConfigError(f"{key}={precision}: this {acc.device_name()} device does not support {name}; "
+                          f"use {key}={alt}")

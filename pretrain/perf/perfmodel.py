@@ -393,8 +393,8 @@ def predict(layout: Layout) -> Prediction:
            "activations": est.activations / GB, "runtime": memory.RUNTIME_OVERHEAD_BYTES / GB}
     if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
         tensors = _partitioned(layout)
-        mem["gathered_weights"] = ((sum(tensors) - _released_numel(layout, tensors)) * memory.weight_bytes(layout.precision)
-                                   / GB)
+        kept = sum(tensors) - _released_numel(layout, tensors)
+        mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / GB
     if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
         mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / GB
     mem["total"] = sum(mem.values())
