@@ -23,6 +23,12 @@ CASES = {
     "z3-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05),
     "z3-adamw-offload-params-2steps": dict(optim="adamw", steps=2, offload_params=True, clip=1.0, wd=0.05),
     "z1-bf16-sgd": dict(stage=1, precision="bf16", clip=1.0),
+    # bf16-autocast (torch autocast): at ZeRO-0 (which bf16 refuses), 1 and 3; reduced in bf16 at ZeRO-3
+    # (the weight matrices' gradients reduce-scattered and their weights gathered in bf16)
+    "z0-bf16-autocast-sgd": dict(stage=0, precision="bf16-autocast", clip=1.0),
+    "z1-bf16-autocast-sgd": dict(stage=1, precision="bf16-autocast", clip=1.0),
+    "z3-bf16-autocast-sgd": dict(stage=3, precision="bf16-autocast", clip=1.0),
+    "z3-bf16-autocast-reduce-bf16-sgd": dict(stage=3, precision="bf16-autocast", reduce="bf16", clip=1.0),
     # the losses users choose: label smoothing, and sigmoid targets summed over classes (ImageNet-21k, JFT)
     "z2-sgd-smoothing0.1": dict(stage=2, smoothing=0.1, clip=1.0),
     # (SGD: AdamW's per-element scaling turns the last-bit difference between two correct sigmoid
@@ -37,8 +43,12 @@ FP32_BOUND = 1e-5  # relative error of the whole update: reduction order only
 NOISE_FACTOR = 2.0
 # bf16: DeepSpeed runs the whole model in bf16 (8 significant bits: 2**-8 = 3.9e-3 per rounding),
 # forward and backward, against an fp32 reference; the errors add up over 12 blocks. Measured:
-# 2.4e-2 relative, cosine 0.99971.
+# 1.8e-2 relative, cosine 0.99983.
+# bf16-autocast: the same bf16 operands in every matmul (the error's main source here), norms and
+# the residual stream in fp32. Measured at ZeRO-0, 1 and 3 alike: 1.9e-2, cosine 0.99982; with the
+# bf16 reduction 1.9e-2. Both bounds leave 2.5x room for another batch or library release.
 BF16_BOUND, BF16_COSINE = 5e-2, 0.999
+BOUNDS = {"bf16": (BF16_BOUND, BF16_COSINE), "bf16-autocast": (BF16_BOUND, BF16_COSINE)}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +65,12 @@ def test_training_steps_equal_plain_pytorch(steps, case):
     clip = CASES[case].get("clip", 0.0)
     if clip:
         assert got["reference_grad_norm"] > clip, got  # the clip changes the step: it is tested too
-    if CASES[case].get("precision") == "bf16":
-        assert got["relative_error"] <= BF16_BOUND and got["cosine"] >= BF16_COSINE, got
+    precision = CASES[case].get("precision", "fp32")
+    if precision in BOUNDS:
+        bound, cosine = BOUNDS[precision]
+        assert got["relative_error"] <= bound and got["cosine"] >= cosine, got
+        if precision == "bf16-autocast":  # the module stays fp32: DeepSpeed's masters are the given weights
+            assert got["masters_start_offset"] == 0.0, got
     else:
         assert got["relative_error"] <= max(FP32_BOUND, NOISE_FACTOR * got["reference_noise"]), got
         assert got["masters_start_offset"] == 0.0, got  # fp32: DeepSpeed trains the given weights
