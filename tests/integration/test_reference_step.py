@@ -6,6 +6,8 @@ import json
 import pytest
 
 from dist_utils import deepspeed_cmd, run_job
+from reference_utils import (FIXED_CROP, FP32_BOUND, NOISE_FACTOR, read_back, recorded_steps, timm_model, timm_start,
+                             update_error)
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +37,6 @@ CASES = {
     # cross-entropy formulas, torch's and the reference's, into 2x the reference's own noise)
     "z1-sgd-multilabel-2steps": dict(stage=1, momentum=0.9, steps=2, multi_label=True, clip=1.0, wd=0.05),
 }
-FP32_BOUND = 1e-5  # relative error of the whole update: reduction order only
-# AdamW divides each element by the root of its own squared-gradient average, so rounding in a tiny
-# gradient becomes a full-sized difference in its update: the reference itself, summed over our
-# micro-batches instead of the whole batch, drifts 4e-5 to 8e-5 from the whole-batch reference. Our
-# error may be what the reference's own noise is, twice over.
-NOISE_FACTOR = 2.0
 # bf16: DeepSpeed runs the whole model in bf16 (8 significant bits: 2**-8 = 3.9e-3 per rounding),
 # forward and backward, against an fp32 reference; the errors add up over 12 blocks. Measured:
 # 1.8e-2 relative, cosine 0.99983.
@@ -94,67 +90,33 @@ def test_a_training_run_step_equals_plain_pytorch_on_the_batch_read_back_by_key(
     engine, ZeRO-2), one SGD step from a known timm file (``model.init_from``), against timm's model
     and ``torch.optim.SGD`` on the samples the run recorded, read back by key from the tar shards
     and preprocessed with torchvision. The crop is made deterministic by data.augment settings, not
-    test hooks: with scale 1 and aspect ratio 4 no crop fits a demo image (aspect 0.7-1.4), so
-    RandomResizedCrop takes its documented fallback, the full-width centre band of height W / 4;
-    no flip. (Aspect 1 is not enough: an image one pixel off square fits a 95 x 95 crop at a
-    random offset.)"""
-    import tarfile
-    import io
-
-    import timm
+    test hooks (``reference_utils.FIXED_CROP``)."""
     import torch
     import torch.nn.functional as F
-    from PIL import Image
-    from torchvision.transforms.v2 import functional as TF
 
-    from pretrain.weights.export import load_run_weights, write_safetensors
+    from pretrain.weights.export import load_run_weights
 
-    torch.manual_seed(3)
-    start = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10)
-    with torch.no_grad():
-        for p in start.parameters():
-            p.add_(torch.randn_like(p) * 0.02)  # no zero head: every layer moves at the first step
     init = tmp_path / "start.safetensors"
-    write_safetensors(start.state_dict(), init, {"model.name": "vit_tiny_patch16_224"})
+    start = timm_start(init)
     lr = 0.1
     job = tiny_run(f"model.init_from={init}", "train.steps=1", "optim.name=sgd", f"optim.lr={lr}", "optim.momentum=0.0",
                    "optim.weight_decay=0.0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant",
-                   "data.augment.crop_scale=[1.0,1.0]", "data.augment.crop_ratio=[4.0,4.0]", "data.augment.hflip=0.0",
-                   "data.record_samples=true", "train.global_batch_size=32", "train.micro_batch_size=16",
+                   *FIXED_CROP, "data.record_samples=true", "train.global_batch_size=32", "train.micro_batch_size=16",
                    "checkpoint.every_steps=1", "zero.stage=2", "train.precision=fp32", via="deepspeed", ranks=2)
     r = job.run(300)
     assert r.returncode == 0, r.stderr[-3000:]
-    keys = [ln.split("\t")[2] for f in sorted((job.run_dir / "samples").glob("rank-*.tsv"))
-            for ln in f.read_text().splitlines()]
+    keys = recorded_steps(job.run_dir)[1]
     assert len(keys) == 32 == len(set(keys))
 
-    members = {}  # key -> {ext: bytes}, from the tars the manifest lists
-    for tar in sorted(shards.parent.glob("*.tar")):
-        with tarfile.open(tar) as t:
-            for m in t.getmembers():
-                key, ext = m.name.split(".", 1)
-                members.setdefault(key, {})[ext] = t.extractfile(m).read()
-    images, labels = [], []
-    for k in keys:
-        img = TF.pil_to_tensor(Image.open(io.BytesIO(members[k]["jpg"])).convert("RGB"))
-        h, w = img.shape[-2:]
-        band = int(round(w / 4.0))  # RandomResizedCrop's fallback for a ratio above the image's: full width
-        img = TF.resized_crop(img, (h - band) // 2, 0, band, w, [64, 64], antialias=True)
-        images.append((img.float() / 255 - 0.5) / 0.5)
-        labels.append(int(members[k]["cls"]))
-    ref = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10)
-    ref.load_state_dict(start.state_dict())
+    images, labels = read_back(shards, keys, 64)
+    ref = timm_model(start)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    loss = F.cross_entropy(ref(torch.stack(images)), torch.tensor(labels))
+    loss = F.cross_entropy(ref(images), labels)
     loss.backward()
     opt.step()
 
     ours, info = load_run_weights(job.run_dir)
     assert info["step"] == 1
-    before = start.state_dict()
-    num = den = 0.0
-    for name, q in ref.named_parameters():
-        a, b = ours[name] - before[name], q.detach() - before[name]
-        num, den = num + float((a - b).pow(2).sum()), den + float(b.pow(2).sum())
-    assert den > 0 and (num / den) ** 0.5 <= FP32_BOUND, ((num / den) ** 0.5, den)
-    print(f"whole path, ZeRO-2 on 2 ranks, one SGD step: relative error {(num / den) ** 0.5:.2g}")
+    error, _ = update_error(start, ours, dict(ref.named_parameters()))
+    assert error <= FP32_BOUND, error
+    print(f"whole path, ZeRO-2 on 2 ranks, one SGD step: relative error {error:.2g}")

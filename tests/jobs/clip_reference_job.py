@@ -16,7 +16,8 @@ cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the
 ``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype). Every case starts from
 the same weights; the batches of step t are the same on every rank and in the reference.
 
-The reference is written here, from the algorithm, not from our code: the mean loss over the whole
+The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
+which the whole-path tests share): the mean loss over the whole
 global batch (cross-entropy against ``1 - smoothing`` on the label plus ``smoothing`` spread over
 every class, or for multi-label targets the sigmoid cross-entropy summed over classes), while our
 side trains with ``pretrain.models.losses.classification_loss`` as training does; ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
@@ -38,6 +39,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
+from tests.reference_utils import decay_groups, reference_schedule, train_reference
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
 LR = {"sgd": 0.1, "adamw": 1e-3}
@@ -78,48 +80,15 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
     """Plain PyTorch: ``case["steps"]`` steps on the whole global batch; the first gradient norm.
     ``split``: each step's gradient summed over the micro-batches our ranks take (the same
     mathematics in another floating-point order: how far two exact implementations drift apart)."""
-    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1 or n in ("pos_embed", "cls_token")]
-    decay = [p for n, p in model.named_parameters() if not (p.ndim <= 1 or n in ("pos_embed", "cls_token"))]
-    groups = [{"params": decay, "weight_decay": case["wd"]}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = decay_groups(model, case["wd"])
     if case["optim"] == "sgd":
         opt = torch.optim.SGD(groups, lr=LR["sgd"], momentum=case["momentum"])
     else:
         opt = torch.optim.AdamW(groups, lr=LR["adamw"], betas=BETAS, eps=EPS)
-    sched = reference_schedule(opt, case)
-    first_norm = None
-    for step in range(case["steps"]):
-        images, labels = batch(step, world, case["multi_label"])
-        opt.zero_grad()
-        if split:
-            per = MICRO // case["gas"]
-            for lo in range(0, MICRO * world, per):
-                (reference_loss(model(images[lo:lo + per]), labels[lo:lo + per], case) * per / (MICRO * world)).backward()
-        else:
-            reference_loss(model(images), labels, case).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"] if case["clip"] > 0 else float("inf"))
-        first_norm = float(norm) if first_norm is None else first_norm
-        opt.step()
-        sched.step()
-    return first_norm
-
-
-def reference_schedule(opt, case: dict):
-    """The case's learning rate from torch's schedulers: warmup from 1/warmup of the base up to it,
-    then held (constant) or decayed to ``min_ratio`` of it at the last step."""
-    sch = torch.optim.lr_scheduler
-    warm, decay_steps = case["warmup"], case["steps"] - case["warmup"]
-    if case["schedule"] == "constant" or decay_steps <= 0:
-        after = sch.ConstantLR(opt, factor=1.0, total_iters=0)
-    elif case["schedule"] == "linear":
-        after = sch.LinearLR(opt, start_factor=1.0, end_factor=case["min_ratio"], total_iters=decay_steps)
-    else:
-        base = opt.param_groups[0]["lr"]
-        after = sch.CosineAnnealingLR(opt, T_max=decay_steps, eta_min=case["min_ratio"] * base)
-    if warm == 0:
-        return after
-    # (the groups' LRs are all the base here: one eta_min serves every group)
-    up = sch.LinearLR(opt, start_factor=1.0 / warm, end_factor=1.0, total_iters=max(1, warm - 1))
-    return sch.SequentialLR(opt, [up, after], milestones=[warm])
+    sched = reference_schedule(opt, case["warmup"], case["steps"], case["schedule"], case["min_ratio"])
+    batches = [batch(step, world, case["multi_label"]) for step in range(case["steps"])]
+    return train_reference(model, opt, sched, batches, clip=case["clip"], split=MICRO // case["gas"] if split else 0,
+                           loss=lambda logits, targets: reference_loss(logits, targets, case))[0]
 
 
 def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
