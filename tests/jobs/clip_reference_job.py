@@ -13,8 +13,9 @@ step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``moment
 (weight decay), ``precision``, the learning-rate schedule: ``schedule`` (constant / linear /
 cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the loss: ``smoothing``
 (optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label), and
-``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype). Every case starts from
-the same weights; the batches of step t are the same on every rank and in the reference.
+``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype) and ``compile``
+(train.compile: the Transformer blocks compiled by inductor, as training does). Every case starts
+from the same weights; the batches of step t are the same on every rank and in the reference.
 
 The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
 which the whole-path tests share): the mean loss over the whole
@@ -46,7 +47,7 @@ LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
                 schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
-                offload_params=False, reduce="fp32")
+                offload_params=False, reduce="fp32", compile=False)
 
 
 def base_model() -> torch.nn.Module:
@@ -99,7 +100,8 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
                         min_lr=case["min_ratio"] * LR[case["optim"]])
     gas = case["gas"]
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
-                        precision=case["precision"], activation_checkpointing=case["ckpt"], reduce_dtype=case["reduce"])
+                        precision=case["precision"], activation_checkpointing=case["ckpt"], reduce_dtype=case["reduce"],
+                        compile=case["compile"])
     zero = ZeroConfig(stage=case["stage"], offload_params=case["offload_params"])
     engine, _ = initialize(model, optim, train, zero, world)
     start = weights(engine)  # the fp32 masters DeepSpeed made (from the bf16-rounded module in bf16)
