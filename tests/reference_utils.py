@@ -1,10 +1,11 @@
 """Plain-PyTorch references shared by the tests that check a training step of ours against one:
 the relative error of a whole update, the samples a run recorded read back by key from the tar
-shards (with the deterministic crop those runs configure), and training steps written with torch's
-own optimizers, clipping and schedulers."""
+shards (with the deterministic crop those runs configure), and the fine-tune recipe of the ViT
+paper written with torch's own optimizer, clipping and scheduler on timm's model."""
 from __future__ import annotations
 
 import io
+import math
 import tarfile
 from collections import defaultdict
 from pathlib import Path
@@ -146,3 +147,32 @@ def train_reference(model: torch.nn.Module, opt, sched, batches, *, clip: float 
         opt.step()
         sched.step()
     return norms
+
+
+def finetune_reference(backbone: dict, name: str, img_size: int, num_classes: int, batches, *, steps: int,
+                       lr: float, warmup: int, clip: float) -> tuple[dict, dict, list[float]]:
+    """The ViT paper's fine-tune recipe in plain PyTorch, written from the recipe: timm's ``name``
+    with the ``backbone`` weights (any ``head.*`` in it dropped) and a new zero-initialised head,
+    ``torch.optim.SGD`` with momentum 0.9 and no weight decay, ``clip_grad_norm_`` at ``clip``, and
+    ``LambdaLR``: linear warmup ``(t + 1) / warmup`` times a cosine from 1 down towards 0 at
+    ``steps``. ``steps`` batches of ``batches``; returns the weights before and after, and every
+    step's gradient norm."""
+    import timm
+
+    model = timm.create_model(name, img_size=img_size, num_classes=num_classes)
+    missing, unexpected = model.load_state_dict({k: v for k, v in backbone.items() if not k.startswith("head.")},
+                                                strict=False)
+    assert sorted(missing) == ["head.bias", "head.weight"] and not unexpected, (missing, unexpected)
+    torch.nn.init.zeros_(model.head.weight)
+    torch.nn.init.zeros_(model.head.bias)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=0.0)
+
+    def factor(t: int) -> float:
+        progress = min(1.0, max(0.0, (t - warmup) / (steps - warmup)))
+        return min(1.0, (t + 1) / warmup if warmup else 1.0) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    norms = train_reference(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, factor),
+                            [b for _, b in zip(range(steps), batches)], clip=clip)
+    assert len(norms) == steps, f"{len(norms)} batches for {steps} steps"
+    return before, {n: p.detach() for n, p in model.named_parameters()}, norms

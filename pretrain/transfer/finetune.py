@@ -85,6 +85,7 @@ class _DeepSpeed:
                             precision=precision)
         ds_cfg = deepspeed_config(optim, train, zero, world)  # clipping is DeepSpeed's here
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+        self.model = self.engine.module  # what _Plain calls its model (ZeRO-3: parameters partitioned)
         self.device = self.engine.device
         self.dtype = compute_dtype(precision)
 
@@ -143,7 +144,10 @@ class Finetune:
     def grid(self, sweep: bool) -> list[dict]:
         return [{"lr": v} for v in self.ev.sweep_lr] if sweep else [{"lr": self.ev.lr}]
 
-    def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
+    def train(self, task, fit, setting: dict):
+        """A fresh model fine-tuned on ``fit`` with ``setting``: ``(runner, last reported loss)``.
+        The runner's ``model`` is the trained model (its parameters ZeRO-partitioned under the
+        deepspeed runner at stage 3; ``engine`` there is the DeepSpeed engine)."""
         ev, lr = self.ev, setting["lr"]
         torch.manual_seed(ev.seed)  # same initial head / drop-path stream for every setting
         model = build_backbone(self.pre, img_size=self.img_size, num_classes=task.num_classes, finetune=True,
@@ -158,9 +162,8 @@ class Finetune:
                                 world=self.dist.world)
         else:
             runner = _Plain(model, opt, sched, ev.grad_clip, self.device, self.precision)
-        view = self.view_of(task)
         micro = ev.batch_size // self.dist.world
-        batches = fit.batches(view, batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,
+        batches = fit.batches(self.view_of(task), batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,
                               world=self.dist.world, workers=ev.workers)
         recent = []
         every = max(1, ev.steps // 5)
@@ -172,8 +175,14 @@ class Finetune:
                 recent = []
                 if self.dist.rank == 0:
                     self.log(f"  finetune {task.name} lr={lr:g}: step {step}/{ev.steps} loss {loss:.4f}")
-        acc = top1(runner, evaluate, view, batch_size=micro, dist_info=self.dist, workers=ev.workers)
-        del runner, model, opt
+        return runner, loss
+
+    def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
+        ev = self.ev
+        runner, loss = self.train(task, fit, setting)
+        acc = top1(runner, evaluate, self.view_of(task), batch_size=ev.batch_size // self.dist.world,
+                   dist_info=self.dist, workers=ev.workers)
+        del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return acc, {"final_loss": loss, "steps": ev.steps, "batch_size": ev.batch_size, "img_size": self.img_size}

@@ -50,10 +50,21 @@ BF16_BOUND, BF16_COSINE = 5e-2, 0.999
 BOUNDS = {"bf16": (BF16_BOUND, BF16_COSINE), "bf16-autocast": (BF16_BOUND, BF16_COSINE)}
 
 
+# vit-transfer's fine-tune under the deepspeed runner, per ZeRO stage: SGD momentum 0.9, clip 1, warmup + cosine
+FINETUNE = dict(steps=4, warmup=2, lr=0.03, batch=8, stages=[1, 3])
+
+
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference") / "steps.json"
-    r = run_job(deepspeed_cmd("tests.jobs.clip_reference_job", str(out), json.dumps(CASES)), timeout=600)
+    from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
+
+    tmp = tmp_path_factory.mktemp("reference")
+    out = tmp / "steps.json"
+    finetune = dict(FINETUNE, root=str(write_imagefolder(tmp / "colours", n_train=8, n_test=1)),
+                    checkpoint=str(save_safetensors(tiny_model(32), tmp / "tiny.safetensors", exported_metadata(
+                        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=9, grid=(2, 2)))))
+    r = run_job(deepspeed_cmd("tests.jobs.clip_reference_job", str(out), json.dumps(CASES), json.dumps(finetune)),
+                timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -73,6 +84,15 @@ def test_training_steps_equal_plain_pytorch(steps, case):
     else:
         assert got["relative_error"] <= max(FP32_BOUND, NOISE_FACTOR * got["reference_noise"]), got
         assert got["masters_start_offset"] == 0.0, got  # fp32: DeepSpeed trains the given weights
+
+
+@pytest.mark.parametrize("stage", FINETUNE["stages"])
+def test_finetune_steps_under_deepspeed_equal_plain_pytorch(steps, stage):
+    """vit-transfer's fine-tune on 2 ranks (``Finetune.train``) against the recipe in plain PyTorch
+    on the global batches; the one-process path: tests/unit/test_transfer_protocols.py."""
+    got = steps[f"finetune-z{stage}"]
+    assert max(got["grad_norms"]) > 1.0, got  # eval.grad_clip's default clips a step: it is tested too
+    assert got["relative_error"] <= FP32_BOUND, got
 
 
 def test_no_clip_would_have_been_seen(steps):

@@ -40,7 +40,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
-from tests.reference_utils import decay_groups, reference_schedule, train_reference
+from tests.reference_utils import decay_groups, finetune_reference, reference_schedule, train_reference, update_error
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
 LR = {"sgd": 0.1, "adamw": 1e-3}
@@ -147,6 +147,40 @@ def start_offset(start: dict, before: dict, ref: torch.nn.Module) -> float:
     return (num / den) ** 0.5
 
 
+def finetune_cases(spec: dict, rank: int, world: int) -> dict:
+    """vit-transfer's fine-tune under the deepspeed runner (``Finetune.train`` with ZeRO ``spec["stages"]``)
+    against the recipe in plain PyTorch (``tests/reference_utils.py``) on the global batches: every
+    rank's share of each step, read from the split as each rank reads it. ``spec``: the ImageFolder
+    ``root``, the ``checkpoint`` file, ``steps``, ``warmup``, ``lr``, ``batch`` (global)."""
+    from safetensors.torch import load_file
+
+    from pretrain.config import load_config
+    from pretrain.transfer.evaluate import make_protocol
+    from pretrain.transfer.finetune import Dist
+    from pretrain.transfer.suites import imagefolder
+    from pretrain.weights.pretrained import load_pretrained
+
+    task = imagefolder(spec["root"], minival_fraction=0.25, seed=0)
+    out = {}
+    for stage in spec["stages"]:
+        cfg = load_config(None, ["eval.protocol=finetune", f"eval.steps={spec['steps']}", f"eval.lr={spec['lr']}",
+                                 f"eval.warmup_steps={spec['warmup']}", f"eval.batch_size={spec['batch']}",
+                                 "eval.workers=0", "eval.train_augment=false", "train.precision=fp32",
+                                 f"zero.stage={stage}"])
+        protocol = make_protocol(cfg, load_pretrained(spec["checkpoint"]), 32, torch.device("cpu"),
+                                 Dist(rank, world, deepspeed=True), lambda m: None)
+        runner, _ = protocol.train(task, task.trainval, {"lr": spec["lr"]})
+        got = weights(runner.engine)
+        shares = [task.trainval.batches(protocol.view_of(task), batch_size=spec["batch"] // world, train=True,
+                                        seed=cfg.eval.seed, rank=r, world=world) for r in range(world)]
+        batches = ((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])) for parts in zip(*shares))
+        before, ref, norms = finetune_reference(load_file(spec["checkpoint"]), "vit_tiny_patch16_224", 32,
+                                                task.num_classes, batches, steps=spec["steps"], lr=spec["lr"],
+                                                warmup=spec["warmup"], clip=cfg.eval.grad_clip)
+        out[f"finetune-z{stage}"] = {"relative_error": update_error(before, got, ref)[0], "grad_norms": norms}
+    return out
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out, cases = args[0], json.loads(args[1])
@@ -165,6 +199,8 @@ def main():
         results[name] = {**compare(start, end, ref, before), "reference_grad_norm": norm,
                          "reference_noise": compare(before, twin_weights, ref, before)["relative_error"],
                          "masters_start_offset": start_offset(start, before, ref)}
+    if len(args) > 2:  # vit-transfer's fine-tune: a JSON spec (finetune_cases)
+        results.update(finetune_cases(json.loads(args[2]), rank, world))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
