@@ -12,9 +12,9 @@ Decoding cost: the crop is chosen from the JPEG header's size *before* decoding.
 ``data.worker_decoder: nvimgcodec`` (``shards/crop_decode.py``), only the crop's rows and columns
 of a plain JPEG (RGB or grey, baseline, no EXIF rotation, intact markers) are decoded, with the
 same pixels as that window of a full decode; otherwise PIL decodes the whole image, in draft mode
-at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side. Either way the crop box and every other draw
-are the same. Resizing runs on uint8 tensors (torch's vectorised antialiased kernel); samples leave
-as uint8 and are normalised into the batch buffer.
+at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side. Either way
+the crop box and every other draw are the same. Resizing runs on uint8 tensors (torch's vectorised
+antialiased kernel); samples leave as uint8 and are normalised into the batch buffer.
 """
 from __future__ import annotations
 

@@ -157,6 +157,8 @@ def resolve(choice: str, key: str = "data.worker_decoder") -> str:
     cannot start is a one-line ``ConfigError`` naming ``key`` and why."""
     if choice == "pil":
         return "pil"
+    if choice not in ("auto", "nvimgcodec"):
+        raise ConfigError(f"{key}: {choice!r}; use auto, nvimgcodec or pil")
     why = unavailable()
     if choice == "nvimgcodec" and why is not None:
         raise ConfigError(f"{key}: nvimgcodec, but {why}")
