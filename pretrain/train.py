@@ -183,6 +183,7 @@ def run(cfg: Config) -> dict:
     set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
                           seed=t.seed, img_size=img, train=True)
+    say(f"data workers decode: {loader.worker_decoder}")
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
