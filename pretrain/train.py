@@ -229,10 +229,13 @@ def run(cfg: Config) -> dict:
     hosts = all_hosts()
     status = RunStatus(layout.status if rank == 0 else None)
     status(start)
+    clock = StepClock(engine.device, dog)
+    if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
+        ds_compat.around_zero3_fetch(engine.module, clock.gather_begin, clock.gather_end)
     lp = Loop(cfg, engine, faults.wrap_batches(logged_batches(loader, samples, start, gas), rank=rank, start_step=start,
                                                accumulation=gas),
               loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples),
-              StepClock(engine.device, dog), stop, startup, start_step=start, world=world, flops=flops,
+              clock, stop, startup, start_step=start, world=world, flops=flops,
               detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
                                          record=layout.stragglers if rank == 0 else None,
                                          span_s=t.straggler_span_s) if world > 1 else None,

@@ -18,6 +18,9 @@ What lives here and why:
   runs ahead). Each group gets its own saved hyperparameters back, each state its own step.
 - ``shm_buffer_path`` / ``release_shm_buffers``: DeepSpeed's CPU accelerator creates a 66 MB
   ``/dev/shm`` file per rank for its shared-memory all-reduce and never unlinks it.
+- ``around_zero3_fetch``: ZeRO-3 fetches a submodule's parameters in a forward pre-hook that it
+  registers on every submodule when the engine is built; hooks of ours before and after it time
+  the wait (the straggler clock's ``gather`` phase).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 # the DeepSpeed releases this module was written for and tested with: [low, high)
 TESTED = ((0, 19, 0), (0, 20, 0))
@@ -195,3 +198,18 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
     timer.daemon = True
     timer.start()
     return timer
+
+
+def around_zero3_fetch(module, before: Callable[[], None], after: Callable[[], None]) -> int:
+    """Call ``before`` and ``after`` around ZeRO-3's parameter fetch as each submodule's forward
+    begins. DeepSpeed (``DeepSpeedZeRoOffload._register_deepspeed_module``) registers that fetch as a
+    forward pre-hook of every submodule while the engine is built; ``before`` is prepended to each
+    submodule's pre-hooks and ``after`` appended, so together they enclose it. Call once, after
+    ``deepspeed.initialize``. Cost: two Python calls per submodule per forward. Returns how many
+    submodules were wrapped."""
+    n = 0
+    for m in module.modules():
+        m.register_forward_pre_hook(lambda *_: before(), prepend=True)
+        m.register_forward_pre_hook(lambda *_: after())
+        n += 1
+    return n

@@ -27,7 +27,7 @@ from pathlib import Path
 from pretrain.resilience.lifecycle import EXIT_HANG
 
 REPORTED = "reported"
-PHASES = ("start", "data", "forward", "agree", "backward", "log", "eval", "stop", "checkpoint", "end")
+PHASES = ("start", "data", "forward", "gather", "agree", "backward", "log", "eval", "stop", "checkpoint", "end")
 
 
 class Watchdog:
