@@ -45,7 +45,7 @@ from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
 from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line,
-                                          report_lost_peer)
+                                          report_failure)
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
@@ -159,6 +159,8 @@ def run(cfg: Config) -> dict:
     check_machine(cfg, world)
     layout = RunDir.of(t.output_dir, cfg.checkpoint.dir)
     run_dir, ckpt_dir = layout.root, layout.checkpoints
+    if rank == 0:  # vit-launch's way to stop a multi-node job without signalling its runner
+        stop.watch_file(layout.stop_request)
     # before any expensive work: an unwritable folder would otherwise fail at the first save
     checkpoint.check_writable(run_dir, "train.output_dir")
     if cfg.checkpoint.dir:
@@ -227,6 +229,7 @@ def run(cfg: Config) -> dict:
                                world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(t.precision))
     hosts = all_hosts()
+    dog.hosts = hosts
     status = RunStatus(layout.status if rank == 0 else None)
     status(start)
     clock = StepClock(engine.device, dog)
@@ -244,11 +247,13 @@ def run(cfg: Config) -> dict:
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     startup.phase("first step (first batch, first collectives)")
     t0 = time.time()
+    failed = False
     try:
         result = train_loop(lp)
     except BaseException as e:
+        failed = True
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        lost = world > 1 and report_lost_peer(e, hosts, layout.errors, rank)  # who is gone, not gloo's words
+        lost = world > 1 and report_failure(e, hosts, layout.errors, rank)  # who is gone, not gloo's words
         status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
         if lost:
             raise SystemExit(1) from None
@@ -257,8 +262,8 @@ def run(cfg: Config) -> dict:
         startup.done()
         logger.close()
         stop_workers()
-        if samples is not None:
-            samples.close()
+        if samples is not None:  # after a failure the lines since the last checkpoint are not history: a
+            samples.close(flush=not failed)  # resume cuts them, and a rank cut off may end after it
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                   wandb_dir=logger.wandb_dir, world_size=world, checkpoint_async=cfg.checkpoint.async_save,
                   checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
