@@ -21,7 +21,9 @@ world (universal checkpoint and the data plan's remainder). No restart when fewe
 (``train.global_batch_size`` = micro x ranks x accumulation steps): one line instead.
 
 Ranks are numbered as DeepSpeed's launcher numbers them: the active hosts in order, each host's
-slots in order (``deepspeed/launcher/launch.py``, ``global_rank_mapping``).
+slots in order (``deepspeed/launcher/launch.py``, ``global_rank_mapping``). A record counts for an
+attempt when its rank started after the attempt's command was made, by the nodes' clocks (kept in
+step by NTP on a cluster; one clock here).
 """
 from __future__ import annotations
 

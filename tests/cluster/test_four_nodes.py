@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, descendants, ds_env_file, kill_pids, procs, train_overrides, wait_until
+from conftest import REPO, ds_env_file, kill_pids, procs, train_overrides, wait_until
 
 from dist_utils import free_port
 from launch.supervise import SETTLE_S
