@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from data_pipeline.files import write_atomic
 from launch.hostfile import Host, LaunchError, parse_hostfile
 from launch.runner import LaunchSpec, deepspeed_command, plan_ranks
 from pretrain.checkpointing.rundir import RunDir
@@ -186,7 +187,7 @@ class NodePool:
         lines = [f"{h.name} slots={h.slots}\n" for h in kept]
         lines += [f"# {h.name} slots={h.slots}  left out: {self.left_out[h.name]}\n"
                   for h in self.hosts if h.name in self.left_out]
-        path.write_text("".join(lines))
+        write_atomic(path, "".join(lines))
         spec = _without(self.spec, set(self.left_out), path)
         _, ranks = plan_ranks(spec)
         world = sum(len(s) for s in ranks.values())

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from data_pipeline.files import write_atomic
 from launch.hostfile import LaunchError
 from pretrain.resilience.lifecycle import EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
@@ -175,7 +176,7 @@ class Supervisor:
                     _log(f"{line}: asking the job to checkpoint and stop ({self.stop_file.name}), to start it again "
                          "without that node")
                     self.restart_asked = True
-                    self.stop_file.write_text(f"vit-launch: {line}\n")
+                    write_atomic(self.stop_file, f"vit-launch: {line}\n")
                     self.stop_deadline = time.monotonic() + self.stop_grace_s
             time.sleep(0.2)
         status = _read_status(self.status_path, started)

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Optional
 
-from data_pipeline.files import write_json
+from data_pipeline.files import write_atomic, write_json
 
 EXIT_OK, EXIT_USAGE, EXIT_HANG, EXIT_INTERRUPTED = 0, 2, 3, 75
 STARTED = time.time()  # about when this process started: a rank's records carry it (``report_failure``)
@@ -144,8 +144,7 @@ def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int) 
     if lost is not None:
         head["lost"] = lost
     try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        where.write_text(json.dumps(head) + "\n" + "".join(traceback.format_exception(err)))
+        write_atomic(where, json.dumps(head) + "\n" + "".join(traceback.format_exception(err)))
         line += f" (traceback: {where})"
     except OSError as e:  # the line still says what happened
         line += f" (traceback not written to {where}: {e.strerror or e})"
