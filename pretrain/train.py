@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.errors import DataError, is_user_error
-from data_pipeline.files import write_json
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
 from data_pipeline.loading.workers import stop_workers
@@ -44,8 +43,8 @@ from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line,
-                                          report_failure)
+from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, report_failure,
+                                          say_goodbye)
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
@@ -230,8 +229,7 @@ def run(cfg: Config) -> dict:
     evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=rank,
                                world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(t.precision))
-    hosts = all_hosts()
-    dog.hosts = hosts
+    hosts = dog.hosts = all_hosts()  # lines about ranks name their hosts
     status = RunStatus(layout.status if rank == 0 else None)
     status(start)
     clock = StepClock(engine.device, dog)
@@ -270,14 +268,8 @@ def run(cfg: Config) -> dict:
                   wandb_dir=logger.wandb_dir, world_size=world, checkpoint_async=cfg.checkpoint.async_save,
                   checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
                   checkpoint_waited_seconds=lp.checkpointer.waited_s)
-    if rank == 0:
-        try:
-            write_json(layout.summary, result, indent=1)
-        except OSError as e:  # the checkpoint is saved (maybe in checkpoint.dir): report, do not fail
-            print(f"vit-train: warning: cannot write {layout.summary} ({e.strerror or e}); "
-                  f"final step {result['step']}", file=sys.stderr, flush=True)
-        status(result["step"], "interrupted" if result["preempted"] else "completed")
-        print(goodbye_line(result, checkpoint.latest_complete(result["checkpoint_dir"])), file=sys.stderr, flush=True)  # before the barrier: a launcher may kill us after it
+    if rank == 0:  # before the barrier: a launcher may kill us after it
+        say_goodbye(result, layout.summary, status, checkpoint.latest_complete(result["checkpoint_dir"]))
     dist.barrier()
     return result
 

@@ -197,3 +197,15 @@ def goodbye_line(result: dict, checkpoint) -> str:
                 f"the same command to resume (exit {EXIT_INTERRUPTED})")
     return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: python -m pretrain.export "
             f"{result['run_dir']} OUT.safetensors")
+
+
+def say_goodbye(result: dict, summary, status: RunStatus, checkpoint) -> None:
+    """Rank 0 at the end of a run: ``summary.json`` (a failed write is a warning: the checkpoint is
+    saved, maybe in checkpoint.dir), status.json's final state, then the one closing line."""
+    try:
+        write_json(summary, result, indent=1)
+    except OSError as e:
+        print(f"vit-train: warning: cannot write {summary} ({e.strerror or e}); final step {result['step']}",
+              file=sys.stderr, flush=True)
+    status(result["step"], "interrupted" if result["preempted"] else "completed")
+    print(goodbye_line(result, checkpoint), file=sys.stderr, flush=True)
