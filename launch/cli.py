@@ -106,7 +106,11 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                         help="seconds the job gets to checkpoint after SIGTERM/SIGINT before it is killed (default 90)")
         ap.add_argument("--exclude-slow-hosts", action="store_true",
                         help="before each start, leave out the hosts the run named as stragglers "
-                             "(<output_dir>/stragglers.json); the hostfile used is written to <output_dir>/hostfile.used")
+                             "(<output_dir>/stragglers.json); with --max-restarts, a straggler named while the job "
+                             "runs stops it (after a checkpoint) and restarts it without that host")
+        ap.add_argument("--min-nodes", type=int, default=None,
+                        help="with --hostfile and --max-restarts: do not restart on fewer nodes than this when "
+                             "nodes are left out (default: any number on which the global batch still splits)")
     elif cmd == "check":
         ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
         ap.add_argument("--gpu", help="GPU type: also print the performance model's prediction for this layout "
@@ -154,13 +158,24 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     cmd = deepspeed_command(spec)
     world, nodes = spec_world_size(spec)
-    if args.dry_run:
-        if args.exclude_slow_hosts and spec.hostfile:
-            from pretrain.checkpointing.rundir import RunDir
+    if args.exclude_slow_hosts and not spec.hostfile:
+        print(f"{PROG}: error: --exclude-slow-hosts needs --hostfile (the hosts to choose from)", file=sys.stderr)
+        return 2
+    if args.min_nodes is not None and (args.min_nodes <= 0 or not spec.hostfile):
+        print(f"{PROG}: error: --min-nodes needs --hostfile and a positive number, got {args.min_nodes}", file=sys.stderr)
+        return 2
+    pool = None
+    if spec.hostfile and (args.max_restarts > 0 or args.exclude_slow_hosts):
+        from launch.nodes import NodePool
+        from pretrain.checkpointing.rundir import RunDir
 
-            _without_slow_hosts(spec, RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir))
-        else:
-            print(shell_join(cmd))
+        pool = NodePool(spec, RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir), cfg.train,
+                        min_nodes=args.min_nodes, exclude_slow=args.exclude_slow_hosts,
+                        log=lambda line: print(f"{PROG}: {line}", flush=True))
+        cmd = pool.command()  # the first attempt's: checked here (a LaunchError is one line, exit 2)
+        world, nodes = len(pool.attempt.ranks), len(pool.attempt.hosts)
+    if args.dry_run:
+        print(shell_join(cmd))
         return 0
     if not args.skip_checks:
         if not _preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) on {nodes} node(s)"):
@@ -189,38 +204,20 @@ def cmd_run(args) -> int:
         if made:
             os.environ["DS_ENV_FILE"] = str(made[0])
             print(f"{PROG}: {', '.join(made[1])} to every node through DS_ENV_FILE={made[0]}", flush=True)
-    if args.exclude_slow_hosts:
-        if not spec.hostfile:
-            print(f"{PROG}: error: --exclude-slow-hosts needs --hostfile (the hosts to choose from)", file=sys.stderr)
-            return 2
-        command = lambda: _without_slow_hosts(spec, layout)  # noqa: E731  (read again before each restart)
-    else:
-        print(f"$ {shell_join(cmd)}", flush=True)
-        command = cmd
-    return Supervisor(command, layout.status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
-
-
-def _without_slow_hosts(spec, layout) -> list[str]:
-    """The deepspeed command on the hostfile less the hosts in the run's stragglers.json, written to
-    ``hostfile.used`` (the job resumes elastically on the smaller world)."""
-    import dataclasses
-    import json
-
-    from launch.hostfile import hostfile_text, parse_hostfile, without_hosts
-    from launch.runner import deepspeed_command, shell_join
-
-    slow = []
-    if layout.stragglers.is_file():
-        slow = json.loads(layout.stragglers.read_text()).get("hosts", [])
-    hosts = without_hosts(parse_hostfile(spec.hostfile), slow)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    layout.hostfile_used.write_text(hostfile_text(hosts))
-    if slow:
-        print(f"{PROG}: leaving out slow host(s) {', '.join(slow)} (named in {layout.stragglers}); "
-              f"hostfile {layout.hostfile_used}", flush=True)
-    cmd = deepspeed_command(dataclasses.replace(spec, hostfile=str(layout.hostfile_used)))
     print(f"$ {shell_join(cmd)}", flush=True)
-    return cmd
+    if pool is None:
+        return Supervisor(cmd, layout.status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
+    first = [cmd]
+
+    def command() -> list[str]:  # the first attempt's is made above; each restart's after the failure
+        if first:
+            return first.pop()
+        again = pool.command()
+        print(f"$ {shell_join(again)}", flush=True)
+        return again
+    return Supervisor(command, layout.status, stop_grace_s=args.stop_grace,
+                      watch=pool.slow_named if args.exclude_slow_hosts else None,
+                      stop_file=layout.stop_request).run(args.max_restarts, args.restart_backoff)
 
 
 def cmd_check(args) -> int:

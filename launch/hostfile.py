@@ -65,18 +65,6 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     return list(hosts.values())
 
 
-def without_hosts(hosts: list[Host], names: list[str]) -> list[Host]:
-    """``hosts`` less those named (a slow host left out of the next start); at least one must stay."""
-    kept = [h for h in hosts if h.name not in set(names)]
-    if not kept:
-        raise LaunchError(f"excluding the slow host(s) {', '.join(names)} would leave no host")
-    return kept
-
-
-def hostfile_text(hosts: list[Host]) -> str:
-    return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
-
-
 def local_gpu_count() -> int:
     """GPUs this machine offers, without touching CUDA (pre-flight must not claim a device):
     ``CUDA_VISIBLE_DEVICES`` when set, else the ``/dev/nvidiaN`` device files, else 0."""

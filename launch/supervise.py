@@ -18,7 +18,17 @@
   reported (DeepSpeed's launcher turns a signalled job into exit 1).
 * ``--max-restarts N``: after a failure (not after a user error, a completed run or an
   interruption) start the job again, after ``min(backoff * 2**k, 300)`` seconds; it resumes from the
-  last complete checkpoint, in the same W&B run.
+  last complete checkpoint, in the same W&B run. The command may be a callable, asked again before
+  each start (``launch/nodes.py``: the nodes left); when it raises ``LaunchError`` there is no
+  restart, and its one line says why.
+* ``watch``: a callable asked every second while the job runs; a line from it (a straggler named
+  on one of the job's nodes) is written to ``stop_file`` (``<output_dir>/stop.request``), which rank
+  0 reads at its next sync point: every rank checkpoints and exits 75, and the job starts again at
+  once, counted as a restart. A file, not a signal: SIGTERM to a multi-node deepspeed runner makes
+  it ``pkill -f`` every deepspeed launcher on every node by its command line, other jobs' too.
+* Once rank 0 has said how the attempt ended (``status.json``), whatever of the job's process group
+  is still running ``SETTLE_S`` later is killed: an ssh session to a node whose link is cut never
+  hears that node's ranks exit.
 """
 from __future__ import annotations
 
@@ -30,12 +40,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from data_pipeline.files import write_atomic
+from launch.hostfile import LaunchError
 from pretrain.resilience.lifecycle import EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
 PROG = "vit-launch"
 MAX_BACKOFF_S = 300.0
+SETTLE_S = 20.0
 
 
 def _log(msg: str) -> None:
@@ -97,11 +110,14 @@ def outcome(code: int) -> tuple[int, str]:
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], status_path: Optional[Path], stop_grace_s: float = 90.0):
-        self.cmd, self.status_path, self.stop_grace_s = cmd, status_path, stop_grace_s
+    def __init__(self, cmd, status_path: Optional[Path], stop_grace_s: float = 90.0,
+                 watch: Optional[Callable[[], Optional[str]]] = None, stop_file: Optional[Path] = None):
+        self.cmd, self.status_path, self.stop_grace_s, self.watch = cmd, status_path, stop_grace_s, watch
+        self.stop_file = stop_file
         self.proc: Optional[subprocess.Popen] = None
         self.signals = 0
         self.stop_deadline: Optional[float] = None
+        self.restart_asked = False  # the watch stopped this attempt to start the job again
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
@@ -121,24 +137,52 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
-    def run_once(self) -> int:
-        """Start the job, wait for every process of its group, return the outcome's exit code."""
+    def run_once(self, watch: bool = False) -> Optional[int]:
+        """Start the job, wait for every process of its group, return the outcome's exit code (None:
+        the command could not be made, said in one line)."""
         started = time.time()
-        cmd = self.cmd() if callable(self.cmd) else self.cmd  # a callable may change it between restarts
+        try:
+            cmd = self.cmd() if callable(self.cmd) else self.cmd  # a callable may change it between restarts
+        except LaunchError as e:
+            _log(f"not starting the job: {e}")
+            return None
+        if self.stop_file is not None:
+            self.stop_file.unlink(missing_ok=True)  # an earlier attempt's request
         self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_us)
-        code = None
+        self.stop_deadline = None  # an earlier attempt's stop is over
+        code, ended, looked, settled = None, None, 0.0, False
         while True:
             if code is None:
                 code = self.proc.poll()
             if code is not None and not _group_alive(self.proc.pid):
                 break
             if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
-                _log(f"the job did not stop within {self.stop_grace_s:g}s of the signal; killing it")
+                _log(f"the job did not stop within {self.stop_grace_s:g}s of the request; killing it")
                 self._signal_group(signal.SIGKILL)
                 self.stop_deadline = None
+            if time.monotonic() - looked >= 1.0:
+                looked = time.monotonic()
+                if ended is None and self._final(started):
+                    ended = looked
+                if ended is not None and not settled and looked - ended > SETTLE_S:
+                    _log(f"rank 0 ended {looked - ended:.0f}s ago and part of the job still runs (an ssh session "
+                         "to a node that does not answer?); killing what is left of it here")
+                    self._signal_group(signal.SIGKILL)
+                    settled = True
+                line = None
+                if watch and self.watch and self.stop_file and not self.restart_asked and not self.signals:
+                    line = self.watch()
+                if line:
+                    _log(f"{line}: asking the job to checkpoint and stop ({self.stop_file.name}), to start it again "
+                         "without that node")
+                    self.restart_asked = True
+                    write_atomic(self.stop_file, f"vit-launch: {line}\n")
+                    self.stop_deadline = time.monotonic() + self.stop_grace_s
             time.sleep(0.2)
         status = _read_status(self.status_path, started)
         if status and status.get("state") in ("completed", "interrupted"):
+            return int(status["exit_code"])
+        if settled and status and status.get("state") == "failed":
             return int(status["exit_code"])
         if self.signals > 1:
             return 130
@@ -149,12 +193,29 @@ class Supervisor:
             return EXIT_INTERRUPTED
         return code if code >= 0 else 128 - code  # -9: killed by SIGKILL -> 137, as a shell says
 
+    def _final(self, since: float) -> bool:
+        """Rank 0 wrote how this attempt ended."""
+        status = _read_status(self.status_path, since)
+        return bool(status and status.get("state") in ("completed", "interrupted", "failed"))
+
     def run(self, max_restarts: int = 0, backoff_s: float = 10.0) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            attempt = 0
+            attempt, last = 0, 1
             while True:
-                code = self.run_once()
+                self.restart_asked = False
+                code = self.run_once(watch=attempt < max_restarts)
+                if code is None:  # the nodes left cannot run it: the line above says why
+                    code = last
+                    break
+                last = code
+                if self.restart_asked and not self.signals and code in (EXIT_OK, EXIT_INTERRUPTED, 1) \
+                        and attempt < max_restarts:
+                    if code == EXIT_OK:
+                        break  # it finished meanwhile
+                    attempt += 1
+                    _log(f"restart {attempt}/{max_restarts} now (it resumes from the checkpoint it just wrote)")
+                    continue
                 if code in (EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED) or self.signals or attempt >= max_restarts:
                     break
                 attempt += 1

@@ -45,7 +45,7 @@ from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
 from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line,
-                                          report_lost_peer)
+                                          report_failure)
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
@@ -160,6 +160,8 @@ def run(cfg: Config) -> dict:
     check_machine(cfg, world)
     layout = RunDir.of(t.output_dir, cfg.checkpoint.dir)
     run_dir, ckpt_dir = layout.root, layout.checkpoints
+    if rank == 0:  # vit-launch's way to stop a multi-node job without signalling its runner
+        stop.watch_file(layout.stop_request)
     # before any expensive work: an unwritable folder would otherwise fail at the first save
     checkpoint.check_writable(run_dir, "train.output_dir")
     if cfg.checkpoint.dir:
@@ -229,12 +231,16 @@ def run(cfg: Config) -> dict:
                                world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(t.precision))
     hosts = all_hosts()
+    dog.hosts = hosts
     status = RunStatus(layout.status if rank == 0 else None)
     status(start)
+    clock = StepClock(engine.device, dog)
+    if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
+        ds_compat.around_zero3_fetch(engine.module, clock.gather_begin, clock.gather_end)
     lp = Loop(cfg, engine, faults.wrap_batches(logged_batches(loader, samples, start, gas), rank=rank, start_step=start,
                                                accumulation=gas),
               loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples),
-              StepClock(engine.device, dog), stop, startup, start_step=start, world=world, flops=flops,
+              clock, stop, startup, start_step=start, world=world, flops=flops,
               detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
                                          record=layout.stragglers if rank == 0 else None,
                                          span_s=t.straggler_span_s) if world > 1 else None,
@@ -243,11 +249,13 @@ def run(cfg: Config) -> dict:
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     startup.phase("first step (first batch, first collectives)")
     t0 = time.time()
+    failed = False
     try:
         result = train_loop(lp)
     except BaseException as e:
+        failed = True
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        lost = world > 1 and report_lost_peer(e, hosts, layout.errors, rank)  # who is gone, not gloo's words
+        lost = world > 1 and report_failure(e, hosts, layout.errors, rank)  # who is gone, not gloo's words
         status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
         if lost:
             raise SystemExit(1) from None
@@ -256,8 +264,8 @@ def run(cfg: Config) -> dict:
         startup.done()
         logger.close()
         stop_workers()
-        if samples is not None:
-            samples.close()
+        if samples is not None:  # after a failure the lines since the last checkpoint are not history: a
+            samples.close(flush=not failed)  # resume cuts them, and a rank cut off may end after it
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
                   wandb_dir=logger.wandb_dir, world_size=world, checkpoint_async=cfg.checkpoint.async_save,
                   checkpoint_blocked_seconds=lp.checkpointer.blocked_s,

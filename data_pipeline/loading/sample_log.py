@@ -59,9 +59,12 @@ class SampleLog:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def close(self) -> None:
+    def close(self, flush: bool = True) -> None:
+        """``flush=False`` drops the lines not yet written (a failed run: a resume cuts them anyway)."""
         if self._file is not None:
-            self.flush()
+            if flush:
+                self.flush()
+            self._lines.clear()
             self._file.close()
             self._file = None
 

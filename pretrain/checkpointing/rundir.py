@@ -6,7 +6,11 @@
         summary.json           how the last invocation ended (step, losses, seconds, ...)
         status.json            {"state": running|completed|interrupted|failed, "step", "exit_code"}
         hang/rank-<R>.txt      every thread's Python stack of rank R when the hang watchdog fired
-        errors/rank-<R>.txt    the traceback of rank R when a peer went away under a collective
+        errors/rank-<R>.txt    rank R's record when it failed: a JSON line (rank, host, time, what
+                               happened, the peers that did not answer), then its traceback
+        stop.request           written by `vit-launch run` to ask the job to checkpoint and stop
+        hostfile.used          the hostfile `vit-launch run` last started the job with (a comment
+                               line for each node it left out, and why)
         samples/rank-<R>.tsv   with data.record_samples: step<TAB>epoch<TAB>key per consumed sample
         checkpoints/           (or checkpoint.dir)
             latest             tag of the newest complete checkpoint, for DeepSpeed's own tools
@@ -82,8 +86,15 @@ class RunDir:
         return self.root / "stragglers.json"
 
     @property
+    def stop_request(self) -> Path:
+        """Written by ``vit-launch run`` to ask the job to checkpoint and stop (rank 0 looks at its
+        sync points; the first line is the reason)."""
+        return self.root / "stop.request"
+
+    @property
     def hostfile_used(self) -> Path:
-        """The hostfile ``vit-launch run --exclude-slow-hosts`` last started the job with."""
+        """The hostfile ``vit-launch run`` last started the job with, when it chooses the nodes
+        (``--max-restarts``, ``--exclude-slow-hosts``; ``launch/nodes.py``)."""
         return self.root / "hostfile.used"
 
 

@@ -18,6 +18,12 @@ What lives here and why:
   runs ahead). Each group gets its own saved hyperparameters back, each state its own step.
 - ``shm_buffer_path`` / ``release_shm_buffers``: DeepSpeed's CPU accelerator creates a 66 MB
   ``/dev/shm`` file per rank for its shared-memory all-reduce and never unlinks it.
+- ``around_zero3_fetch``: ZeRO-3 fetches a submodule's parameters in a forward pre-hook that it
+  registers on every submodule when the engine is built; hooks of ours before and after it time
+  the wait (the straggler clock's ``gather`` phase).
+- ``launcher_node``: the per-node launcher (``deepspeed.launcher.launch``) knows which hostfile
+  entry its node is (``--world_info``, ``--node_rank``) but tells its ranks only the node's index
+  (``CROSS_RANK``); the name is read from the launcher's own arguments.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 # the DeepSpeed releases this module was written for and tested with: [low, high)
 TESTED = ((0, 19, 0), (0, 20, 0))
@@ -195,3 +201,44 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
     timer.daemon = True
     timer.start()
     return timer
+
+
+def around_zero3_fetch(module, before: Callable[[], None], after: Callable[[], None]) -> int:
+    """Call ``before`` and ``after`` around ZeRO-3's parameter fetch as each submodule's forward
+    begins. DeepSpeed (``DeepSpeedZeRoOffload._register_deepspeed_module``) registers that fetch as a
+    forward pre-hook of every submodule while the engine is built; ``before`` is prepended to each
+    submodule's pre-hooks and ``after`` appended, so together they enclose it. Call once, after
+    ``deepspeed.initialize``. Cost: two Python calls per submodule per forward. Returns how many
+    submodules were wrapped."""
+    n = 0
+    for m in module.modules():
+        m.register_forward_pre_hook(lambda *_: before(), prepend=True)
+        m.register_forward_pre_hook(lambda *_: after())
+        n += 1
+    return n
+
+
+def launcher_node(environ: Optional[dict] = None, ppid: Optional[int] = None) -> Optional[str]:
+    """The name the deepspeed runner gave this rank's node: its hostfile entry (``worker-3``,
+    ``10.0.0.4``), the name ``vit-launch run`` leaves out or keeps. DeepSpeed's per-node launcher
+    (the rank's parent) is started as ``python -m deepspeed.launcher.launch --world_info=B64
+    --node_rank=N ...``, where ``B64`` is the base64 JSON of the job's hosts (in the runner's order)
+    and their slots, and it sets ``CROSS_RANK=N`` in the rank's environment. None when the rank was
+    not started by that launcher (Linux ``/proc`` is read) or by a runner without a hostfile (the
+    one node called ``localhost``)."""
+    import base64
+    import json
+
+    environ = os.environ if environ is None else environ
+    ppid = os.getppid() if ppid is None else ppid
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+        if "deepspeed.launcher.launch" not in argv:
+            return None
+        info = next(a.split("=", 1)[1] for a in argv if a.startswith("--world_info="))
+        names = list(json.loads(base64.urlsafe_b64decode(info)))
+        name = names[int(environ.get("CROSS_RANK", "0"))]
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return None if name == "localhost" else name

@@ -120,11 +120,18 @@ def is_peer_error(err: BaseException) -> bool:
 
 
 def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0") -> Optional[str]:
+    """After a collective failed: one line naming the peers that do not answer (``lost_peers``), or
+    None when every peer answered (the failure was elsewhere)."""
+    found = lost_peers(hosts, wait_s, attempt)
+    return found[0] if found else None
+
+
+def lost_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0") -> Optional[tuple[str, list[int]]]:
     """After a collective failed: which peers still answer, asked through the rendezvous store
     (its own TCP connection to rank 0's host, not the collectives' links). Every rank that calls
     this marks itself alive and waits ``wait_s`` for the others' marks. Returns one line naming the
-    ranks and hosts that did not answer, or the store's host when it cannot be reached at all;
-    None when every peer answered (the failure was elsewhere)."""
+    ranks and hosts that did not answer, with those ranks; when the store itself cannot be reached
+    the line names rank 0's host and the ranks are ``[0]``. None when every peer answered."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -138,7 +145,7 @@ def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0")
     except Exception:  # noqa: BLE001  the store itself is out of reach
         where = os.environ.get("MASTER_ADDR", "?")
         return (f"{me}: rank 0's host {hosts[0] if hosts else where} (rendezvous at {where}) is unreachable: "
-                f"the network between the hosts is cut, or rank 0 is gone")
+                f"the network between the hosts is cut, or rank 0 is gone", [0])
     silent = [r for r in range(world) if r != rank]
     deadline = time.monotonic() + wait_s
     while silent:  # polled with check(): a store.wait() that times out logs two lines of C++ warnings
@@ -154,7 +161,7 @@ def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0")
     names = ", ".join(f"rank {r} on {hosts[r] if r < len(hosts) else '?'}" for r in silent[:8])
     more = f" and {len(silent) - 8} more" if len(silent) > 8 else ""
     return (f"{me}: no answer within {wait_s:g} s from {names}{more}: dead, or the network to "
-            f"{'it' if len(silent) == 1 else 'them'} is cut")
+            f"{'it' if len(silent) == 1 else 'them'} is cut", silent)
 
 
 def set_cpu_threads(local_world: int, data_workers: int) -> None:
@@ -168,10 +175,18 @@ def set_cpu_threads(local_world: int, data_workers: int) -> None:
         torch.set_num_threads(max(1, per_rank))
 
 
+def node_name() -> str:
+    """This rank's node as the job's hostfile names it (what ``vit-launch run`` leaves out or keeps),
+    else the machine's host name."""
+    from pretrain.distributed.ds_compat import launcher_node
+
+    return launcher_node() or socket.gethostname()
+
+
 def all_hosts() -> list[str]:
-    """Every rank's host name, in rank order (one all-gather at start-up)."""
+    """Every rank's node name (``node_name``), in rank order (one all-gather at start-up)."""
     import torch.distributed as dist
 
     hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, node_name())
     return hosts

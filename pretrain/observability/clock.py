@@ -35,7 +35,10 @@ def synced_now(device: Device, *, sync: Callable[[Device], None] = device_sync,
     return clock()
 
 
-PHASES = ("data", "forward", "agree", "backward", "step")  # a training step's phases, in order
+# A training step's phases, in order. ``gather``: under ZeRO-3, the forward's waits for parameters
+# (each submodule's all-gather, and with it the peers it waits on); the rest of the forward is the
+# rank's own work.
+PHASES = ("data", "forward", "gather", "agree", "backward", "step")
 
 
 class StepClock:
@@ -67,6 +70,18 @@ class StepClock:
         """``step`` is done (the last step reached, for status.json after a failure)."""
         self._close()
         self.completed = self.step
+
+    def gather_begin(self) -> None:
+        """ZeRO-3 starts fetching a submodule's parameters inside the forward: the time until
+        ``gather_end`` (the all-gather, and the wait for the slowest peer to join it) counts as
+        ``gather``, not as this rank's forward. Outside the forward (an activation-checkpointing
+        recompute in backward, an evaluation) it changes nothing."""
+        if self._phase == "forward":
+            self.enter("gather")
+
+    def gather_end(self) -> None:
+        if self._phase == "gather":
+            self.enter("forward")
 
     def beat(self, phase: str, slow: bool = False) -> None:
         """A watchdog beat outside the step's phases (log, eval, checkpoint, stop); ``slow``: the

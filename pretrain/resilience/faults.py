@@ -6,12 +6,15 @@
     VITSCALE_FAULT="hang_in_step:5@1"          rank 1 stops making progress in step 5's first batch
     VITSCALE_FAULT="crash_in_step:3@1"         rank 1 raises in step 3 of a run started from
                                                scratch (a resumed attempt passes: restart tests)
+    VITSCALE_FAULT="stall_in_save:10@0"        rank 0 holds still for STALL_S inside the save of step
+                                               10 (once per checkpoint folder): a test cuts the
+                                               network while a save is in progress
     VITSCALE_FAULT="kill_in_save:6;nan_loss:3" several faults, ';'-separated
 
 ``@R`` limits an entry to rank R. The training loop carries no hooks: step faults are injected by
 wrapping the batch stream it is handed (``wrap_batches``, installed once at start-up and a no-op
 without ``VITSCALE_FAULT``), as a broken input pipeline or a stuck worker would show up; the save
-fault is fired by ``checkpoint.save``, which owns that moment.
+faults are fired by ``checkpoint.save``, which owns that moment.
 """
 from __future__ import annotations
 
@@ -40,6 +43,26 @@ def kill_in_save(step: int) -> None:
     marked complete: a crash mid-save must never lose the previous checkpoint."""
     if step in fault_steps("kill_in_save"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+STALL_S = 5.0  # shorter than the tests' train.pg_timeout_s: the stall alone ends nothing
+
+
+def stall_in_save(step: int, rank: int, ckpt_dir) -> None:
+    """Hold this rank still for ``STALL_S`` seconds inside the save of ``step`` (after its files are
+    handed to the writer, before the ranks agree the checkpoint is complete). Once per checkpoint
+    folder: ``<ckpt_dir>/.stall_in_save.<step>`` is created as the stall begins (a test waits for it,
+    then cuts the network) and a resumed attempt that saves that step again does not stall."""
+    from pathlib import Path
+
+    if step not in fault_steps("stall_in_save", rank):
+        return
+    marker = Path(ckpt_dir) / f".stall_in_save.{step}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    time.sleep(STALL_S)
 
 
 class InjectedFault(RuntimeError):

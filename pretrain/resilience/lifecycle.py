@@ -26,9 +26,10 @@ import threading
 import time
 from typing import Optional
 
-from data_pipeline.files import write_json
+from data_pipeline.files import write_atomic, write_json
 
 EXIT_OK, EXIT_USAGE, EXIT_HANG, EXIT_INTERRUPTED = 0, 2, 3, 75
+STARTED = time.time()  # about when this process started: a rank's records carry it (``report_failure``)
 
 
 def _ppid_of(pid: int) -> Optional[int]:
@@ -41,11 +42,13 @@ def _ppid_of(pid: int) -> Optional[int]:
 
 
 class StopRequest:
-    """Set by SIGTERM, SIGINT or a lost launcher; read by the loop at its sync points (``agreed``)."""
+    """Set by SIGTERM, SIGINT, a lost launcher or a request file; read by the loop at its sync
+    points (``agreed``)."""
 
     def __init__(self, watch_launcher: bool, poll_s: float = 2.0):
         self.reason: Optional[str] = None
         self._sigints = 0
+        self._file = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         if watch_launcher:
@@ -67,11 +70,30 @@ class StopRequest:
     def requested(self) -> bool:
         return self.reason is not None
 
+    def watch_file(self, path) -> None:
+        """Also stop when ``path`` is written after this process started: ``vit-launch run`` asks a
+        job to checkpoint and stop that way (its first line is the reason), because a signal to a
+        multi-node deepspeed runner makes it ``pkill`` every launcher on every node by name. Looked
+        at in ``agreed`` (one stat per sync point); one rank watching is enough."""
+        from pathlib import Path
+
+        self._file = Path(path)
+
+    def _look(self) -> None:
+        if self._file is None or self.reason is not None:
+            return
+        try:
+            if os.stat(self._file).st_mtime >= STARTED:
+                self.request(self._file.read_text().strip().splitlines()[0][:200] or self._file.name)
+        except (OSError, IndexError):
+            pass
+
     def agreed(self, device) -> bool:
         """All ranks stop together if any rank was asked to (one tiny all-reduce and a host read:
         call it only at the loop's sync points, the same steps on every rank)."""
         from pretrain.distributed.process import any_rank
 
+        self._look()
         stop = any_rank(self.requested, device)
         if stop and self.reason is None:
             self.reason = "another rank's request"
@@ -95,31 +117,52 @@ class StopRequest:
         threading.Thread(target=watch, name="vitscale-lifeline", daemon=True).start()
 
 
-def report_lost_peer(err: BaseException, hosts: list[str], errors_dir, rank: int) -> bool:
-    """After a collective failed because a peer went away or could not be reached: one line naming
-    the ranks and hosts that did not answer (asked through the rendezvous store), with this rank's
-    traceback written to ``errors_dir/rank-<R>.txt`` instead of the terminal, where it repeated in
-    27 lines of gloo wording what the line says. Returns whether that was the failure (the caller
-    then exits 1 without a traceback); False for any other error, which keeps its traceback."""
+def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int) -> bool:
+    """A rank of a multi-rank job is failing with ``err``: its record for ``vit-launch run``, which
+    decides from the records which nodes a restart leaves out. ``errors_dir/rank-<R>.txt`` gets a
+    first line of JSON (``rank``, ``host``, ``time``, ``started``: when this process started, so a
+    record of an earlier attempt's rank that ended late is told apart; ``line``; ``lost``: the ranks
+    that did not answer) and then the traceback.
+
+    When a collective failed because a peer went away or could not be reached, the line names the
+    ranks and hosts that did not answer (asked through the rendezvous store) and is this rank's
+    whole report on the terminal: gloo's traceback repeated in 27 lines what it says. Returns
+    whether that was the failure (the caller then exits 1 without a traceback); False for any other
+    error, which keeps its traceback on the terminal too. A rank that leaves no record (killed, its
+    node gone) is what the others' ``lost`` name."""
+    import json
     import traceback
     from pathlib import Path
 
-    from pretrain.distributed.process import is_peer_error, unreachable_peers
+    from pretrain.distributed.process import is_peer_error, lost_peers
 
-    if not is_peer_error(err):
-        return False
-    line = unreachable_peers(hosts)
-    if not line:
-        return False
+    found = lost_peers(hosts) if is_peer_error(err) else None
+    line, lost = found if found else (f"rank {rank} on {hosts[rank]}: {type(err).__name__}: {err}".splitlines()[0][:300], None)
     where = Path(errors_dir) / f"rank-{rank}.txt"
+    head = {"rank": rank, "host": hosts[rank] if rank < len(hosts) else None, "time": time.time(),
+            "started": STARTED, "line": line}
+    if lost is not None:
+        head["lost"] = lost
     try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        where.write_text("".join(traceback.format_exception(err)))
+        write_atomic(where, json.dumps(head) + "\n" + "".join(traceback.format_exception(err)))
         line += f" (traceback: {where})"
     except OSError as e:  # the line still says what happened
         line += f" (traceback not written to {where}: {e.strerror or e})"
-    print(f"vit-train: {line}", file=sys.stderr, flush=True)
-    return True
+    if found:
+        print(f"vit-train: {line}", file=sys.stderr, flush=True)
+    return bool(found)
+
+
+def read_record(path) -> Optional[dict]:
+    """The JSON first line of a rank's record (``errors/rank-<R>.txt``, ``hang/rank-<R>.txt``)."""
+    import json
+
+    try:
+        with open(path) as f:
+            head = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return head if isinstance(head, dict) and isinstance(head.get("rank"), int) else None
 
 
 def write_status(path, state: str, step: int, exit_code: Optional[int] = None) -> None:

@@ -5,8 +5,10 @@ wait for it inside collectives. So the whole step time says nothing about *who* 
 each rank spends in work that waits on nobody does. ``LOCAL`` phases (reading the batch, the
 forward pass) hold no collective under ZeRO 0-2; a rank slowed by its GPU, its CPU or its input
 pipeline takes longer there, while its peers' extra time shows up in the collective phases
-(``agree``, ``backward``, ``step``) where they wait. Under ZeRO-3 the forward all-gathers
-parameters, so a slow rank makes its peers' forward longer too and the ratio understates it.
+(``agree``, ``backward``, ``step``) where they wait. Under ZeRO-3 every submodule's forward first
+all-gathers its parameters, where the peers of a slow rank wait for it: the clock times those
+waits as their own phase, ``gather`` (``StepClock.gather_begin``, hooked around DeepSpeed's fetch
+by ``ds_compat.around_zero3_fetch``), so ``forward`` stays the rank's own work at every stage.
 
 At each logging window every rank contributes its phase seconds (one small all-gather in the
 loop). The verdict rests on evidence accumulated over a sliding span of the last ``windows``

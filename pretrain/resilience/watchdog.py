@@ -23,11 +23,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
-from pretrain.resilience.lifecycle import EXIT_HANG
+from pretrain.resilience.lifecycle import EXIT_HANG, STARTED
 
 REPORTED = "reported"
-PHASES = ("start", "data", "forward", "agree", "backward", "log", "eval", "stop", "checkpoint", "end")
+PHASES = ("start", "data", "forward", "gather", "agree", "backward", "log", "eval", "stop", "checkpoint", "end")
 
 
 class Watchdog:
@@ -37,6 +38,7 @@ class Watchdog:
         self.timeout, self.slow_factor = float(timeout_s), slow_factor
         self.startup_s = max(float(startup_s), self.timeout * slow_factor)
         self.step, self.phase, self.key = 0, "start", "train.startup_timeout_s"
+        self.hosts: list[str] = []  # every rank's node name, once known (the report names hosts)
         self.last, self.allowance = time.monotonic(), self.startup_s
         self.fired = threading.Event()
         if self.timeout > 0:
@@ -70,7 +72,9 @@ class Watchdog:
     def _fire(self, idle: float) -> None:
         self.fired.set()
         self.dir.mkdir(parents=True, exist_ok=True)
-        head = {"rank": self.rank, "step": self.step, "phase": self.phase, "idle_s": round(idle, 1)}
+        head = {"rank": self.rank, "host": self.hosts[self.rank] if self.rank < len(self.hosts) else None,
+                "step": self.step, "phase": self.phase, "idle_s": round(idle, 1), "time": time.time(),
+                "started": STARTED}
         path = self.dir / f"rank-{self.rank}.txt"
         with open(path, "w") as f:
             f.write(json.dumps(head) + "\n")
@@ -80,7 +84,7 @@ class Watchdog:
         if _first_to_report(self.dir):
             bound = self.startup_s if self.key == "train.startup_timeout_s" else self.timeout
             print(f"vit-train: hang: no progress for {idle:.0f}s ({self.key}={bound:g}) at step "
-                  f"{self.step}; stopped progressing: {describe(others, self.world)}; stacks in {self.dir}",
+                  f"{self.step}; stopped progressing: {describe(others, self.world, self.hosts)}; stacks in {self.dir}",
                   file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
 
@@ -129,11 +133,18 @@ def laggards(headers: dict[int, dict], world: int) -> list[int]:
     return sorted(r for r, h in headers.items() if pos(h) == behind)
 
 
-def describe(headers: dict[int, dict], world: int) -> str:
+def describe(headers: dict[int, dict], world: int, hosts: Optional[list[str]] = None) -> str:
+    """The laggards, each with its node: ``rank 3 on node-b (in forward of step 12)``, or for ranks
+    that wrote no stack file ``rank 3 on node-b, rank 4 on node-c (no stack file: ...)``."""
     lag = laggards(headers, world)
+    hosts = hosts or []
+
+    def who(r: int) -> str:
+        host = hosts[r] if r < len(hosts) else headers.get(r, {}).get("host")
+        return f"rank {r} on {host}" if host else f"rank {r}"
     if any(r not in headers for r in lag):
-        return f"rank(s) {', '.join(map(str, lag))} (no stack file: dead or stuck outside Python)"
-    return ", ".join(f"rank {r} (in {headers[r]['phase']} of step {headers[r]['step']})" for r in lag)
+        return f"{', '.join(map(who, lag))} (no stack file: dead or stuck outside Python)"
+    return ", ".join(f"{who(r)} (in {headers[r]['phase']} of step {headers[r]['step']})" for r in lag)
 
 
 def clear(hang_dir: Path, rank: int) -> None:

@@ -1,11 +1,14 @@
 """Real cluster parts on one machine, for the `cluster` tests (`make test-cluster`).
 
-* ``ssh_nodes``: an sshd of our own on a free high port of 127.0.0.1 and 127.0.0.2 (its own host
+* ``ssh_nodes``: an sshd of our own on a free high port of 127.0.0.1-127.0.0.4 (its own host
   key, a client key made for the session, an authorized_keys only it reads), an ssh client config
-  that maps both addresses (and ``localhost``) to that port, and the environment that makes
+  that maps the four addresses (and ``localhost``) to that port, and the environment that makes
   pdsh's ssh module use it (``PDSH_RCMD_TYPE=ssh``, ``PDSH_SSH_ARGS_APPEND=-F <config>``). Nothing
   under ``~/.ssh`` is read or written. A DeepSpeed hostfile ``127.0.0.1 slots=1`` /
-  ``127.0.0.2 slots=1`` makes the stock ``deepspeed --hostfile`` start one launcher per "node".
+  ``127.0.0.2 slots=1`` makes the stock ``deepspeed --hostfile`` start one launcher per "node";
+  a node's processes are those of the ssh sessions made to its address.
+* ``star_nodes``: four network namespaces on a bridge (``netns.Star``), an sshd inside each on its
+  own address, the same keys and client config: nodes whose link a test cuts.
 * ``slurm``: munged (its own key, socket, pid, log, seed), slurmctld and slurmd as root with
   their own slurm.conf, state, spool and logs, on free high ports of 127.0.0.1; the client
   commands reach it through ``SLURM_CONF``.
@@ -118,37 +121,24 @@ def kill_pids(pids) -> None:
 
 
 # ------------------------------------------------------------------------------------------ ssh
-@dataclass
-class SshNodes:
-    root: Path
-    port: int
-    ssh_config: Path
-    hostfile: Path
-    daemon: subprocess.Popen
-    env: dict = field(default_factory=dict)  # what the runner (and pdsh, ssh) need in their environment
-    hosts: tuple = ("127.0.0.1", "127.0.0.2")
-
-    def session_pids(self) -> set[int]:
-        """Processes sshd started for logins (and everything they started)."""
-        return descendants(self.daemon.pid)
+LOOPBACK_NODES = ("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4")
 
 
-@pytest.fixture(scope="session")
-def ssh_nodes(tmp_path_factory):
-    require("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh")
-    root = tmp_path_factory.mktemp("ssh")
+def ssh_keys(root: Path) -> None:
+    """A host key, a client key made for the session and an authorized_keys only our sshd reads."""
     for key in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"vitscale-test-{key}",
                         "-f", str(root / key)], check=True)
     shutil.copy(root / "client_key.pub", root / "authorized_keys")
-    port = free_port()
-    (root / "sshd_config").write_text(f"""\
-Port {port}
-ListenAddress 127.0.0.1
-ListenAddress 127.0.0.2
+
+
+def sshd_config(root: Path, port: int, listen, name: str = "sshd") -> Path:
+    """One sshd's config (``<root>/<name>_config``): ``port`` on each address of ``listen``."""
+    path = root / f"{name}_config"
+    path.write_text(f"Port {port}\n" + "".join(f"ListenAddress {a}\n" for a in listen) + f"""\
 HostKey {root}/host_key
 AuthorizedKeysFile {root}/authorized_keys
-PidFile {root}/sshd.pid
+PidFile {root}/{name}.pid
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
@@ -158,8 +148,15 @@ StrictModes no
 X11Forwarding no
 PrintMotd no
 """)
+    return path
+
+
+def ssh_client(root: Path, port: int, hosts) -> dict:
+    """The ssh client config mapping ``hosts`` to ``port`` with the session's key, and the
+    environment that makes pdsh's ssh module (the runner's, and vit-launch's probe) use it.
+    ``ConnectTimeout`` bounds a connection to a node that does not answer."""
     (root / "ssh_config").write_text(f"""\
-Host 127.0.0.1 127.0.0.2 localhost
+Host {' '.join(hosts)}
   Port {port}
   User {pwd.getpwuid(os.getuid()).pw_name}
   IdentityFile {root}/client_key
@@ -168,21 +165,94 @@ Host 127.0.0.1 127.0.0.2 localhost
   UserKnownHostsFile /dev/null
   BatchMode yes
   LogLevel ERROR
+  ConnectTimeout 5
 """)
+    return {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {root}/ssh_config"}
+
+
+def pdsh_answers(hosts, env: dict) -> bool:
+    r = subprocess.run(["pdsh", "-S", "-w", ",".join(hosts), "echo ok-%n"], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=30)
+    return r.returncode == 0 and all(f"ok-{i}" in r.stdout for i in range(len(hosts)))
+
+
+def session_pids(daemons) -> set[int]:
+    """Processes our sshd(s) started for logins (and everything they started)."""
+    table = procs()
+    return set().union(*(descendants(d.pid, table) for d in daemons)) if daemons else set()
+
+
+def node_pids(daemons, host: str) -> set[int]:
+    """Every process of node ``host``: those of the ssh sessions made to that address (their
+    ``SSH_CONNECTION`` names it as the server's; a rank inherits it from its launcher's shell), and
+    their descendants."""
+    table = procs()
+    found = set()
+    for pid in session_pids(daemons):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        conn = next((e.split(b"=", 1)[1].split() for e in env if e.startswith(b"SSH_CONNECTION=")), [])
+        if len(conn) == 4 and conn[2].decode() == host:
+            found |= {pid} | descendants(pid, table)
+    return found
+
+
+@dataclass
+class SshNodes:
+    """Nodes reached over pdsh's ssh. ``hostfile``: the first two nodes, one slot each."""
+    root: Path
+    port: int
+    ssh_config: Path
+    hostfile: Path
+    daemons: list
+    env: dict = field(default_factory=dict)  # what the runner (and pdsh, ssh) need in their environment
+    hosts: tuple = LOOPBACK_NODES
+
+    @property
+    def daemon(self) -> subprocess.Popen:
+        return self.daemons[0]
+
+    def session_pids(self) -> set[int]:
+        """Processes sshd started for logins (and everything they started)."""
+        return session_pids(self.daemons)
+
+    def node_pids(self, host: str) -> set[int]:
+        return node_pids(self.daemons, host)
+
+    def write_hostfile(self, path: Path, n: int, slots: int = 1) -> Path:
+        """A DeepSpeed hostfile of the first ``n`` nodes, ``slots`` each."""
+        path.write_text("".join(f"{h} slots={slots}\n" for h in self.hosts[:n]))
+        return path
+
+    def ssh_wrapper(self, folder: Path) -> Path:
+        """A folder holding an ``ssh`` that reads our config: the deepspeed runner's own check
+        (``ssh HOST hostname``) reads only ssh's default config, which the tests never touch."""
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "ssh").write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {self.ssh_config} \"$@\"\n")
+        (folder / "ssh").chmod(0o755)
+        return folder
+
+
+@pytest.fixture(scope="session")
+def ssh_nodes(tmp_path_factory):
+    """Four "nodes" on 127.0.0.1-127.0.0.4, one sshd listening on all four (module docstring)."""
+    require("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh")
+    root = tmp_path_factory.mktemp("ssh")
+    ssh_keys(root)
+    port = free_port()
+    config = sshd_config(root, port, LOOPBACK_NODES)
+    env = ssh_client(root, port, LOOPBACK_NODES + ("localhost",))
     (root / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     # sshd refuses to start without its privilege-separation directory (Debian creates it in
     # the service unit, which we do not use)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-    subprocess.run(["/usr/sbin/sshd", "-t", "-f", str(root / "sshd_config")], check=True)
-    daemon = start_daemon(["/usr/sbin/sshd", "-D", "-e", "-f", str(root / "sshd_config")], root / "sshd.log")
-    env = {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": f"-F {root}/ssh_config"}
-    nodes = SshNodes(root, port, root / "ssh_config", root / "hostfile", daemon, env)
+    subprocess.run(["/usr/sbin/sshd", "-t", "-f", str(config)], check=True)
+    daemon = start_daemon(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], root / "sshd.log")
+    nodes = SshNodes(root, port, root / "ssh_config", root / "hostfile", [daemon], env)
     try:
-        def reachable():
-            r = subprocess.run(["pdsh", "-S", "-w", "127.0.0.1,127.0.0.2", "echo ok-%n"], env={**os.environ, **env},
-                               capture_output=True, text=True, timeout=30)
-            return r.returncode == 0 and "ok-0" in r.stdout and "ok-1" in r.stdout
-        wait_until(reachable, 30, f"pdsh over our sshd on port {port} ({root}/sshd.log)")
+        wait_until(lambda: pdsh_answers(LOOPBACK_NODES, env), 30, f"pdsh over our sshd on port {port} ({root}/sshd.log)")
         yield nodes
     finally:
         kill_pids(nodes.session_pids())
@@ -351,3 +421,47 @@ def veth_nodes():
         link.remove()
     if link.exists():
         raise AssertionError(f"network namespaces {list(link.ns.values())} still listed after ip netns del")
+
+
+@pytest.fixture
+def star_nodes(tmp_path_factory):
+    """Four network namespaces on one switch (``netns.Star``: 169.254.78.1-4), an sshd inside each
+    listening on its node's address, one client config for all four (``SshNodes``). The test cuts a
+    node's link (``nodes.star.set_link(i, False)``) and starts ``vit-launch`` inside node 0
+    (``nodes.star.prefix(0)``). At teardown every login's processes are killed, each sshd stopped by
+    PID, and the namespaces deleted (with them the veth pairs and the bridge), even when the test
+    fails; a test's job fixture ends its own processes first."""
+    from netns import Star, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    require("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh")
+    root = tmp_path_factory.mktemp("star")
+    ssh_keys(root)
+    star = Star(str(os.getpid()))
+    daemons: list[subprocess.Popen] = []
+    try:
+        star.create()
+        port = 22022  # each sshd in its own namespace: the same port on every node
+        env = ssh_client(root, port, star.addrs)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        for i, addr in enumerate(star.addrs):
+            config = sshd_config(root, port, [addr], name=f"sshd{i}")
+            subprocess.run(["/usr/sbin/sshd", "-t", "-f", str(config)], check=True)
+            daemons.append(start_daemon([*star.prefix(i), "/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                                        root / f"sshd{i}.log"))
+        (root / "hostfile").write_text("".join(f"{a} slots=1\n" for a in star.addrs[:2]))
+        nodes = SshNodes(root, port, root / "ssh_config", root / "hostfile", daemons, env, tuple(star.addrs))
+        nodes.star = star
+        wait_until(lambda: subprocess.run([*star.prefix(0), "pdsh", "-S", "-w", ",".join(star.addrs), "true"],
+                                          env={**os.environ, **env}, capture_output=True, timeout=30).returncode == 0,
+                   30, f"pdsh from node 0 to all four ({root}/sshd*.log)")
+        yield nodes
+    finally:
+        kill_pids(session_pids(daemons))
+        for d in daemons:
+            stop(d)
+        star.remove()
+    if star.exists():
+        raise AssertionError(f"network namespaces of {star.tag} still listed after ip netns del")

@@ -9,6 +9,13 @@ carry the creating process's PID, so a leftover of a killed session never collid
 ``remove`` deletes both namespaces (which destroys the veth pair and its qdiscs with them) and is safe
 to call twice.
 
+``Star`` makes N such nodes on one switch instead: a namespace per node, each joined by its own veth
+pair to a bridge in a switch namespace, so one node's link can be cut while the others keep talking::
+
+    node i (vsN<i>-<tag>)  vsnode 169.254.78.<i+1>/24 <-> vp<i> (vsS-<tag>: bridge br0)
+
+Every node's end is called ``vsnode`` inside its namespace (the same ``GLOO_SOCKET_IFNAME`` for all).
+
 Needs root and iproute2 (``ip``, ``tc``); the kernel here has ``tbf`` but not ``netem``.
 """
 from __future__ import annotations
@@ -141,3 +148,65 @@ class Link:
         """``ip link set <veth> down|up`` inside ``side``: down cuts the pair (the peer loses its
         carrier), up restores it with its address (the connected route comes back)."""
         self.run(side, "ip", "link", "set", self.dev[side], "up" if up else "down")
+
+
+STAR_NET, STAR_DEV = "169.254.78", "vsnode"
+
+
+@dataclass
+class Star:
+    """``n`` node namespaces on a bridge in a switch namespace (module docstring)."""
+    tag: str
+    n: int = 4
+
+    @property
+    def switch(self) -> str:
+        return f"vsS-{self.tag}"
+
+    def ns(self, i: int) -> str:
+        return f"vsN{i}-{self.tag}"
+
+    def addr(self, i: int) -> str:
+        return f"{STAR_NET}.{i + 1}"
+
+    @property
+    def addrs(self) -> list[str]:
+        return [self.addr(i) for i in range(self.n)]
+
+    def create(self) -> "Star":
+        self.remove()
+        ip("netns", "add", self.switch)
+        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.switch, "link", "set", "br0", "up")
+        for i in range(self.n):
+            ip("netns", "add", self.ns(i))
+            # both ends made in their namespaces: no name of ours ever exists in this one
+            ip("link", "add", STAR_DEV, "netns", self.ns(i), "type", "veth", "peer", "name", f"vp{i}", "netns", self.switch)
+            ip("-n", self.switch, "link", "set", f"vp{i}", "master", "br0")
+            ip("-n", self.switch, "link", "set", f"vp{i}", "up")
+            ip("-n", self.ns(i), "addr", "add", f"{self.addr(i)}/24", "dev", STAR_DEV)
+            ip("-n", self.ns(i), "link", "set", "lo", "up")
+            ip("-n", self.ns(i), "link", "set", STAR_DEV, "up")
+        return self
+
+    def remove(self) -> None:
+        """Delete every namespace (their veth pairs and the bridge go with them); safe to call twice."""
+        for name in [self.ns(i) for i in range(self.n)] + [self.switch]:
+            ip("netns", "del", name, check=False)
+
+    def exists(self) -> bool:
+        listed = ip("netns", "list", check=False).stdout.split()
+        return any(n in listed for n in [self.ns(i) for i in range(self.n)] + [self.switch])
+
+    def prefix(self, i: int) -> list[str]:
+        """Prepended to a command line to run it on node ``i``."""
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Node ``i``'s port on the switch down (the node is cut off from every other) or up again."""
+        ip("-n", self.switch, "link", "set", f"vp{i}", "up" if up else "down")
+
+    def state(self, i: int) -> str:
+        """``UP``, or ``DOWN`` when its port is down (no carrier), of node ``i``'s own end."""
+        out = ip("-n", self.ns(i), "-j", "link", "show", STAR_DEV).stdout
+        return json.loads(out)[0]["operstate"]

@@ -98,7 +98,8 @@ def test_hung_rank_trips_the_watchdog(tiny_run):
     assert "hang_in_step" in stacks and "Thread" in stacks  # every thread's Python stack
     lines = [ln for ln in out.splitlines() if "vit-train: hang:" in ln]
     assert len(lines) == 1, out[-3000:]
-    assert "at step 4" in lines[0] and "stopped progressing: rank 1 (in data of step 4)" in lines[0]
+    host = json.loads((run / "hang" / "rank-1.txt").read_text().splitlines()[0])["host"]
+    assert host and "at step 4" in lines[0] and f"stopped progressing: rank 1 on {host} (in data of step 4)" in lines[0]
 
 
 def test_failed_job_restarts_and_resumes(tiny_run):

@@ -120,29 +120,38 @@ def test_help_lists_the_commands_and_each_has_its_own_description(capsys):
 
 def test_exclude_slow_hosts_starts_on_the_hostfile_less_the_named_hosts(capsys, hostfile, tmp_path):
     """The run named node-b a straggler: the next start leaves it out and writes the hostfile it
-    used; without a record the hostfile is used whole."""
+    used, node-b's line a comment saying why; without a record the hostfile is used whole. A start
+    whose batch cannot be split over the nodes left is one line."""
     import json
 
     run = tmp_path / "run"
     run.mkdir()
+    args = ["--config", CONFIG, "--dry-run", "--exclude-slow-hosts", "--hostfile", hostfile, f"train.output_dir={run}",
+            "train.global_batch_size=1536"]  # micro 32 x 24 ranks x 2 steps, or x 16 ranks x 3
     with pytest.raises(SystemExit) as e:
-        main(["--config", CONFIG, "--dry-run", "--exclude-slow-hosts", "--hostfile", hostfile,
-              f"train.output_dir={run}"])
+        main(args)
     out, _ = capsys.readouterr()
     assert e.value.code == 0 and (run / "hostfile.used").read_text() == open(hostfile).read()
     (run / "stragglers.json").write_text(json.dumps({"ranks": [9], "hosts": ["node-b"], "line": "rank 9 ..."}))
     with pytest.raises(SystemExit) as e:
-        main(["--config", CONFIG, "--dry-run", "--exclude-slow-hosts", "--hostfile", hostfile,
-              f"train.output_dir={run}"])
+        main(args)
     out, _ = capsys.readouterr()
     assert e.value.code == 0
-    assert "leaving out slow host(s) node-b" in out
+    assert "vit-launch: leaving out node-b: slow: rank 9 ... (stragglers.json)" in out
+    assert "vit-launch: starting on 2 node(s), 16 rank(s): node-a, node-c" in out
     cmd = shlex.split(out.strip().splitlines()[-1].lstrip("$ "))
     assert cmd[cmd.index("--hostfile") + 1] == str(run / "hostfile.used")
-    assert (run / "hostfile.used").read_text() == "node-a slots=8\nnode-c slots=8\n"
+    assert (run / "hostfile.used").read_text() == ("node-a slots=8\nnode-c slots=8\n"
+                                                   "# node-b slots=8  left out: slow: rank 9 ... (stragglers.json)\n")
     runner_parse_args(cmd[1:])  # DeepSpeed's runner takes it
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    assert list(fetch_hostfile(str(run / "hostfile.used"))) == ["node-a", "node-c"]  # and reads it so
+    assert ("without node-b: 2 node(s), 16 rank(s) left, and train.global_batch_size=768 is not divisible by "
+            "train.micro_batch_size x world size = 32 x 16") in user_error(capsys, args[:-1] + ["train.global_batch_size=768"])
     assert "--exclude-slow-hosts needs --hostfile" in user_error(
         capsys, ["--config", CONFIG, "--exclude-slow-hosts", "--skip-checks", f"train.output_dir={run}"])
+    assert "below --min-nodes 3" in user_error(capsys, args + ["--min-nodes", "3"])
 
 
 def test_a_busy_master_port_is_one_line_before_launch(capsys, tmp_path):

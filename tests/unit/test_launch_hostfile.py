@@ -121,3 +121,51 @@ def test_node_env_file_adds_the_store_location_to_what_the_runner_reads(tmp_path
     monkeypatch.chdir(cwd)
     path, added = node_env_file(tmp_path / "run2" / "env", {"AWS_ENDPOINT_URL_S3": "http://minio:9000"})
     assert added == ["AWS_ENDPOINT_URL_S3"] and path.read_text() == "A=1\nB=2\nAWS_ENDPOINT_URL_S3=http://minio:9000\n"
+
+
+def test_a_restart_leaves_out_the_nodes_whose_ranks_left_no_record(tmp_path):
+    """Records as the ranks write them (``report_failure``, the watchdog's header): a node is dead
+    when one of its ranks left no record while another names it; a rank that failed on its own
+    (its own record) keeps its node; records of an earlier attempt's ranks do not count."""
+    import json
+    import time
+
+    from launch.nodes import Attempt, named_dead, rank_nodes
+    from pretrain.checkpointing.rundir import RunDir
+    from pretrain.resilience.lifecycle import STARTED, report_failure
+
+    layout = RunDir.of(tmp_path / "run")
+    # 3 nodes x 2 slots, numbered as DeepSpeed's launcher numbers them
+    ranks = rank_nodes({"a": [0, 1], "b": [0, 1], "c": [0, 1]})
+    assert ranks == ["a", "a", "b", "b", "c", "c"]
+    attempt = Attempt(STARTED - 1, ranks, ["a", "b", "c"])  # this process is one of its ranks
+
+    def record(rank, lost=None, started=None, folder="errors"):
+        head = {"rank": rank, "host": ranks[rank], "time": time.time(), "started": started or STARTED,
+                "line": f"rank {rank} on {ranks[rank]}: no answer within 5 s from rank 4 on c"}
+        if lost is not None:
+            head["lost"] = lost
+        (layout.root / folder).mkdir(parents=True, exist_ok=True)
+        (layout.root / folder / f"rank-{rank}.txt").write_text(json.dumps(head) + "\nTraceback ...\n")
+
+    assert named_dead(layout, attempt) == {}  # no records: nothing to go by
+    for r in (0, 1, 2, 3):
+        record(r, lost=[4, 5])
+    dead = named_dead(layout, attempt)
+    assert list(dead) == ["c"] and dead["c"].startswith("dead: its rank(s) 4, 5 ended without a record of their own; "
+                                                       "rank 0 on a: no answer within 5 s from rank 4 on c")
+    # rank 5 failed on its own (an exception: report_failure's record, no peer error): node c keeps
+    # only rank 4 named, and is still dead (one rank killed with its node is enough)
+    assert report_failure(ValueError("bad batch"), ranks, layout.errors, 5) is False
+    assert named_dead(layout, attempt)["c"].startswith("dead: its rank(s) 4 ended without")
+    record(4)  # rank 4 wrote too: both failed, neither was killed
+    assert named_dead(layout, attempt) == {}
+    # an earlier attempt's rank 4 (started before this attempt) ending late does not vouch for node c
+    record(4, started=attempt.started - 60)
+    assert "c" in named_dead(layout, attempt)
+    # the hang watchdog fired on ranks 0-3 (stack files), none from 4 and 5: c is dead
+    for f in layout.errors.glob("*.txt"):
+        f.unlink()
+    for r in (0, 1, 2, 3):
+        record(r, folder="hang")
+    assert named_dead(layout, attempt)["c"].endswith("the hang watchdog got no stack file from it")
