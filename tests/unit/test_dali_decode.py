@@ -320,6 +320,7 @@ def test_mixed_device_pipeline_matches_the_cpu_pipeline(shards):
     nvJPEG's IDCT and non-fancy chroma upsampling (and the hardware engine's) are not
     libjpeg-turbo's, so the bound is a few grey levels on average, which a wrong box or flip
     (the CPU test's check) still breaks; the output stays on the GPU."""
+    assert dali_decode.unavailable() is None, dali_decode.unavailable()
     S = 32
     tf = SampleTransform(AugmentConfig(), S, True)
     datas = _demo_jpegs(shards, 48)
@@ -343,6 +344,8 @@ def test_dali_prefetch_adds_no_host_sync(shards):
     path's batches equal those of a run that drains the device after each batch; after start-up no
     torch call synchronises (sync debug mode set to error; DALI's own wait for its CPU stage is not
     a torch call)."""
+    assert dali_decode.unavailable() is None, dali_decode.unavailable()
+
     def run(busy: bool):
         loader = build_loader(_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
                               img_size=32)
