@@ -19,7 +19,10 @@ whole suite is planned to end within 9 minutes on one H100):
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
           500x375, ~100 KB, pre-resized to shorter side 256 as ``vit-shards --resize-shorter 256``
           writes them): decoded by PIL in the workers (data.decode_device=worker), then by nvJPEG
-          in the training process (data.decode_device=cuda; on CPU its cpu code path)
+          in the training process (data.decode_device=cuda; on CPU its cpu code path), then by
+          DALI's pipeline in the training process (data.decode_device=dali: its mixed decoder on a
+          GPU, its CPU operators without one), with its rate over the nvJPEG row's; a machine
+          without DALI (the device kit cannot carry it) records why instead
 
 A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
 against the data-sheet peak when the device is in pretrain.observability.flops' table, else against the measured
@@ -85,7 +88,7 @@ class Plan:
     loader_batch: int = 128
     loader_workers: int = 8
     loader_img: int = 224
-    loader_budget: float = 50.0  # shard writing included
+    loader_budget: float = 65.0  # shard writing included; three rows
     total_budget: float = 480.0  # 8 minutes planned, from the process start (see the module doc)
     overrun: float = 30.0  # a group whose warm-up (compile) spent its budget: one more step each, then stop
     compile_backend: str = "inductor"
@@ -415,22 +418,35 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
 
 
 # ------------------------------------------------------------------------------------ loader
+def loader_row(plan: Plan, decode: str) -> dict:
+    return {"section": "loader", "name": f"ShardLoader, {decode.upper()} decode", "decode": decode,
+            "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok",
+            "error": None}
+
+
 def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> dict:
-    """Images/s of our ShardLoader (decode on ``decode``: 'cpu' or the GPU decode path)."""
+    """Images/s of our ShardLoader (decode on ``decode``: 'cpu' (the workers), 'gpu' (nvJPEG,
+    data.decode_device=cuda) or 'dali'). A machine without DALI gives a 'skipped' row saying why."""
     from data_pipeline.config import DataConfig
 
-    row = {"section": "loader", "name": f"ShardLoader, {decode.upper()} decode", "decode": decode,
-           "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img, "status": "ok",
-           "error": None}
+    row = loader_row(plan, decode)
     try:
         from data_pipeline.loading.loader import build_loader
 
         gpu_decode = "cuda" if device.type == "cuda" else "cpu"
-        kw = {"decode_device": gpu_decode if decode != "cpu" else "worker"}
+        kw = {"decode_device": {"cpu": "worker", "gpu": gpu_decode, "dali": "dali"}[decode]}
         if decode != "cpu":
             row["decode_device"] = kw["decode_device"]
-            if kw["decode_device"] == "cpu":  # smoke: the GPU-decode path's logic, run on the CPU
+            if device.type != "cuda":  # smoke: the GPU-decode path's logic, run on the CPU
                 row["name"] += " (its CPU code path)"
+        if decode == "dali":
+            from data_pipeline.loading.dali_decode import unavailable
+
+            why = unavailable()
+            if why is not None:
+                row.update(status="skipped", error=f"{why} (benchmarks/device_kit.py does not carry DALI: its "
+                                                   f"190 MiB wheel is over the device tool's 64 MiB a call)")
+                return row
         cfg = DataConfig(train_shards=str(shards / "manifest.json"), workers=plan.loader_workers,
                          shuffle_buffer=256, **kw)
         it = iter(build_loader(cfg, batch_size=plan.loader_batch, img_size=plan.loader_img, seed=0))
@@ -519,6 +535,8 @@ def markdown(result: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---|"]
     for r in (r for r in rows if r["section"] == "loader"):
         note = "" if r["status"] == "ok" else r["status"] + (f": {r['error']}" if r["error"] else "")
+        if r.get("vs_gpu_decode"):
+            note = f"{r['vs_gpu_decode']:.2f}x the GPU decode row" + (f"; {note}" if note else "")
         out.append(table_row(r["name"], r["workers"], r["batch"], r["img"], fmt(r.get("img_s")),
                              fmt(r.get("img_s_per_worker")), note))
     mem = {r.get("mem_kind") for r in rows if r.get("mem_kind")}
@@ -629,16 +647,18 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             shard_error = e
         lb = clock.budget(plan.loader_budget, 0) - (time.perf_counter() - t)
-        for decode in ("cpu", "gpu"):
+        for decode in ("cpu", "gpu", "dali"):
             if shard_error is not None:
-                r = {"section": "loader", "name": f"ShardLoader, {decode.upper()} decode", "decode": decode,
-                     "batch": plan.loader_batch, "workers": plan.loader_workers, "img": plan.loader_img,
-                     "status": "skipped" if isinstance(shard_error, TimeoutError) else "error",
-                     "error": str(shard_error) if isinstance(shard_error, TimeoutError) else error_text(shard_error)}
+                r = dict(loader_row(plan, decode), status="skipped" if isinstance(shard_error, TimeoutError) else "error",
+                         error=str(shard_error) if isinstance(shard_error, TimeoutError) else error_text(shard_error))
             else:
-                r = run_loader(plan, device, shards, max(1.0, lb / 2 - 3), decode)
+                r = run_loader(plan, device, shards, max(1.0, lb / 3 - 3), decode)
             rows.append(r)
             log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))} {r['error'] or ''}")
+        cuda_row, dali_row = rows[-2], rows[-1]
+        if cuda_row.get("img_s") and dali_row.get("img_s"):  # DALI against nvJPEG, measured in this run
+            dali_row["vs_gpu_decode"] = dali_row["img_s"] / cuda_row["img_s"]
+            log(f"DALI decode / nvJPEG decode: {dali_row['vs_gpu_decode']:.2f}")
     save(complete=True)
     import torch.distributed as dist
 

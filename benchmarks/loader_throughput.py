@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--resize-shorter", type=int, default=256, help="vit-shards --resize-shorter for (b)")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "vitscale-loader-bench"))
     p.add_argument("--skip-full", action="store_true", help="skip (b0), the loader on full-size shards")
-    p.add_argument("--decode-device", choices=("cpu", "cuda"), help="add (bd): data.decode_device=DEVICE")
+    p.add_argument("--decode-device", choices=("cpu", "cuda", "dali"), help="add (bd): data.decode_device=DEVICE")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(args.data_dir)

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Union
 
 __all__ = ["AugmentConfig", "DataConfig", "check_data"]
 
-DEVICES = ("worker", "cpu", "cuda")  # data.decode_device
+DEVICES = ("worker", "cpu", "cuda", "dali")  # data.decode_device
 WORKER_DECODERS = ("auto", "nvimgcodec", "pil")  # data.worker_decoder
 
 
@@ -74,7 +74,9 @@ class DataConfig:
     """Batches each DataLoader worker prepares ahead."""
     decode_device: str = "worker"
     """Where JPEGs are decoded: `worker` (the data workers), `cuda` (the training process, on the
-    GPU) or `cpu` (the training process, on the CPU); what each does: data_pipeline/DATA.md."""
+    GPU, torchvision's nvJPEG), `dali` (the training process, an NVIDIA DALI pipeline: on the GPU,
+    or on the CPU where there is none; `pip install nvidia-dali-cuda130`) or `cpu` (the training
+    process, on the CPU); what each does: data_pipeline/DATA.md."""
     worker_decoder: str = "auto"
     """How a data worker decodes a training JPEG: `nvimgcodec` decodes only the random crop's rows
     and columns (NVIDIA nvImageCodec's CPU backend, `pip install nvidia-nvimgcodec-cu13`; no GPU

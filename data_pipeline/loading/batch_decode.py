@@ -3,21 +3,25 @@
 ``worker`` (the default): each dataloader worker decodes with PIL (draft-mode DCT scaling), crops,
 resizes and normalises; the batch arrives ready.
 
-``cuda`` / ``cpu``: workers only read tar members, parse headers (bomb and format checks as
-before) and draw each sample's crop box and flip from its seed (``SampleTransform.defer``); the
-training process decodes the whole batch in one ``torchvision.io.decode_jpeg(list, device=...)``
-call (nvJPEG on a GPU), then crops, resizes, flips, normalises and mixes (Mixup/CutMix) on that
-device. Members that are not plain JPEGs (PNG, WebP, CMYK, progressive, EXIF-rotated, larger than
+``cuda`` / ``cpu`` / ``dali``: workers only read tar members, parse headers (bomb and format checks
+as before) and draw each sample's crop box and flip from its seed (``SampleTransform.defer``); the
+training process decodes the whole batch, then crops, resizes, flips, normalises and mixes
+(Mixup/CutMix) it. ``cuda`` / ``cpu`` decode in one ``torchvision.io.decode_jpeg(list, device=...)``
+call (nvJPEG on a GPU); ``dali`` has an NVIDIA DALI pipeline decode only each crop's window, resize
+and flip (``dali_decode.py``: the ``mixed`` decoder on a GPU, DALI's CPU operators without one).
+Members that are not plain JPEGs (PNG, WebP, CMYK, progressive, EXIF-rotated, larger than
 ``(4 * img_size)^2`` pixels, or without the EOI marker at the end: ``SampleTransform.defer``) are
 decoded in the worker as before and travel as finished uint8 samples in the same batch.
 
 ``cpu`` crops sample by sample with torch's antialiased resize, as the workers do, and gives their
-batches bit for bit (how CI tests this path). ``cuda`` works one batch ahead of the training step,
-on a side stream (:class:`CudaStreams`), and with no host sync: while step N runs, batch N+1 is
-decoded, cropped, resized, flipped and normalised in a constant number of kernels
-(:func:`crop_batch`: one ``roi_align`` over the batch laid out as an atlas, which averages over each
-output pixel's area where torch's antialiased resize weighs a triangle twice as wide: within about
-a grey level on average, see tests/unit/test_batch_decode.py).
+batches bit for bit (how CI tests this path). ``cuda`` and ``dali`` on a GPU work one batch ahead of
+the training step, on a side stream (:class:`CudaStreams`), and with no host sync of ours: while
+step N runs, batch N+1 is decoded, cropped, resized, flipped and normalised in a constant number of
+kernels. ``cuda`` crops with :func:`crop_batch` (one ``roi_align`` over the batch laid out as an
+atlas, which averages over each output pixel's area where torch's antialiased resize weighs a
+triangle twice as wide: within about a grey level on average, see
+tests/unit/test_batch_decode.py); ``dali`` with DALI's antialiased resize (``dali_decode.py`` says
+how close). ``dali`` without a GPU runs the same code, DALI's pipeline on its CPU operators.
 
 A JPEG that fails to decode here is retried alone and then through the worker path (PIL); one that
 fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``; once,
@@ -41,6 +45,7 @@ import torchvision  # noqa: F401  (registers torch.ops.torchvision.roi_align)
 from data_pipeline.config import DEVICES
 from data_pipeline.shards.decode import BadSample, open_image
 from data_pipeline.errors import ConfigError, TooManyCorruptSamples
+from data_pipeline.loading import dali_decode
 from data_pipeline.loading.transforms import Deferred, SampleTransform, mix_labelled
 
 # torchvision 0.29 deprecates its codecs for TorchCodec (not one of our dependencies); decode_jpeg
@@ -110,17 +115,22 @@ def check_device(device: str, key: str = "data.decode_device") -> None:
         raise ConfigError(f"{key}: must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}: cuda, but this process sees no CUDA device (use worker or cpu)")
+    why = dali_decode.unavailable() if device == "dali" else None
+    if why is not None:
+        raise ConfigError(f"{key}: dali, but {why}")
 
 
 # ------------------------------------------------------------------------------------- streams
 class CudaStreams:
-    """The streams of ``data.decode_device: cuda`` and the only calls that order them. The
-    prefetcher (:meth:`BatchDecoder.finish`) and the decoder reach CUDA's ordering through these
-    methods alone, so a recording stand-in can check their order on a machine without a GPU.
+    """The streams of ``data.decode_device: cuda`` (and of ``dali`` on a GPU) and the only calls
+    that order them. The prefetcher (:meth:`BatchDecoder.finish`) and the decoder reach CUDA's
+    ordering through these methods alone, so a recording stand-in can check their order on a
+    machine without a GPU.
 
     ``compute``: the training step's stream (the one current when the loader was built).
-    ``side``: uploads, crops, normalises and mixes the next batch. ``decode``: current only while
-    nvJPEG's call allocates its outputs (see :func:`decode_jpeg`); nothing runs on it."""
+    ``side``: uploads, crops, normalises and mixes the next batch (and takes DALI's output:
+    :meth:`take`). ``decode``: current only while nvJPEG's call allocates its outputs (see
+    :func:`decode_jpeg`); nothing runs on it."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -151,6 +161,21 @@ class CudaStreams:
         """A host tensor on the device, copied on the current stream without holding the host: from
         pinned memory (pinned here if it is not; the pinned-memory cache serves it after warm-up)."""
         return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(self.device, non_blocking=True)
+
+    def take(self, pipe) -> torch.Tensor:
+        """The output of a DALI pipeline's run (``dali_decode.DaliCrop``) as a uint8 torch tensor on
+        the current stream, with no host wait on the device: DALI binds its outputs to that stream
+        (the stream waits on DALI's event; DALI frees their memory in that stream's order), the tensor
+        is allocated there by torch's caching allocator, and the device-to-device copy into it is
+        queued there, before DALI's buffer is let go. The host waits only for DALI's own CPU work
+        (parsing, Huffman decoding, queueing its kernels), as for nvJPEG's call."""
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        stream = torch.cuda.current_stream(self.device)
+        (out,) = pipe.outputs(cuda_stream=stream)
+        dense = out.as_tensor()
+        return feed_ndarray(dense, torch.empty(dense.shape(), dtype=torch.uint8, device=self.device),
+                            cuda_stream=stream)
 
 
 @dataclass
@@ -245,17 +270,22 @@ class BatchDecoder:
     """Finishes a :class:`DeferredBatch` in the training process: float32 (B, 3, S, S) on ``device``,
     normalised with augment.mean/std, mixed when the batch carries a mix seed.
 
-    ``batched`` (default: on CUDA) crops, resizes and flips the batch in one :func:`crop_batch`;
-    otherwise sample by sample, bit for bit as the workers do. ``streams`` (default on CUDA: a
-    :class:`CudaStreams`) makes :meth:`finish` work one batch ahead on a side stream."""
+    ``device``: ``cpu``, ``cuda`` or ``dali`` (DALI on the GPU when CUDA is there, else on the CPU;
+    ``threads``: DALI's CPU threads). ``batched`` (default: on CUDA; always with DALI) crops,
+    resizes and flips the batch in one :func:`crop_batch` (or DALI run); otherwise sample by
+    sample, bit for bit as the workers do. ``streams`` (default on CUDA: a :class:`CudaStreams`)
+    makes :meth:`finish` work one batch ahead on a side stream."""
 
     def __init__(self, transform: SampleTransform, aug, device: str, max_pixels: int, num_classes: int,
-                 streams=None, batched: Optional[bool] = None):
+                 streams=None, batched: Optional[bool] = None, threads: int = 1):
         self.transform, self.aug, self.max_pixels, self.num_classes = transform, aug, max_pixels, num_classes
+        gpu = device == "cuda" or (device == "dali" and torch.cuda.is_available())
         # the current CUDA device: DeepSpeed's engine has set it to the rank's GPU by then
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        self.streams = streams if streams is not None or device != "cuda" else CudaStreams(self.device)
-        self.batched = device == "cuda" if batched is None else batched
+        self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        self.streams = streams if streams is not None or not gpu else CudaStreams(self.device)
+        self.batched = device == "dali" or (gpu if batched is None else batched)
+        self._dali = dali_decode.DaliCrop(transform.size, self.device.index if gpu else None, threads) \
+            if device == "dali" else None
         std = torch.tensor(aug.std, dtype=torch.float32).view(3, 1, 1)
         self.scale = (1.0 / (std * 255.0)).to(self.device)
         self.shift = (-torch.tensor(aug.mean, dtype=torch.float32).view(3, 1, 1) / std).to(self.device)
@@ -361,29 +391,20 @@ class BatchDecoder:
         return out, bad
 
     def _batched(self, batch: DeferredBatch):
-        """(normalised float rows, failed rows) in a constant number of kernels: one
-        :func:`crop_batch` for the decoded JPEGs, one upload for the worker-decoded samples, one
-        scatter into batch order, one normalisation. Per sample only what is rare or differs per
-        sample: a JPEG that failed here (PIL, in this process), one too long and thin for the atlas
-        (a side over ``4 * img_size``), and RandAugment's ops."""
+        """(normalised float rows, failed rows) in a constant number of kernels: the JPEGs decoded
+        and cropped together (:meth:`_crop_decoded`, or :meth:`_crop_dali`), one upload for the
+        worker-decoded samples, one scatter into batch order, one normalisation. Per sample only what
+        is rare or differs per sample: a JPEG that failed here (PIL, in this process), one too long
+        and thin for ``crop_batch``'s atlas (a side over ``4 * img_size``), and RandAugment's ops."""
         items, S = batch.items, self.transform.size
         jpegs = [i for i, it in enumerate(items) if isinstance(it, Deferred)]
-        alone, crop = {}, []  # row -> finished uint8 (3, S, S) or None (failed); rows for crop_batch
-        for i, px in zip(jpegs, self._decode([batch.file(items[i]) for i in jpegs])):
-            it = items[i]
-            if px is None or tuple(px.shape[-2:]) != (it.size[1], it.size[0]):
-                alone[i] = self._finish(it, batch.file(it), px)
-            elif max(px.shape[-2:]) > 4 * S:
-                alone[i] = self.transform.finish(px, it)
-            else:
-                crop.append((i, px))
+        x, rows, alone = (self._crop_dali if self._dali is not None else self._crop_decoded)(batch, jpegs) \
+            if jpegs else (None, [], {})
         parts, order = [], []
-        if crop:
-            x = crop_batch([px for _, px in crop], [self._box(items[i]) for i, _ in crop],
-                           [items[i].flip for i, _ in crop], S, self._upload)
-            parts.append(self._randaugment(x, [items[i] for i, _ in crop]) if self.transform.train
+        if rows:
+            parts.append(self._randaugment(x, [items[i] for i in rows]) if self.transform.train
                          and self.transform.randaug is not None else x)
-            order += [i for i, _ in crop]
+            order += rows
         if batch.decoded is not None:
             parts.append(self._upload(batch.decoded).float())
             order += [i for i, it in enumerate(items) if not isinstance(it, Deferred)]  # rows 0, 1, ... in order
@@ -399,6 +420,41 @@ class BatchDecoder:
             if parts:
                 out.index_copy_(0, self._upload(torch.tensor(order)), torch.cat(parts))
         return out.mul_(self.scale).add_(self.shift), bad
+
+    def _crop_decoded(self, batch: DeferredBatch, jpegs: list):
+        """The rows ``jpegs`` decoded in one torchvision call (nvJPEG on CUDA) and cropped, resized
+        and flipped by one :func:`crop_batch`: (float32 rows of whole grey levels, the batch rows
+        they are, {batch row: finished uint8 sample, or None when it failed} for those done alone)."""
+        items, S = batch.items, self.transform.size
+        alone, crop = {}, []  # row -> finished uint8 (3, S, S) or None (failed); rows for crop_batch
+        for i, px in zip(jpegs, self._decode([batch.file(items[i]) for i in jpegs])):
+            it = items[i]
+            if px is None or tuple(px.shape[-2:]) != (it.size[1], it.size[0]):
+                alone[i] = self._finish(it, batch.file(it), px)
+            elif max(px.shape[-2:]) > 4 * S:
+                alone[i] = self.transform.finish(px, it)
+            else:
+                crop.append((i, px))
+        if not crop:
+            return None, [], alone
+        x = crop_batch([px for _, px in crop], [self._box(items[i]) for i, _ in crop],
+                       [items[i].flip for i, _ in crop], S, self._upload)
+        return x, [i for i, _ in crop], alone
+
+    def _crop_dali(self, batch: DeferredBatch, jpegs: list):
+        """:meth:`_crop_decoded` by one DALI run (``dali_decode.DaliCrop``): each file's window
+        decoded, resized and flipped; its output reaches torch through :meth:`CudaStreams.take` on
+        the side stream (``dali_decode.host_output`` on the CPU). Files DALI fails on go through the
+        worker path (PIL) alone."""
+        items, S, blob = batch.items, self.transform.size, batch.blob.numpy()
+        files = [blob[items[i].span[0]:items[i].span[1]] for i in jpegs]
+        windows = [dali_decode.window(self._box(items[i]), items[i].size, S, reach=items[i].box is None)
+                   for i in jpegs]
+        take = self.streams.take if self.streams is not None else dali_decode.host_output
+        x, failed = self._dali(files, windows, [items[i].flip for i in jpegs], take)
+        alone = {jpegs[k]: self._finish(items[jpegs[k]], batch.file(items[jpegs[k]]), None) for k in failed}
+        rows = [i for i in jpegs if i not in alone]
+        return (x.float() if x is not None else None), rows, alone
 
     def _box(self, item: Deferred) -> tuple:
         """The sample's crop (top, left, h, w) in its decoded image: the worker's draw in training; in

@@ -39,9 +39,10 @@ listed are dropped before decoding and counted as ``excluded``; like bad samples
 slot short, so it refills its batches from a further pass (``repeated_for_balance``).
 
 Decode device (``data.decode_device``, ``batch_decode.py``): ``worker`` decodes in the workers as
-above; ``cuda`` / ``cpu`` have the workers ship plain JPEGs undecoded with their crop boxes, and
-this process decodes, crops and normalises each batch there (nvJPEG on a GPU; the ``cpu`` path
-gives bit-identical batches to ``worker`` when no draft decode applies, and exists to test it).
+above; ``cuda`` / ``cpu`` / ``dali`` have the workers ship plain JPEGs undecoded with their crop
+boxes, and this process decodes, crops and normalises each batch there (nvJPEG on a GPU; DALI's
+pipeline, with ``data.workers`` threads, on the GPU or the CPU; the ``cpu`` path gives
+bit-identical batches to ``worker`` when no draft decode applies, and exists to test it).
 
 Worker decode (``data.worker_decoder``, ``shards/crop_decode.py``): in training, a worker decodes only
 the crop window of each plain JPEG when nvImageCodec is installed (``auto``), else the whole image
@@ -112,11 +113,12 @@ class ShardLoader:
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
                                  data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device,
                                  worker_decoder, RemotePolicy.of(data_cfg))
-        self._decoder = None  # data.decode_device cpu/cuda: this process finishes each batch
+        self._decoder = None  # data.decode_device cpu/cuda/dali: this process finishes each batch
         if decode_device != "worker":
             check_device(decode_device)
             self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
-                                         decode_device, data_cfg.max_image_pixels, self.num_classes)
+                                         decode_device, data_cfg.max_image_pixels, self.num_classes,
+                                         threads=max(1, data_cfg.workers))
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size
@@ -170,7 +172,7 @@ class ShardLoader:
             # DataLoader draws its worker base seed from this generator; the default would take
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
-        # data.decode_device cpu/cuda: batches finished here (cuda: one ahead, on a side stream)
+        # data.decode_device cpu/cuda/dali: batches finished here (on a GPU: one ahead, on a side stream)
         for images, targets, meta in (self._decoder.finish(loader) if self._decoder is not None else loader):
             epoch = self._epoch
             self._account(meta)

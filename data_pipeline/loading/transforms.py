@@ -35,7 +35,7 @@ from data_pipeline.shards.decode import draft, exif_orientation, load_rgb, orien
 
 @dataclass
 class Deferred:
-    """A JPEG that the training process decodes (``data.decode_device``: cpu or cuda), with what its
+    """A JPEG that the training process decodes (``data.decode_device``: cpu, cuda or dali), with what its
     worker drew for it from the sample's seed."""
     data: Optional[bytes]  # the file (None once packed into its batch: see ``span``)
     size: tuple  # (W, H) from the header

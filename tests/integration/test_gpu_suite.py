@@ -44,10 +44,12 @@ def test_gpu_suite_smoke(tmp_path):
     ckpt = by_section["model"][3]
     assert ckpt["hfu"] > ckpt["mfu"], ckpt  # checkpointing's recomputed forward counts as hardware FLOPs
 
-    cpu, gpu = by_section["loader"]
+    cpu, gpu, dali = by_section["loader"]
     assert cpu["decode"] == "cpu" and cpu["status"] == "ok" and _number(cpu["img_s"]), cpu
-    # GPU decode (data.decode_device=cuda) runs its CPU code path in the smoke
+    # GPU decode (data.decode_device=cuda) runs its CPU code path in the smoke, DALI its CPU pipeline
     assert gpu["status"] == "ok" and gpu["decode_device"] == "cpu" and _number(gpu["img_s"]), gpu
+    assert dali["status"] == "ok" and dali["decode_device"] == "dali" and _number(dali["img_s"]), dali
+    assert dali["vs_gpu_decode"] == dali["img_s"] / gpu["img_s"], dali
 
     md = (out / "suite.md").read_text()
     for row in rows:

@@ -30,7 +30,8 @@ from test_batch_decode import _broken, _cfg, _encode, _run  # noqa: E402  (share
 class RecordingStreams:
     """Stands in for CudaStreams (the CUDA runtime) and logs each call in order: ("use", s) ...
     ("end", s) around the work a stream is current for, ("record", s, event), ("wait", s, event),
-    ("record_stream", s, id(tensor)), ("upload", current stream)."""
+    ("record_stream", s, id(tensor)), ("upload", current stream), ("take", current stream) (a DALI
+    pipeline's output, taken on the host)."""
     compute, side, decode = "compute", "side", "decode"
 
     def __init__(self, log: list):
@@ -60,6 +61,12 @@ class RecordingStreams:
     def upload(self, tensor):
         self.log.append(("upload", self.current[-1]))
         return tensor
+
+    def take(self, pipe):
+        from data_pipeline.loading.dali_decode import host_output
+
+        self.log.append(("take", self.current[-1]))
+        return host_output(pipe)
 
 
 @pytest.fixture
