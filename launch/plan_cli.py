@@ -131,8 +131,10 @@ def describe(p: perfmodel.Prediction) -> str:
         f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
         f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
         f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
-        f"(element-wise {p.elementwise_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
+        f"(element-wise {p.elementwise_seconds * 1e3:,.1f}, waiting for kernel launches "
+        f"{p.launch_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
         f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",
+        f"  kernels         {p.kernels_per_step:,} per GPU per step",
         f"  sent per GPU    {comm} per step",
         f"  input           {p.input_images_per_second:,.0f} img/s from the loaders ({p.input_limit} per node, "
         f"{lay['decode']} decode)" + (": INPUT-BOUND" if p.input_bound else ""),
