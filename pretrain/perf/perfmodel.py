@@ -133,6 +133,7 @@ class Layout:
     decode_rate: Optional[float] = None
     cpu_cores: Optional[int] = None
     stored_side: int = 256
+    loader_workers: Optional[int] = None  # data.workers per rank (None: one per core the ranks leave free)
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("nodes", "gpus_per_node", "micro_batch")
@@ -142,6 +143,8 @@ class Layout:
                 if getattr(self, k) is not None and not getattr(self, k) > 0]
         bad += [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("cpu_cores", "stored_side")
                 if getattr(self, k) is not None and getattr(self, k) < 1]
+        if self.loader_workers is not None and self.loader_workers < 0:
+            bad.append(f"loader_workers={self.loader_workers} (must be >= 0)")
         if self.decode_rate is not None and not self.decode_rate > 0:
             bad.append(f"decode_rate={self.decode_rate} (must be > 0)")
         if self.global_batch is not None and self.global_batch < 1:
@@ -400,7 +403,7 @@ def predict(layout: Layout) -> Prediction:
     step = comp + opt + exposed
     ips = b * k * layout.world / step
     feed = inputs.node_rate(layout.decode, layout.cpu_cores or NETWORKS[layout.network].cpu_cores,
-                            layout.gpus_per_node, layout.stored_side, layout.decode_rate)
+                            layout.gpus_per_node, layout.stored_side, layout.decode_rate, layout.loader_workers)
     input_bound = feed.images_per_second * layout.nodes < ips
     if input_bound:  # the GPUs wait for batches: the step takes as long as the loaders need
         ips = feed.images_per_second * layout.nodes
@@ -437,7 +440,7 @@ def predict(layout: Layout) -> Prediction:
     if input_bound:
         bottleneck = (f"input pipeline: {feed.images_per_second:,.0f} img/s per node ({feed.limit}) of the "
                       f"{b * k * layout.gpus_per_node / (comp + opt + exposed):,.0f} the GPUs could take; fix with "
-                      f"{inputs.advice(layout.decode, layout.stored_side)}")
+                      f"{inputs.advice(layout.decode, layout.stored_side, feed.idle_cores, layout.gpus_per_node)}")
     if not fits:
         bottleneck = f"does not fit: {mem['total']:.1f} GB needed of {g.memory_gb:.0f} GB; " + bottleneck
     return Prediction(layout=asdict(layout), params=shape.params, images_per_second=ips,
@@ -506,7 +509,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold,
               hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
-              quantized_gradients=z.quantized_gradients, network=network)
+              quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers)
     kw.update(overrides)
     return Layout(**kw)
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from launch.cli import main
-from pretrain.perf import kernels
+from pretrain.perf import inputs, kernels
 from pretrain.perf.perfmodel import Layout, predict
 
 MODELS = ("vit_base_patch16_224", "vit_large_patch16_224", "vit_huge_patch14_224")
@@ -129,6 +129,7 @@ def test_zero3_exposed_communication_stays_within_its_collectives():
     (["--zero", "1", "--quantized-weights"], "with --zero 1 (DeepSpeed runs it only with ZeRO-3)"),
     (["--decode-rate", "-1"], "--decode-rate -1.0 (must be > 0)"),
     (["--cpu-cores", "0"], "--cpu-cores 0 (must be >= 1)"),
+    (["--loader-workers", "-1"], "--loader-workers -1 (must be >= 0)"),
 ])
 def test_impossible_layouts_are_one_line_and_exit_2(args, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -176,3 +177,27 @@ def test_a_layout_the_loaders_cannot_feed_is_input_bound_and_says_what_fixes_it(
                     "--stored-side", "500"]) == 0
     out = capsys.readouterr().out
     assert "INPUT-BOUND" in out and "input pipeline" in out
+
+
+def test_loader_workers_share_the_cores_the_ranks_leave():
+    """A node's loader rate is its workers' cores x the per-worker rate: the job's data.workers per
+    rank when given, and never more cores than the scheduler gives them beside the ranks."""
+    per = inputs.CPU_DECODE_PER_WORKER
+    assert inputs.node_rate("cpu", 112, 8).images_per_second == pytest.approx(104 * per)  # one per free core
+    assert inputs.node_rate("cpu", 112, 8, workers=10).images_per_second == pytest.approx(80 * per)
+    assert inputs.worker_cores(2, 2, 2, rank_cores=0.02) == pytest.approx(1.96)  # idle ranks leave their cores
+    assert inputs.worker_cores(2, 2, 1) == pytest.approx(2 / 3)  # busy ranks: one equal share each
+    assert inputs.worker_cores(16, 8, 16) == pytest.approx(16 * 16 / 24)  # oversubscribed: equal shares
+    from pretrain.config import load_config
+    from pretrain.perf.perfmodel import layout_from_config
+
+    cfg = load_config("configs/vit_l16_in21k.yaml")  # data.workers: 10
+    p = predict(layout_from_config(cfg, nodes=1, gpus_per_node=8, gpu="h100-sxm"))
+    assert p.input_images_per_second == pytest.approx(8 * cfg.data.workers * per), p.input_limit
+
+
+def test_too_few_loader_workers_say_so(capsys):
+    assert main_rc(["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm", "--micro-batch", "128",
+                    "--loader-workers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "INPUT-BOUND" in out and "32 workers" in out and "more loader workers (data.workers" in out, out
