@@ -39,8 +39,8 @@ CUBLAS_EFFICIENCY = 0.970  # the fit's asymptote: large GEMMs, cuBLAS alone, of 
 # A pre-norm block: 12 GEMMs (4 linears forward, their input and weight gradients), the fused attention
 # forward and backward, 16 element-wise kernels (4 LayerNorm forward/backward, 2 GELU, 4 residual adds
 # and gradient sums, 4 bias-gradient sums, the head-merge copy and the q/k/v gradient stack) and 12
-# gradient accumulations, one per parameter tensor (from the second micro-step of an accumulation on
-# in plain PyTorch; DeepSpeed's gradient hooks copy each gradient into its buffer every micro-step).
+# gradient accumulations, one per parameter tensor (plain PyTorch adds into .grad once it exists;
+# DeepSpeed's gradient hooks copy each gradient into its buffer every micro-step).
 BLOCK_KERNELS = {"gemm": 12, "attention": 2, "elementwise": 16, "accumulate": 12}
 # activation checkpointing re-runs a block's forward up to the last tensor the backward needs
 # (torch.utils.checkpoint stops early): qkv, proj, fc1, attention, both LayerNorms, GELU, one add
@@ -48,8 +48,9 @@ RECOMPUTE_KERNELS = {"gemm": 3, "attention": 1, "elementwise": 4}
 # outside the blocks: patch embedding forward + weight gradient, position add, class token, final
 # LayerNorm, head (3 GEMMs), loss forward/backward, and their parameters' gradient accumulations
 OTHER_KERNELS = {"gemm": 5, "attention": 0, "elementwise": 13, "accumulate": 8}
-# torch.compile of each block (train.compile) fuses its element-wise kernels about two to one; the
-# GEMMs and the attention kernel stay library calls, the gradient accumulations stay eager
+# torch.compile of each block (train.compile) fuses its element-wise kernels about two to one (an
+# estimate, as for their traffic); the GEMMs and the attention kernel stay library calls, the gradient
+# accumulations stay eager
 COMPILED_ELEMENTWISE = 8
 
 # --- host cost of issuing kernels
