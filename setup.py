@@ -31,7 +31,9 @@ setup(
     extras_require={
         # s3:// shards (data_pipeline/storage/s3.py); 1.28.57: AWS_ENDPOINT_URL(_S3) honoured
         "s3": ["boto3>=1.28.57"],
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
+        # data.worker_decoder: nvimgcodec, workers decode only each crop's window (CPU backend, no GPU needed)
+        "decode": ["nvidia-nvimgcodec-cu13>=0.9"],
+        "test": ["nvidia-nvimgcodec-cu13>=0.9", "pytest>=8.0", "pytest-xdist>=3.5", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
                  "boto3>=1.28.57", "moto[server]>=5.0",  # moto: the S3 API server of tests/s3_server.py
                  "scikit-learn>=1.3"],  # the linear probe's reference (LogisticRegression)
     },

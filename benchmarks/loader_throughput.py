@@ -45,17 +45,18 @@ from pretrain.config import AugmentConfig, DataConfig  # noqa: E402
 CLASSES = 10
 
 
-def make_images(root: Path, n: int) -> None:
+def make_images(root: Path, n: int, size: tuple = (500, 375)) -> None:
     """ImageNet-like JPEGs in an ImageFolder layout (one sub-folder per class): demo shapes scaled
-    to 500x375 (or 375x500) plus coarse and fine noise, so that at quality 90 files average about
-    100 KB, near ImageNet's mean (~110 KB); smooth synthetic images would decode unrealistically fast."""
-    recipe = {"n": n, "version": 2}
+    to ``size`` (every fourth one turned upright: 375x500 for the default 500x375) plus coarse and
+    fine noise, so that at quality 90 files average about 100 KB at 500x375, near ImageNet's mean
+    (~110 KB); smooth synthetic images would decode unrealistically fast."""
+    recipe = {"n": n, "version": 2} if tuple(size) == (500, 375) else {"n": n, "version": 2, "size": list(size)}
     if (root / "done").exists() and json.loads((root / "done").read_text()) == recipe:
         return
     _, items = demo_items("train", n)
     rng = np.random.default_rng(0)
     for i, item in enumerate(items):
-        w, h = (500, 375) if i % 4 else (375, 500)
+        w, h = tuple(size) if i % 4 else tuple(size)[::-1]
         arr = np.asarray(item.load().resize((w, h), Image.BICUBIC), np.float32)
         coarse = rng.normal(128, 30, (h // 4 + 1, w // 4 + 1, 3)).clip(0, 255).astype(np.uint8)
         arr += np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), np.float32) - 128

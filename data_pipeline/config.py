@@ -12,6 +12,7 @@ from typing import Callable, Optional, Union
 __all__ = ["AugmentConfig", "DataConfig", "check_data"]
 
 DEVICES = ("worker", "cpu", "cuda")  # data.decode_device
+WORKER_DECODERS = ("auto", "nvimgcodec", "pil")  # data.worker_decoder
 
 
 @dataclass
@@ -74,6 +75,11 @@ class DataConfig:
     decode_device: str = "worker"
     """Where JPEGs are decoded: `worker` (the data workers), `cuda` (the training process, on the
     GPU) or `cpu` (the training process, on the CPU); what each does: data_pipeline/DATA.md."""
+    worker_decoder: str = "auto"
+    """How a data worker decodes a training JPEG: `nvimgcodec` decodes only the random crop's rows
+    and columns (NVIDIA nvImageCodec's CPU backend, `pip install nvidia-nvimgcodec-cu13`; no GPU
+    needed), `pil` the whole image with PIL; `auto`: `nvimgcodec` when it is installed, else `pil`.
+    The crop boxes, and so resume, are the same either way (data_pipeline/DATA.md)."""
     record_samples: bool = False
     """Write `step<TAB>epoch<TAB>key` per consumed sample to `<output_dir>/samples/rank-<R>.tsv`
     (cut back to the checkpoint's step on resume)."""
@@ -97,6 +103,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
             fail(f"data.{key}", f"must be > 0 seconds, got {getattr(data, key)}")
     if data.decode_device not in DEVICES:
         fail("data.decode_device", f"must be one of {', '.join(DEVICES)}, got {data.decode_device!r}")
+    if data.worker_decoder not in WORKER_DECODERS:
+        fail("data.worker_decoder", f"must be one of {', '.join(WORKER_DECODERS)}, got {data.worker_decoder!r}")
     a = data.augment
     if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
         fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")

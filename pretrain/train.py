@@ -46,7 +46,7 @@ from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
 from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, goodbye_line,
                                           report_lost_peer)
-from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
+from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
 from pretrain.step import train_step
@@ -98,7 +98,8 @@ def train_loop(lp: Loop) -> dict:
     history, step, stopped = [], lp.start_step, False
     while step < t.steps:
         clock.begin_step(step + 1, startup=step == lp.start_step)
-        window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype))
+        with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
+            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype))
         clock.end_step()
         step += 1
         if step == lp.start_step + 1:  # start-up is over: step-time bounds from here on
@@ -179,9 +180,10 @@ def run(cfg: Config) -> dict:
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world, cfg.deepspeed)
-    set_masters(engine, masters)  # bf16: the init_from file's fp32 bits, not the rounded module's
+    set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
                           seed=t.seed, img_size=img, train=True)
+    say(f"data workers decode: {loader.worker_decoder}")
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")

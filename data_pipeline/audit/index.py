@@ -1,25 +1,31 @@
 """The hashing half of ``vit-audit`` (``audit.py`` has the method and its calibration): the
 hashes of an image, the confirmation of a candidate pair, the multi-index table that finds
 pHashes within a few bits, and the pre-training side's stored index (``hashes.npz`` beside a
-manifest, built once by ``vit-audit --index`` or the first audit).
+manifest, in its folder or ``s3://`` prefix, built once by ``vit-audit --index`` or the first
+audit).
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-import os
 import sys
-from dataclasses import dataclass
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 from PIL import Image, ImageFilter
 
 from data_pipeline.shards.decode import BadSample, load_rgb, open_image
 from data_pipeline.errors import DataError
-from data_pipeline.shards.manifest import MANIFEST_NAME, parse_manifest, resolve_shards
+from data_pipeline.shards.manifest import MANIFEST_NAME, ShardSet, read_manifest, resolve_shards
 from data_pipeline.shards.reader import read_shard
+from data_pipeline.storage.places import LocalFolder, open_place
+from data_pipeline.storage.retry import RemoteShardError
+from data_pipeline.storage.s3 import S3Prefix
+from data_pipeline.storage.urls import is_s3
 from data_pipeline.tally import Tally
 
 HASHES_NAME = "hashes.npz"
@@ -264,42 +270,56 @@ class TrainIndex:
     exact: np.ndarray  # uint64
     phash: np.ndarray  # uint64
     unreadable: int = 0
+    shardset: Optional[ShardSet] = field(default=None, repr=False)  # the manifest's shards, read for this run
+    stored: Optional[str] = None  # where hashes.npz is; None: it could not be stored, kept for this run only
 
-    def save(self, path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    def save(self, folder: Union[LocalFolder, S3Prefix]) -> str:
+        """Store as ``hashes.npz`` in ``folder`` (a temp file renamed, or one upload: a reader never
+        sees half of it); returns its path or URL."""
         meta = {"format": "vitscale-hashes", "version": 1, "kind": HASH_KIND, "manifest": self.manifest,
                 "job": self.job, "fingerprint": self.fingerprint, "unreadable": self.unreadable}
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, meta=np.array(json.dumps(meta)), names=np.array(self.names, dtype=str),
-                         keys=self.keys.astype(str), shard=self.shard, pos=self.pos, exact=self.exact,
-                         phash=self.phash)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        buf = io.BytesIO()
+        np.savez(buf, meta=np.array(json.dumps(meta)), names=np.array(self.names, dtype=str),
+                 keys=self.keys.astype(str), shard=self.shard, pos=self.pos, exact=self.exact, phash=self.phash)
+        with folder.create(HASHES_NAME) as out:
+            out.write(buf.getvalue())
+            out.commit()
+        return folder.url(HASHES_NAME)
 
     @classmethod
-    def load(cls, path, manifest: str) -> Optional["TrainIndex"]:
-        """The stored index, or None when there is none or it is of another kind or version."""
+    def load(cls, folder: Union[LocalFolder, S3Prefix], manifest: str,
+             shardset: ShardSet) -> Optional["TrainIndex"]:
+        """The index stored in ``folder`` (``manifest``'s, whose shards are ``shardset``), or None when
+        there is none or it is of another kind or version."""
+        where = folder.url(HASHES_NAME)
         try:
-            with np.load(path, allow_pickle=False) as z:
+            data = folder.read_bytes(HASHES_NAME)
+            if data is None:
+                return None
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
                 if meta.get("format") != "vitscale-hashes" or meta.get("kind") != HASH_KIND:
                     return None
-                return cls(manifest, meta.get("job", ""), meta["fingerprint"], [str(n) for n in z["names"]],
-                           z["keys"], z["shard"], z["pos"], z["exact"], z["phash"], int(meta.get("unreadable", 0)))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError) as e:
-            raise DataError(f"{path}: unreadable hash index ({e}); rebuild it with vit-audit --index --force") from None
+                return cls(manifest, meta.get("job", ""), meta["fingerprint"],
+                           [str(n) for n in z["names"]], z["keys"], z["shard"], z["pos"], z["exact"], z["phash"],
+                           int(meta.get("unreadable", 0)), shardset, where)
+        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            why = f"unreadable hash index ({e}); rebuild it with vit-audit --index --force"
+            raise DataError(f"{where}: {why}") from None
 
 
-def manifest_path(spec: str) -> Path:
-    """A manifest path, or the folder that holds one."""
-    p = Path(spec)
-    return p / MANIFEST_NAME if p.is_dir() else p
+def manifest_url(spec) -> str:
+    """A manifest's path or ``s3://`` URL, given it or the folder (prefix) that holds it."""
+    text = str(spec)
+    if is_s3(text):
+        return text if text.endswith(".json") else f"{text.rstrip('/')}/{MANIFEST_NAME}"
+    p = Path(text)
+    return str(p / MANIFEST_NAME if p.is_dir() else p)
+
+
+def _folder(manifest: str) -> Union[LocalFolder, S3Prefix]:
+    """The folder or ``s3://`` prefix of a manifest: where its ``hashes.npz`` lives."""
+    return open_place(manifest.rsplit("/", 1)[0] if is_s3(manifest) else Path(manifest).parent, "--shards")
 
 
 def _hash_shard(shard) -> tuple:
@@ -322,11 +342,12 @@ def _hash_shard(shard) -> tuple:
     return keys, pos, exact, ph, bad
 
 
-def build_index(manifest, workers: int = 1, progress: bool = False) -> TrainIndex:
-    """Decode every sample of the shard set once and hash it (``workers`` processes over shards)."""
-    mpath = manifest_path(str(manifest))
-    shardset = resolve_shards(str(mpath), key="--shards")
-    job = parse_manifest(mpath.read_text(), str(mpath)).get("job", "")
+def build_index(manifest, workers: int = 1, progress: bool = False, allow_remote: bool = False) -> TrainIndex:
+    """Decode every sample of the shard set once and hash it (``workers`` processes over shards).
+    ``allow_remote``: the manifest may be an ``s3://`` URL."""
+    mpath = manifest_url(manifest)
+    shardset = resolve_shards(mpath, allow_remote=allow_remote, key="--shards")
+    job = read_manifest(mpath, allow_remote=allow_remote, key="--shards").get("job", "")
     shards = list(shardset.shards)
     if workers > 1:
         import multiprocessing
@@ -337,13 +358,13 @@ def build_index(manifest, workers: int = 1, progress: bool = False) -> TrainInde
         parts = list(_progress(map(_hash_shard, shards), len(shards), progress, mpath))
     n = [len(p[0]) for p in parts]
     return TrainIndex(
-        str(mpath), job, shardset.fingerprint(), [s.name for s in shards],
+        mpath, job, shardset.fingerprint(), [s.name for s in shards],
         np.array([k for p in parts for k in p[0]], dtype=str),
         np.repeat(np.arange(len(shards), dtype=np.int32), n),
         np.array([i for p in parts for i in p[1]], dtype=np.int32),
         np.array([e for p in parts for e in p[2]], dtype=np.uint64),
         np.array([h for p in parts for h in p[3]], dtype=np.uint64),
-        sum(p[4] for p in parts))
+        sum(p[4] for p in parts), shardset)
 
 
 def _progress(it, total, on, what):
@@ -354,19 +375,23 @@ def _progress(it, total, on, what):
     return tqdm(it, total=total, unit="shard", desc=f"hashing {what}")
 
 
-def train_index(manifest, workers: int = 1, rebuild: bool = False, progress: bool = False) -> TrainIndex:
-    """The shard set's index from ``hashes.npz`` beside its manifest; built (and stored there, when
-    the folder is writable) when missing, of another kind, or made for another shard list."""
-    mpath = manifest_path(str(manifest))
-    fingerprint = resolve_shards(str(mpath), key="--shards").fingerprint()
-    path = mpath.parent / HASHES_NAME
-    index = None if rebuild else TrainIndex.load(path, str(mpath))
-    if index is not None and index.fingerprint == fingerprint:
+def train_index(manifest, workers: int = 1, rebuild: bool = False, progress: bool = False,
+                allow_remote: bool = False) -> TrainIndex:
+    """The shard set's index from ``hashes.npz`` beside its manifest (in its folder or ``s3://``
+    prefix); built (and stored there, when the folder or prefix takes it) when missing, of another
+    kind, or made for another shard list. ``allow_remote``: the manifest may be an ``s3://`` URL."""
+    mpath = manifest_url(manifest)
+    shardset = resolve_shards(mpath, allow_remote=allow_remote, key="--shards")
+    folder = _folder(mpath)
+    index = None if rebuild else TrainIndex.load(folder, mpath, shardset)
+    if index is not None and index.fingerprint == shardset.fingerprint():
         return index
-    index = build_index(mpath, workers, progress)
+    index = build_index(mpath, workers, progress, allow_remote)
     try:
-        index.save(path)
-    except OSError as e:
-        print(f"vit-audit: note: cannot store {path} ({e.strerror or e}); the hashes are used for this run only",
+        index.stored = index.save(folder)
+    except (OSError, RemoteShardError) as e:  # a read-only folder or prefix (a 403 from the store)
+        where = folder.url(HASHES_NAME)
+        why = (e.strerror if isinstance(e, OSError) else None) or str(e).removeprefix(f"{where}: ")
+        print(f"vit-audit: note: cannot store {where} ({why}); the hashes are used for this run only",
               file=sys.stderr)
     return index

@@ -72,6 +72,7 @@ evaluation images as ``EvalImage`` items; ``shards`` sets are read here (``read_
 """
 from __future__ import annotations
 
+import posixpath
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -84,12 +85,14 @@ from PIL import Image, ImageDraw
 from data_pipeline.shards.decode import BadSample, load_rgb, open_image
 from data_pipeline.errors import DataError
 from data_pipeline.shards.exclude import ExclusionWriter
-from data_pipeline.shards.manifest import MANIFEST_NAME, parse_manifest, resolve_shards
+from data_pipeline.shards.manifest import MANIFEST_NAME, read_manifest, resolve_shards
 from data_pipeline.shards.reader import read_shard
+from data_pipeline.storage.places import open_place
+from data_pipeline.storage.urls import is_remote, is_s3, last_part
 from data_pipeline.tally import Tally
 
 from data_pipeline.audit.index import (MAX_BITS, MAX_PIXELS, MIN_DETAIL, MIN_SCORE,
-                                       N_PROBES, PROBES, HashTable, confirm, manifest_path, pixel_hash, probe_hashes)
+                                       N_PROBES, PROBES, HashTable, confirm, manifest_url, pixel_hash, probe_hashes)
 
 
 # ----------------------------------------------------------------------- evaluation readers
@@ -101,35 +104,43 @@ class EvalImage:
     load: Callable[[], Image.Image]
 
 
-def _shard_split(mpath: Path, set_name: str, split: Optional[str]) -> Iterator[EvalImage]:
-    shardset = resolve_shards(str(mpath), key="--eval shards")
-    split = split or parse_manifest(mpath.read_text(), str(mpath)).get("split", "test")
+def _shard_split(mpath: str, set_name: str, split: Optional[str], allow_remote: bool) -> Iterator[EvalImage]:
+    shardset = resolve_shards(mpath, allow_remote=allow_remote, key="--eval shards")
+    split = split or read_manifest(mpath, allow_remote=allow_remote, key="--eval shards").get("split", "test")
     for shard in shardset.shards:
         for raw in read_shard(shard, Tally()):
             if raw.lost:
                 continue
 
-            def load(members=raw.members, where=f"{shard.name}:{raw.key}"):
+            def load(members=raw.members, where=f"{shard.url}:{raw.key}"):
                 try:
                     return load_rgb(open_image(members, MAX_PIXELS))
                 except BadSample as e:
-                    raise DataError(f"{mpath.parent / where}: {e}") from None
+                    raise DataError(f"{where}: {e}") from None
             yield EvalImage(set_name, split, raw.key, load)
 
 
-def read_shards_eval(path: str) -> Iterator[EvalImage]:
-    """``shards:PATH``: a manifest (or its folder), or the shards suite's ROOT with train/ test/
-    [val/] folders each holding shards + manifest.json. IDs are the samples' keys."""
-    p = Path(path)
-    if p.is_dir() and not (p / MANIFEST_NAME).is_file():
-        subs = [s for s in ("train", "val", "test") if (p / s / MANIFEST_NAME).is_file()]
-        if not subs:
-            raise DataError(f"{path}: no {MANIFEST_NAME} here nor in train/ val/ test/ (--eval shards:PATH)")
-        for s in subs:
-            yield from _shard_split(p / s / MANIFEST_NAME, f"shards/{p.name}", s)
-        return
-    mpath = manifest_path(path)
-    yield from _shard_split(mpath, f"shards/{mpath.parent.name}", None)
+def read_shards_eval(path: str, allow_remote: bool = False) -> Iterator[EvalImage]:
+    """``shards:PATH``: a manifest (or its folder or ``s3://`` prefix), or the shards suite's ROOT
+    with train/ test/ [val/] each holding shards + manifest.json (in a store, each manifest is asked
+    for by name). IDs are the samples' keys. ``allow_remote``: PATH may be an ``s3://`` URL."""
+    if is_remote(path) and not is_s3(path):
+        raise DataError(f"--eval shards:{path}: {path.split(':', 1)[0]}: URLs are not read here; give a folder, "
+                        "a manifest.json or s3://bucket/prefix")
+    if is_s3(path) and not allow_remote:
+        raise DataError(f"--eval shards:{path}: reaching a store needs allow_remote")
+    if (is_s3(path) and not path.endswith(".json")) or (not is_remote(path) and Path(path).is_dir()):
+        root = open_place(path, "--eval shards")
+        if root.stat(MANIFEST_NAME) is None:
+            subs = [(s, open_place(root.url(s), "--eval shards")) for s in ("train", "val", "test")]
+            found = [(s, sub) for s, sub in subs if sub.stat(MANIFEST_NAME) is not None]
+            if not found:
+                raise DataError(f"{path}: no {MANIFEST_NAME} here nor in train/ val/ test/ (--eval shards:PATH)")
+            for s, sub in found:
+                yield from _shard_split(sub.url(MANIFEST_NAME), f"shards/{last_part(path)}", s, allow_remote)
+            return
+    mpath = manifest_url(path)
+    yield from _shard_split(mpath, f"shards/{last_part(posixpath.dirname(mpath))}", None, allow_remote)
 
 
 # ------------------------------------------------------------------------------------ audit
@@ -225,14 +236,11 @@ def _confirm(indexes, images, exact, cands, max_bits, min_score, min_detail) -> 
     by_shard = defaultdict(list)
     for (k, row), evs in cands.items():
         by_shard[(k, int(indexes[k].shard[row]))].append((row, evs))
-    shardsets: dict = {}
     eval_cache: dict = {}
     pairs = []
     for (k, s), rows in sorted(by_shard.items()):
         idx = indexes[k]
-        if k not in shardsets:
-            shardsets[k] = resolve_shards(idx.manifest, key="--shards")
-        shard = next(sh for sh in shardsets[k].shards if sh.name == idx.names[s])
+        shard = next(sh for sh in idx.shardset.shards if sh.name == idx.names[s])
         want = {int(idx.pos[row]): (row, evs) for row, evs in rows}
         ranges = [(p, p + 1) for p in sorted(want)]
         for raw in read_shard(shard, Tally(), ranges):
@@ -323,9 +331,10 @@ def _train_images(result: AuditResult, pairs: list) -> dict:
     want = defaultdict(set)
     for p in pairs:
         want[(p.manifest, p.shard)].add(p.train_key)
+    shardsets = {i.manifest: i.shardset for i in result.indexes}
     out = {}
     for (manifest, shard_name), keys in want.items():
-        shard = next(s for s in resolve_shards(manifest, key="--shards").shards if s.name == shard_name)
+        shard = next(s for s in shardsets[manifest].shards if s.name == shard_name)
         for raw in read_shard(shard, Tally()):
             if raw.key in keys:
                 try:

@@ -43,6 +43,12 @@ above; ``cuda`` / ``cpu`` have the workers ship plain JPEGs undecoded with their
 this process decodes, crops and normalises each batch there (nvJPEG on a GPU; the ``cpu`` path
 gives bit-identical batches to ``worker`` when no draft decode applies, and exists to test it).
 
+Worker decode (``data.worker_decoder``, ``shards/crop_decode.py``): in training, a worker decodes only
+the crop window of each plain JPEG when nvImageCodec is installed (``auto``), else the whole image
+with PIL; the crop boxes and so the batches' samples and resume are the same either way, the
+pixels are those of a full decode (PIL's draft mode differs slightly where it applies).
+``loader.worker_decoder`` says which path, in words.
+
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
 the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
@@ -56,6 +62,7 @@ from torch.utils.data import DataLoader
 
 from data_pipeline.loading.batch_decode import BatchDecoder, check_device
 from data_pipeline.errors import DataError, TooManyCorruptSamples
+from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.loading.plan import Plan
@@ -100,9 +107,11 @@ class ShardLoader:
         exclude = read_exclusion(data_cfg.exclude_keys, "data.exclude_keys").keys \
             if getattr(data_cfg, "exclude_keys", None) else frozenset()
         decode_device = getattr(data_cfg, "decode_device", "worker")
+        worker_decoder = crop_decode.resolve(getattr(data_cfg, "worker_decoder", "auto")) if plan.train else "pil"
+        self.worker_decoder = crop_decode.describe(worker_decoder)  # for the start-up log, in words
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
                                  data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device,
-                                 RemotePolicy.of(data_cfg))
+                                 worker_decoder, RemotePolicy.of(data_cfg))
         self._decoder = None  # data.decode_device cpu/cuda: this process finishes each batch
         if decode_device != "worker":
             check_device(decode_device)

@@ -47,6 +47,7 @@ class Settings:
     multi_label: bool
     exclude: frozenset = frozenset()  # data.exclude_keys: keys skipped before decoding
     decode_device: str = "worker"  # data.decode_device: "worker", or where the training process decodes
+    worker_decoder: str = "pil"  # data.worker_decoder, resolved: "nvimgcodec" (crop window only) or "pil"
     remote: RemotePolicy = RemotePolicy()  # data.remote_*: retries of http(s) shards
 
     def mixing(self, train: bool) -> bool:
@@ -163,7 +164,8 @@ class SlotStream(IterableDataset):
     def __init__(self, plan: Plan, rank: int, settings: Settings, start: Start, num_classes: int):
         self.plan, self.rank, self.settings, self.start = plan, rank, settings, start
         self.num_classes = num_classes
-        self.transform = SampleTransform(settings.augment, settings.img_size, plan.train)
+        self.transform = SampleTransform(settings.augment, settings.img_size, plan.train,
+                                         window=settings.worker_decoder == "nvimgcodec")
 
     def __iter__(self):
         info = get_worker_info()
@@ -277,11 +279,12 @@ class SlotStream(IterableDataset):
         try:
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
             img = open_image(raw.members, self.settings.max_image_pixels)
+            data = image_bytes(raw.members)
             if self.settings.decode_device != "worker":  # the training process decodes plain JPEGs
-                deferred = self.transform.defer(img, image_bytes(raw.members), seed, counted=tally.enabled)
+                deferred = self.transform.defer(img, data, seed, counted=tally.enabled)
                 if deferred is not None:
                     return deferred, label
-            return self.transform(img, seed), label
+            return self.transform(img, seed, data), label
         except BadSample as e:
             tally.bad(e.kind, raw.shard.name)
             return None

@@ -8,9 +8,12 @@ set on torch's default generator inside ``fork_rng`` so the caller's RNG stream 
 matters with ``workers=0``, where transforms run in the training process). That makes augmentation
 reproducible on resume, whichever worker decodes the sample.
 
-Decoding cost: the crop is chosen from the JPEG header's size *before* decoding, then PIL's draft
-mode decodes at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side, so
-no quality is lost against a full decode. Resizing runs on uint8 tensors (torch's vectorised
+Decoding cost: the crop is chosen from the JPEG header's size *before* decoding. Then, with
+``data.worker_decoder: nvimgcodec`` (``shards/crop_decode.py``), only the crop's rows and columns
+of a plain JPEG (RGB or grey, baseline, no EXIF rotation, intact markers) are decoded, with the
+same pixels as that window of a full decode; otherwise PIL decodes the whole image, in draft mode
+at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side. Either way
+the crop box and every other draw are the same. Resizing runs on uint8 tensors (torch's vectorised
 antialiased kernel); samples leave as uint8 and are normalised into the batch buffer.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils.data import get_worker_info
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from data_pipeline.shards import crop_decode
 from data_pipeline.shards.decode import draft, exif_orientation, load_rgb, oriented_size
 
 
@@ -48,11 +52,13 @@ def ends_at_eoi(data: bytes) -> bool:
 
 
 class SampleTransform:
-    """lazy PIL image (header parsed) + seed -> uint8 tensor (3, img_size, img_size)."""
+    """lazy PIL image (header parsed) + seed -> uint8 tensor (3, img_size, img_size). ``window``:
+    decode only the crop window of plain JPEGs (``data.worker_decoder: nvimgcodec``)."""
 
-    def __init__(self, aug, img_size: int, train: bool):
+    def __init__(self, aug, img_size: int, train: bool, window: bool = False):
         self.size = int(img_size)
         self.train = train
+        self.window = window
         if not train:
             self.resize = int(round(self.size / aug.eval_crop_pct))
         else:
@@ -75,7 +81,9 @@ class SampleTransform:
             out = out.flip(-1)
         return self.randaug(out) if self.randaug is not None else out
 
-    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+    def __call__(self, img: Image.Image, seed: int, data: Optional[bytes] = None) -> torch.Tensor:
+        """``data``: the file ``img`` was opened from; with it (and ``window``) a plain JPEG's crop
+        window alone is decoded, and a file that decoder refuses goes through PIL as before."""
         if not self.train:
             return self._eval(img)
         with torch.random.fork_rng(devices=[]):
@@ -84,6 +92,12 @@ class SampleTransform:
             # it), before decoding.
             W, H = oriented_size(img)
             (top, left, h, w), flip = self._draw(W, H)
+            if data is not None and self.window and img.format == "JPEG" and img.mode in ("RGB", "L") \
+                    and exif_orientation(img) == 1 and crop_decode.plain(data):
+                pixels = crop_decode.decoder()(data, top, left, h, w)
+                if pixels is not None:  # the crop's pixels: resize only (as F.resized_crop does)
+                    out = F.resize(torch.from_numpy(pixels).permute(2, 0, 1), [self.size, self.size], antialias=True)
+                    return self._post(out, flip)
             r = min(w, h) / self.size  # how much smaller the decode may be with no loss
             img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
             rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)

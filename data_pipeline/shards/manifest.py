@@ -136,6 +136,12 @@ def parse_manifest(text: str, where: str) -> dict:
     return m
 
 
+def read_manifest(url: str, *, allow_remote: bool = False, key: str = "data.train_shards") -> dict:
+    """The checked manifest at a path or URL (read as ``resolve_shards`` reads it; ``key`` names what
+    gave it, in errors)."""
+    return parse_manifest(_read_text(url, allow_remote, key), url)
+
+
 def _check_remote(url: str, allow_remote: bool, key: str) -> None:
     if not allow_remote:
         raise DataError(f"{key}: remote URL {url!r} needs data.allow_remote=true "
@@ -197,7 +203,7 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
     multi = False
     offset = 0
     for murl, chosen in manifests.items():
-        m = parse_manifest(_read_text(murl, allow_remote, key), murl)
+        m = read_manifest(murl, allow_remote=allow_remote, key=key)
         if classes is None:
             classes = tuple(m["classes"])
         elif tuple(m["classes"]) != classes:

@@ -4,11 +4,12 @@
 an ``s3://`` object (``storage.s3``) or any other URL webdataset's ``gopen`` reads (``pipe:``...).
 
 ``open_place``: the writer's output, a local folder (``LocalFolder``) or ``s3://bucket/prefix``
-(``storage.s3.S3Prefix``), with one interface: ``read_text``/``write_text`` (whole small files,
-atomic), ``stat`` (size, and the store's ETag), ``create`` (a stream that becomes the file only on
-``commit``: temp name + fsync + rename, or a completed multipart upload; ``abort`` leaves nothing),
-``remove``, ``names``, ``clean_unfinished``. Any other URL scheme is a one-line ``DataError``: no
-local folder is ever named after a URL.
+(``storage.s3.S3Prefix``), with one interface: ``read_text``/``read_bytes``/``write_text`` (whole
+small files, atomic), ``stat`` (size, and the store's ETag), ``create`` (a stream that becomes the
+file only on ``commit``: temp name + fsync + rename, or a completed multipart upload; ``abort``
+leaves nothing), ``remove``, ``names``, ``clean_unfinished``. Readers use it too, to look for a
+file in a folder or prefix (``stat``). Any other URL scheme is a one-line ``DataError``: no local
+folder is ever named after a URL.
 """
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ class LocalFolder:
     def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
+    def read_bytes(self, name: str) -> Optional[bytes]:
+        p = self.root / name
+        return p.read_bytes() if p.exists() else None
+
     def read_text(self, name: str) -> Optional[str]:
         p = self.root / name
         return p.read_text() if p.exists() else None
@@ -113,11 +118,13 @@ class LocalFolder:
                 stale.unlink()
 
 
-def open_place(url: Union[str, Path], option: str = "--output") -> Union[LocalFolder, S3Prefix]:
-    """The folder or ``s3://bucket/prefix`` ``url`` names, for writing; another scheme is an error."""
+def open_place(url: Union[str, Path], option: str = "--output",
+               policy: Optional[RemotePolicy] = None) -> Union[LocalFolder, S3Prefix]:
+    """The folder or ``s3://bucket/prefix`` ``url`` names (an ``s3://`` one retried under ``policy``);
+    another scheme is an error: nothing can be written there."""
     text = str(url)
     if is_s3(text):
-        return S3Prefix(text)
+        return S3Prefix(text, policy or RemotePolicy())
     if is_remote(text):
         scheme = text.split(":", 1)[0]
         raise DataError(f"{option} {text}: cannot write to {scheme}: URLs; give a local folder or "

@@ -244,13 +244,18 @@ class S3Prefix:
         except S3NotFound:  # a HEAD answer has no error code to tell a bucket from a key
             raise RemoteShardError(f"{self.root}: S3 404: {_why('NoSuchBucket', 404, self.root, '', '')}") from None
 
-    def read_text(self, name: str) -> Optional[str]:
-        """The object's text (read as shards are: retried, resumed), or None when there is no such object."""
+    def read_bytes(self, name: str) -> Optional[bytes]:
+        """The object's bytes (read as shards are: retried, resumed), or None when there is no such object."""
         try:
             with S3Object(self.url(name), name, self.policy, kind="object") as f:
-                return f.read().decode("utf-8")
+                return f.read()
         except S3NotFound:
             return None
+
+    def read_text(self, name: str) -> Optional[str]:
+        """The object's text, or None when there is no such object."""
+        data = self.read_bytes(name)
+        return None if data is None else data.decode("utf-8")
 
     def write_text(self, name: str, text: str) -> str:
         """One PUT: an object appears whole or not at all."""

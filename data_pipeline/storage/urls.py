@@ -1,7 +1,9 @@
 """Shard and manifest locations: which are remote URLs and what a ``file://`` URL names."""
 from __future__ import annotations
 
+import posixpath
 import re
+from pathlib import Path
 
 _REMOTE = re.compile(r"^(pipe:|[a-zA-Z][a-zA-Z0-9+.-]*://)")
 
@@ -26,3 +28,8 @@ def split_s3(url: str) -> tuple[str, str]:
     """``s3://bucket/key/of/object`` -> ``("bucket", "key/of/object")`` (the key may be empty)."""
     bucket, _, key = url[len("s3://"):].partition("/")
     return bucket, key
+
+
+def last_part(url: str) -> str:
+    """A folder's or an ``s3://`` prefix's own name (its last part; a trailing slash ignored)."""
+    return posixpath.basename(url.rstrip("/")) if is_remote(url) else Path(local_path(url)).name

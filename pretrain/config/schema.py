@@ -83,16 +83,28 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model's initialisation, the data order and augmentations, the dropout
     streams."""
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """`bf16` or `fp32`. bf16 needs `zero.stage` >= 1: at stage 0 DeepSpeed accumulates and
-    reduces gradients in bf16 and reads every gradient on the host each step, so that pair is
-    refused in one line (stage 1 holds no more per rank)."""
+    precision: Literal["bf16", "bf16-autocast", "fp16", "fp32"] = "bf16"
+    """How the model computes; the optimizer always updates fp32 master weights. `bf16`: DeepSpeed's
+    `bf16` mode, the whole module in bf16 (weights, norms, residual stream, logits; the loss in
+    fp32), gradients accumulated and reduced in fp32 (`train.reduce_dtype`). `bf16-autocast`: torch
+    autocast (DeepSpeed's `torch_autocast`): the module stays fp32, the forward runs matmuls,
+    convolutions and attention in bf16 and LayerNorm and the residual stream in fp32; closer to
+    fp32 on the first update but slower, with fp32 weight gathers and more memory (the measurements
+    and the choice: benchmarks/RESULTS.md). `fp16`: DeepSpeed's `fp16` mode (whole module in fp16,
+    fp32 masters, dynamic loss scaling: a step whose gradients overflow is skipped and the scale
+    halved) for GPUs without bf16 (V100, T4). `fp32`: no 16-bit compute. `bf16` and `fp16` need
+    `zero.stage` >= 1: at stage 0 DeepSpeed accumulates and reduces gradients in 16 bits and reads
+    every gradient on the host each step, so that pair is refused in one line (stage 1 holds no
+    more per rank)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Under bf16, the dtype gradients are accumulated in across micro-batches and summed in across
-    ranks. `fp32` (DeepSpeed's `data_types.grad_accum_dtype` and `communication_data_type`) keeps
+    """Under `bf16` / `bf16-autocast`, the dtype gradients are summed in across ranks. `fp32` keeps
     the small gradients that a bf16 sum over 64-256 ranks rounds away (8 mantissa bits), at 2x the
     gradient bytes on the wire; `bf16` halves those bytes knowingly (the performance model prices
-    both)."""
+    both). Under `bf16` micro-batch gradients are then also accumulated in bf16 (DeepSpeed's
+    `data_types.grad_accum_dtype`); under `bf16-autocast` they accumulate in fp32 on the fp32
+    module, and `bf16` is the communication dtype of the weight matrices (Linear, Conv2d:
+    DeepSpeed's `torch_autocast.lower_precision_safe_modules`), so at ZeRO-3 their weight gathers
+    go in bf16 too. Other precisions refuse `bf16`."""
     startup_timeout_s: float = 3600.0
     """The bound on start-up: process group and DeepSpeed's communication set-up, model build,
     DeepSpeed init, checkpoint resume (a universal-checkpoint conversion on another world size),

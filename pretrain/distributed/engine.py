@@ -64,8 +64,6 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": gas,
         "zero_optimization": z,
-        "bf16": bf16_section(train),
-        "fp16": {"enabled": False},
         "steps_per_print": 10 ** 9,  # our metrics module logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # torch AdamW / SGD as client optimizers
@@ -76,7 +74,7 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
     }
-    cfg.update(reduction_dtypes(train, zero.stage))
+    cfg.update(precision_sections(train, zero))
     return merge_passthrough(cfg, extra or {})
 
 
@@ -84,7 +82,8 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
 OWNERS = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu": "train.micro_batch_size",
           "gradient_accumulation_steps": "train.global_batch_size and train.micro_batch_size",
           "gradient_clipping": "optim.grad_clip", "bf16": "train.precision", "fp16": "train.precision",
-          "data_types": "train.reduce_dtype", "communication_data_type": "train.reduce_dtype",
+          "torch_autocast": "train.precision and train.reduce_dtype", "data_types": "train.reduce_dtype",
+          "communication_data_type": "train.reduce_dtype",
           "zero_optimization.stage": "zero.stage", "zero_optimization.offload_optimizer": "zero.offload_optimizer",
           "zero_optimization.offload_param": "zero.offload_params",
           "zero_optimization.zero_hpz_partition_size": "zero.hpz_partition_size"}
@@ -128,34 +127,74 @@ def check_with_deepspeed(ds_cfg: dict) -> None:
         raise ConfigError(f"deepspeed: DeepSpeed refuses the merged config: {' '.join(lines[:3])[:400]}") from None
 
 
-def bf16_section(train: TrainConfig) -> dict:
-    """DeepSpeed's ``bf16`` block. Its ``check_grad_overflow`` (default on) makes ZeRO-1/2 all-reduce
-    an overflow flag and read it on the host every step; ``pretrain.train``'s non-finite guard
-    already drops a non-finite micro-batch on the device on every rank, so the check is off."""
-    if train.precision != "bf16":
-        return {"enabled": False}
-    return {"enabled": True, "check_grad_overflow": False}
+# torch.nn classes whose gradients (and ZeRO-3 weight gathers) go in bf16 under bf16-autocast with
+# train.reduce_dtype=bf16: the matmul weights, nearly all the bytes; norms and embeddings stay fp32
+AUTOCAST_BF16_COMM_MODULES = ["torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv2d"]
+# fp16's dynamic loss scaling, each key DeepSpeed's default chosen on purpose: start at 2**16 (as
+# torch's GradScaler; not Megatron's 2**32, whose first dozens of steps would be skipped halving it
+# down), double after 1000 steps without an overflow, halve on the 2nd overflow in a row (hysteresis
+# 2: a stray overflow skips its step without lowering the scale), the hysteresis refilled only by a
+# raise (consecutive_hysteresis off), never below 1.
+FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                     "consecutive_hysteresis": False, "min_loss_scale": 1}
 
 
-def reduction_dtypes(train: TrainConfig, zero_stage: int) -> dict:
-    """The dtype gradients are accumulated and reduced in, as DeepSpeed config keys.
+def precision_sections(train: TrainConfig, zero: ZeroConfig) -> dict:
+    """DeepSpeed's keys for ``train.precision`` and ``train.reduce_dtype``, every one written out
+    (``bf16``, ``fp16``, ``torch_autocast``, ``data_types``, ``communication_data_type``); the
+    modes are ``pretrain.distributed.precision``'s. Micro-batch gradients are accumulated in fp32
+    unless ``bf16`` is told otherwise.
 
-    Under bf16 DeepSpeed would accumulate micro-batch gradients and sum them across ranks in bf16
-    (8 mantissa bits: a sum over 64-256 ranks rounds small gradients away). ``train.reduce_dtype``
-    fp32 (the default) keeps both in fp32, at 2x the gradient bytes on the wire; bf16 halves them
-    knowingly. ZeRO stage 0 with bf16 is refused in one line: DeepSpeed has no fp32 accumulation for
-    a bf16 model there (its optimizer sanity check raises), and its bf16 path at stage 0 reads every
-    gradient on the host each step (an overflow check per parameter and the clipping norm)."""
-    if train.precision != "bf16":
-        return {}
-    if zero_stage == 0:
-        raise ConfigError("zero.stage=0 with train.precision=bf16: DeepSpeed accumulates and reduces gradients in "
-                          "bf16 there and reads every gradient on the host each step; use zero.stage=1 (fp32 "
-                          "master weights and gradients, optimizer states sharded: no more memory per rank) or "
-                          "train.precision=fp32")
-    if train.reduce_dtype == "bf16":
-        return {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
-    return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+    - ``bf16``: DeepSpeed's ``bf16``; gradients accumulated and reduced in fp32 with
+      ``train.reduce_dtype=fp32`` (``data_types.grad_accum_dtype``, ``communication_data_type``).
+      ``check_grad_overflow`` (default on) would make ZeRO-1/2 all-reduce an overflow flag and read
+      it on the host every step; ``pretrain.train``'s non-finite guard already drops a non-finite
+      micro-batch on the device on every rank, so it is off.
+    - ``bf16-autocast``: ``torch_autocast``. The module stays fp32, so its gradients accumulate in
+      fp32 on the parameters and ZeRO's fp32 partitions are copies of the fp32 weights
+      (``model.init_from`` needs no master fix-up). ``lower_precision_safe_modules`` names the
+      modules whose gradients ZeRO reduces, and whose weights ZeRO-3 gathers, in bf16: none with
+      ``train.reduce_dtype=fp32`` (DeepSpeed's default when the key is absent is Linear and Conv*:
+      written out, the empty list keeps fp32); Linear and Conv2d with bf16. At ZeRO-0 the engine
+      reduces every gradient in ``communication_data_type``. Costs against ``bf16`` (DeepSpeed's
+      source, benchmarks/RESULTS.md): the fp32 module (4 B/param instead of 2 on every rank at
+      ZeRO-0/1/2), weight all-gathers in fp32 (ZeRO-1/2 after the step, ZeRO-3 every micro-step),
+      a bf16 copy of every weight held by autograd from the forward to the backward (also at
+      ZeRO-3, whole), fp32 element-wise traffic in norms and residual adds.
+    - ``fp16``: DeepSpeed's ``fp16`` with dynamic loss scaling (:data:`FP16_LOSS_SCALING`); a step
+      whose gradients overflow is skipped by DeepSpeed and the scale lowered, which needs its
+      overflow check: one host read per step. Reduced in fp32 only.
+
+    Refused in one line: ``bf16`` or ``fp16`` at ZeRO-0 (DeepSpeed has no fp32 accumulation for a
+    16-bit model there, its optimizer sanity check raises, and its 16-bit path reads every
+    gradient on the host each step: ZeRO-1 holds no more per rank); ``train.reduce_dtype=bf16``
+    outside the bf16 modes; ``bf16-autocast`` with ``zero.quantized_weights`` (DeepSpeed asserts
+    against the pair)."""
+    p, stage = train.precision, zero.stage
+    if train.reduce_dtype == "bf16" and p not in ("bf16", "bf16-autocast"):
+        raise ConfigError(f"train.reduce_dtype=bf16 with train.precision={p}: a bf16 reduction needs a bf16 "
+                          "precision; set train.reduce_dtype=fp32")
+    if p in ("bf16", "fp16") and stage == 0:
+        raise ConfigError(f"zero.stage=0 with train.precision={p}: DeepSpeed accumulates and reduces gradients in "
+                          f"{p} there and reads every gradient on the host each step; use zero.stage=1 (fp32 "
+                          "master weights and gradients, optimizer states sharded: no more memory per rank), "
+                          "train.precision=bf16-autocast or train.precision=fp32")
+    if p == "bf16-autocast" and zero.quantized_weights:
+        raise ConfigError("zero.quantized_weights=true with train.precision=bf16-autocast: DeepSpeed's torch_autocast "
+                          "refuses quantized weights; use train.precision=bf16")
+    reduce = "bf16" if train.reduce_dtype == "bf16" else "fp32"
+    out = {"bf16": {"enabled": False}, "fp16": {"enabled": False}, "torch_autocast": {"enabled": False},
+           "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": reduce}
+    if p == "bf16":
+        out["bf16"] = {"enabled": True, "check_grad_overflow": False, "immediate_grad_update": False,
+                       "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+        out["data_types"] = {"grad_accum_dtype": reduce}
+    elif p == "bf16-autocast":
+        out["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules":
+                                 list(AUTOCAST_BF16_COMM_MODULES) if reduce == "bf16" else []}
+    elif p == "fp16":
+        out["fp16"] = {"enabled": True, "auto_cast": False, **FP16_LOSS_SCALING, "fp16_master_weights_and_grads": False}
+    return out
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -3,23 +3,28 @@
     vit-audit --index /shards/in21k/manifest.json --workers 8      # once: hashes.npz beside it
     vit-audit --shards /shards/in21k/manifest.json --eval cifar100:/data/cifar-100-python \\
               --eval vtab1k:/data/vtab-1k --output audit/
+    vit-audit --shards s3://bucket/in21k/train --eval shards:s3://bucket/c100 --output audit/
 
 The method (hashes, candidates, confirmation, calibration) is ``data_pipeline/audit/``; this
 module reads the evaluation sets through the transfer suites' own readers, so the audit sees
 exactly the images, splits and labels vit-transfer evaluates on. IDs: ``split/index`` for
 CIFAR-100, the file path relative to the set's root for folder sets, the sample key for shards.
-``python -m pretrain.evaluation.audit`` is the same program.
+Shards (``--shards``, ``--index``, ``--eval shards:``) may be ``s3://`` URLs: vit-audit has no
+``data.allow_remote``, so naming one on the command line is the consent to reach the store; other
+URLs (``pipe:``, ``http(s)://``) are refused. ``python -m pretrain.evaluation.audit`` is the same
+program.
 """
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 from data_pipeline.audit.index import HASHES_NAME, MAX_BITS, MIN_SCORE, train_index
 from data_pipeline.audit.match import EvalImage, audit, read_shards_eval, write_report
 from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.storage.urls import is_remote, is_s3
 from pretrain.transfer import suites
 from pretrain.transfer.data import Concat, FileImages, ImageSet
 
@@ -73,38 +78,42 @@ def imagefolder(path: str) -> Iterator[EvalImage]:
             yield EvalImage(f"imagefolder/{root.name}", Path(rel).parts[0], rel, lambda f=files, i=i: f.image(i))
 
 
+def shards(path: str) -> Iterator[EvalImage]:
+    """Our shards (``read_shards_eval``): a manifest, its folder or the shards suite's ROOT, on disk
+    or as an ``s3://`` URL (given on the command line: the user's consent to reach the store)."""
+    return read_shards_eval(path, allow_remote=is_s3(path))
+
+
 # every --eval SUITE:PATH this command reads
-READERS = {"shards": read_shards_eval, "cifar100": cifar100, "vtab1k": vtab1k, "imagefolder": imagefolder}
+READERS = {"shards": shards, "cifar100": cifar100, "vtab1k": vtab1k, "imagefolder": imagefolder}
 
 
 # -------------------------------------------------------------------------------------- CLI
-BUILTIN_READERS = {"shards": read_shards_eval}
-
-
-READER_GROUP = "vitscale.audit_readers"
-
-
-def eval_readers() -> dict:
-    """Reader per suite name: ``shards`` from here, the others from installed entry points."""
-    from importlib.metadata import entry_points
-
-    readers = dict(BUILTIN_READERS)
-    for ep in entry_points(group=READER_GROUP):
-        readers.setdefault(ep.name, ep)
-    return readers
-
-
-def read_eval(spec: str, readers: Optional[dict] = None) -> Iterator[EvalImage]:
-    """``SUITE:PATH`` -> its images. Unknown suite or missing path: one-line DataError."""
-    readers = READERS if readers is None else readers
+def read_eval(spec: str) -> Iterator[EvalImage]:
+    """``SUITE:PATH`` -> its images. Unknown suite, missing path or a URL the suite cannot read:
+    one-line DataError."""
     kind, sep, path = spec.partition(":")
     if not sep or not path:
-        raise DataError(f"--eval {spec}: expected SUITE:PATH with SUITE one of {', '.join(sorted(readers))}")
-    if kind not in readers:
-        raise DataError(f"--eval {spec}: unknown suite {kind!r}; known: {', '.join(sorted(readers))}")
-    if not os.path.exists(path):
+        raise DataError(f"--eval {spec}: expected SUITE:PATH with SUITE one of {', '.join(sorted(READERS))}")
+    if kind not in READERS:
+        raise DataError(f"--eval {spec}: unknown suite {kind!r}; known: {', '.join(sorted(READERS))}")
+    if is_remote(path) and kind != "shards":
+        raise DataError(f"--eval {spec}: {kind} reads a local folder; only shards: sets may be s3:// URLs")
+    if is_remote(path) and not is_s3(path):
+        raise DataError(f"--eval {spec}: give a path or s3://bucket/prefix ({path.split(':', 1)[0]}: URLs "
+                        "are not read by vit-audit)")
+    if not is_remote(path) and not os.path.exists(path):
         raise DataError(f"{path}: not found (--eval {spec})")
-    return readers[kind](path)
+    return READERS[kind](path)
+
+
+def shard_set(spec: str, option: str) -> str:
+    """A ``--shards`` / ``--index`` argument, checked: a path, or an ``s3://`` URL (named on the
+    command line: the user's consent to reach the store); any other URL is a one-line DataError."""
+    if is_remote(spec) and not is_s3(spec):
+        raise DataError(f"{option} {spec}: give a manifest.json, its folder or s3://bucket/prefix "
+                        f"({spec.split(':', 1)[0]}: URLs are not read by vit-audit)")
+    return spec
 
 
 def check_output_dir(output) -> None:
@@ -120,11 +129,14 @@ def check_output_dir(output) -> None:
 def main(argv=None) -> int:
     p = Parser(prog="vit-audit", description="Find evaluation images that also appear in pre-training shards.")
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--shards", nargs="+", metavar="MANIFEST", help="pre-training shard sets to audit")
+    mode.add_argument("--shards", nargs="+", metavar="MANIFEST",
+                      help="pre-training shard sets to audit: manifest.json, its folder or s3://bucket/prefix "
+                           "(naming an s3:// URL is the consent to reach the store)")
     mode.add_argument("--index", nargs="+", metavar="MANIFEST",
-                      help="only hash these shard sets (hashes.npz beside each manifest)")
+                      help="only hash these shard sets (hashes.npz beside each manifest, in its folder or prefix)")
     p.add_argument("--eval", action="append", default=[], metavar="SUITE:PATH",
-                   help="evaluation set: cifar100:DIR, vtab1k:DIR, imagefolder:DIR, shards:MANIFEST_OR_ROOT")
+                   help="evaluation set: cifar100:DIR, vtab1k:DIR, imagefolder:DIR, shards:MANIFEST_OR_ROOT "
+                        "(a path or s3:// URL)")
     p.add_argument("--output", help="folder for audit.json, exclude.txt, closest_pairs.png")
     p.add_argument("--workers", type=int, default=1, help="processes hashing shards (default 1)")
     p.add_argument("--force", action="store_true", help="rebuild stored hashes even when they are current")
@@ -140,21 +152,23 @@ def main(argv=None) -> int:
     with cli_errors("vit-audit"):
         if args.output:
             check_output_dir(args.output)  # before the hashing: a mistake costs a second, not the audit
-        for m in args.index or []:
-            idx = train_index(m, args.workers, rebuild=args.force, progress=not args.quiet)
-            print(f"{len(idx.keys)} images hashed ({idx.unreadable} unreadable) -> "
-                  f"{Path(idx.manifest).parent / HASHES_NAME}")
+        specs = [shard_set(m, "--index" if args.index else "--shards") for m in args.index or args.shards]
+        indexes = []
+        for m in specs:
+            idx = train_index(m, args.workers, rebuild=args.force, progress=not args.quiet, allow_remote=is_s3(m))
+            if args.index:
+                print(f"{len(idx.keys)} images hashed ({idx.unreadable} unreadable) -> "
+                      f"{idx.stored or f'{HASHES_NAME} not stored (see the note above)'}")
+            indexes.append(idx)
         if args.index:
             return 0
-        indexes = [train_index(m, args.workers, rebuild=args.force, progress=not args.quiet) for m in args.shards]
-        readers = READERS
         loaders: dict = {}
         evals_meta = []
 
         def all_evals():
             for spec in args.eval:
                 n = 0
-                for e in read_eval(spec, readers):
+                for e in read_eval(spec):
                     loaders[(e.set, e.split, e.id)] = e.load
                     n += 1
                     yield e

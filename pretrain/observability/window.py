@@ -36,7 +36,17 @@ def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world
                "nonfinite_skipped": nonfinite_skipped, **throughput(window.images * world, elapsed, world, *flops, peak_tflops()),
                **{f"phase_share/{p}": phases[p] / elapsed for p in PHASES},  # rank 0's step-time breakdown
                **{f"data/{k}": v for k, v in sum_counters(loader.counters).items()}}
+    metrics.update(loss_scaling(engine))
     return metrics, phases
+
+
+def loss_scaling(engine) -> dict:
+    """fp16's dynamic loss scaler (DeepSpeed's): the current scale and the steps it skipped on an
+    overflow so far. Those steps are the scaler's business, apart from ``nonfinite_skipped`` (the
+    non-finite guard's dropped micro-batches); empty in the other precisions."""
+    if not engine.fp16_enabled():
+        return {}
+    return {"loss_scale": float(engine.optimizer.loss_scale), "overflow_skipped_steps": int(engine.skipped_steps)}
 
 
 def sum_counters(counters: dict) -> dict:

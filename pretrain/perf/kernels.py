@@ -48,6 +48,9 @@ RECOMPUTE_KERNELS = {"gemm": 3, "attention": 1, "elementwise": 4}
 # outside the blocks: patch embedding forward + weight gradient, position add, class token, final
 # LayerNorm, head (3 GEMMs), loss forward/backward, and their parameters' gradient accumulations
 OTHER_KERNELS = {"gemm": 5, "attention": 0, "elementwise": 13, "accumulate": 8}
+# train.precision=bf16-autocast adds dtype casts (weights, biases and activations to bf16 forward,
+# gradients back to fp32 for the fp32 parameters): per block, again per recomputed block, and outside
+AUTOCAST_CASTS = {"block": 23, "recompute": 10, "other": 3}
 # torch.compile of each block (train.compile) fuses its element-wise kernels about two to one (an
 # estimate, as for their traffic); the GEMMs and the attention kernel stay library calls, the gradient
 # accumulations stay eager
@@ -94,14 +97,20 @@ def block_gemms(rows: int, width: int, mlp: int, recompute: bool = False) -> lis
     return out
 
 
-def kernels_per_micro_step(depth: int, checkpointing: bool = False, compile: bool = False) -> dict[str, int]:
-    """Kernels one GPU issues per micro-step, by kind, and their ``total``."""
+def kernels_per_micro_step(depth: int, checkpointing: bool = False, compile: bool = False,
+                           autocast: bool = False) -> dict[str, int]:
+    """Kernels one GPU issues per micro-step, by kind, and their ``total``. ``autocast``:
+    ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away when compiled)."""
     out = {}
     for kind in ("gemm", "attention", "elementwise", "accumulate"):
         per_block = BLOCK_KERNELS[kind] + (RECOMPUTE_KERNELS.get(kind, 0) if checkpointing else 0)
-        if compile and kind == "elementwise":
+        other = OTHER_KERNELS[kind]
+        if kind == "elementwise" and compile:
             per_block = COMPILED_ELEMENTWISE + (RECOMPUTE_KERNELS[kind] // 2 if checkpointing else 0)
-        out[kind] = depth * per_block + OTHER_KERNELS[kind]
+        elif kind == "elementwise" and autocast:
+            per_block += AUTOCAST_CASTS["block"] + (AUTOCAST_CASTS["recompute"] if checkpointing else 0)
+            other += AUTOCAST_CASTS["other"]
+        out[kind] = depth * per_block + other
     out["total"] = sum(out.values())
     return out
 

@@ -22,6 +22,14 @@ also hold one or two (``overlap_comm``) gradient buckets of ``zero.reduce_bucket
 whatever the model size (``setup_buckets`` in stage_1_and_2.py): 2 GB for the 5e8 default in bf16,
 which is why small GPUs lower that setting. ZeRO-3 gathers one layer at a time (weights + grads).
 
+The "bf16" column is ``train.precision`` bf16 and fp16 (DeepSpeed keeps the module in 16 bits).
+``bf16-autocast`` keeps the module fp32: its weights, gradients and masters are the fp32 column (no
+separate fp32 gradient partition: the gradients already are fp32), and its activations are the
+16-bit ones below plus what autocast adds: each block's two LayerNorm inputs, the residual stream,
+in fp32 (``4 s b h`` more), and a bf16 copy of every weight that goes through a matmul, which
+autograd keeps from the forward to the backward (2 B/param of the whole model, also at ZeRO-3; one
+block's with activation checkpointing, whose forward keeps nothing).
+
 Activations per micro-batch, per transformer block, from Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", sec. 4.1 (s sequence length, b micro
 batch, h width, a heads, 16-bit activations)::
@@ -97,6 +105,17 @@ def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, represe
                       mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale)
 
 
+def weight_bytes(precision: str) -> int:
+    """Bytes per element of the module DeepSpeed trains (``train.precision``): 2 where it is
+    16-bit (bf16, fp16), 4 where it stays fp32 (fp32, bf16-autocast)."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def activation_dtype_bytes(precision: str) -> int:
+    """Bytes per element of the activations the matmuls keep: 2 in every 16-bit mode."""
+    return 4 if precision == "fp32" else 2
+
+
 def model_shape(model_cfg) -> ModelShape:
     """:func:`analytic_shape` for a config's ``model:`` section (tests check it against the built model)."""
     from pretrain.config import image_size
@@ -112,9 +131,9 @@ def model_state_bytes(params: int, *, stage: int, world: int, precision: str, op
     ``cpu`` is what ZeRO-Offload keeps in host memory per rank instead (the optimizer states, and
     with ``offload_params`` at ZeRO-3 the weight partitions: the GPU then holds the gathered layers,
     which ``zero_buffer_bytes``' prefetch bucket bounds)."""
-    e = 2 if precision == "bf16" else 4
-    master = 0 if (precision == "fp32" and stage == 0) else 4
-    opt_per_param = master + (4 if precision == "bf16" else 0) + (8 if optimizer == "adamw" else 4)
+    e = weight_bytes(precision)
+    master = 0 if (e == 4 and stage == 0) else 4  # an fp32 module without ZeRO: torch steps it in place
+    opt_per_param = master + (4 if e == 2 else 0) + (8 if optimizer == "adamw" else 4)
     n = max(1, world)
     weights = e * params / (n if stage >= 3 else 1)
     grads = e * params / (n if stage >= 2 else 1)
@@ -131,7 +150,7 @@ def model_state_bytes(params: int, *, stage: int, world: int, precision: str, op
 
 def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str) -> float:
     """Communication buffers DeepSpeed allocates at a fixed size (see module docstring)."""
-    e = 2 if precision == "bf16" else 4
+    e = weight_bytes(precision)
     if zero_cfg.stage in (1, 2):
         if not zero_cfg.contiguous_gradients:
             return 0.0
@@ -145,7 +164,7 @@ def block_activation_bytes(s: int, b: int, h: int, a: int, *, precision: str = "
                            dropout: bool = False, fused_attention: bool = True, mlp_hidden: int = 0,
                            qk_norm: bool = False, layer_scale: bool = False) -> float:
     """Korthikanti et al. 2022 eq. (1) per block, adapted as in the module docstring."""
-    scale = 1 if precision == "bf16" else 2  # the paper counts 16-bit activations
+    scale = activation_dtype_bytes(precision) // 2  # the paper counts 16-bit activations
     sbh = s * b * h
     r = (mlp_hidden or 4 * h) / (4 * h)  # MLP width against the paper's 4h
     # the paper's 34 s b h without its two 1-byte dropout masks; its MLP's 16 s b h (GELU input
@@ -157,6 +176,8 @@ def block_activation_bytes(s: int, b: int, h: int, a: int, *, precision: str = "
         acts += 4 * sbh * scale  # both branches' outputs, for the gradients of the gammas
     masks = (2 + 4 * r) * sbh if dropout else 0  # proj (h), after GELU (4h), fc2 (h): CUDA's bool masks
     attn = 4 * a * s * b if fused_attention else (4 * a * s * s * b * scale + (a * s * s * b if dropout else 0))
+    if precision == "bf16-autocast":
+        acts += 4 * sbh  # the two LayerNorm inputs (the residual stream) in fp32, not 16 bits
     return acts + masks + attn
 
 
@@ -164,13 +185,16 @@ def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "b
                      dropout: bool = False, fused_attention: bool = True) -> float:
     """Activation memory of one micro-batch's forward, held until its backward."""
     s, b, h, L = shape.seq_len, micro_batch, shape.width, shape.depth
-    e = 2 if precision == "bf16" else 4
+    e = activation_dtype_bytes(precision)
+    stream = weight_bytes(precision)  # the residual stream and the input are in the module's dtype
     block = block_activation_bytes(s, b, h, shape.heads, precision=precision, dropout=dropout,
                                    fused_attention=fused_attention, mlp_hidden=shape.mlp_hidden,
                                    qk_norm=shape.qk_norm, layer_scale=shape.layer_scale)
-    blocks = L * e * s * b * h + block if checkpointing else L * block
-    # image batch (patch-embedding input) + final norm input + head input and fp32 logits
-    outside = 3 * shape.img_size ** 2 * b * e + e * s * b * h + e * b * h + 4 * b * shape.num_classes
+    blocks = L * stream * s * b * h + block if checkpointing else L * block
+    # image batch (patch-embedding input, the module's dtype) + final norm input + head input and fp32 logits
+    outside = 3 * shape.img_size ** 2 * b * stream + stream * s * b * h + e * b * h + 4 * b * shape.num_classes
+    if precision == "bf16-autocast":  # bf16 weight copies kept for the backward (module docstring)
+        outside += 2 * shape.params / (L if checkpointing else 1)
     return blocks + outside
 
 
@@ -228,10 +252,10 @@ def largest_micro_batch(cfg, world: int, budget_bytes: float, shape: ModelShape,
 
 def checkpoint_bytes(params: int, precision: str, optimizer: str = "adamw", stage: int = 1) -> float:
     """Size on disk of one DeepSpeed checkpoint, all ranks together: the module's weights in
-    their training dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for fp32 without
-    ZeRO, where the optimizer steps the module's own weights) and the moments (Adam 8, SGD 4):
+    their training dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for an fp32 module
+    without ZeRO, where the optimizer steps the module's own weights) and the moments (Adam 8, SGD 4):
     14-16 B/param with AdamW. Measured on the tiny config (fp32, ZeRO-1, 2 ranks): 4.0 + 12.0
     B/param. 5% on top for pickling, RNG and loader state."""
-    weights = 2 if precision == "bf16" else 4
-    master = 0 if (precision == "fp32" and stage == 0) else 4
+    weights = weight_bytes(precision)
+    master = 0 if (weights == 4 and stage == 0) else 4
     return 1.05 * params * (weights + master + (8 if optimizer == "adamw" else 4))

@@ -18,7 +18,9 @@ compute
     :data:`HBM_EFFICIENCY` of the memory bandwidth plus each kernel's launch gap, which is why narrow
     models (ViT-B) reach a lower MFU than wide ones and why the gap grows on GPUs whose flops outgrew
     their bandwidth (H100 against A100). ``torch.compile`` fuses element-wise chains: half that
-    traffic and half those kernels. The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
+    traffic and half those kernels. ``train.precision=bf16-autocast`` keeps the LayerNorms and
+    residual adds on an fp32 stream and casts every weight to bf16 in each forward (6 B/param of
+    traffic per micro-step). The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
     a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
     models wait for kernel launches. Model FLOPs (MFU) stay ``analytic_flops`` x 2 x 3; hardware
     FLOPs (HFU) add the recomputed forward. The optimizer step reads and writes its fp32 states once
@@ -26,7 +28,9 @@ compute
 
 communication (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``)
     ``G`` = gradient bytes per element in ``train.reduce_dtype`` (fp32: 4), ``W`` = weight bytes
-    (bf16: 2), ``P`` = parameters:
+    in the module's dtype (bf16 and fp16: 2; fp32 and bf16-autocast: 4, but 2 for ZeRO-3's gathers
+    of bf16-autocast with ``train.reduce_dtype=bf16``, which sends the matmul weights in bf16),
+    ``P`` = parameters:
     - stage 0: one all-reduce of ``P x G`` at the accumulation boundary, after the backward;
     - stage 1: the same all-reduce, issued in ``zero.reduce_bucket_size`` buckets during the last
       micro-step's backward (``reduce_ready_partitions_and_remove_grads`` runs only at the
@@ -210,14 +214,19 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
     # fused attention: 2 s^2 d multiply-adds per image and block forward, twice that backward
     attn_flops = 2.0 * 2 * s * s * d * images * (3 + (1 if layout.checkpointing else 0))
-    n_kernels = kernels.kernels_per_micro_step(depth, layout.checkpointing, layout.compile)
+    n_kernels = kernels.kernels_per_micro_step(depth, layout.checkpointing, layout.compile,
+                                               layout.precision == "bf16-autocast")
     fixed = kernels.GEMM_FIXED_S if g.sms else 0.0
     t_attn = depth * attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
     t_mm = t_blocks + t_other + t_attn
-    e = 2 if layout.precision == "bf16" else 4
-    per_token = _elementwise_elems(d, mlp, shape.heads, s, layout.fused_attention)
+    e = memory.activation_dtype_bytes(layout.precision)
+    token_bytes = _elementwise_elems(d, mlp, shape.heads, s, layout.fused_attention) * e
     passes = 3 + (1 if layout.checkpointing else 0)  # backward's element-wise traffic ~ twice the forward's
-    elem_bytes = per_token * e * s * depth * images * passes * (0.5 if layout.compile else 1.0)
+    if layout.precision == "bf16-autocast":  # LayerNorms (4 d) and residual adds (6 d) on the fp32 stream
+        token_bytes += 10 * d * 2
+    elem_bytes = token_bytes * s * depth * images * passes * (0.5 if layout.compile else 1.0)
+    if layout.precision == "bf16-autocast":  # each weight cast to bf16 per forward (and recompute): read 4, write 2 B
+        elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (2 if layout.checkpointing else 1)
     gaps = (n_kernels["elementwise"] + n_kernels["accumulate"]) * (kernels.KERNEL_GAP_SECONDS if g.sms else 0.0)
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem
@@ -300,8 +309,10 @@ def collectives(layout: Layout, params: int) -> list[Collective]:
     """Every collective DeepSpeed issues per optimizer step (module docstring)."""
     n, k = layout.world, layout.accumulation
     multi = layout.nodes > 1
-    w = 2 if layout.precision == "bf16" else 4
-    g = 4 if (layout.precision == "fp32" or layout.reduce_dtype == "fp32") else 2
+    w = memory.weight_bytes(layout.precision)  # all-gathers move the module's dtype
+    g = 2 if (layout.precision in ("bf16", "bf16-autocast") and layout.reduce_dtype == "bf16") else 4
+    # bf16-autocast with reduce_dtype bf16: DeepSpeed sends the Linear / Conv weights (nearly all) in bf16
+    w3 = 2 if (layout.precision == "bf16-autocast" and layout.reduce_dtype == "bf16") else w
     out: list[Collective] = []
 
     def buckets(total_elems: int, bucket: int) -> tuple[int, float]:
@@ -322,13 +333,13 @@ def collectives(layout: Layout, params: int) -> list[Collective]:
         tensors = _partitioned(layout)
         part = sum(tensors)
         released = _released_numel(layout, tensors)
-        fwd_w = 1 if layout.quantized_weights else w  # qwZ: int8 blocks
+        fwd_w = 1 if layout.quantized_weights else w3  # qwZ: int8 blocks
         calls = k * max(1, math.ceil(part / layout.prefetch_bucket_size))
         out.append(Collective("all_gather", part * fwd_w * k / calls, calls, n, multi, "forward", "weights, forward"))
         if released:
             hpz = layout.hpz_partition_size if layout.hpz_partition_size > 1 else n
             calls = k * max(1, math.ceil(released / layout.prefetch_bucket_size))
-            out.append(Collective("all_gather", released * w * k / calls, calls, min(hpz, n),
+            out.append(Collective("all_gather", released * w3 * k / calls, calls, min(hpz, n),
                                   multi and hpz > layout.gpus_per_node, "backward",
                                   "weights released after the forward, backward" + (" (hpZ secondary)" if hpz < n else "")))
         calls, per = buckets(params, layout.reduce_bucket_size)
@@ -418,7 +429,8 @@ def predict(layout: Layout) -> Prediction:
            "activations": est.activations / GB, "runtime": memory.RUNTIME_OVERHEAD_BYTES / GB}
     if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
         tensors = _partitioned(layout)
-        mem["gathered_weights"] = (sum(tensors) - _released_numel(layout, tensors)) * (2 if layout.precision == "bf16" else 4) / GB
+        kept = sum(tensors) - _released_numel(layout, tensors)
+        mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / GB
     if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
         mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / GB
     mem["total"] = sum(mem.values())

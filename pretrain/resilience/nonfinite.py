@@ -1,8 +1,24 @@
 """Non-finite losses: micro-batches whose loss is NaN or inf on any rank are dropped on the device,
-with no host sync inside a step; ``train.max_nonfinite_steps`` in a row stop the run."""
+with no host sync inside a step; ``train.max_nonfinite_steps`` in a row stop the run.
+
+Under ``train.precision=fp16`` DeepSpeed's dynamic loss scaler works beside the guard, on another
+signal: the guard reads the *loss* (the unscaled forward value), the scaler the *gradients* of the
+scaled loss. A step whose scaled gradients overflow has a finite loss: the guard keeps its
+micro-batches and the scaler skips the step and lowers the scale (``overflow_skipped_steps`` in the
+metrics, not ``nonfinite_skipped``). A non-finite loss is an overflow of the forward, which no loss
+scale cures: the guard zeroes its gradients (so the scaler sees no overflow and keeps its scale) and
+counts it. The scaler's own end, an overflow at its minimum scale, becomes :class:`NonFiniteLoss`
+(:func:`scale_floor_as_error`)."""
 from __future__ import annotations
+
+import contextlib
+
 import torch
 import torch.distributed as dist
+
+# what DeepSpeed's DynamicLossScaler.update_scale raises (a bare Exception) when the gradients
+# overflow at fp16.min_loss_scale
+SCALE_FLOOR_MESSAGE = "Current loss scale already at minimum"
 
 
 class NonFiniteLoss(RuntimeError):
@@ -73,3 +89,16 @@ class NonFiniteGuard:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+@contextlib.contextmanager
+def scale_floor_as_error(step: int):
+    """Around a step: DeepSpeed's "loss scale already at minimum" exception (fp16 gradients that
+    overflow at ``min_loss_scale``) as a one-line :class:`NonFiniteLoss` naming the step."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001  DeepSpeed raises a bare Exception
+        if SCALE_FLOOR_MESSAGE not in str(e):
+            raise
+        raise NonFiniteLoss(f"fp16 gradients overflow at the smallest loss scale at step {step}; lower optim.lr, "
+                            "or use train.precision=bf16 or fp32") from None

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
+from data_pipeline.loading.plan import TAG_SAMPLE, mix_seed
 from data_pipeline.shards.decode import to_rgb
 from pretrain.transfer.errors import TransferError
 
@@ -58,7 +59,10 @@ def normalize(batch_u8: torch.Tensor, view: View) -> torch.Tensor:
 
 
 class SampleTransform:
-    """PIL image -> uint8 (3, S, S) tensor; picklable for DataLoader workers."""
+    """PIL image -> uint8 (3, S, S) tensor; picklable for DataLoader workers. A training crop and
+    flip are drawn from the sample's ``seed`` on a forked RNG (as pre-training's transforms do): the
+    same on any rank layout or worker count, whatever torch's global RNG holds, and independent
+    between samples, so the ranks of a fine-tune (which seed that RNG alike) do not draw in lockstep."""
 
     def __init__(self, view: View, train: bool):
         self.view, self.train = view, train and view.train_augment
@@ -67,11 +71,13 @@ class SampleTransform:
                 v2.RandomResizedCrop(view.img_size, scale=view.crop_scale, ratio=view.crop_ratio, antialias=True),
                 v2.RandomHorizontalFlip(view.hflip)])
 
-    def __call__(self, img: Image.Image) -> torch.Tensor:
+    def __call__(self, img: Image.Image, seed: int = 0) -> torch.Tensor:
         t = TF.pil_to_tensor(img.convert("RGB"))
         s = self.view.img_size
         if self.train:
-            return self.aug(t)
+            with torch.random.fork_rng(devices=[]):
+                torch.random.default_generator.manual_seed(seed)
+                return self.aug(t)
         if self.view.resize == "squash":
             return TF.resize(t, [s, s], antialias=True)
         t = TF.resize(t, int(round(s / self.view.crop_pct)), antialias=True)
@@ -93,8 +99,10 @@ class Split(abc.ABC):
 
 
 class _Mapped(Dataset):
-    def __init__(self, images: "ImageSet", indices: np.ndarray, transform: SampleTransform):
-        self.images, self.indices, self.transform = images, indices, transform
+    """``images[indices]`` through ``transform``; ``stream`` (run seed, epoch) seeds each sample's draws."""
+
+    def __init__(self, images: "ImageSet", indices: np.ndarray, transform: SampleTransform, stream: tuple = (0, 0)):
+        self.images, self.indices, self.transform, self.stream = images, indices, transform, stream
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -103,7 +111,7 @@ class _Mapped(Dataset):
         j = int(self.indices[i])
         label = int(self.images.labels[j])
         try:
-            return self.transform(self.images.image(j)), label, ""
+            return self.transform(self.images.image(j), mix_seed(TAG_SAMPLE, *self.stream, j)), label, ""
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             # Raised inside a worker, an exception reaches the main process wrapped in a
             # multi-line traceback; hand back the one-line reason instead (see _collate).
@@ -154,9 +162,9 @@ def _iterate(images: ImageSet, indices: np.ndarray, view: View, *, batch_size: i
             if train:
                 raise TransferError(f"{images.name}: {len(indices)} examples cannot feed {world} ranks")
             return
-        loader = DataLoader(_Mapped(images, mine, transform), batch_size=min(batch_size, len(mine)),
+        loader = DataLoader(_Mapped(images, mine, transform, (seed, epoch)), batch_size=min(batch_size, len(mine)),
                             shuffle=False, drop_last=train, num_workers=workers, collate_fn=_collate,
-                            # worker seeds (augmentation) from (seed, epoch), not the global RNG
+                            # the workers' base seed too from (seed, epoch), not the global RNG
                             generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         for x, y, err in loader:
             if err:

@@ -5,7 +5,8 @@ one zero-initialised linear layer, optionally at a higher resolution (position e
 One process: plain PyTorch (the CPU tests, one GPU). Started by the deepspeed runner
 (WORLD_SIZE > 1): model and SGD go through ``deepspeed.initialize`` with a ZeRO config built by
 ``pretrain.distributed.engine.deepspeed_config`` from the run's ``zero`` section (stage 3 shards a ViT-H that
-would not fit one device with its optimizer state) and bf16 when ``train.precision`` says so.
+would not fit one device with its optimizer state) and the precision mode of ``train.precision``
+(``pretrain.distributed.precision``), as in pre-training.
 Every rank trains on its own share of each batch; accuracy is summed over ranks.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config.schema import OptimConfig, TrainConfig
-from pretrain.distributed.precision import autocast_bf16, compute_dtype
+from pretrain.distributed.precision import compute_dtype, needs_grad_scaler, plain_autocast_dtype
 from pretrain.distributed.process import lockstep
 from pretrain.distributed.schedule import lr_multiplier
 from pretrain.weights.pretrained import Pretrained, build_backbone
@@ -34,29 +35,40 @@ class Dist:
 
 
 class _Plain:
-    """One process: SGD, clipping and the schedule by hand; bf16 autocast on GPUs when asked."""
+    """One process: SGD, clipping and the schedule by hand. On GPUs the forward autocasts to the
+    16-bit dtype of ``train.precision`` (both bf16 modes: plain PyTorch keeps the module fp32);
+    fp16 scales the loss with torch's GradScaler (dynamic, skips a step whose gradients overflow)."""
 
     def __init__(self, model, opt, sched, clip: float, device: torch.device, precision: str):
         self.model, self.opt, self.sched, self.clip, self.device = model.to(device), opt, sched, clip, device
-        self.amp = autocast_bf16(device, precision)
+        self.amp = plain_autocast_dtype(device, precision)
+        self.scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(self.amp) else None
 
     def train_step(self, x, y) -> torch.Tensor:
         self.model.train()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+        with torch.autocast(self.device.type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
             logits = self.model(x.to(self.device, non_blocking=True))
         loss = F.cross_entropy(logits.float(), y.to(self.device))
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
+        if self.scaler is None:
+            loss.backward()
+            if self.clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.opt.step()
+        else:  # the norm is clipped on the unscaled gradients; an overflowing step is skipped
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
+            if self.clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.scaler.step(self.opt)
+            self.scaler.update()
         self.sched.step()
         return loss.detach()
 
     @torch.no_grad()
     def logits(self, x) -> torch.Tensor:
         self.model.eval()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+        with torch.autocast(self.device.type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
             return self.model(x.to(self.device, non_blocking=True)).float()
 
 
@@ -73,6 +85,7 @@ class _DeepSpeed:
                             precision=precision)
         ds_cfg = deepspeed_config(optim, train, zero, world)  # clipping is DeepSpeed's here
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+        self.model = self.engine.module  # what _Plain calls its model (ZeRO-3: parameters partitioned)
         self.device = self.engine.device
         self.dtype = compute_dtype(precision)
 
@@ -131,7 +144,10 @@ class Finetune:
     def grid(self, sweep: bool) -> list[dict]:
         return [{"lr": v} for v in self.ev.sweep_lr] if sweep else [{"lr": self.ev.lr}]
 
-    def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
+    def train(self, task, fit, setting: dict):
+        """A fresh model fine-tuned on ``fit`` with ``setting``: ``(runner, last reported loss)``.
+        The runner's ``model`` is the trained model (its parameters ZeRO-partitioned under the
+        deepspeed runner at stage 3; ``engine`` there is the DeepSpeed engine)."""
         ev, lr = self.ev, setting["lr"]
         torch.manual_seed(ev.seed)  # same initial head / drop-path stream for every setting
         model = build_backbone(self.pre, img_size=self.img_size, num_classes=task.num_classes, finetune=True,
@@ -146,9 +162,8 @@ class Finetune:
                                 world=self.dist.world)
         else:
             runner = _Plain(model, opt, sched, ev.grad_clip, self.device, self.precision)
-        view = self.view_of(task)
         micro = ev.batch_size // self.dist.world
-        batches = fit.batches(view, batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,
+        batches = fit.batches(self.view_of(task), batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,
                               world=self.dist.world, workers=ev.workers)
         recent = []
         every = max(1, ev.steps // 5)
@@ -160,8 +175,14 @@ class Finetune:
                 recent = []
                 if self.dist.rank == 0:
                     self.log(f"  finetune {task.name} lr={lr:g}: step {step}/{ev.steps} loss {loss:.4f}")
-        acc = top1(runner, evaluate, view, batch_size=micro, dist_info=self.dist, workers=ev.workers)
-        del runner, model, opt
+        return runner, loss
+
+    def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
+        ev = self.ev
+        runner, loss = self.train(task, fit, setting)
+        acc = top1(runner, evaluate, self.view_of(task), batch_size=ev.batch_size // self.dist.world,
+                   dist_info=self.dist, workers=ev.workers)
+        del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return acc, {"final_loss": loss, "steps": ev.steps, "batch_size": ev.batch_size, "img_size": self.img_size}

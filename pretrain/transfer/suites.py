@@ -12,7 +12,9 @@ Layouts:
   vtab1k       ROOT/<task>/{train800,val200,train800val200,test}.txt, lines ``relative/path label``
                (the PyTorch VTAB-1k layout); task folders by paper or short name (``vtab.py``).
   imagefolder  ROOT/train/<class>/..., ROOT/test/<class>/..., optional ROOT/val/<class>/...
-  shards       ROOT/{train,test}[/val] each holding WebDataset shards + manifest.json.
+  shards       ROOT/{train,test}[/val] each holding WebDataset shards + manifest.json; ROOT may be
+               s3://bucket/prefix (with data.allow_remote=true), whose val/ is found by asking the
+               store for val/manifest.json.
   demo         the built-in held-out demo shapes (``data_pipeline.shards.demo_data``): their shards
                under ROOT/transfer-{train,test} when --data-root is given, else drawn on demand.
 """
@@ -25,6 +27,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from data_pipeline.shards.manifest import MANIFEST_NAME
+from data_pipeline.storage.places import open_place
+from data_pipeline.storage.retry import RemotePolicy
+from data_pipeline.storage.urls import is_remote, is_s3, last_part
 from pretrain.config.schema import SUITE_NEEDS_ROOT
 from pretrain.transfer import vtab
 from pretrain.transfer.data import (
@@ -190,22 +196,42 @@ def imagefolder(root: str, minival_fraction: float, seed: int) -> Task:
 
 
 # ------------------------------------------------------------------------------------- shards
+def _split_manifests(root: str, data_cfg) -> dict[str, tuple[str, bool]]:
+    """``{split: (ROOT/split/manifest.json, whether it is there)}`` for train, test and val. ROOT is
+    a folder or ``s3://bucket/prefix`` (the store is asked for each manifest by name); another URL
+    is refused, as nothing could look for its splits."""
+    if is_remote(root) and not is_s3(root):
+        raise TransferError(f"{root}: the shards suite reads a folder or s3://bucket/prefix "
+                            f"({root.split(':', 1)[0]}: URLs cannot be searched for train/ test/ val/)")
+    if is_s3(root) and not data_cfg.allow_remote:
+        raise TransferError(f"{root}: an s3:// shards root needs data.allow_remote=true (it reaches the network)")
+    if not is_s3(root):
+        _need_dir(Path(root), "shards root")
+    out = {}
+    for split in ("train", "test", "val"):
+        folder = open_place(f"{root.rstrip('/')}/{split}" if is_s3(root) else Path(root) / split, "--data-root",
+                            RemotePolicy.of(data_cfg))
+        out[split] = (folder.url(MANIFEST_NAME), folder.stat(MANIFEST_NAME) is not None)
+    return out
+
+
 def shards(root: str, data_cfg) -> Task:
-    base = _need_dir(Path(root), "shards root")
-    for sub in ("train", "test"):
-        if not (base / sub / "manifest.json").is_file():
-            raise TransferError(f"{base / sub / 'manifest.json'}: not found (shards suite: ROOT/train "
-                                "and ROOT/test, each with shards + manifest.json)")
-    train = ShardSplit(f"{base.name}/train", base / "train" / "manifest.json", data_cfg)
-    test = ShardSplit(f"{base.name}/test", base / "test" / "manifest.json", data_cfg)
+    manifests = _split_manifests(root, data_cfg)
+    for split in ("train", "test"):
+        if not manifests[split][1]:
+            raise TransferError(f"{manifests[split][0]}: not found (shards suite: ROOT/train and ROOT/test, "
+                                "each with shards + manifest.json)")
+    (train_m, _), (test_m, _), (val_m, has_val) = (manifests[s] for s in ("train", "test", "val"))
+    name = last_part(root)
+    train = ShardSplit(f"{name}/train", train_m, data_cfg)
+    test = ShardSplit(f"{name}/test", test_m, data_cfg)
     if tuple(test.shardset.classes) != tuple(train.shardset.classes):
-        raise TransferError(f"{base / 'test'}: classes differ from those of {base / 'train'}")
+        raise TransferError(f"{test_m}: classes differ from those of {train_m}")
     val, trainval = None, train  # a slice of a stream is not addressable: only a val/ split
-    if (base / "val" / "manifest.json").is_file():
-        val = ShardSplit(f"{base.name}/val", base / "val" / "manifest.json", data_cfg)
-        trainval = ShardSplit(f"{base.name}/trainval", [str(base / s / "manifest.json") for s in ("train", "val")],
-                              data_cfg)
-    return Task(base.name, train.num_classes, train, val, trainval, test, resize="crop", augment=True)
+    if has_val:
+        val = ShardSplit(f"{name}/val", val_m, data_cfg)
+        trainval = ShardSplit(f"{name}/trainval", [train_m, val_m], data_cfg)
+    return Task(name, train.num_classes, train, val, trainval, test, resize="crop", augment=True)
 
 
 # --------------------------------------------------------------------------------------- demo

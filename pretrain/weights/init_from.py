@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from pretrain.config import Config, ConfigError
 from pretrain.distributed.engine import deepspeed_config
+from pretrain.distributed.precision import compute_dtype
 from pretrain.models.arch import model_defaults
 from pretrain.models.init import init_generator
 from pretrain.models.vit import create_model
@@ -48,10 +49,11 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
     when their shapes fit, else keep their initialisation (the new task's classes). Under ZeRO-3
     the parameters are gathered, rank 0 loads, and the partitions are updated from it.
 
-    Returns what :func:`set_masters` needs after ``deepspeed.initialize``: in bf16, the file's fp32
-    value of every loaded trainable parameter (DeepSpeed makes its fp32 masters from the bf16
-    module, which dropped the file's low 16 bits); under ZeRO-3 on rank 0 only, which loaded them.
-    In fp32 nothing: the module is the masters."""
+    Returns what :func:`set_masters` needs after ``deepspeed.initialize``: where the module is
+    16-bit (``bf16``, ``fp16``), the file's fp32 value of every loaded trainable parameter
+    (DeepSpeed makes its fp32 masters from the 16-bit module, which dropped the file's low bits);
+    under ZeRO-3 on rank 0 only, which loaded them. Where the module is fp32 (``fp32``,
+    ``bf16-autocast``) nothing: DeepSpeed's masters are copies of the loaded fp32 module."""
     from pretrain.weights.pretrained import CheckpointError, load_pretrained
 
     try:
@@ -80,7 +82,7 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
                 + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes" if drop else ""))
-    if cfg.train.precision != "bf16" or not loads:
+    if compute_dtype(cfg.train.precision) == torch.float32 or not loads:
         return {}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     return {n: v.detach().float() for n, v in report.values.items() if n in trainable}

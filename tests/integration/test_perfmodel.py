@@ -171,25 +171,27 @@ def ds_bytes(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _job_layout(stage: int, world: int) -> Layout:
+def _job_layout(stage: int, world: int, precision: str = "") -> Layout:
     return Layout("vit_tiny_patch16_224", "cpu", nodes=1, gpus_per_node=world, micro_batch=2, global_batch=4 * world,
-                  img_size=32, num_classes=10, zero=stage, precision="fp32" if stage == 0 else "bf16",
+                  img_size=32, num_classes=10, zero=stage, precision=precision or ("fp32" if stage == 0 else "bf16"),
                   reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000, peak_tflops=1.0, efficiency=1.0,
                   hbm_gbs=10.0, memory_gb=24, intra_node_gbps=10.0)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_collective_bytes_equal_deepspeeds(ds_bytes, stage):
+@pytest.mark.parametrize("stage, precision", [(0, ""), (1, ""), (2, ""), (3, ""), (1, "bf16-autocast"),
+                                              (3, "bf16-autocast")])
+def test_collective_bytes_equal_deepspeeds(ds_bytes, stage, precision):
     """Per optimizer step, by collective type: the model's bytes (nccl-tests' S) against what
     DeepSpeed's comms logger saw. The logger records an all-gather's input (one rank's shard),
     so S is that times the world size. Allowed on top: DeepSpeed pads flat partitions to a
-    multiple of the world size x 2 elements, and all-reduces a few scalars (overflow flag, norm)."""
+    multiple of the world size x 2 elements, and all-reduces a few scalars (overflow flag, norm).
+    bf16-autocast: the fp32 module's weights are gathered in fp32, twice bf16's bytes."""
     world = ds_bytes["world"]
-    got = ds_bytes["stages"][str(stage)]
+    got = ds_bytes["stages"][f"{stage}-{precision}" if precision else str(stage)]
     params = got["params"]
     assert params == memory.analytic_shape("vit_tiny_patch16_224", img_size=32, num_classes=10).params
     model: dict[str, float] = {}
-    for c in perfmodel.collectives(_job_layout(stage, world), params):
+    for c in perfmodel.collectives(_job_layout(stage, world, precision), params):
         model[c.kind] = model.get(c.kind, 0.0) + c.bytes * c.calls
     seen = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     for name, op in got["ops"].items():

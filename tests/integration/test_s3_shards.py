@@ -6,14 +6,16 @@ disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a
 missing bucket and wrong credentials are one line; ``vit-launch check`` checks the shards in
 the store as on disk; an interrupted write is finished by a rerun that
 keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
-nobody writes is one line and no local folder; 2 ranks train from the store through a cut and a
-kill -9 + resume on exactly the samples they read from disk."""
+nobody writes is one line and no local folder; ``vit-transfer --suite shards`` and ``vit-audit``
+give from the store the numbers and pairs they give from disk; 2 ranks train from the store through
+a cut and a kill -9 + resume on exactly the samples they read from disk."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -117,7 +119,7 @@ def test_output_url_nobody_writes_is_one_line_and_no_folder(url, tmp_path, monke
     assert list(tmp_path.iterdir()) == []  # no folder named "gs:" or "foo:"
 
 
-def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, written, from_disk, proxy):
+def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, written, from_disk, proxy, capsys):
     local, url = written
     objects = _objects(store.client, "demo/train/")
     assert sorted(objects) == sorted(p.name for p in local.iterdir())  # no progress file, no leftovers
@@ -126,7 +128,8 @@ def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, wr
         assert _sha(body) == _sha((local / name).read_bytes()), name
     assert not store.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
-    for spec in (url, f"{url}/manifest.json", f"{url}/"):
+    halves = [f"{url}/train-{{000000..000003}}.tar", f"{url}/train-00000{{4..7}}.tar"]  # a list of patterns
+    for spec in (url, f"{url}/manifest.json", f"{url}/", halves):
         batches, counters = one_epoch(_cfg(spec))
         _same(batches, from_disk)
         assert counters == {"samples": 96}
@@ -135,6 +138,13 @@ def test_written_to_the_store_byte_for_byte_and_read_back_as_from_disk(store, wr
     assert [s.index for s in picked.shards] == [2, 3, 4]
     with pytest.raises(DataError, match="needs data.allow_remote=true"):
         resolve_shards(url)
+    from data_pipeline.loading.plan import main as plan
+
+    lines = []
+    for spec, flag in ((str(local), []), (url, ["--allow-remote"])):  # python -m data_pipeline.loading.plan
+        plan([spec, "--world-size", "2", "--workers", "2", "--batch", "4", *flag])
+        lines.append(capsys.readouterr().out.strip().rsplit("; planned in", 1)[0])
+    assert lines[0] == lines[1] and lines[0].startswith("96 samples in 8 shards on 2 rank(s) x 2 worker(s)"), lines
     assert proxy.log == []
 
 
@@ -303,6 +313,144 @@ def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
     with pytest.raises(SystemExit):
         cli.main(["merge", url, f"{url}/part-0003of0003.json"])
     assert "part-0003of0003.json: part manifest not found" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def suite(store, written, tmp_path_factory):
+    """The shards suite's ROOT on disk and in the store (objects with the files' bytes): train/ (the
+    written demo shards), test/ (40 other demo images), val/ (a copy of test/)."""
+    disk = tmp_path_factory.mktemp("suite") / "suite"
+    classes, items = demo_items("val", 40)
+    write_shards(sources.Source("demo:val", classes, items), disk / "test", split="test", shard_size=20,
+                 progress=False)
+    shutil.copytree(written[0], disk / "train")
+    shutil.copytree(disk / "test", disk / "val")
+    for split in ("train", "test", "val"):
+        for f in (disk / split).iterdir():
+            store.client.put_object(Bucket=BUCKET, Key=f"suite/{split}/{f.name}", Body=f.read_bytes())
+    return disk, f"s3://{BUCKET}/suite"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transfer_fixtures import save_safetensors, tiny_model
+
+    return save_safetensors(tiny_model(32), tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
+
+
+def _transfer(checkpoint, root: str, out, *overrides):
+    from pretrain.transfer.cli import main
+
+    main(["--checkpoint", str(checkpoint), "--suite", "shards", "--protocol", "fewshot", "--data-root", root,
+          "--output", str(out), "eval.workers=0", "eval.batch_size=32", "eval.fewshot_shots=[1,5]",
+          "eval.fewshot_seeds=2", *overrides])
+
+
+def test_transfer_shards_suite_from_the_store_gives_the_numbers_of_disk(store, suite, checkpoint, tmp_path, proxy):
+    """``vit-transfer --suite shards --data-root s3://...``: the same task (train/ test/, val/ found
+    by asking the store) and the same few-shot accuracies, to the last digit, as from disk."""
+    from data_pipeline.config import DataConfig
+    from pretrain.transfer import suites
+
+    disk, url = suite
+    task = suites.shards(url, DataConfig(allow_remote=True))
+    assert (task.name, task.num_classes, len(task.train), len(task.val), len(task.trainval), len(task.test)) == \
+        ("suite", 10, 96, 40, 136, 40)
+    for split in ("train", "test"):  # no val/ under this prefix: none, as on disk
+        store.client.copy_object(Bucket=BUCKET, Key=f"noval/{split}/manifest.json",
+                                 CopySource={"Bucket": BUCKET, "Key": f"suite/{split}/manifest.json"})
+    assert suites.shards(f"s3://{BUCKET}/noval/", DataConfig(allow_remote=True)).val is None
+
+    docs = {}
+    for where, root in (("disk", str(disk)), ("store", url)):
+        _transfer(checkpoint, root, tmp_path / f"{where}.json", "data.allow_remote=true")
+        docs[where] = json.loads((tmp_path / f"{where}.json").read_text())["tasks"]["suite"]
+        del docs[where]["seconds"]
+    r = docs["store"]
+    assert r == docs["disk"], docs  # accuracies, per-shot details, settings, counts
+    assert r["num_train"] == 136 and r["num_test"] == 40 and r["accuracy"] > 0.1, r  # 10 classes: chance 0.1
+    assert proxy.log == []
+
+
+def test_transfer_shards_root_mistakes_are_one_line(store, suite, checkpoint, tmp_path, capsys):
+    url = suite[1]
+    for root, overrides, said in (
+            (f"s3://{BUCKET}/demo", ["data.allow_remote=true"],  # demo/train only
+             f"s3://{BUCKET}/demo/test/manifest.json: not found (shards suite: ROOT/train and ROOT/test, each with "
+             "shards + manifest.json)"),
+            (url, [], f"{url}: an s3:// shards root needs data.allow_remote=true (it reaches the network)"),
+            ("https://example.org/suite", ["data.allow_remote=true"], "https://example.org/suite: the shards suite "
+             "reads a folder or s3://bucket/prefix (https: URLs cannot be searched for train/ test/ val/)")):
+        with pytest.raises(SystemExit) as e:
+            _transfer(checkpoint, root, tmp_path / "r.json", *overrides)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"vit-transfer: error: {said}\n", err
+    assert not (tmp_path / "r.json").exists()
+
+
+def _reader(store) -> dict:
+    """AWS_* variables of a user who may read the bucket but not write to it."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=store.server.url, region_name="us-east-1",
+                       aws_access_key_id=store.server.env["AWS_ACCESS_KEY_ID"],
+                       aws_secret_access_key=store.server.env["AWS_SECRET_ACCESS_KEY"])
+    name = f"reader{os.getpid()}"
+    iam.create_user(UserName=name)
+    iam.put_user_policy(UserName=name, PolicyName="read", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
+                                                "Resource": "*"}]}))
+    key = iam.create_access_key(UserName=name)["AccessKey"]
+    return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+
+def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suite, tmp_path, capsys, monkeypatch):
+    """vit-audit with the evaluation ROOT or the pre-training shards in the store reports the pairs it
+    reports from disk. Pre-training shards: test/ (40 images); evaluation: the ROOT, whose test/ and
+    val/ hold those very images (80 exact pairs) and train/ other ones. hashes.npz goes to the
+    prefix and is reused; a user who may not write there gets the hashes for the run only."""
+    from data_pipeline.audit import index
+    from pretrain.evaluation import audit as vit_audit
+
+    disk, url = suite
+
+    def pairs(shards: str, evals: str, name: str) -> list:
+        out = tmp_path / name
+        assert vit_audit.main(["--shards", shards, "--eval", f"shards:{evals}", "--output", str(out), "--quiet",
+                               "--grid", "2"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].startswith("80 pairs")
+        doc = json.loads((out / "audit.json").read_text())
+        assert doc["shards"][0]["manifest"] == index.manifest_url(shards) and doc["evals"][0]["images"] == 176
+        return sorted(tuple(v for k, v in p.items() if k != "manifest") for p in doc["pairs"])
+
+    ref = pairs(str(disk / "test"), str(disk), "disk")
+    assert len(ref) == 80 and {(p[0], p[1]) for p in ref} == {("shards/suite", "test"), ("shards/suite", "val")}
+    assert all(p[2] == p[3] and p[-2] == "exact" for p in ref), ref[:3]  # (eval_id, train_key, ..., match, mirrored)
+    assert pairs(str(disk / "test"), url, "eval_in_store") == ref
+
+    stored = "suite/test/hashes.npz"
+    with monkeypatch.context() as m:
+        for k, v in _reader(store).items():
+            m.setenv(k, v)
+        assert vit_audit.main(["--index", f"{url}/test", "--quiet"]) == 0
+        out, err = capsys.readouterr()
+        assert out == "40 images hashed (0 unreadable) -> hashes.npz not stored (see the note above)\n", out
+        assert err == (f"vit-audit: note: cannot store {url}/test/hashes.npz (S3 403 AccessDenied: check the "
+                       "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) "
+                       "and that they may access this bucket); the hashes are used for this run only\n"), err
+        assert pairs(f"{url}/test/manifest.json", str(disk), "read_only") == ref
+    assert "Contents" not in store.client.list_objects_v2(Bucket=BUCKET, Prefix=stored)
+
+    assert pairs(f"{url}/test/manifest.json", str(disk), "shards_in_store") == ref
+    etag = store.client.head_object(Bucket=BUCKET, Key=stored)["ETag"]
+    built = []
+    real_build = index.build_index
+    monkeypatch.setattr(index, "build_index", lambda *a, **k: built.append(a) or real_build(*a, **k))
+    assert vit_audit.main(["--index", f"{url}/test/", "--quiet"]) == 0  # the stored hashes, fingerprint checked
+    assert capsys.readouterr().out == f"40 images hashed (0 unreadable) -> {url}/test/hashes.npz\n"
+    assert built == [] and store.client.head_object(Bucket=BUCKET, Key=stored)["ETag"] == etag
+    assert vit_audit.main(["--index", f"{url}/test", "--force", "--quiet"]) == 0
+    assert len(built) == 1
 
 
 def _job(tiny_run, shards: str, name: str):

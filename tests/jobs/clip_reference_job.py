@@ -13,10 +13,12 @@ step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``moment
 (weight decay), ``precision``, the learning-rate schedule: ``schedule`` (constant / linear /
 cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the loss: ``smoothing``
 (optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label), and
-``offload_params`` (zero.offload_params). Every case starts from the same weights; the batches of step t
-are the same on every rank and in the reference.
+``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype) and ``compile``
+(train.compile: the Transformer blocks compiled by inductor, as training does). Every case starts
+from the same weights; the batches of step t are the same on every rank and in the reference.
 
-The reference is written here, from the algorithm, not from our code: the mean loss over the whole
+The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
+which the whole-path tests share): the mean loss over the whole
 global batch (cross-entropy against ``1 - smoothing`` on the label plus ``smoothing`` spread over
 every class, or for multi-label targets the sigmoid cross-entropy summed over classes), while our
 side trains with ``pretrain.models.losses.classification_loss`` as training does; ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
@@ -34,16 +36,18 @@ import torch.nn.functional as F
 
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 from pretrain.distributed.engine import initialize
+from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
+from tests.reference_utils import decay_groups, finetune_reference, reference_schedule, train_reference, update_error
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
 LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
                 schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
-                offload_params=False)
+                offload_params=False, reduce="fp32", compile=False)
 
 
 def base_model() -> torch.nn.Module:
@@ -77,48 +81,15 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
     """Plain PyTorch: ``case["steps"]`` steps on the whole global batch; the first gradient norm.
     ``split``: each step's gradient summed over the micro-batches our ranks take (the same
     mathematics in another floating-point order: how far two exact implementations drift apart)."""
-    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1 or n in ("pos_embed", "cls_token")]
-    decay = [p for n, p in model.named_parameters() if not (p.ndim <= 1 or n in ("pos_embed", "cls_token"))]
-    groups = [{"params": decay, "weight_decay": case["wd"]}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = decay_groups(model, case["wd"])
     if case["optim"] == "sgd":
         opt = torch.optim.SGD(groups, lr=LR["sgd"], momentum=case["momentum"])
     else:
         opt = torch.optim.AdamW(groups, lr=LR["adamw"], betas=BETAS, eps=EPS)
-    sched = reference_schedule(opt, case)
-    first_norm = None
-    for step in range(case["steps"]):
-        images, labels = batch(step, world, case["multi_label"])
-        opt.zero_grad()
-        if split:
-            per = MICRO // case["gas"]
-            for lo in range(0, MICRO * world, per):
-                (reference_loss(model(images[lo:lo + per]), labels[lo:lo + per], case) * per / (MICRO * world)).backward()
-        else:
-            reference_loss(model(images), labels, case).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"] if case["clip"] > 0 else float("inf"))
-        first_norm = float(norm) if first_norm is None else first_norm
-        opt.step()
-        sched.step()
-    return first_norm
-
-
-def reference_schedule(opt, case: dict):
-    """The case's learning rate from torch's schedulers: warmup from 1/warmup of the base up to it,
-    then held (constant) or decayed to ``min_ratio`` of it at the last step."""
-    sch = torch.optim.lr_scheduler
-    warm, decay_steps = case["warmup"], case["steps"] - case["warmup"]
-    if case["schedule"] == "constant" or decay_steps <= 0:
-        after = sch.ConstantLR(opt, factor=1.0, total_iters=0)
-    elif case["schedule"] == "linear":
-        after = sch.LinearLR(opt, start_factor=1.0, end_factor=case["min_ratio"], total_iters=decay_steps)
-    else:
-        base = opt.param_groups[0]["lr"]
-        after = sch.CosineAnnealingLR(opt, T_max=decay_steps, eta_min=case["min_ratio"] * base)
-    if warm == 0:
-        return after
-    # (the groups' LRs are all the base here: one eta_min serves every group)
-    up = sch.LinearLR(opt, start_factor=1.0 / warm, end_factor=1.0, total_iters=max(1, warm - 1))
-    return sch.SequentialLR(opt, [up, after], milestones=[warm])
+    sched = reference_schedule(opt, case["warmup"], case["steps"], case["schedule"], case["min_ratio"])
+    batches = [batch(step, world, case["multi_label"]) for step in range(case["steps"])]
+    return train_reference(model, opt, sched, batches, clip=case["clip"], split=MICRO // case["gas"] if split else 0,
+                           loss=lambda logits, targets: reference_loss(logits, targets, case))[0]
 
 
 def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
@@ -129,11 +100,12 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
                         min_lr=case["min_ratio"] * LR[case["optim"]])
     gas = case["gas"]
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
-                        precision=case["precision"], activation_checkpointing=case["ckpt"])
+                        precision=case["precision"], activation_checkpointing=case["ckpt"], reduce_dtype=case["reduce"],
+                        compile=case["compile"])
     zero = ZeroConfig(stage=case["stage"], offload_params=case["offload_params"])
     engine, _ = initialize(model, optim, train, zero, world)
     start = weights(engine)  # the fp32 masters DeepSpeed made (from the bf16-rounded module in bf16)
-    dtype = torch.bfloat16 if case["precision"] == "bf16" else torch.float32
+    dtype = compute_dtype(case["precision"])
     per = MICRO // gas
     for step in range(case["steps"]):
         images, labels = batch(step, world, case["multi_label"])
@@ -175,6 +147,40 @@ def start_offset(start: dict, before: dict, ref: torch.nn.Module) -> float:
     return (num / den) ** 0.5
 
 
+def finetune_cases(spec: dict, rank: int, world: int) -> dict:
+    """vit-transfer's fine-tune under the deepspeed runner (``Finetune.train`` with ZeRO ``spec["stages"]``)
+    against the recipe in plain PyTorch (``tests/reference_utils.py``) on the global batches: every
+    rank's share of each step, read from the split as each rank reads it. ``spec``: the ImageFolder
+    ``root``, the ``checkpoint`` file, ``steps``, ``warmup``, ``lr``, ``batch`` (global)."""
+    from safetensors.torch import load_file
+
+    from pretrain.config import load_config
+    from pretrain.transfer.evaluate import make_protocol
+    from pretrain.transfer.finetune import Dist
+    from pretrain.transfer.suites import imagefolder
+    from pretrain.weights.pretrained import load_pretrained
+
+    task = imagefolder(spec["root"], minival_fraction=0.25, seed=0)
+    out = {}
+    for stage in spec["stages"]:
+        cfg = load_config(None, ["eval.protocol=finetune", f"eval.steps={spec['steps']}", f"eval.lr={spec['lr']}",
+                                 f"eval.warmup_steps={spec['warmup']}", f"eval.batch_size={spec['batch']}",
+                                 "eval.workers=0", "eval.train_augment=false", "train.precision=fp32",
+                                 f"zero.stage={stage}"])
+        protocol = make_protocol(cfg, load_pretrained(spec["checkpoint"]), 32, torch.device("cpu"),
+                                 Dist(rank, world, deepspeed=True), lambda m: None)
+        runner, _ = protocol.train(task, task.trainval, {"lr": spec["lr"]})
+        got = weights(runner.engine)
+        shares = [task.trainval.batches(protocol.view_of(task), batch_size=spec["batch"] // world, train=True,
+                                        seed=cfg.eval.seed, rank=r, world=world) for r in range(world)]
+        batches = ((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])) for parts in zip(*shares))
+        before, ref, norms = finetune_reference(load_file(spec["checkpoint"]), "vit_tiny_patch16_224", 32,
+                                                task.num_classes, batches, steps=spec["steps"], lr=spec["lr"],
+                                                warmup=spec["warmup"], clip=cfg.eval.grad_clip)
+        out[f"finetune-z{stage}"] = {"relative_error": update_error(before, got, ref)[0], "grad_norms": norms}
+    return out
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out, cases = args[0], json.loads(args[1])
@@ -193,6 +199,8 @@ def main():
         results[name] = {**compare(start, end, ref, before), "reference_grad_norm": norm,
                          "reference_noise": compare(before, twin_weights, ref, before)["relative_error"],
                          "masters_start_offset": start_offset(start, before, ref)}
+    if len(args) > 2:  # vit-transfer's fine-tune: a JSON spec (finetune_cases)
+        results.update(finetune_cases(json.loads(args[2]), rank, world))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

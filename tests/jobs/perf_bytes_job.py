@@ -1,4 +1,5 @@
-"""Run by the deepspeed runner from test_perfmodel: for ZeRO 0-3, a real engine built by
+"""Run by the deepspeed runner from test_perfmodel: for ZeRO 0-3 (and ZeRO-1 and 3 once more under
+``train.precision=bf16-autocast``, keys ``1-bf16-autocast`` and ``3-bf16-autocast``), a real engine built by
 ``pretrain.distributed.engine.initialize`` on a small ViT takes optimizer steps while DeepSpeed's own comms
 logger records every collective; also the element counts and dtypes of what each rank's
 optimizer holds. With ``timed`` (benchmarks/perf_model_cpu.py), last, the timed steps of a plain
@@ -60,8 +61,9 @@ torch.manual_seed(0)
 results = {"world": world, "stages": {}}
 STAGES = [int(s) for s in next((a for a in args[1:] if a.isdigit()), "" if "none" in args else "0123")]
 TIMED = "timed" in args[1:]
-for stage in STAGES:
-    precision = "fp32" if stage == 0 else "bf16"  # our config refuses bf16 without ZeRO
+RUNS = [(stage, "fp32" if stage == 0 else "bf16", str(stage)) for stage in STAGES]  # bf16 needs ZeRO
+RUNS += [(stage, "bf16-autocast", f"{stage}-bf16-autocast") for stage in STAGES if stage in (1, 3)]
+for stage, precision, key in RUNS:
     train = TrainConfig(steps=10, global_batch_size=MICRO * GAS * world, micro_batch_size=MICRO, precision=precision)
     zero = ZeroConfig(stage=stage, reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET)
     model = create_model(MODEL, img_size=IMG, num_classes=CLASSES, init_seed=0)
@@ -79,7 +81,7 @@ for stage in STAGES:
             o["calls"] += rec[0]
             o["bytes"] += rec[0] * size
             o.setdefault("sizes", {})[size] = rec[0]
-    results["stages"][stage] = {"ops": {k: {"calls": v["calls"] / STEPS, "bytes": v["bytes"] / STEPS, "sizes": v["sizes"]}
+    results["stages"][key] = {"ops": {k: {"calls": v["calls"] / STEPS, "bytes": v["bytes"] / STEPS, "sizes": v["sizes"]}
                                         for k, v in ops.items()},
                                 "optimizer": optimizer_tensors(engine), "optimizer_class": type(engine.optimizer).__name__,
                                 "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}

@@ -312,13 +312,21 @@ def test_user_mistakes_are_one_line(tmp_path, capsys):
     for argv, text in (
             (["--shards", str(tmp_path), "--eval", "nope:x", "--output", str(tmp_path)], "manifest not found"),
             (["--shards", str(tmp_path)], "--eval"),
-            (["--index", str(tmp_path / "missing.json")], "manifest not found")):
+            (["--index", str(tmp_path / "missing.json")], "manifest not found"),
+            (["--index", "pipe:cat /x/manifest.json"], "--index pipe:cat /x/manifest.json: give a manifest.json, "
+             "its folder or s3://bucket/prefix (pipe: URLs are not read by vit-audit)")):
         with pytest.raises(SystemExit) as e:
             vit_audit.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and text in err and len(err.strip().splitlines()) == 1, err
-    with pytest.raises(DataError, match="unknown suite 'nope'"):
-        list(vit_audit.read_eval("nope:/x"))
+    for spec, said in (("nope:/x", "unknown suite 'nope'; known: cifar100, imagefolder, shards, vtab1k"),
+                       ("cifar100:s3://b/c", "cifar100 reads a local folder; only shards: sets may be s3:// URLs"),
+                       ("shards:https://h/x", "give a path or s3://bucket/prefix (https: URLs are not read by "
+                                              "vit-audit)"),
+                       ("shards:pipe:cat x.tar", "(pipe: URLs are not read by vit-audit)")):
+        with pytest.raises(DataError) as e:
+            list(vit_audit.read_eval(spec))
+        assert str(e.value).startswith(f"--eval {spec}: ") and str(e.value).endswith(said), e.value
 
 
 def test_unwritable_output_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):

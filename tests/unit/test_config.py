@@ -92,7 +92,7 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
     ("model: {name: vit_base_patch16_224, img_size: 100}\n", "patch size 16 of vit_base_patch16_224 does not divide"),
     ("train: {steps: -1}\n", "train.steps"),
     ("train: {steps: ten}\n", "train.steps: expected int"),
-    ("train: {precision: fp16}\n", "train.precision"),
+    ("train: {precision: fp8}\n", "train.precision"),
     ("logging: {wandb: {mode: loud}}\n", "logging.wandb.mode"),
     ("model: {name: vit_base_patch61_224}\n", "did you mean 'vit_base_patch16_224'"),
     ("data: {workers: 2.5}\n", "data.workers"),

@@ -188,22 +188,26 @@ def test_nonfinite_verdict_reads_pending_flags_in_order():
         guard.verdict()
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "bf16"), (2, "bf16"), (2, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("stage,precision,reduce", [
+    (0, "fp32", "fp32"), (2, "fp32", "fp32"), (1, "bf16", "fp32"), (2, "bf16", "fp32"), (3, "bf16", "fp32"),
+    (3, "bf16", "bf16"), (0, "bf16-autocast", "fp32"), (1, "bf16-autocast", "fp32"), (3, "bf16-autocast", "fp32"),
+    (3, "bf16-autocast", "bf16"), (1, "fp16", "fp32"), (3, "fp16", "fp32")])
 @pytest.mark.parametrize("clip", [0.0, 0.5])
-def test_every_deepspeed_default_we_rely_on_is_explicit(stage, precision, clip):
+def test_every_deepspeed_default_we_rely_on_is_explicit(stage, precision, reduce, clip):
     """DeepSpeed's own parser reads our config back with the values we mean, whatever its defaults:
     a release that changes one fails here, not in a run. The defect this guards: without the key,
-    DeepSpeed clips the gradient norm at 1.0, so optim.grad_clip=0 silently clipped."""
+    DeepSpeed clips the gradient norm at 1.0, so optim.grad_clip=0 silently clipped. Also the
+    precision modes: bf16's overflow check, autocast's module list (DeepSpeed's default list would
+    reduce the weight matrices' gradients in bf16), fp16's loss scaling."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     c = cfg(f"zero.stage={stage}", "train.global_batch_size=32", "train.micro_batch_size=16",
-            f"train.precision={precision}", f"optim.grad_clip={clip}")
+            f"train.precision={precision}", f"train.reduce_dtype={reduce}", f"optim.grad_clip={clip}")
     ds = deepspeed_config(c.optim, c.train, c.zero, world_size=1)
     parsed = DeepSpeedConfig(json.loads(json.dumps(ds)))  # as a runner would hand it over
     assert parsed.gradient_clipping == clip
     assert parsed.prescale_gradients is False and parsed.gradient_predivide_factor == 1.0
     assert parsed.gradient_accumulation_steps == 2 and parsed.train_micro_batch_size_per_gpu == 16
-    assert parsed.bfloat16_config.enabled == (precision == "bf16") and not parsed.float16_config.enabled
     assert parsed.zero_allow_untested_optimizer is True
     z = parsed.zero_config
     assert z.stage == stage
@@ -219,8 +223,103 @@ def test_every_deepspeed_default_we_rely_on_is_explicit(stage, precision, clip):
             c.zero.stage3_prefetch_bucket_size, c.zero.stage3_param_persistence_threshold)
         assert z.max_live_parameters == z.max_reuse_distance == z.sub_group_size == 1_000_000_000
         assert z.gather_16bit_weights_on_model_save is False
-    if precision == "bf16":  # gradients accumulated and reduced in fp32 (train.reduce_dtype)
-        assert parsed.grad_accum_dtype == "fp32" and parsed.communication_data_type == torch.float32
+
+    # precision: exactly one mode on, gradients accumulated in fp32 unless bf16 is told otherwise
+    bf16, fp16 = parsed.bfloat16_config, parsed.float16_config
+    assert (bf16.enabled, parsed.torch_autocast_enabled, fp16.enabled) == (
+        precision == "bf16", precision == "bf16-autocast", precision == "fp16")
+    wire = torch.bfloat16 if reduce == "bf16" else torch.float32
+    assert parsed.communication_data_type == wire
+    assert parsed.grad_accum_dtype == ("bf16" if precision == "bf16" and reduce == "bf16" else "fp32")
+    if precision == "bf16-autocast":
+        assert parsed.torch_autocast_dtype == torch.bfloat16
+        assert parsed.torch_autocast_lower_precision_safe_modules == (
+            ["torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv2d"] if reduce == "bf16" else [])
+    if precision == "bf16":
+        assert (bf16.check_grad_overflow, bf16.immediate_grad_update, bf16.bf16_master_weights_and_grads,
+                bf16.bf16_optimizer_states) == (False, False, False, False)
+    if precision == "fp16":  # dynamic loss scaling from 2**16, x2 after 1000 clean steps, /2 on the 2nd overflow
+        assert fp16.loss_scale == 0 and fp16.auto_cast is False and fp16.fp16_master_weights_and_grads is False
+        assert fp16.dynamic_loss_scale_args() == {"init_scale": 2 ** 16, "scale_window": 1000, "delayed_shift": 2,
+                                                  "consecutive_hysteresis": False, "min_scale": 1}
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.precision=bf16", "zero.stage=0"], "zero.stage=0 with train.precision=bf16"),
+    (["train.precision=fp16", "zero.stage=0"], "zero.stage=0 with train.precision=fp16"),
+    (["train.precision=fp16", "train.reduce_dtype=bf16"], "train.reduce_dtype=bf16 with train.precision=fp16"),
+    (["train.precision=bf16-autocast", "zero.stage=3", "zero.quantized_weights=true"],
+     "zero.quantized_weights=true with train.precision=bf16-autocast"),
+])
+def test_precision_combinations_deepspeed_cannot_run_are_one_line(overrides, words):
+    c = cfg(*overrides)
+    with pytest.raises(ConfigError) as e:
+        deepspeed_config(c.optim, c.train, c.zero, world_size=2)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-autocast", "fp16"])
+def test_precision_is_refused_in_one_line_where_deepspeed_cannot_compute_it(precision):
+    """DeepSpeed's CPU accelerator has fp16 only where oneDNN does (AVX-512 FP16 / AMX-FP16); its
+    engine would raise deep inside ``deepspeed.initialize``."""
+    from deepspeed.accelerator import get_accelerator
+
+    from pretrain.distributed.precision import check_precision
+
+    acc = get_accelerator()
+    able = {"fp32": True, "bf16": acc.is_bf16_supported(), "bf16-autocast": acc.is_bf16_supported(),
+            "fp16": bool(acc.is_fp16_supported())}[precision]
+    if able:
+        check_precision(precision)
+        return
+    with pytest.raises(ConfigError, match=f"train.precision={precision}: this .* does not support"):
+        check_precision(precision)
+
+
+def test_fp16_overflow_is_the_loss_scalers_and_a_nonfinite_loss_the_guards():
+    """Under fp16 the guard and DeepSpeed's loss scaler act on different signals and do not undo
+    each other. A finite loss whose scaled gradients overflow: the guard passes the gradients on and
+    counts nothing; DeepSpeed's overflow check (``has_inf_or_nan``, what its ZeRO optimizers call
+    on the gradients) sees the inf, so the scaler skips the step and lowers the scale. A non-finite
+    loss: the guard zeroes the gradients and counts it; the overflow check sees nothing, so the
+    scaler keeps its scale (a forward overflow is not cured by a smaller loss scale)."""
+    from deepspeed.runtime.fp16.loss_scaler import has_inf_or_nan
+
+    from pretrain.distributed.engine import FP16_LOSS_SCALING
+
+    scale = 2.0 ** FP16_LOSS_SCALING["initial_scale_power"]
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    guard = NonFiniteGuard(3, [w])
+    loss = (w * 2.0).sum().float()  # finite: 8
+    assert torch.isfinite(loss) and guard.check(True, 1)
+    (loss * scale).backward()  # d/dw = 2 x 65536 > 65504: inf in fp16
+    assert has_inf_or_nan(w.grad) and guard.total == 0
+    w.grad = None
+    x = (w * float("inf")).sum().float()
+    bad = x - x  # NaN: an overflow of the forward
+    guard.ok.fill_(False)
+    (bad * scale).backward()
+    assert not has_inf_or_nan(w.grad) and torch.equal(w.grad, torch.zeros_like(w.grad))
+    assert not guard.check(False, 2) and guard.total == 1
+    guard.close()
+
+
+def test_the_loss_scalers_floor_is_a_one_line_error():
+    """DeepSpeed's scaler raises a bare Exception when fp16 gradients overflow at its minimum scale;
+    training reports it as a NonFiniteLoss naming the step (exit 2, one line). DeepSpeed's own
+    scaler raises it here; other exceptions pass unchanged."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from pretrain.resilience.nonfinite import scale_floor_as_error
+
+    scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False)
+    with pytest.raises(NonFiniteLoss, match="fp16 gradients overflow at the smallest loss scale at step 7"):
+        with scale_floor_as_error(7):
+            scaler.update_scale(True)
+    with pytest.raises(ValueError, match="other"):
+        with scale_floor_as_error(7):
+            raise ValueError("other")
 
 
 def test_the_deepspeed_section_merges_and_contradictions_are_one_line():

@@ -10,9 +10,10 @@ from pretrain.models.vit import create_model
 from pretrain.perf import memory
 
 
-def saved_activation_bytes(name, img, batch, dtype, checkpointing, **kw):
+def saved_activation_bytes(name, img, batch, dtype, checkpointing, autocast=False, **kw):
     """Bytes of the distinct tensors autograd saves in one training forward (weights excluded):
-    exactly what stays alive until backward."""
+    exactly what stays alive until backward. ``autocast``: the forward under torch.autocast(bf16),
+    whose bf16 weight copies are not the weights and count."""
     torch.manual_seed(0)
     model = create_model(name, num_classes=10, img_size=img, **kw).to(dtype).train()
     model.set_grad_checkpointing(checkpointing)
@@ -25,18 +26,22 @@ def saved_activation_bytes(name, img, batch, dtype, checkpointing, **kw):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(torch.randn(batch, 3, img, img, dtype=dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(torch.randn(batch, 3, img, img, dtype=dtype))
     return sum(n for ptr, n in seen.items() if ptr not in weights)
 
 
 @pytest.mark.parametrize("img, batch, dtype, precision", [
     (224, 2, torch.bfloat16, "bf16"),  # s = 197: the ViT paper's sequence length
     (64, 4, torch.float32, "fp32"),
+    # an fp32 module under autocast: fp32 LayerNorm inputs, and a bf16 copy of every weight (most of it here)
+    (64, 4, torch.float32, "bf16-autocast"),
 ])
 def test_activation_formula_matches_autograd(img, batch, dtype, precision):
     torch.set_num_threads(1)
     shape = memory.model_shape(ModelConfig(name="vit_tiny_patch16_224", img_size=img, num_classes=10))
-    measured = saved_activation_bytes("vit_tiny_patch16_224", img, batch, dtype, checkpointing=False)
+    measured = saved_activation_bytes("vit_tiny_patch16_224", img, batch, dtype, checkpointing=False,
+                                      autocast=precision == "bf16-autocast")
     est = memory.activation_bytes(shape, batch, precision=precision)
     assert est == pytest.approx(measured, rel=0.03), (est, measured)
 

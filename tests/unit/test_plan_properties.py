@@ -57,7 +57,7 @@ def test_a_narrow_model_at_small_micro_batches_waits_for_kernel_launches():
     assert predict(Layout(model="vit_tiny_patch16_224", gpu="h100-sxm", micro_batch=256)).launch_seconds == 0
 
 
-def _kernels_of_a_training_step(checkpointing: bool) -> int:
+def _kernels_of_a_training_step(checkpointing: bool, autocast: bool) -> collections.Counter:
     """Kernels (aten ops that are not views) of one forward + backward of our ViT-Ti/16, read with a
     dispatch mode on CPU: the second step, when every parameter's gradient is accumulated."""
     import torch
@@ -80,16 +80,22 @@ def _kernels_of_a_training_step(checkpointing: bool) -> int:
     model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10)
     model.set_grad_checkpointing(checkpointing)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
-    F.cross_entropy(model(x), y).backward()
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    step()
     with Count() as c:
-        F.cross_entropy(model(x), y).backward()
+        step()
     return c.ops
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_kernel_counts_are_those_our_model_issues(checkpointing):
-    ops = _kernels_of_a_training_step(checkpointing)
-    want = kernels.kernels_per_micro_step(12, checkpointing)
+@pytest.mark.parametrize("checkpointing, autocast", [(False, False), (True, False), (False, True), (True, True)])
+def test_kernel_counts_are_those_our_model_issues(checkpointing, autocast):
+    ops = _kernels_of_a_training_step(checkpointing, autocast)
+    want = kernels.kernels_per_micro_step(12, checkpointing, autocast=autocast)
     assert sum(ops.values()) == want["total"], (sorted(ops.items()), want)
     gemms = ops["mm"] + ops["addmm"] + ops["convolution"] + ops["convolution_backward"]
     attention = sum(v for k, v in ops.items() if "scaled_dot_product" in k)

@@ -10,9 +10,9 @@ from PIL import Image
 
 from pretrain.config import DataConfig
 from pretrain.transfer import suites, vtab
-from pretrain.transfer.data import Concat, View
+from pretrain.transfer.data import Concat, FileImages, View
 from pretrain.transfer.errors import TransferError
-from transfer_fixtures import colour_image, py2_pickle, write_cifar100, write_imagefolder, write_vtab_task
+from transfer_fixtures import colour_image, py2_pickle, save_png, write_cifar100, write_imagefolder, write_vtab_task
 
 
 def _all(split, view, **kw):
@@ -132,6 +132,28 @@ def test_group_and_overall_means():
 
 
 # ------------------------------------------------------------------------ ImageFolder, shards
+def test_training_augmentation_is_the_samples_own_whoever_reads_it(tmp_path):
+    """Fine-tuning's random crops and flips come from each sample's seed (the run's seed, the epoch,
+    the sample), not from torch's global RNG: every rank of a deepspeed fine-tune seeds that alike,
+    so the ranks' augmentations went in lockstep, and with ``eval.workers=0`` they depended on
+    whatever drew from it before. Eight copies of one image: samples differ by augmentation alone."""
+    img = colour_image(0, np.random.default_rng(0), 32)
+    paths = [tmp_path / f"{i}.png" for i in range(8)]
+    for p in paths:
+        save_png(img, p)
+    split = FileImages("copies", [str(p) for p in paths], [0] * 8)
+    view = View(img_size=16, train_augment=True)
+
+    def batch(rank, world, global_seed=0, n=2):
+        torch.manual_seed(global_seed)  # as every rank of a fine-tune seeds it (eval.seed)
+        return next(split.batches(view, batch_size=n, train=True, seed=0, rank=rank, world=world))[0]
+
+    assert not torch.equal(batch(0, 2), batch(1, 2))  # two ranks, two samples each: their own crops
+    assert torch.equal(batch(0, 2), batch(0, 2, global_seed=123))
+    whole = batch(0, 1, n=8)  # one rank reads the epoch's permutation whole; rank r of 2 its r-th half
+    assert torch.equal(batch(0, 2), whole[:2]) and torch.equal(batch(1, 2), whole[4:6])
+
+
 def test_imagefolder_with_and_without_val(tmp_path):
     root = write_imagefolder(tmp_path / "colours", n_train=5, n_test=3)
     t = suites.imagefolder(str(root), minival_fraction=0.2, seed=0)

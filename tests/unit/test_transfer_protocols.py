@@ -9,6 +9,7 @@ from pretrain.config import load_config
 from pretrain.models.vit import resize_pos_embed
 from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.evaluate import evaluate_checkpoint
+from pretrain.transfer.finetune import Dist
 from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
 from pretrain.transfer.linear import fit_logistic
 from pretrain.transfer.suites import imagefolder
@@ -131,6 +132,33 @@ def test_finetune_end_to_end_at_a_higher_resolution(tiny_ckpt, colour_task):
     r = doc["tasks"]["colours"]
     assert doc["img_size"] == 48 and r["details"]["img_size"] == 48 and r["setting"] == {"lr": 0.01}
     assert r["accuracy"] >= 0.75 and r["details"]["final_loss"] < 0.5, r
+
+
+FT_STEPS, FT_WARMUP, FT_LR = 4, 2, 0.03
+
+
+def test_finetune_steps_equal_plain_pytorch_from_the_recipe(tiny_ckpt, colour_task):
+    """One process: fine-tune steps of ours against the recipe written in plain PyTorch
+    (``reference_utils.finetune_reference``: timm's model with the file's backbone and a zero head,
+    torch's SGD, clip_grad_norm_ and LambdaLR) on the same batches: those of the split's stream
+    (augmentation off, so they are a function of the seed alone). fp32: reduction order only."""
+    from safetensors.torch import load_file
+
+    from pretrain.transfer.evaluate import make_protocol
+    from reference_utils import finetune_reference, update_error
+
+    cfg = load_config(None, ["eval.protocol=finetune", f"eval.steps={FT_STEPS}", f"eval.warmup_steps={FT_WARMUP}",
+                             f"eval.lr={FT_LR}", "eval.batch_size=8", "eval.workers=0", "eval.train_augment=false"])
+    protocol = make_protocol(cfg, load_pretrained(tiny_ckpt), 32, torch.device("cpu"), Dist(), lambda m: None)
+    runner, _ = protocol.train(colour_task, colour_task.trainval, {"lr": FT_LR})
+
+    batches = colour_task.trainval.batches(protocol.view_of(colour_task), batch_size=8, train=True, seed=cfg.eval.seed)
+    before, ref, norms = finetune_reference(load_file(str(tiny_ckpt)), "vit_tiny_patch16_224", 32, 4, batches,
+                                            steps=FT_STEPS, lr=FT_LR, warmup=FT_WARMUP, clip=cfg.eval.grad_clip)
+    assert max(norms) > cfg.eval.grad_clip, norms  # the clip changes a step: it is tested too
+    error, _ = update_error(before, dict(runner.model.named_parameters()), ref)
+    assert error <= 1e-5, error
+    print(f"fine-tune, one process, {FT_STEPS} steps: relative error {error:.2g}, gradient norms {norms}")
 
 
 def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
