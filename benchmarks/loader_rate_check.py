@@ -19,6 +19,7 @@ machine: under other load the workers get fewer cores, so the script also prints
 
     python benchmarks/loader_rate_check.py                    # 1 worker per rank, 3 rounds, ~2 min
     python benchmarks/loader_rate_check.py --workers 2 --rounds 5
+    python benchmarks/loader_rate_check.py --worker-decoder pil   # data.worker_decoder (default auto)
 """
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ WORLD = 2
 STORED_SIDE = 256
 
 
-def loader(shards: Path, workers: int, batch: int, rank: int = 0, world: int = 1):
+def loader(shards: Path, workers: int, batch: int, decoder: str, rank: int = 0, world: int = 1):
     from data_pipeline.loading.loader import build_loader
     from pretrain.config import AugmentConfig, DataConfig
 
-    cfg = DataConfig(train_shards=str(shards), workers=workers, shuffle_buffer=256, augment=AugmentConfig())
+    cfg = DataConfig(train_shards=str(shards), workers=workers, shuffle_buffer=256, augment=AugmentConfig(),
+                     worker_decoder=decoder)
     return iter(build_loader(cfg, rank=rank, world_size=world, batch_size=batch, img_size=224, seed=0))
 
 
@@ -79,7 +81,7 @@ def rank_job(args) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=WORLD)
-    it = loader(Path(args.shards), args.workers, args.batch, args.rank, WORLD)
+    it = loader(Path(args.shards), args.workers, args.batch, args.worker_decoder, args.rank, WORLD)
     for _ in range(2):  # warm-up: workers started, shuffle buffers filled
         next(it)
     dist.barrier()
@@ -98,7 +100,8 @@ def two_ranks(args, shards: Path, tmp: Path) -> dict:
     outs = [tmp / f"rank{r}.json" for r in range(WORLD)]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--out", str(outs[r]), "--shards",
                                str(shards), "--workers", str(args.workers), "--batch", str(args.batch),
-                               "--batches", str(args.batches)], env=env) for r in range(WORLD)]
+                               "--batches", str(args.batches), "--worker-decoder", args.worker_decoder], env=env)
+             for r in range(WORLD)]
     for p in procs:
         if p.wait(timeout=600) != 0:
             sys.exit(f"loader_rate_check: a rank failed (exit {p.returncode})")
@@ -116,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batches", type=int, default=12, help="batches timed per rank and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--worker-decoder", default="auto", choices=("auto", "nvimgcodec", "pil"),
+                   help="data.worker_decoder of both runs (default auto, as the config)")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "vitscale-loader-bench"))
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -137,11 +142,14 @@ def main(argv=None) -> int:
     shards = root / f"shards-check-r{STORED_SIDE}"
     write_shards(imagefolder(str(root / "imagefolder")), shards, shard_size=64, resize_shorter=STORED_SIDE,
                  quality=90, workers=2, progress=False)
+    from data_pipeline.shards.crop_decode import describe, resolve
+
+    print(f"worker decode: {describe(resolve(args.worker_decoder))}", flush=True)
     cores = os.cpu_count()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            it = loader(shards, 1, args.batch)
+            it = loader(shards, 1, args.batch, args.worker_decoder)
             for _ in range(2):
                 next(it)
             one = timed(it, args.batches)
