@@ -1,6 +1,7 @@
-"""The performance model's two tables for benchmarks/RESULTS.md and the README: its error against
-the published runs (pretrain/perf/published_runs.json), and the best layouts of ViT-L/16 and ViT-H/14 on
-8, 64 and 256 H100s (DGX H100 network) with the paper's compute budgets turned into days.
+"""The performance model's tables for benchmarks/RESULTS.md and pretrain/perf/PERFORMANCE.md: its error
+against the published runs (pretrain/perf/published_runs.json), the best layouts of ViT-L/16 and ViT-H/14
+on 8, 64 and 256 H100s (DGX H100 network) with the paper's compute budgets turned into days, the best
+layout per micro batch at a fixed global batch, and the single-H100 steps the GPU suite measured.
 
     python benchmarks/perf_model_table.py          # well under a second per layout
 """
@@ -46,6 +47,49 @@ def main() -> None:
                   f"{'on' if lay['quantized_weights'] else 'off'} | {best.images_per_second:,.0f} | {best.mfu:.1%} | "
                   f"{best.memory_gb_per_gpu['total']:.1f} | {best.bottleneck} | {budget:,} EF | {days:,.1f} |")
     print(f"\nslowest --search: {worst:.3f} s")
+    print()
+    per_micro_batch()
+    print()
+    gpu_suite()
+
+
+def per_micro_batch() -> None:
+    """The best layout of each micro batch at global batch 4096 (what --search ranks)."""
+    print("| model | H100s | micro batch | best layout (ZeRO, checkpointing) | img/s | MFU | waiting for launches | "
+          "bottleneck |")
+    print("|---|---:|---:|---|---:|---:|---:|---|")
+    for model in ("vit_base_patch16_224", "vit_large_patch16_224"):
+        for gpus in (8, 64):
+            rows = perfmodel.search(perfmodel.Layout(model, "h100-sxm", nodes=gpus // 8, global_batch=4096,
+                                                     network="dgx-h100"), micro_batches=(8, 16, 32, 64, 128))
+            best = {}
+            for p in rows:
+                best.setdefault(p.layout["micro_batch"], p)
+            for mb, p in sorted(best.items()):
+                lay = p.layout
+                print(f"| {model} | {gpus} | {mb} | ZeRO-{lay['zero']}, {'on' if lay['checkpointing'] else 'off'} | "
+                      f"{p.images_per_second:,.0f} | {p.mfu:.1%} | {p.launch_seconds / p.step_seconds:.0%} | "
+                      f"{p.bottleneck} |")
+
+
+# benchmarks/RESULTS.md, GPU suite (one H100 80GB HBM3, 2026-11-24): measured img/s of ours eager,
+# compiled and with activation checkpointing; bf16 autocast, AdamW, no DeepSpeed
+SUITE_H100 = {("vit_base_patch16_224", 128): (2424.1, 2992.9, 1749.3),
+              ("vit_large_patch16_224", 64): (819.0, 985.2, 562.6),
+              ("vit_huge_patch14_224", 32): (307.6, 339.9, 201.6)}
+
+
+def gpu_suite() -> None:
+    """Single-GPU steps measured on the lent H100 against the model (not a calibration point)."""
+    print("| model | batch | variant | measured img/s | predicted img/s | measured / predicted |")
+    print("|---|---:|---|---:|---:|---:|")
+    for (model, batch), measured in SUITE_H100.items():
+        for variant, kw, got in zip(("eager", "compiled", "act-ckpt"), ({}, {"compile": True},
+                                                                       {"checkpointing": True}), measured):
+            p = perfmodel.predict(perfmodel.Layout(model, "h100-sxm", nodes=1, gpus_per_node=1, micro_batch=batch,
+                                                   zero=0, **kw))
+            print(f"| {model} | {batch} | {variant} | {got:,.0f} | {p.images_per_second:,.0f} | "
+                  f"{got / p.images_per_second:.2f} |")
 
 
 if __name__ == "__main__":

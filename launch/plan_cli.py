@@ -41,6 +41,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-rate", type=float, help="measured img/s per loader worker on that path "
                     "(benchmarks/loader_throughput.py on the training machine; default: pretrain/perf/inputs.py)")
     ap.add_argument("--cpu-cores", type=int, help="CPU cores per node for the loaders (default: the network preset's)")
+    ap.add_argument("--loader-workers", type=int, help="loader workers per rank (data.workers; default: the config's, "
+                    "or one per core the ranks leave free)")
     ap.add_argument("--stored-side", type=int, help="shorter side the shards store, px (default 256; "
                     "vit-shards --resize-shorter)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (with --search: a list)")
@@ -51,6 +53,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 # Layout fields as the flags that set them, for one-line errors
 FLAGS = {"decode_rate": "--decode-rate", "cpu_cores": "--cpu-cores", "stored_side": "--stored-side",
+         "loader_workers": "--loader-workers",
          "micro_batch": "--micro-batch", "global_batch": "--global-batch", "gpus_per_node": "--gpus-per-node",
          "nodes": "--nodes", "hpz_partition_size": "--hpz", "intra_node_gbps": "--intra-node-gbps",
          "inter_node_gbps": "--inter-node-gbps", "zero=": "--zero "}
@@ -106,7 +109,8 @@ def _layout(args) -> perfmodel.Layout:
                                 zero=args.zero, reduce_dtype=args.reduce_dtype, hpz_partition_size=args.hpz,
                                 network=args.network, intra_node_gbps=args.intra_node_gbps,
                                 inter_node_gbps=args.inter_node_gbps, decode=args.decode, decode_rate=args.decode_rate,
-                                cpu_cores=args.cpu_cores, stored_side=args.stored_side).items() if v is not None}
+                                cpu_cores=args.cpu_cores, stored_side=args.stored_side,
+                                loader_workers=args.loader_workers).items() if v is not None}
     for flag, key in (("checkpointing", "checkpointing"), ("compile", "compile"),
                       ("quantized_weights", "quantized_weights"), ("quantized_gradients", "quantized_gradients")):
         if getattr(args, flag):
@@ -131,8 +135,10 @@ def describe(p: perfmodel.Prediction) -> str:
         f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
         f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
         f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
-        f"(element-wise {p.elementwise_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
+        f"(element-wise {p.elementwise_seconds * 1e3:,.1f}, waiting for kernel launches "
+        f"{p.launch_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
         f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",
+        f"  kernels         {p.kernels_per_step:,} per GPU per step",
         f"  sent per GPU    {comm} per step",
         f"  input           {p.input_images_per_second:,.0f} img/s from the loaders ({p.input_limit} per node, "
         f"{lay['decode']} decode)" + (": INPUT-BOUND" if p.input_bound else ""),

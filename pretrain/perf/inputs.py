@@ -5,8 +5,9 @@ Rates are measurements, not data-sheet numbers (benchmarks/RESULTS.md, GPU suite
 with 16 vCPUs, 8 loader workers, 224 px crops of JPEGs stored with shorter side 256):
 
 - ``cpu`` (``data.decode_device: worker``): each loader worker decodes with PIL and crops;
-  283 img/s per worker there. A node gives the loader its cores less one per GPU (each rank's own
-  process), one worker per core.
+  283 img/s per worker there. A node's loader workers (``data.workers`` per rank, or by default one
+  per core the ranks leave free) share the cores the ranks leave them, each rank keeping one busy
+  (its own process launching kernels): more workers than cores add nothing.
 - ``cuda`` (``data.decode_device: cuda``): workers only read tar members and draw crop boxes
   (610 img/s per worker there) and each GPU decodes with nvJPEG (4,883 img/s per GPU measured with
   8 workers feeding it, so a lower bound for the GPU side).
@@ -26,6 +27,8 @@ CPU_DECODE_PER_WORKER = 283.0  # img/s, PIL decode + crop + flip in one loader w
 READ_PER_WORKER = 610.0  # img/s, a worker that only reads members and draws boxes (cuda decode)
 GPU_DECODE_PER_GPU = 4883.0  # img/s, nvJPEG on one H100 (a lower bound)
 DECODE_PATHS = ("cpu", "cuda")
+# cores a training rank keeps busy itself: on a GPU, the Python process launching kernels
+RANK_CORES = 1.0
 
 
 @dataclass(frozen=True)
@@ -33,29 +36,54 @@ class InputRate:
     images_per_second: float  # one node
     limit: str  # what sets it, in words
     workers: int  # loader processes on the node
+    idle_cores: float = 0.0  # cores neither the ranks nor the workers use (more workers would)
+
+
+def worker_cores(cpu_cores: float, ranks: int, workers: int, rank_cores: float = RANK_CORES) -> float:
+    """Cores a node's ``workers`` loader processes get beside ``ranks`` training processes that want
+    ``rank_cores`` each, shared as the kernel's scheduler shares them (max-min fair): every process
+    gets what it wants if all fit, else an equal share, and a rank wanting less than that share
+    leaves the rest to the workers. A worker wants a whole core (it decodes whenever the loader is
+    the bottleneck, the only case that matters)."""
+    if ranks * rank_cores + workers <= cpu_cores:
+        return float(workers)
+    level = (cpu_cores - ranks * rank_cores) / workers  # the workers' share once the ranks have theirs
+    if level < rank_cores:  # the ranks get no more than anyone: one equal share each
+        level = cpu_cores / (ranks + workers)
+    return workers * min(1.0, level)
 
 
 def node_rate(decode: str, cpu_cores: int, gpus_per_node: int, stored_side: int = MEASURED_SIDE,
-              decode_rate: float | None = None) -> InputRate:
+              decode_rate: float | None = None, workers: int | None = None,
+              rank_cores: float = RANK_CORES) -> InputRate:
     """Images per second one node's loaders make. ``decode_rate``: a measured img/s per worker on
-    this path at ``stored_side`` (None: the defaults above, scaled to ``stored_side``)."""
+    this path at ``stored_side`` (None: the defaults above, scaled to ``stored_side``). ``workers``:
+    loader processes per rank (``data.workers``; None: one per core the ranks leave free).
+    ``rank_cores``: cores each rank process keeps busy itself."""
     if decode not in DECODE_PATHS:
         raise ValueError(f"decode={decode!r} (one of {', '.join(DECODE_PATHS)})")
-    workers = max(1, cpu_cores - gpus_per_node)
+    procs = max(1, int(cpu_cores - gpus_per_node * rank_cores)) if workers is None else gpus_per_node * max(1, workers)
+    cores = worker_cores(cpu_cores, gpus_per_node, procs, rank_cores)
+    idle = max(0.0, cpu_cores - gpus_per_node * rank_cores - cores)
+    on = f"{procs} worker{'s' if procs != 1 else ''}" + (f" on {cores:.1f} cores" if cores < procs else "")
     scale = (MEASURED_SIDE / stored_side) ** 2 if decode_rate is None else 1.0
     if decode == "cpu":
         per = decode_rate if decode_rate is not None else CPU_DECODE_PER_WORKER * scale
-        return InputRate(workers * per, f"CPU decode: {workers} workers x {per:,.0f} img/s", workers)
-    read = workers * (decode_rate if decode_rate is not None else READ_PER_WORKER)
+        return InputRate(cores * per, f"CPU decode: {on} x {per:,.0f} img/s", procs, idle)
+    per = decode_rate if decode_rate is not None else READ_PER_WORKER
+    read = cores * per
     gpu = gpus_per_node * GPU_DECODE_PER_GPU * scale
     if read <= gpu:
-        return InputRate(read, f"reading members: {workers} workers x {read / workers:,.0f} img/s", workers)
-    return InputRate(gpu, f"GPU JPEG decode: {gpus_per_node} x {gpu / gpus_per_node:,.0f} img/s", workers)
+        return InputRate(read, f"reading members: {on} x {per:,.0f} img/s", procs, idle)
+    return InputRate(gpu, f"GPU JPEG decode: {gpus_per_node} x {gpu / gpus_per_node:,.0f} img/s", procs, idle)
 
 
-def advice(decode: str, stored_side: int) -> str:
+def advice(decode: str, stored_side: int, idle_cores: float = 0.0, gpus_per_node: int = 1) -> str:
     """What would feed the GPUs faster, in words."""
     fixes = []
+    if idle_cores >= 1:
+        fixes.append(f"more loader workers (data.workers: {int(idle_cores)} cores per node are idle, "
+                     f"{int(idle_cores) // gpus_per_node} more per rank)")
     if decode == "cpu":
         fixes.append("GPU decode (data.decode_device: cuda)")
     if stored_side > MEASURED_SIDE:

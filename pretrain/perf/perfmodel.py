@@ -6,19 +6,25 @@ Pure functions over numbers (``pretrain.models.arch`` gives the architecture; no
 Per optimizer step, per GPU (``k`` accumulation micro-steps of ``b`` images):
 
 compute
-    Matmul work: ``pretrain.models.arch.analytic_flops`` multiply-adds x 2 flops x 3 (forward + a
-    backward twice as costly), plus one more forward of the blocks with activation checkpointing
-    (hardware FLOPs, not model FLOPs), over ``peak x efficiency``. ``efficiency`` is the one
-    calibrated constant per GPU type (``pretrain.perf.hardware.GPUS``, each naming its calibration
-    point or the GPU it borrows from; ``pretrain.perf.published`` solves it). Element-wise work
-    (LayerNorms, GELU over the MLP width, residual adds, softmax without a fused attention
-    kernel) moves bytes, not flops: it is priced at
-    :data:`HBM_EFFICIENCY` of the memory bandwidth, which is why narrow models (ViT-B) reach a
-    lower MFU than wide ones and why the gap grows on GPUs whose flops outgrew their bandwidth
-    (H100 against A100). ``torch.compile`` fuses element-wise chains: half that traffic.
-    ``train.precision=bf16-autocast`` keeps the LayerNorms and residual adds on an fp32 stream and
-    casts every weight to bf16 in each forward (6 B/param of traffic per micro-step).
-    The optimizer step reads and writes its fp32 states once per step (memory bound).
+    Matmul work: every GEMM of the micro-step (each linear's forward, input gradient and weight
+    gradient, the patch embedding and the head; the blocks' forward again with activation
+    checkpointing) at the rate its shape reaches (``pretrain.perf.kernels.gemm_seconds``: a fixed
+    cost per call, wave quantization over the GPU's SMs, a fixed prologue/epilogue per tile, fitted
+    to XLA's measured H100 GEMMs), and the fused attention kernels at the plain rate. The rate's
+    asymptote is ``peak x efficiency``, ``efficiency`` the one calibrated constant per GPU type
+    (``pretrain.perf.hardware.GPUS``, each naming its calibration point or the GPU it borrows from;
+    ``pretrain.perf.published`` solves it). Element-wise work (LayerNorms, GELU over the MLP width,
+    residual adds, softmax without a fused attention kernel) moves bytes, not flops: it is priced at
+    :data:`HBM_EFFICIENCY` of the memory bandwidth plus each kernel's launch gap, which is why narrow
+    models (ViT-B) reach a lower MFU than wide ones and why the gap grows on GPUs whose flops outgrew
+    their bandwidth (H100 against A100). ``torch.compile`` fuses element-wise chains: half that
+    traffic and half those kernels. ``train.precision=bf16-autocast`` keeps the LayerNorms and
+    residual adds on an fp32 stream and casts every weight to bf16 in each forward (6 B/param of
+    traffic per micro-step). The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
+    a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
+    models wait for kernel launches. Model FLOPs (MFU) stay ``analytic_flops`` x 2 x 3; hardware
+    FLOPs (HFU) add the recomputed forward. The optimizer step reads and writes its fp32 states once
+    per step (memory bound).
 
 communication (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``)
     ``G`` = gradient bytes per element in ``train.reduce_dtype`` (fp32: 4), ``W`` = weight bytes
@@ -72,7 +78,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from pretrain.perf import inputs, memory
+from pretrain.perf import inputs, kernels, memory
 from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
 from pretrain.models import arch
 
@@ -131,6 +137,7 @@ class Layout:
     decode_rate: Optional[float] = None
     cpu_cores: Optional[int] = None
     stored_side: int = 256
+    loader_workers: Optional[int] = None  # data.workers per rank (None: one per core the ranks leave free)
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("nodes", "gpus_per_node", "micro_batch")
@@ -140,6 +147,8 @@ class Layout:
                 if getattr(self, k) is not None and not getattr(self, k) > 0]
         bad += [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("cpu_cores", "stored_side")
                 if getattr(self, k) is not None and getattr(self, k) < 1]
+        if self.loader_workers is not None and self.loader_workers < 0:
+            bad.append(f"loader_workers={self.loader_workers} (must be >= 0)")
         if self.decode_rate is not None and not self.decode_rate > 0:
             bad.append(f"decode_rate={self.decode_rate} (must be > 0)")
         if self.global_batch is not None and self.global_batch < 1:
@@ -179,26 +188,51 @@ def _elementwise_elems(d: int, m: int, heads: int, s: int, fused_attention: bool
 
 
 def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
-    """Seconds of one GPU's forward + backward over ``images`` images (one or more micro-batches)."""
+    """Seconds of one GPU's forward + backward over ``images`` images (one micro-batch), by part:
+    ``matmul`` (every GEMM at its shape's rate and the attention kernels), ``elementwise`` (their
+    bytes at HBM speed and each kernel's launch gap), ``gpu`` (the two), ``host`` (issuing the
+    kernels), ``launch_wait`` (what the GPU waits for the host) and ``total``."""
     g = gpu_of(layout)
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
     parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True)
     model_flops = 6.0 * parts["total"] * images
     recompute = 2.0 * parts["blocks"] * images if layout.checkpointing else 0.0
-    t_mm = (model_flops + recompute) / (g.peak_tflops * 1e12 * g.efficiency)
     shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+    d, s, depth = shape.width, shape.seq_len, shape.depth
+    mlp = shape.mlp_hidden or 4 * d
+    peak = g.peak_tflops * 1e12
+
+    def gemm(m, n, k):
+        return kernels.gemm_seconds(m, n, k, peak, g.efficiency, g.sms)
+
+    rows = images * s
+    t_blocks = depth * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, layout.checkpointing))
+    patches = s - 1
+    t_other = 2 * gemm(images * patches, d, parts["embed"] / (patches * d))  # patch embedding: forward, weights
+    c = layout.num_classes
+    t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
+    # fused attention: 2 s^2 d multiply-adds per image and block forward, twice that backward
+    attn_flops = 2.0 * 2 * s * s * d * images * (3 + (1 if layout.checkpointing else 0))
+    n_kernels = kernels.kernels_per_micro_step(depth, layout.checkpointing, layout.compile,
+                                               layout.precision == "bf16-autocast")
+    fixed = kernels.GEMM_FIXED_S if g.sms else 0.0
+    t_attn = depth * attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
+    t_mm = t_blocks + t_other + t_attn
     e = memory.activation_dtype_bytes(layout.precision)
-    per_token = _elementwise_elems(shape.width, shape.mlp_hidden, shape.heads, shape.seq_len, layout.fused_attention)
-    token_bytes = per_token * e
+    token_bytes = _elementwise_elems(d, mlp, shape.heads, s, layout.fused_attention) * e
     passes = 3 + (1 if layout.checkpointing else 0)  # backward's element-wise traffic ~ twice the forward's
     if layout.precision == "bf16-autocast":  # LayerNorms (4 d) and residual adds (6 d) on the fp32 stream
-        token_bytes += 10 * shape.width * 2
-    elem_bytes = token_bytes * shape.seq_len * shape.depth * images * passes * (0.5 if layout.compile else 1.0)
+        token_bytes += 10 * d * 2
+    elem_bytes = token_bytes * s * depth * images * passes * (0.5 if layout.compile else 1.0)
     if layout.precision == "bf16-autocast":  # each weight cast to bf16 per forward (and recompute): read 4, write 2 B
         elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (2 if layout.checkpointing else 1)
-    t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY)
-    return {"matmul": t_mm, "elementwise": t_mem, "total": t_mm + t_mem, "model_flops": model_flops,
+    gaps = (n_kernels["elementwise"] + n_kernels["accumulate"]) * (kernels.KERNEL_GAP_SECONDS if g.sms else 0.0)
+    t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
+    gpu = t_mm + t_mem
+    host = kernels.host_seconds(n_kernels["total"], depth, layout.checkpointing, layout.compile)
+    return {"matmul": t_mm, "elementwise": t_mem, "gpu": gpu, "host": host, "launch_wait": max(0.0, host - gpu),
+            "total": max(gpu, host), "kernels": n_kernels["total"], "model_flops": model_flops,
             "hardware_flops": model_flops + recompute}
 
 
@@ -330,6 +364,7 @@ class Prediction:
     step_seconds: float
     compute_seconds: float
     elementwise_seconds: float
+    launch_seconds: float  # per step, the GPU waiting for the host to issue kernels
     optimizer_seconds: float
     comm_seconds: float
     exposed_comm_seconds: float
@@ -342,6 +377,7 @@ class Prediction:
     input_images_per_second: float = 0.0  # what the loaders of all nodes make (pretrain.perf.inputs)
     input_limit: str = ""
     input_bound: bool = False
+    kernels_per_step: int = 0  # kernels one GPU issues per step (forward + backward of every micro-step)
     notes: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -378,7 +414,7 @@ def predict(layout: Layout) -> Prediction:
     step = comp + opt + exposed
     ips = b * k * layout.world / step
     feed = inputs.node_rate(layout.decode, layout.cpu_cores or NETWORKS[layout.network].cpu_cores,
-                            layout.gpus_per_node, layout.stored_side, layout.decode_rate)
+                            layout.gpus_per_node, layout.stored_side, layout.decode_rate, layout.loader_workers)
     input_bound = feed.images_per_second * layout.nodes < ips
     if input_bound:  # the GPUs wait for batches: the step takes as long as the loaders need
         ips = feed.images_per_second * layout.nodes
@@ -406,6 +442,7 @@ def predict(layout: Layout) -> Prediction:
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.wire_bytes()
         calls[c.kind] = calls.get(c.kind, 0) + c.calls
     parts = {"matmul compute": micro["matmul"] * k, "element-wise (memory-bound) kernels": micro["elementwise"] * k,
+             "kernel launches (the GPU waits for the host)": micro["launch_wait"] * k,
              "exposed communication": exposed, "optimizer step": opt}
     worst = max(parts, key=parts.get)
     bottleneck = f"{worst}: {parts[worst] / step:.0%} of the step"
@@ -415,16 +452,17 @@ def predict(layout: Layout) -> Prediction:
     if input_bound:
         bottleneck = (f"input pipeline: {feed.images_per_second:,.0f} img/s per node ({feed.limit}) of the "
                       f"{b * k * layout.gpus_per_node / (comp + opt + exposed):,.0f} the GPUs could take; fix with "
-                      f"{inputs.advice(layout.decode, layout.stored_side)}")
+                      f"{inputs.advice(layout.decode, layout.stored_side, feed.idle_cores, layout.gpus_per_node)}")
     if not fits:
         bottleneck = f"does not fit: {mem['total']:.1f} GB needed of {g.memory_gb:.0f} GB; " + bottleneck
     return Prediction(layout=asdict(layout), params=shape.params, images_per_second=ips,
                       images_per_second_per_gpu=ips / layout.world, mfu=mfu, hfu=hfu, step_seconds=step,
-                      compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k, optimizer_seconds=opt,
+                      compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k,
+                      launch_seconds=micro["launch_wait"] * k, optimizer_seconds=opt,
                       comm_seconds=comm_total, exposed_comm_seconds=exposed, comm_bytes_per_gpu=by_kind,
                       collective_calls=calls, memory_gb_per_gpu=mem, fits=fits, bottleneck=bottleneck,
                       train_flops_per_image=flops_img, input_images_per_second=feed.images_per_second * layout.nodes,
-                      input_limit=feed.limit, input_bound=input_bound)
+                      input_limit=feed.limit, input_bound=input_bound, kernels_per_step=micro["kernels"] * k)
 
 
 def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.MemoryEstimate:
@@ -483,7 +521,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold,
               hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
-              quantized_gradients=z.quantized_gradients, network=network)
+              quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers)
     kw.update(overrides)
     return Layout(**kw)
 

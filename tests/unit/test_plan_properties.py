@@ -1,10 +1,14 @@
-"""vit-launch plan's answers are possible ones: a property test over a grid of layouts, and impossible
-inputs refused in one line (exit 2) naming the flag."""
+"""vit-launch plan's answers are possible ones: a property test over a grid of layouts, micro batches
+ranked as GEMM shapes and kernel launches rank them, the kernel counts and the GEMM curve against
+their references (our model's own kernels, XLA's measured H100 GEMMs), and impossible inputs refused
+in one line (exit 2) naming the flag."""
+import collections
 import itertools
 
 import pytest
 
 from launch.cli import main
+from pretrain.perf import inputs, kernels
 from pretrain.perf.perfmodel import Layout, predict
 
 MODELS = ("vit_base_patch16_224", "vit_large_patch16_224", "vit_huge_patch14_224")
@@ -28,10 +32,89 @@ def test_every_layout_of_the_grid_has_a_possible_prediction():
         assert p.images_per_second > 0 and p.step_seconds > 0, where
         assert 0 < p.mfu <= p.hfu <= 1, (where, p.mfu, p.hfu)
         assert all(v >= 0 for v in p.memory_gb_per_gpu.values()), (where, p.memory_gb_per_gpu)
-        assert p.step_seconds >= p.compute_seconds, where
+        assert p.step_seconds >= p.compute_seconds >= p.launch_seconds >= 0, where
         assert 0 < p.images_per_second <= p.input_images_per_second + 1e-6, where  # never faster than its loaders
         seen += 1
     assert seen == 3 * 3 * 3 * 2 * (1 + 1 + 3)  # models x nodes x micro batches x checkpointing x (stage 1, 2, 3 x 3)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_at_a_fixed_global_batch_small_micro_batches_lose_and_large_ones_plateau(model):
+    """Same global batch, same GPUs: 8 images per micro-step run small GEMMs and issue as many kernels
+    per micro-step as 128 do, so they must be slower; from 64 to 128 little is left to win."""
+    for zero, nodes in itertools.product((1, 2, 3), (1, 4)):
+        ips = {mb: predict(Layout(model=model, gpu="h100-sxm", nodes=nodes, micro_batch=mb, global_batch=4096,
+                                  zero=zero)).images_per_second for mb in (8, 16, 32, 64, 128)}
+        where = (model, zero, nodes, {k: round(v) for k, v in ips.items()})
+        assert ips[8] < 0.9 * ips[32], where
+        assert all(ips[a] <= ips[b] for a, b in itertools.pairwise(sorted(ips))), where
+        assert ips[128] < 1.1 * ips[64], where
+
+
+def test_a_narrow_model_at_small_micro_batches_waits_for_kernel_launches():
+    small = predict(Layout(model="vit_tiny_patch16_224", gpu="h100-sxm", micro_batch=8))
+    assert small.launch_seconds > 0 and small.bottleneck.startswith("kernel launches"), small.bottleneck
+    assert predict(Layout(model="vit_tiny_patch16_224", gpu="h100-sxm", micro_batch=256)).launch_seconds == 0
+
+
+def _kernels_of_a_training_step(checkpointing: bool, autocast: bool) -> collections.Counter:
+    """Kernels (aten ops that are not views) of one forward + backward of our ViT-Ti/16, read with a
+    dispatch mode on CPU: the second step, when every parameter's gradient is accumulated."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pretrain.models.vit import create_model
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket is not torch.ops.aten._unsafe_view:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10)
+    model.set_grad_checkpointing(checkpointing)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    step()
+    with Count() as c:
+        step()
+    return c.ops
+
+
+@pytest.mark.parametrize("checkpointing, autocast", [(False, False), (True, False), (False, True), (True, True)])
+def test_kernel_counts_are_those_our_model_issues(checkpointing, autocast):
+    ops = _kernels_of_a_training_step(checkpointing, autocast)
+    want = kernels.kernels_per_micro_step(12, checkpointing, autocast=autocast)
+    assert sum(ops.values()) == want["total"], (sorted(ops.items()), want)
+    gemms = ops["mm"] + ops["addmm"] + ops["convolution"] + ops["convolution_backward"]
+    attention = sum(v for k, v in ops.items() if "scaled_dot_product" in k)
+    assert (gemms, attention) == (want["gemm"], want["attention"]), (sorted(ops.items()), want)
+
+
+# XLA's default matmul table, measured bf16 GEMMs on H100 (openxla/xla,
+# xla/service/gpu/model/matmul_interpolator_data.h, sm_90, batch 1): (m, n, k) -> TFLOP/s
+XLA_H100 = {(256, 256, 512): 11.46, (512, 512, 512): 40.72, (1024, 1024, 512): 145.57, (256, 4096, 1024): 225.20,
+            (2048, 256, 1024): 135.85, (1024, 2048, 2048): 524.29, (4096, 512, 1024): 370.77,
+            (2048, 4096, 1024): 594.21, (4096, 1024, 4096): 738.47, (4096, 4096, 4096): 783.33}
+
+
+def test_gemm_curve_follows_xlas_measured_h100_table():
+    """The shape curve the model prices every GEMM with, at cuBLAS's own asymptote, against XLA's
+    measurements from the smallest (5.9 us, 1 % of peak) to the largest (79 % of peak)."""
+    for (m, n, k), tflops in XLA_H100.items():
+        t = kernels.gemm_seconds(m, n, k, 989.4e12, kernels.CUBLAS_EFFICIENCY, 132)
+        assert 2 * m * n * k / t / 1e12 == pytest.approx(tflops, rel=0.12), (m, n, k)
 
 
 def test_zero3_exposed_communication_stays_within_its_collectives():
@@ -52,6 +135,7 @@ def test_zero3_exposed_communication_stays_within_its_collectives():
     (["--zero", "1", "--quantized-weights"], "with --zero 1 (DeepSpeed runs it only with ZeRO-3)"),
     (["--decode-rate", "-1"], "--decode-rate -1.0 (must be > 0)"),
     (["--cpu-cores", "0"], "--cpu-cores 0 (must be >= 1)"),
+    (["--loader-workers", "-1"], "--loader-workers -1 (must be >= 0)"),
 ])
 def test_impossible_layouts_are_one_line_and_exit_2(args, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -99,3 +183,27 @@ def test_a_layout_the_loaders_cannot_feed_is_input_bound_and_says_what_fixes_it(
                     "--stored-side", "500"]) == 0
     out = capsys.readouterr().out
     assert "INPUT-BOUND" in out and "input pipeline" in out
+
+
+def test_loader_workers_share_the_cores_the_ranks_leave():
+    """A node's loader rate is its workers' cores x the per-worker rate: the job's data.workers per
+    rank when given, and never more cores than the scheduler gives them beside the ranks."""
+    per = inputs.CPU_DECODE_PER_WORKER
+    assert inputs.node_rate("cpu", 112, 8).images_per_second == pytest.approx(104 * per)  # one per free core
+    assert inputs.node_rate("cpu", 112, 8, workers=10).images_per_second == pytest.approx(80 * per)
+    assert inputs.worker_cores(2, 2, 2, rank_cores=0.02) == pytest.approx(1.96)  # idle ranks leave their cores
+    assert inputs.worker_cores(2, 2, 1) == pytest.approx(2 / 3)  # busy ranks: one equal share each
+    assert inputs.worker_cores(16, 8, 16) == pytest.approx(16 * 16 / 24)  # oversubscribed: equal shares
+    from pretrain.config import load_config
+    from pretrain.perf.perfmodel import layout_from_config
+
+    cfg = load_config("configs/vit_l16_in21k.yaml")  # data.workers: 10
+    p = predict(layout_from_config(cfg, nodes=1, gpus_per_node=8, gpu="h100-sxm"))
+    assert p.input_images_per_second == pytest.approx(8 * cfg.data.workers * per), p.input_limit
+
+
+def test_too_few_loader_workers_say_so(capsys):
+    assert main_rc(["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm", "--micro-batch", "128",
+                    "--loader-workers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "INPUT-BOUND" in out and "32 workers" in out and "more loader workers (data.workers" in out, out

@@ -1,0 +1,121 @@
+"""What a training micro-step costs kernel by kernel: GEMMs priced by their shape, and the kernels a
+ViT issues, each of which the host must launch. Numbers only, no torch.
+
+GEMM time against shape (``gemm_seconds``): a GEMM of ``m x k`` by ``k x n`` takes
+
+    GEMM_FIXED_S + 2 m n k x (1 + GEMM_TAIL x SMs / tiles) x (1 + GEMM_K_FILL / k) / (peak x efficiency)
+
+with ``tiles = m n / (128 x 256)`` output tiles of cuBLAS's largest bf16 tile, times the pieces its k
+loop is split into when there are fewer tiles than SMs (split-K, pieces of :data:`GEMM_SPLIT_K`).
+The first factor is wave quantization smoothed over sizes (the last wave of tiles leaves SMs idle;
+NVIDIA's "Matrix Multiplication Background" guide, section 3.2), the second the fixed prologue and
+epilogue of every tile, whose main loop runs ``k`` steps. The constants are a least-squares fit (in
+log time) to XLA's published table of measured bf16 GEMMs on H100 (openxla/xla,
+``xla/service/gpu/model/matmul_interpolator_data.h``, ``sm_90``: the 98 shapes with batch 1 and m,
+n, k from 256 to 4096): median error 2.5 %, 11 % at worst but for one split-K shape (256 x 256 x
+4096, measured 55 % faster); the fit's asymptote is :data:`CUBLAS_EFFICIENCY` of the data-sheet
+peak. Small GEMMs lose on all three terms: a ViT-B micro-batch of 8 images is 1,576 rows, and its
+qkv GEMM runs at about 60 % of the rate the same GEMM reaches with 128 images. The model keeps the
+fit's shape for every GPU type (with that type's SM count) and replaces the asymptote by the type's
+calibrated efficiency.
+
+Kernel launches (``host_seconds``): eager PyTorch issues every kernel from Python through the
+dispatcher, autograd and ``cuLaunchKernel``; the GPU runs them asynchronously, so the host limits the
+step only when it needs longer to issue a micro-step's kernels than the GPU needs to run them (small
+micro-batches of narrow models). The counts are our model's own (:data:`BLOCK_KERNELS`, read off
+``pretrain.models.vit`` with a dispatch mode in ``tests/unit/test_plan_properties.py``).
+"""
+from __future__ import annotations
+
+# --- GEMM shape curve: fitted to XLA's H100 table (module docstring)
+GEMM_FIXED_S = 5.16e-6  # launch, prologue and epilogue of one cuBLAS call (the smallest GEMMs take 5.9 us)
+GEMM_TAIL = 0.128  # tiles per SM the last partial wave costs, averaged over sizes
+GEMM_K_FILL = 217  # a tile's pipeline fill and epilogue, in steps of its k loop
+GEMM_TILE = 128 * 256  # outputs per tile (cuBLAS's largest bf16 tile on A100 / H100)
+GEMM_SPLIT_K = 3395  # with fewer tiles than SMs, cuBLAS splits the k loop into pieces of about this many
+CUBLAS_EFFICIENCY = 0.970  # the fit's asymptote: large GEMMs, cuBLAS alone, of the data-sheet peak
+
+# --- kernels per micro-step, eager, forward + backward (counted on pretrain.models.vit: see the test)
+# A pre-norm block: 12 GEMMs (4 linears forward, their input and weight gradients), the fused attention
+# forward and backward, 16 element-wise kernels (4 LayerNorm forward/backward, 2 GELU, 4 residual adds
+# and gradient sums, 4 bias-gradient sums, the head-merge copy and the q/k/v gradient stack) and 12
+# gradient accumulations, one per parameter tensor (plain PyTorch adds into .grad once it exists;
+# DeepSpeed's gradient hooks copy each gradient into its buffer every micro-step).
+BLOCK_KERNELS = {"gemm": 12, "attention": 2, "elementwise": 16, "accumulate": 12}
+# activation checkpointing re-runs a block's forward up to the last tensor the backward needs
+# (torch.utils.checkpoint stops early): qkv, proj, fc1, attention, both LayerNorms, GELU, one add
+RECOMPUTE_KERNELS = {"gemm": 3, "attention": 1, "elementwise": 4}
+# outside the blocks: patch embedding forward + weight gradient, position add, class token, final
+# LayerNorm, head (3 GEMMs), loss forward/backward, and their parameters' gradient accumulations
+OTHER_KERNELS = {"gemm": 5, "attention": 0, "elementwise": 13, "accumulate": 8}
+# train.precision=bf16-autocast adds dtype casts (weights, biases and activations to bf16 forward,
+# gradients back to fp32 for the fp32 parameters): per block, again per recomputed block, and outside
+AUTOCAST_CASTS = {"block": 23, "recompute": 10, "other": 3}
+# torch.compile of each block (train.compile) fuses its element-wise kernels about two to one (an
+# estimate, as for their traffic); the GEMMs and the attention kernel stay library calls, the gradient
+# accumulations stay eager
+COMPILED_ELEMENTWISE = 8
+
+# --- host cost of issuing kernels
+# Eager PyTorch, per kernel with the view ops around it: about 5-7 us for an autograd op from Python
+# (pytorch/pytorch#41383: 7 us with requires_grad, 5 us without) plus cuLaunchKernel's 3 us
+# (meta-pytorch/tritonbench#1017); Inductor's launcher costs the same per kernel (6.8-9.1 us there).
+# This 2-vCPU machine measures 14 us per kernel for our block's forward + backward at a trivial size.
+HOST_SECONDS_PER_KERNEL = 8e-6
+# a compiled region's call beyond its kernels: guards, device guard, AOTAutograd's wrapper (44 us for
+# a one-kernel graph in tritonbench#1017 less that kernel's launch); once forward, once backward
+COMPILED_CALL_HOST_SECONDS = 37e-6
+# what every other kernel costs the GPU beyond its work when issued back to back: the launch latency
+# between kernels (NVIDIA's "Getting Started with CUDA Graphs": a 2.9 us kernel takes 3.8 us per
+# launch in a stream)
+KERNEL_GAP_SECONDS = 1e-6
+
+
+def gemm_seconds(m: float, n: float, k: float, peak_flops: float, efficiency: float, sms: int) -> float:
+    """Seconds of one GEMM ``(m x k) @ (k x n)``, or of ``k`` summed products for a weight gradient.
+    ``sms == 0`` (a device whose tiles are not modelled, e.g. a CPU priced as a GPU type): flops at
+    ``peak x efficiency``, no shape term."""
+    flops = 2.0 * m * n * k
+    if not sms:
+        return flops / (peak_flops * efficiency)
+    tiles = m * n / GEMM_TILE
+    tiles *= max(1.0, min(k / GEMM_SPLIT_K, sms / tiles))  # split-K: work units for idle SMs
+    shape = (1 + GEMM_TAIL * sms / tiles) * (1 + GEMM_K_FILL / k)
+    return GEMM_FIXED_S + flops * shape / (peak_flops * efficiency)
+
+
+def block_gemms(rows: int, width: int, mlp: int, recompute: bool = False) -> list[tuple[int, int, int]]:
+    """The ``(m, n, k)`` of a block's GEMMs in one micro-step of ``rows`` tokens (images x sequence):
+    each linear's forward, input gradient and weight gradient, plus the forward again when
+    ``recompute`` (priced as the whole forward: the GPU suite's checkpointed steps cost more than the
+    early-stopped recompute's flops)."""
+    out = []
+    for n, k in ((3 * width, width), (width, width), (mlp, width), (width, mlp)):
+        out += [(rows, n, k), (rows, k, n), (n, k, rows)]
+        if recompute:
+            out.append((rows, n, k))
+    return out
+
+
+def kernels_per_micro_step(depth: int, checkpointing: bool = False, compile: bool = False,
+                           autocast: bool = False) -> dict[str, int]:
+    """Kernels one GPU issues per micro-step, by kind, and their ``total``. ``autocast``:
+    ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away when compiled)."""
+    out = {}
+    for kind in ("gemm", "attention", "elementwise", "accumulate"):
+        per_block = BLOCK_KERNELS[kind] + (RECOMPUTE_KERNELS.get(kind, 0) if checkpointing else 0)
+        other = OTHER_KERNELS[kind]
+        if kind == "elementwise" and compile:
+            per_block = COMPILED_ELEMENTWISE + (RECOMPUTE_KERNELS[kind] // 2 if checkpointing else 0)
+        elif kind == "elementwise" and autocast:
+            per_block += AUTOCAST_CASTS["block"] + (AUTOCAST_CASTS["recompute"] if checkpointing else 0)
+            other += AUTOCAST_CASTS["other"]
+        out[kind] = depth * per_block + other
+    out["total"] = sum(out.values())
+    return out
+
+
+def host_seconds(kernels: int, depth: int, checkpointing: bool = False, compile: bool = False) -> float:
+    """Seconds the host needs to issue one micro-step's ``kernels``."""
+    calls = depth * (3 if checkpointing else 2) if compile else 0
+    return kernels * HOST_SECONDS_PER_KERNEL + calls * COMPILED_CALL_HOST_SECONDS
