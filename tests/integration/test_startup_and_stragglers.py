@@ -5,8 +5,9 @@
   rank 0 spinning forever; ``train.startup_timeout_s`` ends it with one line naming the phase.
 * One rank of a 2-rank job stopped half its time in bursts for real (SIGSTOP / SIGCONT for 0.1-0.5 s
   each, at irregular times; logging every 5 steps, the default factor and span) is named within 10
-  logging windows; the same job unslowed names nobody in 40 windows (200 steps) while the machine
-  is busy with the rest of the suite (test_step_parts models 200 windows of a loaded machine). Both
+  logging windows; the same job unslowed, run beside it, names nobody in 40 windows (200 steps) while
+  the machine is busy with the slowed job and the rest of the suite (test_step_parts models 200
+  windows of a loaded machine). Both
   under ZeRO-2 and under ZeRO-3, where every submodule's forward waits for its parameters'
   all-gather, and so for the slow peer: that wait is the clock's ``gather`` phase, not the rank's
   own forward.
@@ -82,41 +83,44 @@ def straggler_job(tiny_run, name: str, log: Path, every: int, steps: int, stage:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_rank_slowed_in_bursts_is_named_and_an_even_job_names_nobody(tiny_run, tmp_path, stage):
-    run, log = tmp_path / "slow", tmp_path / "slow.txt"
-    job = straggler_job(tiny_run, "slow", log, every=5, steps=2000, stage=stage)
-    try:
-        wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 5, 240, job, "step 5")
-        before = max(metrics(run))
-        pid = _rank_pid(job.pid, 1)
-        assert pid is not None
-        end, bursts = time.time() + 180, random.Random(0)
-        while time.time() < end and "straggler: rank 1" not in log.read_text():
-            # rank 1 runs about half of the time, stopped in bursts of 0.1-0.5 s at irregular times (a
-            # strictly periodic pattern can phase-lock the job so that every burst lands in the
-            # collective phases, where its peer waits as long as it does: see straggler.py)
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(bursts.uniform(0.1, 0.5))
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(bursts.uniform(0.1, 0.5))
-        named_at = max(metrics(run))
-    finally:
-        kill_group(job)
-    out = log.read_text()
-    lines = [ln for ln in out.splitlines() if "straggler:" in ln]
-    assert lines and lines[0].split("straggler: ")[1].startswith("rank 1 on "), out[-3000:]
-    assert "x the median step, mostly in " in lines[0]
-    assert named_at - before <= 5 * 10, (before, named_at)  # within ten windows of five steps
-    recs = [r for s, r in sorted(metrics(run).items()) if s > before and "straggler/ratio" in r]
-    assert recs and recs[-1]["straggler/slowest_rank"] == 1 and recs[-1]["straggler/ratio"] >= 1.5
+    """The even job runs beside the slowed one: four ranks and the other test worker on two cores,
+    the loaded machine it must not name anyone on."""
+    even_run, even_log = tmp_path / "even", tmp_path / "even.txt"
+    with reaped(straggler_job(tiny_run, "even", even_log, every=5, steps=200, stage=stage)) as even:
+        run, log = tmp_path / "slow", tmp_path / "slow.txt"
+        job = straggler_job(tiny_run, "slow", log, every=5, steps=2000, stage=stage)
+        try:
+            wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 5, 240, job,
+                     "step 5")
+            before = max(metrics(run))
+            pid = _rank_pid(job.pid, 1)
+            assert pid is not None
+            end, bursts = time.time() + 180, random.Random(0)
+            while time.time() < end and "straggler: rank 1" not in log.read_text():
+                # rank 1 runs about half of the time, stopped in bursts of 0.1-0.5 s at irregular times (a
+                # strictly periodic pattern can phase-lock the job so that every burst lands in the
+                # collective phases, where its peer waits as long as it does: see straggler.py)
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(bursts.uniform(0.1, 0.5))
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(bursts.uniform(0.1, 0.5))
+            named_at = max(metrics(run))
+        finally:
+            kill_group(job)
+        out = log.read_text()
+        lines = [ln for ln in out.splitlines() if "straggler:" in ln]
+        assert lines and lines[0].split("straggler: ")[1].startswith("rank 1 on "), out[-3000:]
+        assert "x the median step, mostly in " in lines[0]
+        assert named_at - before <= 5 * 10, (before, named_at)  # within ten windows of five steps
+        recs = [r for s, r in sorted(metrics(run).items()) if s > before and "straggler/ratio" in r]
+        assert recs and recs[-1]["straggler/slowest_rank"] == 1 and recs[-1]["straggler/ratio"] >= 1.5
 
-    run, log = tmp_path / "even", tmp_path / "even.txt"
-    with reaped(straggler_job(tiny_run, "even", log, every=5, steps=200, stage=stage)) as job:
-        code = job.wait(300)
-    assert code == 0, log.read_text()[-3000:]
-    m = metrics(run)
+        code = even.wait(300)
+    assert code == 0, even_log.read_text()[-3000:]
+    m = metrics(even_run)
     assert sorted(m) == list(range(5, 201, 5)) and all("straggler/ratio" in r for r in m.values())
-    assert "straggler:" not in log.read_text(), (max(r["straggler/ratio"] for s, r in m.items() if s >= 6),
-                                                 log.read_text()[-2000:])
+    assert "straggler:" not in even_log.read_text(), (max(r["straggler/ratio"] for s, r in m.items() if s >= 6),
+                                                      even_log.read_text()[-2000:])
 
 
 def test_waiting_on_the_compiled_op_build_lock_is_said(tiny_run, tmp_path):
