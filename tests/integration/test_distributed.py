@@ -103,31 +103,34 @@ def test_exact_resume_after_kills_and_wandb_run(tiny_run, tmp_path):
     and restarts to N: bit-identical exported weights and the same loss curve."""
     common = ["zero.stage=2", "train.steps=8", "train.log_every_steps=1", "checkpoint.every_steps=2",
               "checkpoint.keep_last=5", "optim.warmup_steps=2"]
-    ref = tmp_path / "straight"
-    assert_ok(job(tiny_run, "straight", *common).run())
+    straight = job(tiny_run, "straight", *common)  # the reference, beside the interrupted run
+    ref, ref_log = straight.run_dir, tmp_path / "straight.log"
+    reference = straight.start(ref_log)
 
-    interrupted = job(tiny_run, "interrupted", *common)
-    run = interrupted.run_dir
-    ckpts = run / "checkpoints"
-    # 1) rank 0 is SIGKILLed after DeepSpeed wrote step 6 but before it was marked complete
-    r = interrupted.run(VITSCALE_FAULT="kill_in_save:6")
-    assert r.returncode != 0
-    assert (ckpts / "step_00000006").is_dir() and not (ckpts / "step_00000006" / "COMPLETE").exists()
-    assert checkpoint.latest_complete(ckpts).name == "step_00000004"
-    # 2) resumes from step 4; the whole job is kill -9'ed once step 6 is complete
-    log = tmp_path / "second.log"
-    p = interrupted.start(log)
-    try:
-        wait_for(lambda: (ckpts / "step_00000006" / "COMPLETE").exists(), 240, p, "checkpoint 6")
-    finally:
-        kill_group(p, signal.SIGKILL)
-        p.wait()
-    assert "resuming from step 4" in log.read_text()
-    # 3) resumes again and finishes
-    r = interrupted.run()
-    assert_ok(r)
-    assert "resuming from step" in r.stderr
+    with reaped(reference):
+        interrupted = job(tiny_run, "interrupted", *common)
+        run = interrupted.run_dir
+        ckpts = run / "checkpoints"
+        # 1) rank 0 is SIGKILLed after DeepSpeed wrote step 6 but before it was marked complete
+        r = interrupted.run(VITSCALE_FAULT="kill_in_save:6")
+        assert r.returncode != 0
+        assert (ckpts / "step_00000006").is_dir() and not (ckpts / "step_00000006" / "COMPLETE").exists()
+        assert checkpoint.latest_complete(ckpts).name == "step_00000004"
+        # 2) resumes from step 4; the whole job is kill -9'ed once step 6 is complete
+        log = tmp_path / "second.log"
+        p = interrupted.start(log)
+        try:
+            wait_for(lambda: (ckpts / "step_00000006" / "COMPLETE").exists(), 240, p, "checkpoint 6")
+        finally:
+            kill_group(p, signal.SIGKILL)
+            p.wait()
+        assert "resuming from step 4" in log.read_text()
+        # 3) resumes again and finishes
+        r = interrupted.run()
+        assert_ok(r)
+        assert "resuming from step" in r.stderr
 
+        assert reference.wait(240) == 0, ref_log.read_text()[-3000:]
     a, _ = load_run_weights(ref)
     b, info = load_run_weights(run)
     assert info["step"] == 8 and a.keys() == b.keys()
