@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_pipeline.loading.batch_decode import BatchDecoder, DeferredBatch, crop_batch, decode_jpeg
+from data_pipeline.loading.batch_decode import BatchDecoder, DeferredBatch, crop_batch
+from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.config import AugmentConfig
 from data_pipeline.errors import TooManyCorruptSamples
 from data_pipeline.loading.loader import build_loader
