@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from launch.runner import deepspeed_executable  # noqa: E402
 from pretrain.distributed.process import free_port  # noqa: E402
-from pretrain.perf import perfmodel  # noqa: E402
+from pretrain.perf import collectives  # noqa: E402
 from pretrain.perf.perfmodel import Layout, predict  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     lay = Layout("vit_tiny_patch16_224", "cpu", nodes=1, gpus_per_node=world, micro_batch=cpu["micro"],
                  img_size=cpu["img"], num_classes=10, zero=1, precision="fp32", efficiency=1.0,
                  peak_tflops=cpu["matmul_flops"] / 1e12, hbm_gbs=cpu["mem_bytes_per_s"] / 1e9, memory_gb=24,
-                 intra_node_gbps=cpu["gloo_busbw"] * 8 / 1e9 / perfmodel.LINK_EFFICIENCY["intra"])
+                 intra_node_gbps=cpu["gloo_busbw"] * 8 / 1e9 / collectives.LINK_EFFICIENCY["intra"])
     pred = predict(lay).step_seconds
     print(f"measured: matmul {cpu['matmul_flops'] / 1e9:.1f} GFLOP/s, memory {cpu['mem_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"gloo bus {cpu['gloo_busbw'] / 1e9:.2f} GB/s")

@@ -26,35 +26,10 @@ compute
     FLOPs (HFU) add the recomputed forward. The optimizer step reads and writes its fp32 states once
     per step (memory bound).
 
-communication (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``)
-    ``G`` = gradient bytes per element in ``train.reduce_dtype`` (fp32: 4), ``W`` = weight bytes
-    in the module's dtype (bf16 and fp16: 2; fp32 and bf16-autocast: 4, but 2 for ZeRO-3's gathers
-    of bf16-autocast with ``train.reduce_dtype=bf16``, which sends the matmul weights in bf16),
-    ``P`` = parameters:
-    - stage 0: one all-reduce of ``P x G`` at the accumulation boundary, after the backward;
-    - stage 1: the same all-reduce, issued in ``zero.reduce_bucket_size`` buckets during the last
-      micro-step's backward (``reduce_ready_partitions_and_remove_grads`` runs only at the
-      boundary), then an all-gather of the updated ``P x W`` weights after the step;
-    - stage 2: the bucketed all-reduce in every micro-step's backward (gradients are partitioned
-      as they are produced), the same all-gather after the step. Both use all-reduce, not
-      reduce-scatter: ``use_multi_rank_bucket_allreduce`` defaults to true;
-    - stage 3: each micro-step all-gathers the partitioned weights for the forward (tensors of at
-      most ``stage3_param_persistence_threshold`` elements stay whole on every rank; the trace's
-      prefetch coalesces up to ``stage3_prefetch_bucket_size`` elements per call), gathers again in
-      the backward only what was released after the forward (:func:`_released_numel`: nothing for
-      models under ~1e9 elements with DeepSpeed's defaults), reduce-scatters every gradient in
-      ``reduce_bucket_size`` buckets; after the step one all-gather refreshes the persistent
-      tensors on every rank.
-    bf16 with ZeRO-1 and fp32 accumulation is DeepSpeed's ``BF16_Optimizer``: one all-reduce of
-    the whole fp32 gradient buffer at the boundary, whatever the bucket size.
-    Time per collective (nccl-tests' bus bandwidth): all-reduce ``S 2(n-1)/n / busbw``,
-    all-gather and reduce-scatter ``S (n-1)/n / busbw`` (``S`` the whole tensor), plus a fixed
-    latency. ``busbw`` is the slowest link the ring crosses: NVLink/PCIe inside a node, the
-    node's NICs between nodes (NCCL runs one ring per NIC, so a node's rate is the sum of its
-    NICs), each at :data:`LINK_EFFICIENCY` of its line rate. Overlap: the reduction stream runs
-    gradient buckets under the backward of the micro-step that issues them, all but the last
-    bucket; ZeRO-3 prefetches the next layers' weights under the current layer's compute, all but
-    the first layer's; the ZeRO-1/2 post-step all-gather and stage 0's all-reduce are exposed.
+communication
+    ``pretrain.perf.collectives``: every collective DeepSpeed 0.19 issues per optimizer step for
+    the layout's ZeRO stage, its bytes, its time on the slowest link its ring crosses, and what it
+    may overlap with (the backward, the forward's prefetch) or not.
 
 memory
     ``pretrain.perf.memory``: model states by stage (DeepSpeed's estimators' 2 + 18 bytes/param for bf16
@@ -74,24 +49,17 @@ groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from pretrain.perf import inputs, kernels, memory
+from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel
 from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
 from pretrain.models import arch
-
-GB = 1e9
 
 # Element-wise kernels reach about this fraction of the HBM bandwidth on the data sheets
 # (STREAM-like copy kernels measure 80-90 % on A100 and H100).
 HBM_EFFICIENCY = 0.8
-# nccl-tests bus bandwidth against the line rate: NVLink about 0.8 (A100 all-reduce ~235 of
-# 300 GB/s), InfiniBand/RoCE about 0.9 (8 x HDR nodes ~180 of 200 GB/s).
-LINK_EFFICIENCY = {"intra": 0.8, "inter": 0.9}
-# Fixed cost of one collective (kernel launch, ring set-up, first chunk's hops), seconds.
-LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
 # Adam / AdamW step: read master, grad, m, v (4 x 4 B), write master, m, v (3 x 4 B) and the
 # bf16 copy (2 B): bytes per parameter the step moves on its shard.
 OPTIMIZER_BYTES_PER_PARAM = 30
@@ -242,116 +210,6 @@ def optimizer_seconds(layout: Layout, params: int) -> float:
     return OPTIMIZER_BYTES_PER_PARAM * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
 
 
-# ----------------------------------------------------------------------------- communication
-@dataclass(frozen=True)
-class Collective:
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
-    bytes: float  # the whole tensor S (nccl-tests' "size"), per call
-    calls: int  # per optimizer step
-    ranks: int
-    crosses_nodes: bool
-    overlappable_with: str = ""  # "backward" / "forward+backward" / "" (exposed)
-    what: str = ""
-
-    def bus_factor(self) -> float:
-        n = self.ranks
-        return 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
-
-    def wire_bytes(self) -> float:
-        """Bytes each rank sends for all calls (nccl-tests' bus volume)."""
-        return self.bytes * self.calls * self.bus_factor()
-
-
-def busbw(layout: Layout, crosses_nodes: bool) -> float:
-    """Bus bandwidth (bytes/s) of the slowest link a ring over these ranks crosses."""
-    net = NETWORKS[layout.network]
-    g = gpu_of(layout)
-    intra = layout.intra_node_gbps or net.intra_gbps or g.link_gbps
-    intra = min(intra, g.link_gbps) if layout.intra_node_gbps is None else intra
-    bw = intra / 8 * GB * LINK_EFFICIENCY["intra"]
-    if crosses_nodes:
-        inter = (layout.inter_node_gbps or net.inter_gbps) / 8 * GB * LINK_EFFICIENCY["inter"]
-        bw = min(bw, inter)
-    return bw
-
-
-def collective_seconds(layout: Layout, c: Collective) -> float:
-    if c.ranks <= 1 or c.calls == 0:
-        return 0.0
-    lat = LATENCY_S["inter" if c.crosses_nodes else "intra"]
-    return c.calls * (c.bytes * c.bus_factor() / busbw(layout, c.crosses_nodes) + lat)
-
-
-def _partitioned(layout: Layout) -> list[int]:
-    """Element counts of the tensors ZeRO-3 partitions (and gathers one module at a time):
-    those above the persistence threshold; the rest stay whole on every rank."""
-    return [n for n in arch.param_tensors(layout.model, layout.img_size, layout.num_classes)
-            if n > layout.persistence_threshold]
-
-
-def _released_numel(layout: Layout, tensors: list[int]) -> int:
-    """Elements ZeRO-3 frees after their forward use and gathers again in the backward.
-    ``PartitionedParameterCoordinator.__params_to_release`` keeps a parameter gathered when it
-    is used again within ``stage3_max_reuse_distance`` elements of other parameters (DeepSpeed's
-    default 1e9): a tensor with ``x`` elements after it in the forward comes back after about
-    ``2 x`` (the rest of the forward, then the backward down to it). So models under about a
-    billion partitioned elements gather each weight once per micro-step and keep it until the
-    backward has used it."""
-    after, out = sum(tensors), 0
-    for t in tensors:
-        after -= t
-        if 2 * after >= layout.max_reuse_distance:
-            out += t
-    return out
-
-
-def collectives(layout: Layout, params: int) -> list[Collective]:
-    """Every collective DeepSpeed issues per optimizer step (module docstring)."""
-    n, k = layout.world, layout.accumulation
-    multi = layout.nodes > 1
-    w = memory.weight_bytes(layout.precision)  # all-gathers move the module's dtype
-    g = 2 if (layout.precision in ("bf16", "bf16-autocast") and layout.reduce_dtype == "bf16") else 4
-    # bf16-autocast with reduce_dtype bf16: DeepSpeed sends the Linear / Conv weights (nearly all) in bf16
-    w3 = 2 if (layout.precision == "bf16-autocast" and layout.reduce_dtype == "bf16") else w
-    out: list[Collective] = []
-
-    def buckets(total_elems: int, bucket: int) -> tuple[int, float]:
-        calls = max(1, math.ceil(total_elems / bucket))
-        return calls, total_elems / calls
-
-    if layout.zero in (0, 1, 2):
-        calls, per = buckets(params, layout.reduce_bucket_size)
-        times = k if layout.zero == 2 else 1
-        over = "backward" if layout.zero == 2 or (layout.zero == 1 and layout.overlap_comm) else ""
-        if layout.zero == 1 and layout.precision == "bf16":  # BF16_Optimizer: one exposed all-reduce
-            calls, per, over = 1, params, ""
-        out.append(Collective("all_reduce", per * g, calls * times, n, multi, over, "gradients"))
-    if layout.zero in (1, 2):
-        calls, per = buckets(params, layout.allgather_bucket_size)
-        out.append(Collective("all_gather", per * w, calls, n, multi, "", "updated weights after the step"))
-    if layout.zero == 3:
-        tensors = _partitioned(layout)
-        part = sum(tensors)
-        released = _released_numel(layout, tensors)
-        fwd_w = 1 if layout.quantized_weights else w3  # qwZ: int8 blocks
-        calls = k * max(1, math.ceil(part / layout.prefetch_bucket_size))
-        out.append(Collective("all_gather", part * fwd_w * k / calls, calls, n, multi, "forward", "weights, forward"))
-        if released:
-            hpz = layout.hpz_partition_size if layout.hpz_partition_size > 1 else n
-            calls = k * max(1, math.ceil(released / layout.prefetch_bucket_size))
-            out.append(Collective("all_gather", released * w3 * k / calls, calls, min(hpz, n),
-                                  multi and hpz > layout.gpus_per_node, "backward",
-                                  "weights released after the forward, backward" + (" (hpZ secondary)" if hpz < n else "")))
-        calls, per = buckets(params, layout.reduce_bucket_size)
-        if layout.quantized_gradients:
-            out.append(Collective("all_to_all", per * 0.5, k * calls, n, multi, "backward", "gradients, int4 (qgZ)"))
-        else:
-            out.append(Collective("reduce_scatter", per * g, k * calls, n, multi, "backward", "gradients"))
-        if params > part:
-            out.append(Collective("all_gather", (params - part) * w, 1, n, multi, "", "persistent weights after the step"))
-    return out
-
-
 # ------------------------------------------------------------------------------------- result
 @dataclass
 class Prediction:
@@ -428,8 +286,8 @@ def predict(layout: Layout) -> Prediction:
            "optimizer": est.states["optimizer"] / GB, "buffers": est.buffers / GB,
            "activations": est.activations / GB, "runtime": memory.RUNTIME_OVERHEAD_BYTES / GB}
     if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
-        tensors = _partitioned(layout)
-        kept = sum(tensors) - _released_numel(layout, tensors)
+        tensors = partitioned(layout)
+        kept = sum(tensors) - released_numel(layout, tensors)
         mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / GB
     if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
         mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / GB

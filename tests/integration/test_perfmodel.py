@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import REPO, deepspeed_cmd, run_job
-from pretrain.perf import memory
+from pretrain.perf import collectives, memory
 from pretrain.perf import perfmodel
 from pretrain.perf.hardware import GPUS, gpu_key
 from pretrain.perf.perfmodel import Layout, predict
@@ -61,19 +61,19 @@ def test_published_runs_within_stated_tolerance():
 
 def test_collective_times_follow_nccl_tests_formulas():
     lay = Layout("vit_base_patch16_224", "a100-80gb", nodes=2, gpus_per_node=8, network="dgx-a100")
-    inter = 1600 / 8 * 1e9 * perfmodel.LINK_EFFICIENCY["inter"]
-    ar = perfmodel.Collective("all_reduce", 1e9, 1, 16, True)
-    ag = perfmodel.Collective("all_gather", 1e9, 1, 16, True)
-    lat = perfmodel.LATENCY_S["inter"]
-    assert perfmodel.collective_seconds(lay, ar) == pytest.approx(1e9 * 2 * 15 / 16 / inter + lat)
-    assert perfmodel.collective_seconds(lay, ag) == pytest.approx(1e9 * 15 / 16 / inter + lat)
+    inter = 1600 / 8 * 1e9 * collectives.LINK_EFFICIENCY["inter"]
+    ar = collectives.Collective("all_reduce", 1e9, 1, 16, True)
+    ag = collectives.Collective("all_gather", 1e9, 1, 16, True)
+    lat = collectives.LATENCY_S["inter"]
+    assert collectives.collective_seconds(lay, ar) == pytest.approx(1e9 * 2 * 15 / 16 / inter + lat)
+    assert collectives.collective_seconds(lay, ag) == pytest.approx(1e9 * 15 / 16 / inter + lat)
     # inside one node the NVLink rate applies
     one = replace(lay, nodes=1)
-    intra = 2400 / 8 * 1e9 * perfmodel.LINK_EFFICIENCY["intra"]
-    assert perfmodel.busbw(one, False) == pytest.approx(intra)
+    intra = 2400 / 8 * 1e9 * collectives.LINK_EFFICIENCY["intra"]
+    assert collectives.busbw(one, False) == pytest.approx(intra)
     # explicit bandwidths override the preset
     slow = replace(lay, inter_node_gbps=100)
-    assert perfmodel.busbw(slow, True) == pytest.approx(100 / 8 * 1e9 * perfmodel.LINK_EFFICIENCY["inter"])
+    assert collectives.busbw(slow, True) == pytest.approx(100 / 8 * 1e9 * collectives.LINK_EFFICIENCY["inter"])
 
 
 def test_reduce_dtype_and_zeropp_are_priced():
@@ -82,7 +82,7 @@ def test_reduce_dtype_and_zeropp_are_priced():
     params = p.params
 
     def kinds(lay):
-        return {c.what: c for c in perfmodel.collectives(lay, params)}
+        return {c.what: c for c in collectives.collectives(lay, params)}
 
     c = kinds(base)
     fwd, bwd = c["weights, forward"], c["weights released after the forward, backward"]
@@ -191,7 +191,7 @@ def test_collective_bytes_equal_deepspeeds(ds_bytes, stage, precision):
     params = got["params"]
     assert params == memory.analytic_shape("vit_tiny_patch16_224", img_size=32, num_classes=10).params
     model: dict[str, float] = {}
-    for c in perfmodel.collectives(_job_layout(stage, world, precision), params):
+    for c in collectives.collectives(_job_layout(stage, world, precision), params):
         model[c.kind] = model.get(c.kind, 0.0) + c.bytes * c.calls
     seen = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     for name, op in got["ops"].items():
