@@ -297,3 +297,35 @@ def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
         if n == loader.batches_per_epoch:
             break
     assert loader.counters["corrupt_image"] == 1
+
+
+def calm_and_busy(make_loader, n: int = 8) -> None:
+    """A GPU loader's first ``n`` batches equal whether the device is drained after each batch
+    (calm) or the compute stream is kept busy the way a training step keeps it (busy); after the
+    first busy batch no torch call may synchronise (sync debug mode "error"). ``make_loader()``
+    builds a fresh loader whose batches arrive on the GPU."""
+    def run(busy: bool):
+        loader = make_loader()
+        load = torch.randn(2048, 2048, device="cuda")
+        out = []
+        try:
+            for i, (x, y) in enumerate(loader, 1):
+                assert x.is_cuda
+                out.append((x.clone(), y.clone()))  # on the compute stream, after the batch's event
+                if busy:
+                    for _ in range(30):  # a step's worth of queued kernels
+                        load = torch.tanh(load @ load)
+                    if i == 1:
+                        torch.cuda.set_sync_debug_mode("error")
+                else:
+                    torch.cuda.synchronize()
+                if i == n:
+                    break
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return out
+
+    calm, busy = run(False), run(True)
+    assert len(calm) == len(busy) == n
+    for (a, ta), (b, tb) in zip(calm, busy):
+        assert torch.equal(a, b) and torch.equal(ta, tb)

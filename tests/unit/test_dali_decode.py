@@ -32,7 +32,7 @@ from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import SampleTransform
 
-from test_batch_decode import _bogus_huffman, _broken, _cfg, _run, _samples, mixed  # noqa: F401  (shared)
+from test_batch_decode import _bogus_huffman, _broken, _cfg, _run, _samples, calm_and_busy, mixed  # noqa: F401  (shared)
 
 INNER, MEAN, EDGE = 1, 0.3, 16  # grey levels: see the module docstring
 
@@ -347,28 +347,5 @@ def test_dali_prefetch_adds_no_host_sync(shards):
     a torch call)."""
     assert dali_decode.unavailable() is None, dali_decode.unavailable()
 
-    def run(busy: bool):
-        loader = build_loader(_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
-                              img_size=32)
-        load = torch.randn(2048, 2048, device="cuda")
-        out = []
-        try:
-            for n, (x, y) in enumerate(loader, 1):
-                assert x.is_cuda
-                out.append((x.clone(), y.clone()))
-                if busy:
-                    for _ in range(30):
-                        load = torch.tanh(load @ load)
-                    if n == 1:
-                        torch.cuda.set_sync_debug_mode("error")
-                else:
-                    torch.cuda.synchronize()
-                if n == 8:
-                    break
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return out
-
-    calm, busy = run(False), run(True)
-    for (a, ta), (b, tb) in zip(calm, busy):
-        assert torch.equal(a, b) and torch.equal(ta, tb)
+    calm_and_busy(lambda: build_loader(_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
+                                       img_size=32))

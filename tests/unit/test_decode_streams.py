@@ -22,7 +22,7 @@ from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import Deferred, SampleTransform
 
 
-from test_batch_decode import _broken, _cfg, _encode, _run  # noqa: E402  (shared helpers)
+from test_batch_decode import _broken, _cfg, _encode, _run, calm_and_busy  # noqa: E402  (shared helpers)
 
 
 # ------------------------------------------------- data.decode_device: cuda, its logic on the CPU
@@ -329,26 +329,4 @@ def test_cuda_prefetch_is_ordered_by_events_alone(smooth):
     finished one ahead on the side stream equal those of a run that drains the device after each
     batch; and after start-up no torch call synchronises (sync debug mode set to error; torchvision's
     own wait for nvJPEG, inside its decode, is not a torch call)."""
-    def run(busy: bool):
-        loader = build_loader(_cfg(smooth, "cuda", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8, img_size=16)
-        load = torch.randn(2048, 2048, device="cuda")
-        out = []
-        try:
-            for n, (x, y) in enumerate(loader, 1):
-                out.append((x.clone(), y.clone()))  # on the compute stream, after the batch's event
-                if busy:
-                    for _ in range(30):  # a step's worth of queued kernels
-                        load = torch.tanh(load @ load)
-                    if n == 1:
-                        torch.cuda.set_sync_debug_mode("error")
-                else:
-                    torch.cuda.synchronize()
-                if n == 8:
-                    break
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return out
-
-    calm, busy = run(False), run(True)
-    for (a, ta), (b, tb) in zip(calm, busy):
-        assert torch.equal(a, b) and torch.equal(ta, tb)
+    calm_and_busy(lambda: build_loader(_cfg(smooth, "cuda", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8, img_size=16))
