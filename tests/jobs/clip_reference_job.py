@@ -205,6 +205,7 @@ def main():
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -35,3 +35,4 @@ if rank == 0:
     with open(args[0], "w") as f:
         json.dump(out, f)
 torch.distributed.barrier()
+torch.distributed.destroy_process_group()

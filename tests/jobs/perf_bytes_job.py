@@ -135,3 +135,4 @@ if rank == 0:
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
 dist.barrier()
+dist.destroy_process_group()

@@ -59,3 +59,4 @@ if rank == 0:
     with open(out, "w") as f:
         json.dump(results, f)
 torch.distributed.barrier()
+torch.distributed.destroy_process_group()

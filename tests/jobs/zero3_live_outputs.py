@@ -26,3 +26,4 @@ with torch.no_grad():
 if rank == 0:
     torch.save({"x": x, "logits": logits.float()}, out)
 torch.distributed.barrier()
+torch.distributed.destroy_process_group()
