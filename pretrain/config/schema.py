@@ -178,6 +178,12 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 100_000
     """Stage 3: tensors smaller than this many elements stay whole on every rank (DeepSpeed's
     `stage3_param_persistence_threshold`)."""
+    leaf_blocks: bool = True
+    """Stage 3: each Transformer block is one ZeRO-3 leaf module (DeepSpeed's `leaf_module`), its
+    weights gathered and released by one hook pair around the whole block instead of one per
+    Linear and LayerNorm; the host's per-module bookkeeping is what a ZeRO-3 step spends beyond
+    ZeRO-1's (pretrain/perf/PERFORMANCE.md, "ZeRO-3 on the host"). false: DeepSpeed's hooks on every
+    module. `train.compile` makes the blocks leaves either way. Other stages have no module hooks."""
     hpz_partition_size: int = 1
     """ZeRO++ hpZ (stage 3 only): a secondary weight partition inside groups of this many GPUs (a
     node), so the backward all-gather stays on NVLink, for `2 x params / hpz` bytes per GPU."""

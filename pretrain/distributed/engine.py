@@ -16,6 +16,10 @@ from pretrain.config import ConfigError, check_world_size
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 
 
+# the Transformer block's class, as DeepSpeed's ``leaf_module.classes`` names it (module.qualname)
+LEAF_BLOCK_CLASS = "pretrain.models.vit.Block"
+
+
 def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, world_size: int,
                      extra: Optional[dict] = None) -> dict:
     """The DeepSpeed JSON config for these sections and world size, with the ``deepspeed:``
@@ -40,7 +44,11 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
                  stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
                  sub_group_size=1_000_000_000,
                  # export consolidates from the fp32 shards; no 16-bit gather at save time
-                 stage3_gather_16bit_weights_on_model_save=False)
+                 stage3_gather_16bit_weights_on_model_save=False,
+                 # leaf modules are chosen here (zero.leaf_blocks), not by DeepSpeed's granularity rule
+                 stage3_module_granularity_threshold=0,
+                 leaf_module={"classes": [LEAF_BLOCK_CLASS] if zero.leaf_blocks or train.compile else [],
+                              "names": [], "name_suffixes": []})
         if train.compile:
             # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
             # ZeRO status: traced by dynamo, that guards on every Linear and can exhaust its

@@ -24,6 +24,9 @@ CASES = {
     "z2-adamw-accumulate2": dict(stage=2, optim="adamw", steps=2, gas=2, clip=1.0, wd=0.05),
     "z3-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05),
     "z3-adamw-offload-params-2steps": dict(optim="adamw", steps=2, offload_params=True, clip=1.0, wd=0.05),
+    # zero.leaf_blocks=false: DeepSpeed's hooks on every Linear and LayerNorm (the other ZeRO-3 cases: one per block)
+    "z3-per-module-hooks-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05,
+                                                       leaf_blocks=False),
     "z1-bf16-sgd": dict(stage=1, precision="bf16", clip=1.0),
     # bf16-autocast (torch autocast): at ZeRO-0 (which bf16 refuses), 1 and 3; reduced in bf16 at ZeRO-3
     # (the weight matrices' gradients reduce-scattered and their weights gathered in bf16)
@@ -84,6 +87,15 @@ def test_training_steps_equal_plain_pytorch(steps, case):
     else:
         assert got["relative_error"] <= max(FP32_BOUND, NOISE_FACTOR * got["reference_noise"]), got
         assert got["masters_start_offset"] == 0.0, got  # fp32: DeepSpeed trains the given weights
+
+
+def test_zero3_leaf_modules_are_the_blocks_unless_turned_off(steps):
+    """DeepSpeed made exactly the 12 Transformer blocks ZeRO-3 leaves (zero.leaf_blocks, the default;
+    train.compile too), none with zero.leaf_blocks=false, and no module at other stages."""
+    for name, case in CASES.items():
+        stage = case.get("stage", 3)
+        want = 12 if stage == 3 and (case.get("leaf_blocks", True) or case.get("compile")) else 0
+        assert steps[name]["leaf_modules"] == want, (name, steps[name])
 
 
 @pytest.mark.parametrize("stage", FINETUNE["stages"])

@@ -13,8 +13,9 @@ step), ``ckpt`` (activation checkpointing), ``clip`` (optim.grad_clip), ``moment
 (weight decay), ``precision``, the learning-rate schedule: ``schedule`` (constant / linear /
 cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the loss: ``smoothing``
 (optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label), and
-``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype) and ``compile``
-(train.compile: the Transformer blocks compiled by inductor, as training does). Every case starts
+``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype), ``compile``
+(train.compile: the Transformer blocks compiled by inductor, as training does) and ``leaf_blocks``
+(zero.leaf_blocks; rank 0 also writes how many modules DeepSpeed made ZeRO-3 leaves). Every case starts
 from the same weights; the batches of step t are the same on every rank and in the reference.
 
 The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
@@ -33,6 +34,7 @@ import sys
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.utils import z3_leaf_module
 
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 from pretrain.distributed.engine import initialize
@@ -47,7 +49,7 @@ LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
                 schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
-                offload_params=False, reduce="fp32", compile=False)
+                offload_params=False, reduce="fp32", compile=False, leaf_blocks=True)
 
 
 def base_model() -> torch.nn.Module:
@@ -102,7 +104,7 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
                         precision=case["precision"], activation_checkpointing=case["ckpt"], reduce_dtype=case["reduce"],
                         compile=case["compile"])
-    zero = ZeroConfig(stage=case["stage"], offload_params=case["offload_params"])
+    zero = ZeroConfig(stage=case["stage"], offload_params=case["offload_params"], leaf_blocks=case["leaf_blocks"])
     engine, _ = initialize(model, optim, train, zero, world)
     start = weights(engine)  # the fp32 masters DeepSpeed made (from the bf16-rounded module in bf16)
     dtype = compute_dtype(case["precision"])
@@ -115,7 +117,8 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
             engine.backward(classification_loss(engine(x.to(dtype)), y, multi_label=case["multi_label"],
                                                 smoothing=case["smoothing"]))
             engine.step()
-    return start, weights(engine)
+    leaves = sum(z3_leaf_module(m) for m in engine.module.modules())
+    return start, weights(engine), leaves
 
 
 def weights(engine) -> dict:
@@ -194,9 +197,9 @@ def main():
         before = {n: p.detach().clone() for n, p in ref.named_parameters()}
         norm = reference(ref, case, world)
         reference(twin, case, world, split=True)
-        start, end = ours(base, case, rank, world)
+        start, end, leaves = ours(base, case, rank, world)
         twin_weights = {n: p.detach() for n, p in twin.named_parameters()}
-        results[name] = {**compare(start, end, ref, before), "reference_grad_norm": norm,
+        results[name] = {**compare(start, end, ref, before), "reference_grad_norm": norm, "leaf_modules": leaves,
                          "reference_noise": compare(before, twin_weights, ref, before)["relative_error"],
                          "masters_start_offset": start_offset(start, before, ref)}
     if len(args) > 2:  # vit-transfer's fine-tune: a JSON spec (finetune_cases)

@@ -8,7 +8,7 @@ import torch
 from pretrain.checkpointing import checkpoint
 from pretrain.config import ConfigError, load_config
 from pretrain.distributed import rng
-from pretrain.distributed.engine import deepspeed_config, param_groups
+from pretrain.distributed.engine import LEAF_BLOCK_CLASS, deepspeed_config, param_groups
 from pretrain.distributed.schedule import lr_multiplier
 from pretrain.models.arch import analytic_flops
 from pretrain.models.losses import classification_loss
@@ -188,6 +188,20 @@ def test_nonfinite_verdict_reads_pending_flags_in_order():
         guard.verdict()
 
 
+def test_zero3_leaf_modules_name_our_block_class_unless_turned_off():
+    """DeepSpeed finds leaf modules by the class path written into its config: it must be the class
+    our models build their blocks from (a rename fails here, not as silently per-module hooks)."""
+    from pretrain.models.vit import Block
+
+    assert LEAF_BLOCK_CLASS == f"{Block.__module__}.{Block.__qualname__}"
+    for over, want in ((["zero.leaf_blocks=false"], []), (["zero.leaf_blocks=false", "train.compile=true"],
+                                                          [LEAF_BLOCK_CLASS]), ([], [LEAF_BLOCK_CLASS])):
+        c = cfg("zero.stage=3", *over)
+        assert deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]["leaf_module"]["classes"] == want
+    c = cfg("zero.stage=2")
+    assert "leaf_module" not in deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]
+
+
 @pytest.mark.parametrize("stage,precision,reduce", [
     (0, "fp32", "fp32"), (2, "fp32", "fp32"), (1, "bf16", "fp32"), (2, "bf16", "fp32"), (3, "bf16", "fp32"),
     (3, "bf16", "bf16"), (0, "bf16-autocast", "fp32"), (1, "bf16-autocast", "fp32"), (3, "bf16-autocast", "fp32"),
@@ -223,6 +237,9 @@ def test_every_deepspeed_default_we_rely_on_is_explicit(stage, precision, reduce
             c.zero.stage3_prefetch_bucket_size, c.zero.stage3_param_persistence_threshold)
         assert z.max_live_parameters == z.max_reuse_distance == z.sub_group_size == 1_000_000_000
         assert z.gather_16bit_weights_on_model_save is False
+        assert z.module_granularity_threshold == 0  # DeepSpeed's own leaf choice stays off
+        assert z.leaf_module.classes == [LEAF_BLOCK_CLASS]
+        assert (z.leaf_module.names, z.leaf_module.name_suffixes) == ([], [])
 
     # precision: exactly one mode on, gradients accumulated in fp32 unless bf16 is told otherwise
     bf16, fp16 = parsed.bfloat16_config, parsed.float16_config
