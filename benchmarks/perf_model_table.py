@@ -90,6 +90,17 @@ def gpu_suite() -> None:
                                                    zero=0, **kw))
             print(f"| {model} | {batch} | {variant} | {got:,.0f} | {p.images_per_second:,.0f} | "
                   f"{got / p.images_per_second:.2f} |")
+    # the suite's DeepSpeed rows (bf16, AdamW, DeepSpeed's per-module ZeRO-3 hooks: before zero.leaf_blocks);
+    # ZeRO-3 is the calibration point of the model's host cost of ZeRO-3 hooks (pretrain/perf/kernels.py)
+    for variant, zero, got in (("DeepSpeed ZeRO-1", 1, 800.7), ("DeepSpeed ZeRO-3, per-module hooks", 3, 163.9)):
+        p = perfmodel.predict(perfmodel.Layout("vit_large_patch16_224", "h100-sxm", nodes=1, gpus_per_node=1,
+                                               micro_batch=64, zero=zero, leaf_blocks=False))
+        print(f"| vit_large_patch16_224 | 64 | {variant} | {got:,.0f} | {p.images_per_second:,.0f} | "
+              f"{got / p.images_per_second:.2f} |")
+    p = perfmodel.predict(perfmodel.Layout("vit_large_patch16_224", "h100-sxm", nodes=1, gpus_per_node=1,
+                                           micro_batch=64, zero=3))
+    print(f"| vit_large_patch16_224 | 64 | DeepSpeed ZeRO-3, leaf blocks (zero.leaf_blocks) | not measured | "
+          f"{p.images_per_second:,.0f} | |")
 
 
 if __name__ == "__main__":

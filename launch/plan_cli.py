@@ -32,6 +32,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hpz", type=int, help="ZeRO++ hpZ: secondary partition group size (stage 3)")
     ap.add_argument("--quantized-weights", action="store_true", help="ZeRO++ qwZ: int8 weight all-gather (stage 3)")
     ap.add_argument("--quantized-gradients", action="store_true", help="ZeRO++ qgZ: int4 gradient all-to-all (stage 3)")
+    ap.add_argument("--no-leaf-blocks", action="store_true",
+                    help="ZeRO-3 with DeepSpeed's hooks on every module (zero.leaf_blocks=false)")
     ap.add_argument("--network", choices=sorted(hardware.NETWORKS),
                     help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, else pcie-100gbe)")
     ap.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
@@ -115,6 +117,8 @@ def _layout(args) -> perfmodel.Layout:
                       ("quantized_weights", "quantized_weights"), ("quantized_gradients", "quantized_gradients")):
         if getattr(args, flag):
             kw[key] = True
+    if args.no_leaf_blocks:
+        kw["leaf_blocks"] = False
     lay = replace(lay, **kw)
     try:
         lay.accumulation
@@ -131,12 +135,15 @@ def describe(p: perfmodel.Prediction) -> str:
     return "\n".join([
         f"{lay['model']} on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']} ({lay['network']}), ZeRO-{lay['zero']}, "
         f"micro batch {lay['micro_batch']}, global batch {k}, {lay['precision']}, reduce {lay['reduce_dtype']}"
-        + (", checkpointing" if lay["checkpointing"] else "") + (", compiled" if lay["compile"] else ""),
+        + (", checkpointing" if lay["checkpointing"] else "") + (", compiled" if lay["compile"] else "")
+        + ("" if lay["zero"] != 3 else ", leaf blocks" if lay["leaf_blocks"] or lay["compile"] else ", per-module hooks"),
         f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
         f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
         f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
         f"(element-wise {p.elementwise_seconds * 1e3:,.1f}, waiting for kernel launches "
-        f"{p.launch_seconds * 1e3:,.1f}), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
+        f"{p.launch_seconds * 1e3:,.1f}" + (f", ZeRO-3 hooks on the host {p.zero3_hook_seconds * 1e3:,.1f}"
+                                             if lay["zero"] == 3 else "")
+        + f"), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
         f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",
         f"  kernels         {p.kernels_per_step:,} per GPU per step",
         f"  sent per GPU    {comm} per step",

@@ -95,6 +95,20 @@ def partitioned(layout) -> list[int]:
             if n > layout.persistence_threshold]
 
 
+# modules of pretrain.models.vit's Block (itself, norms, attention and MLP with their linears, dropouts,
+# identities, drop paths) and of the rest of a patch-embedding ViT (the model, patch embedding with
+# its conv, position dropout, the blocks' Sequential, final norm, pre-logits and pooling identities,
+# head dropout, head); tests/integration/test_perfmodel.py counts them on the built models
+BLOCK_MODULES, OTHER_MODULES = 19, 10
+
+
+def zero3_hooked(layout) -> int:
+    """Modules DeepSpeed hooks under ZeRO-3: every module, or with ``leaf_blocks`` each block as one
+    module and nothing inside it. A hybrid's ResNet stem is counted as one module (its layers are not)."""
+    depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
+    return OTHER_MODULES + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
+
+
 def released_numel(layout, tensors: list[int]) -> int:
     """Elements ZeRO-3 frees after their forward use and gathers again in the backward.
     ``PartitionedParameterCoordinator.__params_to_release`` keeps a parameter gathered when it

@@ -22,7 +22,8 @@ compute
     residual adds on an fp32 stream and casts every weight to bf16 in each forward (6 B/param of
     traffic per micro-step). The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
     a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
-    models wait for kernel launches. Model FLOPs (MFU) stay ``analytic_flops`` x 2 x 3; hardware
+    models wait for kernel launches. Under ZeRO-3 the host's module hooks
+    (``pretrain.perf.kernels.zero3_hook_seconds``) add to the micro-step. Model FLOPs (MFU) stay ``analytic_flops`` x 2 x 3; hardware
     FLOPs (HFU) add the recomputed forward. The optimizer step reads and writes its fp32 states once
     per step (memory bound).
 
@@ -53,7 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from pretrain.perf import inputs, kernels, memory
-from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel
+from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel, zero3_hooked
 from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
 from pretrain.models import arch
 
@@ -88,6 +89,7 @@ class Layout:
     allgather_bucket_size: int = 500_000_000
     prefetch_bucket_size: int = 50_000_000
     persistence_threshold: int = 100_000
+    leaf_blocks: bool = True  # zero.leaf_blocks: each block one ZeRO-3 leaf module
     max_reuse_distance: int = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
     hpz_partition_size: int = 1
     quantized_weights: bool = False
@@ -159,7 +161,8 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     """Seconds of one GPU's forward + backward over ``images`` images (one micro-batch), by part:
     ``matmul`` (every GEMM at its shape's rate and the attention kernels), ``elementwise`` (their
     bytes at HBM speed and each kernel's launch gap), ``gpu`` (the two), ``host`` (issuing the
-    kernels), ``launch_wait`` (what the GPU waits for the host) and ``total``."""
+    kernels), ``launch_wait`` (what the GPU waits for the host), ``zero3_hooks`` (ZeRO-3's module hooks
+    on the host) and ``total``."""
     g = gpu_of(layout)
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
@@ -199,8 +202,13 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem
     host = kernels.host_seconds(n_kernels["total"], depth, layout.checkpointing, layout.compile)
+    hooks = 0.0
+    if layout.zero == 3:  # paced with the GPU, so added to the step, not hidden under it
+        modules = zero3_hooked(replace(layout, leaf_blocks=layout.leaf_blocks or layout.compile))
+        hooks = kernels.zero3_hook_seconds(modules, layout.checkpointing)
     return {"matmul": t_mm, "elementwise": t_mem, "gpu": gpu, "host": host, "launch_wait": max(0.0, host - gpu),
-            "total": max(gpu, host), "kernels": n_kernels["total"], "model_flops": model_flops,
+            "zero3_hooks": hooks, "total": max(gpu, host) + hooks, "kernels": n_kernels["total"],
+            "model_flops": model_flops,
             "hardware_flops": model_flops + recompute}
 
 
@@ -223,6 +231,7 @@ class Prediction:
     compute_seconds: float
     elementwise_seconds: float
     launch_seconds: float  # per step, the GPU waiting for the host to issue kernels
+    zero3_hook_seconds: float  # per step, ZeRO-3's module hooks on the host
     optimizer_seconds: float
     comm_seconds: float
     exposed_comm_seconds: float
@@ -301,6 +310,7 @@ def predict(layout: Layout) -> Prediction:
         calls[c.kind] = calls.get(c.kind, 0) + c.calls
     parts = {"matmul compute": micro["matmul"] * k, "element-wise (memory-bound) kernels": micro["elementwise"] * k,
              "kernel launches (the GPU waits for the host)": micro["launch_wait"] * k,
+             "ZeRO-3 module hooks on the host": micro["zero3_hooks"] * k,
              "exposed communication": exposed, "optimizer step": opt}
     worst = max(parts, key=parts.get)
     bottleneck = f"{worst}: {parts[worst] / step:.0%} of the step"
@@ -316,7 +326,8 @@ def predict(layout: Layout) -> Prediction:
     return Prediction(layout=asdict(layout), params=shape.params, images_per_second=ips,
                       images_per_second_per_gpu=ips / layout.world, mfu=mfu, hfu=hfu, step_seconds=step,
                       compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k,
-                      launch_seconds=micro["launch_wait"] * k, optimizer_seconds=opt,
+                      launch_seconds=micro["launch_wait"] * k, zero3_hook_seconds=micro["zero3_hooks"] * k,
+                      optimizer_seconds=opt,
                       comm_seconds=comm_total, exposed_comm_seconds=exposed, comm_bytes_per_gpu=by_kind,
                       collective_calls=calls, memory_gb_per_gpu=mem, fits=fits, bottleneck=bottleneck,
                       train_flops_per_image=flops_img, input_images_per_second=feed.images_per_second * layout.nodes,
@@ -377,7 +388,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               compile=t.compile, optimizer=cfg.optim.name, overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
-              persistence_threshold=z.stage3_param_persistence_threshold,
+              persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
               hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
               quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers)
     kw.update(overrides)

@@ -39,6 +39,12 @@ def test_parameter_counts_match_the_built_model(name):
         assert sum(arch.param_tensors(name, 64, 10)) == sum(built)
     else:
         assert sorted(arch.param_tensors(name, 64, 10)) == built
+        # the modules DeepSpeed's ZeRO-3 hooks: all of them, or none inside a leaf block
+        for leaf in (False, True):
+            lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=leaf)
+            inside = {id(x) for blk in m.blocks for x in blk.modules() if x is not blk}
+            hooked = sum(1 for x in m.modules() if not (leaf and id(x) in inside))
+            assert collectives.zero3_hooked(lay) == hooked, (name, leaf)
 
 
 def test_published_runs_within_stated_tolerance():

@@ -34,6 +34,7 @@ def test_every_layout_of_the_grid_has_a_possible_prediction():
         assert all(v >= 0 for v in p.memory_gb_per_gpu.values()), (where, p.memory_gb_per_gpu)
         assert p.step_seconds >= p.compute_seconds >= p.launch_seconds >= 0, where
         assert 0 < p.images_per_second <= p.input_images_per_second + 1e-6, where  # never faster than its loaders
+        assert (p.zero3_hook_seconds > 0) == (lay.zero == 3) and p.zero3_hook_seconds <= p.compute_seconds, where
         seen += 1
     assert seen == 3 * 3 * 3 * 2 * (1 + 1 + 3)  # models x nodes x micro batches x checkpointing x (stage 1, 2, 3 x 3)
 
@@ -41,14 +42,16 @@ def test_every_layout_of_the_grid_has_a_possible_prediction():
 @pytest.mark.parametrize("model", MODELS)
 def test_at_a_fixed_global_batch_small_micro_batches_lose_and_large_ones_plateau(model):
     """Same global batch, same GPUs: 8 images per micro-step run small GEMMs and issue as many kernels
-    per micro-step as 128 do, so they must be slower; from 64 to 128 little is left to win."""
+    per micro-step as 128 do, so they must be slower; from 64 to 128 little is left to win, except
+    under ZeRO-3, whose host hooks cost the same per micro-step whatever its size."""
     for zero, nodes in itertools.product((1, 2, 3), (1, 4)):
         ips = {mb: predict(Layout(model=model, gpu="h100-sxm", nodes=nodes, micro_batch=mb, global_batch=4096,
                                   zero=zero)).images_per_second for mb in (8, 16, 32, 64, 128)}
         where = (model, zero, nodes, {k: round(v) for k, v in ips.items()})
         assert ips[8] < 0.9 * ips[32], where
         assert all(ips[a] <= ips[b] for a, b in itertools.pairwise(sorted(ips))), where
-        assert ips[128] < 1.1 * ips[64], where
+        if zero < 3:
+            assert ips[128] < 1.1 * ips[64], where
 
 
 def test_a_narrow_model_at_small_micro_batches_waits_for_kernel_launches():
