@@ -13,7 +13,7 @@ whole suite is planned to end within 9 minutes on one H100):
           share the batch and alternate step by step in one process (clock, heat and other load
           hit all alike); median step time -> img/s, TFLOP/s, MFU (model FLOPs), HFU (checkpointing
           re-runs the blocks' forward) and peak memory of one model alone
-  zero    ZeRO stage 1 vs 3 through pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of
+  zero    ZeRO-1, ZeRO-3 and ZeRO-3 with zero.leaf_blocks=false through pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of
           one (the process group started as pretrain.distributed.process.init_distributed does), one after
           the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
@@ -80,7 +80,7 @@ class Plan:
     iters: int = 20  # timed steps per variant at most (fewer when the budget runs out)
     zero_model: str = "vit_large_patch16_224"
     zero_batch: int = 64
-    zero_budget: float = 75.0  # both stages, model builds and deepspeed.initialize included
+    zero_budget: float = 100.0  # the three ZeRO rows, model builds and deepspeed.initialize included
     matmul_n: int = 8192
     matmul_budget: float = 6.0
     loader_images: int = 4096  # shard samples: loader_sources distinct JPEGs, repeated
@@ -351,8 +351,18 @@ def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkp
 
 
 # ------------------------------------------------------------------------------------- ZeRO
-def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -> dict:
-    """One DeepSpeed engine of ``zero.stage=stage`` built by pretrain.distributed.engine.initialize."""
+# (ZeRO stage, zero.leaf_blocks): ZeRO-1; ZeRO-3 with each block one leaf module (the default) and with
+# DeepSpeed's hooks on every module (the performance model's cost per hooked module comes from this row)
+ZERO_ROWS = ((1, True), (3, True), (3, False))
+
+
+def zero_name(model: str, stage: int, leaf_blocks: bool) -> str:
+    return f"{SHORT.get(model, model)} ZeRO-{stage}" + ("" if stage < 3 or leaf_blocks else " per-module hooks")
+
+
+def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source, leaf_blocks: bool = True) -> dict:
+    """One DeepSpeed engine of ``zero.stage=stage`` (and ``zero.leaf_blocks``) built by
+    pretrain.distributed.engine.initialize."""
     from pretrain.config import Config
     from pretrain.config.schema import ModelConfig, OptimConfig, TrainConfig, ZeroConfig
     from pretrain.distributed.engine import initialize
@@ -361,7 +371,7 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
 
     name, batch = plan.zero_model, plan.zero_batch
     precision = default_precision()
-    row = {"section": "zero", "name": f"{SHORT.get(name, name)} ZeRO-{stage}", "model": name, "stage": stage,
+    row = {"section": "zero", "name": zero_name(name, stage, leaf_blocks), "model": name, "stage": stage,
            "batch": batch, "img": plan.img, "precision": precision, "status": "ok", "error": None}
     engine = None
     end = time.perf_counter() + budget  # the model build and deepspeed.initialize count
@@ -373,7 +383,7 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source) -
         torch.manual_seed(0)
         cfg = Config(model=ModelConfig(name=name, img_size=plan.img), optim=OptimConfig(warmup_steps=0),
                      train=TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch,
-                                       precision=precision), zero=ZeroConfig(stage=stage))
+                                       precision=precision), zero=ZeroConfig(stage=stage, leaf_blocks=leaf_blocks))
         try:  # training's own build: under ZeRO-3 inside deepspeed.zero.Init
             from pretrain.weights.init_from import build_model
         except ImportError:
@@ -622,14 +632,14 @@ def main(argv=None) -> int:
         init_distributed()  # a world of one: DeepSpeed wants a process group (gloo on CPU, NCCL on GPUs)
     except Exception as e:  # noqa: BLE001
         zero_error = e
-    for stage in (1, 3):
+    for stage, leaf_blocks in ZERO_ROWS:
         if zero_error is not None:
-            r = {"section": "zero", "name": f"{SHORT.get(plan.zero_model, plan.zero_model)} ZeRO-{stage}",
+            r = {"section": "zero", "name": zero_name(plan.zero_model, stage, leaf_blocks),
                  "model": plan.zero_model, "stage": stage, "batch": plan.zero_batch, "img": plan.img, "precision": "-",
                  "status": "skipped" if isinstance(zero_error, TimeoutError) else "error",
                  "error": str(zero_error) if isinstance(zero_error, TimeoutError) else error_text(zero_error)}
         else:
-            r = run_zero(stage, plan, device, zb / 2, peak, peak_source)
+            r = run_zero(stage, plan, device, zb / len(ZERO_ROWS), peak, peak_source, leaf_blocks)
         rows.append(r)
         log(f"{r['name']:28s} {r['status']:5s} img/s {fmt(r.get('img_s'))}  MFU {fmt(r.get('mfu'), '.1%')}  "
             f"peak {fmt(r.get('peak_mem_gib'), '.2f')} GiB {r['error'] or ''}")
