@@ -13,9 +13,9 @@ whole suite is planned to end within 9 minutes on one H100):
           share the batch and alternate step by step in one process (clock, heat and other load
           hit all alike); median step time -> img/s, TFLOP/s, MFU (model FLOPs), HFU (checkpointing
           re-runs the blocks' forward) and peak memory of one model alone
-  zero    ZeRO-1, ZeRO-3 and ZeRO-3 with zero.leaf_blocks=false through pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of
-          one (the process group started as pretrain.distributed.process.init_distributed does), one after
-          the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
+  zero    ZeRO-1, ZeRO-3 and ZeRO-3 with zero.leaf_blocks=false through
+          pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of one (the process
+          group started as pretrain.distributed.process.init_distributed does), one after the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
           500x375, ~100 KB, pre-resized to shorter side 256 as ``vit-shards --resize-shorter 256``
           writes them): decoded by PIL in the workers (data.decode_device=worker), then by nvJPEG
