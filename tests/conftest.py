@@ -210,3 +210,13 @@ def demo_train(tmp_path_factory):
 def balanced_ids(tmp_path_factory):
     """16 shards x 12 samples, label = sample id."""
     return _id_shards(tmp_path_factory.mktemp("ids") / "shards", [12] * 16)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, shard_kit):
+    """Shards mixing what the training process decodes with what workers decode
+    (``decode_samples.mixed_samples``): four shards of 32, five classes."""
+    from decode_samples import mixed_samples
+
+    root = tmp_path_factory.mktemp("mixed")
+    return shard_kit.make_shards(root, [mixed_samples(32, s) for s in range(4)], [f"c{i}" for i in range(5)])

@@ -116,7 +116,7 @@ def test_bf16_masters_start_from_the_rounded_module(steps):
     """What DeepSpeed does in bf16: its fp32 masters are made from the bf16 module, so they start
     off the given fp32 weights by more than one SGD step at lr 0.1. Harmless for a random
     initialisation; for ``model.init_from`` training sets them from the file's fp32 values
-    (tests/unit/test_init_from.py). Pinned so that a change in DeepSpeed is seen."""
+    (tests/integration/test_init_from.py). Pinned so that a change in DeepSpeed is seen."""
     assert steps["z1-bf16-sgd"]["masters_start_offset"] > 0.5
 
 

@@ -11,69 +11,13 @@ import torch
 from PIL import Image
 
 from data_pipeline.loading.batch_decode import DeferredBatch
-from data_pipeline.config import AugmentConfig, DataConfig
+from data_pipeline.config import AugmentConfig
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.plan import Plan
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.loading.stream import Settings, SlotStream, Start
 from data_pipeline.loading.transforms import Deferred, SampleTransform
-
-
-def _encode(arr, fmt, **kw) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, fmt, **kw)
-    return buf.getvalue()
-
-
-def _samples(n: int, seed: int):
-    """A mix of what shards hold: RGB and grey baseline JPEGs (decoded by the training process), and
-    PNG, progressive, large, CMYK and EXIF-rotated JPEG members (decoded by the worker)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        arr = (rng.random((20, 24, 3)) * 200 + 20).astype(np.uint8)
-        kind = i % 8
-        if kind == 5:
-            img = {"png": _encode(arr, "PNG")}
-        elif kind == 6:
-            grey = np.ascontiguousarray(arr[..., 0])
-            img = {"jpg": _encode(grey, "JPEG", progressive=i % 16 == 14)}  # grey; every other one progressive
-        elif kind == 7:
-            exif = Image.Exif()
-            exif[0x0112] = 6 if i % 16 == 7 else 1
-            buf = io.BytesIO()
-            (Image.fromarray(arr).convert("CMYK") if i % 16 == 15 else Image.fromarray(arr)).save(
-                buf, "JPEG", exif=exif.tobytes())
-            img = {"jpg": buf.getvalue()}
-        elif i % 16 == 12:  # over (4 x img_size)^2 pixels: decoded by the worker (draft mode)
-            big = (rng.random((72, 80, 3)) * 200 + 20).astype(np.uint8)
-            img = {"jpg": _encode(big, "JPEG", quality=90)}
-        else:
-            img = {"jpg": _encode(arr, "JPEG", quality=90)}
-        out.append((f"{seed:02d}{i:04d}", {**img, "cls": str(i % 5).encode()}))
-    return out
-
-
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory, shard_kit):
-    root = tmp_path_factory.mktemp("mixed")
-    return shard_kit.make_shards(root, [_samples(32, s) for s in range(4)], [f"c{i}" for i in range(5)])
-
-
-def _cfg(shards, device, workers=1, **aug):
-    return DataConfig(train_shards=str(shards / "manifest.json"), val_shards=str(shards / "manifest.json"),
-                      workers=workers, shuffle_buffer=16, decode_device=device, max_corrupt_rate=0.1,
-                      augment=replace(AugmentConfig(), **aug))
-
-
-def _run(cfg, train=True, batches=None):
-    loader = build_loader(cfg, rank=1, world_size=2, batch_size=8, seed=3, img_size=16, train=train)
-    out = []
-    for images, targets in loader:
-        out.append((images.clone(), targets.clone(), list(loader.last_keys)))
-        if batches and len(out) == batches:
-            break
-    return loader, out
+from decode_samples import bogus_huffman, broken_jpegs, decode_cfg, encode_image, mixed_samples, run_loader
 
 
 @pytest.mark.parametrize("aug", [{}, {"randaugment_ops": 2, "randaugment_magnitude": 9},
@@ -82,8 +26,8 @@ def _run(cfg, train=True, batches=None):
 def test_cpu_batch_decode_equals_the_worker_path(mixed, aug):
     """Same seeds, same crop boxes and flips, same decoder (libjpeg-turbo), same resize kernel:
     bit-identical batches, targets and keys, with plain JPEGs, worker-decoded members and mixing."""
-    want_loader, want = _run(_cfg(mixed, "worker", **aug), batches=6)
-    got_loader, got = _run(_cfg(mixed, "cpu", **aug), batches=6)
+    want_loader, want = run_loader(decode_cfg(mixed, "worker", **aug), batches=6)
+    got_loader, got = run_loader(decode_cfg(mixed, "cpu", **aug), batches=6)
     assert len(got) == len(want) == 6
     for (a, ta, ka), (b, tb, kb) in zip(want, got):
         assert ka == kb
@@ -95,8 +39,8 @@ def test_cpu_batch_decode_equals_the_worker_path(mixed, aug):
 
 
 def test_cpu_batch_decode_eval_pass_equals_the_worker_path(mixed):
-    _, want = _run(_cfg(mixed, "worker", workers=2), train=False)
-    _, got = _run(_cfg(mixed, "cpu", workers=2), train=False)
+    _, want = run_loader(decode_cfg(mixed, "worker", workers=2), train=False)
+    _, got = run_loader(decode_cfg(mixed, "cpu", workers=2), train=False)
     assert sum(len(k) for _, _, k in got) == 64  # rank 1's half, every sample once
     assert [k for _, _, k in got] == [k for _, _, k in want]
     for (a, ta, _), (b, tb, _) in zip(want, got):
@@ -108,7 +52,7 @@ def test_workers_ship_plain_jpegs_undecoded(mixed):
     sample's crop box; PNG, CMYK and EXIF-rotated members arrive decoded (finished uint8 samples)."""
     import tarfile
 
-    cfg = _cfg(mixed, "cpu")
+    cfg = decode_cfg(mixed, "cpu")
     shardset = resolve_shards(cfg.train_shards, key="data.train_shards")
     plan = Plan(shardset, 1, 1, 8, 3, True)
     stream = SlotStream(plan, 0, Settings(cfg.augment, 16, 16, cfg.max_image_pixels, False, frozenset(), "cpu"),
@@ -135,25 +79,17 @@ def test_workers_ship_plain_jpegs_undecoded(mixed):
     assert kinds == {"jpeg", "decoded"}
 
 
-def _bogus_huffman(jpg: bytes) -> bytes:
-    """``jpg`` with its first Huffman table's code counts set to 255 each: PIL's header parse (which
-    skips table contents) and the EOI check pass, so the file is shipped undecoded, and every
-    decoder (libjpeg-turbo in PIL and torchvision, nvJPEG) rejects the table."""
-    at = jpg.index(b"\xff\xc4") + 5  # marker, length (2), class/id (1): then the 16 counts
-    return jpg[:at] + b"\xff" * 16 + jpg[at + 16:]
-
-
 def test_a_jpeg_that_fails_to_decode_is_counted_and_its_place_refilled(tmp_path, shard_kit):
     """A JPEG whose header parses but whose data does not decode: both paths count it as
     corrupt_image of its shard; the batch-decode path keeps the batch's shape with a copy of
     another sample."""
-    samples = _samples(32, 9)
+    samples = mixed_samples(32, 9)
     good = samples[0][1]["jpg"]
-    samples[2] = (samples[2][0], {"jpg": _bogus_huffman(good), "cls": b"1"})
+    samples[2] = (samples[2][0], {"jpg": bogus_huffman(good), "cls": b"1"})
     root = shard_kit.make_shards(tmp_path / "bad", [samples], [f"c{i}" for i in range(5)])
     counts = {}
     for device in ("worker", "cpu"):
-        loader = build_loader(_cfg(root, device, workers=0), batch_size=8, seed=0, img_size=16)
+        loader = build_loader(decode_cfg(root, device, workers=0), batch_size=8, seed=0, img_size=16)
         n, keys = 0, []
         for images, _ in loader:
             assert images.shape == (8, 3, 16, 16) and torch.isfinite(images).all()
@@ -176,26 +112,15 @@ def _run_keys(cfg, n):
             return loader, keys
 
 
-def _broken(samples, at):
-    """``samples`` with the JPEGs at positions ``at`` replaced by ones that do not decode (the header
-    still parses, so they are shipped undecoded)."""
-    out, rng = list(samples), np.random.default_rng(1)
-    for i in at:
-        key, members = out[i]
-        jpg = _encode((rng.random((40, 48, 3)) * 255).astype(np.uint8), "JPEG", quality=95)
-        out[i] = (key, {"jpg": _bogus_huffman(jpg), "cls": members["cls"]})
-    return out
-
-
 def test_a_jpeg_cut_short_is_left_to_the_worker():
     """A file without its EOI marker is decoded (and rejected) by PIL in the worker: nvJPEG's batched
     decode may not fail on it. Zero padding after EOI, as some writers leave, is still shipped."""
     from data_pipeline.loading.transforms import ends_at_eoi
 
     tf = SampleTransform(AugmentConfig(), 16, train=True)
-    jpg = _encode((np.random.default_rng(2).random((40, 48, 3)) * 255).astype(np.uint8), "JPEG", quality=95)
+    jpg = encode_image((np.random.default_rng(2).random((40, 48, 3)) * 255).astype(np.uint8), "JPEG", quality=95)
     for data, shipped in ((jpg, True), (jpg + b"\0" * 10, True), (jpg[: len(jpg) // 2], False),
-                          (jpg[:-1], False), (_bogus_huffman(jpg), True)):
+                          (jpg[:-1], False), (bogus_huffman(jpg), True)):
         img = Image.open(io.BytesIO(data))  # the header parses in every case
         assert ends_at_eoi(data) is shipped
         assert isinstance(tf.defer(img, data, seed=5), Deferred) is shipped, len(data)
@@ -205,12 +130,12 @@ def test_a_jpeg_cut_short_is_left_to_the_worker():
 def test_a_sample_met_again_in_a_repeat_pass_is_counted_once(tmp_path, shard_kit, seed):
     """Bad labels (skipped by the worker) make the slot read its shard again; the broken JPEGs met
     again then are not counted a second time: both paths count each bad sample once."""
-    samples = _broken(_samples(16, 4), at=(3, 9))
+    samples = broken_jpegs(mixed_samples(16, 4), at=(3, 9))
     for i in (0, 2, 5, 7, 11, 13):
         samples[i] = (samples[i][0], {**samples[i][1], "cls": b"99"})  # outside the 5 classes
     root = shard_kit.make_shards(tmp_path / "s", [samples], [f"c{i}" for i in range(5)])
     for device in ("worker", "cpu"):
-        cfg = replace(_cfg(root, device, workers=0), max_corrupt_rate=1.0)
+        cfg = replace(decode_cfg(root, device, workers=0), max_corrupt_rate=1.0)
         loader = build_loader(cfg, batch_size=4, seed=seed, img_size=16)
         for n, (images, _) in enumerate(loader, 1):
             assert images.shape == (4, 3, 16, 16)
@@ -222,10 +147,10 @@ def test_a_sample_met_again_in_a_repeat_pass_is_counted_once(tmp_path, shard_kit
 
 
 def test_eval_drops_a_broken_jpeg_as_the_worker_path_does(tmp_path, shard_kit):
-    root = shard_kit.make_shards(tmp_path / "e", [_broken(_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
+    root = shard_kit.make_shards(tmp_path / "e", [broken_jpegs(mixed_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
     got = {}
     for device in ("worker", "cpu"):
-        loader = build_loader(_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
+        loader = build_loader(decode_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
         batches = [(x, y, list(loader.last_keys)) for x, y in loader]
         got[device] = (batches, loader.counters)
     (want, cw), (have, ch) = got["worker"], got["cpu"]
@@ -239,12 +164,12 @@ def test_eval_drops_a_broken_jpeg_as_the_worker_path_does(tmp_path, shard_kit):
 
 def test_micro_batch_of_one_refills_from_the_previous_batch(tmp_path, shard_kit):
     """A batch whose only JPEG fails takes the previous batch's last good sample."""
-    samples = _samples(8, 6)
+    samples = mixed_samples(8, 6)
     intact = shard_kit.make_shards(tmp_path / "intact", [samples], [f"c{i}" for i in range(5)])
-    _, order = _run_keys(_cfg(intact, "worker", workers=0), 8)
+    _, order = _run_keys(decode_cfg(intact, "worker", workers=0), 8)
     third = [k for k, _ in samples].index(order[2])  # the order depends on the layout, not the pixels
-    root = shard_kit.make_shards(tmp_path / "one", [_broken(samples, at=(third,))], [f"c{i}" for i in range(5)])
-    loader = build_loader(replace(_cfg(root, "cpu", workers=0), max_corrupt_rate=0.2), batch_size=1, seed=0,
+    root = shard_kit.make_shards(tmp_path / "one", [broken_jpegs(samples, at=(third,))], [f"c{i}" for i in range(5)])
+    loader = build_loader(replace(decode_cfg(root, "cpu", workers=0), max_corrupt_rate=0.2), batch_size=1, seed=0,
                           img_size=16)
     keys, images = [], []
     for n, (x, _) in enumerate(loader, 1):
@@ -266,7 +191,7 @@ def test_decode_device_errors_name_the_key(tmp_path, mixed):
         from data_pipeline.errors import ConfigError
 
         with pytest.raises(ConfigError, match=r"^data\.decode_device: cuda, but this process sees no CUDA device"):
-            build_loader(_cfg(mixed, "cuda"), batch_size=8, img_size=16)
+            build_loader(decode_cfg(mixed, "cuda"), batch_size=8, img_size=16)
 
 
 @pytest.mark.gpu
@@ -276,22 +201,22 @@ def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
     a few grey levels on smooth images; on the noise images of ``mixed`` (the worst case for both)
     within a bound that a wrong box or flip (~60 levels) still breaks. A broken JPEG is counted on
     the GPU too."""
-    _, want = _run(_cfg(mixed, "cpu"), batches=4)
-    _, got = _run(_cfg(mixed, "cuda"), batches=4)
+    _, want = run_loader(decode_cfg(mixed, "cpu"), batches=4)
+    _, got = run_loader(decode_cfg(mixed, "cuda"), batches=4)
     for (a, ta, ka), (b, tb, kb) in zip(want, got):
         assert b.is_cuda and ka == kb and torch.equal(ta, tb.cpu())
         assert (a - b.cpu()).abs().mean() < 16 / 127.5
     yy, xx = np.mgrid[0:40, 0:48]
-    smooth = [(f"s{i:04d}", {"jpg": _encode(np.stack([xx * 5 + i, yy * 6, (xx + yy) * 2 + 3 * i], -1).clip(0, 255)
+    smooth = [(f"s{i:04d}", {"jpg": encode_image(np.stack([xx * 5 + i, yy * 6, (xx + yy) * 2 + 3 * i], -1).clip(0, 255)
                                             .astype(np.uint8), "JPEG", quality=90), "cls": str(i % 5).encode()})
               for i in range(32)]
     root = shard_kit.make_shards(tmp_path / "smooth", [smooth], [f"c{i}" for i in range(5)])
-    _, want = _run(_cfg(root, "cpu"), batches=2)
-    _, got = _run(_cfg(root, "cuda"), batches=2)
+    _, want = run_loader(decode_cfg(root, "cpu"), batches=2)
+    _, got = run_loader(decode_cfg(root, "cuda"), batches=2)
     for (a, _, ka), (b, _, kb) in zip(want, got):
         assert ka == kb and (a - b.cpu()).abs().mean() < 3 / 127.5, (a - b.cpu()).abs().mean() * 127.5
-    root = shard_kit.make_shards(tmp_path / "bad", [_broken(_samples(16, 7), at=(2,))], [f"c{i}" for i in range(5)])
-    loader = build_loader(_cfg(root, "cuda", workers=0), batch_size=8, img_size=16)
+    root = shard_kit.make_shards(tmp_path / "bad", [broken_jpegs(mixed_samples(16, 7), at=(2,))], [f"c{i}" for i in range(5)])
+    loader = build_loader(decode_cfg(root, "cuda", workers=0), batch_size=8, img_size=16)
     for n, (x, _) in enumerate(loader, 1):
         assert x.is_cuda and torch.isfinite(x).all()
         if n == loader.batches_per_epoch:
@@ -299,33 +224,3 @@ def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
     assert loader.counters["corrupt_image"] == 1
 
 
-def calm_and_busy(make_loader, n: int = 8) -> None:
-    """A GPU loader's first ``n`` batches equal whether the device is drained after each batch
-    (calm) or the compute stream is kept busy the way a training step keeps it (busy); after the
-    first busy batch no torch call may synchronise (sync debug mode "error"). ``make_loader()``
-    builds a fresh loader whose batches arrive on the GPU."""
-    def run(busy: bool):
-        loader = make_loader()
-        load = torch.randn(2048, 2048, device="cuda")
-        out = []
-        try:
-            for i, (x, y) in enumerate(loader, 1):
-                assert x.is_cuda
-                out.append((x.clone(), y.clone()))  # on the compute stream, after the batch's event
-                if busy:
-                    for _ in range(30):  # a step's worth of queued kernels
-                        load = torch.tanh(load @ load)
-                    if i == 1:
-                        torch.cuda.set_sync_debug_mode("error")
-                else:
-                    torch.cuda.synchronize()
-                if i == n:
-                    break
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return out
-
-    calm, busy = run(False), run(True)
-    assert len(calm) == len(busy) == n
-    for (a, ta), (b, tb) in zip(calm, busy):
-        assert torch.equal(a, b) and torch.equal(ta, tb)

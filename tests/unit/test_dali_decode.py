@@ -32,7 +32,7 @@ from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import SampleTransform
 
-from test_batch_decode import _bogus_huffman, _broken, _cfg, _run, _samples, calm_and_busy, mixed  # noqa: F401  (shared)
+from decode_samples import bogus_huffman, broken_jpegs, calm_and_busy, decode_cfg, mixed_samples, run_loader
 
 INNER, MEAN, EDGE = 1, 0.3, 16  # grey levels: see the module docstring
 
@@ -106,7 +106,7 @@ def test_dali_loader_gives_the_worker_paths_epoch_on_two_ranks(shards):
     for rank in (0, 1):
         got = {}
         for device in ("worker", "dali"):
-            cfg = replace(_cfg(shards.parent, device), worker_decoder="nvimgcodec")
+            cfg = replace(decode_cfg(shards.parent, device), worker_decoder="nvimgcodec")
             loader = build_loader(cfg, rank=rank, world_size=2, batch_size=8, seed=5, img_size=32)
             batches = []
             for n, (x, y) in enumerate(loader, 1):
@@ -130,7 +130,7 @@ def test_dali_eval_pass_is_the_cpu_paths(shards):
     the cpu path's order, every pixel within a grey level of it (and not all equal: DALI decoded)."""
     got = {}
     for device in ("cpu", "dali"):
-        loader = build_loader(_cfg(shards.parent, device, workers=2), rank=1, world_size=2, batch_size=8,
+        loader = build_loader(decode_cfg(shards.parent, device, workers=2), rank=1, world_size=2, batch_size=8,
                               img_size=32, train=False)
         got[device] = [(x, y, list(loader.last_keys)) for x, y in loader]
     want, have = got["cpu"], got["dali"]
@@ -146,8 +146,8 @@ def test_mixed_batches_with_worker_decoded_members(mixed, aug):  # noqa: F811  (
     (decoded in the worker): the cpu path's keys, targets, counters and resume state; the
     worker-decoded rows bit for bit; the DALI rows within the tolerance (noise images, shrunk little:
     measured at most 5 grey levels at the border, 0.15 on average)."""
-    want_loader, want = _run(_cfg(mixed, "cpu", **aug), batches=6)
-    got_loader, got = _run(_cfg(mixed, "dali", **aug), batches=6)
+    want_loader, want = run_loader(decode_cfg(mixed, "cpu", **aug), batches=6)
+    got_loader, got = run_loader(decode_cfg(mixed, "dali", **aug), batches=6)
     assert len(got) == len(want) == 6
     worker_rows = 0
     for (a, ta, ka), (b, tb, kb) in zip(want, got):
@@ -156,7 +156,7 @@ def test_mixed_batches_with_worker_decoded_members(mixed, aug):  # noqa: F811  (
         assert d.mean() < MEAN and d.max() <= EDGE, (d.mean(), d.max())
         if not aug:
             for k, key in enumerate(kb):
-                i = int(key[2:])  # _samples: which members the worker decodes
+                i = int(key[2:])  # mixed_samples: which members the worker decodes
                 if i % 8 == 5 or i % 16 in (7, 12, 14, 15):
                     assert torch.equal(a[k], b[k]), key
                     worker_rows += 1
@@ -172,12 +172,12 @@ def test_a_jpeg_dali_cannot_decode_is_counted_once_and_refilled(tmp_path, shard_
     run fails, the batch's files are run alone, the broken one goes to PIL, which fails too:
     ``corrupt_image`` once, its place taken by a copy of another sample, the rest DALI's pixels; a
     repeat pass (bad labels eat the slot's slack) meets it again without counting it again."""
-    samples = _samples(32, 9)
-    samples[2] = (samples[2][0], {"jpg": _bogus_huffman(samples[0][1]["jpg"]), "cls": b"1"})
+    samples = mixed_samples(32, 9)
+    samples[2] = (samples[2][0], {"jpg": bogus_huffman(samples[0][1]["jpg"]), "cls": b"1"})
     root = shard_kit.make_shards(tmp_path / "bad", [samples], [f"c{i}" for i in range(5)])
     counts, keys = {}, {}
     for device in ("worker", "dali"):
-        loader = build_loader(_cfg(root, device, workers=0), batch_size=8, seed=0, img_size=16)
+        loader = build_loader(decode_cfg(root, device, workers=0), batch_size=8, seed=0, img_size=16)
         keys[device] = []
         for n, (x, _) in enumerate(loader, 1):
             assert x.shape == (8, 3, 16, 16) and torch.isfinite(x).all()
@@ -189,11 +189,11 @@ def test_a_jpeg_dali_cannot_decode_is_counted_once_and_refilled(tmp_path, shard_
     assert samples[2][0] not in keys["dali"] and len(keys["dali"]) == 32 and len(set(keys["dali"])) == 31
     assert counts["dali"]["repeated_for_balance"] >= 1 and counts["dali"]["samples"] == counts["worker"]["samples"]
 
-    samples = _broken(_samples(16, 4), at=(3, 9))
+    samples = broken_jpegs(mixed_samples(16, 4), at=(3, 9))
     for i in (0, 2, 5, 7, 11, 13):
         samples[i] = (samples[i][0], {**samples[i][1], "cls": b"99"})  # outside the 5 classes
     root = shard_kit.make_shards(tmp_path / "again", [samples], [f"c{i}" for i in range(5)])
-    loader = build_loader(replace(_cfg(root, "dali", workers=0), max_corrupt_rate=1.0), batch_size=4, seed=1,
+    loader = build_loader(replace(decode_cfg(root, "dali", workers=0), max_corrupt_rate=1.0), batch_size=4, seed=1,
                           img_size=16)
     for n, (x, _) in enumerate(loader, 1):
         assert x.shape == (4, 3, 16, 16)
@@ -204,10 +204,10 @@ def test_a_jpeg_dali_cannot_decode_is_counted_once_and_refilled(tmp_path, shard_
 
 
 def test_eval_drops_a_jpeg_dali_cannot_decode(tmp_path, shard_kit):
-    root = shard_kit.make_shards(tmp_path / "e", [_broken(_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
+    root = shard_kit.make_shards(tmp_path / "e", [broken_jpegs(mixed_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
     got = {}
     for device in ("worker", "dali"):
-        loader = build_loader(_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
+        loader = build_loader(decode_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
         got[device] = ([k for _ in loader for k in loader.last_keys], loader.counters)
     assert got["dali"] == got["worker"] and got["dali"][1]["corrupt_image"] == 1 and len(got["dali"][0]) == 15
 
@@ -215,7 +215,7 @@ def test_eval_drops_a_jpeg_dali_cannot_decode(tmp_path, shard_kit):
 def test_dali_resume_mid_epoch_is_exact(shards):
     """Stopped after 3 batches and resumed from its state in a new loader, the dali path yields the
     batches the uninterrupted run yields, bit for bit."""
-    cfg = _cfg(shards.parent, "dali")
+    cfg = decode_cfg(shards.parent, "dali")
     loader = build_loader(cfg, rank=1, world_size=2, batch_size=8, seed=3, img_size=32)
     whole, state = [], None
     for n, (x, y) in enumerate(loader, 1):
@@ -246,7 +246,7 @@ def test_dali_output_is_taken_on_the_side_stream(shards, monkeypatch):
 
     log = []
     monkeypatch.setattr(loader_module, "BatchDecoder", functools.partial(BatchDecoder, streams=RecordingStreams(log)))
-    loader = build_loader(_cfg(shards.parent, "dali", workers=0), batch_size=8, img_size=32)
+    loader = build_loader(decode_cfg(shards.parent, "dali", workers=0), batch_size=8, img_size=32)
     got = []
     for k, (x, y) in enumerate(loader):
         log.append(("got", k, id(x), id(y)))
@@ -273,7 +273,7 @@ def test_dali_missing_is_one_line_naming_the_key_and_package(shards, monkeypatch
 
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # `import nvidia.dali` raises ImportError
     with pytest.raises(ConfigError) as e:
-        build_loader(_cfg(shards.parent, "dali"), batch_size=8, img_size=32)
+        build_loader(decode_cfg(shards.parent, "dali"), batch_size=8, img_size=32)
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("data.decode_device: dali, but nvidia.dali does not import (")
@@ -347,5 +347,5 @@ def test_dali_prefetch_adds_no_host_sync(shards):
     a torch call)."""
     assert dali_decode.unavailable() is None, dali_decode.unavailable()
 
-    calm_and_busy(lambda: build_loader(_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
+    calm_and_busy(lambda: build_loader(decode_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
                                        img_size=32))

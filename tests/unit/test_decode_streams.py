@@ -22,7 +22,7 @@ from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import Deferred, SampleTransform
 
 
-from test_batch_decode import _broken, _cfg, _encode, _run, calm_and_busy  # noqa: E402  (shared helpers)
+from decode_samples import broken_jpegs, calm_and_busy, decode_cfg, encode_image, run_loader  # noqa: E402
 
 
 # ------------------------------------------------- data.decode_device: cuda, its logic on the CPU
@@ -99,7 +99,7 @@ def _smooth_jpeg(h: int, w: int, i: int) -> bytes:
     differ at crop edges by tens of levels, see test_cuda_batch_decode_matches_cpu)."""
     yy, xx = np.mgrid[0:h, 0:w]
     arr = np.stack([xx * 4 + i, yy * 5, (xx + yy) * 2 + 3 * i + 20 * np.sin(xx / 4.0)], -1)
-    return _encode(arr.clip(0, 255).astype(np.uint8), "JPEG", quality=90)
+    return encode_image(arr.clip(0, 255).astype(np.uint8), "JPEG", quality=90)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_cuda_path_orders_each_batch_by_events(smooth, as_on_cuda):
     waits on batch N's event, and images and targets are marked as read there, before the caller
     gets them."""
     log = as_on_cuda
-    loader = build_loader(_cfg(smooth, "cpu", workers=0), batch_size=8, img_size=16)
+    loader = build_loader(decode_cfg(smooth, "cpu", workers=0), batch_size=8, img_size=16)
     got = []
     for k, (x, y) in enumerate(loader):
         log.append(("got", k, id(x), id(y)))
@@ -174,7 +174,7 @@ def test_cuda_path_reads_nothing_on_the_host(smooth, as_on_cuda, monkeypatch):
     counting(torch.cuda, "synchronize")
     counting(torch.cuda.Stream, "synchronize")
     counting(torch.cuda.Event, "synchronize")
-    loader = build_loader(_cfg(smooth, "cpu", workers=1, mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
+    loader = build_loader(decode_cfg(smooth, "cpu", workers=1, mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
                           img_size=16)
     for n, (x, y) in enumerate(loader, 1):
         assert x.shape == (8, 3, 16, 16) and y.shape == (8, 5)
@@ -272,13 +272,13 @@ def test_cuda_path_on_cpu_gives_the_cpu_paths_batches(tmp_path, shard_kit, monke
     within the resampling difference."""
     samples = [(f"{i:04d}", {"jpg": _smooth_jpeg(*SIZES[i % len(SIZES)], i), "cls": str(i % 5).encode()})
                for i in range(40)]
-    root = shard_kit.make_shards(tmp_path / "s", [_broken(samples, at=(7, 27))], [f"c{i}" for i in range(5)])
-    want_loader, want = _run(_cfg(root, "cpu", workers=2, **aug), train=train, batches=4)
+    root = shard_kit.make_shards(tmp_path / "s", [broken_jpegs(samples, at=(7, 27))], [f"c{i}" for i in range(5)])
+    want_loader, want = run_loader(decode_cfg(root, "cpu", workers=2, **aug), train=train, batches=4)
     from data_pipeline.loading import loader
 
     monkeypatch.setattr(loader, "BatchDecoder", functools.partial(
         BatchDecoder, streams=RecordingStreams([]), batched=True))
-    got_loader, got = _run(_cfg(root, "cpu", workers=2, **aug), train=train, batches=4)
+    got_loader, got = run_loader(decode_cfg(root, "cpu", workers=2, **aug), train=train, batches=4)
     assert [k for *_, k in got] == [k for *_, k in want] and len(got) == len(want) >= 3
     for (a, ta, _), (b, tb, _) in zip(want, got):
         assert torch.equal(ta, tb) and a.shape == b.shape
@@ -329,4 +329,4 @@ def test_cuda_prefetch_is_ordered_by_events_alone(smooth):
     finished one ahead on the side stream equal those of a run that drains the device after each
     batch; and after start-up no torch call synchronises (sync debug mode set to error; torchvision's
     own wait for nvJPEG, inside its decode, is not a torch call)."""
-    calm_and_busy(lambda: build_loader(_cfg(smooth, "cuda", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8, img_size=16))
+    calm_and_busy(lambda: build_loader(decode_cfg(smooth, "cuda", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8, img_size=16))
