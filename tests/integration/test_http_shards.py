@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -168,9 +169,17 @@ def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_p
         build_loader(remote_data_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
 
 
+def _needed_bytes(tar: Path) -> int:
+    """Bytes of ``tar`` up to the end of its last member's data: what a reader must receive (the
+    end-of-archive blocks and record padding after it are never waited for)."""
+    with tarfile.open(tar) as t:
+        last = t.getmembers()[-1]
+    return last.offset_data + last.size
+
+
 def test_rate_limited_server_is_slow_not_an_error(server, served, from_disk):
-    total = sum(p.stat().st_size for p in served.glob("*.tar"))
-    rate = total / 1.5  # the epoch's shards take at least 1.5 s to arrive
+    needed = sum(_needed_bytes(p) for p in served.glob("*.tar"))
+    rate = needed / 1.5  # the epoch's samples take at least 1.5 s to arrive, one shard after the other
     server.start("--rate", str(rate))
     t0 = time.monotonic()
     batches, counters = one_epoch(remote_data_cfg(f"{server.url}/manifest.json"))
