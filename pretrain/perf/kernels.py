@@ -131,9 +131,9 @@ def host_seconds(kernels: int, depth: int, checkpointing: bool = False, compile:
 
 
 # --- ZeRO-3's hooks on the host (module docstring): the measured 390.5 - 79.9 = 310.6 ms of a ViT-L/16
-# ZeRO-3 step over ZeRO-1 on the H100 machine, over its 466 hooked modules. This CPU's fit
-# (benchmarks/zero3_hooks.py, ViT-Ti/S/B): 143 us per hooked module, nothing measurable per partitioned
-# tensor, and a copy-like cost per parameter byte that HBM makes negligible on a GPU (ViT-L's bf16
+# ZeRO-3 step over ZeRO-1 on the H100 machine, over its 466 hooked modules. On a CPU
+# (benchmarks/zero3_hooks.py) the cost is per hooked module too, nothing measurable per partitioned
+# tensor, plus a copy-like cost per parameter byte that HBM makes negligible on a GPU (ViT-L's bf16
 # weights, 0.6 GB, in about 0.3 ms).
 ZERO3_MODULE_SECONDS = 310.6e-3 / 466
 

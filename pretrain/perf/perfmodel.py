@@ -23,9 +23,9 @@ compute
     traffic per micro-step). The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
     a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
     models wait for kernel launches. Under ZeRO-3 the host's module hooks
-    (``pretrain.perf.kernels.zero3_hook_seconds``) add to the micro-step. Model FLOPs (MFU) stay ``analytic_flops`` x 2 x 3; hardware
-    FLOPs (HFU) add the recomputed forward. The optimizer step reads and writes its fp32 states once
-    per step (memory bound).
+    (``pretrain.perf.kernels.zero3_hook_seconds``) add to the micro-step. Model FLOPs (MFU) stay
+    ``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward. The optimizer step
+    reads and writes its fp32 states once per step (memory bound).
 
 communication
     ``pretrain.perf.collectives``: every collective DeepSpeed 0.19 issues per optimizer step for
