@@ -204,17 +204,24 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
 
 
 def around_zero3_fetch(module, before: Callable[[], None], after: Callable[[], None]) -> int:
-    """Call ``before`` and ``after`` around ZeRO-3's parameter fetch as each submodule's forward
+    """Call ``before`` and ``after`` around ZeRO-3's parameter fetch as each hooked module's forward
     begins. DeepSpeed (``DeepSpeedZeRoOffload._register_deepspeed_module``) registers that fetch as a
-    forward pre-hook of every submodule while the engine is built; ``before`` is prepended to each
-    submodule's pre-hooks and ``after`` appended, so together they enclose it. Call once, after
-    ``deepspeed.initialize``. Cost: two Python calls per submodule per forward. Returns how many
-    submodules were wrapped."""
-    n = 0
-    for m in module.modules():
+    forward pre-hook of every module while the engine is built, except inside a ZeRO-3 leaf module
+    (``zero.leaf_blocks``, compiled blocks), which fetches its whole subtree's parameters itself; the
+    same modules are wrapped here, so none inside a leaf (a compiled block keeps no hook of ours in
+    its traced code). ``before`` is prepended to each module's pre-hooks and ``after`` appended, so
+    together they enclose the fetch. Call once, after ``deepspeed.initialize``. Cost: two Python calls
+    per hooked module per forward. Returns how many modules were wrapped."""
+    from deepspeed.utils import z3_leaf_module
+
+    n, todo = 0, [module]
+    while todo:
+        m = todo.pop()
         m.register_forward_pre_hook(lambda *_: before(), prepend=True)
         m.register_forward_pre_hook(lambda *_: after())
         n += 1
+        if not z3_leaf_module(m):
+            todo.extend(m.children())
     return n
 
 
