@@ -83,9 +83,9 @@ class StopRequest:
         if self._file is None or self.reason is not None:
             return
         try:
-            if os.stat(self._file).st_mtime >= STARTED:
-                self.request(self._file.read_text().strip().splitlines()[0][:200] or self._file.name)
-        except (OSError, IndexError):
+            if os.stat(self._file).st_mtime >= STARTED:  # an empty file (touch) asks too, naming itself
+                self.request((self._file.read_text().strip().splitlines() or [self._file.name])[0][:200])
+        except OSError:
             pass
 
     def agreed(self, device) -> bool:

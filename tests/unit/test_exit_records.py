@@ -34,3 +34,23 @@ def test_status_says_running_then_the_processs_own_exit_code(tmp_path):
     assert json.loads(path.read_text())["exit_code"] == 75
     RunStatus(None)(3)  # other ranks write nothing
     assert json.loads(path.read_text())["step"] == 10
+
+
+def test_a_stop_request_file_asks_with_its_first_line_or_its_name_when_empty(tmp_path):
+    """vit-launch writes a reason; a person may only ``touch`` the file: both stop the job."""
+    import signal
+
+    from pretrain.resilience.lifecycle import StopRequest
+
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        for text, want in (("", "stop.request"), ("slow node worker-2: 1.7x\nmore\n", "slow node worker-2: 1.7x")):
+            stop = StopRequest(watch_launcher=False)
+            path = tmp_path / "stop.request"
+            path.write_text(text)
+            stop.watch_file(path)
+            stop._look()
+            assert stop.reason == want, (text, stop.reason)
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
