@@ -81,7 +81,7 @@ def node_rate(decode: str, cpu_cores: int, gpus_per_node: int, stored_side: int 
 def advice(decode: str, stored_side: int, idle_cores: float = 0.0, gpus_per_node: int = 1) -> str:
     """What would feed the GPUs faster, in words."""
     fixes = []
-    if idle_cores >= 1:
+    if idle_cores >= gpus_per_node:  # at least one more worker for every rank of the node
         fixes.append(f"more loader workers (data.workers: {int(idle_cores)} cores per node are idle, "
                      f"{int(idle_cores) // gpus_per_node} more per rank)")
     if decode == "cpu":

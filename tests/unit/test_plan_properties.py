@@ -229,3 +229,8 @@ def test_zero3_pays_its_host_hooks_per_module_and_leaf_blocks_pay_fewer(capsys):
                     "--no-leaf-blocks"]) == 0
     out = capsys.readouterr().out
     assert "per-module hooks" in out.splitlines()[0] and "ZeRO-3 hooks on the host" in out
+
+
+def test_input_advice_suggests_more_workers_only_when_each_rank_can_have_one():
+    assert "more loader workers" not in inputs.advice("cpu", 256, idle_cores=5, gpus_per_node=8)  # 0 per rank
+    assert "16 cores per node are idle, 2 more per rank" in inputs.advice("cpu", 256, idle_cores=16, gpus_per_node=8)
