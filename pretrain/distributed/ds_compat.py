@@ -18,9 +18,9 @@ What lives here and why:
   runs ahead). Each group gets its own saved hyperparameters back, each state its own step.
 - ``shm_buffer_path`` / ``release_shm_buffers``: DeepSpeed's CPU accelerator creates a 66 MB
   ``/dev/shm`` file per rank for its shared-memory all-reduce and never unlinks it.
-- ``around_zero3_fetch``: ZeRO-3 fetches a submodule's parameters in a forward pre-hook that it
-  registers on every submodule when the engine is built; hooks of ours before and after it time
-  the wait (the straggler clock's ``gather`` phase).
+- ``around_zero3_fetch``: ZeRO-3 fetches a module's parameters in a forward pre-hook that it
+  registers on every module outside its leaf modules when the engine is built; hooks of ours before
+  and after it time the wait (the straggler clock's ``gather`` phase).
 - ``launcher_node``: the per-node launcher (``deepspeed.launcher.launch``) knows which hostfile
   entry its node is (``--world_info``, ``--node_rank``) but tells its ranks only the node's index
   (``CROSS_RANK``); the name is read from the launcher's own arguments.
