@@ -235,13 +235,16 @@ def run(cfg: Config) -> dict:
     clock = StepClock(engine.device, dog)
     if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
         ds_compat.around_zero3_fetch(engine.module, clock.gather_begin, clock.gather_end)
+    if clock.times_waits:  # backward's and step's waits for peers are not the rank's own work either
+        ds_compat.time_collectives(clock.comm_begin, clock.comm_end, engine)
     lp = Loop(cfg, engine, faults.wrap_batches(logged_batches(loader, samples, start, gas), rank=rank, start_step=start,
                                                accumulation=gas),
               loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples),
               clock, stop, startup, start_step=start, world=world, flops=flops,
               detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
                                          record=layout.stragglers if rank == 0 else None,
-                                         span_s=t.straggler_span_s) if world > 1 else None,
+                                         span_s=t.straggler_span_s, waits_timed=clock.times_waits)
+              if world > 1 else None,
               evaluator=evaluator if evaluator.enabled else None, say=say, logged=status)
     lp.clock.begin_step(start, startup=True)
     say(f"waiting for the first batch (data.workers={cfg.data.workers})")

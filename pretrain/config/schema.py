@@ -139,7 +139,8 @@ class TrainConfig:
     block; works with activation checkpointing and every ZeRO stage; see
     pretrain/perf/PERFORMANCE.md)."""
     straggler_factor: float = 1.5
-    """A rank whose batch reading + forward (the phases that wait on no peer), summed over the last
+    """A rank whose own work (batch reading and forward; where collectives block the host, the CPU,
+    also backward and step less the time spent in collectives), summed over the last
     `train.straggler_windows` logging windows, takes this many times the other ranks' median is
     named as a straggler (a rank slowed 40 % shows about 1.67x, whether uniformly or in bursts)."""
     straggler_windows: int = 6

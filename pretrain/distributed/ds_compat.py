@@ -225,6 +225,71 @@ def around_zero3_fetch(module, before: Callable[[], None], after: Callable[[], N
     return n
 
 
+# DeepSpeed's collectives, as methods of its communication backend (``deepspeed.comm.comm.cdb``, a
+# ``TorchBackend``): ZeRO's reductions, gathers and norms all go through these.
+COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_base",
+               "all_gather_coalesced", "broadcast", "all_to_all_single", "all_to_all", "gather", "scatter",
+               "barrier")
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait`` is enclosed too (the rest passes through)."""
+
+    def __init__(self, work, begin: Callable[[], None], end: Callable[[], None]):
+        self._work, self._begin, self._end = work, begin, end
+
+    def wait(self, *args, **kwargs):
+        self._begin()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._end()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _enclose(obj, name: str, begin: Callable[[], None], end: Callable[[], None]) -> bool:
+    """Replace ``obj.name`` (a bound method) on the instance by one that calls ``begin`` and ``end``
+    around it, and around its handle's ``wait`` when it returns one (``async_op=True``); False when
+    there is no such method or it is already enclosed."""
+    fn = getattr(obj, name, None)
+    if fn is None or getattr(fn, "_vitscale_timed", False):
+        return False
+
+    def timed(*args, **kwargs):
+        begin()
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            end()
+        return _TimedWork(out, begin, end) if kwargs.get("async_op") and hasattr(out, "wait") else out
+    timed._vitscale_timed = True
+    setattr(obj, name, timed)
+    return True
+
+
+def time_collectives(begin: Callable[[], None], end: Callable[[], None], engine=None) -> list[str]:
+    """Call ``begin`` and ``end`` around every collective DeepSpeed issues through its communication
+    backend, so that a clock can tell the time a rank waited for its peers from its own work. The
+    backend's bound methods are replaced on the one backend instance (module functions such as
+    ``deepspeed.comm.all_reduce`` look it up at each call); a method that calls another counts once
+    when ``begin``/``end`` nest. An asynchronous call (``async_op=True``) is timed until it returns and
+    again in its handle's ``wait``. ZeRO-3's coordinator (``fetch_sub_module``: the forward's and
+    backward's parameter fetch, which waits for the all-gathers it started earlier) is enclosed too
+    when ``engine`` runs ZeRO-3. Call once, after ``deepspeed.initialize``. Returns the enclosed names."""
+    from deepspeed.comm import comm as ds_comm
+
+    wrapped = []
+    if ds_comm.cdb is not None:
+        wrapped += [n for n in COLLECTIVES if _enclose(ds_comm.cdb, n, begin, end)]
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    if offload is not None and _enclose(offload.get_param_coordinator(), "fetch_sub_module", begin, end):
+        wrapped.append("fetch_sub_module")
+    return wrapped
+
+
 def launcher_node(environ: Optional[dict] = None, ppid: Optional[int] = None) -> Optional[str]:
     """The name the deepspeed runner gave this rank's node: its hostfile entry (``worker-3``,
     ``10.0.0.4``), the name ``vit-launch run`` leaves out or keeps. DeepSpeed's per-node launcher

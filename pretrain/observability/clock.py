@@ -39,6 +39,11 @@ def synced_now(device: Device, *, sync: Callable[[Device], None] = device_sync,
 # (each submodule's all-gather, and with it the peers it waits on); the rest of the forward is the
 # rank's own work.
 PHASES = ("data", "forward", "gather", "agree", "backward", "step")
+# Not phases: the seconds of ``backward`` and of ``step`` this rank spent inside collectives (waiting
+# for its peers, then moving the bytes), timed on the host where collectives block it (the CPU; 0 on
+# a GPU, where NCCL runs them on its own streams). ``close_window`` reports them beside the phases.
+WAITED = {"backward": "backward_waited", "step": "step_waited"}
+CLOCKED = PHASES + tuple(WAITED.values())
 
 
 class StepClock:
@@ -59,7 +64,8 @@ class StepClock:
         self._phase, self._t, self._event = None, 0.0, None
         self._pending: list = []  # CUDA: (phase, start event, end event), read at close_window
         self.t0 = synced_now(self.device)
-        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.totals = dict.fromkeys(CLOCKED, 0.0)
+        self._depth, self._w, self._wphase = 0, 0.0, None  # collectives in progress (nested: once), since when
 
     def begin_step(self, step: int, startup: bool = False) -> None:
         """Phases from here on belong to ``step``; ``startup``: the watchdog allows start-up's
@@ -82,6 +88,26 @@ class StepClock:
     def gather_end(self) -> None:
         if self._phase == "gather":
             self.enter("forward")
+
+    def comm_begin(self) -> None:
+        """A collective begins (``ds_compat.time_collectives``): inside ``backward`` or ``step`` on a
+        host-synchronous device, its seconds until ``comm_end`` count as ``waited``: time the rank
+        did not spend on its own work. Elsewhere (the forward's ``gather`` and ``agree`` are waits
+        as a whole) and on a GPU it changes nothing."""
+        self._depth += 1
+        if self._depth == 1 and self.times_waits and self._phase in WAITED:
+            self._w, self._wphase = time.perf_counter(), self._phase
+
+    def comm_end(self) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0 and self._wphase is not None:
+            self.totals[WAITED[self._wphase]] += time.perf_counter() - self._w
+            self._wphase = None
+
+    @property
+    def times_waits(self) -> bool:
+        """Whether ``comm_begin``/``comm_end`` time collectives: only where they block the host."""
+        return not self.cuda
 
     def beat(self, phase: str, slow: bool = False) -> None:
         """A watchdog beat outside the step's phases (log, eval, checkpoint, stop); ``slow``: the
@@ -116,7 +142,8 @@ class StepClock:
         self.t0 += seconds
 
     def close_window(self) -> tuple[float, dict]:
-        """(seconds since the window began, {phase: seconds on this rank}); starts the next window.
+        """(seconds since the window began, {``CLOCKED`` key: seconds on this rank}); starts the next
+        window.
         A sync point: the device finishes the window's work before any clock is read."""
         self._close()
         now = synced_now(self.device)
@@ -124,5 +151,5 @@ class StepClock:
             self.totals[phase] += start.elapsed_time(end) / 1000.0
         self._pending.clear()
         elapsed, phases = max(now - self.t0, 1e-9), self.totals
-        self.t0, self.totals = now, dict.fromkeys(PHASES, 0.0)
+        self.t0, self.totals = now, dict.fromkeys(CLOCKED, 0.0)
         return elapsed, phases

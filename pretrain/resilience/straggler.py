@@ -2,34 +2,38 @@
 
 In synchronous data parallelism every rank's step takes as long as the slowest rank's: the others
 wait for it inside collectives. So the whole step time says nothing about *who* is slow; the time
-each rank spends in work that waits on nobody does. ``LOCAL`` phases (reading the batch, the
-forward pass) hold no collective under ZeRO 0-2; a rank slowed by its GPU, its CPU or its input
-pipeline takes longer there, while its peers' extra time shows up in the collective phases
-(``agree``, ``backward``, ``step``) where they wait. Under ZeRO-3 every submodule's forward first
-all-gathers its parameters, where the peers of a slow rank wait for it: the clock times those
-waits as their own phase, ``gather`` (``StepClock.gather_begin``, hooked around DeepSpeed's fetch
-by ``ds_compat.around_zero3_fetch``), so ``forward`` stays the rank's own work at every stage.
+each rank spends on its own work, outside collectives, does. The clock gives two kinds of evidence:
+
+* ``LOCAL`` phases (reading the batch, the forward pass) hold no collective under ZeRO 0-2; under
+  ZeRO-3 the forward's parameter all-gathers (where the peers of a slow rank wait for it) are timed
+  as their own phase, ``gather`` (``StepClock.gather_begin``, hooked around DeepSpeed's fetch by
+  ``ds_compat.around_zero3_fetch``), so ``forward`` stays the rank's own work at every stage.
+* Where collectives block the host (the CPU), every collective DeepSpeed issues in ``backward`` and
+  ``step`` is timed too (``ds_compat.time_collectives``, the clock's ``WAITED``), so those phases less
+  their waits are own work as well: ``OWN``. On a GPU, NCCL runs collectives on its own streams and
+  the host cannot see the waits; there the evidence is the local phases alone.
+
+Why the waits matter: a rank slowed in bursts (a noisy neighbour, a GPU that throttles,
+SIGSTOP/SIGCONT) loses its time in whichever stretch of work a burst lands in, and its peers wait at
+the next collective. With local phases only, a burst that lands in backward's compute is seen by
+nobody: its peers' extra time and its own both sit in ``backward``. Worse, a job slowed in bursts
+locks onto them: the slow rank resumes, leaves the collective its peers were waiting in, and runs
+its (short) local phases first, so bursts land in local phases far less often than their share of
+the step (measured on the tiny CPU config: local phases 8-15 % of the step, the slowed rank's local
+ratio 1.25 where 2 was due). Own work less waits sees every burst outside a collective.
 
 At each logging window every rank contributes its phase seconds (one small all-gather in the
-loop). The verdict rests on evidence accumulated over a sliding span of the last ``windows``
-windows, not on a streak of single windows: a rank slowed in bursts (a noisy neighbour, a GPU that
-throttles, SIGSTOP/SIGCONT) loses its time in whichever phase the burst lands in, so one window's
-ratio swings between 1 and several times the factor, and a streak of windows above the factor can
-be broken by every other window. Over a span the bursts average out: a rank that runs only a
-fraction ``1 - s`` of the time has local seconds about ``1 / (1 - s)`` times its peers' whatever
-the bursts' phase (a rank slowed 40 % shows 1.67x, half the time 2x), and an even job's noise
-shrinks. A rank whose local seconds summed over a full span exceed the median of the *other*
-ranks' sums by ``factor`` is named once, with the phase where it lost most time against the
-median of that phase over the span (``rank 1 on node7: 1.8x the median step, mostly in
-forward``); it is named again only after its span ratio fell below half-way to the factor
-(recovered) and rose to it again.
+loop). The verdict rests on evidence summed over a sliding span of the last ``windows`` windows,
+not on a streak of single windows: one window's ratio swings with where its bursts fell. A rank that
+runs only a fraction ``1 - s`` of the time has own seconds about ``1 / (1 - s)`` times its peers'
+(a rank slowed 40 % shows 1.67x, half the time 2x), and an even job's noise shrinks over the span.
+A rank whose own seconds summed over a full span exceed the median of the *other* ranks' sums by
+``factor`` is named once, with the phase where it lost most time against the median of that phase
+over the span (``rank 1 on node7: 1.8x the median step, mostly in forward``); it is named again only
+after its span ratio fell below half-way to the factor (recovered) and rose to it again.
 
-What phase times cannot show: a burst that lands in a collective phase (backward's reductions,
-the optimizer step) makes the peers wait there exactly as long as the stopped rank, so it leaves no
-trace; only bursts in the local phases count. Bursts at irregular times land there in proportion to
-the local share of the step, which the sums average out. A strictly periodic pattern can lock the
-job's steps to it so that every burst lands in the collective phases (measured: SIGSTOP 0.3 s /
-SIGCONT 0.3 s on the tiny CPU config, local phases 12 % of the step, nothing seen for 15 windows).
+What no phase time shows: a burst that lands while the slow rank is itself inside a collective
+makes its peers wait in the same collective exactly as long, so it leaves no trace on anyone.
 """
 from __future__ import annotations
 
@@ -42,9 +46,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pretrain.observability.clock import PHASES
+from pretrain.observability.clock import CLOCKED, WAITED
 
 LOCAL = ("data", "forward")
+OWN = LOCAL + tuple(WAITED)  # backward and step less their waits, where collectives are timed
+
+
+def own_phase(p: dict, phase: str, waits_timed: bool) -> float:
+    """Rank's own work in ``phase`` of phase seconds ``p`` (0 for a phase that is no evidence)."""
+    if phase in LOCAL:
+        return p.get(phase, 0.0)
+    if waits_timed and phase in WAITED:
+        return p.get(phase, 0.0) - p.get(WAITED[phase], 0.0)
+    return 0.0
+
+
+def own_seconds(p: dict, waits_timed: bool) -> float:
+    """A rank's own work in phase seconds ``p``: the local phases, and where the clock timed the
+    collectives (``waits_timed``) backward and step less the time spent in them."""
+    return sum(own_phase(p, k, waits_timed) for k in OWN)
 
 
 def median_of_others(values: list[float], i: int) -> float:
@@ -54,18 +74,20 @@ def median_of_others(values: list[float], i: int) -> float:
 
 class StragglerDetector:
     def __init__(self, hosts: list[str], factor: float = 1.5, windows: int = 6, record: Optional[Path] = None,
-                 span_s: float = 5.0):
+                 span_s: float = 5.0, waits_timed: bool = False):
         """``windows``: the span (logging windows) over which the evidence is summed, lengthened
         until it holds at least ``span_s`` seconds of steps (short windows, e.g. a log line every
         step, are each mostly scheduling noise); nobody is named before a full span is seen.
         ``record``: a JSON file (rank 0's) rewritten whenever a rank is named: the named ranks, their
-        hosts and the line, for ``vit-launch run --exclude-slow-hosts``."""
+        hosts and the line, for ``vit-launch run --exclude-slow-hosts``. ``waits_timed``: the phase
+        seconds carry ``WAITED`` (``StepClock.times_waits``), so backward and step count as evidence."""
+        self.waits_timed = waits_timed
         self.hosts, self.factor, self.windows, self.record = list(hosts), factor, windows, record
         self.span_s = span_s
         self.span: deque[tuple[list[dict], float]] = deque()  # (phase seconds per rank, the window's seconds)
         self.seconds = 0.0  # of the windows in the span
         # phase seconds per rank over the span, kept as windows come and go
-        self.summed = [dict.fromkeys(PHASES, 0.0) for _ in self.hosts]
+        self.summed = [dict.fromkeys(CLOCKED, 0.0) for _ in self.hosts]
         self.named: set[int] = set()
 
     def _full(self) -> bool:
@@ -73,7 +95,7 @@ class StragglerDetector:
 
     def _add(self, window: list[dict], sign: float) -> None:
         for total, p in zip(self.summed, window):
-            for k in PHASES:
+            for k in total:
                 total[k] += sign * p.get(k, 0.0)
 
     def observe(self, per_rank: list[dict]) -> tuple[dict, Optional[str]]:
@@ -88,13 +110,13 @@ class StragglerDetector:
             old, sec = self.span.popleft()
             self.seconds -= sec
             self._add(old, -1.0)
-        local = [sum(p.get(k, 0.0) for k in LOCAL) for p in self.summed]
+        local = [own_seconds(p, self.waits_timed) for p in self.summed]
         ratios = [local[i] / max(median_of_others(local, i), 1e-9) for i in range(len(local))]
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         metrics = {"straggler/slowest_rank": slowest, "straggler/slowest_host": self.hosts[slowest],
                    "straggler/ratio": ratios[slowest]}
         if len(per_rank) <= 64:  # one series per rank in W&B; past that the summary says enough
-            metrics.update({f"straggler/local_seconds/rank_{r}": sum(p.get(k, 0.0) for k in LOCAL)
+            metrics.update({f"straggler/own_seconds/rank_{r}": own_seconds(p, self.waits_timed)
                             for r, p in enumerate(per_rank)})
         line = None
         recovered = 1.0 + (self.factor - 1.0) / 2
@@ -105,7 +127,7 @@ class StragglerDetector:
                   and line is None):
                 self.named.add(r)
                 line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "
-                        f"{self.worst_phase(self.summed, r)}")
+                        f"{self.worst_phase(self.summed, r, self.waits_timed)}")
         if line and self.record is not None:
             from data_pipeline.files import write_json
 
@@ -114,12 +136,12 @@ class StragglerDetector:
         return metrics, line
 
     @staticmethod
-    def worst_phase(per_rank: list[dict], r: int) -> str:
-        """The phase where rank ``r`` spent the most time beyond the other ranks' median."""
+    def worst_phase(per_rank: list[dict], r: int, waits_timed: bool = False) -> str:
+        """The phase where rank ``r`` spent the most of its own work beyond the other ranks' median."""
         def excess(phase):
-            vals = [p.get(phase, 0.0) for p in per_rank]
+            vals = [own_phase(p, phase, waits_timed) for p in per_rank]
             return vals[r] - median_of_others(vals, r)
-        return max(PHASES, key=excess)
+        return max(OWN, key=excess)
 
     def slow_hosts(self) -> list[str]:
         """Hosts of the ranks named so far and not recovered since."""
@@ -130,8 +152,8 @@ def gather_and_judge(detector: Optional[StragglerDetector], phases: dict, device
     """Every rank's phase seconds of the window to rank 0 (one small all-gather); its verdict."""
     if detector is None:
         return {}, None
-    mine = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64, device=device)
+    mine = torch.tensor([phases.get(p, 0.0) for p in CLOCKED], dtype=torch.float64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    per_rank = [dict(zip(PHASES, t.tolist())) for t in every]
+    per_rank = [dict(zip(CLOCKED, t.tolist())) for t in every]
     return detector.observe(per_rank)

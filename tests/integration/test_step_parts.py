@@ -2,6 +2,7 @@
 CUDA generator, initial weights from one CPU generator, one loss for training and evaluation,
 straggler naming, and the DeepSpeed version range."""
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from pretrain.distributed import ds_compat
 from pretrain.distributed import rng
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
-from pretrain.resilience.straggler import LOCAL, StragglerDetector
+from pretrain.resilience.straggler import LOCAL, StragglerDetector, own_seconds
 
 
 # ------------------------------------------------------------------------------------ clocks
@@ -178,41 +179,67 @@ def test_a_persistent_straggler_is_named_once_with_its_phase():
 
 
 def _bursty_windows(slowed, n: int, ranks: int = 2, seed: int = 0, step_s: float = 0.2, steps: int = 5,
-                    burst_s=(0.3, 0.3)):
+                    burst_s=(0.3, 0.3), waits_timed: bool = True):
     """Phase seconds of ``n`` logging windows where rank r is stopped a share ``slowed(r, noise)`` of
     each window's time in bursts of ``burst_s`` seconds (a range; SIGSTOP/SIGCONT, or a busy machine
-    that deschedules it). A burst lands in the phase the rank is in when it comes (local phases hold
-    40 % of a step): there the rank's own phase grows; in a collective phase its peers wait as long
-    as it does. Every rank's phases also jitter by 10 %."""
+    that deschedules it). A burst lands in the part of the step the rank is in when it comes: in its
+    own work (the local phases, backward's and step's compute) that part grows and its peers wait
+    as long at the next collective (``agree`` after a local phase, the phase's own collective in
+    backward and step, where the clock times it when ``waits_timed``); in a collective everyone's
+    time grows alike. Every rank's parts also jitter by 10 %."""
     noise = random.Random(seed)
-    share = {"data": 0.05, "forward": 0.35, "agree": 0.05, "backward": 0.45, "step": 0.10}
+    work = {"data": 0.05, "forward": 0.35, "backward": 0.35, "step": 0.07}  # own work
+    comm = {"agree": 0.05, "backward": 0.10, "step": 0.03}  # collectives
+    waited = {"backward": "backward_waited", "step": "step_waited"}
+    parts = [("work", k) for k in work] + [("comm", k) for k in comm]
+    weights = [work[k] for k in work] + [comm[k] for k in comm]
     for _ in range(n):
-        per_rank = [{k: v * step_s * steps * noise.uniform(0.9, 1.1) for k, v in share.items()}
-                    for _ in range(ranks)]
+        per_rank = []
+        for _ in range(ranks):
+            p = {k: v * step_s * steps * noise.uniform(0.9, 1.1) for k, v in work.items()}
+            p["agree"] = 0.0
+            for k, v in comm.items():
+                c = v * step_s * steps * noise.uniform(0.9, 1.1)
+                p[k] += c
+                if k in waited:
+                    p[waited[k]] = c if waits_timed else 0.0
+            per_rank.append(p)
         for who in range(ranks):
             s = slowed(who, noise)
             stopped = s / (1 - s) * step_s * steps
             while stopped > 0:
                 burst = min(noise.uniform(*burst_s), stopped)
                 stopped -= burst
-                phase = noise.choices(list(share), weights=list(share.values()))[0]
+                kind, phase = noise.choices(parts, weights=weights)[0]
                 for r in range(ranks):
-                    if r == who or phase not in LOCAL:
-                        per_rank[r][phase] += burst
+                    if kind == "comm" or r == who:  # a collective, or the stopped rank's own work
+                        p_r = per_rank[r]
+                        p_r[phase] += burst
+                        if kind == "comm" and phase in waited and waits_timed:
+                            p_r[waited[phase]] += burst
+                    else:  # its peers wait at the next collective
+                        wait = "agree" if phase in LOCAL else phase
+                        per_rank[r][wait] += burst
+                        if wait in waited and waits_timed:
+                            per_rank[r][waited[wait]] += burst
         yield per_rank
 
 
+@pytest.mark.parametrize("waits_timed", [True, False])
 @pytest.mark.parametrize("slowed, rate", [(0.4, 0.9), (0.5, 1.0)])
-def test_a_rank_slowed_in_bursts_is_named_within_ten_windows(slowed, rate):
+def test_a_rank_slowed_in_bursts_is_named_within_ten_windows(slowed, rate, waits_timed):
     """Bursts make single windows swing: the slow rank looks healthy in some of them. Over 200 bursty
     streams the span's sums name it within 10 windows in at least ``rate`` of them (40 % slowed sits
-    just above the factor's 1.5: 1 / 0.6 = 1.67 on average), and never name the healthy rank."""
+    just above the factor's 1.5: 1 / 0.6 = 1.67 on average), and never name the healthy rank. Both
+    where collectives are timed (backward and step less their waits are evidence too) and where
+    they are not (a GPU: the local phases alone)."""
     single, named = [], 0
     for seed in range(200):
-        d = StragglerDetector(["a", "b"], factor=1.5, windows=6)
-        for per_rank in _bursty_windows(lambda r, _: slowed if r == 1 else 0.0, 10, seed=seed):
-            local = [sum(p[k] for k in LOCAL) for p in per_rank]
-            single.append(local[1] / local[0])
+        d = StragglerDetector(["a", "b"], factor=1.5, windows=6, waits_timed=waits_timed)
+        for per_rank in _bursty_windows(lambda r, _: slowed if r == 1 else 0.0, 10, seed=seed,
+                                        waits_timed=waits_timed):
+            own = [own_seconds(p, waits_timed) for p in per_rank]
+            single.append(own[1] / own[0])
             _, line = d.observe(per_rank)
             if line:
                 assert line.startswith("rank 1 on b: "), (seed, line)
@@ -222,15 +249,73 @@ def test_a_rank_slowed_in_bursts_is_named_within_ten_windows(slowed, rate):
     assert min(single) < 1.2  # the streams do hold windows where the slow rank looks healthy
 
 
+def test_timed_waits_make_the_evidence_of_bursts_steadier():
+    """Own work less waits holds more of the step than the local phases alone, so the slowed rank's
+    span ratio swings less from stream to stream (and its mean stays near 1 / (1 - 0.4))."""
+    def span_ratios(waits_timed):
+        out = []
+        for seed in range(100):
+            d = StragglerDetector(["a", "b"], factor=100.0, windows=6, waits_timed=waits_timed)
+            for per_rank in _bursty_windows(lambda r, _: 0.4 if r == 1 else 0.0, 6, seed=seed,
+                                            waits_timed=waits_timed):
+                m, _ = d.observe(per_rank)
+            out.append(m["straggler/ratio"])
+        return out
+    timed, local = span_ratios(True), span_ratios(False)
+    assert statistics.pstdev(timed) < 0.7 * statistics.pstdev(local), (statistics.pstdev(timed), statistics.pstdev(local))
+    assert 1.5 < statistics.mean(timed) < 1.85 and min(timed) > min(local)
+
+
 def test_an_even_job_on_a_loaded_machine_names_nobody_in_200_windows():
     """Both ranks descheduled by a busy machine: each loses a random 0-30 % of every window in pauses
-    of 0.02-0.3 s, in any phase. No name in 200 windows, over 20 such streams."""
+    of 0.02-0.3 s, in any part of the step. No name in 200 windows, over 20 such streams."""
     for seed in range(20):
-        d = StragglerDetector(["a", "b"], factor=1.5, windows=6)
+        d = StragglerDetector(["a", "b"], factor=1.5, windows=6, waits_timed=True)
         for per_rank in _bursty_windows(lambda r, noise: noise.uniform(0.0, 0.3), 200, seed=seed,
                                         burst_s=(0.02, 0.3)):
             assert d.observe(per_rank)[1] is None, seed
         assert d.slow_hosts() == []
+
+
+def test_a_rank_waiting_in_collectives_is_told_from_the_rank_it_waits_for(tmp_path):
+    """Two real ranks through DeepSpeed's communication backend (gloo): rank 1 works 0.6 s in each
+    phase. The enclosed collectives put rank 0's waits in backward and in step (an asynchronous
+    all-gather's ``wait``) into ``*_waited``; so rank 1's own work is about 1.8 s more than rank 0's,
+    while their raw backward and step phases are alike."""
+    import json
+    import subprocess
+    import sys
+
+    from dist_utils import REPO, free_port, job_env
+
+    port, procs = str(free_port()), []
+    for r in range(2):
+        env = job_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests/jobs/collective_waits_job.py")],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    r0, r1 = sorted(outs, key=lambda o: o["rank"])
+    assert {"all_reduce", "all_gather_into_tensor"} <= set(r0["wrapped"]) and r0["again"] == []
+    assert r0["gathered"] == [0.0] * 4 + [1.0] * 4
+    p0, p1 = r0["phases"], r1["phases"]
+    assert p0["backward_waited"] > 1.0 and p0["step_waited"] > 0.5  # it waited for rank 1's work
+    assert p1["backward_waited"] < 0.3 and p1["step_waited"] < 0.3
+    assert p0["backward_waited"] <= p0["backward"] and p0["step_waited"] <= p0["step"]
+    assert abs(p0["step"] - p1["step"]) < 0.3  # the raw phase cannot tell them apart
+    assert set(p0) == set(clock.CLOCKED) and p0["forward"] < 0.3 < 0.6 < p1["forward"]
+    own0, own1 = own_seconds(p0, True), own_seconds(p1, True)
+    assert own0 < 0.4 and own1 - own0 > 1.4, (own0, own1)  # rank 1's 3 x 0.6 s
+    assert own_seconds(p0, False) < 0.3 < 0.6 < own_seconds(p1, False)  # local phases: forward only
 
 
 def test_short_windows_are_judged_over_enough_seconds():
