@@ -52,7 +52,7 @@ def _runner_pool(hosts, include="", exclude="", num_nodes=-1, num_gpus=-1):
     """The deepspeed runner's own resolution of the same options (runner.main's two steps)."""
     pool = {h.name: h.slots for h in hosts}
     active = parse_inclusion_exclusion(pool, include, exclude)
-    return {h: list(s) for h, s in apply_num_nodes_and_gpus(active, num_nodes, num_gpus).items()}
+    return [(h, list(s)) for h, s in apply_num_nodes_and_gpus(active, num_nodes, num_gpus).items()]
 
 
 @pytest.mark.parametrize("kw, world", [
@@ -62,6 +62,9 @@ def _runner_pool(hosts, include="", exclude="", num_nodes=-1, num_gpus=-1):
     ({"num_nodes": 2, "gpus_per_node": 4}, 8),
     ({"include": "worker-0@worker-2:0,2"}, 10),
     ({"exclude": "worker-1@worker-0:7"}, 11),
+    ({"include": "worker-2@worker-0"}, 12),  # the runner keeps hostfile order: rank 0 is on worker-0
+    ({"include": "worker-0:1@worker-0@worker-2:3@worker-2:1"}, 3),  # a slot list wins over a bare name
+    ({"exclude": "worker-0:1@worker-0"}, 19),
 ])
 def test_rank_layout_matches_the_runner(tmp_path, kw, world):
     hosts = parse_hostfile(_write(tmp_path, GOOD))
@@ -69,7 +72,7 @@ def test_rank_layout_matches_the_runner(tmp_path, kw, world):
     assert world_size(ranks) == world
     ref = _runner_pool(hosts, kw.get("include", ""), kw.get("exclude", ""), kw.get("num_nodes", -1),
                        kw.get("gpus_per_node", -1))
-    assert {h: list(s) for h, s in ranks.items()} == ref
+    assert [(h, list(s)) for h, s in ranks.items()] == ref  # hosts in the runner's order: rank numbering
 
 
 @pytest.mark.parametrize("kw, needle", [
