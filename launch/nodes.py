@@ -6,7 +6,8 @@ of this ``vit-launch run``, when
 
 * the failed attempt's records name it dead: a rank on it left no record of its own while another
   rank's record names it among the peers that did not answer, or the hang watchdog got no stack file
-  from it. Every rank that fails in Python writes a record (``errors/rank-<R>.txt``, and
+  from it. Every rank that fails in Python once it has read its config writes a record, from its
+  start-up on (``errors/rank-<R>.txt``: ``FailureRecord`` around all of ``pretrain.train.run``;
   ``hang/rank-<R>.txt`` when the watchdog fires; ``pretrain/resilience/lifecycle.py``), so a rank
   without one was killed with its node, not failed on its own (a crash, an exception: restarted on
   the same nodes, as torchrun's elastic agent restarts its workers);
