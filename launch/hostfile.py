@@ -11,7 +11,8 @@ starts, and name the line, so a typo costs one line of stderr instead of a multi
 
 The rank layout mirrors the runner's ``apply_num_nodes_and_gpus`` and
 ``parse_inclusion_exclusion``: ``--num_nodes`` keeps the first N hosts; ``--num_gpus`` uses slots
-``[0, G)`` on each; ``--include``/``--exclude`` take ``NAME[:SLOT[,SLOT...]][@NAME...]``.
+``[0, G)`` on each; ``--include``/``--exclude`` take ``NAME[:SLOT[,SLOT...]][@NAME...]``, and the
+hosts kept stay in hostfile order whatever order ``--include`` names them in (``parse_resource_filter``).
 """
 from __future__ import annotations
 
@@ -78,14 +79,16 @@ def local_gpu_count() -> int:
 
 
 def _parse_filter(spec: str, flag: str, pool: "OrderedDict[str, list[int]]") -> dict[str, Optional[list[int]]]:
-    """``a@b:0,2`` -> {"a": None (all slots), "b": [0, 2]}; unknown hosts / slots are errors."""
+    """``a@b:0,2`` -> {"a": None (all slots), "b": [0, 2]}; unknown hosts / slots are errors. As the
+    runner's ``parse_node_config_list``: a host named twice gets the union of its slot lists, and a
+    bare name means all slots only when no part lists slots of that host (``a:1@a`` is slot 1)."""
     out: dict[str, Optional[list[int]]] = {}
     for part in spec.split("@"):
-        name, _, slots = part.partition(":")
+        name, colon, slots = part.partition(":")
         if name not in pool:
             raise LaunchError(f"{flag} {spec!r}: host {name!r} is not in the hostfile ({', '.join(pool)})")
-        if not slots:
-            out[name] = None
+        if not colon:
+            out.setdefault(name, None)
             continue
         try:
             ids = [int(s) for s in slots.split(",")]
@@ -94,7 +97,7 @@ def _parse_filter(spec: str, flag: str, pool: "OrderedDict[str, list[int]]") -> 
         bad = [i for i in ids if i not in pool[name]]
         if bad:
             raise LaunchError(f"{flag} {spec!r}: {name} has slots 0-{len(pool[name]) - 1}, not {bad[0]}")
-        out[name] = ids
+        out[name] = sorted(set((out.get(name) or []) + ids))
     return out
 
 
@@ -119,8 +122,8 @@ def active_ranks(hosts: Optional[list[Host]], *, num_nodes: Optional[int] = None
 
     pool = OrderedDict((h.name, list(range(h.slots))) for h in hosts)
     if include:
-        sel = _parse_filter(include, "--include", pool)
-        pool = OrderedDict((h, pool[h] if ids is None else sorted(set(ids))) for h, ids in sel.items())
+        sel = _parse_filter(include, "--include", pool)  # hostfile order, as the runner keeps it
+        pool = OrderedDict((h, s if sel[h] is None else sel[h]) for h, s in pool.items() if h in sel)
     elif exclude:
         sel = _parse_filter(exclude, "--exclude", pool)
         for h, ids in sel.items():

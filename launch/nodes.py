@@ -6,7 +6,8 @@ of this ``vit-launch run``, when
 
 * the failed attempt's records name it dead: a rank on it left no record of its own while another
   rank's record names it among the peers that did not answer, or the hang watchdog got no stack file
-  from it. Every rank that fails in Python writes a record (``errors/rank-<R>.txt``, and
+  from it. Every rank that fails in Python once it has read its config writes a record, from its
+  start-up on (``errors/rank-<R>.txt``: ``FailureRecord`` around all of ``pretrain.train.run``;
   ``hang/rank-<R>.txt`` when the watchdog fires; ``pretrain/resilience/lifecycle.py``), so a rank
   without one was killed with its node, not failed on its own (a crash, an exception: restarted on
   the same nodes, as torchrun's elastic agent restarts its workers);
@@ -135,15 +136,26 @@ def slow_hosts(layout: RunDir, since: float = 0.0) -> dict[str, str]:
 def _without(spec: LaunchSpec, gone: set[str], hostfile: Path) -> LaunchSpec:
     """``spec`` on ``hostfile`` with the runner options that named the hosts now gone adjusted:
     --include/--exclude parts dropped, --num-nodes capped, a --master-addr of a gone host moved to
-    the first host left (rank 0's, by its hostfile name, as ssh reaches it)."""
+    the first host the adjusted spec plans ranks on (rank 0's, by its hostfile name, as ssh reaches
+    it; not merely the hostfile's first, which --exclude may have taken out). Raises LaunchError
+    when every host of a non-empty --include is gone: an empty --include is no filter to the runner,
+    which would then start on hosts the user never chose."""
     def keep(flt: str) -> str:
         return "@".join(p for p in flt.split("@") if p and p.partition(":")[0] not in gone)
 
+    include = keep(spec.include)
+    if spec.include and not include:
+        lost = list(dict.fromkeys(p.partition(":")[0] for p in spec.include.split("@") if p))
+        raise LaunchError(f"--include {spec.include!r}: every host it names is lost ({', '.join(lost)}); "
+                          "no restart on hosts it does not name (give --include other hosts to go on)")
     kept = parse_hostfile(hostfile)
     num = min(spec.num_nodes, len(kept)) if spec.num_nodes else spec.num_nodes
-    master = kept[0].name if spec.master_addr in gone else spec.master_addr
-    return dataclasses.replace(spec, hostfile=str(hostfile), include=keep(spec.include), exclude=keep(spec.exclude),
-                               num_nodes=num, master_addr=master)
+    out = dataclasses.replace(spec, hostfile=str(hostfile), include=include, exclude=keep(spec.exclude),
+                              num_nodes=num)
+    if spec.master_addr in gone:
+        _, ranks = plan_ranks(out)
+        out = dataclasses.replace(out, master_addr=next(iter(ranks)))
+    return out
 
 
 class NodePool:

@@ -43,8 +43,8 @@ from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RunStatus, StopRequest, report_failure,
-                                          say_goodbye)
+from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, FailureRecord, RunStatus,
+                                          StopRequest, say_goodbye)
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
@@ -146,6 +146,14 @@ def train_loop(lp: Loop) -> dict:
 
 # ----------------------------------------------------------------------------------------- main
 def run(cfg: Config) -> dict:
+    """One rank's whole run; a failure anywhere in it, start-up included, leaves the rank's record
+    in ``<output_dir>/errors/`` (``FailureRecord``: what ``vit-launch run`` tells a failed rank from
+    a dead node by)."""
+    with FailureRecord(RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).errors) as record:
+        return _run(cfg, record)
+
+
+def _run(cfg: Config, record: FailureRecord) -> dict:
     stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
     t = cfg.train
     startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
@@ -153,6 +161,7 @@ def run(cfg: Config) -> dict:
     build_lock = ds_compat.report_build_lock_wait()  # DeepSpeed's CPU shm op may be JIT-built here
     rank, local_rank, world = init_distributed(max(t.pg_timeout_s, t.startup_timeout_s))
     build_lock.cancel()
+    hosts = record.hosts = all_hosts()  # lines and records about ranks name their hosts
     if rank == 0:
         ds_compat.check_version()
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)
@@ -170,6 +179,7 @@ def run(cfg: Config) -> dict:
     say = StartupLines(rank)
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
+    dog.hosts = hosts
     img = image_size(cfg.model)
 
     say(f"building {cfg.model.name} ({img} px) on {world} rank(s)")
@@ -229,7 +239,6 @@ def run(cfg: Config) -> dict:
     evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=rank,
                                world=world, img_size=img, num_classes=cfg.model.num_classes,
                                dtype=compute_dtype(t.precision))
-    hosts = dog.hosts = all_hosts()  # lines about ranks name their hosts
     status = RunStatus(layout.status if rank == 0 else None)
     status(start)
     clock = StepClock(engine.device, dog)
@@ -256,7 +265,7 @@ def run(cfg: Config) -> dict:
     except BaseException as e:
         failed = True
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        lost = world > 1 and report_failure(e, hosts, layout.errors, rank)  # who is gone, not gloo's words
+        lost = record.report(e)  # who is gone, not gloo's words; now, while the other ranks ask too
         status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
         if lost:
             raise SystemExit(1) from None

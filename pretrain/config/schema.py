@@ -162,8 +162,9 @@ class ZeroConfig:
     """Keep the optimizer states in host memory (DeepSpeed's `offload_optimizer` to CPU)."""
     offload_params: bool = False
     """ZeRO-3 only: keep each rank's parameter partitions in pinned host memory between uses
-    (DeepSpeed's `offload_param` to CPU); a layer's weights are copied to the GPU when gathered, so
-    the GPU holds about one layer's weights instead of 1/N of the model."""
+    (DeepSpeed's `offload_param` to CPU); the weights are copied to the GPU when gathered, so the
+    GPU holds about one gathered unit's weights (a whole block with `zero.leaf_blocks`, else one
+    layer) instead of 1/N of the model."""
     overlap_comm: bool = True
     """Overlap the gradient reduction with the backward (DeepSpeed's `overlap_comm`)."""
     contiguous_gradients: bool = True

@@ -52,7 +52,7 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         if train.compile:
             # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
             # ZeRO status: traced by dynamo, that guards on every Linear and can exhaust its
-            # recompile limit. Compiled blocks are ZeRO-3 leaf modules (compile_blocks), their
+            # recompile limit. Compiled blocks are ZeRO-3 leaf modules (leaf_module above), their
             # weights gathered around the whole block, so the plain F.linear serves.
             z["memory_efficient_linear"] = False
         # ZeRO++ (Wang et al. 2023), DeepSpeed's own key names; qwZ/qgZ quantize with CUDA kernels
@@ -247,29 +247,27 @@ def use_fused_adamw(accelerator: str, cuda_available: bool) -> bool:
     return accelerator == "cuda" and cuda_available
 
 
-def compile_blocks(model: torch.nn.Module, zero_stage: int = 0, backend: str = "inductor") -> int:
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     """Regional compilation: ``torch.compile`` each Transformer block's ``forward`` in place (the
     modules and their parameter names stay, so checkpoints and exports are unchanged). All blocks
     share one shape, so one block's compile is reused by the others (seconds, not the minutes of a
     whole-model compile). Activation checkpointing wraps the blocks' calls unchanged.
 
     Only ``forward`` is compiled, not the module call: hooks on a block run eagerly around the
-    compiled code. Under ZeRO-3 each block is also made a leaf module
-    (``deepspeed.utils.set_z3_leaf_modules``): its parameters are gathered by one hook pair around
-    the whole block, and no ZeRO hook is left inside it. Without that, dynamo traces ZeRO-3's
-    per-Linear hooks, guards on each module's id and hits its recompile limit, slower than eager;
-    so does DeepSpeed's ``engine.compile()`` (a whole-model compile), and DeepCompile, DeepSpeed's
-    answer to this, runs on CUDA only. ZeRO 1/2's hooks sit on the parameters, outside the
-    compiled code. ``backend``: torch.compile's (training uses inductor). Returns the count."""
+    compiled code. Under ZeRO-3 each block must also be a leaf module, so that its parameters are
+    gathered by one hook pair around the whole block and no ZeRO hook is left inside it: the
+    DeepSpeed config names the block class in ``zero_optimization.leaf_module`` whenever
+    ``train.compile`` is on (``deepspeed_config``), and ``deepspeed.initialize`` flags the blocks
+    before it installs its hooks. Without that, dynamo traces ZeRO-3's per-Linear hooks, guards on
+    each module's id and hits its recompile limit, slower than eager; so does DeepSpeed's
+    ``engine.compile()`` (a whole-model compile), and DeepCompile, DeepSpeed's answer to this, runs
+    on CUDA only. ZeRO 1/2's hooks sit on the parameters, outside the compiled code. ``backend``:
+    torch.compile's (training uses inductor). Returns the count."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or len(blocks) == 0:
         raise ConfigError(f"train.compile: {type(model).__name__} has no Transformer blocks to compile")
     for blk in blocks:
         blk.forward = torch.compile(blk.forward, backend=backend)
-    if zero_stage == 3:
-        from deepspeed.utils import set_z3_leaf_modules
-
-        set_z3_leaf_modules(model, [type(blocks[0])])
     return len(blocks)
 
 
@@ -293,7 +291,7 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     if train.activation_checkpointing:
         model.set_grad_checkpointing(True)
     if train.compile:
-        compile_blocks(model, zero.stage)
+        compile_blocks(model)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)
     factor = schedule.lr_multiplier(optim.schedule, optim.warmup_steps, train.steps, optim.min_lr / optim.lr)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

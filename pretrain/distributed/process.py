@@ -119,13 +119,6 @@ def is_peer_error(err: BaseException) -> bool:
     return any(k in str(err) for k in PEER_ERRORS)
 
 
-def unreachable_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0") -> Optional[str]:
-    """After a collective failed: one line naming the peers that do not answer (``lost_peers``), or
-    None when every peer answered (the failure was elsewhere)."""
-    found = lost_peers(hosts, wait_s, attempt)
-    return found[0] if found else None
-
-
 def lost_peers(hosts: list[str], wait_s: float = 5.0, attempt: str = "0") -> Optional[tuple[str, list[int]]]:
     """After a collective failed: which peers still answer, asked through the rendezvous store
     (its own TCP connection to rank 0's host, not the collectives' links). Every rank that calls

@@ -163,12 +163,23 @@ def _stem_params(layers: tuple[int, ...], in_chans: int = 3, width: int = 64) ->
     return total, largest
 
 
+def block_param_count(name: str, qk_norm: bool = False, layer_scale: bool = False) -> int:
+    """Parameters of one Transformer block (two LayerNorms, qkv and projection, the MLP; the
+    normalised Q/K's norms and the LayerScale gammas when on): what ZeRO-3 gathers at once for a
+    block that is one leaf module (``zero.leaf_blocks``)."""
+    a = model_defaults(name)
+    d, m, hd = a["embed_dim"], a["mlp_hidden"], a["embed_dim"] // a["num_heads"]
+    return (4 * d + 3 * d * d + 3 * d + d * d + d + d * m + m + m * d + d
+            + (4 * hd if qk_norm else 0) + (2 * d if layer_scale else 0))
+
+
 def param_count(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
                 representation_size: Optional[int] = None, qk_norm: bool = False,
                 layer_scale: bool = False) -> tuple[int, int]:
     """(parameters, parameters of the largest single module) of the model ``pretrain.models.vit``
-    builds with these arguments. The second is what ZeRO-3 gathers at once at most: the
-    module's own parameters, as DeepSpeed fetches them per submodule."""
+    builds with these arguments. The second is what ZeRO-3 gathers at once at most when DeepSpeed
+    fetches each module's own parameters (``zero.leaf_blocks=false``); leaf blocks are fetched
+    whole (:func:`block_param_count`)."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
     h, w = (img, img) if isinstance(img, int) else img
@@ -186,9 +197,7 @@ def param_count(name: str, img_size=None, num_classes: int = 1000, global_pool: 
         embed = 3 * p * p * d + d
         modules = [embed]
     top = d + (tokens + 1) * d  # class token + position embeddings
-    hd = d // a["num_heads"]
-    block = (4 * d + 3 * d * d + 3 * d + d * d + d + d * m + m + m * d + d
-             + (4 * hd if qk_norm else 0) + (2 * d if layer_scale else 0))
+    block = block_param_count(name, qk_norm, layer_scale)
     head_in = representation_size or d
     head = 2 * d + (d * representation_size + representation_size if representation_size else 0) \
         + head_in * num_classes + num_classes

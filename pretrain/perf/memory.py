@@ -20,7 +20,11 @@ the bf16 gradients and a whole fp32 accumulation buffer (``fp32_groups_gradients
 moments: 2 + 6 + 12/N. ``tests/integration/test_perfmodel.py`` reads these buffers off live optimizers. ZeRO-1/2
 also hold one or two (``overlap_comm``) gradient buckets of ``zero.reduce_bucket_size`` elements
 whatever the model size (``setup_buckets`` in stage_1_and_2.py): 2 GB for the 5e8 default in bf16,
-which is why small GPUs lower that setting. ZeRO-3 gathers one layer at a time (weights + grads).
+which is why small GPUs lower that setting. ZeRO-3 holds the weights and gradients of one gathered
+unit at a time beyond the partitions: a whole Transformer block with ``zero.leaf_blocks`` (the
+default; ``train.compile`` too: each block is one DeepSpeed leaf module, fetched whole), else the
+largest single module (DeepSpeed fetches each module's own parameters); the patch embedding and the
+head are single modules either way, so the unit is the larger of a block and the largest module.
 
 The "bf16" column is ``train.precision`` bf16 and fp16 (DeepSpeed keeps the module in 16 bits).
 ``bf16-autocast`` keeps the module fp32: its weights, gradients and masters are the fp32 column (no
@@ -61,9 +65,10 @@ Host memory while the model is built (``host_build``, per rank, CPU RAM): withou
 rank builds and initialises the whole fp32 model on the CPU before DeepSpeed moves it (4 B/param;
 8 ranks on a node of ViT-G/14: 8 x 7.4 GB). Under ZeRO-3 ``train.build_model`` builds inside
 ``deepspeed.zero.Init``: each layer is made whole, broadcast and partitioned onto the device as
-soon as it exists, and initialised one layer at a time under ``GatheredParameters``, so the host
-and the device each hold at most one whole layer (fp32) beyond the rank's 1/N share (which is
-already in ``weights``).
+soon as it exists, and initialised one module at a time under ``GatheredParameters`` (leaf blocks
+play no part while building: they change only how training fetches), so the host and the device
+each hold at most one whole layer (fp32) beyond the rank's 1/N share (which is already in
+``weights``).
 """
 from __future__ import annotations
 
@@ -78,7 +83,8 @@ RUNTIME_OVERHEAD_BYTES = 1 * GB
 @dataclass(frozen=True)
 class ModelShape:
     params: int
-    largest_layer: int  # parameters of the largest single module (ZeRO-3 gathers one at a time)
+    largest_layer: int  # parameters of the largest single module (ZeRO-3's unit without leaf blocks)
+    block_params: int  # parameters of one Transformer block (ZeRO-3's unit for a leaf block)
     seq_len: int
     width: int
     depth: int
@@ -93,14 +99,15 @@ class ModelShape:
 def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
                    global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False) -> ModelShape:
     """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch)."""
-    from pretrain.models.arch import model_defaults, param_count
+    from pretrain.models.arch import block_param_count, model_defaults, param_count
 
     d = model_defaults(name)
     img = img_size or d["img_size"]
     params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale)
     s = d["stride"]
     tokens = (-(-img // s)) ** 2 if d["stem_layers"] else (img // s) ** 2
-    return ModelShape(params=params, largest_layer=largest, seq_len=tokens + 1, width=d["embed_dim"],
+    return ModelShape(params=params, largest_layer=largest, block_params=block_param_count(name, qk_norm, layer_scale),
+                      seq_len=tokens + 1, width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
                       mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale)
 
@@ -148,15 +155,25 @@ def model_state_bytes(params: int, *, stage: int, world: int, precision: str, op
     return out
 
 
-def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str) -> float:
-    """Communication buffers DeepSpeed allocates at a fixed size (see module docstring)."""
+def zero3_gathered_params(shape: ModelShape, leaf_blocks: bool) -> int:
+    """Parameters ZeRO-3 holds gathered at once at most (module docstring): a whole block when the
+    blocks are leaf modules, never less than the largest single module (the patch embedding and the
+    head are gathered alone either way)."""
+    return max(shape.block_params, shape.largest_layer) if leaf_blocks else shape.largest_layer
+
+
+def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str, *, leaf_blocks: bool) -> float:
+    """Communication buffers DeepSpeed allocates at a fixed size, and at ZeRO-3 the weights and
+    gradients of the unit it gathers (see module docstring). ``leaf_blocks``: the blocks are
+    ZeRO-3 leaf modules (``zero.leaf_blocks`` or ``train.compile``)."""
     e = weight_bytes(precision)
     if zero_cfg.stage in (1, 2):
         if not zero_cfg.contiguous_gradients:
             return 0.0
         return zero_cfg.reduce_bucket_size * e * (2 if zero_cfg.overlap_comm else 1)
     if zero_cfg.stage == 3:
-        return (zero_cfg.reduce_bucket_size + zero_cfg.stage3_prefetch_bucket_size) * e + 2 * e * shape.largest_layer
+        return ((zero_cfg.reduce_bucket_size + zero_cfg.stage3_prefetch_bucket_size) * e
+                + 2 * e * zero3_gathered_params(shape, leaf_blocks))
     return 0.0
 
 
@@ -234,7 +251,8 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
     act = activation_bytes(shape, t.micro_batch_size, checkpointing=t.activation_checkpointing, **kw)
     other = activation_bytes(shape, t.micro_batch_size, checkpointing=not t.activation_checkpointing, **kw)
-    return MemoryEstimate(params=shape.params, states=states, buffers=zero_buffer_bytes(cfg.zero, shape, t.precision),
+    buffers = zero_buffer_bytes(cfg.zero, shape, t.precision, leaf_blocks=cfg.zero.leaf_blocks or t.compile)
+    return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=t.activation_checkpointing,
                           host_build=host_build_bytes(shape, cfg.zero.stage))
 

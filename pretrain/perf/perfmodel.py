@@ -339,11 +339,11 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
 
     zero = NS(stage=layout.zero, contiguous_gradients=True, overlap_comm=layout.overlap_comm,
               reduce_bucket_size=layout.reduce_bucket_size, stage3_prefetch_bucket_size=layout.prefetch_bucket_size,
-              offload_optimizer=False, offload_params=False)
+              offload_optimizer=False, offload_params=False, leaf_blocks=layout.leaf_blocks)
     cfg = NS(zero=zero, model=NS(drop_rate=0.0),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
-                      activation_checkpointing=layout.checkpointing))
+                      activation_checkpointing=layout.checkpointing, compile=layout.compile))
     return memory.estimate(cfg, layout.world, shape)
 
 

@@ -134,13 +134,15 @@ def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int) 
     import traceback
     from pathlib import Path
 
-    from pretrain.distributed.process import is_peer_error, lost_peers
+    import torch.distributed as dist
 
-    found = lost_peers(hosts) if is_peer_error(err) else None
-    line, lost = found if found else (f"rank {rank} on {hosts[rank]}: {type(err).__name__}: {err}".splitlines()[0][:300], None)
+    from pretrain.distributed.process import is_peer_error, lost_peers, node_name
+
+    host = hosts[rank] if rank < len(hosts) else node_name()  # before the ranks exchanged names: our own
+    found = lost_peers(hosts) if is_peer_error(err) and dist.is_initialized() else None
+    line, lost = found if found else (f"rank {rank} on {host}: {type(err).__name__}: {err}".splitlines()[0][:300], None)
     where = Path(errors_dir) / f"rank-{rank}.txt"
-    head = {"rank": rank, "host": hosts[rank] if rank < len(hosts) else None, "time": time.time(),
-            "started": STARTED, "line": line}
+    head = {"rank": rank, "host": host, "time": time.time(), "started": STARTED, "line": line}
     if lost is not None:
         head["lost"] = lost
     try:
@@ -151,6 +153,37 @@ def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int) 
     if found:
         print(f"vit-train: {line}", file=sys.stderr, flush=True)
     return bool(found)
+
+
+class FailureRecord:
+    """``with FailureRecord(errors_dir) as record:`` around all of a rank's run: when the rank fails
+    with a Python exception, its record (``report_failure``) is written once, by ``report`` where
+    the failure is first seen (the training loop, so that the ranks ask after their peers at about
+    the same time), else on the way out of the block (start-up: the process group, the model,
+    DeepSpeed, the data). Only in a job of more than one rank, read from the runner's ``RANK`` and
+    ``WORLD_SIZE``, which exist before the process group does. ``hosts``: every rank's node, once
+    the ranks have exchanged them (until then a record names only this rank's)."""
+
+    def __init__(self, errors_dir):
+        self.errors_dir = errors_dir
+        self.hosts: list[str] = []
+        self.written = False
+
+    def __enter__(self) -> "FailureRecord":
+        return self
+
+    def report(self, err: BaseException) -> bool:
+        """Write the record unless written already; True when a peer went away (``report_failure``:
+        the caller exits 1 without a traceback)."""
+        if self.written or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return False
+        self.written = True
+        return report_failure(err, self.hosts, self.errors_dir, int(os.environ.get("RANK", "0")))
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if err is not None and self.report(err):
+            raise SystemExit(1) from None
+        return False
 
 
 def read_record(path) -> Optional[dict]:

@@ -1,9 +1,10 @@
 """``train.compile``: regional compilation of each Transformer block's forward (inductor; on CPU it
 needs a C++ compiler). Five steps compiled and eager give the same losses (1e-4 relative), with
-ZeRO 0 and 3 (each block a leaf module), both with activation checkpointing on, and dynamo never
-hits its recompile limit (it did under ZeRO-3 while its per-Linear hooks were traced). ZeRO 1-2
-compile the blocks exactly as ZeRO 0 does (``compile_blocks``: only stage 3 differs); the GPU
-suite's smoke test compiles them without checkpointing."""
+ZeRO 0 and 3 (each block a leaf module, named in DeepSpeed's config), both with activation
+checkpointing on, and dynamo never hits its recompile limit (it did under ZeRO-3 while its
+per-Linear hooks were traced). ZeRO 1-2 compile the blocks exactly as ZeRO 0 does (``compile_blocks``
+is the same at every stage; only stage 3's config differs); the GPU suite's smoke test compiles them
+without checkpointing."""
 import pytest
 
 
@@ -28,8 +29,7 @@ def test_compiled_blocks_match_eager(tiny_run, stage, extra):
     assert eager[-1] < eager[0]  # it trains
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_compile_blocks_in_place_keeps_names(stage):
+def test_compile_blocks_in_place_keeps_names():
     from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
     from pretrain.distributed.engine import compile_blocks
@@ -37,10 +37,11 @@ def test_compile_blocks_in_place_keeps_names(stage):
 
     model = create_model("vit_tiny_patch16_224", num_classes=10, img_size=32)
     names = list(model.state_dict())
-    assert compile_blocks(model, stage) == 12
+    assert compile_blocks(model) == 12
     assert list(model.state_dict()) == names  # checkpoints and exports unchanged
-    # ZeRO-3 gathers each block whole (one eager hook pair around the compiled forward)
-    assert [z3_leaf_module(m) for m in model.modules() if z3_leaf_module(m)] == [True] * (12 if stage == 3 else 0)
+    # ZeRO-3's leaves (each block gathered whole, one eager hook pair around the compiled forward)
+    # are DeepSpeed's to flag, from the config (tests/unit/test_engine.py), at any stage the same code
+    assert not any(z3_leaf_module(m) for m in model.modules())
 
 
 def test_zero3_compiled_keeps_the_plain_linear():

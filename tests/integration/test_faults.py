@@ -123,6 +123,30 @@ def test_failed_job_restarts_and_resumes(tiny_run):
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_rank_failing_in_start_up_leaves_its_record(tiny_run):
+    """A rank that fails before the training loop (here: a batch the 2 ranks cannot split, found
+    once the process group says the world size) writes its record too, so ``vit-launch run`` does
+    not take it for a rank killed with its node and leave a healthy node out."""
+    from launch.nodes import Attempt, named_dead
+    from pretrain.resilience.lifecycle import read_record
+
+    t0 = time.time()
+    job = tiny_run(*ZERO1, "train.global_batch_size=24", via="deepspeed", ranks=2)
+    r = job.run(300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "train.global_batch_size=24 is not divisible" in out, out[-3000:]
+    heads = {f.name: read_record(f) for f in sorted((job.run_dir / "errors").glob("rank-*.txt"))}
+    assert sorted(heads) == ["rank-0.txt", "rank-1.txt"], out[-3000:]
+    for rank, head in enumerate(heads.values()):
+        assert head["rank"] == rank and head["started"] >= t0 - 1 and "lost" not in head
+        assert head["host"] and f"rank {rank} on {head['host']}: ConfigError: train.global_batch_size=24" in head["line"]
+    # a peer naming both ranks lost would not make their node dead: each left its own record
+    heads["rank-0.txt"]["lost"] = [1]
+    errors = job.run_dir / "errors" / "rank-0.txt"
+    errors.write_text(json.dumps(heads["rank-0.txt"]) + "\n")
+    assert named_dead(rundir.RunDir.of(job.run_dir), Attempt(t0 - 1, ["h", "h"], ["h"])) == {}
+
+
 # ----------------------------------------------------------------------------- damaged checkpoint
 @pytest.fixture(scope="module")
 def two_checkpoints(shards, tmp_path_factory):

@@ -372,7 +372,8 @@ def test_collective_timeout_reaches_every_process_group(tmp_path):
 
 def test_a_failed_collective_names_the_peer_that_does_not_answer(tmp_path):
     """Two real gloo ranks; rank 1 leaves after the rendezvous. Rank 0 asks through the store who
-    still answers and names rank 1 and its host; with every rank answering, nothing is named."""
+    still answers (``lost_peers``, what a failing rank's record says) and names rank 1 and its host;
+    with every rank answering, nothing is named."""
     import subprocess
     import sys
 
@@ -380,14 +381,15 @@ def test_a_failed_collective_names_the_peer_that_does_not_answer(tmp_path):
 
     code = (
         "import sys, torch.distributed as dist\n"
-        "from pretrain.distributed.process import unreachable_peers\n"
+        "from pretrain.distributed.process import lost_peers\n"
         "rank = int(sys.argv[1])\n"
         "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
         "hosts = ['node-a', 'node-b']\n"
-        "print('all:', unreachable_peers(hosts, wait_s=10, attempt='a'), flush=True)\n"
+        "print('all:', lost_peers(hosts, wait_s=10, attempt='a'), flush=True)\n"
         "if rank == 1:\n"
         "    import os; os._exit(0)\n"
-        "print('gone:', unreachable_peers(hosts, wait_s=2, attempt='b'), flush=True)\n")
+        "line, lost = lost_peers(hosts, wait_s=2, attempt='b')\n"
+        "print('gone:', lost, line, flush=True)\n")
     env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -395,4 +397,4 @@ def test_a_failed_collective_names_the_peer_that_does_not_answer(tmp_path):
     assert procs[0].returncode == 0, out[0][1][-2000:]
     lines = out[0][0].splitlines()
     assert lines[0] == "all: None"
-    assert lines[1].startswith("gone: rank 0 on node-a: no answer within 2 s from rank 1 on node-b"), lines
+    assert lines[1].startswith("gone: [1] rank 0 on node-a: no answer within 2 s from rank 1 on node-b"), lines

@@ -190,14 +190,26 @@ def test_nonfinite_verdict_reads_pending_flags_in_order():
 
 def test_zero3_leaf_modules_name_our_block_class_unless_turned_off():
     """DeepSpeed finds leaf modules by the class path written into its config: it must be the class
-    our models build their blocks from (a rename fails here, not as silently per-module hooks)."""
+    our models build their blocks from (a rename fails here, not as silently per-module hooks). The
+    config alone makes them leaves, compiled blocks included (``compile_blocks`` flags nothing):
+    DeepSpeed's own parser and the function ``deepspeed.initialize`` applies it with
+    (``apply_zero_leaf_module_config``, before it installs its ZeRO-3 hooks) flag the 12 blocks of a
+    real model."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config, z3_leaf_module
+
     from pretrain.models.vit import Block
 
     assert LEAF_BLOCK_CLASS == f"{Block.__module__}.{Block.__qualname__}"
     for over, want in ((["zero.leaf_blocks=false"], []), (["zero.leaf_blocks=false", "train.compile=true"],
                                                           [LEAF_BLOCK_CLASS]), ([], [LEAF_BLOCK_CLASS])):
         c = cfg("zero.stage=3", *over)
-        assert deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]["leaf_module"]["classes"] == want
+        ds = deepspeed_config(c.optim, c.train, c.zero, 1)
+        assert ds["zero_optimization"]["leaf_module"]["classes"] == want
+        model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10)
+        apply_zero_leaf_module_config(model, DeepSpeedConfig(json.loads(json.dumps(ds))).zero_config.leaf_module)
+        leaves = [m for m in model.modules() if z3_leaf_module(m)]
+        assert leaves == (list(model.blocks) if want else []), over
     c = cfg("zero.stage=2")
     assert "leaf_module" not in deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]
 

@@ -52,7 +52,7 @@ def _runner_pool(hosts, include="", exclude="", num_nodes=-1, num_gpus=-1):
     """The deepspeed runner's own resolution of the same options (runner.main's two steps)."""
     pool = {h.name: h.slots for h in hosts}
     active = parse_inclusion_exclusion(pool, include, exclude)
-    return {h: list(s) for h, s in apply_num_nodes_and_gpus(active, num_nodes, num_gpus).items()}
+    return [(h, list(s)) for h, s in apply_num_nodes_and_gpus(active, num_nodes, num_gpus).items()]
 
 
 @pytest.mark.parametrize("kw, world", [
@@ -62,6 +62,9 @@ def _runner_pool(hosts, include="", exclude="", num_nodes=-1, num_gpus=-1):
     ({"num_nodes": 2, "gpus_per_node": 4}, 8),
     ({"include": "worker-0@worker-2:0,2"}, 10),
     ({"exclude": "worker-1@worker-0:7"}, 11),
+    ({"include": "worker-2@worker-0"}, 12),  # the runner keeps hostfile order: rank 0 is on worker-0
+    ({"include": "worker-0:1@worker-0@worker-2:3@worker-2:1"}, 3),  # a slot list wins over a bare name
+    ({"exclude": "worker-0:1@worker-0"}, 19),
 ])
 def test_rank_layout_matches_the_runner(tmp_path, kw, world):
     hosts = parse_hostfile(_write(tmp_path, GOOD))
@@ -69,7 +72,7 @@ def test_rank_layout_matches_the_runner(tmp_path, kw, world):
     assert world_size(ranks) == world
     ref = _runner_pool(hosts, kw.get("include", ""), kw.get("exclude", ""), kw.get("num_nodes", -1),
                        kw.get("gpus_per_node", -1))
-    assert {h: list(s) for h, s in ranks.items()} == ref
+    assert [(h, list(s)) for h, s in ranks.items()] == ref  # hosts in the runner's order: rank numbering
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -169,3 +172,42 @@ def test_a_restart_leaves_out_the_nodes_whose_ranks_left_no_record(tmp_path):
     for r in (0, 1, 2, 3):
         record(r, folder="hang")
     assert named_dead(layout, attempt)["c"].endswith("the hang watchdog got no stack file from it")
+
+
+def test_a_restart_moves_the_master_to_a_node_that_runs_ranks_and_keeps_include(tmp_path):
+    """The nodes left after a node is left out: a --master-addr on it moves to the first host the
+    runner will start ranks on (not an --exclude'd one: the ranks could not meet), and an --include
+    whose hosts are all gone is refused (an empty --include lets the runner take the whole hostfile)."""
+    import json
+    import time
+
+    from deepspeed.launcher.runner import parse_args as runner_parse_args
+
+    from launch.nodes import NodePool
+    from launch.runner import LaunchSpec
+    from pretrain.checkpointing.rundir import RunDir
+    from pretrain.config.schema import TrainConfig
+
+    hostfile = _write(tmp_path, "a slots=2\nb slots=2\nc slots=2\n")
+    train = TrainConfig(global_batch_size=8, micro_batch_size=1)
+
+    def restart(name, **kw):  # an earlier run named `b` a straggler (--exclude-slow-hosts); no probe before
+        layout = RunDir.of(tmp_path / name)  # the first start (a later one asks every host over pdsh)
+        layout.root.mkdir(parents=True)
+        layout.stragglers.write_text(json.dumps({"time": time.time(), "hosts": ["b"], "line": "b is slow"}))
+        return NodePool(LaunchSpec("x.yaml", hostfile=str(hostfile), master_addr="b", **kw), layout, train,
+                        exclude_slow=True, log=lambda line: None)
+
+    pool = restart("exclude", exclude="a")
+    args = runner_parse_args(pool.command()[1:])
+    assert (args.master_addr, args.exclude, pool.attempt.hosts) == ("c", "a", ["c"])
+
+    pool = restart("include", include="b:0,1")
+    with pytest.raises(LaunchError) as e:
+        pool.command()
+    assert str(e.value) == ("--include 'b:0,1': every host it names is lost (b); no restart on hosts it does not "
+                            "name (give --include other hosts to go on)")
+
+    pool = restart("include2", include="c@b")  # one host of --include left: rank 0 on it
+    args = runner_parse_args(pool.command()[1:])
+    assert (args.master_addr, args.include, pool.attempt.hosts) == ("c", "c", ["c"])

@@ -116,3 +116,29 @@ def test_zero3_build_needs_one_layer_of_host_memory_not_the_model():
     cfg.zero.stage = 2
     z2 = memory.estimate(cfg, world=64)
     assert z2.host_build == 4 * z2.params > 60 * z3.host_build
+
+
+def test_zero3_gathers_a_whole_leaf_block_at_once():
+    """With zero.leaf_blocks (the default; train.compile too) each Transformer block is one ZeRO-3
+    leaf module, gathered whole: the estimate's gathered weights + gradients grow from the largest
+    single module to one block. Both counted on real modules (meta device: no memory): timm's
+    ViT-L/16 block, and the largest module's own parameters in our built model."""
+    from timm.models.vision_transformer import Block as TimmBlock
+
+    with torch.device("meta"):
+        block = sum(p.numel() for p in TimmBlock(dim=1024, num_heads=16, mlp_ratio=4.0, qkv_bias=True).parameters())
+        model = create_model("vit_large_patch16_224", num_classes=1000, defer_init=True)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+    def buffers(*over, classes=1000):
+        cfg = load_config("configs/vit_l16_in21k.yaml", [f"model.num_classes={classes}", "zero.stage=3",
+                                                         "train.precision=bf16", *over])
+        return memory.estimate(cfg, world=16).buffers
+
+    leaf, per_module = buffers(), buffers("zero.leaf_blocks=false")
+    assert leaf - per_module == 2 * 2 * (block - largest)  # bf16 weights and gradients of the block's rest
+    assert (leaf - per_module) / 1e6 == pytest.approx(33.6, abs=0.1)  # 8.4 M parameters more
+    assert buffers("zero.leaf_blocks=false", "train.compile=true") == leaf  # compiled blocks are leaves too
+    # ImageNet-21k's head (21,843 classes: 22.4 M parameters, one module) is larger than a block:
+    # it is the largest gathered unit either way
+    assert buffers(classes=21843) == buffers("zero.leaf_blocks=false", classes=21843)
