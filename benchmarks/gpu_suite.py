@@ -459,7 +459,8 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
                 return row
         cfg = DataConfig(train_shards=str(shards / "manifest.json"), workers=plan.loader_workers,
                          shuffle_buffer=256, **kw)
-        it = iter(build_loader(cfg, batch_size=plan.loader_batch, img_size=plan.loader_img, seed=0))
+        # batches normalised on the device, as training has them (build_loader's device)
+        it = iter(build_loader(cfg, batch_size=plan.loader_batch, img_size=plan.loader_img, seed=0, device=device))
         for _ in range(2):  # warm-up: workers started, shuffle buffers filled
             next(it)
         end = time.perf_counter() + budget

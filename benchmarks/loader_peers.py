@@ -3,11 +3,16 @@ images/s per worker for the same JPEGs, the same pre-training transform at 224 (
 crop scale 0.08-1, ratio 3/4-4/3, flip 0.5, float32 normalised to [-1, 1], CHW), the same batch.
 
   vitscale     data_pipeline.loading.loader over shards written by vit-shards, decode in the workers
-               (data.worker_decoder auto: the crop window only, with nvImageCodec, when installed)
+               (data.worker_decoder auto: the crop window only, with nvImageCodec, when installed);
+               workers send uint8 batches, this process normalises them (build_loader's device:
+               here the CPU; in training the GPU)
   vitscale-pil the same with data.worker_decoder=pil (PIL decodes the whole image): the path before
   streaming    MosaicML streaming: MDS shards written by its MDSWriter, StreamingDataset + DataLoader
   litdata      Lightning litdata: optimize() of PIL JPEGs (its JPEG serializer: decode_jpeg), StreamingDataLoader
   wds-timm     plain webdataset over the same tar shards + timm's create_transform (open_clip/timm style)
+  wds-timm-u8  the same as timm's own training script sets it up with its prefetcher (use_prefetcher:
+               uint8 tensors, timm's fast_collate), normalised here in this process as timm's
+               PrefetchLoader does on the GPU
   spdl         Meta's SPDL (spdl-io + spdl): its thread pipeline, FFmpeg decode with the crop, resize and
                flip as a filter; one pipeline thread per "worker"
   dali-cpu     NVIDIA DALI pipeline on the CPU: readers.file + decoders.image_random_crop (ROI decode) +
@@ -33,6 +38,11 @@ environment, never in the project's .venv:
 window) instead. A peer that does not import is reported as missing with the error and the rest
 still run. Goals (per worker, at each worker count and size): vitscale >= 1.3x the fastest Python
 peer (streaming, litdata, wds-timm, spdl) and >= 1.0x DALI's CPU pipeline.
+
+Loaders that send uint8 batches (vitscale, wds-timm-u8) are normalised in this process, on the
+CPU, and that time counts in their CPU-seconds; on a GPU machine it runs on the GPU, so the script
+also prints their images per CPU-second without it ("finish on the GPU": the main thread's time
+in the finish, measured around it, taken out).
 """
 from __future__ import annotations
 
@@ -57,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loader_throughput import make_images, rate_batches  # noqa: E402
 
+from data_pipeline.loading import loader as loader_module  # noqa: E402
+from data_pipeline.loading.batch_decode import BatchDecoder  # noqa: E402
 from data_pipeline.loading.loader import build_loader  # noqa: E402
 from data_pipeline.shards import crop_decode  # noqa: E402
 from data_pipeline.shards.decode import draft  # noqa: E402
@@ -73,6 +85,23 @@ def endless(make):
     """Batches forever from a fresh iterable per epoch (loaders whose epochs end)."""
     while True:
         yield from make()
+
+
+FINISH = {"cpu_s": 0.0}  # main-thread CPU seconds spent normalising uint8 batches, all loaders so far
+
+
+class TimedFinisher(BatchDecoder):
+    """The loader's own finisher (normalise, mix), its main-thread CPU time added to ``FINISH``."""
+
+    def __call__(self, *args):
+        t = time.thread_time()
+        try:
+            return super().__call__(*args)
+        finally:
+            FINISH["cpu_s"] += time.thread_time() - t
+
+
+loader_module.BatchDecoder = TimedFinisher  # every vitscale loader built below
 
 
 # ------------------------------------------------------------------------------------ data
@@ -127,6 +156,36 @@ def _pil_transform():
     return v2.Compose([v2.RandomResizedCrop(224, scale=SCALE, ratio=RATIO, antialias=True),
                        v2.RandomHorizontalFlip(AUG.hflip), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
                        v2.Normalize(MEAN, STD)])
+
+
+def wds_timm_u8(d, workers, batch):
+    """``wds_timm`` as timm's train.py builds it with its prefetcher: the transform stops at uint8
+    tensors (``use_prefetcher=True``), ``fast_collate`` batches them, and the batch is normalised
+    after it arrives (timm's PrefetchLoader: ``x.float().sub_(255 mean).div_(255 std)`` on the GPU;
+    here on the CPU, timed into ``FINISH``)."""
+    import timm.data
+    import webdataset as wds
+    from timm.data.loader import fast_collate
+
+    tf = timm.data.create_transform(224, is_training=True, scale=SCALE, ratio=RATIO, hflip=AUG.hflip, vflip=0.0,
+                                    color_jitter=None, auto_augment=None, interpolation="bilinear", mean=MEAN,
+                                    std=STD, re_prob=0.0, use_prefetcher=True)
+    names = sorted(p.name for p in d["shards"].glob("*.tar"))
+    urls = [str(d["shards"] / n) for n in names]
+    ds = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node)
+          .shuffle(256).decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int)
+          .batched(batch, collation_fn=fast_collate, partial=False))
+    loader = wds.WebLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+    mean = torch.tensor([m * 255 for m in MEAN]).view(1, 3, 1, 1)
+    std = torch.tensor([s * 255 for s in STD]).view(1, 3, 1, 1)
+
+    def finished():
+        for x, y in endless(lambda: loader):
+            t = time.thread_time()
+            x = x.float().sub_(mean).div_(std)
+            FINISH["cpu_s"] += time.thread_time() - t
+            yield x, y
+    return finished()
 
 
 def imagefolder_peer(d, workers, batch):
@@ -318,8 +377,9 @@ def ffcv_peer(d, workers, batch):
 
 
 PEERS = {"vitscale": vitscale, "vitscale-pil": vitscale_pil, "streaming": streaming_peer, "litdata": litdata_peer,
-         "wds-timm": wds_timm, "spdl": spdl_peer, "dali-cpu": dali_cpu, "ffcv": ffcv_peer,
-         "imagefolder": imagefolder_peer}
+         "wds-timm": wds_timm, "wds-timm-u8": wds_timm_u8, "spdl": spdl_peer, "dali-cpu": dali_cpu,
+         "ffcv": ffcv_peer, "imagefolder": imagefolder_peer}
+UINT8 = ("vitscale", "vitscale-pil", "wds-timm-u8")  # normalised in this process: on a GPU, by the GPU
 DEFAULT = [n for n in PEERS if n != "imagefolder"]
 PYTHON_PEERS = ("streaming", "litdata", "wds-timm", "spdl")  # the goal: vitscale >= 1.3x the fastest of these
 
@@ -491,8 +551,10 @@ def _cpu(pids, tids) -> float:
 
 
 def measure(d, names, workers_list, args, missing) -> dict:
-    """{name: {workers: {median, min, max, cpu}}} for one stored size, methods interleaved per round;
-    ``cpu``: median images per CPU-second of the loader (its processes and threads, see ``_cpu``)."""
+    """{name: {workers: {median, min, max, cpu, gpu_finish}}} for one stored size, methods
+    interleaved per round; ``cpu``: median images per CPU-second of the loader (its processes and
+    threads, see ``_cpu``); ``gpu_finish`` (uint8 loaders): the same without the main thread's time
+    normalising and mixing (``FINISH``), what the host spends when a GPU finishes the batch."""
     results = {}
     for workers in workers_list:
         its, pids, tids = {}, {}, {}
@@ -511,16 +573,20 @@ def measure(d, names, workers_list, args, missing) -> dict:
             except Exception as e:  # a peer that does not install or run here: say so, go on
                 missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 print(f"  {name:<12s} unavailable: {missing[name]}", flush=True)
-        rates, per_cpu = {k: [] for k in its}, {k: [] for k in its}
+        rates, per_cpu, gpu_finish = {k: [] for k in its}, {k: [] for k in its}, {k: [] for k in its}
         for _ in range(args.rounds):
             for name, it in its.items():
                 drain(it, workers)
-                c = _cpu(pids[name], tids[name])
+                c, f = _cpu(pids[name], tids[name]), FINISH["cpu_s"]
                 rates[name].append(rate_batches(it, args.batches) / workers)
-                per_cpu[name].append(args.batches * args.batch / max(_cpu(pids[name], tids[name]) - c, 1e-9))
+                used, finish = _cpu(pids[name], tids[name]) - c, FINISH["cpu_s"] - f
+                per_cpu[name].append(args.batches * args.batch / max(used, 1e-9))
+                gpu_finish[name].append(args.batches * args.batch / max(used - finish, 1e-9))
         for name, r in rates.items():
             results.setdefault(name, {})[workers] = {"median": float(np.median(r)), "min": min(r), "max": max(r),
                                                      "cpu": float(np.median(per_cpu[name]))}
+            if name in UINT8:
+                results[name][workers]["gpu_finish"] = float(np.median(gpu_finish[name]))
         del its
         gc.collect()
         time.sleep(1)
@@ -531,28 +597,35 @@ def report(results: dict, names: list, shorter: int, args) -> list:
     """Prints the tables and the ratios; returns the goal lines."""
     counts = sorted({w for r in results.values() for w in r})
     print(f"\nstored shorter side {shorter}: batch {args.batch}, 224 px, torch threads 1, {args.rounds} rounds")
-    head = (f"{f'{w} worker(s): img/s per worker':>34s}{'img per CPU-s':>15s}" for w in counts)
+    head = (f"{f'{w} worker(s): img/s per worker':>34s}{'img per CPU-s':>15s}{'finish on GPU':>15s}" for w in counts)
     print(f"{'method':<13s}" + "".join(head))
     for name in names:
         if name in results:
-            cells = "".join((f"{r['median']:10.0f} [{r['min']:.0f}-{r['max']:.0f}]".rjust(34) + f"{r['cpu']:15.0f}")
-                            if r else " " * 49 for r in (results[name].get(w) for w in counts))
+            cells = "".join((f"{r['median']:10.0f} [{r['min']:.0f}-{r['max']:.0f}]".rjust(34) + f"{r['cpu']:15.0f}"
+                             + (f"{r['gpu_finish']:15.0f}" if "gpu_finish" in r else " " * 15))
+                            if r else " " * 64 for r in (results[name].get(w) for w in counts))
             print(f"{name:<13s}{cells}")
     goals = []
     for w in counts:
         if w not in results.get("vitscale", {}):
             continue
-        for key, what in (("median", "img/s per worker"), ("cpu", "img per CPU-second")):
+        for key, what in (("median", "img/s per worker"), ("cpu", "img per CPU-second"),
+                          ("gpu_finish", "img per CPU-second, uint8 batches finished on the GPU")):
             ours = results["vitscale"][w][key]
-            ratios = {n: ours / r[w][key] for n, r in results.items() if n != "vitscale" and w in r}
+            # the float32 peers' own measure; uint8 peers (wds-timm-u8) on the same footing as ours
+            theirs = {n: r[w].get(key, r[w]["cpu"]) if key == "gpu_finish" else r[w][key]
+                      for n, r in results.items() if n != "vitscale" and w in r}
+            ratios = {n: ours / v for n, v in theirs.items()}
             print(f"{w} worker(s), {what}, vitscale / each: " + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()))
-            py = {n: results[n][w][key] for n in PYTHON_PEERS if n in results and w in results[n]}
+            py = {n: theirs[n] for n in PYTHON_PEERS if n in theirs}
             line = f"side {shorter}, {w} worker(s), {what}:"
             if py:
                 best = max(py, key=py.get)
                 line += f" vitscale / fastest Python peer ({best}) = {ours / py[best]:.2f} (goal >= 1.3)"
             if "dali-cpu" in ratios:
                 line += f"; vitscale / DALI CPU = {ratios['dali-cpu']:.2f} (goal >= 1.0)"
+            if key == "gpu_finish" and "wds-timm-u8" in ratios:
+                line += f"; vitscale / wds-timm-u8 = {ratios['wds-timm-u8']:.2f}"
             goals.append(line)
     return goals
 

@@ -193,7 +193,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world, cfg.deepspeed)
     set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
     loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
-                          seed=t.seed, img_size=img, train=True)
+                          seed=t.seed, img_size=img, train=True, device=engine.device)
     say(f"data workers decode: {loader.worker_decoder}")
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
@@ -238,7 +238,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
             SampleLog(layout.samples, r).open(start).close()
     evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=rank,
                                world=world, img_size=img, num_classes=cfg.model.num_classes,
-                               dtype=compute_dtype(t.precision))
+                               dtype=compute_dtype(t.precision), device=engine.device)
     status = RunStatus(layout.status if rank == 0 else None)
     status(start)
     clock = StepClock(engine.device, dog)

@@ -54,8 +54,8 @@ def decode_cfg(shards, device, workers=1, **aug):
                       augment=replace(AugmentConfig(), **aug))
 
 
-def run_loader(cfg, train=True, batches=None):
-    loader = build_loader(cfg, rank=1, world_size=2, batch_size=8, seed=3, img_size=16, train=train)
+def run_loader(cfg, train=True, batches=None, device=None):
+    loader = build_loader(cfg, rank=1, world_size=2, batch_size=8, seed=3, img_size=16, train=train, device=device)
     out = []
     for images, targets in loader:
         out.append((images.clone(), targets.clone(), list(loader.last_keys)))

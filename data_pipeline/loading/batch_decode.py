@@ -1,7 +1,16 @@
-"""``data.decode_device``: where a training batch's JPEGs are decoded.
+"""The batch finisher: what the training process does to each batch its loader workers send.
 
-``worker`` (the default): each dataloader worker decodes with PIL (draft-mode DCT scaling), crops,
-resizes and normalises; the batch arrives ready.
+Workers never send float pixels. Each batch crosses from a worker as a :class:`DeferredBatch`:
+finished uint8 samples in one shared-memory tensor, plain JPEG files still to decode, the targets
+and the Mixup/CutMix seed; :class:`BatchDecoder` (the one finisher) decodes what is left, then
+normalises with augment.mean/std and mixes on its device. ``data.decode_device`` says who decodes:
+
+``worker`` (the default): each dataloader worker decodes (the crop window with nvImageCodec, or
+PIL with draft-mode DCT scaling), crops, resizes and flips; its batch is one uint8 (B, 3, S, S)
+tensor, a quarter of the bytes (and page faults) of the float32 batch, and the finisher normalises
+and mixes it on the device the loader is built for (``build_loader(..., device=)``: the training
+device, one batch ahead on a side stream on a GPU, as timm's prefetcher and DALI do; the CPU by
+default), with the float operations the workers used to run (bit for bit).
 
 ``cuda`` / ``cpu`` / ``dali``: workers only read tar members, parse headers (bomb and format checks
 as before) and draw each sample's crop box and flip from its seed (``SampleTransform.defer``); the
@@ -40,6 +49,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 import torchvision  # noqa: F401  (registers torch.ops.torchvision.roi_align)
+from torch.utils.data import get_worker_info
 
 from data_pipeline.config import DEVICES
 from data_pipeline.shards.decode import BadSample, open_image
@@ -52,11 +62,24 @@ from data_pipeline.loading.transforms import Deferred, SampleTransform, mix_labe
 STRIP_ROWS = 4096  # atlas strip height (crop_batch): roi_align's float32 sample positions stay within 1/4000 px
 
 
+def _stacked(samples: list) -> torch.Tensor:
+    """uint8 (3, S, S) samples -> one (n, 3, S, S) tensor. Inside a DataLoader worker it is
+    allocated in shared memory (as torch's ``default_collate`` does), so it crosses to the training
+    process without another copy."""
+    n, (c, h, w) = len(samples), samples[0].shape
+    if get_worker_info() is None:
+        return torch.stack(samples)
+    proto = torch.empty(0, dtype=torch.uint8)
+    out = proto.new(proto._typed_storage()._new_shared(n * c * h * w, device="cpu")).resize_(n, c, h, w)
+    return torch.stack(samples, out=out)
+
+
 @dataclass
 class DeferredBatch:
-    """What a worker yields instead of an image tensor when the training process decodes: two
-    tensors for the whole batch (each tensor crossing from a worker costs a file descriptor and a
-    shared-memory segment, so not one per sample) and per-sample records."""
+    """What a worker yields for a batch: two tensors for the whole batch (each tensor crossing from
+    a worker costs a file descriptor and a shared-memory segment, so not one per sample) and
+    per-sample records. With ``data.decode_device: worker`` every sample is a row of ``decoded``
+    and ``blob`` is empty."""
     items: list  # per sample: a Deferred (its file is blob[span]) or the row of ``decoded`` it is
     blob: torch.Tensor  # uint8: the batch's JPEG files end to end
     decoded: Optional[torch.Tensor]  # uint8 (n, 3, S, S): the samples the worker decoded itself
@@ -76,7 +99,7 @@ class DeferredBatch:
                 done.append(s)
         blob = torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8) if files \
             else torch.empty(0, dtype=torch.uint8)
-        return cls(items, blob, torch.stack(done) if done else None, mix_seed)
+        return cls(items, blob, _stacked(done) if done else None, mix_seed)
 
     def file(self, item: Deferred) -> torch.Tensor:
         return self.blob[item.span[0]:item.span[1]]
@@ -191,18 +214,25 @@ class BatchDecoder:
     """Finishes a :class:`DeferredBatch` in the training process: float32 (B, 3, S, S) on ``device``,
     normalised with augment.mean/std, mixed when the batch carries a mix seed.
 
-    ``device``: ``cpu``, ``cuda`` or ``dali`` (DALI on the GPU when CUDA is there, else on the CPU;
-    ``threads``: DALI's CPU threads). ``batched`` (default: on CUDA; always with DALI) crops,
-    resizes and flips the batch in one :func:`crop_batch` (or DALI run); otherwise sample by
-    sample, bit for bit as the workers do. ``streams`` (default on CUDA: a :class:`CudaStreams`)
+    ``device``: ``cpu``, ``cuda`` (the current CUDA device) or ``dali`` (DALI on the GPU when CUDA
+    is there, else on the CPU; ``threads``: DALI's CPU threads), or a ``torch.device`` (cpu or one
+    GPU: for batches the workers decoded, ``data.decode_device: worker``). ``batched`` (default: on
+    CUDA; always with DALI) crops, resizes and flips the batch in one :func:`crop_batch` (or DALI
+    run) and normalises it in one go; otherwise sample by sample, bit for bit as the workers do, each
+    sample normalised while it is in cache. ``streams`` (default on CUDA: a :class:`CudaStreams`)
     makes :meth:`finish` work one batch ahead on a side stream."""
 
-    def __init__(self, transform: SampleTransform, aug, device: str, max_pixels: int, num_classes: int,
+    def __init__(self, transform: SampleTransform, aug, device, max_pixels: int, num_classes: int,
                  streams=None, batched: Optional[bool] = None, threads: int = 1):
         self.transform, self.aug, self.max_pixels, self.num_classes = transform, aug, max_pixels, num_classes
-        gpu = device == "cuda" or (device == "dali" and torch.cuda.is_available())
-        # the current CUDA device: DeepSpeed's engine has set it to the rank's GPU by then
-        self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        if isinstance(device, torch.device):
+            gpu = device.type == "cuda"
+            self.device = torch.device("cuda", device.index if device.index is not None
+                                       else torch.cuda.current_device()) if gpu else torch.device("cpu")
+        else:
+            gpu = device == "cuda" or (device == "dali" and torch.cuda.is_available())
+            # the current CUDA device: DeepSpeed's engine has set it to the rank's GPU by then
+            self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         self.streams = streams if streams is not None or not gpu else CudaStreams(self.device)
         self.batched = device == "dali" or (gpu if batched is None else batched)
         self._dali = dali_decode.DaliCrop(transform.size, self.device.index if gpu else None, threads) \

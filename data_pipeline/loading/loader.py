@@ -1,7 +1,8 @@
 """Streaming loader over WebDataset shards: deterministic split over (rank, worker), equal batch
 counts on every rank, exact resume, corrupt-sample accounting.
 
-    loader = build_loader(cfg.data, rank=r, world_size=w, batch_size=64, seed=0, img_size=224)
+    loader = build_loader(cfg.data, rank=r, world_size=w, batch_size=64, seed=0, img_size=224,
+                          device=engine.device)   # where batches are normalised (default: the CPU)
     loader.num_classes, loader.batches_per_epoch
     for images, targets in loader: ...        # endless in training, epoch after epoch
     loader.last_keys, loader.last_shards      # __key__ and shard name of each sample of that batch
@@ -15,8 +16,15 @@ end to end and gives slot ``rank * workers + worker`` a contiguous range of them
 each slot shuffles with a buffer seeded by (seed, e, slot); every rank yields the same
 ``batches_per_epoch`` (no DDP hang), and the fewer than ``world_size x batch_size`` samples that
 cannot be balanced are dropped and counted (by rank 0, as ``dropped_for_balance``). ``images`` are
-float32 (B, 3, H, W) normalised with augment.mean/std; ``targets`` int64 (B,), or float32
-(B, num_classes) for multi-label data or when Mixup/CutMix is on.
+float32 (B, 3, H, W) normalised with augment.mean/std, on ``device``; ``targets`` int64 (B,), or
+float32 (B, num_classes) for multi-label data or when Mixup/CutMix is on.
+
+The batch contract inside: a worker sends each batch as uint8 (``batch_decode.DeferredBatch``: one
+(B, 3, H, W) shared-memory tensor, the targets, the batch's Mixup/CutMix seed), never float; this
+process finishes it (``batch_decode.BatchDecoder``): (x - 255 mean) / (255 std) as
+``x * (1 / (255 std)) + (-mean / std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one
+batch ahead on a side stream, from pinned memory). Workers send a quarter of the bytes a float
+batch has; on a GPU the host does no per-pixel float work at all.
 
 Exact resume: the state is (epoch, batches yielded in the epoch, per-worker shuffle-buffer
 emissions). Augmentation randomness is seeded per sample from (seed, epoch, shard position in the
@@ -40,9 +48,10 @@ slot short, so it refills its batches from a further pass (``repeated_for_balanc
 
 Decode device (``data.decode_device``, ``batch_decode.py``): ``worker`` decodes in the workers as
 above; ``cuda`` / ``cpu`` / ``dali`` have the workers ship plain JPEGs undecoded with their crop
-boxes, and this process decodes, crops and normalises each batch there (nvJPEG on a GPU; DALI's
-pipeline, with ``data.workers`` threads, on the GPU or the CPU; the ``cpu`` path gives
-bit-identical batches to ``worker`` when no draft decode applies, and exists to test it).
+boxes, and this process decodes, crops and normalises each batch there (nvJPEG on a GPU, ignoring
+``device``: the current CUDA device; DALI's pipeline, with ``data.workers`` threads, on the GPU or
+the CPU; the ``cpu`` path gives bit-identical batches to ``worker`` when no draft decode applies,
+and exists to test it).
 
 Worker decode (``data.worker_decoder``, ``shards/crop_decode.py``): in training, a worker decodes only
 the crop window of each plain JPEG when nvImageCodec is installed (``auto``), else the whole image
@@ -79,10 +88,13 @@ STATE_VERSION = 2
 
 
 def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: int, seed: int = 0,
-                 img_size: int | None = None, train: bool = True, epoch: int = 0) -> "ShardLoader":
+                 img_size: int | None = None, train: bool = True, epoch: int = 0,
+                 device=None) -> "ShardLoader":
     """Build the loader for ``data_cfg`` (a ``data_pipeline.config.DataConfig``). Reads only manifests;
     raises ``DataError`` for a missing/inconsistent manifest, no matching shards, remote URLs
-    without ``data.allow_remote``, or a layout that cannot give every reader slot a batch."""
+    without ``data.allow_remote``, or a layout that cannot give every reader slot a batch.
+    ``device`` (a ``torch.device`` or its name; None: the CPU): where ``data.decode_device: worker``
+    batches are normalised and mixed and so where they arrive, the training device."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     if batch_size <= 0:
@@ -93,7 +105,7 @@ def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: in
     plan = Plan(shardset, world_size, max(1, data_cfg.workers), batch_size, seed, train)
     plan.check()
     size = img_size or data_cfg.img_size or 224
-    return ShardLoader(data_cfg, plan, rank, size, epoch)
+    return ShardLoader(data_cfg, plan, rank, size, epoch, torch.device(device or "cpu"))
 
 
 def _identity(x):
@@ -101,7 +113,8 @@ def _identity(x):
 
 
 class ShardLoader:
-    def __init__(self, data_cfg, plan: Plan, rank: int, img_size: int, epoch: int = 0):
+    def __init__(self, data_cfg, plan: Plan, rank: int, img_size: int, epoch: int = 0,
+                 device: torch.device = torch.device("cpu")):
         self.cfg, self.plan, self.rank = data_cfg, plan, rank
         self.num_classes = plan.shardset.num_classes
         self.batches_per_epoch = plan.rank_batches(rank)
@@ -113,12 +126,12 @@ class ShardLoader:
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
                                  data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device,
                                  worker_decoder, RemotePolicy.of(data_cfg))
-        self._decoder = None  # data.decode_device cpu/cuda/dali: this process finishes each batch
         if decode_device != "worker":
             check_device(decode_device)
-            self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
-                                         decode_device, data_cfg.max_image_pixels, self.num_classes,
-                                         threads=max(1, data_cfg.workers))
+        # every batch is finished here: normalised and mixed (and with cpu/cuda/dali, decoded first)
+        self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
+                                     device if decode_device == "worker" else decode_device,
+                                     data_cfg.max_image_pixels, self.num_classes, threads=max(1, data_cfg.workers))
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size
@@ -168,12 +181,12 @@ class ShardLoader:
             stream, batch_size=None, collate_fn=_identity, num_workers=workers,
             worker_init_fn=worker_init if workers > 0 else None,
             prefetch_factor=self.cfg.prefetch_factor if workers > 0 else None,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=self._decoder.device.type == "cuda",  # uploaded by the finisher
             # DataLoader draws its worker base seed from this generator; the default would take
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
-        # data.decode_device cpu/cuda/dali: batches finished here (on a GPU: one ahead, on a side stream)
-        for images, targets, meta in (self._decoder.finish(loader) if self._decoder is not None else loader):
+        # batches finished here (on a GPU: one ahead, on a side stream)
+        for images, targets, meta in self._decoder.finish(loader):
             epoch = self._epoch
             self._account(meta)
             if images is not None:

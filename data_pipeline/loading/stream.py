@@ -33,7 +33,7 @@ from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, sh
 from data_pipeline.shards.reader import read_shard
 from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
 from data_pipeline.tally import Tally
-from data_pipeline.loading.transforms import SampleTransform, mix_labelled, normalized_batch
+from data_pipeline.loading.transforms import SampleTransform
 
 SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
 
@@ -297,8 +297,6 @@ class SlotStream(IterableDataset):
                 y[i, lab] = 1.0
         else:
             y = torch.tensor(labels, dtype=torch.int64)
-        mixing = s.mixing(self.plan.train)
-        if s.decode_device != "worker":  # decoded, normalised and mixed by the training process
-            return DeferredBatch.pack(images, batch_seed if mixing else None), y
-        x = normalized_batch(images, s.augment.mean, s.augment.std)
-        return mix_labelled(x, y, s.augment, batch_seed, self.num_classes) if mixing else (x, y)
+        # uint8 samples (and, with data.decode_device cpu/cuda/dali, JPEG files): the training
+        # process decodes what is left, normalises and mixes (batch_decode.BatchDecoder)
+        return DeferredBatch.pack(images, batch_seed if s.mixing(self.plan.train) else None), y

@@ -1,5 +1,5 @@
 """Image transforms (torchvision.transforms.v2) with per-sample seeding, draft-mode decoding, and
-batch-level normalisation and Mixup/CutMix.
+batch-level Mixup/CutMix.
 
 Pre-training: the ViT paper's Inception-style random resized crop + horizontal flip, optionally
 RandAugment (AugReg). Evaluation: resize the shorter side to ``img_size / eval_crop_pct``, center
@@ -14,7 +14,8 @@ of a plain JPEG (RGB or grey, baseline, no EXIF rotation, intact markers) are de
 same pixels as that window of a full decode; otherwise PIL decodes the whole image, in draft mode
 at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side. Either way
 the crop box and every other draw are the same. Resizing runs on uint8 tensors (torch's vectorised
-antialiased kernel); samples leave as uint8 and are normalised into the batch buffer.
+antialiased kernel); samples leave the worker as uint8, and the training process normalises
+and mixes the batch (``batch_decode.BatchDecoder``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from typing import Optional
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import get_worker_info
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
@@ -151,26 +151,6 @@ class SampleTransform:
         img, _, _ = draft(img, math.ceil(w / r), math.ceil(h / r))
         x = F.pil_to_tensor(load_rgb(img))
         return F.center_crop(F.resize(x, self.resize, antialias=True), [self.size, self.size])
-
-
-def normalized_batch(images: list, mean, std) -> torch.Tensor:
-    """uint8 (3,H,W) samples -> one float32 (B,3,H,W) batch, normalised sample by sample while the
-    sample is still in cache. Inside a DataLoader worker the batch is allocated in shared memory
-    (as torch's default_collate does), so it crosses to the training process without another copy;
-    a fresh 38 MB float batch (64 x 224 px) costs more in page faults than the arithmetic."""
-    b, (c, h, w) = len(images), images[0].shape
-    proto = torch.empty(0, dtype=torch.float32)
-    if get_worker_info() is not None:
-        out = proto.new(proto._typed_storage()._new_shared(b * c * h * w, device="cpu")).resize_(b, c, h, w)
-    else:
-        out = torch.empty((b, c, h, w), dtype=torch.float32)
-    scale = 1.0 / (torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255.0)
-    shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
-    for i, img in enumerate(images):
-        o = out[i]
-        o.copy_(img)
-        o.mul_(scale).add_(shift)
-    return out
 
 
 def mix_labelled(images: torch.Tensor, targets: torch.Tensor, aug, seed: int, num_classes: int):

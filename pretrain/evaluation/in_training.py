@@ -62,10 +62,11 @@ class _Fewshot:
 
 class InTrainingEval:
     """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
-    ``batch``: images per forward; ``seed``: the validation loader's."""
+    ``batch``: images per forward; ``seed``: the validation loader's; ``device``: where its batches
+    are normalised (the training device)."""
 
     def __init__(self, val, data, *, batch: int, seed: int, rank: int, world: int, img_size: int,
-                 num_classes: int, dtype: torch.dtype):
+                 num_classes: int, dtype: torch.dtype, device=None):
         self.ev, self.data, self.rank, self.world = val, data, rank, world
         self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
         self.batch, self.seed = batch, seed
@@ -76,7 +77,7 @@ class InTrainingEval:
             from data_pipeline.loading.loader import build_loader
 
             self.val = build_loader(data, rank=rank, world_size=world, batch_size=self.batch, seed=self.seed,
-                                    img_size=img_size, train=False)
+                                    img_size=img_size, train=False, device=device)
 
     @property
     def enabled(self) -> bool:

@@ -17,7 +17,8 @@ from data_pipeline.loading.plan import Plan
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.loading.stream import Settings, SlotStream, Start
 from data_pipeline.loading.transforms import Deferred, SampleTransform
-from decode_samples import bogus_huffman, broken_jpegs, decode_cfg, encode_image, mixed_samples, run_loader
+from decode_samples import (bogus_huffman, broken_jpegs, calm_and_busy, decode_cfg, encode_image, mixed_samples,
+                            run_loader)
 
 
 @pytest.mark.parametrize("aug", [{}, {"randaugment_ops": 2, "randaugment_magnitude": 9},
@@ -45,6 +46,44 @@ def test_cpu_batch_decode_eval_pass_equals_the_worker_path(mixed):
     assert [k for _, _, k in got] == [k for _, _, k in want]
     for (a, ta, _), (b, tb, _) in zip(want, got):
         assert torch.equal(a, b) and torch.equal(ta, tb)
+
+
+def _same(batch):
+    return batch
+
+
+@pytest.mark.parametrize("aug,train", [({}, True), ({"mixup_alpha": 0.8, "cutmix_alpha": 1.0}, True), ({}, False)],
+                         ids=["train", "mixup-cutmix", "eval"])
+def test_worker_batches_cross_as_uint8_and_are_normalised_here(mixed, aug, train):
+    """data.decode_device: worker. What crosses from a DataLoader worker is uint8 (one shared-memory
+    (B, 3, S, S) tensor, no JPEG bytes) with the batch's mix seed; the loader's float32 batches are
+    plain torch's (x / 255 - mean) / std of exactly those pixels (the finisher computes
+    x * (1 / (255 std)) + (-mean / std), the float ops the workers used to run: within 5e-7 of
+    plain torch for these mean/std), mixed afterwards by the batch's seed."""
+    from torch.utils.data import DataLoader
+
+    from data_pipeline.loading.transforms import mix_labelled
+
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # not 0.5: every channel's arithmetic differs
+    cfg = replace(decode_cfg(mixed, "worker", **aug), augment=replace(AugmentConfig(), mean=mean, std=std, **aug))
+    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16, train=train)
+    stream = SlotStream(loader.plan, 0, loader.settings, Start(0, 0, (0,)), loader.num_classes)
+    crossed = []
+    for batch, y, meta in DataLoader(stream, batch_size=None, collate_fn=_same, num_workers=1):
+        assert isinstance(batch, DeferredBatch) and batch.blob.numel() == 0
+        assert batch.decoded.dtype == torch.uint8 and batch.decoded.shape == (8, 3, 16, 16)
+        assert batch.items == list(range(8)) and (batch.mix_seed is not None) == bool(aug)
+        crossed.append((batch, y, meta["keys"]))
+        if len(crossed) == 4:
+            break
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    for (x, t), (batch, y, keys) in zip(loader, crossed):
+        assert loader.last_keys == keys and x.dtype == torch.float32
+        want = (batch.decoded.float() / 255 - m) / s
+        if batch.mix_seed is not None:
+            want, y = mix_labelled(want, y, cfg.augment, batch.mix_seed, loader.num_classes)
+        assert (x - want).abs().max() <= 1e-6, (x - want).abs().max()
+        assert torch.allclose(t, y.to(t.dtype), atol=1e-6, rtol=0) if aug else torch.equal(t, y)
 
 
 def test_workers_ship_plain_jpegs_undecoded(mixed):
@@ -224,3 +263,20 @@ def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
     assert loader.counters["corrupt_image"] == 1
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aug", [{}, {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}], ids=["crop-flip", "mixup-cutmix"])
+def test_worker_batches_finished_on_the_gpu_equal_the_cpus(mixed, aug):
+    """data.decode_device: worker with build_loader(device="cuda"): the uint8 batches are uploaded
+    and normalised (and mixed) on the GPU, one batch ahead on a side stream: the CPU finish's
+    values (the same float32 multiply and add; mixing within rounding), and no host sync after
+    start-up while the compute stream is busy."""
+    _, want = run_loader(decode_cfg(mixed, "worker", **aug), batches=4)
+    _, got = run_loader(decode_cfg(mixed, "worker", **aug), batches=4, device="cuda")
+    for (a, ta, ka), (b, tb, kb) in zip(want, got):
+        assert b.is_cuda and b.dtype == torch.float32 and ka == kb
+        assert torch.equal(a, b.cpu()) if not aug else (a - b.cpu()).abs().max() <= 1e-6
+        assert torch.allclose(ta, tb.cpu().to(ta.dtype), atol=1e-6, rtol=0)
+    calm_and_busy(lambda: build_loader(decode_cfg(mixed, "worker", **aug), rank=1, world_size=2, batch_size=8,
+                                       seed=3, img_size=16, device="cuda"))

@@ -19,7 +19,7 @@ import transformers  # the test extra (setup.py): a missing install fails here r
 import yaml
 from PIL import Image
 
-from data_pipeline.loading.transforms import SampleTransform, normalized_batch
+from data_pipeline.loading.transforms import SampleTransform
 from pretrain.checkpointing import rundir
 from pretrain.config import load_config, save_config, to_dict
 from pretrain.models.arch import analytic_flops
@@ -44,7 +44,8 @@ def jpeg_batch(img: int, mean=MEAN, std=STD) -> torch.Tensor:
         Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
         aug = load_config(None).data.augment
         out.append(SampleTransform(aug, img, train=False)(Image.open(io.BytesIO(buf.getvalue())), seed=0))
-    return normalized_batch(out, mean, std)
+    x = torch.stack(out).float() / 255
+    return (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
 
 
 def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
