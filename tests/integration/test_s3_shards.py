@@ -472,16 +472,17 @@ def test_two_ranks_train_from_the_store_through_a_cut_and_a_kill_on_the_samples_
     checkpoint, and the same command resumes it. Each rank records exactly the (step, epoch, key)
     rows of the same run from disk, straight through."""
     disk = _job(tiny_run, str(written[0]), "disk")
-    r = disk.run(600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    proxy.plan([(150_000, 1.0, 0)])
-    s3 = _job(tiny_run, written[1], "s3")
-    ckpt = s3.run_dir / "checkpoints" / "step_00000003" / "COMPLETE"
-    log = tmp_path / "killed.log"
-    with reaped(s3.start(log, VITSCALE_FAULT="hang_in_step:5")) as p:
-        wait_for(lambda: ckpt.exists() and max(metrics(s3.run_dir), default=0) >= 4, 300, p, "checkpoint 3, step 4")
-        kill_group(p, signal.SIGKILL)
-        p.wait(60)
+    disk_log = tmp_path / "disk.log"
+    with reaped(disk.start(disk_log)) as reference:  # the run from disk goes on beside the store's
+        proxy.plan([(150_000, 1.0, 0)])
+        s3 = _job(tiny_run, written[1], "s3")
+        ckpt = s3.run_dir / "checkpoints" / "step_00000003" / "COMPLETE"
+        log = tmp_path / "killed.log"
+        with reaped(s3.start(log, VITSCALE_FAULT="hang_in_step:5")) as p:
+            wait_for(lambda: ckpt.exists() and max(metrics(s3.run_dir), default=0) >= 4, 300, p, "checkpoint 3, step 4")
+            kill_group(p, signal.SIGKILL)
+            p.wait(60)
+        assert reference.wait(600) == 0, disk_log.read_text()[-3000:]
     assert proxy.events == [] and "cut" in proxy.log, proxy.log
     r = s3.run(600)
     assert r.returncode == 0, r.stderr[-3000:]
