@@ -23,30 +23,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil  # DeepSpeed's own dependency
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from loader_rate_check import children_cpu  # noqa: E402
 from loader_throughput import make_images  # noqa: E402
 
 from data_pipeline.config import AugmentConfig, DataConfig  # noqa: E402
 from data_pipeline.loading.loader import build_loader  # noqa: E402
 from data_pipeline.shards.sources import imagefolder  # noqa: E402
 from data_pipeline.shards.writer import write_shards  # noqa: E402
-
-
-def children_cpu() -> float:
-    """CPU seconds the live child processes (the loader's workers) have used so far."""
-    total = 0.0
-    for c in psutil.Process().children(recursive=True):
-        try:
-            t = c.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def measure(shards: Path, device: str, mix: bool, workers: int, batches: int) -> dict:
