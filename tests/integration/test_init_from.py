@@ -28,11 +28,12 @@ def hf_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision, stage, ranks", [("fp32", 2, 1), ("bf16", 2, 1), ("bf16", 3, 2),
-                                                     ("bf16-autocast", 3, 2)])
+                                                     ("bf16-autocast", 2, 1)])
 def test_pretraining_starts_from_a_transformers_folder(tiny_run, hf_folder, precision, stage, ranks):
     """The trained weights are the file's, bit for bit; in bf16 too, where DeepSpeed would make its
     fp32 masters from the bf16-rounded module (the file's fp32 values are set into them), also in
-    ZeRO-3 partitions on 2 ranks; and under autocast, whose fp32 module the masters copy."""
+    ZeRO-3 partitions on 2 ranks; and under autocast, whose fp32 module the masters copy (one rank:
+    what autocast changes is the module's dtype, not how ZeRO partitions it)."""
     folder, src = hf_folder
     small = (f"train.precision={precision}", f"zero.stage={stage}", f"train.micro_batch_size={4 // ranks}",
              "train.global_batch_size=4")
