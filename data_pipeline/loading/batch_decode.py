@@ -225,14 +225,12 @@ class BatchDecoder:
     def __init__(self, transform: SampleTransform, aug, device, max_pixels: int, num_classes: int,
                  streams=None, batched: Optional[bool] = None, threads: int = 1):
         self.transform, self.aug, self.max_pixels, self.num_classes = transform, aug, max_pixels, num_classes
-        if isinstance(device, torch.device):
-            gpu = device.type == "cuda"
-            self.device = torch.device("cuda", device.index if device.index is not None
-                                       else torch.cuda.current_device()) if gpu else torch.device("cpu")
-        else:
-            gpu = device == "cuda" or (device == "dali" and torch.cuda.is_available())
-            # the current CUDA device: DeepSpeed's engine has set it to the rank's GPU by then
-            self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        where = device if isinstance(device, torch.device) else torch.device(
+            "cuda" if device == "cuda" or (device == "dali" and torch.cuda.is_available()) else "cpu")
+        gpu = where.type == "cuda"
+        # no index: the current CUDA device (DeepSpeed's engine has set it to the rank's GPU by then)
+        self.device = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index) \
+            if gpu else torch.device("cpu")
         self.streams = streams if streams is not None or not gpu else CudaStreams(self.device)
         self.batched = device == "dali" or (gpu if batched is None else batched)
         self._dali = dali_decode.DaliCrop(transform.size, self.device.index if gpu else None, threads) \
