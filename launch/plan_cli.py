@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import replace
 
-from pretrain.perf import hardware, perfmodel
+from pretrain.perf import hardware, inputs, perfmodel
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
@@ -38,8 +38,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, else pcie-100gbe)")
     ap.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
     ap.add_argument("--inter-node-gbps", type=float, help="a node's NICs together, Gbit/s one way (overrides the preset)")
-    ap.add_argument("--decode", choices=["cpu", "cuda"],
-                    help="where JPEGs are decoded: loader workers (cpu, default) or the GPU (cuda: data.decode_device)")
+    ap.add_argument("--decode", choices=list(inputs.DECODE_PATHS),
+                    help="where JPEGs are decoded (default: the config's data.decode_device, else cpu): loader "
+                         "workers (cpu; decode_device worker), the GPU (cuda, dali) or each training process on "
+                         "the CPU (rank; decode_device cpu)")
     ap.add_argument("--decode-rate", type=float, help="measured img/s per loader worker on that path "
                     "(benchmarks/loader_throughput.py on the training machine; default: pretrain/perf/inputs.py)")
     ap.add_argument("--cpu-cores", type=int, help="CPU cores per node for the loaders (default: the network preset's)")

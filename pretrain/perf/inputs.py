@@ -4,13 +4,21 @@ node's loader makes on the decode path a run uses, to set beside what its GPUs c
 Rates are measurements, not data-sheet numbers (benchmarks/RESULTS.md, GPU suite, one H100 machine
 with 16 vCPUs, 8 loader workers, 224 px crops of JPEGs stored with shorter side 256):
 
-- ``cpu`` (``data.decode_device: worker``): each loader worker decodes with PIL and crops;
-  283 img/s per worker there. A node's loader workers (``data.workers`` per rank, or by default one
-  per core the ranks leave free) share the cores the ranks leave them, each rank keeping one busy
-  (its own process launching kernels): more workers than cores add nothing.
+- ``cpu`` (``data.decode_device: worker``): each loader worker decodes and crops; 354 img/s per
+  worker: 283 measured there with the float32 hand-off, times 1.25, what the uint8 hand-off (workers
+  send uint8 batches, the GPU normalises) gained in the same loader on a 16-vCPU H200 machine
+  (``benchmarks/loader_host_cpu.py``, 4 workers: 1,931-2,105 -> 2,462-2,604 img/s). A node's
+  loader workers (``data.workers`` per rank, or by default one per core the ranks leave free)
+  share the cores the ranks leave them, each rank keeping one busy (its own process launching
+  kernels): more workers than cores add nothing.
 - ``cuda`` (``data.decode_device: cuda``): workers only read tar members and draw crop boxes
   (610 img/s per worker there) and each GPU decodes with nvJPEG (4,883 img/s per GPU measured with
   8 workers feeding it, so a lower bound for the GPU side).
+- ``dali`` (``data.decode_device: dali``): the same split as ``cuda``, DALI's decoder on the GPU.
+  Its rate has not been measured on a GPU (the GPU suite has a row for it), so it is priced at
+  nvJPEG's, and the plan says so.
+- ``rank`` (``data.decode_device: cpu``): workers read, and each training process decodes on the
+  CPU itself, at one worker's rate: one decoding process per GPU.
 
 Decode work grows with the pixels stored: a rate measured at a stored shorter side of 256 px is
 scaled by ``(256 / side)^2`` for other sizes (PIL's draft mode and nvJPEG decode every stored pixel
@@ -23,10 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MEASURED_SIDE = 256  # stored shorter side the rates below were measured at
-CPU_DECODE_PER_WORKER = 283.0  # img/s, PIL decode + crop + flip in one loader worker
+CPU_DECODE_PER_WORKER = 283.0 * 1.25  # img/s, decode + crop + flip in one loader worker (docstring)
 READ_PER_WORKER = 610.0  # img/s, a worker that only reads members and draws boxes (cuda decode)
 GPU_DECODE_PER_GPU = 4883.0  # img/s, nvJPEG on one H100 (a lower bound)
-DECODE_PATHS = ("cpu", "cuda")
+DECODE_PATHS = ("cpu", "cuda", "dali", "rank")
+# data.decode_device -> the path here
+CONFIG_PATHS = {"worker": "cpu", "cuda": "cuda", "dali": "dali", "cpu": "rank"}
 # cores a training rank keeps busy itself: on a GPU, the Python process launching kernels
 RANK_CORES = 1.0
 
@@ -72,10 +82,17 @@ def node_rate(decode: str, cpu_cores: int, gpus_per_node: int, stored_side: int 
         return InputRate(cores * per, f"CPU decode: {on} x {per:,.0f} img/s", procs, idle)
     per = decode_rate if decode_rate is not None else READ_PER_WORKER
     read = cores * per
+    if decode == "rank":
+        decode_each = CPU_DECODE_PER_WORKER * scale
+        if read <= gpus_per_node * decode_each:
+            return InputRate(read, f"reading members: {on} x {per:,.0f} img/s", procs, idle)
+        return InputRate(gpus_per_node * decode_each, f"CPU decode in the training processes: {gpus_per_node} x "
+                         f"{decode_each:,.0f} img/s", procs, idle)
     gpu = gpus_per_node * GPU_DECODE_PER_GPU * scale
     if read <= gpu:
         return InputRate(read, f"reading members: {on} x {per:,.0f} img/s", procs, idle)
-    return InputRate(gpu, f"GPU JPEG decode: {gpus_per_node} x {gpu / gpus_per_node:,.0f} img/s", procs, idle)
+    what = "DALI GPU decode, priced at nvJPEG's measured rate" if decode == "dali" else "GPU JPEG decode"
+    return InputRate(gpu, f"{what}: {gpus_per_node} x {gpu / gpus_per_node:,.0f} img/s", procs, idle)
 
 
 def advice(decode: str, stored_side: int, idle_cores: float = 0.0, gpus_per_node: int = 1) -> str:
@@ -84,7 +101,7 @@ def advice(decode: str, stored_side: int, idle_cores: float = 0.0, gpus_per_node
     if idle_cores >= gpus_per_node:  # at least one more worker for every rank of the node
         fixes.append(f"more loader workers (data.workers: {int(idle_cores)} cores per node are idle, "
                      f"{int(idle_cores) // gpus_per_node} more per rank)")
-    if decode == "cpu":
+    if decode in ("cpu", "rank"):
         fixes.append("GPU decode (data.decode_device: cuda)")
     if stored_side > MEASURED_SIDE:
         fixes.append(f"shards pre-resized to a shorter side of {MEASURED_SIDE} (vit-shards --resize-shorter "

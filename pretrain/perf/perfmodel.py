@@ -390,7 +390,8 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
               hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
-              quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers)
+              quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers,
+              decode=inputs.CONFIG_PATHS[cfg.data.decode_device])
     kw.update(overrides)
     return Layout(**kw)
 

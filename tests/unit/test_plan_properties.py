@@ -4,6 +4,7 @@ their references (our model's own kernels, XLA's measured H100 GEMMs), and impos
 in one line (exit 2) naming the flag."""
 import collections
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -203,6 +204,28 @@ def test_loader_workers_share_the_cores_the_ranks_leave():
     cfg = load_config("configs/vit_l16_in21k.yaml")  # data.workers: 10
     p = predict(layout_from_config(cfg, nodes=1, gpus_per_node=8, gpu="h100-sxm"))
     assert p.input_images_per_second == pytest.approx(8 * cfg.data.workers * per), p.input_limit
+
+
+@pytest.mark.parametrize("device,path", [("worker", "cpu"), ("cuda", "cuda"), ("dali", "dali"), ("cpu", "rank")])
+def test_the_plan_of_a_config_decodes_where_its_data_decode_device_says(device, path):
+    """A config's data.decode_device is the plan's decode path: DALI is priced as the GPU decode it is
+    (and says its rate is nvJPEG's), and decode in the training processes is one decoder per GPU."""
+    from pretrain.config import load_config
+    from pretrain.perf.perfmodel import layout_from_config
+
+    cfg = load_config("configs/vit_l16_in21k.yaml", [f"data.decode_device={device}"])
+    lay = layout_from_config(cfg, nodes=1, gpus_per_node=8, gpu="h100-sxm")
+    p = predict(replace(lay, stored_side=500))
+    assert lay.decode == path and p.layout["decode"] == path
+    workers = inputs.node_rate("cpu", 112, 8, 500, workers=cfg.data.workers).images_per_second
+    if path in ("cuda", "dali"):
+        assert p.input_images_per_second > workers
+        assert ("priced at nvJPEG" in p.input_limit) == (path == "dali"), p.input_limit
+    elif path == "rank":  # 8 decoding processes instead of 80 workers
+        assert p.input_images_per_second == pytest.approx(workers * 8 / 80), p.input_limit
+        assert "training processes" in p.input_limit and "data.decode_device: cuda" in p.bottleneck
+    else:
+        assert p.input_images_per_second == pytest.approx(workers)
 
 
 def test_too_few_loader_workers_say_so(capsys):
