@@ -211,7 +211,8 @@ def analyze(pre, images: str, out_dir: str | Path, *, img_size: Optional[int] = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     img_size = int(img_size or pre.img_size)
-    source = ImageSource(images, img_size=img_size, augment=augment, limit=num_images, batch_size=batch_size)
+    source = ImageSource(images, img_size=img_size, augment=augment, limit=num_images, batch_size=batch_size,
+                         device=device)
     model = build_backbone(pre, img_size=img_size).to(device).eval()
     name, grid, prefix = pre.arch["name"], tuple(model.grid_size), model.num_prefix_tokens
     px = img_size / grid[0]  # pixels per token: the patch size, or the CNN stride for hybrids

@@ -48,13 +48,14 @@ class ImageSource:
     a folder of images (any depth, classes interleaved: :func:`_image_files`) or shards (manifest
     order), prepared as for evaluation. As vit-shards does, files that are not images (by
     extension) and images that do not decode are skipped and counted in ``skipped`` (reason ->
-    count; ``skipped_files`` names them) rather than failing the analysis.
+    count; ``skipped_files`` names them) rather than failing the analysis. ``device``: where the
+    consumer computes (shard batches are finished there, as in training).
 
         src = ImageSource(spec, img_size=224, augment=cfg.data.augment, limit=128)
         for x, names in src: ...
     """
 
-    def __init__(self, spec: str, *, img_size: int, augment, limit: int, batch_size: int = 32):
+    def __init__(self, spec: str, *, img_size: int, augment, limit: int, batch_size: int = 32, device=None):
         self.spec, self.img_size, self.augment, self.limit, self.batch_size = spec, img_size, augment, limit, batch_size
         self.skipped: dict[str, int] = {}
         self.skipped_files: list[str] = []
@@ -75,7 +76,7 @@ class ImageSource:
 
             self.files = None
             self.loader = build_loader(DataConfig(val_shards=spec, workers=0, augment=augment),
-                                       batch_size=batch_size, img_size=img_size, train=False)
+                                       batch_size=batch_size, img_size=img_size, train=False, device=device)
             self.total = min(limit, self.loader.plan.shardset.total)
 
     def _skip(self, reason: str, path: str) -> None:

@@ -95,7 +95,10 @@ class Split(abc.ABC):
 
     @abc.abstractmethod
     def batches(self, view: View, *, batch_size: int, train: bool, seed: int = 0, rank: int = 0,
-                world: int = 1, workers: int = 0) -> Iterator[Batch]: ...
+                world: int = 1, workers: int = 0, device=None) -> Iterator[Batch]:
+        """Normalised (x, y) batches of ``view``. ``device``: where the consumer computes; shard
+        batches are finished there (the training loader's finisher), others arrive on the CPU, in
+        pinned memory when ``device`` is a GPU."""
 
 
 class _Mapped(Dataset):
@@ -142,14 +145,15 @@ class ImageSet(Split):
     def describe(self, i: int) -> str:
         return f"{self.name}[{i}]"
 
-    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
         return _iterate(self, np.arange(len(self)), view, batch_size=batch_size, train=train, seed=seed,
-                        rank=rank, world=world, workers=workers)
+                        rank=rank, world=world, workers=workers, device=device)
 
 
 def _iterate(images: ImageSet, indices: np.ndarray, view: View, *, batch_size: int, train: bool, seed: int,
-             rank: int, world: int, workers: int) -> Iterator[Batch]:
+             rank: int, world: int, workers: int, device=None) -> Iterator[Batch]:
     transform = SampleTransform(view, train)
+    pin = device is not None and torch.device(device).type == "cuda"
     epoch = 0
     while True:
         if train:  # a new permutation per epoch; equal shares per rank (DDP needs equal counts)
@@ -163,7 +167,7 @@ def _iterate(images: ImageSet, indices: np.ndarray, view: View, *, batch_size: i
                 raise TransferError(f"{images.name}: {len(indices)} examples cannot feed {world} ranks")
             return
         loader = DataLoader(_Mapped(images, mine, transform, (seed, epoch)), batch_size=min(batch_size, len(mine)),
-                            shuffle=False, drop_last=train, num_workers=workers, collate_fn=_collate,
+                            shuffle=False, drop_last=train, num_workers=workers, collate_fn=_collate, pin_memory=pin,
                             # the workers' base seed too from (seed, epoch), not the global RNG
                             generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         for x, y, err in loader:
@@ -225,9 +229,9 @@ class Subset(ImageSet):
     def describe(self, i: int) -> str:
         return self.parent.describe(int(self.indices[i]))
 
-    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
         return _iterate(self.parent, self.indices, view, batch_size=batch_size, train=train, seed=seed,
-                        rank=rank, world=world, workers=workers)
+                        rank=rank, world=world, workers=workers, device=device)
 
 
 class Concat(ImageSet):
@@ -286,7 +290,7 @@ class ShardSplit(Split):
     def num_classes(self) -> int:
         return self.shardset.num_classes
 
-    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0):
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
         from data_pipeline.loading.loader import build_loader
 
         aug = self.data_cfg.augment
@@ -296,5 +300,5 @@ class ShardSplit(Split):
         cfg = replace(self.data_cfg, train_shards=self.spec, val_shards=self.spec, workers=workers,
                       img_size=None, augment=aug)
         loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch_size, seed=seed,
-                              img_size=view.img_size, train=train)
+                              img_size=view.img_size, train=train, device=device)
         return iter(loader)

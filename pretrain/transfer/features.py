@@ -40,7 +40,7 @@ def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int
     amp = autocast_bf16(device)  # features leave as float32
 
     with Progress(len(split), f"  {desc}", "img") as bar:  # indented as the log lines around it
-        for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers):
+        for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers, device=device):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 f = pooled(model, model.forward_features(x.to(device, non_blocking=True)), pool)
             feats.append(f.float().cpu())

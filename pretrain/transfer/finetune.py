@@ -110,7 +110,7 @@ def top1(runner, split, view, *, batch_size: int, dist_info: Dist, workers: int 
     device = runner.device
     correct, total = 0, 0
     batches = split.batches(view, batch_size=batch_size, train=False, rank=dist_info.rank, world=dist_info.world,
-                            workers=workers)
+                            workers=workers, device=device)
     # ZeRO-3 gathers parameters inside every forward: all ranks run the same number of forwards
     for batch in (lockstep(batches, device) if sync else batches):
         if batch is None:  # this rank ran out: a dummy forward
@@ -164,7 +164,7 @@ class Finetune:
             runner = _Plain(model, opt, sched, ev.grad_clip, self.device, self.precision)
         micro = ev.batch_size // self.dist.world
         batches = fit.batches(self.view_of(task), batch_size=micro, train=True, seed=ev.seed, rank=self.dist.rank,
-                              world=self.dist.world, workers=ev.workers)
+                              world=self.dist.world, workers=ev.workers, device=self.device)
         recent = []
         every = max(1, ev.steps // 5)
         for step in range(1, ev.steps + 1):

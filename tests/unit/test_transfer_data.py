@@ -176,7 +176,7 @@ def test_corrupt_image_is_a_one_line_error_naming_it(tmp_path):
         _all(t.test, View(img_size=32), workers=1)  # raised in a worker, reported in one line
 
 
-def test_shards_suite_reads_our_shards(tmp_path, shard_kit):
+def _colour_shards(tmp_path, shard_kit):
     rng = np.random.default_rng(0)
 
     def samples(n, start):
@@ -190,6 +190,10 @@ def test_shards_suite_reads_our_shards(tmp_path, shard_kit):
     classes = ["red", "green", "blue", "yellow"]
     shard_kit.make_shards(tmp_path / "colours" / "train", [samples(8, 0), samples(8, 8)], classes, prefix="train")
     shard_kit.make_shards(tmp_path / "colours" / "test", [samples(6, 100)], classes, prefix="test")
+
+
+def test_shards_suite_reads_our_shards(tmp_path, shard_kit):
+    _colour_shards(tmp_path, shard_kit)
     task = suites.shards(str(tmp_path / "colours"), DataConfig(workers=0))
     assert task.num_classes == 4 and len(task.trainval) == 16 and task.val is None
     x, y = _all(task.test, View(img_size=32))
@@ -197,3 +201,17 @@ def test_shards_suite_reads_our_shards(tmp_path, shard_kit):
     (tmp_path / "colours" / "test" / "manifest.json").unlink()
     with pytest.raises(TransferError, match="test/manifest.json: not found"):
         suites.shards(str(tmp_path / "colours"), DataConfig())
+
+
+@pytest.mark.gpu
+def test_transfer_batches_arrive_on_the_gpu_they_are_computed_on(tmp_path, shard_kit):
+    """Shard splits are finished on the consumer's GPU as training's loader does (the CPU finish's
+    values); other splits arrive in pinned host memory, ready for a non-blocking copy."""
+    _colour_shards(tmp_path, shard_kit)
+    task = suites.shards(str(tmp_path / "colours"), DataConfig(workers=0))
+    (x, y), (gx, gy) = _all(task.test, View(img_size=32)), _all(task.test, View(img_size=32), device="cuda")
+    assert gx.is_cuda and torch.equal(x, gx.cpu()) and torch.equal(y, gy.cpu())
+    d = write_cifar100(tmp_path / "cifar", n_train=10, n_test=10)
+    xs = next(suites.cifar100(str(d), minival_fraction=0.0, seed=0).test.batches(
+        View(img_size=32), batch_size=4, train=False, device=torch.device("cuda")))[0]
+    assert xs.is_pinned()
