@@ -139,8 +139,8 @@ def main() -> None:
         print(f"{model:<22s} {k:<24s} {z1 * 1e3:8.1f} {e * 1e3:9.1f} {m:8d} {t:8d} {n / 1e6:6.0f} "
               f"{(a * m + b * t + c * n) * 1e3:7.1f}")
     print(f"fit: {a * 1e6:.0f} us per hooked module, {b * 1e6:.0f} us per partitioned tensor, "
-          f"{c * 1e12:.0f} us per MB of fp32 parameters (the model's H100 machine: "
-          f"{kernels.ZERO3_MODULE_SECONDS * 1e6:.0f} us per hooked module; bytes move at HBM speed there)")
+          f"{c * 1e12:.0f} us per MB of fp32 parameters (the model's GPU machine, an H200: "
+          f"{kernels.ZERO3_MODULE_SECONDS * 1e6:.0f} us per hooked module, with kernels.zero3_work_seconds beside it)")
     h = kernels.zero3_hook_seconds
     for model, k, m, t, n, e, _ in rows:
         if "thr0" not in k:

@@ -144,6 +144,7 @@ def describe(p: perfmodel.Prediction) -> str:
         f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
         f"(element-wise {p.elementwise_seconds * 1e3:,.1f}, waiting for kernel launches "
         f"{p.launch_seconds * 1e3:,.1f}" + (f", ZeRO-3 hooks on the host {p.zero3_hook_seconds * 1e3:,.1f}"
+                                             f" and work beyond them {p.zero3_work_seconds * 1e3:,.1f}"
                                              if lay["zero"] == 3 else "")
         + f"), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
         f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",

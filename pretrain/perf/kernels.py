@@ -25,14 +25,19 @@ step only when it needs longer to issue a micro-step's kernels than the GPU need
 micro-batches of narrow models). The counts are our model's own (:data:`BLOCK_KERNELS`, read off
 ``pretrain.models.vit`` with a dispatch mode in ``tests/unit/test_plan_properties.py``).
 
-ZeRO-3 on the host (``zero3_hook_seconds``): DeepSpeed hooks every module that is not inside a leaf
-module (pre/post forward and backward: trace, fetch, release), a fixed host cost per hooked module
-whatever the micro-batch (``benchmarks/zero3_hooks.py`` fits it on the CPU at hand; the partitioned
-tensors' count adds nothing measurable). It is not hidden behind the GPU's work: the fetch waits on a
-CUDA event two fetches back (``PartitionedParameterCoordinator.fetch_sub_module``), so the host cannot
-run far ahead, and the one measurement (ViT-L/16, micro-batch 64, one H100: 390.5 ms a ZeRO-3 step
-against 79.9 ms ZeRO-1) is the sum of the two; the H100 machine's cost per module is that
-measurement's.
+ZeRO-3 (``zero3_hook_seconds``, ``zero3_work_seconds``): DeepSpeed hooks every module that is not
+inside a leaf module (pre/post forward and backward: trace, fetch, release), a fixed host cost per
+hooked module whatever the micro-batch (``benchmarks/zero3_hooks.py`` fits it on the CPU at hand; the
+partitioned tensors' count adds nothing measurable). It is not hidden behind the GPU's work: the fetch
+waits on a CUDA event two fetches back (``PartitionedParameterCoordinator.fetch_sub_module``), so the
+host cannot run far ahead. On a GPU that is not all: one H200 (bf16, one rank; ViT-L/16 at micro
+batch 16 and 64, ViT-B/16 at 64; per-module hooks and leaf blocks: benchmarks/RESULTS.md, "Leaf blocks
+on a GPU") measured a ZeRO-3 step's extra over ZeRO-1 as the hooks (the two hook layouts differ by
+0.25-0.37 ms per hooked module, 0.32 on average) plus work that grows with the micro-step's GPU time
+(about as much again) and with the parameters gathered (0.13 ms per million). What that work is was
+not measured apart (one rank: no collective crosses a link); the two terms are fitted on ViT-L/16's
+two leaf-block rows and predict the other four rows within 0.95-1.13x, and the H100's per-module row
+(390.5 ms against ZeRO-1's 79.9) at 0.91x.
 """
 from __future__ import annotations
 
@@ -130,12 +135,19 @@ def host_seconds(kernels: int, depth: int, checkpointing: bool = False, compile:
     return kernels * HOST_SECONDS_PER_KERNEL + calls * COMPILED_CALL_HOST_SECONDS
 
 
-# --- ZeRO-3's hooks on the host (module docstring): the measured 390.5 - 79.9 = 310.6 ms of a ViT-L/16
-# ZeRO-3 step over ZeRO-1 on the H100 machine, over its 466 hooked modules. On a CPU
-# (benchmarks/zero3_hooks.py) the cost is per hooked module too, nothing measurable per partitioned
-# tensor, plus a copy-like cost per parameter byte that HBM makes negligible on a GPU (ViT-L's bf16
-# weights, 0.6 GB, in about 0.3 ms).
-ZERO3_MODULE_SECONDS = 310.6e-3 / 466
+# --- ZeRO-3 (module docstring), fitted on the H200 rows: per hooked module, the mean of the
+# per-module-hooks less leaf-blocks difference over the extra modules of the three pairs; the
+# compute factor and the cost per gathered parameter from ViT-L/16's leaf-block rows at micro batch
+# 16 and 64 (extra over ZeRO-1 75.8 and 138.8 ms, the hooks taken off).
+ZERO3_MODULE_SECONDS = 0.3196e-3
+ZERO3_COMPUTE_FACTOR = 1.016  # seconds of ZeRO-3 work per second of the micro-step's GPU time
+ZERO3_PARAM_SECONDS = 0.130e-3 / 1e6  # per parameter gathered in a micro-step
+
+
+def zero3_work_seconds(gpu_seconds: float, params: int) -> float:
+    """Seconds ZeRO-3 adds to one micro-step beyond its hooks: in proportion to the micro-step's GPU
+    time (``gpu_seconds``, recompute included) and to the ``params`` gathered."""
+    return ZERO3_COMPUTE_FACTOR * gpu_seconds + ZERO3_PARAM_SECONDS * params
 
 
 def zero3_hook_seconds(modules: int, checkpointing: bool, module_s: float = ZERO3_MODULE_SECONDS) -> float:

@@ -23,7 +23,8 @@ compute
     traffic per micro-step). The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
     a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
     models wait for kernel launches. Under ZeRO-3 the host's module hooks
-    (``pretrain.perf.kernels.zero3_hook_seconds``) add to the micro-step. Model FLOPs (MFU) stay
+    (``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work beyond them
+    (``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay
     ``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward. The optimizer step
     reads and writes its fp32 states once per step (memory bound).
 
@@ -162,7 +163,7 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     ``matmul`` (every GEMM at its shape's rate and the attention kernels), ``elementwise`` (their
     bytes at HBM speed and each kernel's launch gap), ``gpu`` (the two), ``host`` (issuing the
     kernels), ``launch_wait`` (what the GPU waits for the host), ``zero3_hooks`` (ZeRO-3's module hooks
-    on the host) and ``total``."""
+    on the host), ``zero3_work`` (ZeRO-3's work beyond them) and ``total``."""
     g = gpu_of(layout)
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
@@ -202,12 +203,14 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem
     host = kernels.host_seconds(n_kernels["total"], depth, layout.checkpointing, layout.compile)
-    hooks = 0.0
+    hooks = work = 0.0
     if layout.zero == 3:  # paced with the GPU, so added to the step, not hidden under it
         modules = zero3_hooked(replace(layout, leaf_blocks=layout.leaf_blocks or layout.compile))
         hooks = kernels.zero3_hook_seconds(modules, layout.checkpointing)
+        work = kernels.zero3_work_seconds(gpu, shape.params)
     return {"matmul": t_mm, "elementwise": t_mem, "gpu": gpu, "host": host, "launch_wait": max(0.0, host - gpu),
-            "zero3_hooks": hooks, "total": max(gpu, host) + hooks, "kernels": n_kernels["total"],
+            "zero3_hooks": hooks, "zero3_work": work, "total": max(gpu, host) + hooks + work,
+            "kernels": n_kernels["total"],
             "model_flops": model_flops,
             "hardware_flops": model_flops + recompute}
 
@@ -232,6 +235,7 @@ class Prediction:
     elementwise_seconds: float
     launch_seconds: float  # per step, the GPU waiting for the host to issue kernels
     zero3_hook_seconds: float  # per step, ZeRO-3's module hooks on the host
+    zero3_work_seconds: float  # per step, ZeRO-3's measured work beyond its hooks
     optimizer_seconds: float
     comm_seconds: float
     exposed_comm_seconds: float
@@ -311,6 +315,7 @@ def predict(layout: Layout) -> Prediction:
     parts = {"matmul compute": micro["matmul"] * k, "element-wise (memory-bound) kernels": micro["elementwise"] * k,
              "kernel launches (the GPU waits for the host)": micro["launch_wait"] * k,
              "ZeRO-3 module hooks on the host": micro["zero3_hooks"] * k,
+             "ZeRO-3 work beyond its hooks (measured, not itemised)": micro["zero3_work"] * k,
              "exposed communication": exposed, "optimizer step": opt}
     worst = max(parts, key=parts.get)
     bottleneck = f"{worst}: {parts[worst] / step:.0%} of the step"
@@ -327,6 +332,7 @@ def predict(layout: Layout) -> Prediction:
                       images_per_second_per_gpu=ips / layout.world, mfu=mfu, hfu=hfu, step_seconds=step,
                       compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k,
                       launch_seconds=micro["launch_wait"] * k, zero3_hook_seconds=micro["zero3_hooks"] * k,
+                      zero3_work_seconds=micro["zero3_work"] * k,
                       optimizer_seconds=opt,
                       comm_seconds=comm_total, exposed_comm_seconds=exposed, comm_bytes_per_gpu=by_kind,
                       collective_calls=calls, memory_gb_per_gpu=mem, fits=fits, bottleneck=bottleneck,
