@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.vitscale-installed
 # the venv's tools first (deepspeed, ninja for DeepSpeed's JIT-built CPU op, console scripts)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-gpu test-cluster cluster-packages install clean bench-gpu device-kit
+.PHONY: demo test test-gpu test-cluster cluster-packages install clean bench-gpu device-kit device-kit-nvidia
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench-gpu: $(STAMP)
 DEVICE_KIT ?= device-kit
 device-kit: $(STAMP)
 	$(PY) benchmarks/device_kit.py --out $(DEVICE_KIT) --python-version 3.12
+
+# DALI for the lent machine, in parts carried over successive calls (benchmarks/device_kit.py)
+device-kit-nvidia: $(STAMP)
+	$(PY) benchmarks/device_kit.py --nvidia --out device-kit-nvidia --python-version 3.12
 
 # Real sshd + pdsh (two loopback "nodes") and a one-machine SLURM (munged, slurmctld, slurmd),
 # all started by the tests' fixtures on high ports of 127.0.0.1/127.0.0.2 and stopped by PID.

@@ -4,15 +4,29 @@
 # Then, through the device tool, from the repo root, one part per call (each fits one 10-minute call):
 #   run  command="bash benchmarks/device_run.sh suite"  carry=["device-kit"]  timeout_s=600
 #   run  command="bash benchmarks/device_run.sh tests"  carry=["device-kit"]  timeout_s=600
+# DALI (`make device-kit-nvidia`, in parts) comes first, one part per short call to the warm machine:
+#   run  command="bash benchmarks/device_run.sh carry"
+#        carry=["device-kit-nvidia/part-0K", "device-kit-nvidia/parts.sha256"]  timeout_s=60
+# and is installed before the suite or the tests once every part is there.
 # Results come back under $OUT: bench-gpu/suite.{json,md} (for benchmarks/RESULTS.md), logs,
 # nvidia-smi and pip state. Locally (a GPU machine with its own environment) `make bench-gpu` is the same suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/device_run.sh suite|tests}
+part=${1:?usage: benchmarks/device_run.sh suite|tests|carry}
 OUT=${OUT:-runs/device}
 KIT=${KIT:-device-kit}
+NVKIT=${NVKIT:-device-kit-nvidia}
 PY=${PY:-python3}
 mkdir -p "$OUT"
+if [ "$part" = carry ]; then  # a part of the DALI kit arrived: say which are here
+  if [ ! -f "$NVKIT/parts.sha256" ]; then
+    echo "device_run.sh: $NVKIT/parts.sha256 missing: carry it with each part" >&2
+    exit 2
+  fi
+  ls -l "$NVKIT"
+  "$PY" benchmarks/device_kit.py --join "$NVKIT" --out /tmp/device-kit-nvidia-check && rm -rf /tmp/device-kit-nvidia-check
+  exit 0
+fi
 if [ ! -f "$KIT/requirements.txt" ]; then
   echo "device_run.sh: $KIT/requirements.txt missing: run \`make device-kit\` here and carry $KIT" >&2
   exit 2
@@ -20,6 +34,12 @@ fi
 # installed into the machine's own Python, wheels only from the kit; what the image already has
 # at a fitting version stays as it is
 "$PY" -m pip install -q --no-index --find-links "$KIT" -r "$KIT/requirements.txt" 2>&1 | tail -5
+if [ -f "$NVKIT/parts.sha256" ]; then  # DALI, once every part has been carried
+  nv=$(mktemp -d)
+  "$PY" benchmarks/device_kit.py --join "$NVKIT" --out "$nv" \
+    && "$PY" -m pip install -q --no-index --find-links "$nv" -r "$nv/requirements.txt" 2>&1 | tail -5
+  rm -rf "$nv"
+fi
 "$PY" -m pip check > "$OUT/pip-check.txt" 2>&1 || true
 "$PY" - <<'EOF' | tee "$OUT/versions.txt"
 import deepspeed, torch, torchvision, timm, webdataset, sys
@@ -38,5 +58,5 @@ case "$part" in
     # shellcheck disable=SC2086  # PYTEST_ARGS: another selection (a rehearsal on CPU runs CPU tests)
     "$PY" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:--m gpu tests} 2>&1 | tee "$OUT/gpu-tests.log"
     exit "${PIPESTATUS[0]}" ;;
-  *) echo "device_run.sh: unknown part '$part' (suite or tests)" >&2; exit 2 ;;
+  *) echo "device_run.sh: unknown part '$part' (suite, tests or carry)" >&2; exit 2 ;;
 esac

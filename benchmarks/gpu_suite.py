@@ -18,11 +18,12 @@ whole suite is planned to end within 9 minutes on one H100):
           group started as pretrain.distributed.process.init_distributed does), one after the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
           500x375, ~100 KB, pre-resized to shorter side 256 as ``vit-shards --resize-shorter 256``
-          writes them): decoded by PIL in the workers (data.decode_device=worker), then by nvJPEG
+          writes them): decoded in the workers (data.decode_device=worker; the crop window by
+          nvImageCodec where installed, as the device kit does, else PIL), then by nvJPEG
           in the training process (data.decode_device=cuda; on CPU its cpu code path), then by
           DALI's pipeline in the training process (data.decode_device=dali: its mixed decoder on a
           GPU, its CPU operators without one), with its rate over the nvJPEG row's; a machine
-          without DALI (the device kit cannot carry it) records why instead
+          without DALI (carried in parts: ``make device-kit-nvidia``) records why instead
 
 A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
 against the data-sheet peak when the device is in pretrain.observability.flops' table, else against the measured
@@ -445,7 +446,12 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
 
         gpu_decode = "cuda" if device.type == "cuda" else "cpu"
         kw = {"decode_device": {"cpu": "worker", "gpu": gpu_decode, "dali": "dali"}[decode]}
-        if decode != "cpu":
+        if decode == "cpu":
+            from data_pipeline.shards.crop_decode import resolve
+
+            row["worker_decoder"] = resolve("auto")
+            row["name"] += f" ({row['worker_decoder']})"
+        else:
             row["decode_device"] = kw["decode_device"]
             if device.type != "cuda":  # smoke: the GPU-decode path's logic, run on the CPU
                 row["name"] += " (its CPU code path)"
@@ -454,8 +460,8 @@ def run_loader(plan: Plan, device, shards: Path, budget: float, decode: str) -> 
 
             why = unavailable()
             if why is not None:
-                row.update(status="skipped", error=f"{why} (benchmarks/device_kit.py does not carry DALI: its "
-                                                   f"190 MiB wheel is over the device tool's 64 MiB a call)")
+                row.update(status="skipped", error=f"{why} (DALI travels apart from the device kit, in parts: "
+                                                   f"make device-kit-nvidia, benchmarks/device_kit.py)")
                 return row
         cfg = DataConfig(train_shards=str(shards / "manifest.json"), workers=plan.loader_workers,
                          shuffle_buffer=256, **kw)
