@@ -278,8 +278,12 @@ class SlotStream(IterableDataset):
             return None
         try:
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
-            img = open_image(raw.members, self.settings.max_image_pixels)
             data = image_bytes(raw.members)
+            if data is not None and self.settings.decode_device == "worker":  # most plain JPEGs: no PIL
+                out = self.transform.window_sample(data, seed, self.settings.max_image_pixels)
+                if out is not None:
+                    return out, label
+            img = open_image(raw.members, self.settings.max_image_pixels)
             if self.settings.decode_device != "worker":  # the training process decodes plain JPEGs
                 deferred = self.transform.defer(img, data, seed, counted=tally.enabled)
                 if deferred is not None:
