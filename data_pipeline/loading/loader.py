@@ -70,7 +70,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader
 
-from data_pipeline.loading.batch_decode import BatchDecoder, check_device
+from data_pipeline.loading.batch_decode import BatchBuffers, BatchDecoder, check_device
 from data_pipeline.errors import DataError, TooManyCorruptSamples
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
@@ -173,8 +173,11 @@ class ShardLoader:
     # ------------------------------------------------------------------------------ iteration
     def __iter__(self):
         start = Start(self._epoch, self._batch, tuple(self._emitted), self._rest)
-        stream = SlotStream(self.plan, self.rank, self.settings, start, self.num_classes)
         workers = self.cfg.workers
+        # a worker has at most prefetch_factor batches out, plus the one being finished and, on a
+        # GPU, the one issued ahead: with that many buffers it reuses one on every batch
+        buffers = BatchBuffers(workers, self.cfg.prefetch_factor + 2) if workers > 0 else None
+        stream = SlotStream(self.plan, self.rank, self.settings, start, self.num_classes, buffers)
         # Batches come back in the DataLoader's default strict order (worker 0, 1, 2, ...): the
         # resume rotation in stream.py relies on it.
         loader = DataLoader(
@@ -186,7 +189,7 @@ class ShardLoader:
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
         # batches finished here (on a GPU: one ahead, on a side stream)
-        for images, targets, meta in self._decoder.finish(loader):
+        for images, targets, meta in self._decoder.finish(loader, buffers):
             epoch = self._epoch
             self._account(meta)
             if images is not None:
