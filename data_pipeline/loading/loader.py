@@ -23,7 +23,8 @@ The batch contract inside: a worker sends each batch as uint8 (``batch_decode.De
 (B, 3, H, W) shared-memory tensor, the targets, the batch's Mixup/CutMix seed), never float; this
 process finishes it (``batch_decode.BatchDecoder``): (x - 255 mean) / (255 std) as
 ``x * (1 / (255 std)) + (-mean / std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one
-batch ahead on a side stream, from pinned memory). Workers send a quarter of the bytes a float
+batch ahead on a side stream, from pinned memory), and then releases the worker's shared-memory
+tensor for reuse (``batch_decode.BatchBuffers``). Workers send a quarter of the bytes a float
 batch has; on a GPU the host does no per-pixel float work at all.
 
 Exact resume: the state is (epoch, batches yielded in the epoch, per-worker shuffle-buffer
