@@ -23,7 +23,8 @@ The batch contract inside: a worker sends each batch as uint8 (``batch_decode.De
 (B, 3, H, W) shared-memory tensor, the targets, the batch's Mixup/CutMix seed), never float; this
 process finishes it (``batch_decode.BatchDecoder``): (x - 255 mean) / (255 std) as
 ``x * (1 / (255 std)) + (-mean / std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one
-batch ahead on a side stream, from pinned memory). Workers send a quarter of the bytes a float
+batch ahead on a side stream, from pinned memory), and then releases the worker's shared-memory
+tensor for reuse (``batch_decode.BatchBuffers``). Workers send a quarter of the bytes a float
 batch has; on a GPU the host does no per-pixel float work at all.
 
 Exact resume: the state is (epoch, batches yielded in the epoch, per-worker shuffle-buffer
@@ -70,7 +71,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader
 
-from data_pipeline.loading.batch_decode import BatchDecoder, check_device
+from data_pipeline.loading.batch_decode import BatchBuffers, BatchDecoder, check_device
 from data_pipeline.errors import DataError, TooManyCorruptSamples
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
@@ -173,8 +174,11 @@ class ShardLoader:
     # ------------------------------------------------------------------------------ iteration
     def __iter__(self):
         start = Start(self._epoch, self._batch, tuple(self._emitted), self._rest)
-        stream = SlotStream(self.plan, self.rank, self.settings, start, self.num_classes)
         workers = self.cfg.workers
+        # a worker has at most prefetch_factor batches out, plus the one being finished and, on a
+        # GPU, the one issued ahead: with that many buffers it reuses one on every batch
+        buffers = BatchBuffers(workers, self.cfg.prefetch_factor + 2) if workers > 0 else None
+        stream = SlotStream(self.plan, self.rank, self.settings, start, self.num_classes, buffers)
         # Batches come back in the DataLoader's default strict order (worker 0, 1, 2, ...): the
         # resume rotation in stream.py relies on it.
         loader = DataLoader(
@@ -186,7 +190,7 @@ class ShardLoader:
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
         # batches finished here (on a GPU: one ahead, on a side stream)
-        for images, targets, meta in self._decoder.finish(loader):
+        for images, targets, meta in self._decoder.finish(loader, buffers):
             epoch = self._epoch
             self._account(meta)
             if images is not None:

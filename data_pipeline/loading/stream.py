@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import AugmentConfig
-from data_pipeline.loading.batch_decode import DeferredBatch
+from data_pipeline.loading.batch_decode import BatchBuffers, DeferredBatch
 from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.shards.reader import read_shard
@@ -161,8 +162,10 @@ def shuffled(reader: _SlotReader, buffer: "ShuffleBuffer"):
 
 
 class SlotStream(IterableDataset):
-    def __init__(self, plan: Plan, rank: int, settings: Settings, start: Start, num_classes: int):
+    def __init__(self, plan: Plan, rank: int, settings: Settings, start: Start, num_classes: int,
+                 buffers: Optional[BatchBuffers] = None):
         self.plan, self.rank, self.settings, self.start = plan, rank, settings, start
+        self.buffers = buffers  # where workers stack their batches (None: fresh shared memory each)
         self.num_classes = num_classes
         self.transform = SampleTransform(settings.augment, settings.img_size, plan.train,
                                          window=settings.worker_decoder == "nvimgcodec")
@@ -278,8 +281,12 @@ class SlotStream(IterableDataset):
             return None
         try:
             label = parse_label(raw.members, self.num_classes, self.settings.multi_label)
-            img = open_image(raw.members, self.settings.max_image_pixels)
             data = image_bytes(raw.members)
+            if data is not None and self.settings.decode_device == "worker":  # most plain JPEGs: no PIL
+                out = self.transform.window_sample(data, seed, self.settings.max_image_pixels)
+                if out is not None:
+                    return out, label
+            img = open_image(raw.members, self.settings.max_image_pixels)
             if self.settings.decode_device != "worker":  # the training process decodes plain JPEGs
                 deferred = self.transform.defer(img, data, seed, counted=tally.enabled)
                 if deferred is not None:
@@ -299,4 +306,4 @@ class SlotStream(IterableDataset):
             y = torch.tensor(labels, dtype=torch.int64)
         # uint8 samples (and, with data.decode_device cpu/cuda/dali, JPEG files): the training
         # process decodes what is left, normalises and mixes (batch_decode.BatchDecoder)
-        return DeferredBatch.pack(images, batch_seed if s.mixing(self.plan.train) else None), y
+        return DeferredBatch.pack(images, batch_seed if s.mixing(self.plan.train) else None, self.buffers), y

@@ -3,23 +3,27 @@ batch-level Mixup/CutMix.
 
 Pre-training: the ViT paper's Inception-style random resized crop + horizontal flip, optionally
 RandAugment (AugReg). Evaluation: resize the shorter side to ``img_size / eval_crop_pct``, center
-crop. Each sample's randomness comes from a seed derived from its identity (see ``plan.mix_seed``),
-set on torch's default generator inside ``fork_rng`` so the caller's RNG stream is untouched (this
-matters with ``workers=0``, where transforms run in the training process). That makes augmentation
-reproducible on resume, whichever worker decodes the sample.
+crop. Each sample's randomness comes from a seed derived from its identity (see ``plan.mix_seed``):
+the crop box and flip are drawn from a generator of the transform's own, seeded with it, by the
+calls ``RandomResizedCrop`` and ``RandomHorizontalFlip`` make (so the same values); RandAugment
+continues that stream on torch's default generator inside ``fork_rng``. The caller's RNG stream is
+untouched (this matters with ``workers=0``, where transforms run in the training process), and
+augmentation is reproducible on resume, whichever worker decodes the sample.
 
 Decoding cost: the crop is chosen from the JPEG header's size *before* decoding. Then, with
 ``data.worker_decoder: nvimgcodec`` (``shards/crop_decode.py``), only the crop's rows and columns
 of a plain JPEG (RGB or grey, baseline, no EXIF rotation, intact markers) are decoded, with the
-same pixels as that window of a full decode; otherwise PIL decodes the whole image, in draft mode
-at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels per side. Either way
-the crop box and every other draw are the same. Resizing runs on uint8 tensors (torch's vectorised
-antialiased kernel); samples leave the worker as uint8, and the training process normalises
-and mixes the batch (``batch_decode.BatchDecoder``).
+same pixels as that window of a full decode (for most such files one walk over the markers gives
+the size, without PIL: :meth:`SampleTransform.window_sample`); otherwise PIL decodes the whole
+image, in draft mode at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels
+per side. Either way the crop box and every other draw are the same. Resizing runs on uint8 tensors
+(torch's vectorised antialiased kernel); samples leave the worker as uint8, and the training
+process normalises and mixes the batch (``batch_decode.BatchDecoder``).
 """
 from __future__ import annotations
 
 import math
+import platform
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +50,29 @@ class Deferred:
     counted: bool = True  # a failure to decode counts as corrupt (False: counted on an earlier pass)
 
 
+# torchvision resizes uint8 bilinearly with torch's own uint8 kernel on these CPUs (else in float32)
+_NATIVE_U8_RESIZE = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") \
+    or platform.machine() in ("aarch64", "arm64")
+
+
+def resize_u8(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``F.resize(x, [size, size], antialias=True)`` of a uint8 (3, h, w) CPU tensor: the same
+    kernel call on the same strides, without torchvision's dispatch in front of it (about 8 us a
+    sample); torchvision's own call where it would resize in float32."""
+    c, h, w = x.shape
+    if not _NATIVE_U8_RESIZE:
+        return F.resize(x, [size, size], antialias=True)
+    if (h, w) == (size, size):
+        return x
+    image = x.reshape(1, c, h, w)
+    strides = image.stride()
+    if image.is_contiguous(memory_format=torch.channels_last) and x.numel() != strides[0]:
+        # as torchvision does: a (1, C, H, W) channels-last view whose batch stride says so, so that
+        # the output is channels-last too
+        image = image.as_strided((1, c, h, w), (x.numel(),) + strides[1:])
+    return torch._C._nn._upsample_bilinear2d_aa(image, [size, size], False, None).reshape(c, size, size)
+
+
 def ends_at_eoi(data: bytes) -> bool:
     """Whether a JPEG ends with its End Of Image marker (zero padding after it allowed)."""
     return data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9")
@@ -65,50 +92,109 @@ class SampleTransform:
             self.crop = v2.RandomResizedCrop(self.size, scale=tuple(aug.crop_scale), ratio=tuple(aug.crop_ratio),
                                              antialias=True)
             self.hflip = aug.hflip
+            self._log_ratio = [float(x) for x in self.crop._log_ratio]  # float32 logs, as make_params passes them
             self.randaug = v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude) \
                 if aug.randaugment_ops > 0 else None
 
-    def _draw(self, W: int, H: int) -> tuple[tuple[int, int, int, int], bool]:
-        """The sample's crop box (top, left, h, w) in a W x H image and its flip, drawn from torch's
-        default generator (seeded by the caller) in a fixed order; RandAugment draws next."""
-        # a zero-stride tensor stands in for an image of that size: nothing is decoded yet
-        p = self.crop.make_params([torch.empty(1, 1, 1).expand(1, H, W)])
-        flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)  # as v2.RandomHorizontalFlip draws
-        return (p["top"], p["left"], p["height"], p["width"]), flip
+    def _draw(self, W: int, H: int, gen: Optional[torch.Generator] = None) -> tuple[tuple[int, int, int, int], bool]:
+        """The sample's crop box (top, left, h, w) in a W x H image and its flip, drawn from ``gen``
+        (None: torch's default generator), seeded by the caller, in a fixed order: the calls and
+        arithmetic of ``RandomResizedCrop.make_params``, then ``RandomHorizontalFlip``'s draw
+        (tests/unit/test_data_transforms.py compares them); RandAugment draws next."""
+        area = H * W
+        scale, log_ratio = self.crop.scale, self._log_ratio
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=gen).item()
+            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=gen)).item()
+            w = int(round(math.sqrt(target_area * aspect_ratio)))
+            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            if 0 < w <= W and 0 < h <= H:
+                top = torch.randint(0, H - h + 1, size=(1,), generator=gen).item()
+                left = torch.randint(0, W - w + 1, size=(1,), generator=gen).item()
+                break
+        else:  # make_params' fallback: a central crop
+            in_ratio = float(W) / float(H)
+            if in_ratio < min(self.crop.ratio):
+                w, h = W, int(round(W / min(self.crop.ratio)))
+            elif in_ratio > max(self.crop.ratio):
+                h, w = H, int(round(H * max(self.crop.ratio)))
+            else:
+                w, h = W, H
+            top, left = (H - h) // 2, (W - w) // 2
+        flip = self.hflip > 0 and bool(torch.rand(1, generator=gen) < self.hflip)  # as v2.RandomHorizontalFlip draws
+        return (top, left, h, w), flip
 
-    def _post(self, out: torch.Tensor, flip: bool) -> torch.Tensor:
+    def _seeded(self, seed: int) -> torch.Generator:
+        """This transform's generator, seeded with ``seed`` (made on first use in each process)."""
+        gen = self.__dict__.get("_gen")
+        if gen is None:
+            gen = self._gen = torch.Generator()
+        return gen.manual_seed(seed)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_gen", None)  # a generator is made afresh where the transform is used
+        return state
+
+    def _post(self, out: torch.Tensor, flip: bool, gen: torch.Generator) -> torch.Tensor:
+        """Flip, then RandAugment drawing from where ``gen`` stands (on torch's default generator,
+        which ``v2.RandAugment`` uses, inside ``fork_rng``)."""
         if flip:
             out = out.flip(-1)
-        return self.randaug(out) if self.randaug is not None else out
+        if self.randaug is None:
+            return out
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.set_state(gen.get_state())
+            return self.randaug(out)
+
+    def window_sample(self, data: bytes, seed: int, max_pixels: int) -> Optional[torch.Tensor]:
+        """The training sample of ``data`` when it is a JPEG that ``crop_decode.window_size`` reads
+        (no PIL: one walk over its markers gives the size and the plain-file verdict) and the window
+        decoder decodes; the same tensor as :meth:`__call__` gives for it. None (nothing counted):
+        any other file, one over ``max_pixels`` or PIL's own limit, and one the decoder refuses; then
+        the caller opens it with PIL and calls :meth:`__call__`, which decides as before."""
+        if not (self.train and self.window):
+            return None
+        size = crop_decode.window_size(data)
+        if size is None:
+            return None
+        W, H = size
+        bomb = Image.MAX_IMAGE_PIXELS
+        if W * H > max_pixels or (bomb is not None and W * H > 2 * bomb):  # open_image's verdicts
+            return None
+        gen = self._seeded(seed)
+        (top, left, h, w), flip = self._draw(W, H, gen)
+        pixels = crop_decode.decoder()(data, top, left, h, w)
+        if pixels is None:
+            return None
+        return self._post(resize_u8(torch.from_numpy(pixels).permute(2, 0, 1), self.size), flip, gen)
 
     def __call__(self, img: Image.Image, seed: int, data: Optional[bytes] = None) -> torch.Tensor:
         """``data``: the file ``img`` was opened from; with it (and ``window``) a plain JPEG's crop
         window alone is decoded, and a file that decoder refuses goes through PIL as before."""
         if not self.train:
             return self._eval(img)
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            # The crop is drawn from the header's size as displayed (EXIF orientation 5..8 swaps
-            # it), before decoding.
-            W, H = oriented_size(img)
-            (top, left, h, w), flip = self._draw(W, H)
-            if data is not None and self.window and img.format == "JPEG" and img.mode in ("RGB", "L") \
-                    and exif_orientation(img) == 1 and crop_decode.plain(data):
-                pixels = crop_decode.decoder()(data, top, left, h, w)
-                if pixels is not None:  # the crop's pixels: resize only (as F.resized_crop does)
-                    out = F.resize(torch.from_numpy(pixels).permute(2, 0, 1), [self.size, self.size], antialias=True)
-                    return self._post(out, flip)
-            r = min(w, h) / self.size  # how much smaller the decode may be with no loss
-            img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
-            rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
-            sx, sy = rgb.size[0] / W, rgb.size[1] / H
-            if sx != 1.0 or sy != 1.0:
-                top, left = int(top * sy), int(left * sx)
-                h = max(1, min(rgb.size[1] - top, round(h * sy)))
-                w = max(1, min(rgb.size[0] - left, round(w * sx)))
-            # uint8 tensor resize: torch's antialiased bilinear kernel is about 1.7x faster than PIL's
-            out = F.resized_crop(F.pil_to_tensor(rgb), top, left, h, w, [self.size, self.size], antialias=True)
-            return self._post(out, flip)
+        gen = self._seeded(seed)
+        # The crop is drawn from the header's size as displayed (EXIF orientation 5..8 swaps it),
+        # before decoding.
+        W, H = oriented_size(img)
+        (top, left, h, w), flip = self._draw(W, H, gen)
+        if data is not None and self.window and img.format == "JPEG" and img.mode in ("RGB", "L") \
+                and exif_orientation(img) == 1 and crop_decode.plain(data):
+            pixels = crop_decode.decoder()(data, top, left, h, w)
+            if pixels is not None:  # the crop's pixels: resize only (as F.resized_crop does)
+                return self._post(resize_u8(torch.from_numpy(pixels).permute(2, 0, 1), self.size), flip, gen)
+        r = min(w, h) / self.size  # how much smaller the decode may be with no loss
+        img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
+        rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
+        sx, sy = rgb.size[0] / W, rgb.size[1] / H
+        if sx != 1.0 or sy != 1.0:
+            top, left = int(top * sy), int(left * sx)
+            h = max(1, min(rgb.size[1] - top, round(h * sy)))
+            w = max(1, min(rgb.size[0] - left, round(w * sx)))
+        # uint8 tensor resize: torch's antialiased bilinear kernel is about 1.7x faster than PIL's
+        out = F.resized_crop(F.pil_to_tensor(rgb), top, left, h, w, [self.size, self.size], antialias=True)
+        return self._post(out, flip, gen)
 
     # ---------------------------------------- data.decode_device: the training process decodes
     def defer(self, img: Image.Image, data: bytes, seed: int, counted: bool = True) -> "Deferred | None":
@@ -126,9 +212,7 @@ class SampleTransform:
             return None
         if not self.train:
             return Deferred(data, img.size, None, False, seed, counted=counted)
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            box, flip = self._draw(*img.size)
+        box, flip = self._draw(*img.size, self._seeded(seed))
         return Deferred(data, img.size, box, flip, seed, counted=counted)
 
     def finish(self, pixels: torch.Tensor, item: "Deferred") -> torch.Tensor:
@@ -139,11 +223,10 @@ class SampleTransform:
         top, left, h, w = item.box
         out = F.resized_crop(pixels, top, left, h, w, [self.size, self.size], antialias=True)
         if self.randaug is None:
-            return self._post(out, item.flip)
-        with torch.random.fork_rng(devices=[]):  # replay the sample's draws, then RandAugment's
-            torch.random.default_generator.manual_seed(item.seed)
-            self._draw(*item.size)
-            return self._post(out, item.flip)
+            return out.flip(-1) if item.flip else out
+        gen = self._seeded(item.seed)  # replay the sample's draws, then RandAugment's
+        self._draw(*item.size, gen)
+        return self._post(out, item.flip, gen)
 
     def _eval(self, img: Image.Image) -> torch.Tensor:
         w, h = img.size

@@ -36,7 +36,7 @@ import numpy as np
 
 from data_pipeline.errors import ConfigError
 
-__all__ = ["CropDecoder", "plain", "decoder", "unavailable", "resolve", "describe"]
+__all__ = ["CropDecoder", "plain", "window_size", "decoder", "unavailable", "resolve", "describe"]
 
 _MODULE = "nvidia.nvimgcodec"
 _decoders: dict = {}  # pid -> CropDecoder of that process
@@ -47,7 +47,7 @@ def plain(data: bytes) -> bool:
     """Whether ``data`` is a sequential JPEG whose first scan covers the image and whose coded data,
     after that scan's header, holds no marker but restart markers up to an end-of-image marker that
     ends the file (zero bytes after it allowed). Reads the marker segments before the scan (a few
-    dozen bytes each), then finds the coded data's 0xFF bytes with numpy (about 30 us for 50 KB)."""
+    dozen bytes each), then checks the coded data (:func:`_coded_data_plain`)."""
     if data[:2] != b"\xff\xd8":
         return False
     pos, n, sequential = 2, len(data), False
@@ -62,16 +62,74 @@ def plain(data: bytes) -> bool:
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame header (SOFn)
             sequential = marker in _SEQUENTIAL
         if marker == 0xDA:  # SOS: the coded data starts after its header
-            if not sequential:
-                return False
-            coded = np.frombuffer(data, np.uint8, count=len(data.rstrip(b"\x00")))[pos + 2 + length:]
-            at = np.flatnonzero(coded[:-1] == 0xFF)  # each 0xFF and the byte after it
-            after = coded[at + 1]
-            # FF00 is a stuffed 0xFF, FFD0..FFD7 a restart marker; the last one must be FFD9 at the end
-            return at.size > 0 and at[-1] == coded.size - 2 and after[-1] == 0xD9 \
-                and bool(((after[:-1] == 0) | ((after[:-1] >= 0xD0) & (after[:-1] <= 0xD7))).all())
+            return sequential and _coded_data_plain(data, pos + 2 + length)
         pos += 2 + length
     return False
+
+
+# Segments a header may hold for window_size: DHT, DRI, COM (skipped as PIL skips them), and APP0,
+# DQT, SOF0/1 (checked as PIL's parser reads them). Anything else (EXIF or XMP in APP1, ICC
+# profiles, Adobe's APP14, other frame types) sends the file to PIL.
+_SKIPPED = frozenset((0xC4, 0xDD, 0xFE))
+
+
+def window_size(data: bytes) -> Optional[tuple[int, int]]:
+    """(width, height) of a JPEG that the window decode takes, from one walk over its markers; None
+    for any other file (then PIL opens it, and :func:`plain` decides). A size here means: what
+    :func:`plain` accepts, one frame header of 8-bit samples with 1 or 3 components, no marker
+    segment but those PIL reads without a possible error or a side effect on orientation or colour
+    (so ``PIL.Image.open`` gives a JPEG of that size in mode L or RGB, EXIF orientation 1). Each
+    segment must lie inside the file."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    pos, n, size = 2, len(data), None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        end = pos + 2 + length
+        if length < 2 or end > n:
+            return None
+        if marker == 0xDA:  # SOS: the coded data follows its header
+            return size if size is not None and _coded_data_plain(data, end) else None
+        if marker in _SEQUENTIAL:  # SOF0/SOF1: precision, height, width, components
+            components = data[pos + 9] if length >= 8 else 0
+            if size is not None or components not in (1, 3) or length != 8 + 3 * components or data[pos + 4] != 8:
+                return None
+            height, width = (data[pos + 5] << 8) | data[pos + 6], (data[pos + 7] << 8) | data[pos + 8]
+            if not (width and height):
+                return None
+            size = (width, height)
+        elif marker == 0xDB:  # DQT: whole tables of 8- or 16-bit entries, as PIL reads them
+            at = pos + 4
+            while at < end:
+                table = 1 + 64 * (1 + (data[at] >> 4))
+                if data[at] >> 4 > 1 or (data[at] & 15) > 3 or at + table > end:
+                    return None
+                at += table
+        elif marker == 0xE0:  # APP0: PIL reads a JFIF version at bytes 5..6
+            if data.startswith(b"JFIF", pos + 4) and length < 2 + 7:
+                return None
+        elif marker not in _SKIPPED:
+            return None
+        pos = end
+    return None
+
+
+def _coded_data_plain(data: bytes, start: int) -> bool:
+    """Whether the coded data from ``start`` holds no marker but stuffed 0xFF bytes (FF00) and
+    restart markers (FFD0..FFD7), and ends with the end-of-image marker FFD9, zero bytes after it
+    allowed. The 0xFF bytes are found with numpy (about 30 us for 180 KB)."""
+    coded = np.frombuffer(data, np.uint8, count=len(data.rstrip(b"\x00")))[start:]
+    at = np.flatnonzero(coded[:-1] == 0xFF)  # each 0xFF and the byte after it
+    after = coded[at + 1]
+    # FF00 is a stuffed 0xFF, FFD0..FFD7 a restart marker; the last one must be FFD9 at the end
+    return at.size > 0 and at[-1] == coded.size - 2 and after[-1] == 0xD9 \
+        and bool(((after[:-1] == 0) | ((after[:-1] >= 0xD0) & (after[:-1] <= 0xD7))).all())
 
 
 def _quietly(make):

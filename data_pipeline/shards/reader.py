@@ -87,11 +87,9 @@ def read_shard(shard: Shard, tally: Tally, ranges=None, policy: Optional[RemoteP
 def _grouped(stream, shard: Shard, tally: Tally, ranges) -> Iterator[RawSample]:
     """Group members into samples; yields a wanted sample once the next key starts (or the tar
     ends). Members of unwanted samples are neither read nor counted."""
-    tar = tarfile.open(fileobj=stream, mode="r|*")
     sample, key_now, index, r = None, None, -1, 0
     stop = ranges[-1][1]
-    for info in tar:
-        tar.members = []  # streaming: do not keep every TarInfo of a 10k-sample shard in memory
+    for info, read in _members(stream):
         if not info.isreg():
             continue
         key, ext = base_plus_ext(info.name)
@@ -117,6 +115,56 @@ def _grouped(stream, shard: Shard, tally: Tally, ranges) -> Iterator[RawSample]:
         elif info.size > MAX_MEMBER_BYTES:
             tally.add("oversized_member")
         else:
-            sample.members[ext] = tar.extractfile(info).read()
+            sample.members[ext] = read()
     if sample is not None:
         yield sample
+
+
+_BLOCK = tarfile.BLOCKSIZE
+_COMPRESSED = (b"\x1f\x8b\x08", b"BZh91", b"\xfd7zXZ", b"\x5d\x00\x00\x80")  # what mode "r|*" detects
+_PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE)
+
+
+def _members(stream) -> Iterator[tuple]:
+    """(TarInfo, read) for each member that ``tarfile.open(fileobj=stream, mode="r|*")`` iterates,
+    with the same errors; ``read()`` gives the member's bytes (call it before the next member, at
+    most once), and a member not read is skipped. A seekable uncompressed stream is read here as
+    long as its headers are plain regular files (most shards): each header parsed by tarfile's own
+    ``TarInfo.frombuf``, the bytes read straight from the stream, without tarfile's stream layer
+    (which copies every member through 10 KB chunks). From the first header of another kind (pax
+    or GNU extensions, links, directories), or for a compressed or unseekable stream, tarfile
+    reads on from that header. The checks are tarfile's: a bad or short header ends the archive
+    (the first one is an error), and a member whose bytes or padding the file cuts short is a
+    ``ReadError``."""
+    if hasattr(stream, "peek") and getattr(stream, "seekable", bool)() and not stream.peek(8)[:8].startswith(_COMPRESSED):
+        pos, first = stream.tell(), True
+        while True:
+            try:
+                info = tarfile.TarInfo.frombuf(stream.read(_BLOCK), tarfile.ENCODING, "surrogateescape")
+            except tarfile.HeaderError:
+                if not first:
+                    return  # tarfile ends the archive here
+                stream.seek(pos)  # tarfile raises its own error for the first header
+                break
+            if info.type not in _PLAIN or not info.isreg():
+                stream.seek(pos)
+                break
+            first, size = False, info.size
+            end = pos + _BLOCK + -(-size // _BLOCK) * _BLOCK  # the data padded to whole blocks
+            yield info, lambda: _read_exactly(stream, size)
+            if size:  # the file must reach the end of the padding, as tarfile's next() checks
+                stream.seek(end - 1)
+                if not stream.read(1):
+                    raise tarfile.ReadError("unexpected end of data")
+            pos = end
+    tar = tarfile.open(fileobj=stream, mode="r|*")
+    for info in tar:
+        tar.members = []  # streaming: do not keep every TarInfo of a 10k-sample shard in memory
+        yield info, lambda info=info: tar.extractfile(info).read()
+
+
+def _read_exactly(stream, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) < size:
+        raise tarfile.ReadError("unexpected end of data")
+    return data

@@ -280,3 +280,48 @@ def test_worker_batches_finished_on_the_gpu_equal_the_cpus(mixed, aug):
         assert torch.allclose(ta, tb.cpu().to(ta.dtype), atol=1e-6, rtol=0)
     calm_and_busy(lambda: build_loader(decode_cfg(mixed, "worker", **aug), rank=1, world_size=2, batch_size=8,
                                        seed=3, img_size=16, device="cuda"))
+
+
+class _Filled(torch.utils.data.IterableDataset):
+    """Batch i: a (4, 3, 8, 8) tensor of BatchBuffers filled with i, its tag, and how many fresh
+    shared-memory tensors the worker has made so far."""
+
+    def __init__(self, buffers, n):
+        self.buffers, self.n = buffers, n
+
+    def __iter__(self):
+        from data_pipeline.loading import batch_decode
+
+        fresh, make = [0], batch_decode._shared_storage
+
+        def counted(numel):
+            fresh[0] += 1
+            return make(numel)
+
+        batch_decode._shared_storage = counted  # in this worker process only
+        for i in range(self.n):
+            t, tag = self.buffers.take((4, 3, 8, 8))
+            yield t.fill_(i % 251), tag, fresh[0]
+
+
+def test_worker_buffers_are_reused_only_once_released():
+    """A worker stacks into the same few shared-memory tensors while the training process releases
+    each batch after reading it; a batch held unreleased is never written over (the worker takes a
+    fresh tensor instead, and does not wait). Real DataLoader worker processes."""
+    from data_pipeline.loading.batch_decode import BatchBuffers
+
+    buffers = BatchBuffers(1, slots=4)
+    loader = torch.utils.data.DataLoader(_Filled(buffers, 60), batch_size=None, num_workers=1, prefetch_factor=2)
+    held, fresh = [], []
+    for i, (t, tag, made) in enumerate(loader):
+        assert tuple(tag) == (0, i) and bool((t == i % 251).all())
+        fresh.append(made)
+        if 20 <= i < 40:  # read, but held unreleased (the training process releases in order)
+            held.append((i, t))
+        else:
+            buffers.release(tag)  # this one and every earlier one
+            held.clear()
+        for j, h in held:
+            assert bool((h == j % 251).all()), (i, j)  # never written over while held
+    assert fresh[19] == 4  # the first round of slots, then reuse
+    assert fresh[39] >= fresh[19] + 15 and fresh[-1] == fresh[48]  # fresh ones while held, reuse again after

@@ -1,6 +1,7 @@
 """data.worker_decoder: decoding only a JPEG's crop window (nvImageCodec's CPU backend) gives the
 pixels of that window of PIL's full decode, the same crop boxes and draws as the PIL path, the same
-corrupt-sample verdicts, and a fallback to PIL when nvImageCodec is missing.
+corrupt-sample verdicts, and a fallback to PIL when nvImageCodec is missing; the marker walk that
+replaces PIL's header parse for plain files reads headers as PIL does.
 
 Tolerance: the window is decoded by libjpeg-turbo with the same integer IDCT and fancy upsampling
 as PIL's libjpeg-turbo, and libjpeg-turbo decodes the bordering blocks that upsampling reads, so the
@@ -24,7 +25,7 @@ from data_pipeline.errors import ConfigError
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.shards import crop_decode
-from data_pipeline.shards.decode import BadSample, open_image
+from data_pipeline.shards.decode import BadSample, exif_orientation, open_image
 from data_pipeline.shards.demo_data import HUES, draw
 from pretrain.config import AugmentConfig, DataConfig, load_config
 
@@ -110,6 +111,75 @@ def test_plain_files_only():
     assert not crop_decode.plain(b"\x89PNG\r\n\x1a\n" + data)
 
 
+def _pil_view(data: bytes):
+    """PIL's reading of a header, as the PIL path asks it: (size, mode, EXIF orientation), or None
+    when ``open_image`` refuses the file or it is no JPEG."""
+    try:
+        img = open_image({"jpg": data}, 10**9)
+    except BadSample:
+        return None
+    return (img.size, img.mode, exif_orientation(img)) if img.format == "JPEG" else None
+
+
+def test_window_size_reads_the_header_as_pil_does():
+    """One walk over the markers gives a size only for files the PIL path would send to the window
+    decoder with that size (a JPEG in mode L or RGB, EXIF orientation 1, ``plain``), and it gives
+    one for the usual plain files. Also over random damage to the header bytes."""
+    photo = _photo(203, 157)
+    exif = Image.Exif()
+    exif[0x0112] = 1
+    files = {name: _jpeg(photo.convert("L") if name == "grey" else photo, **kw) for name, kw in VARIANTS.items()}
+    files["exif 1"] = _jpeg(photo, exif=exif.tobytes())
+    exif[0x0112] = 6
+    files["exif 6"] = _jpeg(photo, exif=exif.tobytes())
+    files["icc"] = _jpeg(photo, icc_profile=b"\0" * 200)
+    files["cmyk"] = _jpeg(photo.convert("CMYK"))
+    files["comment"] = _jpeg(photo, comment=b"hello")
+    buf = io.BytesIO()
+    photo.save(buf, "PNG")
+    files["png"] = buf.getvalue()
+    sized = set()
+    for name, data in files.items():
+        size = crop_decode.window_size(data)
+        if size is not None:
+            sized.add(name)
+            assert _pil_view(data) == (size, "L" if name == "grey" else "RGB", 1) and crop_decode.plain(data), name
+    assert sized == {"444", "422", "420", "restart markers", "grey", "comment"}, sized
+    rng = np.random.default_rng(0)
+    base = files["420"]
+    header = base.index(b"\xff\xda") + 14  # up to the end of the scan header
+    agreed = 0
+    for _ in range(3000):
+        b = bytearray(base)
+        for _ in range(int(rng.integers(1, 4))):
+            b[int(rng.integers(2, header))] = int(rng.choice([0, 1, 2, 3, 8, 0xC2, 0xD9, 0xDA, 0xE1, 0xFF, rng.integers(256)]))
+        size = crop_decode.window_size(bytes(b))
+        if size is not None:
+            view = _pil_view(bytes(b))
+            assert view is not None and view[0] == size and view[1] in ("L", "RGB") and view[2] == 1 \
+                and crop_decode.plain(bytes(b)), bytes(b[:header])
+            agreed += 1
+    assert 100 < agreed < 3000  # damage that leaves a readable header, and damage that does not
+
+
+def test_window_sample_is_the_pil_path_sample():
+    """The worker's sample from the marker walk is the PIL path's, bit for bit (same box, pixels,
+    flip and RandAugment); files it does not take give None (then the PIL path runs)."""
+    aug = AugmentConfig(randaugment_ops=2)
+    for ra in (aug, AugmentConfig()):
+        tf = SampleTransform(ra, 64, train=True, window=True)
+        for name, kw in VARIANTS.items():
+            img = _photo(341, 256, seed=4)
+            data = _jpeg(img.convert("L") if name == "grey" else img, **kw)
+            for seed in range(4):
+                a = tf.window_sample(data, seed, 10**9)
+                assert (a is None) == (name == "progressive"), name
+                if a is not None:
+                    assert torch.equal(a, tf(open_image({"jpg": data}, 10**9), seed, data)), (name, seed)
+        assert tf.window_sample(data, 0, 341 * 256 - 1) is None  # over data.max_image_pixels: open_image says so
+    assert SampleTransform(aug, 64, train=True, window=False).window_sample(data, 0, 10**9) is None
+
+
 def test_corrupt_files_get_the_verdict_pil_gives_them():
     """A window decode stops at the window's last row, and nvImageCodec decodes some files PIL
     refuses; the loader's verdict on each damaged file must still be PIL's (counted as corrupt or
@@ -131,8 +201,9 @@ def test_corrupt_files_get_the_verdict_pil_gives_them():
             pil = None
         except Exception as e:  # PIL's verdict: the reference
             pil = type(e).__name__
-        try:
-            tf(open_image({"jpg": b}, 10**9), i, b)
+        try:  # the worker's order: the marker walk's window decode, else the PIL path
+            if tf.window_sample(b, i, 10**9) is None:
+                tf(open_image({"jpg": b}, 10**9), i, b)
             ours = None
         except BadSample as e:
             ours = e.kind

@@ -2,10 +2,12 @@
 labels, decompression bombs, the corrupt-rate threshold, remote URLs and manifest mistakes."""
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import struct
 import subprocess
+import tarfile
 import zlib
 
 import pytest
@@ -165,3 +167,75 @@ def test_manifest_mistakes_are_one_line_data_errors(tmp_path, shard_kit):
     with pytest.raises(DataError, match="manifest not found") as e:
         build_loader(_cfg(root / "train-000000.tar"), batch_size=2)
     assert "\n" not in str(e.value)
+
+
+class _Unseekable(io.RawIOBase):
+    """A file read front to back only (as an HTTP body is): read_shard hands it to tarfile whole."""
+
+    def __init__(self, path):
+        self.f = open(path, "rb")
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        return self.f.readinto(b)
+
+    def close(self):
+        self.f.close()
+        super().close()
+
+
+def test_tar_reading_is_tarfiles_at_every_cut(tmp_path, shard_kit, monkeypatch):
+    """read_shard reads plain regular members itself; what it yields and counts must be what it
+    yields and counts when tarfile reads the whole stream: for a shard cut short at many points
+    (inside headers, data and padding), shards with pax headers, directories and oversized names
+    (which tarfile takes over), a gzip-compressed one, and ranges that skip samples."""
+    from data_pipeline.shards import reader
+    from data_pipeline.shards.manifest import Shard
+    from data_pipeline.tally import Tally
+
+    samples = _samples(shard_kit, 0, 6)
+    samples[2][1]["txt"] = b"x" * 512  # data of exactly one block: no padding
+    samples[3][1]["pyd"] = b"\x80"  # skipped unread, counted
+    plain = tmp_path / "plain.tar"
+    shard_kit.write_tar(plain, samples)
+    raw = plain.read_bytes()
+    files = {}
+    for cut in sorted({*range(0, len(raw), 97), *range(500, 530), len(raw) - 1024, len(raw) - 1, len(raw)}):
+        files[f"cut{cut}"] = raw[:cut]
+    for name, extra in (("pax", "é" * 3), ("long", "d" * 120)):  # a pax header (non-ASCII / long name)
+        path = tmp_path / f"{name}.tar"
+        shard_kit.write_tar(path, samples[:3] + [(f"00003{extra}", samples[3][1])] + samples[4:])
+        files[name] = path.read_bytes()
+    with tarfile.open(tmp_path / "dir.tar", "w") as tar:  # a directory member between samples
+        for i, (key, members) in enumerate(samples):
+            if i == 2:
+                d = tarfile.TarInfo("adir")
+                d.type = tarfile.DIRTYPE
+                tar.addfile(d)
+            for ext in sorted(members):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(members[ext])
+                tar.addfile(info, io.BytesIO(members[ext]))
+    files["dir"] = (tmp_path / "dir.tar").read_bytes()
+    files["gz"] = zlib.compressobj(wbits=31).compress(raw) + zlib.compressobj(wbits=31).flush()
+    files["garbage"] = raw[:512] + b"\x07" * 3000
+
+    def read(path, ranges, unseekable):
+        if unseekable:
+            monkeypatch.setattr(reader, "open_shard", lambda url, name, tally, policy: io.BufferedReader(_Unseekable(url)))
+        else:
+            monkeypatch.undo()
+        tally = Tally()
+        got = [(s.index, s.key, s.members, s.lost) for s in reader.read_shard(Shard(0, "s.tar", str(path), 6), tally, ranges)]
+        return got, tally.take()
+
+    for name, data in files.items():
+        path = tmp_path / f"{name}.bin"
+        path.write_bytes(data)
+        for ranges in (None, [(1, 3), (4, 6)]):
+            ours, ref = read(path, ranges, False), read(path, ranges, True)
+            assert ours == ref, (name, ranges)
+    assert read(tmp_path / "cut0.bin", None, False)[1]["counts"].get("truncated_tar") == 1
+    assert sum(1 for s in read(tmp_path / "pax.bin", None, False)[0] if not s[3]) == 6

@@ -59,3 +59,45 @@ def test_cutmix_targets_follow_the_pasted_area():
         assert abs(my[0, 1].item() - pasted) < 1e-6 and torch.allclose(my.sum(1), torch.ones(2))
         mx, my = mix_batch(x, y, AugmentConfig(mixup_alpha=0.5), seed)
         assert torch.allclose(mx[0], torch.full_like(mx[0], my[0, 1].item()))
+
+
+def test_crop_and_flip_draws_are_torchvisions():
+    """The transform draws its crop box and flip from a generator of its own; they must be the
+    values torchvision's ``RandomResizedCrop.make_params`` and ``RandomHorizontalFlip`` draw from
+    torch's default generator under the same seed (exact resume and the sample log depend on it),
+    for sizes that take the first try, many tries, and make_params' central-crop fallback."""
+    from torchvision.transforms import v2
+
+    rng = np.random.default_rng(0)
+    sizes = [(667, 500), (500, 667), (256, 341), (224, 224), (32, 24), (3, 2), (1, 1), (2000, 9), (9, 2000)]
+    sizes += [(int(w), int(h)) for w, h in rng.integers(1, 1200, (30, 2))]
+    for aug in (AugmentConfig(), AugmentConfig(crop_scale=[0.3, 0.9], crop_ratio=[0.5, 2.0], hflip=0.3)):
+        tf = SampleTransform(aug, 224, train=True)
+        ref = v2.RandomResizedCrop(224, scale=tuple(aug.crop_scale), ratio=tuple(aug.crop_ratio))
+        fallbacks = 0
+        for W, H in sizes:
+            for seed in [int(s) for s in rng.integers(0, 2**63 - 1, 25)]:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    p = ref.make_params([torch.empty(1, 1, 1).expand(1, H, W)])
+                    flip = bool(torch.rand(1) < aug.hflip)
+                    after = torch.rand(1)  # where the default generator stands next (RandAugment's draws)
+                gen = torch.Generator().manual_seed(seed)
+                assert tf._draw(W, H, gen) == ((p["top"], p["left"], p["height"], p["width"]), flip), (W, H, seed)
+                assert torch.equal(torch.rand(1, generator=gen), after)
+                fallbacks += (p["top"], p["left"]) == ((H - p["height"]) // 2, (W - p["width"]) // 2)
+        assert fallbacks > 0  # the long thin sizes reached the central-crop fallback
+
+
+def test_resize_u8_is_torchvisions_resize():
+    """``resize_u8`` calls the kernel torchvision's ``F.resize`` calls, for the layouts the loader
+    gives it (HWC arrays from a decoder, CHW tensors)."""
+    from torchvision.transforms.v2 import functional as F
+
+    from data_pipeline.loading.transforms import resize_u8
+
+    rng = np.random.default_rng(1)
+    for h, w in [(300, 350), (224, 224), (37, 500), (500, 37), (1, 2), (225, 224)]:
+        hwc = torch.from_numpy(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for x in (hwc.permute(2, 0, 1), hwc.permute(2, 0, 1).contiguous(), hwc[:, ::1].permute(2, 0, 1)[:, :, 1:]):
+            assert torch.equal(resize_u8(x, 224), F.resize(x, [224, 224], antialias=True)), (h, w, x.stride())
