@@ -57,8 +57,8 @@ _NATIVE_U8_RESIZE = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"
 
 def resize_u8(x: torch.Tensor, size: int) -> torch.Tensor:
     """``F.resize(x, [size, size], antialias=True)`` of a uint8 (3, h, w) CPU tensor: the same
-    kernel call on the same strides, without torchvision's dispatch in front of it (about 8 us a
-    sample); torchvision's own call where it would resize in float32."""
+    ``interpolate`` call on the same strides, without torchvision's dispatch in front of it;
+    torchvision's own call where it would resize in float32."""
     c, h, w = x.shape
     if not _NATIVE_U8_RESIZE:
         return F.resize(x, [size, size], antialias=True)
@@ -70,7 +70,9 @@ def resize_u8(x: torch.Tensor, size: int) -> torch.Tensor:
         # as torchvision does: a (1, C, H, W) channels-last view whose batch stride says so, so that
         # the output is channels-last too
         image = image.as_strided((1, c, h, w), (x.numel(),) + strides[1:])
-    return torch._C._nn._upsample_bilinear2d_aa(image, [size, size], False, None).reshape(c, size, size)
+    out = torch.nn.functional.interpolate(image, size=[size, size], mode="bilinear", align_corners=False,
+                                          antialias=True)
+    return out.reshape(c, size, size)
 
 
 def ends_at_eoi(data: bytes) -> bool:
@@ -92,7 +94,8 @@ class SampleTransform:
             self.crop = v2.RandomResizedCrop(self.size, scale=tuple(aug.crop_scale), ratio=tuple(aug.crop_ratio),
                                              antialias=True)
             self.hflip = aug.hflip
-            self._log_ratio = [float(x) for x in self.crop._log_ratio]  # float32 logs, as make_params passes them
+            # the float32 logs RandomResizedCrop keeps and make_params passes to uniform_
+            self._log_ratio = [float(x) for x in torch.log(torch.tensor(self.crop.ratio))]
             self.randaug = v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude) \
                 if aug.randaugment_ops > 0 else None
 
