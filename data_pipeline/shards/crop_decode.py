@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -43,6 +43,28 @@ _decoders: dict = {}  # pid -> CropDecoder of that process
 _SEQUENTIAL = (0xC0, 0xC1)  # SOF0 baseline, SOF1 extended sequential (Huffman): one pass top to bottom
 
 
+def _segments(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """(marker, position, end) of each marker segment after SOI, up to and including the first SOS
+    (start of scan), fill bytes skipped; ends early at anything that is not a segment lying whole
+    inside ``data``."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        end = pos + 2 + length
+        if length < 2 or end > n:
+            return
+        yield marker, pos, end
+        if marker == 0xDA:
+            return
+        pos = end
+
+
 def plain(data: bytes) -> bool:
     """Whether ``data`` is a sequential JPEG whose first scan covers the image and whose coded data,
     after that scan's header, holds no marker but restart markers up to an end-of-image marker that
@@ -50,20 +72,12 @@ def plain(data: bytes) -> bool:
     dozen bytes each), then checks the coded data (:func:`_coded_data_plain`)."""
     if data[:2] != b"\xff\xd8":
         return False
-    pos, n, sequential = 2, len(data), False
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return False
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        length = (data[pos + 2] << 8) | data[pos + 3]
+    sequential = False
+    for marker, _, end in _segments(data):
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame header (SOFn)
             sequential = marker in _SEQUENTIAL
         if marker == 0xDA:  # SOS: the coded data starts after its header
-            return sequential and _coded_data_plain(data, pos + 2 + length)
-        pos += 2 + length
+            return sequential and _coded_data_plain(data, end)
     return False
 
 
@@ -82,18 +96,9 @@ def window_size(data: bytes) -> Optional[tuple[int, int]]:
     segment must lie inside the file."""
     if data[:3] != b"\xff\xd8\xff":
         return None
-    pos, n, size = 2, len(data), None
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        length = (data[pos + 2] << 8) | data[pos + 3]
-        end = pos + 2 + length
-        if length < 2 or end > n:
-            return None
+    size = None
+    for marker, pos, end in _segments(data):
+        length = end - pos - 2
         if marker == 0xDA:  # SOS: the coded data follows its header
             return size if size is not None and _coded_data_plain(data, end) else None
         if marker in _SEQUENTIAL:  # SOF0/SOF1: precision, height, width, components
@@ -116,7 +121,6 @@ def window_size(data: bytes) -> Optional[tuple[int, int]]:
                 return None
         elif marker not in _SKIPPED:
             return None
-        pos = end
     return None
 
 
