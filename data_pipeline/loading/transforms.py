@@ -166,8 +166,12 @@ class SampleTransform:
         if W * H > max_pixels or (bomb is not None and W * H > 2 * bomb):  # open_image's verdicts
             return None
         gen = self._seeded(seed)
-        (top, left, h, w), flip = self._draw(W, H, gen)
-        pixels = crop_decode.decoder()(data, top, left, h, w)
+        return self._window(data, *self._draw(W, H, gen), gen)
+
+    def _window(self, data: bytes, box: tuple, flip: bool, gen: torch.Generator) -> Optional[torch.Tensor]:
+        """The crop ``box`` of JPEG ``data`` decoded alone, resized (as ``F.resized_crop`` does after
+        its crop) and post-processed; None when the window decoder refuses the file."""
+        pixels = crop_decode.decoder()(data, *box)
         if pixels is None:
             return None
         return self._post(resize_u8(torch.from_numpy(pixels).permute(2, 0, 1), self.size), flip, gen)
@@ -184,9 +188,9 @@ class SampleTransform:
         (top, left, h, w), flip = self._draw(W, H, gen)
         if data is not None and self.window and img.format == "JPEG" and img.mode in ("RGB", "L") \
                 and exif_orientation(img) == 1 and crop_decode.plain(data):
-            pixels = crop_decode.decoder()(data, top, left, h, w)
-            if pixels is not None:  # the crop's pixels: resize only (as F.resized_crop does)
-                return self._post(resize_u8(torch.from_numpy(pixels).permute(2, 0, 1), self.size), flip, gen)
+            out = self._window(data, (top, left, h, w), flip, gen)
+            if out is not None:
+                return out
         r = min(w, h) / self.size  # how much smaller the decode may be with no loss
         img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
         rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
