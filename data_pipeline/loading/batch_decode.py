@@ -94,8 +94,7 @@ class BatchBuffers:
         if size != numel or int(self.released[worker]) < number - self.slots + 1:
             storage = _shared_storage(numel)
             self._buffers[slot] = (storage, numel)
-        proto = torch.empty(0, dtype=torch.uint8)
-        return proto.new(storage).resize_(shape), (worker, number)
+        return _on(storage, shape), (worker, number)
 
     def release(self, tag: Optional[tuple]) -> None:
         """In the training process: the batch ``tag`` and every earlier one of its worker are read."""
@@ -108,6 +107,11 @@ def _shared_storage(numel: int):
     return torch.empty(0, dtype=torch.uint8)._typed_storage()._new_shared(numel, device="cpu")
 
 
+def _on(storage, shape: tuple) -> torch.Tensor:
+    """A uint8 tensor of ``shape`` over ``storage``."""
+    return torch.empty(0, dtype=torch.uint8).new(storage).resize_(shape)
+
+
 def _stacked(samples: list, buffers: Optional[BatchBuffers]) -> tuple:
     """uint8 (3, S, S) samples -> (one (n, 3, S, S) tensor, its buffer tag). Inside a DataLoader
     worker it is stacked in shared memory (as torch's ``default_collate`` does), so it crosses to
@@ -118,9 +122,7 @@ def _stacked(samples: list, buffers: Optional[BatchBuffers]) -> tuple:
     if buffers is not None:
         out, tag = buffers.take((n, c, h, w))
         return torch.stack(samples, out=out), tag
-    proto = torch.empty(0, dtype=torch.uint8)
-    out = proto.new(_shared_storage(n * c * h * w)).resize_(n, c, h, w)
-    return torch.stack(samples, out=out), None
+    return torch.stack(samples, out=_on(_shared_storage(n * c * h * w), (n, c, h, w))), None
 
 
 @dataclass
@@ -483,10 +485,7 @@ class BatchDecoder:
         does."""
         u8 = x.to(torch.uint8)
         for k, it in enumerate(items):
-            with torch.random.fork_rng(devices=[]):
-                torch.random.default_generator.manual_seed(it.seed)
-                self.transform._draw(*it.size)
-                u8[k] = self.transform.randaug(u8[k])
+            u8[k] = self.transform.randaugment(u8[k], it)
         return u8.float()
 
     def _decode(self, datas: list) -> list:

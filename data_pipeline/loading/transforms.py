@@ -99,9 +99,9 @@ class SampleTransform:
             self.randaug = v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude) \
                 if aug.randaugment_ops > 0 else None
 
-    def _draw(self, W: int, H: int, gen: Optional[torch.Generator] = None) -> tuple[tuple[int, int, int, int], bool]:
+    def _draw(self, W: int, H: int, gen: torch.Generator) -> tuple[tuple[int, int, int, int], bool]:
         """The sample's crop box (top, left, h, w) in a W x H image and its flip, drawn from ``gen``
-        (None: torch's default generator), seeded by the caller, in a fixed order: the calls and
+        (seeded by the caller) in a fixed order: the calls and
         arithmetic of ``RandomResizedCrop.make_params``, then ``RandomHorizontalFlip``'s draw
         (tests/unit/test_data_transforms.py compares them); RandAugment draws next."""
         area = H * W
@@ -149,6 +149,13 @@ class SampleTransform:
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.set_state(gen.get_state())
             return self.randaug(out)
+
+    def randaugment(self, x: torch.Tensor, item: "Deferred") -> torch.Tensor:
+        """RandAugment on the cropped (and flipped) sample ``x`` of ``item``, its ops drawn where the
+        sample's own stream stands after its crop and flip draws (replayed from its seed)."""
+        gen = self._seeded(item.seed)
+        self._draw(*item.size, gen)
+        return self._post(x, False, gen)
 
     def window_sample(self, data: bytes, seed: int, max_pixels: int) -> Optional[torch.Tensor]:
         """The training sample of ``data`` when it is a JPEG that ``crop_decode.window_size`` reads
@@ -229,11 +236,8 @@ class SampleTransform:
             return F.center_crop(F.resize(pixels, self.resize, antialias=True), [self.size, self.size])
         top, left, h, w = item.box
         out = F.resized_crop(pixels, top, left, h, w, [self.size, self.size], antialias=True)
-        if self.randaug is None:
-            return out.flip(-1) if item.flip else out
-        gen = self._seeded(item.seed)  # replay the sample's draws, then RandAugment's
-        self._draw(*item.size, gen)
-        return self._post(out, item.flip, gen)
+        out = out.flip(-1) if item.flip else out
+        return self.randaugment(out, item) if self.randaug is not None else out
 
     def _eval(self, img: Image.Image) -> torch.Tensor:
         w, h = img.size
