@@ -36,8 +36,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_pipeline.shards.demo_data import demo_items  # noqa: E402
 from data_pipeline.loading.loader import build_loader  # noqa: E402
+from data_pipeline.shards.demo_data import demo_items  # noqa: E402
 from data_pipeline.shards.sources import imagefolder  # noqa: E402
 from data_pipeline.shards.writer import write_shards  # noqa: E402
 from pretrain.config import AugmentConfig, DataConfig  # noqa: E402

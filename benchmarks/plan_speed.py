@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_pipeline.shards.manifest import Shard, ShardSet  # noqa: E402
 from data_pipeline.loading.plan import Plan  # noqa: E402
+from data_pipeline.shards.manifest import Shard, ShardSet  # noqa: E402
 
 # (name, shards, samples per shard, spread, world, workers)
 CASES = [

@@ -31,13 +31,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from s3_server import MotoS3  # noqa: E402
+
 from data_pipeline.config import DataConfig  # noqa: E402
 from data_pipeline.loading.loader import build_loader  # noqa: E402
 from data_pipeline.shards.manifest import resolve_shards  # noqa: E402
 from data_pipeline.shards.reader import read_shard  # noqa: E402
 from data_pipeline.shards.writer import write_demo_shards  # noqa: E402
 from data_pipeline.tally import Tally  # noqa: E402
-from s3_server import MotoS3  # noqa: E402
 
 
 def fetch(read, shards: list[str]) -> tuple[float, int, int]:

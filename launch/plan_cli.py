@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from pretrain.perf import hardware, inputs, perfmodel
 
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")

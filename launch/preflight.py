@@ -193,10 +193,10 @@ def _s3_problems(remote, sizes, policy) -> tuple[list[tuple[str, str]], int]:
 
 def check_shards(cfg: Config, world: int) -> list[Finding]:
     from data_pipeline.errors import DataError
+    from data_pipeline.loading.plan import Plan, plan_line
     from data_pipeline.shards.manifest import resolve_shards
     from data_pipeline.storage.retry import RemotePolicy
     from data_pipeline.storage.urls import is_remote, is_s3
-    from data_pipeline.loading.plan import Plan, plan_line
 
     d = cfg.data
     try:

@@ -53,6 +53,7 @@ from launch.runner import STORE_ENV, TRAIN_MODULE, deepspeed_executable
 from launch.sbatch import SLURM_TIME, bash_array, shell_word
 from launch.slurm_shards import shards_main
 
+
 @dataclass
 class SlurmJob:
     config: str

@@ -27,8 +27,16 @@ from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import Checkpointer, CheckpointWriteError
 from pretrain.checkpointing.rundir import RunDir
-from pretrain.config import (Config, ConfigError, check_world_size, cli_errors, image_size, load_config, save_config,
-                             to_dict)
+from pretrain.config import (
+    Config,
+    ConfigError,
+    check_world_size,
+    cli_errors,
+    image_size,
+    load_config,
+    save_config,
+    to_dict,
+)
 from pretrain.distributed import ds_compat
 from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
 from pretrain.distributed.precision import check_precision, compute_dtype
@@ -43,8 +51,15 @@ from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import (EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, FailureRecord, RunStatus,
-                                          StopRequest, say_goodbye)
+from pretrain.resilience.lifecycle import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    FailureRecord,
+    RunStatus,
+    StopRequest,
+    say_goodbye,
+)
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
 from pretrain.resilience.watchdog import StartupGuard, Watchdog

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-
 COLOURS = np.array([[220, 40, 40], [40, 200, 60], [50, 70, 230], [230, 210, 40]], dtype=np.float32)
 
 

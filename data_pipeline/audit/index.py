@@ -18,8 +18,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 from PIL import Image, ImageFilter
 
-from data_pipeline.shards.decode import BadSample, load_rgb, open_image
 from data_pipeline.errors import DataError
+from data_pipeline.shards.decode import BadSample, load_rgb, open_image
 from data_pipeline.shards.manifest import MANIFEST_NAME, ShardSet, read_manifest, resolve_shards
 from data_pipeline.shards.reader import read_shard
 from data_pipeline.storage.places import LocalFolder, open_place

@@ -82,17 +82,27 @@ from typing import Callable, Iterable, Iterator, Optional
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data_pipeline.shards.decode import BadSample, load_rgb, open_image
+from data_pipeline.audit.index import (
+    MAX_BITS,
+    MAX_PIXELS,
+    MIN_DETAIL,
+    MIN_SCORE,
+    N_PROBES,
+    PROBES,
+    HashTable,
+    confirm,
+    manifest_url,
+    pixel_hash,
+    probe_hashes,
+)
 from data_pipeline.errors import DataError
+from data_pipeline.shards.decode import BadSample, load_rgb, open_image
 from data_pipeline.shards.exclude import ExclusionWriter
 from data_pipeline.shards.manifest import MANIFEST_NAME, read_manifest, resolve_shards
 from data_pipeline.shards.reader import read_shard
 from data_pipeline.storage.places import open_place
 from data_pipeline.storage.urls import is_remote, is_s3, last_part
 from data_pipeline.tally import Tally
-
-from data_pipeline.audit.index import (MAX_BITS, MAX_PIXELS, MIN_DETAIL, MIN_SCORE,
-                                       N_PROBES, PROBES, HashTable, confirm, manifest_url, pixel_hash, probe_hashes)
 
 
 # ----------------------------------------------------------------------- evaluation readers

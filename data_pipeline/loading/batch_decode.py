@@ -52,12 +52,11 @@ import torchvision  # noqa: F401  (registers torch.ops.torchvision.roi_align)
 from torch.utils.data import get_worker_info
 
 from data_pipeline.config import DEVICES
-from data_pipeline.shards.decode import BadSample, open_image
 from data_pipeline.errors import ConfigError, TooManyCorruptSamples
 from data_pipeline.loading import dali_decode
 from data_pipeline.loading.cuda_streams import CudaStreams, decode_jpeg
 from data_pipeline.loading.transforms import Deferred, SampleTransform, mix_labelled
-
+from data_pipeline.shards.decode import BadSample, open_image
 
 STRIP_ROWS = 4096  # atlas strip height (crop_batch): roi_align's float32 sample positions stay within 1/4000 px
 

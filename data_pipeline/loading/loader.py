@@ -71,17 +71,17 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader
 
-from data_pipeline.loading.batch_decode import BatchBuffers, BatchDecoder, check_device
 from data_pipeline.errors import DataError, TooManyCorruptSamples
-from data_pipeline.shards import crop_decode
-from data_pipeline.shards.exclude import read_exclusion
-from data_pipeline.shards.manifest import resolve_shards
+from data_pipeline.loading.batch_decode import BatchBuffers, BatchDecoder, check_device
 from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.remainder import RestEpoch, rest_epoch
-from data_pipeline.storage.retry import RemotePolicy
 from data_pipeline.loading.stream import Settings, SlotStream, Start
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.loading.workers import worker_init
+from data_pipeline.shards import crop_decode
+from data_pipeline.shards.exclude import read_exclusion
+from data_pipeline.shards.manifest import resolve_shards
+from data_pipeline.storage.retry import RemotePolicy
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
 # 2: sample-range plan; adds shuffle_buffer and rest (the elastic source of a rest-epoch).

@@ -18,8 +18,8 @@ cut anyway.
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional
 from pathlib import Path
+from typing import Iterator, Optional
 
 
 class SampleLog:

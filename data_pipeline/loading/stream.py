@@ -29,12 +29,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import AugmentConfig
 from data_pipeline.loading.batch_decode import BatchBuffers, DeferredBatch
-from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
+from data_pipeline.loading.transforms import SampleTransform
+from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.shards.reader import read_shard
 from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
 from data_pipeline.tally import Tally
-from data_pipeline.loading.transforms import SampleTransform
 
 SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
 

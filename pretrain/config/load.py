@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import difflib
+import math
 import types
 import typing
 from pathlib import Path

@@ -11,10 +11,9 @@ from typing import Optional
 
 import torch
 
-from pretrain.distributed import schedule
 from pretrain.config import ConfigError, check_world_size
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
-
+from pretrain.distributed import schedule
 
 # the Transformer block's class, as DeepSpeed's ``leaf_module.classes`` names it (module.qualname)
 LEAF_BLOCK_CLASS = "pretrain.models.vit.Block"

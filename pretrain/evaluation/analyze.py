@@ -55,8 +55,13 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors
-from pretrain.evaluation.figures import (denormalize, draw_attention_distance, draw_embedding_filters,
-                                         draw_position_similarity, draw_rollout)
+from pretrain.evaluation.figures import (
+    denormalize,
+    draw_attention_distance,
+    draw_embedding_filters,
+    draw_position_similarity,
+    draw_rollout,
+)
 from pretrain.evaluation.images import PROG, ImageSource
 from pretrain.models.vit import Attention
 

@@ -111,7 +111,7 @@ class ImageSource:
     def _folder(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         # one process, file by file: a file that does not decode is skipped here, where the
         # transfer splits' DataLoader (whose benchmark numbers must not have holes) would stop
-        from pretrain.transfer.data import FileImages, View, SampleTransform, normalize
+        from pretrain.transfer.data import FileImages, SampleTransform, View, normalize
 
         view = View(self.img_size, resize="crop", crop_pct=self.augment.eval_crop_pct,
                     mean=tuple(self.augment.mean), std=tuple(self.augment.std))

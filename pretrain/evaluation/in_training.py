@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed import rng
-from pretrain.observability.clock import synced_now
 from pretrain.distributed.process import lockstep
 from pretrain.models.losses import classification_loss
+from pretrain.observability.clock import synced_now
+
 
 def parse_suite(spec: str) -> tuple[str, Optional[str]]:
     name, _, path = spec.partition(":")
@@ -44,9 +45,9 @@ class _Fewshot:
         train = task.trainval
         labels = getattr(train, "labels", None)
         if labels is not None:  # only the examples some seed's largest shot count can draw
-            from pretrain.transfer.data import Subset
-
             import numpy as np
+
+            from pretrain.transfer.data import Subset
 
             lab = np.asarray(labels)
             keep = sorted({int(i) for s in range(seeds) for i in sample_shots(lab, self.num_classes, shots, s)})

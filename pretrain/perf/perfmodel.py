@@ -54,10 +54,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
+from pretrain.models import arch
 from pretrain.perf import inputs, kernels, memory
 from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel, zero3_hooked
 from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
-from pretrain.models import arch
 
 # Element-wise kernels reach about this fraction of the HBM bandwidth on the data sheets
 # (STREAM-like copy kernels measure 80-90 % on A100 and H100).

@@ -23,12 +23,12 @@ from typing import Optional
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors
 from pretrain.config import load_config
-from pretrain.weights.pretrained import ARCH_KEYS, load_pretrained
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.finetune import Dist
 from pretrain.transfer.results import check_output, log_wandb, markdown, save_json
 from pretrain.transfer.suites import SUITES, build_tasks
+from pretrain.weights.pretrained import ARCH_KEYS, load_pretrained
 
 PROG = "vit-transfer"
 

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import torch
 
 from pretrain.config import Config
-from pretrain.weights.pretrained import Pretrained, build_backbone
 from pretrain.transfer.data import View
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.features import FeatureCache
@@ -25,6 +24,7 @@ from pretrain.transfer.finetune import Dist, Finetune
 from pretrain.transfer.linear import LinearProbe
 from pretrain.transfer.results import assemble
 from pretrain.transfer.sweep import log_stderr, run_task
+from pretrain.weights.pretrained import Pretrained, build_backbone
 
 
 def make_view(task, img_size: int, ev, aug) -> View:

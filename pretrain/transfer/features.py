@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from pretrain.distributed.precision import autocast_bf16
-from pretrain.transfer.data import Concat, Split, Subset, View
 from pretrain.observability.progress import Progress
+from pretrain.transfer.data import Concat, Split, Subset, View
 
 
 def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Tensor:

@@ -21,8 +21,8 @@ from pretrain.config.schema import OptimConfig, TrainConfig
 from pretrain.distributed.precision import compute_dtype, needs_grad_scaler, plain_autocast_dtype
 from pretrain.distributed.process import lockstep
 from pretrain.distributed.schedule import lr_multiplier
-from pretrain.weights.pretrained import Pretrained, build_backbone
 from pretrain.transfer.errors import TransferError
+from pretrain.weights.pretrained import Pretrained, build_backbone
 
 MOMENTUM = 0.9
 

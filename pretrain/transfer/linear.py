@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pretrain.transfer.features import FrozenFeatureProtocol
 from pretrain.observability.progress import Progress
+from pretrain.transfer.features import FrozenFeatureProtocol
 
 
 @dataclass

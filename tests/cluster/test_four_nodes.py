@@ -38,10 +38,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, ds_env_file, kill_pids, procs, train_overrides, wait_until
-
 from dist_utils import free_port
-from launch.supervise import SETTLE_S
 from netns import STAR_DEV
+
+from launch.supervise import SETTLE_S
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.rundir import verify
 from pretrain.resilience.faults import STALL_S
@@ -301,4 +301,4 @@ def test_a_node_cut_off_during_a_save_ends_bounded(star_nodes, launches, mode):
         assert job.proc.wait(30) == 1
     print(f"partition during a {mode} save: job ended {took:.0f} s after the cut (bound {PARTITION_BOUND_S:.0f} s); "
           f"'{ended.group(1)[:120]}'; newest checkpoint {newest.name} verifies"
-          + (f"; finished on 3 nodes" if restarts else "") + f", {time.time() - t0:.0f} s in all")
+          + ("; finished on 3 nodes" if restarts else "") + f", {time.time() - t0:.0f} s in all")

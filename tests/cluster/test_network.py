@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, descendants, kill_pids, procs, train_overrides, wait_until
-
 from dist_utils import free_port, job_env
 from netns import ADDR, Link
+
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.rundir import verify
 

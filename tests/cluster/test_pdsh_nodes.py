@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, descendants, ds_env_file, kill_pids, procs, train_overrides, wait_until
+from dist_utils import free_port
 
 from launch.runner import deepspeed_executable
 from pretrain.checkpointing import checkpoint
-from dist_utils import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -167,8 +167,9 @@ def test_vit_launch_over_pdsh_trains_from_an_s3_store_on_both_nodes(ssh_nodes, t
     The keys themselves live in that credentials file, as on a cluster's shared home."""
     import sys
 
-    from data_pipeline.shards.writer import write_demo_shards
     from s3_server import MotoS3
+
+    from data_pipeline.shards.writer import write_demo_shards
 
     run_dir, log = tmp_path / "run", tmp_path / "s3.log"
     with MotoS3(tmp_path / "moto.log") as s3:

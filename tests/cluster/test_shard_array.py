@@ -9,9 +9,9 @@ import time
 
 import pytest
 from conftest import REPO, wait_until
+from shard_utils import samples_of  # tests/ is on sys.path (conftest.py)
 
 from data_pipeline.shards.cli import main as vit_shards
-from shard_utils import samples_of  # tests/ is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.cluster
 

@@ -3,13 +3,13 @@ thread never holds a whole write, and a kill -9 in the middle of a background wr
 from the previous checkpoint, exactly."""
 import json
 import threading
-import zipfile
 import time
+import zipfile
 
 import pytest
 import torch
-
 from dist_utils import metrics
+
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.async_save import SnapshotEngine, snapshot
 from pretrain.weights.export import load_run_weights

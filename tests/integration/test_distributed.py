@@ -9,12 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import (
+    deepspeed_cmd,
+    group_alive,
+    kill_group,
+    metrics,
+    reaped,
+    run_job,
+    start_job,
+    wait_for,
+    wandb_records,
+)
 
-from dist_utils import (deepspeed_cmd, group_alive, kill_group, metrics, reaped, run_job,
-                        start_job, wait_for, wandb_records)
 from pretrain.checkpointing import checkpoint
-from pretrain.weights.export import export, load_run_weights
 from pretrain.models.vit import create_model
+from pretrain.weights.export import export, load_run_weights
 from pretrain.weights.load import load_weights
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 import torch
-
 from dist_utils import deepspeed_cmd, run_job
+
 from pretrain.checkpointing import elastic
 
 SAVE_AT = 4

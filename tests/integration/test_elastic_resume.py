@@ -5,8 +5,8 @@ instead of jumping back to a fresh model's."""
 import collections
 import json
 import math
-import pytest
 
+import pytest
 from dist_utils import metrics
 
 pytestmark = pytest.mark.slow

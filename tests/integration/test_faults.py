@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_utils import REPO, TinyRun, group_alive, job_env, metrics, reaped, wait_for
+
 from pretrain.checkpointing import rundir
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from dist_utils import REPO, job_env
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from dist_utils import deepspeed_cmd, metrics, run_job
+
 from pretrain.models.vit import create_model
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from dist_utils import REPO, job_env
 
 # Runs pretrain.train.main in this process with the counters installed; writes the counts.
@@ -121,6 +120,7 @@ def test_sigint_stops_at_the_next_sync_point(tiny_run, tmp_path):
     import signal
 
     from dist_utils import metrics, reaped, wait_for
+
     from pretrain.checkpointing import rundir
 
     job = tiny_run("train.steps=500", "train.log_every_steps=5", "train.sync_every_steps=3", "checkpoint.every_steps=1000")

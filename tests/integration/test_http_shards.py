@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from shard_utils import one_epoch, remote_data_cfg
 import torch
+from dist_utils import free_port, wait_for
+from shard_utils import one_epoch, remote_data_cfg
 
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
-from dist_utils import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "tests" / "jobs" / "shard_http_server.py"
@@ -189,8 +189,8 @@ def test_rate_limited_server_is_slow_not_an_error(server, served, from_disk):
 
 
 def test_remote_keys_are_checked(tmp_path):
-    from pretrain.config import load_config
     from data_pipeline.errors import ConfigError
+    from pretrain.config import load_config
 
     for bad, says in (("data.remote_retries=-1", "must be >= 0"), ("data.remote_retry_s=0", "must be > 0 seconds")):
         with pytest.raises(ConfigError, match=says):

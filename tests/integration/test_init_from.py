@@ -3,11 +3,11 @@ the format most pre-trained ViTs come in), position embeddings resized, a new he
 number of classes; bad sources are one line naming the key."""
 import pytest
 import torch
-
 from dist_utils import train_single
+
+from pretrain.models.vit import create_model, resize_pos_embed
 from pretrain.weights import hf
 from pretrain.weights.export import load_run_weights, write_safetensors
-from pretrain.models.vit import create_model, resize_pos_embed
 
 # lr 1e-30, no weight decay: the one step moves no loaded weight by as much as one float32 ulp
 STILL = ["train.steps=1", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0.0", "checkpoint.every_steps=1"]

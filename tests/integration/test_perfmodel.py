@@ -7,18 +7,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from dist_utils import REPO, deepspeed_cmd, run_job
-from pretrain.perf import collectives, memory
-from pretrain.perf import perfmodel
-from pretrain.perf.hardware import GPUS, gpu_key
-from pretrain.perf.perfmodel import Layout, predict
-from pretrain.perf.published import calibrate, published_table
-from pretrain.models import arch
+
 from pretrain.config import ConfigError, load_config
 from pretrain.config.schema import ZeroConfig
 from pretrain.distributed.engine import check_zeropp_device, deepspeed_config
+from pretrain.models import arch
 from pretrain.models.vit import create_model
+from pretrain.perf import collectives, memory, perfmodel
+from pretrain.perf.hardware import GPUS, gpu_key
+from pretrain.perf.perfmodel import Layout, predict
+from pretrain.perf.published import calibrate, published_table
 
 
 @pytest.mark.parametrize("name", arch.list_models())

@@ -5,8 +5,8 @@ small ones are below bf16's resolution next to the large one)."""
 import json
 
 import pytest
-
 from dist_utils import deepspeed_cmd, run_job
+
 from pretrain.config import ConfigError
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 from pretrain.distributed.engine import deepspeed_config

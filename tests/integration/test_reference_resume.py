@@ -8,9 +8,19 @@ read back by key from the tar shards: the Adam moments, bias correction's step c
 schedule's position must all carry over the resume."""
 import pytest
 import torch
-
-from reference_utils import (FIXED_CROP, FP32_BOUND, NOISE_FACTOR, decay_groups, read_back, recorded_steps,
-                             reference_schedule, timm_model, timm_start, train_reference, update_error)
+from reference_utils import (
+    FIXED_CROP,
+    FP32_BOUND,
+    NOISE_FACTOR,
+    decay_groups,
+    read_back,
+    recorded_steps,
+    reference_schedule,
+    timm_model,
+    timm_start,
+    train_reference,
+    update_error,
+)
 
 pytestmark = pytest.mark.slow
 

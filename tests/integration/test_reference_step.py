@@ -4,10 +4,17 @@ default that changes under us fails here, not in a run. All cases run in one 2-r
 import json
 
 import pytest
-
 from dist_utils import deepspeed_cmd, run_job
-from reference_utils import (FIXED_CROP, FP32_BOUND, NOISE_FACTOR, read_back, recorded_steps, timm_model, timm_start,
-                             update_error)
+from reference_utils import (
+    FIXED_CROP,
+    FP32_BOUND,
+    NOISE_FACTOR,
+    read_back,
+    recorded_steps,
+    timm_model,
+    timm_start,
+    update_error,
+)
 
 pytestmark = pytest.mark.slow
 

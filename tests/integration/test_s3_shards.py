@@ -21,8 +21,10 @@ import sys
 import time
 
 import pytest
-from shard_utils import InterruptOnce, one_epoch, remote_data_cfg
 import torch
+from dist_utils import kill_group, metrics, reaped, run_job, wait_for
+from s3_server import MotoS3, Proxy
+from shard_utils import InterruptOnce, one_epoch, remote_data_cfg
 
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
@@ -31,8 +33,6 @@ from data_pipeline.shards.demo_data import demo_items
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 from data_pipeline.storage.s3 import S3Prefix
-from dist_utils import kill_group, metrics, reaped, run_job, wait_for
-from s3_server import MotoS3, Proxy
 
 BUCKET = "vitscale-test"
 DEMO = ["--source", "demo", "--limit", "96", "--shard-size", "12", "--quiet"]
@@ -540,9 +540,9 @@ def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
     import boto3
     import torch
     from safetensors import safe_open
+    from transfer_fixtures import tiny_model, write_run_dir
 
     from pretrain.weights.export import export, export_hf, export_to
-    from transfer_fixtures import tiny_model, write_run_dir
 
     run = write_run_dir(tmp_path / "run", tiny_model(), {3: True}, 3)
     s3 = boto3.client("s3")

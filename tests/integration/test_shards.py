@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from shard_utils import InterruptOnce
 import webdataset as wds
 from PIL import Image
+from shard_utils import InterruptOnce
 
-from data_pipeline.shards import sources
-from data_pipeline.shards.demo_data import PRETRAIN_CLASSES, TRANSFER_CLASSES, demo_items
 from data_pipeline.errors import DataError
+from data_pipeline.shards import sources
 from data_pipeline.shards.cli import main
+from data_pipeline.shards.demo_data import PRETRAIN_CLASSES, TRANSFER_CLASSES, demo_items
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
 
 REPO = Path(__file__).resolve().parents[2]

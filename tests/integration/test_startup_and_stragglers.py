@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_utils import REPO, free_port, group_alive, job_env, kill_group, metrics, reaped, wait_for
 
 PEER_THAT_DIES = """

@@ -9,13 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pretrain.observability import clock
-
-from pretrain.distributed import ds_compat
-
-from pretrain.distributed import rng
+from pretrain.distributed import ds_compat, rng
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
+from pretrain.observability import clock
 from pretrain.resilience.straggler import LOCAL, StragglerDetector, own_seconds
 
 

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from dist_utils import job_env, metrics, train_single
 
 

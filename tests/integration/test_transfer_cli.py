@@ -9,11 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from transfer_fixtures import (
+    exported_metadata,
+    save_safetensors,
+    tiny_model,
+    write_cifar100,
+    write_imagefolder,
+    write_run_dir,
+    write_vtab_task,
+)
 
-from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.cli import main
-from transfer_fixtures import (exported_metadata, save_safetensors, tiny_model, write_cifar100, write_imagefolder,
-                               write_run_dir, write_vtab_task)
+from pretrain.weights.pretrained import build_backbone, load_pretrained
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["eval.workers=0", "eval.batch_size=16", "eval.fewshot_shots=[1,5]", "eval.fewshot_seeds=2"]

@@ -3,7 +3,6 @@ one rank a batch short (ZeRO-3's per-forward gathers would hang without the dumm
 import json
 
 import pytest
-
 from dist_utils import deepspeed_cmd, run_job
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
 

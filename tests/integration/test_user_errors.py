@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_utils import REPO, job_env, metrics, train_single
+
 from pretrain.checkpointing import rundir
 
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_utils import metrics, reaped, wait_for, wandb_records
 
 pytestmark = pytest.mark.slow

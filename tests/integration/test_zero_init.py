@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from dist_utils import deepspeed_cmd, run_job
+
 from pretrain.models.vit import create_model
 
 

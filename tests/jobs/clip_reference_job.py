@@ -27,9 +27,9 @@ weight decay on weight matrices only (not on biases, norm weights, the position 
 [class] token, as in big_vision and timm), and torch's own schedulers for the learning rate:
 ``LinearLR`` from 1/warmup for the warmup, then ``LinearLR`` or ``CosineAnnealingLR`` down to
 ``min_ratio`` of the base at the last step, joined by ``SequentialLR``."""
-import os
 import copy
 import json
+import os
 import sys
 
 import deepspeed

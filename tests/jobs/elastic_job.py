@@ -11,9 +11,9 @@ TOTAL on the same data, and saves again. Every case runs in one process one afte
 launch costs ~15 s here); each writes ROOT/<case>/<phase>.pt, or <phase>.error with the traceback.
 The checks are made by the test, which reads those files.
 """
-import os
 import gc
 import json
+import os
 import sys
 import traceback
 from pathlib import Path

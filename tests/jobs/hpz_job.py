@@ -2,15 +2,15 @@
 hpZ (a secondary weight partition in groups of 2 ranks) from the same weights and data, three
 optimizer steps each; rank 0 writes both loss curves. hpZ has no kernel of its own, so DeepSpeed
 runs it on gloo."""
-import os
 import json
+import os
 import sys
 
 import torch
 
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
-from pretrain.distributed.process import init_distributed
 from pretrain.distributed.engine import initialize
+from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]

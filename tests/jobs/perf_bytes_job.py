@@ -7,8 +7,8 @@ fp32 ZeRO-1 job with the CPU's measured matmul rate, memory bandwidth and gloo b
 performance model.
 
     deepspeed --num_gpus 2 --module tests.jobs.perf_bytes_job OUT.json [0123|none] [timed]"""
-import os
 import json
+import os
 import sys
 import time
 
@@ -17,8 +17,8 @@ import torch
 from deepspeed.comm.comm import comms_logger
 
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
-from pretrain.distributed.process import init_distributed
 from pretrain.distributed.engine import initialize
+from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
 
 MODEL, IMG, CLASSES, MICRO, GAS, STEPS = "vit_tiny_patch16_224", 32, 10, 2, 2, 2

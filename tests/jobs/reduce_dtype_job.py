@@ -3,8 +3,8 @@ dtype), build a live engine from ``pretrain.distributed.engine.deepspeed_config`
 model (a bias-free Linear, the class DeepSpeed's autocast reduces in bf16 when asked), take one
 optimizer step of 16 accumulated micro-batches whose gradients are one large value then small ones,
 and record what DeepSpeed built and the update (SGD at lr 1 from zero: minus the averaged gradient)."""
-import os
 import json
+import os
 import sys
 
 import deepspeed

@@ -5,9 +5,9 @@ whole tensors on rank 0 (padded partitions included), and take one training step
 
     deepspeed --num_gpus 2 --module tests.jobs.zero_init_job OUT_DIR MODEL_NAME
 """
-import os
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 

@@ -7,12 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pretrain.evaluation.analyze import (attention_maps, attention_modules, attention_rollout, embedding_components, main,
-                              mean_attention_distance, position_similarity, record_attention, rollout_map,
-                              similarity_by_distance)
-from pretrain.models.vit import create_model
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
+
+from pretrain.evaluation.analyze import (
+    attention_maps,
+    attention_modules,
+    attention_rollout,
+    embedding_components,
+    main,
+    mean_attention_distance,
+    position_similarity,
+    record_attention,
+    rollout_map,
+    similarity_by_distance,
+)
+from pretrain.models.vit import create_model
 
 
 @pytest.fixture(scope="module")

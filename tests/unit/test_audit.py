@@ -19,11 +19,11 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
 from data_pipeline.audit import index as I  # noqa: E741
 from data_pipeline.audit import match as M
-from pretrain.evaluation import audit as vit_audit
 from data_pipeline.errors import DataError
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.sources import imagefolder
 from data_pipeline.shards.writer import write_shards
+from pretrain.evaluation import audit as vit_audit
 
 skdata = pytest.importorskip("skimage.data")
 
@@ -141,8 +141,8 @@ def world(tmp_path_factory):
 
     eval_shards = root / "eval_shards"
     write_demo_shards(eval_shards, split="transfer-test", n=24, shard_size=10)
-    from data_pipeline.shards.reader import read_shard
     from data_pipeline.shards.manifest import resolve_shards
+    from data_pipeline.shards.reader import read_shard
     from data_pipeline.tally import Tally
 
     raw = next(read_shard(resolve_shards(str(eval_shards)).shards[1], Tally()))

@@ -8,17 +8,24 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from decode_samples import (
+    bogus_huffman,
+    broken_jpegs,
+    calm_and_busy,
+    decode_cfg,
+    encode_image,
+    mixed_samples,
+    run_loader,
+)
 from PIL import Image
 
-from data_pipeline.loading.batch_decode import DeferredBatch
 from data_pipeline.config import AugmentConfig
+from data_pipeline.loading.batch_decode import DeferredBatch
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.plan import Plan
-from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.loading.stream import Settings, SlotStream, Start
 from data_pipeline.loading.transforms import Deferred, SampleTransform
-from decode_samples import (bogus_huffman, broken_jpegs, calm_and_busy, decode_cfg, encode_image, mixed_samples,
-                            run_loader)
+from data_pipeline.shards.manifest import resolve_shards
 
 
 @pytest.mark.parametrize("aug", [{}, {"randaugment_ops": 2, "randaugment_magnitude": 9},

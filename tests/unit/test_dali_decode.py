@@ -22,6 +22,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from decode_samples import bogus_huffman, broken_jpegs, calm_and_busy, decode_cfg, mixed_samples, run_loader
 from PIL import Image
 
 from data_pipeline.config import AugmentConfig
@@ -31,8 +32,6 @@ from data_pipeline.loading.batch_decode import BatchDecoder
 from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import SampleTransform
-
-from decode_samples import bogus_huffman, broken_jpegs, calm_and_busy, decode_cfg, mixed_samples, run_loader
 
 INNER, MEAN, EDGE = 1, 0.3, 16  # grey levels: see the module docstring
 
@@ -241,8 +240,9 @@ def test_dali_output_is_taken_on_the_side_stream(shards, monkeypatch):
     CUDA runtime's calls recorded (tests/unit/test_decode_streams.py's stand-in)."""
     import functools
 
-    from data_pipeline.loading import loader as loader_module
     from test_decode_streams import RecordingStreams
+
+    from data_pipeline.loading import loader as loader_module
 
     log = []
     monkeypatch.setattr(loader_module, "BatchDecoder", functools.partial(BatchDecoder, streams=RecordingStreams(log)))

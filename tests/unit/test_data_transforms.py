@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from data_pipeline.loading.transforms import SampleTransform, mix_batch
 from data_pipeline.shards.decode import draft, open_image
 from data_pipeline.shards.demo_data import HUES, draw
-from data_pipeline.loading.transforms import SampleTransform, mix_batch
 from pretrain.config import AugmentConfig
 
 

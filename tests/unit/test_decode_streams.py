@@ -11,18 +11,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from decode_samples import broken_jpegs, calm_and_busy, decode_cfg, encode_image, run_loader  # noqa: E402
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_pipeline.loading.batch_decode import BatchDecoder, DeferredBatch, crop_batch
-from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.config import AugmentConfig
 from data_pipeline.errors import TooManyCorruptSamples
+from data_pipeline.loading.batch_decode import BatchDecoder, DeferredBatch, crop_batch
+from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import Deferred, SampleTransform
-
-
-from decode_samples import broken_jpegs, calm_and_busy, decode_cfg, encode_image, run_loader  # noqa: E402
 
 
 # ------------------------------------------------- data.decode_device: cuda, its logic on the CPU
@@ -74,8 +72,7 @@ class RecordingStreams:
 def as_on_cuda(monkeypatch):
     """Loaders built with decode_device=cpu run the cuda path (prefetch, batched crop) on the CPU
     with RecordingStreams; decode_jpeg calls are logged as ("decode", current stream, outputs)."""
-    from data_pipeline.loading import batch_decode
-    from data_pipeline.loading import loader
+    from data_pipeline.loading import batch_decode, loader
 
     log = []
     streams = RecordingStreams(log)

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_pipeline.shards.decode import load_rgb, open_image, to_rgb
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.shards.cli import main
+from data_pipeline.shards.decode import load_rgb, open_image, to_rgb
 
 RNG = np.random.default_rng(12)
 H, W = 20, 28  # small: the writer re-encodes JPEG at 4:4:4 below 64 px, so q100 stays within ~2

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
-
 from dist_utils import REPO
-from pretrain.perf import memory
+
 from launch import preflight
 from launch.cli import main
-from pretrain.perf.memory import checkpoint_bytes, model_shape
 from pretrain.config import load_config
+from pretrain.perf import memory
+from pretrain.perf.memory import checkpoint_bytes, model_shape
 
 CONFIG = "configs/tiny_cpu.yaml"
 

@@ -129,9 +129,10 @@ def test_eval_stream_every_sample_once_deterministic(balanced_ids, world_size):
 
 
 def test_eval_transform_is_center_crop(tmp_path, shard_kit):
-    from PIL import Image
     import io
+
     import numpy as np
+    from PIL import Image
 
     img = np.zeros((40, 80, 3), np.uint8)
     img[:, 20:60] = 255  # white centre square, black sides

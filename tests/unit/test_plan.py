@@ -8,11 +8,11 @@ import random
 import pytest
 
 from data_pipeline.errors import DataError
-from data_pipeline.shards.manifest import Shard, ShardSet
 from data_pipeline.loading.plan import Plan, main, plan_line, shuffle_seed
 from data_pipeline.loading.remainder import rest_epoch
 from data_pipeline.loading.sample_log import SampleLog
 from data_pipeline.loading.stream import ShuffleBuffer
+from data_pipeline.shards.manifest import Shard, ShardSet
 
 
 def _shardset(counts) -> ShardSet:

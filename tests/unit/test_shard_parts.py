@@ -9,11 +9,11 @@ import os
 
 import pytest
 from PIL import Image
-
-from data_pipeline.shards.manifest import resolve_shards
-from data_pipeline.shards.cli import main
-from data_pipeline.shards.parts import part_range
 from shard_utils import samples_of
+
+from data_pipeline.shards.cli import main
+from data_pipeline.shards.manifest import resolve_shards
+from data_pipeline.shards.parts import part_range
 
 SHARD = ["--shard-size", "4", "--resize-shorter", "24", "--quiet"]
 

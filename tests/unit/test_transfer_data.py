@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transfer_fixtures import colour_image, py2_pickle, save_png, write_cifar100, write_imagefolder, write_vtab_task
 
 from pretrain.config import DataConfig
 from pretrain.transfer import suites, vtab
 from pretrain.transfer.data import Concat, FileImages, View
 from pretrain.transfer.errors import TransferError
-from transfer_fixtures import colour_image, py2_pickle, save_png, write_cifar100, write_imagefolder, write_vtab_task
 
 
 def _all(split, view, **kw):

@@ -4,16 +4,16 @@ separable features, then end to end from a checkpoint through images (colour-squ
 import numpy as np
 import pytest
 import torch
+from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
 
 from pretrain.config import load_config
 from pretrain.models.vit import resize_pos_embed
-from pretrain.weights.pretrained import build_backbone, load_pretrained
 from pretrain.transfer.evaluate import evaluate_checkpoint
-from pretrain.transfer.finetune import Dist
 from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
+from pretrain.transfer.finetune import Dist
 from pretrain.transfer.linear import fit_logistic
 from pretrain.transfer.suites import imagefolder
-from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
+from pretrain.weights.pretrained import build_backbone, load_pretrained
 
 
 def _clusters(n_per_class: int, classes: int = 5, dim: int = 64, seed: int = 0, spread: float = 1.0):
@@ -142,10 +142,10 @@ def test_finetune_steps_equal_plain_pytorch_from_the_recipe(tiny_ckpt, colour_ta
     (``reference_utils.finetune_reference``: timm's model with the file's backbone and a zero head,
     torch's SGD, clip_grad_norm_ and LambdaLR) on the same batches: those of the split's stream
     (augmentation off, so they are a function of the seed alone). fp32: reduction order only."""
+    from reference_utils import finetune_reference, update_error
     from safetensors.torch import load_file
 
     from pretrain.transfer.evaluate import make_protocol
-    from reference_utils import finetune_reference, update_error
 
     cfg = load_config(None, ["eval.protocol=finetune", f"eval.steps={FT_STEPS}", f"eval.warmup_steps={FT_WARMUP}",
                              f"eval.lr={FT_LR}", "eval.batch_size=8", "eval.workers=0", "eval.train_augment=false"])

@@ -3,11 +3,11 @@ the whole suite end to end through the CLI with tasks missing."""
 import json
 
 import pytest
+from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_vtab_task
 
 from pretrain.transfer import suites
 from pretrain.transfer.cli import main
 from pretrain.transfer.sweep import run_task
-from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_vtab_task
 
 
 class Recording:
