@@ -32,13 +32,13 @@ BENCH_OUT ?= runs/bench-gpu
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu_suite.py --output $(BENCH_OUT)
 
-# the same on a lent GPU machine, which has no network: wheels of what its image lacks, built here for
-# its Python, carried there with the tree (benchmarks/device_run.sh says how)
+# the same on a GPU machine without network: wheels of what its image lacks, built here for its
+# Python, sent there with the tree (benchmarks/README.md, benchmarks/device_run.sh)
 DEVICE_KIT ?= device-kit
 device-kit: $(STAMP)
 	$(PY) benchmarks/device_kit.py --out $(DEVICE_KIT) --python-version 3.12
 
-# DALI for the lent machine, in parts carried over successive calls (benchmarks/device_kit.py)
+# DALI for that machine, in parts sent one per command (benchmarks/device_kit.py)
 device-kit-nvidia: $(STAMP)
 	$(PY) benchmarks/device_kit.py --nvidia --out device-kit-nvidia --python-version 3.12
 

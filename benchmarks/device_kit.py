@@ -1,11 +1,11 @@
-"""Wheels for a lent GPU machine: what ``make bench-gpu`` and ``pytest -m gpu`` need that the
-machine's image lacks, built here (where the package registries are reachable) for its Python.
+"""Wheels for a GPU machine without network: what ``make bench-gpu`` and ``pytest -m gpu`` need that
+the machine's image lacks, built where the package registries are reachable, for its Python.
 
     make device-kit                              # -> device-kit/ (git-ignored), ~55 MB
     python benchmarks/device_kit.py --out device-kit --python-version 3.12
 
-The lent machines (/work/.library/device/KINDS.md) have no network. Their image holds Python 3.12
-with torch, torchvision, timm, numpy, Pillow and pytest, but not DeepSpeed, WebDataset or W&B.
+The machine's image holds Python 3.12 with torch, torchvision, timm, numpy, Pillow and pytest, but
+not DeepSpeed, WebDataset or W&B.
 The kit holds those three and everything they require (less what is large and surely in the
 image: torch, torchvision, triton, numpy, Pillow, SciPy), at the versions installed in this
 checkout's ``.venv`` (what CI tests), as wheels for that Python. ``requirements.txt`` pins the
@@ -18,15 +18,15 @@ The kit also carries NVIDIA nvImageCodec (``nvidia-nvimgcodec-cu13``, 25 MB, no 
 that the loader workers there decode only each crop's window as they do wherever ``vitscale[decode]``
 is installed (``data.worker_decoder: auto``), not with PIL's fallback.
 
-DALI (``data.decode_device: dali``) is 190 MiB with its CUDA libraries (nvJPEG, nvJPEG2000, nvTIFF,
-nvCOMP: 270 MB in all), against the 64 MiB the device tool carries with the tree in one call. So it
-is a second kit, built apart and carried in parts over successive calls to one warm machine (an
-ignored path carried earlier stays there while the machine is held):
+The machine receives the working tree and named ignored folders with each command, 64 MiB at most,
+and keeps what it received while it stays up. DALI (``data.decode_device: dali``) is 190 MiB with
+its CUDA libraries (nvJPEG, nvJPEG2000, nvTIFF, nvCOMP: 270 MB in all), so it is a second kit, built
+apart and sent in parts, one per command:
 
     make device-kit-nvidia        # -> device-kit-nvidia/part-01..NN + parts.sha256, each part < 60 MiB
-    # then, per part, a short call: command="bash benchmarks/device_run.sh carry"
-    #   carry=["device-kit-nvidia/part-0K", "device-kit-nvidia/parts.sha256"]
-    # and last the suite or the tests with carry=["device-kit"] as usual
+    # then, per part, with device-kit-nvidia/part-0K and device-kit-nvidia/parts.sha256 sent along:
+    #   bash benchmarks/device_run.sh carry
+    # and last the suite or the tests with device-kit/ sent along as usual
 
 ``device_run.sh`` joins the parts (``--join``: each part's SHA-256 and the whole archive's checked)
 and installs DALI before the suite or the tests when all are there; with any missing it says which,
@@ -55,7 +55,7 @@ KIT_NVIDIA = ("nvidia-nvimgcodec-cu13",)
 # the parts kit: DALI and what it requires, less IN_IMAGE (small ones are carried all the same: pip
 # takes them only where the image's version does not fit DALI's bounds)
 PARTS_ROOTS = ("nvidia-dali-cuda130",)
-PART_BYTES = 58 * 2 ** 20  # a part and the tree (about 2 MiB) within the device tool's 64 MiB a call
+PART_BYTES = 58 * 2 ** 20  # a part and the tree (about 2 MiB) within the 64 MiB a command may send
 SUMS = "parts.sha256"
 ARCHIVE = "kit.tar"  # the name the sums give the joined parts
 
@@ -178,9 +178,9 @@ def parts_kit(out: Path, python_version: str, part_bytes: int = PART_BYTES) -> l
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="device-kit", help="folder for the wheels and requirements.txt")
-    ap.add_argument("--python-version", default="3.12", help="the lent machine's Python (KINDS.md)")
+    ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     ap.add_argument("--nvidia", action="store_true", help="the DALI kit in parts instead (--out device-kit-nvidia)")
-    ap.add_argument("--join", metavar="DIR", help="on the lent machine: join DIR's parts and unpack them into --out")
+    ap.add_argument("--join", metavar="DIR", help="on the GPU machine: join DIR's parts and unpack them into --out")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.join:
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     wheels = sorted(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2 ** 20
     print(f"{out}: {len(wheels)} wheels for Python {args.python_version}, {size:.1f} MiB; "
-          f"on the lent machine: bash benchmarks/device_run.sh suite|tests (carry {out})")
+          f"on the GPU machine: bash benchmarks/device_run.sh suite|tests (with {out} beside the tree)")
     return 0
 
 if __name__ == "__main__":

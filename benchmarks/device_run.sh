@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Issue 14's GPU figures and GPU tests on a lent machine (the device tool; no network there).
-# Here, first: `make device-kit` (wheels of what the machine's image lacks, for its Python 3.12).
-# Then, through the device tool, from the repo root, one part per call (each fits one 10-minute call):
-#   run  command="bash benchmarks/device_run.sh suite"  carry=["device-kit"]  timeout_s=600
-#   run  command="bash benchmarks/device_run.sh tests"  carry=["device-kit"]  timeout_s=600
-# DALI (`make device-kit-nvidia`, in parts) comes first, one part per short call to the warm machine:
-#   run  command="bash benchmarks/device_run.sh carry"
-#        carry=["device-kit-nvidia/part-0K", "device-kit-nvidia/parts.sha256"]  timeout_s=60
+# The GPU suite and the GPU tests on a GPU machine without network (benchmarks/README.md).
+# First, where the registries are reachable: `make device-kit` (wheels of what the machine's image
+# lacks, for its Python 3.12). Then on the GPU machine, with device-kit/ beside the tree, from the
+# repository root, one part per command (each ends within 10 minutes):
+#   bash benchmarks/device_run.sh suite
+#   bash benchmarks/device_run.sh tests
+# DALI (`make device-kit-nvidia`, in parts) comes first, one part per short command, each sent
+# with device-kit-nvidia/parts.sha256:
+#   bash benchmarks/device_run.sh carry
 # and is installed before the suite or the tests once every part is there.
-# Results come back under $OUT: bench-gpu/suite.{json,md} (for benchmarks/RESULTS.md), logs,
-# nvidia-smi and pip state. Locally (a GPU machine with its own environment) `make bench-gpu` is the same suite.
+# Results are written under $OUT: bench-gpu/suite.{json,md} (for benchmarks/results/), logs,
+# nvidia-smi and pip state. On a GPU machine with its own environment `make bench-gpu` is the same suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: benchmarks/device_run.sh suite|tests|carry}

@@ -73,7 +73,7 @@ def _no_shm_left():
     """A safety net for the machine, not a check (test_distributed checks the release): a job killed
     before its ranks released DeepSpeed's 66 MB /dev/shm buffers (pretrain.distributed.process) would leave
     them in RAM for good. Files that appeared during this test and that no live process holds go
-    when it ends; one a job is still setting up (another session's, say) stays: DeepSpeed's ranks
+    when it ends; one a job is still setting up (another test run's, say) stays: DeepSpeed's ranks
     spin forever waiting for a peer's file that disappeared."""
     pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
     before = set(Path("/dev/shm").glob(pattern))

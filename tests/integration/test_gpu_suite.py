@@ -1,5 +1,5 @@
 """`benchmarks/gpu_suite.py --smoke`: the whole GPU suite at toy sizes on CPU, so that it never rots
-between the runs on a lent GPU. Checks that every section ran and produced numbers."""
+between GPU runs. Checks that every section ran and produced numbers."""
 import json
 import math
 import subprocess

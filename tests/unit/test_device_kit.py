@@ -1,6 +1,6 @@
-"""The kit for a lent GPU machine (benchmarks/device_kit.py, benchmarks/device_run.sh): what it
-would carry, from this environment's installed metadata, and the run script's refusal without it.
-(Building the wheels needs the registry; it is rehearsed by hand, see benchmarks/RESULTS.md.)"""
+"""The kit for a GPU machine without network (benchmarks/device_kit.py, benchmarks/device_run.sh):
+what it would carry, from this environment's installed metadata, and the run script's refusal
+without it. (Building the wheels needs the package registry, so no test builds them.)"""
 import importlib.util
 import subprocess
 import sys
@@ -69,4 +69,5 @@ def test_parts_join_into_the_archive_they_were_cut_from_and_name_what_is_missing
     assert r.returncode == 0 and "part-02" in r.stdout and "not carried yet" in r.stdout, r.stdout + r.stderr
     (tmp_path / "aside").rename(parts[1])
     parts[0].write_bytes(b"x" + parts[0].read_bytes()[1:])
-    assert "SHA-256 differs" in kit.join(parts_dir, tmp_path / "out3") and "part-01" in kit.join(parts_dir, tmp_path / "o")
+    why = kit.join(parts_dir, tmp_path / "out3")
+    assert "SHA-256 differs" in why and "part-01" in kit.join(parts_dir, tmp_path / "o")
