@@ -15,7 +15,8 @@ whole suite is planned to end within 9 minutes on one H100):
           re-runs the blocks' forward) and peak memory of one model alone
   zero    ZeRO-1, ZeRO-3 and ZeRO-3 with zero.leaf_blocks=false through
           pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of one (the process
-          group started as pretrain.distributed.process.init_distributed does), one after the other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
+          group started as pretrain.distributed.process.init_distributed does), one after the
+          other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
           500x375, ~100 KB, pre-resized to shorter side 256 as ``vit-shards --resize-shorter 256``
           writes them): decoded in the workers (data.decode_device=worker; the crop window by
@@ -28,7 +29,7 @@ whole suite is planned to end within 9 minutes on one H100):
 A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
 against the data-sheet peak when the device is in pretrain.observability.flops' table, else against the measured
 matmul peak (``peak_source`` says which). Outputs: ``suite.json`` and ``suite.md`` (the tables for
-benchmarks/RESULTS.md) in ``--output``.
+benchmarks/results/gpu-suite-<gpu>.md) in ``--output``.
 
 Sync points: every timed region starts and ends with ``pretrain.observability.clock.synced_now`` (the device
 finishes its queue, then the clock is read), so that the clock measures finished GPU work; that
@@ -36,8 +37,8 @@ costs the overlap of one step with the next (a few per cent at most for steps of
 
 Time: the budget counts from the start of the process (imports and CUDA start-up included) and
 plans 8 minutes, so that the suite ends within 9 even when a compile overruns its group's budget
-(by 30 s at most) and fits in one 10-minute command on a lent machine with the package install
-before it (``benchmarks/device_run.sh``). ``suite.json`` is written after every part.
+(by 30 s at most) and fits in a 10-minute command with the device kit's install before it
+(``benchmarks/device_run.sh``). ``suite.json`` is written after every part.
 """
 from __future__ import annotations
 
@@ -666,7 +667,8 @@ def main(argv=None) -> int:
         lb = clock.budget(plan.loader_budget, 0) - (time.perf_counter() - t)
         for decode in ("cpu", "gpu", "dali"):
             if shard_error is not None:
-                r = dict(loader_row(plan, decode), status="skipped" if isinstance(shard_error, TimeoutError) else "error",
+                r = dict(loader_row(plan, decode),
+                         status="skipped" if isinstance(shard_error, TimeoutError) else "error",
                          error=str(shard_error) if isinstance(shard_error, TimeoutError) else error_text(shard_error))
             else:
                 r = run_loader(plan, device, shards, max(1.0, lb / 3 - 3), decode)

@@ -6,7 +6,7 @@ crop scale 0.08-1, ratio 3/4-4/3, flip 0.5, float32 normalised to [-1, 1], CHW),
                (data.worker_decoder auto: the crop window only, with nvImageCodec, when installed);
                workers send uint8 batches, this process normalises them (build_loader's device:
                here the CPU; in training the GPU)
-  vitscale-pil the same with data.worker_decoder=pil (PIL decodes the whole image): the path before
+  vitscale-pil the same with data.worker_decoder=pil (PIL decodes the whole image): the fallback path
   streaming    MosaicML streaming: MDS shards written by its MDSWriter, StreamingDataset + DataLoader
   litdata      Lightning litdata: optimize() of PIL JPEGs (its JPEG serializer: decode_jpeg), StreamingDataLoader
   wds-timm     plain webdataset over the same tar shards + timm's create_transform (open_clip/timm style)
@@ -28,7 +28,7 @@ its own documentation shows (its writer, its loader, its defaults). Peers live i
 environment, never in the project's .venv:
 
     python3.11 -m venv runs/peers-venv
-    runs/peers-venv/bin/pip install --find-links /opt/pypi-more/files torch==2.14.1 torchvision==0.29.1
+    runs/peers-venv/bin/pip install torch==2.14.1 torchvision==0.29.1
     runs/peers-venv/bin/pip install -e '.[decode]' mosaicml-streaming litdata timm spdl nvidia-dali-cuda130 [ffcv]
     apt-get install libavfilter8 libavdevice59      # FFmpeg 5 libraries: spdl-io loads them at run time
     runs/peers-venv/bin/python benchmarks/loader_peers.py --workers 1,2 --resize-shorter 256,500 --rounds 3

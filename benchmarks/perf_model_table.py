@@ -1,4 +1,4 @@
-"""The performance model's tables for benchmarks/RESULTS.md and pretrain/perf/PERFORMANCE.md: its error
+"""The performance model's tables (benchmarks/results/perf-model-tables.md): its error
 against the published runs (pretrain/perf/published_runs.json), the best layouts of ViT-L/16 and ViT-H/14
 on 8, 64 and 256 H100s (DGX H100 network) with the paper's compute budgets turned into days, the best
 layout per micro batch at a fixed global batch, and the single-H100 steps the GPU suite measured.
@@ -72,7 +72,7 @@ def per_micro_batch() -> None:
                       f"{p.bottleneck} |")
 
 
-# benchmarks/RESULTS.md, GPU suite (one H100 80GB HBM3, 2026-11-24): measured img/s of ours eager,
+# benchmarks/results/gpu-suite-h100.md (one H100 80GB HBM3): measured img/s of ours eager,
 # compiled and with activation checkpointing; bf16 autocast, AdamW, no DeepSpeed
 SUITE_H100 = {("vit_base_patch16_224", 128): (2424.1, 2992.9, 1749.3),
               ("vit_large_patch16_224", 64): (819.0, 985.2, 562.6),
@@ -80,7 +80,7 @@ SUITE_H100 = {("vit_base_patch16_224", 128): (2424.1, 2992.9, 1749.3),
 
 
 def gpu_suite() -> None:
-    """Single-GPU steps measured on the lent H100 against the model (not a calibration point)."""
+    """Single-GPU steps measured on one H100 against the model (not a calibration point)."""
     print("| model | batch | variant | measured img/s | predicted img/s | measured / predicted |")
     print("|---|---:|---|---:|---:|---:|")
     for (model, batch), measured in SUITE_H100.items():
@@ -90,7 +90,7 @@ def gpu_suite() -> None:
                                                    zero=0, **kw))
             print(f"| {model} | {batch} | {variant} | {got:,.0f} | {p.images_per_second:,.0f} | "
                   f"{got / p.images_per_second:.2f} |")
-    # the suite's DeepSpeed rows (bf16, AdamW, DeepSpeed's per-module ZeRO-3 hooks: before zero.leaf_blocks);
+    # the suite's DeepSpeed rows (bf16, AdamW; ZeRO-3 with DeepSpeed's per-module hooks, zero.leaf_blocks=false);
     # ZeRO-3 is the calibration point of the model's host cost of ZeRO-3 hooks (pretrain/perf/kernels.py)
     for variant, zero, got in (("DeepSpeed ZeRO-1", 1, 800.7), ("DeepSpeed ZeRO-3, per-module hooks", 3, 163.9)):
         p = perfmodel.predict(perfmodel.Layout("vit_large_patch16_224", "h100-sxm", nodes=1, gpus_per_node=1,

@@ -1,5 +1,5 @@
 """Planning time and data dropped per epoch: the sample-range plan (data_pipeline.loading.plan) against
-the shard-level plan it replaced, on the layouts of benchmarks/RESULTS.md. Manifests are synthetic (in memory,
+a shard-level plan, on the layouts of benchmarks/results/data-plan-cpu.md. Manifests are synthetic (in memory,
 no tars): the plan reads only sample counts.
 
 Old figure: the shard-level formula (slots take every S-th shard, each cut to the sum of the
@@ -51,7 +51,8 @@ def old_dropped(counts: list[int], slots: int, batch: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32, help="micro batch per rank (default 32, as in RESULTS.md)")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="micro batch per rank (default 32, as in benchmarks/results/data-plan-cpu.md)")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     print(f"{'data':<19} {'shards x samples':>18} {'ranks x workers':>15} {'dropped old':>12} "

@@ -137,8 +137,8 @@ def cpu_thread_env(p: SweepPlan, hostfile: Optional[str]) -> Optional[dict]:
     """On a machine without GPUs, ranks share the CPU cores: give every rank of every size the
     same thread count (cores / largest world size), or weak scaling compares 1 rank with all
     cores against N ranks with 1/N each; a rank whose threads compete with its data worker for
-    the cores slows down several-fold (see benchmarks/RESULTS.md, "CPU threads per rank in a
-    scaling sweep"). A value the user set for OMP_NUM_THREADS is kept; GPU jobs are left alone."""
+    the cores slows down several-fold (benchmarks/results/sweep-threads-cpu.md). A value the user
+    set for OMP_NUM_THREADS is kept; GPU jobs are left alone."""
     if hostfile or local_gpu_count() or "OMP_NUM_THREADS" in os.environ:
         return None
     threads = max(1, (os.cpu_count() or 1) // max(r.world_size for r in p.runs))

@@ -24,7 +24,7 @@ How a pair is found:
 3. Candidates: exact-hash equality, and pHash pairs within ``MAX_BITS`` bits of any probe, looked
    up by multi-index hashing (``HashTable``): four 16-bit bands, each probed at Hamming radius 1,
    then the full 64-bit distance is checked (popcount); timings for 1M stored hashes against 10k
-   images in benchmarks/RESULTS.md (``python benchmarks/audit_speed.py``).
+   images in benchmarks/results/audit-lookup-cpu.md (``python benchmarks/audit_speed.py``).
 4. Confirmation (reads only the candidates' samples from the shards): an exact pair needs equal
    pixels; a near pair needs ``score >= MIN_SCORE``: the normalised cross-correlation of
    high-passed 32x32 grey thumbnails (a thumbnail minus its Gaussian blur: brightness, contrast
@@ -43,12 +43,12 @@ all four at once. Nearest-probe pHash distance of such copies: mean 3, 99th perc
 bits (a brick-wall texture; photos <= 10). Unrelated photos: min 12 bits. Score of copies: min
 0.94; of unrelated pairs (652, each maximised over the same boxes): max 0.42. Hence
 ``MAX_BITS = 12`` (recall first; confirmation removes what it lets in) and ``MIN_SCORE = 0.7``.
-Rechecked with the mirror image searched too (2026-11-23, the 48 quarter tiles of the 12 photos,
-every ordered pair): tiles of different photos score at most 0.56 (mirrored; 0.44 direct), so the
-mirror search keeps a 0.14 margin below 0.7. Within one photo, a mirrored half of a symmetric
-scene reaches 0.95 (retina, clock) and two tiles of a regular grid of objects 0.79 direct
-(coins): true look-alikes that only the pHash distance kept apart.
-The detail check (2026-11-24): crops of one scene at other places (IoU < 0.5) are no copies, but
+With the mirror image searched too (the 48 quarter tiles of the 12 photos, every ordered pair):
+tiles of different photos score at most 0.56 (mirrored; 0.44 direct), so the mirror search keeps a
+0.14 margin below 0.7. Within one photo, a mirrored half of a symmetric scene reaches 0.95 (retina,
+clock) and two tiles of a regular grid of objects 0.79 direct (coins): true look-alikes that only
+the pHash distance kept apart.
+The detail check: crops of one scene at other places (IoU < 0.5) are no copies, but
 where the scene is mirror-symmetric (facades, faces, clocks; ``hard_set`` in tests/unit/test_audit.py)
 a crop's mirror image scores 0.7-0.9 against the crop at the mirrored place: the symmetric
 outlines carry the 32x32 correlation while the asymmetric texture around them disagrees. Detail of
@@ -323,7 +323,8 @@ def _grid(result: AuditResult, path: Path, n: int, loaders: dict) -> None:
     train = _train_images(result, pairs)
     for r, p in enumerate(pairs):
         y = 8 + r * (T + 8)
-        for c, img in enumerate((loaders.get((p.eval, p.split, p.eval_id)), train.get((p.manifest, p.shard, p.train_key)))):
+        for c, img in enumerate((loaders.get((p.eval, p.split, p.eval_id)),
+                                 train.get((p.manifest, p.shard, p.train_key)))):
             if img is not None:
                 img = img.convert("RGB")
                 f = T / max(img.size)  # CIFAR's 32 px shown 3x, nearest: its pixels stay visible

@@ -10,27 +10,27 @@ PIL with draft-mode DCT scaling), crops, resizes and flips; its batch is one uin
 tensor, a quarter of the bytes (and page faults) of the float32 batch, and the finisher normalises
 and mixes it on the device the loader is built for (``build_loader(..., device=)``: the training
 device, one batch ahead on a side stream on a GPU, as timm's prefetcher and DALI do; the CPU by
-default), with the float operations the workers used to run (bit for bit).
+default), with the same float operations, bit for bit, wherever it runs.
 
-``cuda`` / ``cpu`` / ``dali``: workers only read tar members, parse headers (bomb and format checks
-as before) and draw each sample's crop box and flip from its seed (``SampleTransform.defer``); the
+``cuda`` / ``cpu`` / ``dali``: workers only read tar members, parse headers (the same bomb and
+format checks) and draw each sample's crop box and flip from its seed (``SampleTransform.defer``); the
 training process decodes the whole batch, then crops, resizes, flips, normalises and mixes
 (Mixup/CutMix) it. ``cuda`` / ``cpu`` decode in one ``torchvision.io.decode_jpeg(list, device=...)``
 call (nvJPEG on a GPU); ``dali`` has an NVIDIA DALI pipeline decode only each crop's window, resize
 and flip (``dali_decode.py``: the ``mixed`` decoder on a GPU, DALI's CPU operators without one).
 Members that are not plain JPEGs (PNG, WebP, CMYK, progressive, EXIF-rotated, larger than
 ``(4 * img_size)^2`` pixels, or without the EOI marker at the end: ``SampleTransform.defer``) are
-decoded in the worker as before and travel as finished uint8 samples in the same batch.
+decoded in the worker as on the ``worker`` path and travel as finished uint8 samples in the same batch.
 
 ``cpu`` crops sample by sample with torch's antialiased resize, as the workers do, and gives their
 batches bit for bit (how CI tests this path). ``cuda`` and ``dali`` on a GPU work one batch ahead of
-the training step, on a side stream (:class:`~data_pipeline.loading.cuda_streams.CudaStreams`), and with no host sync of ours: while
-step N runs, batch N+1 is decoded, cropped, resized, flipped and normalised in a constant number of
-kernels. ``cuda`` crops with :func:`crop_batch` (one ``roi_align`` over the batch laid out as an
-atlas, which averages over each output pixel's area where torch's antialiased resize weighs a
-triangle twice as wide: within about a grey level on average, see
-tests/unit/test_batch_decode.py); ``dali`` with DALI's antialiased resize (``dali_decode.py`` says
-how close). ``dali`` without a GPU runs the same code, DALI's pipeline on its CPU operators.
+the training step, on a side stream (:class:`~data_pipeline.loading.cuda_streams.CudaStreams`), and
+with no host sync of ours: while step N runs, batch N+1 is decoded, cropped, resized, flipped and
+normalised in a constant number of kernels. ``cuda`` crops with :func:`crop_batch` (one
+``roi_align`` over the batch laid out as an atlas, which averages over each output pixel's area
+where torch's antialiased resize weighs a triangle twice as wide: within about a grey level on
+average, see tests/unit/test_batch_decode.py); ``dali`` with DALI's antialiased resize
+(``dali_decode.py`` says how close). ``dali`` without a GPU runs the same code, DALI's pipeline on its CPU operators.
 
 A JPEG that fails to decode here is retried alone and then through the worker path (PIL); one that
 fails both is counted as ``corrupt_image`` of its shard (against ``data.max_corrupt_rate``; once,
@@ -537,8 +537,9 @@ class BatchDecoder:
         none, of the previous batch's last good sample), counted as ``repeated_for_balance``;
         ``keys`` and ``shards`` (the batch's, in ``meta``) follow."""
         if not good and self._spare is None:
+            names = ", ".join(sorted(set(shards[i] for i in bad)))
             raise TooManyCorruptSamples(f"none of the {len(bad)} JPEGs of the first batch decoded on "
-                                        f"{self.device.type} (shards: {', '.join(sorted(set(shards[i] for i in bad)))})")
+                                        f"{self.device.type} (shards: {names})")
         for k, i in enumerate(bad):
             if good:
                 src = good[k % len(good)]

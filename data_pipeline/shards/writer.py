@@ -13,7 +13,7 @@ Each sample is ``<key>.jpg`` (``.png``/``.webp`` when the source image is such a
 re-encoding), ``<key>.cls`` (first label as text) and, for multi-label data, ``<key>.json``
 (``{"labels": [...]}``), so any stock ``webdataset.WebDataset`` reader reads the shards.
 ``--resize-shorter S`` stores images with shorter side at most S: decoding a pre-resized JPEG is
-the single biggest saving of the training loader (see benchmarks/RESULTS.md). Files copied as
+the single biggest saving of the training loader (benchmarks/results/loader-throughput-cpu.md). Files copied as
 they are (no resize needed, 8-bit without transparency) are checked by their header only; others
 go through ``decode.to_8bit`` (EXIF orientation, alpha over white, 16-bit scaled), the loader's own
 mapping. Unreadable files are skipped, counted in the manifest's ``skipped`` and named in its
@@ -335,7 +335,8 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
         manifest.update(format=PART_FORMAT, part=part[0], parts=part[1], range=[lo, hi], job_samples=len(order))
         out.write_text(part_manifest_name(part), manifest_text(manifest))
     else:
-        out.write_text(MANIFEST_NAME, manifest_text(manifest))  # last: its presence means every listed shard is complete
+        # last: its presence means every listed shard is complete
+        out.write_text(MANIFEST_NAME, manifest_text(manifest))
     out.remove(progress_path)
     return manifest
 

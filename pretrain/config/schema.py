@@ -90,7 +90,7 @@ class TrainConfig:
     autocast (DeepSpeed's `torch_autocast`): the module stays fp32, the forward runs matmuls,
     convolutions and attention in bf16 and LayerNorm and the residual stream in fp32; closer to
     fp32 on the first update but slower, with fp32 weight gathers and more memory (the measurements
-    and the choice: benchmarks/RESULTS.md). `fp16`: DeepSpeed's `fp16` mode (whole module in fp16,
+    and the choice: benchmarks/results/bf16-policy-cpu.md). `fp16`: DeepSpeed's `fp16` mode (whole module in fp16,
     fp32 masters, dynamic loss scaling: a step whose gradients overflow is skipped and the scale
     halved) for GPUs without bf16 (V100, T4). `fp32`: no 16-bit compute. `bf16` and `fp16` need
     `zero.stage` >= 1: at stage 0 DeepSpeed accumulates and reduces gradients in 16 bits and reads

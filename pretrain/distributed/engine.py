@@ -164,7 +164,7 @@ def precision_sections(train: TrainConfig, zero: ZeroConfig) -> dict:
       ``train.reduce_dtype=fp32`` (DeepSpeed's default when the key is absent is Linear and Conv*:
       written out, the empty list keeps fp32); Linear and Conv2d with bf16. At ZeRO-0 the engine
       reduces every gradient in ``communication_data_type``. Costs against ``bf16`` (DeepSpeed's
-      source, benchmarks/RESULTS.md): the fp32 module (4 B/param instead of 2 on every rank at
+      source, benchmarks/results/bf16-policy-cpu.md): the fp32 module (4 B/param instead of 2 on every rank at
       ZeRO-0/1/2), weight all-gathers in fp32 (ZeRO-1/2 after the step, ZeRO-3 every micro-step),
       a bf16 copy of every weight held by autograd from the forward to the backward (also at
       ZeRO-3, whole), fp32 element-wise traffic in norms and residual adds.

@@ -1,13 +1,13 @@
 """The input pipeline in the performance model: how many decoded, cropped images per second one
 node's loader makes on the decode path a run uses, to set beside what its GPUs consume.
 
-Rates are measurements, not data-sheet numbers (benchmarks/RESULTS.md, GPU suite, one H100 machine
-with 16 vCPUs, 8 loader workers, 224 px crops of JPEGs stored with shorter side 256):
+Rates are measurements, not data-sheet numbers (benchmarks/results/gpu-suite-h100.md: one H100
+machine with 16 vCPUs, 8 loader workers, 224 px crops of JPEGs stored with shorter side 256):
 
 - ``cpu`` (``data.decode_device: worker``): each loader worker decodes and crops; 354 img/s per
   worker: 283 measured there with the float32 hand-off, times 1.25, what the uint8 hand-off (workers
   send uint8 batches, the GPU normalises) gained in the same loader on a 16-vCPU H200 machine
-  (``benchmarks/loader_host_cpu.py``, 4 workers: 1,931-2,105 -> 2,462-2,604 img/s). A node's
+  (benchmarks/results/loader-host-cpu-h200.md, 4 workers: 1,931-2,105 -> 2,462-2,604 img/s). A node's
   loader workers (``data.workers`` per rank, or by default one per core the ranks leave free)
   share the cores the ranks leave them, each rank keeping one busy (its own process launching
   kernels): more workers than cores add nothing.

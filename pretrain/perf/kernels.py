@@ -31,13 +31,13 @@ hooked module whatever the micro-batch (``benchmarks/zero3_hooks.py`` fits it on
 partitioned tensors' count adds nothing measurable). It is not hidden behind the GPU's work: the fetch
 waits on a CUDA event two fetches back (``PartitionedParameterCoordinator.fetch_sub_module``), so the
 host cannot run far ahead. On a GPU that is not all: one H200 (bf16, one rank; ViT-L/16 at micro
-batch 16 and 64, ViT-B/16 at 64; per-module hooks and leaf blocks: benchmarks/RESULTS.md, "Leaf blocks
-on a GPU") measured a ZeRO-3 step's extra over ZeRO-1 as the hooks (the two hook layouts differ by
-0.25-0.37 ms per hooked module, 0.32 on average) plus work that grows with the micro-step's GPU time
-(about as much again) and with the parameters gathered (0.13 ms per million). What that work is was
-not measured apart (one rank: no collective crosses a link); the two terms are fitted on ViT-L/16's
-two leaf-block rows and predict the other four rows within 0.95-1.13x, and the H100's per-module row
-(390.5 ms against ZeRO-1's 79.9) at 0.91x.
+batch 16 and 64, ViT-B/16 at 64; per-module hooks and leaf blocks:
+benchmarks/results/zero3-leaf-blocks-h200.md) measured a ZeRO-3 step's extra over ZeRO-1 as the
+hooks (the two hook layouts differ by 0.25-0.37 ms per hooked module, 0.32 on average) plus work
+that grows with the micro-step's GPU time (about as much again) and with the parameters gathered
+(0.13 ms per million). What that work is was not measured apart (one rank: no collective crosses a
+link); the two terms are fitted on ViT-L/16's two leaf-block rows and predict the other four rows
+within 0.95-1.13x, and the H100's per-module row (390.5 ms against ZeRO-1's 79.9) at 0.91x.
 """
 from __future__ import annotations
 

@@ -235,8 +235,8 @@ def test_too_few_loader_workers_say_so(capsys):
     assert "INPUT-BOUND" in out and "32 workers" in out and "more loader workers (data.workers" in out, out
 
 
-# ZeRO-3 steps measured on one GPU (bf16, one rank; benchmarks/RESULTS.md): (gpu, model, micro batch,
-# leaf blocks) -> extra ms of the ZeRO-3 step over the ZeRO-1 step of the same run
+# ZeRO-3 steps measured on one GPU (bf16, one rank; benchmarks/results/zero3-leaf-blocks-h200.md):
+# (gpu, model, micro batch, leaf blocks) -> extra ms of the ZeRO-3 step over the ZeRO-1 step of the same run
 ZERO3_MEASURED = {("h200", "vit_large_patch16_224", 64, True): 210.9 - 72.1,
                   ("h200", "vit_large_patch16_224", 64, False): 316.6 - 72.1,
                   ("h200", "vit_large_patch16_224", 16, True): 125.8 - 50.0,
