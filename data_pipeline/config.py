@@ -48,6 +48,10 @@ class DataConfig:
     `manifest.json`."""
     val_shards: Union[str, list[str], None] = None
     """The same, for evaluation streams."""
+    synthetic: bool = False
+    """Train on random batches made on the training device instead of shards (no files read, the
+    loss learns nothing): measures the training step without the input pipeline
+    (`benchmarks/vit_train_gpu.py`)."""
     img_size: Optional[int] = None
     """Loader resolution; null: the model's resolution."""
     workers: int = 4

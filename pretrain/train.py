@@ -23,6 +23,7 @@ import torch.distributed as dist
 from data_pipeline.errors import DataError, is_user_error
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
+from data_pipeline.loading.synthetic import SyntheticLoader
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import Checkpointer, CheckpointWriteError
@@ -32,6 +33,7 @@ from pretrain.config import (
     ConfigError,
     check_world_size,
     cli_errors,
+    compile_mode,
     image_size,
     load_config,
     save_config,
@@ -49,6 +51,8 @@ from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
 from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
+from pretrain.perf import levers
+from pretrain.perf.hardware import gpu_key
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
 from pretrain.resilience.lifecycle import (
@@ -72,12 +76,26 @@ USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's on
 # ------------------------------------------------------------------------------------- builders
 def check_machine(cfg: Config, world_size: int) -> int:
     """Before any expensive work: the precision on this device, the batch on this world size, and
-    the DeepSpeed config these sections make (a refused combination is one line here)."""
+    the DeepSpeed config these sections make (a refused combination is one line here). ``cfg``'s
+    ``auto`` levers are decided (``decide_levers``)."""
     check_precision(cfg.train.precision)
     check_with_deepspeed(deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size, cfg.deepspeed))
     if cfg.model.init_from and not Path(cfg.model.init_from).exists():
         raise ConfigError(f"model.init_from={cfg.model.init_from}: not found")
     return check_world_size(cfg.train, world_size)
+
+
+def decide_levers(cfg: Config, world_size: int) -> tuple[Config, tuple[str, ...]]:
+    """``cfg`` with its ``auto`` speed levers decided for this job and device
+    (``pretrain.perf.levers.resolve``: checkpointing from the device's memory, buckets from the
+    parameters and the link), and the start-up lines that say what was chosen."""
+    gpu = memory_bytes = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu, memory_bytes = gpu_key(props.name), props.total_memory
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cfg, choices = levers.resolve(cfg, world_size, gpus_per_node=per_node, gpu=gpu, memory_bytes=memory_bytes)
+    return cfg, choices.lines
 
 
 @dataclass
@@ -180,6 +198,9 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     if rank == 0:
         ds_compat.check_version()
     set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)
+    as_written, written = cfg, to_dict(cfg)  # stored (config.yaml, checkpoints) and compared on resume
+    cfg, lever_lines = decide_levers(cfg, world)
+    t = cfg.train
     check_machine(cfg, world)
     layout = RunDir.of(t.output_dir, cfg.checkpoint.dir)
     run_dir, ckpt_dir = layout.root, layout.checkpoints
@@ -190,7 +211,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     if cfg.checkpoint.dir:
         checkpoint.check_writable(ckpt_dir, "checkpoint.dir")
     if cfg.checkpoint.resume:  # a changed shape key, said before the model build and DeepSpeed init
-        checkpoint.check_resumable(ckpt_dir, to_dict(cfg))
+        checkpoint.check_resumable(ckpt_dir, written)
     say = StartupLines(rank)
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
@@ -198,17 +219,26 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     img = image_size(cfg.model)
 
     say(f"building {cfg.model.name} ({img} px) on {world} rank(s)")
+    for line in lever_lines:
+        say(line)
     startup.phase("model build")
     torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
     model = build_model(cfg)
     resuming = cfg.checkpoint.resume and checkpoint.latest_complete(ckpt_dir) is not None
     masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
+    if compile_mode(t.compile):
+        what = "the whole model" if compile_mode(t.compile) == "model" and cfg.zero.stage < 3 else "each block"
+        say(f"train.compile={t.compile}: torch.compile of {what}, traced in the first step")
     startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world, cfg.deepspeed)
     set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
-    loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
-                          seed=t.seed, img_size=img, train=True, device=engine.device)
+    if cfg.data.synthetic:
+        loader = SyntheticLoader(cfg.data, batch_size=t.micro_batch_size, img_size=img, seed=t.seed, rank=rank,
+                                 num_classes=cfg.model.num_classes, device=engine.device)
+    else:
+        loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
+                              seed=t.seed, img_size=img, train=True, device=engine.device)
     say(f"data workers decode: {loader.worker_decoder}")
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
@@ -217,7 +247,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     if resuming:
         say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
     startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
-    resumed = checkpoint.resume(engine, ckpt_dir, config=to_dict(cfg)) if cfg.checkpoint.resume else None
+    resumed = checkpoint.resume(engine, ckpt_dir, config=written) if cfg.checkpoint.resume else None
     start, run_id = 0, None
     if resumed:
         info, states = resumed
@@ -228,9 +258,11 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
 
     fwd = analytic_flops(cfg.model.name, img, cfg.model.num_classes, cfg.model.global_pool,
                          cfg.model.representation_size, qk_norm=cfg.model.qk_norm, breakdown=True)
-    flops = train_flops_per_image(fwd["total"], fwd["blocks"] if t.activation_checkpointing else 0)
+    depth = len(engine.module.blocks)
+    flops = train_flops_per_image(fwd["total"], fwd["blocks"] * t.activation_checkpointing / depth)
     gas = ds_cfg["gradient_accumulation_steps"]
-    run_config = {**to_dict(cfg), "world_size": world, "zero_stage": cfg.zero.stage,
+    run_config = {**written, "world_size": world, "checkpointed_blocks": t.activation_checkpointing,
+                  "reduce_bucket_size": cfg.zero.reduce_bucket_size, "zero_stage": cfg.zero.stage,
                   "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
                   "train_flops_per_image": flops[0], "gradient_accumulation": gas}
     predicted = _prediction(cfg, world)
@@ -243,7 +275,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id,
                            resume_step=start if resumed else None)
     if rank == 0:
-        save_config(cfg, layout.config)
+        save_config(as_written, layout.config)
         where = f"resuming from step {start}" if resumed else "starting from scratch"
         print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {t.precision}, "
               f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
@@ -263,7 +295,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
         ds_compat.time_collectives(clock.comm_begin, clock.comm_end, engine)
     lp = Loop(cfg, engine, faults.wrap_batches(logged_batches(loader, samples, start, gas), rank=rank, start_step=start,
                                                accumulation=gas),
-              loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": to_dict(cfg)}, logger, samples),
+              loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": written}, logger, samples),
               clock, stop, startup, start_step=start, world=world, flops=flops,
               detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
                                          record=layout.stragglers if rank == 0 else None,

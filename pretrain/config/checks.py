@@ -4,6 +4,7 @@ real world size."""
 from __future__ import annotations
 
 import difflib
+from typing import Optional
 
 from data_pipeline.config import check_data
 from data_pipeline.errors import ConfigError
@@ -163,3 +164,21 @@ def image_size(model: ModelConfig) -> int:
     from pretrain.models.arch import model_defaults
 
     return model.img_size or model_defaults(model.name)["img_size"]
+
+
+def checkpoint_count(value, depth: int) -> Optional[int]:
+    """Blocks checkpointed for a ``train.activation_checkpointing`` value: ``true`` all, ``false``
+    none, ``N`` the first ``N`` (at most ``depth``); None for ``auto``, which
+    ``pretrain.perf.levers.resolve`` decides from the memory model."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool):
+        return depth if value else 0
+    return max(0, min(int(value), depth))
+
+
+def compile_mode(value) -> str:
+    """``train.compile`` as one word: ``""`` (off), ``"blocks"`` (``true`` too) or ``"model"``."""
+    if value is True:
+        return "blocks"
+    return value or ""

@@ -56,8 +56,11 @@ def main(argv=None) -> None:
         import json
 
         from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config
+        from pretrain.perf import levers
 
         with cli_errors("vit-config"):
+            # the buckets `auto` picks for this model on a ring of that many ranks (8 per node)
+            cfg, _ = levers.resolve(cfg, args.world_size, gpus_per_node=8)
             ds = deepspeed_config(cfg.optim, cfg.train, cfg.zero, args.world_size, cfg.deepspeed)
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout: the JSON alone goes there
                 check_with_deepspeed(ds)

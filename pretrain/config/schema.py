@@ -8,7 +8,7 @@ and checking are ``load.py`` and ``checks.py``. The ``data:`` section is the dat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from data_pipeline.config import DataConfig
 
@@ -112,8 +112,12 @@ class TrainConfig:
     names the phase and the rank ends (a guard process: DeepSpeed's CPU shm set-up spins in C++
     for a dead peer's buffer file, where no Python thread can run); larger than any step-time
     bound; 0 = off."""
-    activation_checkpointing: bool = False
-    """Recompute each block in backward."""
+    activation_checkpointing: Union[bool, int, Literal["auto"]] = "auto"
+    """Recompute blocks in the backward instead of keeping their activations: `true` every block,
+    `false` none, `N` the first N blocks (the rest keep theirs), `auto` the fewest blocks with which
+    the run fits the device's memory by the memory model (`pretrain/perf/memory.py`; none on a CPU).
+    Each checkpointed block costs its forward again (about a third more compute for that block).
+    Start-up, `vit-launch check` and `vit-launch plan` say what `auto` chose and what it costs."""
     log_every_steps: int = 10
     """Steps per logging window (metrics.jsonl, W&B, the progress line)."""
     max_nonfinite_steps: int = 5
@@ -134,10 +138,12 @@ class TrainConfig:
     """The loop reads the device (stop agreement across ranks, the non-finite verdict) only at log
     and checkpoint steps and every this many steps; a signal stops the run within this many steps.
     What that saves: pretrain/perf/PERFORMANCE.md."""
-    compile: bool = False
-    """`torch.compile` each Transformer block's forward (regional: one compile reused by every
-    block; works with activation checkpointing and every ZeRO stage; see
-    pretrain/perf/PERFORMANCE.md)."""
+    compile: Union[bool, Literal["blocks", "model"]] = False
+    """`torch.compile`: `blocks` each Transformer block's forward (regional: one compile reused by
+    every block, seconds; every ZeRO stage), `model` the whole module (fuses the element-wise work
+    between blocks too; a minute or more of compile; ZeRO 0-2, ZeRO-3 compiles `blocks`), `false`
+    none; `true` means `blocks`. Both work with activation checkpointing; what each gains:
+    pretrain/perf/PERFORMANCE.md."""
     straggler_factor: float = 1.5
     """A rank whose own work (batch reading and forward; where collectives block the host, the CPU,
     also backward and step less the time spent in collectives), summed over the last
@@ -170,13 +176,18 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced (DeepSpeed's
     `contiguous_gradients`)."""
-    reduce_bucket_size: int = 500_000_000
-    """Elements per gradient-reduction bucket (DeepSpeed's `reduce_bucket_size`)."""
+    reduce_bucket_size: Union[int, Literal["auto"]] = "auto"
+    """Elements per gradient-reduction bucket (DeepSpeed's `reduce_bucket_size`). A bucket is
+    reduced once full, under the rest of the backward; only the last one waits at its end, so a
+    bucket as large as the model (DeepSpeed's 5e8 is larger than ViT-L) overlaps nothing. `auto`:
+    the smallest bucket whose collective's fixed latency costs at most 5 % of its transfer on the
+    job's slowest link, and at most a quarter of the parameters (`pretrain/perf/levers.py`)."""
     allgather_bucket_size: int = 500_000_000
     """Elements per all-gather bucket, stages 1-2 (DeepSpeed's `allgather_bucket_size`)."""
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: Union[int, Literal["auto"]] = "auto"
     """Stage 3: elements of weights fetched ahead of use (DeepSpeed's
-    `stage3_prefetch_bucket_size`)."""
+    `stage3_prefetch_bucket_size`); `auto`: two Transformer blocks' weights, so the next block's
+    gather runs under the current block's compute."""
     stage3_param_persistence_threshold: int = 100_000
     """Stage 3: tensors smaller than this many elements stay whole on every rank (DeepSpeed's
     `stage3_param_persistence_threshold`)."""

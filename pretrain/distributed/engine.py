@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from pretrain.config import ConfigError, check_world_size
+from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode
 from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
 from pretrain.distributed import schedule
 
@@ -29,6 +29,11 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
     DeepSpeed release that changes a default cannot change a run: clipping (absent, DeepSpeed clips
     at 1.0), gradient pre-scaling, the ZeRO buckets and their overlap, the stage-3 gather limits."""
     gas = check_world_size(train, world_size)
+    unresolved = [k for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size") if getattr(zero, k) == "auto"]
+    if unresolved:
+        raise ConfigError(f"zero.{unresolved[0]}=auto is decided from the model (pretrain.perf.levers.resolve or "
+                          "resolve_zero) before the DeepSpeed config is made")
+    compiled = bool(compile_mode(train.compile))
     z: dict = {"stage": zero.stage}
     if zero.stage >= 1:
         z.update(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
@@ -46,9 +51,9 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
                  stage3_gather_16bit_weights_on_model_save=False,
                  # leaf modules are chosen here (zero.leaf_blocks), not by DeepSpeed's granularity rule
                  stage3_module_granularity_threshold=0,
-                 leaf_module={"classes": [LEAF_BLOCK_CLASS] if zero.leaf_blocks or train.compile else [],
+                 leaf_module={"classes": [LEAF_BLOCK_CLASS] if zero.leaf_blocks or compiled else [],
                               "names": [], "name_suffixes": []})
-        if train.compile:
+        if compiled:
             # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
             # ZeRO status: traced by dynamo, that guards on every Linear and can exhaust its
             # recompile limit. Compiled blocks are ZeRO-3 leaf modules (leaf_module above), their
@@ -279,21 +284,67 @@ def check_zeropp_device(zero: ZeroConfig, cuda: bool) -> None:
                           f"set zero.{keys[0]}=false on CPU")
 
 
+def compile_model(model: torch.nn.Module, mode: str, zero_stage: int, backend: str = "inductor") -> str:
+    """``train.compile`` applied to ``model`` in place, before ``deepspeed.initialize``; returns what
+    was compiled. ``model``: ``nn.Module.compile`` of the whole module (parameter names, state dict
+    and exports unchanged; the LayerNorms, GELU, residual adds and casts between and inside the
+    blocks fuse into fewer kernels). DeepSpeed's ``engine.compile()`` calls the same
+    ``Module.compile`` after the engine exists; compiling first keeps one path for every stage and
+    leaves DeepSpeed's bf16 cast of the module to happen before the first (lazy) trace. At ZeRO-3
+    the module hooks split the graph at every gathered module, so ``model`` compiles the blocks
+    (each a ZeRO-3 leaf module: ``deepspeed_config``). The whole-model graph produces all
+    gradients at the end of its backward, so ZeRO-2's reduction buckets can start only then
+    (``pretrain.perf`` prices that)."""
+    if mode == "model" and zero_stage < 3:
+        model.compile(backend=backend)
+        return "model"
+    if mode in ("blocks", "model"):
+        return f"{compile_blocks(model, backend)} blocks"
+    return ""
+
+
 def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, zero: ZeroConfig,
                world_size: int, extra: Optional[dict] = None):
     """``deepspeed.initialize`` with our optimizer and schedule; returns (engine, ds_config).
-    ``extra``: the config's ``deepspeed:`` pass-through."""
+    ``extra``: the config's ``deepspeed:`` pass-through. ``auto`` bucket sizes are decided here from
+    the model's parameter count (``pretrain.perf.levers.resolve_zero``); an ``auto`` activation
+    checkpointing must be decided before (``pretrain.perf.levers.resolve``, from the device's
+    memory), except on a CPU, where it checkpoints nothing."""
     import deepspeed
 
+    zero = resolved_zero(model, train, zero, world_size)
+    n = checkpoint_count(train.activation_checkpointing, len(getattr(model, "blocks", ())))
+    if n is None:
+        if torch.cuda.is_available():
+            raise ConfigError("train.activation_checkpointing=auto is decided from the device's memory "
+                              "(pretrain.perf.levers.resolve) before the engine is built")
+        n = 0
     ds_cfg = deepspeed_config(optim, train, zero, world_size, extra)
     check_zeropp_device(zero, torch.cuda.is_available())
-    if train.activation_checkpointing:
-        model.set_grad_checkpointing(True)
-    if train.compile:
-        compile_blocks(model)
+    if n:
+        model.set_grad_checkpointing(n)
+    compile_model(model, compile_mode(train.compile), zero.stage)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)
     factor = schedule.lr_multiplier(optim.schedule, optim.warmup_steps, train.steps, optim.min_lr / optim.lr)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_schedule,
                                            config=ds_cfg)
     return engine, ds_cfg
+
+
+def resolved_zero(model: torch.nn.Module, train: TrainConfig, zero: ZeroConfig, world_size: int) -> ZeroConfig:
+    """``zero`` with its ``auto`` bucket sizes decided from ``model``'s parameters
+    (``pretrain.perf.levers.resolve_zero``; the link from ``LOCAL_WORLD_SIZE`` ranks per node)."""
+    import os
+
+    from pretrain.perf import levers
+
+    blocks = getattr(model, "blocks", None)
+    block_params = sum(_numel(p) for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
+    zero, _ = levers.resolve_zero(zero, train, sum(_numel(p) for p in model.parameters()), block_params, world_size,
+                                  gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return zero
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 (zero.Init): p is a 0-size stub

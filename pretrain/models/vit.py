@@ -203,7 +203,7 @@ class VisionTransformer(nn.Module):
         self.global_pool = global_pool
         self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
-        self.grad_checkpointing = False
+        self.grad_checkpointing = 0  # blocks recomputed in the backward (set_grad_checkpointing)
 
         if backbone is None:
             self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
@@ -290,10 +290,13 @@ class VisionTransformer(nn.Module):
         """Parameters excluded from weight decay besides biases and norm weights."""
         return {"pos_embed", "cls_token"}
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each block in the backward pass: about 1/3 more compute, activation memory
-        of one block instead of all. Results equal the non-checkpointed model."""
-        self.grad_checkpointing = enable
+    def set_grad_checkpointing(self, enable=True) -> None:
+        """Recompute blocks in the backward pass instead of keeping their activations: ``True``
+        every block, ``False`` none, an int ``N`` the first ``N`` (the earliest blocks' activations
+        live longest). Each costs its forward again (about 1/3 more compute for that block), and
+        keeps only its input. Results equal the non-checkpointed model."""
+        depth = len(self.blocks)
+        self.grad_checkpointing = depth if enable is True else max(0, min(int(enable), depth))
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new zero-initialised head (transfer): the pooling's norm layer is kept as is."""
@@ -312,9 +315,9 @@ class VisionTransformer(nn.Module):
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = self.pos_drop(x + self.pos_embed)
         if self.grad_checkpointing and torch.is_grad_enabled():
-            for blk in self.blocks:
-                # non-reentrant: works with ZeRO-3's parameter hooks and unused inputs
-                x = checkpoint(blk, x, use_reentrant=False)
+            for i, blk in enumerate(self.blocks):
+                # non-reentrant: works with ZeRO-3's parameter hooks, unused inputs and torch.compile
+                x = checkpoint(blk, x, use_reentrant=False) if i < self.grad_checkpointing else blk(x)
         else:
             x = self.blocks(x)
         return self.norm(x)

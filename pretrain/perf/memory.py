@@ -198,20 +198,25 @@ def block_activation_bytes(s: int, b: int, h: int, a: int, *, precision: str = "
     return acts + masks + attn
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "bf16", checkpointing: bool = False,
+def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "bf16", checkpointing=False,
                      dropout: bool = False, fused_attention: bool = True) -> float:
-    """Activation memory of one micro-batch's forward, held until its backward."""
+    """Activation memory of one micro-batch's forward, held until its backward. ``checkpointing``:
+    the blocks checkpointed (``true`` all, ``false`` none, or a count: the first ``N``), each of
+    which keeps only its input; one block's full set exists while it is recomputed."""
+    from pretrain.config import checkpoint_count
+
     s, b, h, L = shape.seq_len, micro_batch, shape.width, shape.depth
+    n = checkpoint_count(checkpointing, L) or 0
     e = activation_dtype_bytes(precision)
     stream = weight_bytes(precision)  # the residual stream and the input are in the module's dtype
     block = block_activation_bytes(s, b, h, shape.heads, precision=precision, dropout=dropout,
                                    fused_attention=fused_attention, mlp_hidden=shape.mlp_hidden,
                                    qk_norm=shape.qk_norm, layer_scale=shape.layer_scale)
-    blocks = L * stream * s * b * h + block if checkpointing else L * block
+    blocks = n * stream * s * b * h + (L - n) * block + (block if n else 0)
     # image batch (patch-embedding input, the module's dtype) + final norm input + head input and fp32 logits
     outside = 3 * shape.img_size ** 2 * b * stream + stream * s * b * h + e * b * h + 4 * b * shape.num_classes
     if precision == "bf16-autocast":  # bf16 weight copies kept for the backward (module docstring)
-        outside += 2 * shape.params / (L if checkpointing else 1)
+        outside += 2 * shape.params * ((L - n) + (1 if n else 0)) / L
     return blocks + outside
 
 
@@ -221,8 +226,8 @@ class MemoryEstimate:
     states: dict  # weights / gradients / optimizer / cpu (bytes per GPU)
     buffers: float
     activations: float  # as configured (with or without checkpointing)
-    activations_other: float  # the other setting, for the "what to change" line
-    checkpointing: bool
+    activations_other: float  # with no block checkpointed (with every block when some are), for advice
+    checkpointing: int  # blocks checkpointed
     host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
 
     @property
@@ -231,7 +236,7 @@ class MemoryEstimate:
         return s["weights"] + s["gradients"] + s["optimizer"] + self.buffers + self.activations + RUNTIME_OVERHEAD_BYTES
 
     def total_if_checkpointing(self, on: bool) -> float:
-        act = self.activations if on == self.checkpointing else self.activations_other
+        act = self.activations if on == bool(self.checkpointing) else self.activations_other
         return self.total - self.activations + act
 
 
@@ -248,12 +253,17 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
                                optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer,
                                offload_params=cfg.zero.offload_params)
+    from pretrain.config import checkpoint_count
+
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
-    act = activation_bytes(shape, t.micro_batch_size, checkpointing=t.activation_checkpointing, **kw)
-    other = activation_bytes(shape, t.micro_batch_size, checkpointing=not t.activation_checkpointing, **kw)
-    buffers = zero_buffer_bytes(cfg.zero, shape, t.precision, leaf_blocks=cfg.zero.leaf_blocks or t.compile)
+    n = checkpoint_count(t.activation_checkpointing, shape.depth)
+    if n is None:
+        raise ValueError("train.activation_checkpointing=auto: decide it first (pretrain.perf.levers.resolve)")
+    act = activation_bytes(shape, t.micro_batch_size, checkpointing=n, **kw)
+    other = activation_bytes(shape, t.micro_batch_size, checkpointing=0 if n else shape.depth, **kw)
+    buffers = zero_buffer_bytes(cfg.zero, shape, t.precision, leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
-                          activations=act, activations_other=other, checkpointing=t.activation_checkpointing,
+                          activations=act, activations_other=other, checkpointing=n,
                           host_build=host_build_bytes(shape, cfg.zero.stage))
 
 

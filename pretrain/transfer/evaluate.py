@@ -50,8 +50,10 @@ def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.dev
     if ev.protocol == "finetune":
         # bf16 only where it is native; CPU fine-tuning stays fp32
         precision = cfg.train.precision if torch.cuda.is_available() else "fp32"
+        # a fine-tune's batches are small: `auto` (pre-training's memory rule) checkpoints nothing here
+        ckpt = cfg.train.activation_checkpointing if cfg.train.activation_checkpointing != "auto" else False
         return Finetune(pre, img_size=img_size, ev=ev, view_of=view_of, device=device, precision=precision,
-                        zero=cfg.zero, grad_checkpointing=cfg.train.activation_checkpointing,
+                        zero=cfg.zero, grad_checkpointing=ckpt,
                         drop_path_rate=cfg.model.drop_path_rate, dist_info=dist, log=log)
     if dist.world > 1:
         raise TransferError(f"--protocol {ev.protocol} runs in one process; start it without the deepspeed runner")

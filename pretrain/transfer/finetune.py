@@ -78,11 +78,12 @@ class _DeepSpeed:
     def __init__(self, model, opt, sched, *, lr: float, ev, zero, precision: str, world: int):
         import deepspeed
 
-        from pretrain.distributed.engine import deepspeed_config
+        from pretrain.distributed.engine import deepspeed_config, resolved_zero
 
         optim = OptimConfig(name="sgd", lr=lr, momentum=MOMENTUM, weight_decay=0.0, grad_clip=ev.grad_clip)
         train = TrainConfig(steps=ev.steps, global_batch_size=ev.batch_size, micro_batch_size=ev.batch_size // world,
                             precision=precision)
+        zero = resolved_zero(model, train, zero, world)
         ds_cfg = deepspeed_config(optim, train, zero, world)  # clipping is DeepSpeed's here
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
         self.model = self.engine.module  # what _Plain calls its model (ZeRO-3: parameters partitioned)

@@ -1,0 +1,351 @@
+"""vit-train's own training path on one GPU, lever by lever, beside the plan's prediction.
+
+    python benchmarks/vit_train_gpu.py --output runs/vit-train-gpu          # one H100 / H200: < 8 min
+    python benchmarks/vit_train_gpu.py --smoke --output /tmp/vt             # toy sizes on a CPU
+
+Each row is a whole ``pretrain.train.run`` (the DeepSpeed engine, the loop, the non-finite guard,
+metrics.jsonl, a checkpoint at the end) on a shipped config with ``data.synthetic`` (random batches
+made on the GPU: the step without the input pipeline) and one lever changed from the row before:
+
+  ViT-L/16  shipped   the shipped config as it was: every block checkpointed, eager, 5e8 buckets
+            no-ckpt   no activation checkpointing (what ``auto`` chooses for L/16 on 80 GB)
+            model     ``train.compile: model`` with ``auto`` buckets
+            micro     the same at a larger micro batch
+            blocks    ``train.compile: blocks`` instead (for the comparison)
+  ViT-B/16, ViT-H/14  the best L/16 levers (H/14 at ZeRO-2: one GPU needs no ZeRO-3)
+  plain     the best plain PyTorch step of L/16 on the same batch sizes (``torch.compile`` of the
+            model, bf16 autocast, fused AdamW): the reference vit-train's MFU is held against
+
+Every run accumulates ``ACCUMULATION`` micro-batches per optimizer step (on a cluster the optimizer
+step is a 1/N shard; on one GPU it is the whole model, so some accumulation keeps it from being a
+larger share of the step than it is in a job). Throughput is the median of the logging windows
+after the first (compile and warm-up). A row that fails records its error; rows past the time
+budget are recorded as skipped. ``vit_train_gpu.json`` gets one row per model and lever (model,
+device, path, levers, img_per_s, mfu, hfu, peak_gb, predicted_img_per_s, predicted_mfu); the last
+lines printed are a Markdown table (``benchmarks/results/``).
+
+Sync points: vit-train's own (``pretrain.observability.clock.synced_now`` at each log step); the
+plain reference synchronises the device before each clock read (``synced_now``) the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+T_START = time.perf_counter()
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+ACCUMULATION = 4
+SHORT = {"vit_tiny_patch16_224": "ViT-Ti/16", "vit_base_patch16_224": "ViT-B/16",
+         "vit_large_patch16_224": "ViT-L/16", "vit_huge_patch14_224": "ViT-H/14"}
+
+
+PLAIN = "torch.compile model, bf16 autocast, fused AdamW"
+
+
+@dataclasses.dataclass
+class Row:
+    model: str  # shipped config file under configs/ (the plain row: a model name)
+    lever: str
+    overrides: tuple  # dotted overrides (the plain row: micro batch, image size)
+    levers: str  # in words, for the table
+
+
+def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
+    """The rows in the order they run (most important first: the budget cuts from the end) and the
+    run settings."""
+    if smoke:
+        toy = ("model.img_size=64", "model.num_classes=10", "train.micro_batch_size=4")
+        rows = [Row("tiny_cpu", "shipped", toy + ("train.activation_checkpointing=true", "train.compile=false",
+                                                  "zero.reduce_bucket_size=500000000"), "checkpoint all, eager"),
+                Row("tiny_cpu", "no-ckpt", toy + ("train.activation_checkpointing=auto",
+                                                  "zero.reduce_bucket_size=auto"), "auto checkpointing, auto buckets"),
+                Row("vit_tiny_patch16_224", "plain", (4, 64), PLAIN)]
+        # inductor's C++ build takes minutes on 2 cores: the smoke leaves train.compile to
+        # tests/integration/test_compile.py and traces the plain reference with aot_eager
+        return rows, {"steps": 6, "log_every": 2, "budget_s": 600.0, "row_min_s": 60.0}
+    L, B, H = "vit_l16_in21k", "vit_b16_in1k", "vit_h14_jft"
+    best = ("train.activation_checkpointing=auto", "train.compile=model", "zero.reduce_bucket_size=auto")
+    rows = [
+        Row(L, "shipped", ("train.activation_checkpointing=true", "train.compile=false",
+                           "zero.reduce_bucket_size=500000000"), "checkpoint every block, eager, 5e8 buckets"),
+        Row(L, "no-ckpt", ("train.activation_checkpointing=false", "train.compile=false",
+                           "zero.reduce_bucket_size=500000000"), "no checkpointing, eager"),
+        Row(L, "model", best, "no checkpointing (auto), compile model, auto buckets"),
+        Row(L, "micro128", best + ("train.micro_batch_size=128",), "... and micro batch 128"),
+        Row("vit_large_patch16_224", "plain", (128, 224), PLAIN),
+        Row(B, "model", best, "auto checkpointing, compile model, auto buckets"),
+        Row(H, "model", best + ("zero.stage=2", "train.micro_batch_size=32"),
+            "ZeRO-2, micro 32, auto checkpointing, compile model, auto buckets"),
+        Row(L, "blocks", ("train.activation_checkpointing=false", "train.compile=blocks",
+                          "zero.reduce_bucket_size=auto"), "no checkpointing, compile blocks"),
+    ]
+    # a row starts only with row_min_s of the budget left, and is cut at the budget's end: the whole
+    # script ends within budget_s of its start
+    return rows, {"steps": 16, "log_every": 4, "budget_s": 500.0, "row_min_s": 45.0}
+
+
+def row_overrides(row: Row, run_dir: Path, ckpt_dir: Path, settings: dict) -> list[str]:
+    """The row's overrides plus the benchmark's own: synthetic batches, the step count and logging
+    windows, ``ACCUMULATION`` micro-batches per step, no W&B, checkpoints in ``ckpt_dir``."""
+    from pretrain.config import load_config
+
+    micro = load_config(ROOT / "configs" / f"{row.model}.yaml", list(row.overrides)).train.micro_batch_size
+    return list(row.overrides) + [
+        "data.synthetic=true", "data.workers=0", f"train.steps={settings['steps']}",
+        f"train.log_every_steps={settings['log_every']}", f"train.sync_every_steps={settings['log_every']}",
+        f"train.global_batch_size={micro * ACCUMULATION}", f"train.output_dir={run_dir}", f"checkpoint.dir={ckpt_dir}",
+        "checkpoint.every_steps=100000", "logging.wandb.mode=disabled", "validation.every_steps=0",
+        "optim.warmup_steps=1"]
+
+
+def device() -> tuple[str | None, float | None]:
+    """(name, memory in bytes) of GPU 0 from nvidia-smi (this process never starts CUDA: each row's
+    process has the device to itself); (None, None) without one."""
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None, None
+    name, mib = (x.strip() for x in line.split(","))
+    return name, float(mib) * 2 ** 20
+
+
+def predicted(cfg, device_name: str | None, memory_bytes: float | None) -> dict:
+    """What training will decide for ``auto`` on this device (``pretrain.perf.levers.resolve``, as
+    ``pretrain.train.decide_levers`` does) and the performance model's figures for that layout."""
+    from pretrain.perf import levers
+    from pretrain.perf.hardware import gpu_key
+    from pretrain.perf.perfmodel import layout_from_config, predict
+
+    key = gpu_key(device_name or "")
+    cfg, _ = levers.resolve(cfg, 1, gpus_per_node=1, gpu=key, memory_bytes=memory_bytes)
+    out = {"checkpointed_blocks": cfg.train.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size}
+    if key is None:
+        return out
+    p = predict(layout_from_config(cfg, nodes=1, gpus_per_node=1, gpu=key))
+    return {**out, "predicted_img_per_s": p.images_per_second, "predicted_mfu": p.mfu,
+            "predicted_gb": p.memory_gb_per_gpu["total"]}
+
+
+def measured(metrics_file: Path) -> dict:
+    lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
+    windows = [m for m in lines if "images_per_sec" in m][1:] or [m for m in lines if "images_per_sec" in m]
+    med = lambda k: statistics.median(w[k] for w in windows) if windows and k in windows[0] else None  # noqa: E731
+    return {"img_per_s": med("images_per_sec"), "mfu": med("mfu"), "hfu": med("hfu"),
+            "tflops": med("tflops_per_device"), "peak_gb": max((w["peak_memory_gb"] for w in windows), default=None),
+            "windows": len(windows)}
+
+
+def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, timeout_s: float) -> dict:
+    """One ``vit-train`` process (``python -m pretrain.train``), its log in ``out_dir``."""
+    from pretrain.config import load_config
+
+    run_dir, ckpt_dir = scratch / f"{row.model}-{row.lever}", scratch / f"{row.model}-{row.lever}-ckpt"
+    config = ROOT / "configs" / f"{row.model}.yaml"
+    overrides = row_overrides(row, run_dir, ckpt_dir, settings)
+    cfg = load_config(config, overrides)
+    out = {"model": SHORT.get(cfg.model.name, cfg.model.name), "config": f"configs/{row.model}.yaml",
+           "lever": row.lever, "levers": row.levers, "path": "vit-train", "overrides": list(row.overrides),
+           "micro_batch": cfg.train.micro_batch_size, "accumulation": ACCUMULATION, "zero": cfg.zero.stage,
+           **predicted(cfg, *dev)}
+    t0 = time.perf_counter()
+    log = out_dir / f"{row.model}-{row.lever}.log"
+    try:
+        with open(log, "w") as fh:
+            proc = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", str(config), *overrides],
+                                  cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if proc.returncode != 0:
+            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
+            out.update(status="error", error=f"exit {proc.returncode}: {tail[0][:300]}")
+        else:
+            out.update(status="ok", **measured(run_dir / "metrics.jsonl"))
+            shutil.copy(run_dir / "metrics.jsonl", out_dir / f"{row.model}-{row.lever}-metrics.jsonl")
+    except subprocess.TimeoutExpired:
+        out.update(status="error", error=f"past its {timeout_s:.0f} s")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def child_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):  # each row is a world of one of its own
+        env.pop(k, None)
+    return env
+
+
+def plain_row(row: Row, settings: dict, out_dir: Path, smoke: bool, timeout_s: float) -> dict:
+    """The plain reference in a process of its own (``--plain``), its JSON read back."""
+    name, micro, img = row.model, *row.overrides
+    res = out_dir / f"plain-{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--output", str(out_dir), "--plain", f"{name},{micro},{img}",
+           "--steps", str(settings["steps"])] + (["--smoke"] if smoke else [])
+    t0 = time.perf_counter()
+    try:
+        with open(out_dir / f"plain-{name}.log", "w") as fh:
+            subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        out = json.loads(res.read_text()) if res.exists() else {
+            "model": SHORT.get(name, name), "lever": "plain", "levers": PLAIN, "status": "error", "error": "no result"}
+    except subprocess.TimeoutExpired:
+        out = {"model": SHORT.get(name, name), "lever": "plain", "levers": PLAIN, "status": "error",
+               "error": f"past its {timeout_s:.0f} s"}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def error_text(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+def plain_step_row(name: str, micro: int, img: int, steps: int, smoke: bool) -> dict:
+    """The best plain PyTorch step of the same model and batch: our model class (timm's layout),
+    ``torch.compile`` of the whole model, bf16 autocast, fused AdamW, ``ACCUMULATION`` micro-batches
+    per step. No DeepSpeed, no loader, no guard."""
+    from pretrain.model import create_model
+    from pretrain.models.arch import analytic_flops
+    from pretrain.observability.clock import synced_now
+    from pretrain.observability.flops import peak_tflops
+
+    out = {"model": SHORT.get(name, name), "lever": "plain", "path": "plain PyTorch", "levers": PLAIN,
+           "micro_batch": micro,
+           "accumulation": ACCUMULATION}
+    t0 = time.perf_counter()
+    try:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda" if cuda else "cpu")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        model = create_model(name, img_size=img, num_classes=1000).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
+        model.compile(backend="inductor" if cuda or not smoke else "aot_eager")
+        x = torch.randn(micro, 3, img, img, device=device)
+        y = torch.randint(0, 1000, (micro,), device=device)
+
+        def step():
+            for _ in range(ACCUMULATION):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        times = []
+        for _ in range(max(3, steps // 2)):
+            t = synced_now(device)
+            step()
+            times.append(synced_now(device) - t)
+        ips = micro * ACCUMULATION / statistics.median(times)
+        flops = 6.0 * analytic_flops(name, img, 1000) * ips
+        peak = peak_tflops()
+        out.update(status="ok", img_per_s=ips, tflops=flops / 1e12, mfu=flops / (peak * 1e12) if peak else None,
+                   peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        out.update(status="error", error=error_text(e))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    def f(v, spec):
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    lines = ["| model | lever | levers | micro | img/s | MFU | HFU | peak GB | predicted img/s | predicted MFU | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['model']} | {r['lever']} | {r.get('levers', '')} | {r.get('micro_batch', '-')} | "
+                         f"{r.get('status')}: {r.get('error', '')} | | | | | | {f(r.get('seconds'), '.0f')} |")
+            continue
+        lines.append(f"| {r['model']} | {r['lever']} | {r['levers']} | {r['micro_batch']} | "
+                     f"{f(r['img_per_s'], ',.0f')} | {f(r.get('mfu'), '.1%')} | {f(r.get('hfu'), '.1%')} | "
+                     f"{f(r.get('peak_gb'), '.1f')} | "
+                     f"{f(r.get('predicted_img_per_s'), ',.0f')} | {f(r.get('predicted_mfu'), '.1%')} | "
+                     f"{f(r.get('seconds'), '.0f')} |")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import deepspeed
+
+    env = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": sys.version.split()[0],
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output", required=True, help="folder for vit_train_gpu.json, the rows' logs and metrics")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on a CPU: every code path, no meaningful figure")
+    ap.add_argument("--only", default="", help="comma-separated MODEL:LEVER or LEVER names to run (default: all)")
+    ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # NAME,MICRO,IMG: the reference's own process
+    ap.add_argument("--steps", type=int, default=16, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plain:
+        name, micro, img = args.plain.split(",")
+        r = plain_step_row(name, int(micro), int(img), args.steps, args.smoke)
+        (out / f"plain-{name}.json").write_text(json.dumps(r) + "\n")
+        return 0
+    rows, settings = plan_rows(args.smoke)
+    if args.only:
+        keep = set(args.only.split(","))
+        rows = [r for r in rows if r.lever in keep or f"{r.model}:{r.lever}" in keep]
+    dev = device()
+    scratch = Path(tempfile.mkdtemp(prefix="vit-train-gpu-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    results = {"what": "vit-train's own path on one device, lever by lever", "device": dev[0] or "cpu",
+               "accumulation": ACCUMULATION, "settings": settings, "rows": []}
+
+    def save():
+        (out / "vit_train_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+
+    try:
+        for row in rows:
+            left = settings["budget_s"] - (time.perf_counter() - T_START)
+            if left < settings["row_min_s"]:
+                results["rows"].append({"model": row.model, "lever": row.lever, "levers": row.levers,
+                                        "status": "skipped", "error": "time budget spent"})
+                continue
+            print(f"== {row.model} {row.lever}: {row.levers} ({left:.0f} s left)", flush=True)
+            if row.lever == "plain":
+                r = plain_row(row, settings, out, args.smoke, left)
+            else:
+                r = run_row(row, settings, scratch, out, dev, left)
+            results["rows"].append(r)
+            print(json.dumps(r), flush=True)
+            save()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        results["seconds"] = time.perf_counter() - T_START
+        results["environment"] = environment()
+        save()
+    print(table(results["rows"]))
+    return 0 if all(r.get("status") in ("ok", "skipped") for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

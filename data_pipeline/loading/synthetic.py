@@ -1,0 +1,68 @@
+"""``data.synthetic``: random batches made on the training device, for measuring the training step
+without the input pipeline (``benchmarks/vit_train_gpu.py``), as torchtitan's and timm's benchmark
+modes do. No shard is read; the loss learns nothing.
+
+A few batches of uint8 pixels and labels are drawn once from a generator seeded by ``seed`` and
+the rank, normalised as the shard loader normalises (``augment.mean`` / ``std``) and handed out in
+turn, so a step costs the device nothing beyond the model's own work. The position (batches
+handed out) is the loader's state: a resumed run continues the same sequence.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from data_pipeline.errors import DataError
+
+POOL = 4  # distinct batches handed out in turn
+STATE_KIND = "synthetic"
+
+
+class SyntheticLoader:
+    """An endless stream of ``(images, targets)`` on ``device``: images ``(batch, 3, img, img)``
+    float32, normalised; targets class indices, or multi-hot rows with ``multi_label``."""
+
+    worker_decoder = "none (data.synthetic: random batches on the device)"
+
+    def __init__(self, data_cfg, *, batch_size: int, img_size: int, num_classes: int, seed: int, rank: int,
+                 device: Optional[torch.device] = None):
+        if num_classes is None or num_classes < 1:
+            raise DataError(f"data.synthetic needs the model's class count, got {num_classes!r}")
+        self.num_classes, self.rank, self.batches = num_classes, rank, 0
+        self.last_keys: list[str] = []
+        self.last_epoch = 0
+        device = torch.device(device or "cpu")
+        g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        aug = data_cfg.augment
+        mean = torch.tensor(aug.mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(aug.std, dtype=torch.float32).view(1, 3, 1, 1)
+        self._pool = []
+        for _ in range(POOL):
+            pixels = torch.randint(0, 256, (batch_size, 3, img_size, img_size), generator=g, dtype=torch.uint8)
+            images = (pixels.float() / 255.0 - mean) / std
+            labels = torch.randint(0, num_classes, (batch_size,), generator=g)
+            if data_cfg.multi_label:
+                labels = torch.nn.functional.one_hot(labels, num_classes).float()
+            self._pool.append((images.to(device), labels.to(device)))
+
+    @property
+    def counters(self) -> dict:
+        return {"samples": self.batches * self._pool[0][0].shape[0]}
+
+    def __iter__(self):
+        while True:
+            batch = self._pool[self.batches % POOL]
+            self.batches += 1
+            yield batch
+
+    # ---------------------------------------------------------------------------------- resume
+    def state_dict(self) -> dict:
+        return {"kind": STATE_KIND, "batches": self.batches}
+
+    def load_state_dicts(self, states: list) -> None:
+        """This rank's saved position (the same world size) or, on another world size, rank 0's."""
+        state = states[self.rank] if self.rank < len(states) else states[0]
+        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+            raise DataError("the checkpoint's data position is a shard loader's; data.synthetic cannot continue it")
+        self.batches = int(state["batches"])
