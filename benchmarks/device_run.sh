@@ -3,6 +3,7 @@
 # First, where the registries are reachable: `make device-kit` (wheels of what the machine's image
 # lacks, for its Python 3.12). Then on the GPU machine, with device-kit/ beside the tree, from the
 # repository root, one part per command (each ends within 10 minutes):
+#   bash benchmarks/device_run.sh train    # vit-train's own path, lever by lever (benchmarks/vit_train_gpu.py)
 #   bash benchmarks/device_run.sh suite
 #   bash benchmarks/device_run.sh tests
 # DALI (`make device-kit-nvidia`, in parts) comes first, one part per short command, each sent
@@ -13,7 +14,7 @@
 # nvidia-smi and pip state. On a GPU machine with its own environment `make bench-gpu` is the same suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/device_run.sh suite|tests|carry}
+part=${1:?usage: benchmarks/device_run.sh train|suite|tests|carry}
 OUT=${OUT:-runs/device}
 KIT=${KIT:-device-kit}
 NVKIT=${NVKIT:-device-kit-nvidia}
@@ -51,6 +52,10 @@ EOF
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 case "$part" in
+  train)  # planned to end within 8.5 minutes from its start (benchmarks/vit_train_gpu.py)
+    # shellcheck disable=SC2086  # TRAIN_ARGS=--smoke rehearses the whole script on a CPU machine
+    "$PY" benchmarks/vit_train_gpu.py --output "$OUT/vit-train" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log"
+    exit "${PIPESTATUS[0]}" ;;
   suite)  # planned to end within 8 minutes from its start (benchmarks/gpu_suite.py)
     # shellcheck disable=SC2086  # SUITE_ARGS=--smoke rehearses the whole script on a CPU machine
     "$PY" benchmarks/gpu_suite.py --output "$OUT/bench-gpu" ${SUITE_ARGS:-} 2>&1 | tee "$OUT/suite.log"
@@ -59,5 +64,5 @@ case "$part" in
     # shellcheck disable=SC2086  # PYTEST_ARGS: another selection (a rehearsal on CPU runs CPU tests)
     "$PY" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:--m gpu tests} 2>&1 | tee "$OUT/gpu-tests.log"
     exit "${PIPESTATUS[0]}" ;;
-  *) echo "device_run.sh: unknown part '$part' (suite, tests or carry)" >&2; exit 2 ;;
+  *) echo "device_run.sh: unknown part '$part' (train, suite, tests or carry)" >&2; exit 2 ;;
 esac
