@@ -22,7 +22,7 @@ from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import Checkpointer
-from pretrain.checkpointing.rundir import RunDir
+from pretrain.checkpointing.rundir import RunDir, step_of
 from pretrain.config import Config, ConfigError, check_world_size, image_size, save_config, to_dict
 from pretrain.config.schema import TrainConfig
 from pretrain.distributed import ds_compat
@@ -189,7 +189,8 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
 
 def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     """The metrics sinks, the sample log, the evaluator, the clock and the checkpointer around the
-    engine, and the batch stream (faults wrapped in only under ``VITSCALE_FAULT``)."""
+    engine, and the batch stream (the batches and the engine's save wrapped by ``faults`` only
+    under ``VITSCALE_FAULT``)."""
     t, start = cfg.train, r.step
     flops, run_config = _run_config(cfg, c, b)
     if cfg.logging.wandb.mode == "online":
@@ -218,6 +219,8 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation), rank=c.rank,
                                   start_step=start, accumulation=b.accumulation)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples)
+    saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
+    faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
                 world=c.world, flops=flops, detector=_straggler_detector(t, c, clock),
                 evaluator=evaluator if evaluator.enabled else None, say=c.say, logged=status)
