@@ -55,7 +55,8 @@ def build(name: str, img: int):
 
 
 def engine_for(name: str, img: int, mode: str, batch: int):
-    from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+    from pretrain.config.schema import OptimConfig, TrainConfig
+    from pretrain.distributed.config import ZeroConfig
     from pretrain.distributed.engine import initialize
 
     optim = OptimConfig(name="sgd", lr=1.0, momentum=0.0, weight_decay=0.0, grad_clip=0.0, warmup_steps=0,

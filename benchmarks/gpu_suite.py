@@ -15,8 +15,8 @@ whole suite is planned to end within 9 minutes on one H100):
           re-runs the blocks' forward) and peak memory of one model alone
   zero    ZeRO-1, ZeRO-3 and ZeRO-3 with zero.leaf_blocks=false through
           pretrain.distributed.engine.initialize (deepspeed.initialize) in a world of one (the process
-          group started as pretrain.distributed.process.init_distributed does), one after the
-          other, ViT-L/16, the model built as training builds it (pretrain.train.build_model)
+          group started as pretrain.distributed.process.init_distributed does), one after the other,
+          ViT-L/16, the model built as training builds it (pretrain.train.build_model)
   loader  our ShardLoader at 224 px over shards of ImageNet-like JPEGs (loader_throughput.make_images:
           500x375, ~100 KB, pre-resized to shorter side 256 as ``vit-shards --resize-shorter 256``
           writes them): decoded in the workers (data.decode_device=worker; the crop window by
@@ -366,7 +366,8 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source, l
     """One DeepSpeed engine of ``zero.stage=stage`` (and ``zero.leaf_blocks``) built by
     pretrain.distributed.engine.initialize."""
     from pretrain.config import Config
-    from pretrain.config.schema import ModelConfig, OptimConfig, TrainConfig, ZeroConfig
+    from pretrain.config.schema import ModelConfig, OptimConfig, TrainConfig
+    from pretrain.distributed.config import ZeroConfig
     from pretrain.distributed.engine import initialize
     from pretrain.distributed.precision import compute_dtype, default_precision
     from pretrain.models.vit import create_model
@@ -667,9 +668,9 @@ def main(argv=None) -> int:
         lb = clock.budget(plan.loader_budget, 0) - (time.perf_counter() - t)
         for decode in ("cpu", "gpu", "dali"):
             if shard_error is not None:
-                r = dict(loader_row(plan, decode),
-                         status="skipped" if isinstance(shard_error, TimeoutError) else "error",
-                         error=str(shard_error) if isinstance(shard_error, TimeoutError) else error_text(shard_error))
+                timed_out = isinstance(shard_error, TimeoutError)
+                r = dict(loader_row(plan, decode), status="skipped" if timed_out else "error",
+                         error=str(shard_error) if timed_out else error_text(shard_error))
             else:
                 r = run_loader(plan, device, shards, max(1.0, lb / 3 - 3), decode)
             rows.append(r)

@@ -127,7 +127,7 @@ def device() -> tuple[str | None, float | None]:
 
 def predicted(cfg, device_name: str | None, memory_bytes: float | None) -> dict:
     """What training will decide for ``auto`` on this device (``pretrain.perf.levers.resolve``, as
-    ``pretrain.train.decide_levers`` does) and the performance model's figures for that layout."""
+    ``pretrain.startup.decide_levers`` does) and the performance model's figures for that layout."""
     from pretrain.perf import levers
     from pretrain.perf.hardware import gpu_key
     from pretrain.perf.perfmodel import layout_from_config, predict

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 def engines(model: str, img: int, micro: int, threshold: int) -> dict:
 
-    from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+    from pretrain.config.schema import OptimConfig, TrainConfig
+    from pretrain.distributed.config import ZeroConfig
     from pretrain.distributed.engine import initialize
     from pretrain.models.vit import create_model
 
@@ -109,7 +110,7 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from pretrain.config.schema import ZeroConfig
+    from pretrain.distributed.config import ZeroConfig
     from pretrain.models.arch import param_count
     from pretrain.perf import kernels
     from pretrain.perf.collectives import partitioned, zero3_hooked

@@ -3,120 +3,35 @@
     deepspeed [runner options] --module pretrain.train --config FILE [a.b=c ...]
     python -m pretrain.train --config FILE [a.b=c ...]          # one process
 
-``run`` assembles the parts (each from its own package), ``train_loop`` is the loop. Every rank runs
-the same code; only rank 0 writes metrics; a run resumes from the newest complete checkpoint.
+``run`` starts the rank in its phases (``pretrain/startup.py``: connect, build the engine, restore,
+assemble), ``train_loop`` is the loop. Every rank runs the same code; only rank 0 writes metrics; a
+run resumes from the newest complete checkpoint.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from data_pipeline.errors import DataError, is_user_error
-from data_pipeline.loading.loader import build_loader
-from data_pipeline.loading.sample_log import SampleLog, logged_batches
-from data_pipeline.loading.synthetic import SyntheticLoader
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
-from pretrain.checkpointing.checkpointer import Checkpointer, CheckpointWriteError
+from pretrain.checkpointing.checkpointer import CheckpointWriteError
 from pretrain.checkpointing.rundir import RunDir
-from pretrain.config import (
-    Config,
-    ConfigError,
-    check_world_size,
-    cli_errors,
-    compile_mode,
-    image_size,
-    load_config,
-    save_config,
-    to_dict,
-)
-from pretrain.distributed import ds_compat
-from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
-from pretrain.distributed.precision import check_precision, compute_dtype
-from pretrain.distributed.process import all_hosts, init_distributed, launched, set_collective_timeout, set_cpu_threads
-from pretrain.evaluation.in_training import InTrainingEval
-from pretrain.models.arch import analytic_flops
+from pretrain.config import Config, cli_errors, load_config
+from pretrain.distributed.precision import compute_dtype
+from pretrain.distributed.process import set_collective_timeout
 from pretrain.models.losses import classification_loss
-from pretrain.observability.clock import StepClock
-from pretrain.observability.flops import train_flops_per_image
-from pretrain.observability.metrics import MetricsLogger
-from pretrain.observability.progress import StartupLines
 from pretrain.observability.window import Window, window_metrics
-from pretrain.perf import levers
-from pretrain.perf.hardware import gpu_key
-from pretrain.perf.perfmodel import run_record
-from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    FailureRecord,
-    RunStatus,
-    StopRequest,
-    say_goodbye,
-)
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, FailureRecord, say_goodbye
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
-from pretrain.resilience.straggler import StragglerDetector, gather_and_judge
-from pretrain.resilience.watchdog import StartupGuard, Watchdog
+from pretrain.resilience.straggler import gather_and_judge
+from pretrain.startup import Connected, Job, Loop, assemble, build_engine, connect, restore
 from pretrain.step import train_step
-from pretrain.weights.init_from import build_model, load_init_weights, num_params, set_masters
 
 USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's one-line errors: exit 2
-
-
-# ------------------------------------------------------------------------------------- builders
-def check_machine(cfg: Config, world_size: int) -> int:
-    """Before any expensive work: the precision on this device, the batch on this world size, and
-    the DeepSpeed config these sections make (a refused combination is one line here). ``cfg``'s
-    ``auto`` levers are decided (``decide_levers``)."""
-    check_precision(cfg.train.precision)
-    check_with_deepspeed(deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size, cfg.deepspeed))
-    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
-        raise ConfigError(f"model.init_from={cfg.model.init_from}: not found")
-    return check_world_size(cfg.train, world_size)
-
-
-def decide_levers(cfg: Config, world_size: int) -> tuple[Config, tuple[str, ...]]:
-    """``cfg`` with its ``auto`` speed levers decided for this job and device
-    (``pretrain.perf.levers.resolve``: checkpointing from the device's memory, buckets from the
-    parameters and the link), and the start-up lines that say what was chosen."""
-    gpu = memory_bytes = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        gpu, memory_bytes = gpu_key(props.name), props.total_memory
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    cfg, choices = levers.resolve(cfg, world_size, gpus_per_node=per_node, gpu=gpu, memory_bytes=memory_bytes)
-    return cfg, choices.lines
-
-
-@dataclass
-class Loop:
-    """Everything ``train_loop`` works with, assembled by ``run``."""
-    cfg: Config
-    engine: object
-    batches: Iterator
-    loader: object
-    logger: MetricsLogger
-    checkpointer: Checkpointer
-    clock: StepClock
-    stop: StopRequest
-    startup: StartupGuard
-    start_step: int
-    world: int
-    flops: tuple[float, float]  # (model, hardware) training FLOPs per image
-    detector: Optional[StragglerDetector] = None
-    evaluator: Optional[InTrainingEval] = None
-    say: Callable[[str], None] = lambda msg: None
-    logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
 
 # ----------------------------------------------------------------------------------------- loop
@@ -187,158 +102,47 @@ def run(cfg: Config) -> dict:
 
 
 def _run(cfg: Config, record: FailureRecord) -> dict:
-    stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
-    t = cfg.train
-    startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
-    startup.phase("process group and DeepSpeed's communication set-up")
-    build_lock = ds_compat.report_build_lock_wait()  # DeepSpeed's CPU shm op may be JIT-built here
-    rank, local_rank, world = init_distributed(max(t.pg_timeout_s, t.startup_timeout_s))
-    build_lock.cancel()
-    hosts = record.hosts = all_hosts()  # lines and records about ranks name their hosts
-    if rank == 0:
-        ds_compat.check_version()
-    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)
-    as_written, written = cfg, to_dict(cfg)  # stored (config.yaml, checkpoints) and compared on resume
-    cfg, lever_lines = decide_levers(cfg, world)
-    t = cfg.train
-    check_machine(cfg, world)
-    layout = RunDir.of(t.output_dir, cfg.checkpoint.dir)
-    run_dir, ckpt_dir = layout.root, layout.checkpoints
-    if rank == 0:  # vit-launch's way to stop a multi-node job without signalling its runner
-        stop.watch_file(layout.stop_request)
-    # before any expensive work: an unwritable folder would otherwise fail at the first save
-    checkpoint.check_writable(run_dir, "train.output_dir")
-    if cfg.checkpoint.dir:
-        checkpoint.check_writable(ckpt_dir, "checkpoint.dir")
-    if cfg.checkpoint.resume:  # a changed shape key, said before the model build and DeepSpeed init
-        checkpoint.check_resumable(ckpt_dir, written)
-    say = StartupLines(rank)
-    watchdog.clear(layout.hang, rank)
-    dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
-    dog.hosts = hosts
-    img = image_size(cfg.model)
+    c = connect(cfg, record)
+    cfg = c.cfg  # its `auto` levers decided
+    b = build_engine(cfg, c)
+    job = assemble(cfg, c, b, restore(cfg, c, b))
+    result = _train(cfg, c, job, record)
+    if c.rank == 0:  # before the barrier: a launcher may kill us after it
+        say_goodbye(result, c.layout.summary, job.status, checkpoint.latest_complete(result["checkpoint_dir"]))
+    dist.barrier()
+    return result
 
-    say(f"building {cfg.model.name} ({img} px) on {world} rank(s)")
-    for line in lever_lines:
-        say(line)
-    startup.phase("model build")
-    torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
-    model = build_model(cfg)
-    resuming = cfg.checkpoint.resume and checkpoint.latest_complete(ckpt_dir) is not None
-    masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
-    say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
-    if compile_mode(t.compile):
-        what = "the whole model" if compile_mode(t.compile) == "model" and cfg.zero.stage < 3 else "each block"
-        say(f"train.compile={t.compile}: torch.compile of {what}, traced in the first step")
-    startup.phase("DeepSpeed initialize")
-    engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, world, cfg.deepspeed)
-    set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
-    if cfg.data.synthetic:
-        loader = SyntheticLoader(cfg.data, batch_size=t.micro_batch_size, img_size=img, seed=t.seed, rank=rank,
-                                 num_classes=cfg.model.num_classes, device=engine.device)
-    else:
-        loader = build_loader(cfg.data, rank=rank, world_size=world, batch_size=t.micro_batch_size,
-                              seed=t.seed, img_size=img, train=True, device=engine.device)
-    say(f"data workers decode: {loader.worker_decoder}")
-    if loader.num_classes != cfg.model.num_classes:
-        raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
-                          f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
 
-    if resuming:
-        say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
-    startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
-    resumed = checkpoint.resume(engine, ckpt_dir, config=written) if cfg.checkpoint.resume else None
-    start, run_id = 0, None
-    if resumed:
-        info, states = resumed
-        start, run_id = info["step"], info.get("wandb_run_id")
-        loader.load_state_dicts([st["loader"] for st in states])  # same layout: this rank's, bit-exact
-    else:
-        torch.manual_seed(t.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
-
-    fwd = analytic_flops(cfg.model.name, img, cfg.model.num_classes, cfg.model.global_pool,
-                         cfg.model.representation_size, qk_norm=cfg.model.qk_norm, breakdown=True)
-    depth = len(engine.module.blocks)
-    flops = train_flops_per_image(fwd["total"], fwd["blocks"] * t.activation_checkpointing / depth)
-    gas = ds_cfg["gradient_accumulation_steps"]
-    run_config = {**written, "world_size": world, "checkpointed_blocks": t.activation_checkpointing,
-                  "reduce_bucket_size": cfg.zero.reduce_bucket_size, "zero_stage": cfg.zero.stage,
-                  "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
-                  "train_flops_per_image": flops[0], "gradient_accumulation": gas}
-    predicted = _prediction(cfg, world)
-    if predicted:
-        run_config["predicted"] = predicted
-        say(f"performance model for this layout on {predicted['gpu']}: {predicted['images_per_second']:,.0f} img/s, "
-            f"MFU {predicted['mfu']:.1%} (measured img/s and MFU follow in the log lines)")
-    if cfg.logging.wandb.mode == "online":
-        say(f"starting W&B online (offline after logging.wandb.init_timeout_s={cfg.logging.wandb.init_timeout_s:g})")
-    logger = MetricsLogger(cfg.logging, run_dir, rank=rank, run_config=run_config, run_id=run_id,
-                           resume_step=start if resumed else None)
-    if rank == 0:
-        save_config(as_written, layout.config)
-        where = f"resuming from step {start}" if resumed else "starting from scratch"
-        print(f"vit-train: {cfg.model.name} on {world} rank(s), ZeRO-{cfg.zero.stage}, {t.precision}, "
-              f"{where}; run dir {run_dir}", file=sys.stderr, flush=True)
-    samples = SampleLog(layout.samples, rank).open(start) if cfg.data.record_samples else None
-    if samples is not None and rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
-        for r in range(world, len(resumed[1]) if resumed else 0):  # logs are cut back to the step too
-            SampleLog(layout.samples, r).open(start).close()
-    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=rank,
-                               world=world, img_size=img, num_classes=cfg.model.num_classes,
-                               dtype=compute_dtype(t.precision), device=engine.device)
-    status = RunStatus(layout.status if rank == 0 else None)
-    status(start)
-    clock = StepClock(engine.device, dog)
-    if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
-        ds_compat.around_zero3_fetch(engine.module, clock.gather_begin, clock.gather_end)
-    if clock.times_waits:  # backward's and step's waits for peers are not the rank's own work either
-        ds_compat.time_collectives(clock.comm_begin, clock.comm_end, engine)
-    lp = Loop(cfg, engine, faults.wrap_batches(logged_batches(loader, samples, start, gas), rank=rank, start_step=start,
-                                               accumulation=gas),
-              loader, logger, Checkpointer(cfg, engine, loader, ckpt_dir, {"config": written}, logger, samples),
-              clock, stop, startup, start_step=start, world=world, flops=flops,
-              detector=StragglerDetector(hosts, t.straggler_factor, t.straggler_windows,
-                                         record=layout.stragglers if rank == 0 else None,
-                                         span_s=t.straggler_span_s, waits_timed=clock.times_waits)
-              if world > 1 else None,
-              evaluator=evaluator if evaluator.enabled else None, say=say, logged=status)
+def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
+    """The loop from its first step, then what the run did; a failure is recorded (status, the
+    rank's record) and whatever the start-up opened is closed either way."""
+    lp, start = job.loop, job.loop.start_step
     lp.clock.begin_step(start, startup=True)
-    say(f"waiting for the first batch (data.workers={cfg.data.workers})")
-    startup.phase("first step (first batch, first collectives)")
+    c.say(f"waiting for the first batch (data.workers={cfg.data.workers})")
+    c.startup.phase("first step (first batch, first collectives)")
     t0 = time.time()
     failed = False
     try:
         result = train_loop(lp)
     except BaseException as e:
         failed = True
-        dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
+        c.dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         lost = record.report(e)  # who is gone, not gloo's words; now, while the other ranks ask too
-        status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
+        job.status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
         if lost:
             raise SystemExit(1) from None
         raise
     finally:
-        startup.done()
-        logger.close()
+        c.startup.done()
+        lp.logger.close()
         stop_workers()
-        if samples is not None:  # after a failure the lines since the last checkpoint are not history: a
-            samples.close(flush=not failed)  # resume cuts them, and a rank cut off may end after it
-    result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(run_dir), checkpoint_dir=str(ckpt_dir),
-                  wandb_dir=logger.wandb_dir, world_size=world, checkpoint_async=cfg.checkpoint.async_save,
-                  checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
+        if job.samples is not None:  # after a failure the lines since the last checkpoint are not history:
+            job.samples.close(flush=not failed)  # a resume cuts them, and a rank cut off may end after it
+    result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(c.layout.root),
+                  checkpoint_dir=str(c.layout.checkpoints), wandb_dir=lp.logger.wandb_dir, world_size=c.world,
+                  checkpoint_async=cfg.checkpoint.async_save, checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
                   checkpoint_waited_seconds=lp.checkpointer.waited_s)
-    if rank == 0:  # before the barrier: a launcher may kill us after it
-        say_goodbye(result, layout.summary, status, checkpoint.latest_complete(result["checkpoint_dir"]))
-    dist.barrier()
     return result
-
-
-def _prediction(cfg, world: int):
-    """The performance model's record for this job's GPUs (none on CPU)."""
-    if not torch.cuda.is_available():
-        return None
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
-    return run_record(cfg, world, per_node, torch.cuda.get_device_name())
 
 
 def main(argv=None) -> None:

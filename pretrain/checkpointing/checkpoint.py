@@ -33,7 +33,6 @@ from pretrain.checkpointing.rundir import (
     tag_for,
 )
 from pretrain.distributed.rng import rng_state, set_rng_state
-from pretrain.resilience import faults
 
 __all__ = ["save", "resume",
            "latest_complete", "list_complete", "tag_for", "COMPLETE", "check_writable", "config_changes"]
@@ -80,8 +79,6 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
     if rank == 0:
         _write_json(path / "run.json", {**run_info, "step": step, "world_size": dist.get_world_size()})
-        faults.kill_in_save(step)
-    faults.stall_in_save(step, rank, ckpt_dir)
     dist.barrier()
     if rank == 0:
         write_atomic(path / COMPLETE, marker(step, path))
@@ -107,9 +104,6 @@ def save_async(engine, saver, ckpt_dir: str | Path, step: int, *, rank_state: di
     path.mkdir(parents=True, exist_ok=True)
     engine.save_checkpoint(str(ckpt_dir), tag=tag_for(step), save_latest=False)  # snapshots, then queues
     rank = dist.get_rank()
-    if rank == 0:  # the test faults fire mid-write, on the writer thread, with training going on
-        saver.writer.submit(faults.kill_in_save, step)
-    saver.writer.submit(faults.stall_in_save, step, rank, ckpt_dir)
     small = {path / f"rank_{rank:05d}.json": {**rank_state, "rng": rng_state(), "step": step}}
     if rank == 0:
         small[path / "run.json"] = {**run_info, "step": step, "world_size": dist.get_world_size()}

@@ -13,4 +13,5 @@ from pretrain.config.load import from_dict, load_config, raw_tree, save_config, 
 from pretrain.config.schema import Config
 
 __all__ = ["Config", "ConfigError", "cli_errors", "load_config", "raw_tree", "to_dict", "from_dict",
-           "save_config", "image_size", "check_world_size", "checkpoint_count", "compile_mode", "DataConfig", "AugmentConfig"]
+           "save_config", "image_size", "check_world_size", "checkpoint_count", "compile_mode", "DataConfig",
+           "AugmentConfig"]

@@ -1,6 +1,7 @@
 """Impossible values and combinations in a typed config: each message names the key and the file
-that set it. ``check_world_size`` is also what the launcher and the training ranks call with the
-real world size."""
+that set it. The checks of the model, train and optim sections are here; each other section's sit
+beside its dataclass (``check_data``, ``check_zero``, ...). ``check_world_size`` is also what the
+launcher and the training ranks call with the real world size."""
 from __future__ import annotations
 
 import difflib
@@ -8,14 +9,11 @@ from typing import Optional
 
 from data_pipeline.config import check_data
 from data_pipeline.errors import ConfigError
-from pretrain.config.schema import (
-    SUITE_NEEDS_ROOT,
-    Config,
-    EvalConfig,
-    ModelConfig,
-    TrainConfig,
-    ValidationConfig,
-)
+from pretrain.checkpointing.config import check_checkpoint
+from pretrain.config.schema import Config, ModelConfig, TrainConfig
+from pretrain.distributed.config import check_zero
+from pretrain.evaluation.config import check_eval, check_validation
+from pretrain.observability.config import check_logging
 
 
 def check_config(cfg: Config, origin: dict, src: str) -> None:
@@ -86,61 +84,11 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("optim.weight_decay" if o.weight_decay < 0 else "optim.grad_clip", "must be >= 0")
     if not 0 <= o.label_smoothing < 1:
         fail("optim.label_smoothing", f"must be in [0, 1), got {o.label_smoothing}")
-    if cfg.zero.stage not in (0, 1, 2, 3):
-        fail("zero.stage", f"must be 0, 1, 2 or 3, got {cfg.zero.stage}")
-    if cfg.zero.hpz_partition_size < 1:
-        fail("zero.hpz_partition_size", f"must be >= 1, got {cfg.zero.hpz_partition_size}")
-    for key in ("hpz_partition_size", "quantized_weights", "quantized_gradients"):
-        if getattr(cfg.zero, key) not in (1, False) and cfg.zero.stage != 3:
-            fail(f"zero.{key}", f"is ZeRO++, which DeepSpeed runs only with zero.stage=3 (got stage {cfg.zero.stage})")
-    if cfg.checkpoint.every_steps <= 0:
-        fail("checkpoint.every_steps", f"must be positive, got {cfg.checkpoint.every_steps}")
-    if cfg.checkpoint.keep_last < 1:
-        fail("checkpoint.keep_last", f"must be >= 1, got {cfg.checkpoint.keep_last}")
-    if cfg.logging.wandb.init_timeout_s <= 0:
-        fail("logging.wandb.init_timeout_s", f"must be positive, got {cfg.logging.wandb.init_timeout_s}")
-    _check_eval(cfg.eval, fail)
-    _check_validation(cfg.validation, fail)
-
-
-def _check_eval(ev: EvalConfig, fail) -> None:
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            fail(f"eval.{key}", msg)
-
-    need(ev.suite in SUITE_NEEDS_ROOT, "suite", f"unknown suite {ev.suite!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
-    need(ev.batch_size > 0, "batch_size", f"must be positive, got {ev.batch_size}")
-    need(ev.workers >= 0, "workers", f"must be >= 0, got {ev.workers}")
-    need(ev.img_size is None or ev.img_size > 0, "img_size", f"must be positive, got {ev.img_size}")
-    if ev.protocol == "finetune":
-        need(ev.steps > 0, "steps", f"must be positive, got {ev.steps}")
-        need(0 <= ev.warmup_steps < ev.steps, "warmup_steps", f"must be in [0, eval.steps={ev.steps}), got {ev.warmup_steps}")
-        need(ev.lr > 0 and all(v > 0 for v in ev.sweep_lr), "lr", "learning rates must be positive")
-        need(ev.grad_clip >= 0, "grad_clip", f"must be >= 0, got {ev.grad_clip}")
-    need(ev.linear_l2 >= 0 and all(v >= 0 for v in ev.sweep_linear_l2), "linear_l2", "must be >= 0")
-    need(ev.fewshot_l2 > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "fewshot_l2", "must be > 0")
-    need(bool(ev.fewshot_shots) and all(k > 0 for k in ev.fewshot_shots), "fewshot_shots",
-         f"must be positive shot counts, got {ev.fewshot_shots}")
-    need(ev.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {ev.fewshot_seeds}")
-    need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
-    need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
-
-
-def _check_validation(val: ValidationConfig, fail) -> None:
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            fail(f"validation.{key}", msg)
-
-    need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
-    for spec in val.fewshot_suites:
-        name = spec.partition(":")[0]
-        need(name in SUITE_NEEDS_ROOT, "fewshot_suites", f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
-        need(not SUITE_NEEDS_ROOT[name] or ":" in spec, "fewshot_suites", f"{spec!r}: suite {name} needs NAME:PATH")
-    need(bool(val.fewshot_shots) and all(k > 0 for k in val.fewshot_shots), "fewshot_shots",
-         f"must be positive shot counts, got {val.fewshot_shots}")
-    need(val.fewshot_seeds > 0, "fewshot_seeds", f"must be positive, got {val.fewshot_seeds}")
-    need(val.fewshot_l2 > 0, "fewshot_l2", f"must be > 0, got {val.fewshot_l2}")
-    need(0 < val.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {val.minival_fraction}")
+    check_zero(cfg.zero, fail)
+    check_checkpoint(cfg.checkpoint, fail)
+    check_logging(cfg.logging, fail)
+    check_eval(cfg.eval, fail)
+    check_validation(cfg.validation, fail)
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:
@@ -150,7 +98,8 @@ def check_world_size(train: TrainConfig, world_size: int) -> int:
     if train.global_batch_size % per_step:
         g = train.global_batch_size
         micro = [m for m in range(train.micro_batch_size, 0, -1) if g % (m * world_size) == 0][:1]
-        near = sorted({round(g / per_step) * per_step, max(1, g // per_step) * per_step, (g // per_step + 1) * per_step})
+        near = sorted({round(g / per_step) * per_step, max(1, g // per_step) * per_step,
+                       (g // per_step + 1) * per_step})
         hint = (f"; e.g. train.micro_batch_size={micro[0]}" if micro else "") + \
                f" or train.global_batch_size={' / '.join(str(n) for n in near if n > 0)}"
         raise ConfigError(

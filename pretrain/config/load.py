@@ -17,6 +17,7 @@ import yaml
 from data_pipeline.errors import ConfigError
 from pretrain.config.checks import check_config
 from pretrain.config.schema import MOVED, Config
+from pretrain.evaluation.config import FEWSHOT_DEFAULTS
 
 
 def _read_yaml(path: Path) -> dict:
@@ -249,7 +250,7 @@ def from_dict(tree: dict) -> Config:
         val = tree.setdefault("validation", {})
         val.setdefault("every_steps", old.pop("every_steps", 0))
         val.setdefault("fewshot_suites", (old.pop("fewshot", None) or {}).get("suites", []))
-        for k in ("fewshot_shots", "fewshot_seeds", "fewshot_l2", "tasks", "minival_fraction", "seed"):
+        for k in FEWSHOT_DEFAULTS:  # the settings the two sections share
             if k in old:
                 val.setdefault(k, old[k])
     return _build(Config, tree, "", {}, "stored config")

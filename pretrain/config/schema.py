@@ -2,8 +2,11 @@
 
 The sections are what each component receives (``build_loader(cfg.data, ...)``,
 ``create_model(**cfg.model...)``, ``deepspeed_config(cfg.optim, cfg.train, cfg.zero)``); loading
-and checking are ``load.py`` and ``checks.py``. The ``data:`` section is the data pipeline's own
-(``data_pipeline/config.py``).
+and checking are ``load.py`` and ``checks.py``. A section one component consumes lives beside it
+with its checks, and ``Config`` composes them: ``data:`` (``data_pipeline/config.py``), ``zero:``
+(``pretrain/distributed/config.py``), ``checkpoint:`` (``pretrain/checkpointing/config.py``),
+``logging:`` (``pretrain/observability/config.py``), ``eval:`` and ``validation:``
+(``pretrain/evaluation/config.py``). Here: the model, optimizer and training job.
 """
 from __future__ import annotations
 
@@ -11,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from data_pipeline.config import DataConfig
+from pretrain.checkpointing.config import CheckpointConfig
+from pretrain.distributed.config import ZeroConfig
+from pretrain.evaluation.config import EvalConfig, ValidationConfig
+from pretrain.observability.config import LoggingConfig
 
 
 # --------------------------------------------------------------------------------------- schema
@@ -160,192 +167,9 @@ class TrainConfig:
     many seconds of steps: a window of one short step is mostly scheduling noise."""
 
 
-@dataclass
-class ZeroConfig:
-    stage: int = 1
-    """DeepSpeed ZeRO stage, 0-3."""
-    offload_optimizer: bool = False
-    """Keep the optimizer states in host memory (DeepSpeed's `offload_optimizer` to CPU)."""
-    offload_params: bool = False
-    """ZeRO-3 only: keep each rank's parameter partitions in pinned host memory between uses
-    (DeepSpeed's `offload_param` to CPU); the weights are copied to the GPU when gathered, so the
-    GPU holds about one gathered unit's weights (a whole block with `zero.leaf_blocks`, else one
-    layer) instead of 1/N of the model."""
-    overlap_comm: bool = True
-    """Overlap the gradient reduction with the backward (DeepSpeed's `overlap_comm`)."""
-    contiguous_gradients: bool = True
-    """Copy gradients into one contiguous buffer as they are produced (DeepSpeed's
-    `contiguous_gradients`)."""
-    reduce_bucket_size: Union[int, Literal["auto"]] = "auto"
-    """Elements per gradient-reduction bucket (DeepSpeed's `reduce_bucket_size`). A bucket is
-    reduced once full, under the rest of the backward; only the last one waits at its end, so a
-    bucket as large as the model (DeepSpeed's 5e8 is larger than ViT-L) overlaps nothing. `auto`:
-    the smallest bucket whose collective's fixed latency costs at most 5 % of its transfer on the
-    job's slowest link, and at most a quarter of the parameters (`pretrain/perf/levers.py`)."""
-    allgather_bucket_size: int = 500_000_000
-    """Elements per all-gather bucket, stages 1-2 (DeepSpeed's `allgather_bucket_size`)."""
-    stage3_prefetch_bucket_size: Union[int, Literal["auto"]] = "auto"
-    """Stage 3: elements of weights fetched ahead of use (DeepSpeed's
-    `stage3_prefetch_bucket_size`); `auto`: two Transformer blocks' weights, so the next block's
-    gather runs under the current block's compute."""
-    stage3_param_persistence_threshold: int = 100_000
-    """Stage 3: tensors smaller than this many elements stay whole on every rank (DeepSpeed's
-    `stage3_param_persistence_threshold`)."""
-    leaf_blocks: bool = True
-    """Stage 3: each Transformer block is one ZeRO-3 leaf module (DeepSpeed's `leaf_module`), its
-    weights gathered and released by one hook pair around the whole block instead of one per
-    Linear and LayerNorm; the host's per-module bookkeeping is what a ZeRO-3 step spends beyond
-    ZeRO-1's (pretrain/perf/PERFORMANCE.md, "ZeRO-3 on the host"). false: DeepSpeed's hooks on every
-    module. `train.compile` makes the blocks leaves either way. Other stages have no module hooks."""
-    hpz_partition_size: int = 1
-    """ZeRO++ hpZ (stage 3 only): a secondary weight partition inside groups of this many GPUs (a
-    node), so the backward all-gather stays on NVLink, for `2 x params / hpz` bytes per GPU."""
-    quantized_weights: bool = False
-    """ZeRO++ qwZ (stage 3): int8 weight all-gather; needs DeepSpeed's CUDA quantizer, so a CPU
-    run refuses it in one line."""
-    quantized_gradients: bool = False
-    """ZeRO++ qgZ (stage 3): int4 gradient all-to-all; needs DeepSpeed's CUDA quantizer, so a CPU
-    run refuses it in one line."""
-
-
-@dataclass
-class CheckpointConfig:
-    dir: Optional[str] = None
-    """Where checkpoints go; null: `<train.output_dir>/checkpoints`."""
-    every_steps: int = 1000
-    """Save every this many steps (and at the end, and on SIGTERM)."""
-    keep_last: int = 3
-    """Complete checkpoints kept; older ones are deleted."""
-    resume: bool = True
-    """Resume automatically from the newest complete checkpoint."""
-    async_save: bool = False
-    """Write checkpoints in the background while training goes on
-    (`pretrain/checkpointing/async_save.py`). YAML key `checkpoint.async` (a Python keyword, so
-    the field is named async_save; `checkpoint.async_save` is also accepted); see
-    pretrain/checkpointing/CHECKPOINTS.md."""
-
-
-@dataclass
-class WandbConfig:
-    mode: Literal["online", "offline", "disabled"] = "offline"
-    """`online`, `offline` or `disabled`."""
-    project: str = "vitscale"
-    """W&B project."""
-    entity: Optional[str] = None
-    """W&B entity (user or team); null: W&B's default."""
-    group: Optional[str] = None
-    """W&B group; `vit-launch sweep` sets one shared by its runs."""
-    name: Optional[str] = None
-    """W&B run name; null: W&B's."""
-    tags: list[str] = field(default_factory=list)
-    """W&B tags."""
-    init_timeout_s: float = 30.0
-    """`online`: the longest wait for W&B at start-up (no API key, no network); then the run logs
-    offline and says how to `wandb sync`. Training never stalls or dies for W&B."""
-
-
-@dataclass
-class LoggingConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    """Weights & Biases."""
-    jsonl: bool = True
-    """Write `metrics.jsonl` in the run directory."""
-
-
-@dataclass
-class ValidationConfig:
-    """Evaluation while pre-training (``pretrain/evaluation/in_training.py``): validation loss / top-k over
-    ``data.val_shards`` and few-shot probes, every ``every_steps`` steps."""
-    every_steps: int = 0
-    """Evaluate while pre-training every N steps and at the last one; 0 = off (see
-    pretrain/evaluation/EVALUATION.md)."""
-    fewshot_suites: list[str] = field(default_factory=list)
-    """Few-shot probes while pre-training: vit-transfer suite names, `NAME` or `NAME:PATH` (e.g.
-    `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`)."""
-    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
-    """The probes' shots per class."""
-    fewshot_seeds: int = 3
-    """The probes' seeds (draws of the few-shot examples), averaged."""
-    fewshot_l2: float = 1024.0
-    """The probes' ridge penalty (big_vision's l2_reg = 2**10)."""
-    tasks: list[str] = field(default_factory=list)
-    """VTAB-1k tasks to probe (empty: all present)."""
-    minival_fraction: float = 0.02
-    """The val split cut from train where a suite has none (big_vision)."""
-    seed: int = 0
-    """Seed of that split."""
-
-
-# transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
-# builders of each are pretrain/transfer/suites.py, which registers exactly these names
-SUITE_NEEDS_ROOT = {"cifar100": True, "vtab1k": True, "demo": False, "imagefolder": True, "shards": True}
-
 # keys that moved: a config naming the old key gets one line naming the new one; a config stored
 # in an older checkpoint is read with the value moved
 MOVED = {"eval.every_steps": "validation.every_steps", "eval.fewshot": "validation.fewshot_suites"}
-
-
-@dataclass
-class EvalConfig:
-    """Transfer evaluation of a checkpoint (``vit-transfer``, ``pretrain/transfer``); evaluation
-    while pre-training is ``ValidationConfig``. Plain keys are the settings
-    used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
-    suite: str = "cifar100"
-    """vit-transfer's suite: a name in `pretrain.transfer.suites.SUITES`."""
-    protocol: Literal["finetune", "linear", "fewshot"] = "linear"
-    """vit-transfer's protocol: `finetune`, `linear` or `fewshot`."""
-    data_root: Optional[str] = None
-    """The suite's data folder (`--data-root`)."""
-    tasks: list[str] = field(default_factory=list)
-    """VTAB-1k: run only these tasks (empty: all present)."""
-    img_size: Optional[int] = None
-    """Evaluation resolution; null: the checkpoint's resolution, else the position embedding is
-    resized."""
-    pool: Literal["model", "token", "avg"] = "model"
-    """Frozen features: `model` = the model's own pre-logits, `token` or `avg`."""
-    batch_size: int = 64
-    """Images per batch."""
-    workers: int = 2
-    """Data-loading worker processes."""
-    seed: int = 0
-    """Seed of the new head, the fine-tune data order and the minival split."""
-    steps: int = 500
-    """Fine-tune steps (ViT paper / big_vision: SGD momentum 0.9, no weight decay, cosine +
-    warmup)."""
-    lr: float = 0.01
-    """Fine-tune learning rate."""
-    warmup_steps: int = 100
-    """Fine-tune warmup steps."""
-    grad_clip: float = 1.0
-    """Fine-tune global-norm clipping; 0 disables clipping."""
-    train_augment: Optional[bool] = None
-    """Fine-tune with random crops and flips; null: off for vtab1k (flips change structured
-    labels), on otherwise."""
-    linear_l2: float = 1e-4
-    """Linear probe (multinomial logistic regression): L2 penalty on the weights."""
-    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
-    """Few-shot (big_vision's regularised least squares to +-1 targets): shots per class."""
-    fewshot_seeds: int = 3
-    """Few-shot: seeds (draws of the examples), averaged."""
-    fewshot_l2: float = 1024.0
-    """Few-shot ridge penalty (big_vision's l2_reg = 2**10)."""
-    sweep: Optional[bool] = None
-    """Hyper-parameter sweep: select on train -> val, retrain on train+val, report test; null: on
-    for vtab1k (train800 -> val200), off otherwise."""
-    sweep_lr: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03])
-    """Fine-tune learning rates searched when sweeping."""
-    sweep_linear_l2: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
-    """Linear-probe L2 penalties searched when sweeping."""
-    sweep_fewshot_l2: list[float] = field(default_factory=lambda: [64.0, 256.0, 1024.0, 4096.0])
-    """Few-shot ridge penalties searched when sweeping."""
-    minival_fraction: float = 0.02
-    """The val split cut from train where a suite has none (big_vision)."""
-    wandb: bool = False
-    """Log the results into the pre-training W&B run (same id, at the checkpoint's step)."""
-    watch_poll_s: float = 30.0
-    """`--watch`: seconds between looks for new checkpoints."""
-    watch_idle_timeout_s: Optional[float] = None
-    """`--watch`: stop after this long without a new checkpoint; null: never."""
 
 
 @dataclass

@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 
 from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
 from pretrain.distributed import schedule
+from pretrain.distributed.config import ZeroConfig
 
 # the Transformer block's class, as DeepSpeed's ``leaf_module.classes`` names it (module.qualname)
 LEAF_BLOCK_CLASS = "pretrain.models.vit.Block"

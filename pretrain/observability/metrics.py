@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from pretrain.config.schema import LoggingConfig
+from pretrain.observability.config import LoggingConfig
 from pretrain.observability.flops import mfu
 
 

@@ -11,17 +11,18 @@
                                                network while a save is in progress
     VITSCALE_FAULT="kill_in_save:6;nan_loss:3" several faults, ';'-separated
 
-``@R`` limits an entry to rank R. The training loop carries no hooks: step faults are injected by
-wrapping the batch stream it is handed (``wrap_batches``, installed once at start-up and a no-op
-without ``VITSCALE_FAULT``), as a broken input pipeline or a stuck worker would show up; the save
-faults are fired by ``checkpoint.save``, which owns that moment.
+``@R`` limits an entry to rank R. Neither the training loop nor the checkpoint code carries hooks:
+faults are injected by wrapping what they are handed, once at start-up, and without
+``VITSCALE_FAULT`` nothing is wrapped. Step faults wrap the batch stream (``wrap_batches``), as a
+broken input pipeline or a stuck worker would show up; save faults wrap the engine's
+``save_checkpoint`` (``wrap_save``), the moment a checkpoint's files exist but are not yet complete.
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 
 def fault_steps(name: str, rank: int | None = None) -> list[int]:
@@ -63,6 +64,35 @@ def stall_in_save(step: int, rank: int, ckpt_dir) -> None:
     except FileExistsError:
         return
     time.sleep(STALL_S)
+
+
+def wrap_save(engine, *, rank: int, step_of: Callable[[str], Optional[int]],
+              defer: Optional[Callable] = None) -> None:
+    """Nothing without save faults for this rank; else ``engine.save_checkpoint`` is wrapped so that
+    once the engine has written a checkpoint's files (or, for an asynchronous save, queued them) the
+    save faults of its step fire (``step_of``: the step of a checkpoint tag): ``kill_in_save`` on
+    rank 0, then ``stall_in_save``, both before the ranks mark the checkpoint complete. ``defer``
+    (the asynchronous writer's ``submit``) runs them on the writer thread behind the queued files,
+    mid-write with training going on."""
+    if not ((rank == 0 and fault_steps("kill_in_save")) or fault_steps("stall_in_save", rank)):
+        return
+    save = engine.save_checkpoint
+
+    def fire(step: int, ckpt_dir) -> None:
+        if rank == 0:
+            kill_in_save(step)
+        stall_in_save(step, rank, ckpt_dir)
+
+    def save_checkpoint(save_dir, tag=None, **kwargs):
+        out = save(save_dir, tag=tag, **kwargs)
+        step = step_of(tag)
+        if defer is not None:
+            defer(fire, step, save_dir)
+        else:
+            fire(step, save_dir)
+        return out
+
+    engine.save_checkpoint = save_checkpoint
 
 
 class InjectedFault(RuntimeError):

@@ -31,7 +31,7 @@ from data_pipeline.shards.manifest import MANIFEST_NAME
 from data_pipeline.storage.places import open_place
 from data_pipeline.storage.retry import RemotePolicy
 from data_pipeline.storage.urls import is_remote, is_s3, last_part
-from pretrain.config.schema import SUITE_NEEDS_ROOT
+from pretrain.evaluation.config import SUITE_NEEDS_ROOT
 from pretrain.transfer import vtab
 from pretrain.transfer.data import (
     ArrayImages,
@@ -269,7 +269,7 @@ class Suite:
     help: str = ""
 
 
-# The builders of the suites the schema names (pretrain.config.schema.SUITE_NEEDS_ROOT: names and
+# The builders of the suites the schema names (pretrain.evaluation.config.SUITE_NEEDS_ROOT: names and
 # whether each needs a folder): vit-transfer's --suite choices and build_tasks read this table.
 SUITES: dict[str, Suite] = {
     "cifar100": Suite(lambda ev, d: ([cifar100(ev.data_root, ev.minival_fraction, ev.seed)], []),

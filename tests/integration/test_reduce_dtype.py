@@ -8,7 +8,8 @@ import pytest
 from dist_utils import deepspeed_cmd, run_job
 
 from pretrain.config import ConfigError
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import deepspeed_config
 
 GAS, SMALL, WORLD = 16, 2.0 ** -10, 2

@@ -22,9 +22,10 @@ The reference is written from the algorithm, not from our code (here and in test
 which the whole-path tests share): the mean loss over the whole
 global batch (cross-entropy against ``1 - smoothing`` on the label plus ``smoothing`` spread over
 every class, or for multi-label targets the sigmoid cross-entropy summed over classes), while our
-side trains with ``pretrain.models.losses.classification_loss`` as training does; ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with
-weight decay on weight matrices only (not on biases, norm weights, the position embedding or the
-[class] token, as in big_vision and timm), and torch's own schedulers for the learning rate:
+side trains with ``pretrain.models.losses.classification_loss`` as training does;
+``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with weight decay on weight
+matrices only (not on biases, norm weights, the position embedding or the [class] token, as in
+big_vision and timm), and torch's own schedulers for the learning rate:
 ``LinearLR`` from 1/warmup for the warmup, then ``LinearLR`` or ``CosineAnnealingLR`` down to
 ``min_ratio`` of the base at the last step, joined by ``SequentialLR``."""
 import copy
@@ -37,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from deepspeed.utils import z3_leaf_module
 
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.models.vit import VisionTransformer
 

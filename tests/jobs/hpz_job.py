@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
@@ -19,8 +20,8 @@ out = {}
 for hpz in (1, 2):
     train = TrainConfig(steps=10, global_batch_size=2 * world, micro_batch_size=2, precision="bf16")
     model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, init_seed=0)
-    engine, ds_cfg = initialize(model, OptimConfig(name="adamw", lr=1e-3), train, ZeroConfig(stage=3, hpz_partition_size=hpz),
-                                world)
+    engine, ds_cfg = initialize(model, OptimConfig(name="adamw", lr=1e-3), train,
+                                ZeroConfig(stage=3, hpz_partition_size=hpz), world)
     gen, losses = torch.Generator().manual_seed(rank), []
     for _ in range(3):
         x = torch.randn(2, 3, 32, 32, generator=gen).bfloat16()
@@ -29,8 +30,9 @@ for hpz in (1, 2):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    secondary = {getattr(p, "ds_secondary_tensor_group_size", None) or 0 for p in model.parameters()}
     out[hpz] = {"losses": losses, "hpz_in_config": ds_cfg["zero_optimization"]["zero_hpz_partition_size"],
-                "secondary": sorted({getattr(p, "ds_secondary_tensor_group_size", None) or 0 for p in model.parameters()})}
+                "secondary": sorted(secondary)}
     del engine, model
 if rank == 0:
     with open(args[0], "w") as f:

@@ -16,7 +16,8 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.comm.comm import comms_logger
 
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
@@ -82,9 +83,11 @@ for stage, precision, key in RUNS:
             o["calls"] += rec[0]
             o["bytes"] += rec[0] * size
             o.setdefault("sizes", {})[size] = rec[0]
-    results["stages"][key] = {"ops": {k: {"calls": v["calls"] / STEPS, "bytes": v["bytes"] / STEPS, "sizes": v["sizes"]}
-                                        for k, v in ops.items()},
-                                "optimizer": optimizer_tensors(engine), "optimizer_class": type(engine.optimizer).__name__,
+    per_step = {k: {"calls": v["calls"] / STEPS, "bytes": v["bytes"] / STEPS, "sizes": v["sizes"]}
+                for k, v in ops.items()}
+    results["stages"][key] = {"ops": per_step,
+                                "optimizer": optimizer_tensors(engine),
+                                "optimizer_class": type(engine.optimizer).__name__,
                                 "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}
     del engine, model
     dist.barrier()

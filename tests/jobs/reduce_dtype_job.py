@@ -10,7 +10,8 @@ import sys
 import deepspeed
 import torch
 
-from pretrain.config.schema import OptimConfig, TrainConfig, ZeroConfig
+from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import deepspeed_config
 from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed

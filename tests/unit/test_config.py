@@ -50,7 +50,8 @@ def test_paper_recipes_follow_table3():
 
 
 def test_base_inheritance_deep_merges(tmp_path):
-    write(tmp_path / "base.yaml", "model: {name: vit_small_patch16_224, num_classes: 7}\noptim: {lr: 0.5, warmup_steps: 3}\n")
+    write(tmp_path / "base.yaml",
+          "model: {name: vit_small_patch16_224, num_classes: 7}\noptim: {lr: 0.5, warmup_steps: 3}\n")
     child = write(tmp_path / "child.yaml", "base: base.yaml\noptim: {lr: 0.25}\n")
     c = load_config(child)
     assert c.model.name == "vit_small_patch16_224" and c.model.num_classes == 7
@@ -200,6 +201,23 @@ def test_evaluation_while_training_has_its_own_section(tmp_path):
     cfg = from_dict(stored)
     assert cfg.validation.every_steps == 7 and cfg.validation.fewshot_suites == ["demo"]
     assert cfg.validation.fewshot_shots == [2] and cfg.eval.fewshot_shots == [2]
+
+
+def test_eval_and_validation_share_the_fewshot_settings():
+    """The few-shot keys both sections carry have one default and one check; lists are not shared
+    between configs."""
+    from pretrain.evaluation.config import FEWSHOT_DEFAULTS, EvalConfig, ValidationConfig
+
+    ev, val = EvalConfig(), ValidationConfig()
+    for key, default in FEWSHOT_DEFAULTS.items():
+        assert getattr(ev, key) == getattr(val, key) == default, key
+    ev.fewshot_shots.append(50)
+    assert ValidationConfig().fewshot_shots == EvalConfig().fewshot_shots == [1, 5, 10, 25]
+    for section in ("eval", "validation"):
+        with pytest.raises(ConfigError, match=f"{section}.fewshot_seeds: must be positive, got 0"):
+            load_config("configs/tiny_cpu.yaml", [f"{section}.fewshot_seeds=0"])
+        with pytest.raises(ConfigError, match=rf"{section}.minival_fraction: must be in \(0, 1\)"):
+            load_config("configs/tiny_cpu.yaml", [f"{section}.minival_fraction=1.5"])
 
 
 def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):

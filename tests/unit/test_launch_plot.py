@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from launch.plot_scaling import PlotError, load_run, scaling_table
-from pretrain.config.schema import LoggingConfig, WandbConfig
+from pretrain.observability.config import LoggingConfig, WandbConfig
 from pretrain.observability.metrics import MetricsLogger, throughput
 
 # images/s of the whole job after warm-up: 95% then 90% of linear

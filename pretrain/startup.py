@@ -1,0 +1,294 @@
+"""A training rank's start-up, in its phases: ``connect`` (process group, checks, run directory,
+watchdog), ``build_engine`` (model, DeepSpeed, loader), ``restore`` (the newest checkpoint, or the
+per-rank seeds of a fresh run) and ``assemble`` (the :class:`Loop` that ``pretrain.train.train_loop``
+runs). Each returns what the next needs.
+
+The order is part of the contract: the stop request exists before anything can be interrupted;
+every expensive phase is named to the start-up guard before it begins; ``train.seed`` seeds the
+model build and the per-rank seed follows only a fresh start (a resume restores the saved RNG
+state instead); the loader is built after DeepSpeed's init, on the engine's device.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from data_pipeline.loading.loader import build_loader
+from data_pipeline.loading.sample_log import SampleLog, logged_batches
+from data_pipeline.loading.synthetic import SyntheticLoader
+from pretrain.checkpointing import checkpoint
+from pretrain.checkpointing.checkpointer import Checkpointer
+from pretrain.checkpointing.rundir import RunDir, step_of
+from pretrain.config import Config, ConfigError, check_world_size, compile_mode, image_size, save_config, to_dict
+from pretrain.config.schema import TrainConfig
+from pretrain.distributed import ds_compat
+from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
+from pretrain.distributed.precision import check_precision, compute_dtype
+from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
+from pretrain.evaluation.in_training import InTrainingEval
+from pretrain.models.arch import analytic_flops
+from pretrain.observability.clock import StepClock
+from pretrain.observability.flops import train_flops_per_image
+from pretrain.observability.metrics import MetricsLogger
+from pretrain.observability.progress import StartupLines
+from pretrain.perf import levers
+from pretrain.perf.hardware import gpu_key
+from pretrain.perf.perfmodel import run_record
+from pretrain.resilience import faults, watchdog
+from pretrain.resilience.lifecycle import FailureRecord, RunStatus, StopRequest
+from pretrain.resilience.straggler import StragglerDetector
+from pretrain.resilience.watchdog import StartupGuard, Watchdog
+from pretrain.weights.init_from import build_model, load_init_weights, num_params, set_masters
+
+
+@dataclass
+class Loop:
+    """Everything ``train_loop`` works with, assembled by :func:`assemble`."""
+    cfg: Config
+    engine: object
+    batches: Iterator
+    loader: object
+    logger: MetricsLogger
+    checkpointer: Checkpointer
+    clock: StepClock
+    stop: StopRequest
+    startup: StartupGuard
+    start_step: int
+    world: int
+    flops: tuple[float, float]  # (model, hardware) training FLOPs per image
+    detector: Optional[StragglerDetector] = None
+    evaluator: Optional[InTrainingEval] = None
+    say: Callable[[str], None] = lambda msg: None
+    logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
+
+
+@dataclass
+class Connected:
+    """A rank in its process group, its run directory checked, its watchdog set."""
+    rank: int
+    world: int
+    hosts: list[str]
+    layout: RunDir
+    stop: StopRequest
+    startup: StartupGuard
+    dog: Watchdog
+    say: StartupLines
+    tree: dict  # the config as written (``to_dict``): checked against the checkpoint, stored in it, sent to W&B
+    cfg: Config  # with its ``auto`` levers decided for this job and device (``decide_levers``)
+    written: Config  # as written: config.yaml in the run directory
+    levers: tuple[str, ...] = ()  # what ``auto`` chose, in words
+
+
+@dataclass
+class Built:
+    """The model inside its DeepSpeed engine, and this rank's loader."""
+    engine: object
+    loader: object
+    accumulation: int  # micro-batches per optimizer step on this world size
+    img: int
+    resuming: bool  # a complete checkpoint waits to be loaded
+
+
+@dataclass
+class Restored:
+    """Where the run starts: step 0, or the step of the checkpoint it resumed from."""
+    step: int = 0
+    run_id: Optional[str] = None  # the W&B run a resumed job continues
+    resumed: bool = False
+    saved_ranks: int = 0  # ranks that wrote the resumed checkpoint (another world size: elastic)
+
+
+@dataclass
+class Job:
+    """The assembled loop and what ends with it: the rank's status file and its sample log."""
+    loop: Loop
+    status: RunStatus
+    samples: Optional[SampleLog]
+
+
+def check_machine(cfg: Config, world_size: int) -> int:
+    """Before any expensive work: the precision on this device, the batch on this world size, and
+    the DeepSpeed config these sections make (a refused combination is one line here)."""
+    check_precision(cfg.train.precision)
+    check_with_deepspeed(deepspeed_config(cfg.optim, cfg.train, cfg.zero, world_size, cfg.deepspeed))
+    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: not found")
+    return check_world_size(cfg.train, world_size)
+
+
+def decide_levers(cfg: Config, world_size: int) -> tuple[Config, tuple[str, ...]]:
+    """``cfg`` with its ``auto`` speed levers decided for this job and device
+    (``pretrain.perf.levers.resolve``: checkpointing from the device's memory, buckets from the
+    parameters and the link), and the start-up lines that say what was chosen."""
+    gpu = memory_bytes = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu, memory_bytes = gpu_key(props.name), props.total_memory
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cfg, choices = levers.resolve(cfg, world_size, gpus_per_node=per_node, gpu=gpu, memory_bytes=memory_bytes)
+    return cfg, choices.lines
+
+
+def connect(cfg: Config, record: FailureRecord) -> Connected:
+    """Join the process group and check, before anything expensive, the machine, the config and the
+    run directory (writable; a checkpoint this config may resume). ``Connected.cfg`` is ``cfg`` with
+    its ``auto`` levers decided: the later phases take that one."""
+    stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
+    t = cfg.train
+    startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
+    startup.phase("process group and DeepSpeed's communication set-up")
+    build_lock = ds_compat.report_build_lock_wait()  # DeepSpeed's CPU shm op may be JIT-built here
+    rank, _, world = init_distributed(max(t.pg_timeout_s, t.startup_timeout_s))
+    build_lock.cancel()
+    hosts = record.hosts = all_hosts()  # lines and records about ranks name their hosts
+    if rank == 0:
+        ds_compat.check_version()
+    set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.data.workers)
+    written, tree = cfg, to_dict(cfg)
+    cfg, lever_lines = decide_levers(cfg, world)
+    check_machine(cfg, world)
+    layout = RunDir.of(t.output_dir, cfg.checkpoint.dir)
+    if rank == 0:  # vit-launch's way to stop a multi-node job without signalling its runner
+        stop.watch_file(layout.stop_request)
+    # before any expensive work: an unwritable folder would otherwise fail at the first save
+    checkpoint.check_writable(layout.root, "train.output_dir")
+    if cfg.checkpoint.dir:
+        checkpoint.check_writable(layout.checkpoints, "checkpoint.dir")
+    if cfg.checkpoint.resume:  # a changed shape key, said before the model build and DeepSpeed init
+        checkpoint.check_resumable(layout.checkpoints, tree)
+    say = StartupLines(rank)
+    watchdog.clear(layout.hang, rank)
+    dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
+    dog.hosts = hosts
+    return Connected(rank, world, hosts, layout, stop, startup, dog, say, tree, cfg, written, lever_lines)
+
+
+def build_engine(cfg: Config, c: Connected) -> Built:
+    """The model (seeded by ``train.seed`` alike on every rank; ``model.init_from``'s weights on a
+    fresh start), DeepSpeed around it, then the loader on the engine's device."""
+    t, say = cfg.train, c.say
+    img = image_size(cfg.model)
+    say(f"building {cfg.model.name} ({img} px) on {c.world} rank(s)")
+    for line in c.levers:
+        say(line)
+    c.startup.phase("model build")
+    torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
+    model = build_model(cfg)
+    resuming = cfg.checkpoint.resume and checkpoint.latest_complete(c.layout.checkpoints) is not None
+    masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
+    say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
+    if compile_mode(t.compile):
+        what = "the whole model" if compile_mode(t.compile) == "model" and cfg.zero.stage < 3 else "each block"
+        say(f"train.compile={t.compile}: torch.compile of {what}, traced in the first step")
+    c.startup.phase("DeepSpeed initialize")
+    engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, c.world, cfg.deepspeed)
+    set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
+    if cfg.data.synthetic:
+        loader = SyntheticLoader(cfg.data, batch_size=t.micro_batch_size, img_size=img, seed=t.seed, rank=c.rank,
+                                 num_classes=cfg.model.num_classes, device=engine.device)
+    else:
+        loader = build_loader(cfg.data, rank=c.rank, world_size=c.world, batch_size=t.micro_batch_size,
+                              seed=t.seed, img_size=img, train=True, device=engine.device)
+    say(f"data workers decode: {loader.worker_decoder}")
+    if loader.num_classes != cfg.model.num_classes:
+        raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
+                          f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
+    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming)
+
+
+def restore(cfg: Config, c: Connected, b: Built) -> Restored:
+    """Load the newest complete checkpoint into the engine and the loader; without one, seed this
+    rank's own dropout / drop-path streams."""
+    ckpt_dir = c.layout.checkpoints
+    if b.resuming:
+        c.say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
+    c.startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
+    resumed = checkpoint.resume(b.engine, ckpt_dir, config=c.tree) if cfg.checkpoint.resume else None
+    if not resumed:
+        torch.manual_seed(cfg.train.seed + 1000 * (c.rank + 1))  # per-rank dropout / drop-path streams
+        return Restored()
+    info, states = resumed
+    b.loader.load_state_dicts([st["loader"] for st in states])  # same layout: this rank's, bit-exact
+    return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states))
+
+
+def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
+    """The metrics sinks, the sample log, the evaluator, the clock and the checkpointer around the
+    engine, and the batch stream (the batches and the engine's save wrapped by ``faults`` only
+    under ``VITSCALE_FAULT``)."""
+    t, start = cfg.train, r.step
+    flops, run_config = _run_config(cfg, c, b)
+    if cfg.logging.wandb.mode == "online":
+        c.say(f"starting W&B online (offline after logging.wandb.init_timeout_s={cfg.logging.wandb.init_timeout_s:g})")
+    logger = MetricsLogger(cfg.logging, c.layout.root, rank=c.rank, run_config=run_config, run_id=r.run_id,
+                           resume_step=start if r.resumed else None)
+    if c.rank == 0:
+        save_config(c.written, c.layout.config)
+        where = f"resuming from step {start}" if r.resumed else "starting from scratch"
+        print(f"vit-train: {cfg.model.name} on {c.world} rank(s), ZeRO-{cfg.zero.stage}, {t.precision}, "
+              f"{where}; run dir {c.layout.root}", file=sys.stderr, flush=True)
+    samples = SampleLog(c.layout.samples, c.rank).open(start) if cfg.data.record_samples else None
+    if samples is not None and c.rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
+        for old in range(c.world, r.saved_ranks):  # logs are cut back to the step too
+            SampleLog(c.layout.samples, old).open(start).close()
+    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=c.rank,
+                               world=c.world, img_size=b.img, num_classes=cfg.model.num_classes,
+                               dtype=compute_dtype(t.precision), device=b.engine.device)
+    status = RunStatus(c.layout.status if c.rank == 0 else None)
+    status(start)
+    clock = StepClock(b.engine.device, c.dog)
+    if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
+        ds_compat.around_zero3_fetch(b.engine.module, clock.gather_begin, clock.gather_end)
+    if clock.times_waits:  # backward's and step's waits for peers are not the rank's own work either
+        ds_compat.time_collectives(clock.comm_begin, clock.comm_end, b.engine)
+    batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation), rank=c.rank,
+                                  start_step=start, accumulation=b.accumulation)
+    checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples)
+    saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
+    faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
+    loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
+                world=c.world, flops=flops, detector=_straggler_detector(t, c, clock),
+                evaluator=evaluator if evaluator.enabled else None, say=c.say, logged=status)
+    return Job(loop, status, samples)
+
+
+def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[tuple[float, float], dict]:
+    """(training FLOPs per image: model, hardware) and what W&B records of the run: the resolved
+    config, the layout, the FLOPs and, on GPUs, the performance model's prediction, said in a line."""
+    m, t = cfg.model, cfg.train
+    fwd = analytic_flops(m.name, b.img, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
+                         breakdown=True)
+    depth = len(b.engine.module.blocks)  # t.activation_checkpointing: blocks recomputed (decide_levers)
+    flops = train_flops_per_image(fwd["total"], fwd["blocks"] * t.activation_checkpointing / depth)
+    run_config = {**c.tree, "world_size": c.world, "zero_stage": cfg.zero.stage,
+                  "checkpointed_blocks": t.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size,
+                  "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
+                  "train_flops_per_image": flops[0], "gradient_accumulation": b.accumulation}
+    predicted = _prediction(cfg, c.world)
+    if predicted:
+        run_config["predicted"] = predicted
+        c.say(f"performance model for this layout on {predicted['gpu']}: {predicted['images_per_second']:,.0f} "
+              f"img/s, MFU {predicted['mfu']:.1%} (measured img/s and MFU follow in the log lines)")
+    return flops, run_config
+
+
+def _prediction(cfg: Config, world: int) -> Optional[dict]:
+    """The performance model's record for this job's GPUs (none on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+    return run_record(cfg, world, per_node, torch.cuda.get_device_name())
+
+
+def _straggler_detector(t: TrainConfig, c: Connected, clock: StepClock) -> Optional[StragglerDetector]:
+    """The judge of slow ranks (rank 0 keeps the record); none in a world of one."""
+    if c.world <= 1:
+        return None
+    return StragglerDetector(c.hosts, t.straggler_factor, t.straggler_windows,
+                             record=c.layout.stragglers if c.rank == 0 else None,
+                             span_s=t.straggler_span_s, waits_timed=clock.times_waits)
