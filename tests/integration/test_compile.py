@@ -50,9 +50,10 @@ def test_zero3_compiled_keeps_the_plain_linear():
     turned off there, and only there."""
     from pretrain.config import load_config
     from pretrain.distributed.engine import deepspeed_config
+    from pretrain.perf import levers
 
     def zero_section(*overrides):
-        c = load_config("configs/tiny_cpu.yaml", ["zero.stage=3", *overrides])
+        c = levers.resolve(load_config("configs/tiny_cpu.yaml", ["zero.stage=3", *overrides]), 1)[0]
         return deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]
 
     assert zero_section("train.compile=true")["memory_efficient_linear"] is False

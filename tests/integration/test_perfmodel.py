@@ -159,7 +159,8 @@ def test_check_prints_the_prediction():
 
 def test_zeropp_keys_reach_deepspeed_and_are_checked():
     cfg = load_config("configs/tiny_cpu.yaml", ["zero.stage=3", "zero.hpz_partition_size=2",
-                                                "zero.quantized_weights=true"])
+                                                "zero.quantized_weights=true", "zero.reduce_bucket_size=500000000",
+                                                "zero.stage3_prefetch_bucket_size=50000000"])
     ds = deepspeed_config(cfg.optim, cfg.train, cfg.zero, 2)["zero_optimization"]
     assert ds["zero_hpz_partition_size"] == 2 and ds["zero_quantized_weights"] is True
     assert ds["zero_quantized_gradients"] is False

@@ -12,6 +12,8 @@ from pretrain.config.schema import OptimConfig, TrainConfig
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import deepspeed_config
 
+BUCKETS = dict(reduce_bucket_size=500_000_000, stage3_prefetch_bucket_size=50_000_000)  # `auto` needs the model
+
 GAS, SMALL, WORLD = 16, 2.0 ** -10, 2
 
 
@@ -71,20 +73,20 @@ def test_autocast_accumulates_in_fp32_and_rounds_only_the_reduction(cases):
 def test_default_config_and_stage0_refusal():
     train = TrainConfig(global_batch_size=8, micro_batch_size=4)
     assert train.precision == "bf16"
-    cfg = deepspeed_config(OptimConfig(), train, ZeroConfig(stage=2), 2)
+    cfg = deepspeed_config(OptimConfig(), train, ZeroConfig(stage=2, **BUCKETS), 2)
     assert cfg["data_types"] == {"grad_accum_dtype": "fp32"} and cfg["communication_data_type"] == "fp32"
     assert cfg["bf16"] == {"enabled": True, "check_grad_overflow": False, "immediate_grad_update": False,
                            "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
     assert cfg["fp16"] == cfg["torch_autocast"] == {"enabled": False}
     with pytest.raises(ConfigError, match="zero.stage=0 with train.precision=bf16"):
-        deepspeed_config(OptimConfig(), train, ZeroConfig(stage=0), 2)
+        deepspeed_config(OptimConfig(), train, ZeroConfig(stage=0, **BUCKETS), 2)
     auto = TrainConfig(precision="bf16-autocast", global_batch_size=8, micro_batch_size=4)
-    cfg = deepspeed_config(OptimConfig(), auto, ZeroConfig(stage=0), 2)  # no refusal: fp32 gradients at ZeRO-0
+    cfg = deepspeed_config(OptimConfig(), auto, ZeroConfig(stage=0, **BUCKETS), 2)  # no refusal: fp32 gradients at ZeRO-0
     assert cfg["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert cfg["bf16"] == {"enabled": False} and cfg["data_types"] == {"grad_accum_dtype": "fp32"}
     fp32 = deepspeed_config(OptimConfig(), TrainConfig(precision="fp32", global_batch_size=8, micro_batch_size=4),
-                            ZeroConfig(stage=0), 2)
+                            ZeroConfig(stage=0, **BUCKETS), 2)
     assert fp32["communication_data_type"] == "fp32" and fp32["bf16"] == fp32["torch_autocast"] == {"enabled": False}
     with pytest.raises(ConfigError, match="train.reduce_dtype=bf16 with train.precision=fp32"):
         deepspeed_config(OptimConfig(), TrainConfig(precision="fp32", reduce_dtype="bf16", global_batch_size=8,
-                                                    micro_batch_size=4), ZeroConfig(stage=1), 2)
+                                                    micro_batch_size=4), ZeroConfig(stage=1, **BUCKETS), 2)

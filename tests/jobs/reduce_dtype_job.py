@@ -40,7 +40,8 @@ for precision, stages in STAGES.items():
             train = TrainConfig(steps=1, global_batch_size=GAS * world, micro_batch_size=1, precision=precision,
                                 reduce_dtype=reduce)
             cfg = deepspeed_config(OptimConfig(name="sgd", grad_clip=0.0, weight_decay=0.0), train,
-                                   ZeroConfig(stage=stage), world)
+                                   ZeroConfig(stage=stage, reduce_bucket_size=500_000_000,
+                                   stage3_prefetch_bucket_size=50_000_000), world)
             model = OneWeight()
             opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0)
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)

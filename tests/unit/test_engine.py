@@ -15,6 +15,7 @@ from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
 from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import throughput
+from pretrain.perf import levers
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss
 
 
@@ -23,7 +24,8 @@ def loss_fn(logits, targets, multi_label, smoothing):
 
 
 def cfg(*overrides):
-    return load_config("configs/tiny_cpu.yaml", list(overrides))
+    """The tiny config with its `auto` levers decided as a CPU rank decides them."""
+    return levers.resolve(load_config("configs/tiny_cpu.yaml", list(overrides)), 1)[0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
