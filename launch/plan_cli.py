@@ -27,8 +27,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--global-batch", type=int, help="images per optimizer step (default: micro x world)")
     ap.add_argument("--img-size", type=int, help="input resolution (default: the model's)")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 1)")
-    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
-    ap.add_argument("--compile", action="store_true", help="torch.compile of the blocks on")
+    ap.add_argument("--checkpointing", nargs="?", const="true", metavar="N|auto",
+                    help="activation checkpointing: every block (no value), the first N blocks, or auto (the "
+                         "fewest that fit the GPU's memory)")
+    ap.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
+                    help="torch.compile: each block (no value, or blocks) or the whole model")
     ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], help="gradient reduction dtype (default fp32)")
     ap.add_argument("--hpz", type=int, help="ZeRO++ hpZ: secondary partition group size (stage 3)")
     ap.add_argument("--quantized-weights", action="store_true", help="ZeRO++ qwZ: int8 weight all-gather (stage 3)")
@@ -116,10 +119,13 @@ def _layout(args) -> perfmodel.Layout:
                                 inter_node_gbps=args.inter_node_gbps, decode=args.decode, decode_rate=args.decode_rate,
                                 cpu_cores=args.cpu_cores, stored_side=args.stored_side,
                                 loader_workers=args.loader_workers).items() if v is not None}
-    for flag, key in (("checkpointing", "checkpointing"), ("compile", "compile"),
-                      ("quantized_weights", "quantized_weights"), ("quantized_gradients", "quantized_gradients")):
+    for flag, key in (("quantized_weights", "quantized_weights"), ("quantized_gradients", "quantized_gradients")):
         if getattr(args, flag):
             kw[key] = True
+    if args.compile:
+        kw["compile"] = args.compile
+    if args.checkpointing is not None:
+        kw["checkpointing"] = _checkpointing(args.checkpointing, replace(lay, **kw))
     if args.no_leaf_blocks:
         kw["leaf_blocks"] = False
     lay = replace(lay, **kw)
@@ -130,6 +136,32 @@ def _layout(args) -> perfmodel.Layout:
     return lay
 
 
+def _checkpointing(value: str, lay: perfmodel.Layout):
+    """``--checkpointing``'s value as the layout's block count (``auto``: the fewest that fit)."""
+    from pretrain.config import ConfigError
+    from pretrain.perf import memory
+
+    depth = memory.analytic_shape(lay.model, img_size=lay.img_size, num_classes=lay.num_classes).depth
+    if value == "true":
+        return True
+    if value == "auto":
+        return next((n for n in range(depth + 1) if perfmodel.predict(replace(lay, checkpointing=n)).fits), depth)
+    if not value.isdigit() or int(value) > depth:
+        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, 'auto' or no value (every block)")
+    return int(value)
+
+
+def lever_words(lay: dict) -> str:
+    """The layout's speed levers in words: checkpointed blocks, compile, reduction buckets."""
+    from pretrain.perf import kernels, memory
+
+    depth = memory.analytic_shape(lay["model"], img_size=lay["img_size"], num_classes=lay["num_classes"]).depth
+    n = kernels.recomputed_blocks(depth, lay["checkpointing"])
+    mode = "blocks" if lay["compile"] is True else (lay["compile"] or "")
+    return (f"checkpointing {n} of {depth} blocks, " + (f"compile {mode}" if mode else "eager")
+            + (f", reduction buckets of {lay['reduce_bucket_size'] / 1e6:g}M elements" if lay["zero"] else ""))
+
+
 def describe(p: perfmodel.Prediction) -> str:
     lay = p.layout
     mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb_per_gpu.items() if k != "total")
@@ -138,8 +170,8 @@ def describe(p: perfmodel.Prediction) -> str:
     return "\n".join([
         f"{lay['model']} on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']} ({lay['network']}), ZeRO-{lay['zero']}, "
         f"micro batch {lay['micro_batch']}, global batch {k}, {lay['precision']}, reduce {lay['reduce_dtype']}"
-        + (", checkpointing" if lay["checkpointing"] else "") + (", compiled" if lay["compile"] else "")
         + ("" if lay["zero"] != 3 else ", leaf blocks" if lay["leaf_blocks"] or lay["compile"] else ", per-module hooks"),
+        f"  levers          {lever_words(lay)}",
         f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
         f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
         f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
@@ -182,5 +214,11 @@ def command(args) -> int:
         print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else table(rows))
         return 0
     p = perfmodel.predict(lay)
-    print(json.dumps(p.as_dict(), indent=1) if args.json else describe(p))
+    if args.json:
+        print(json.dumps({**p.as_dict(), "levers": dict(perfmodel.lever_gains(lay))}, indent=1))
+        return 0
+    print(describe(p))
+    gains = perfmodel.lever_gains(lay)
+    if gains:
+        print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))
     return 0

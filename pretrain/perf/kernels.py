@@ -67,8 +67,10 @@ OTHER_KERNELS = {"gemm": 5, "attention": 0, "elementwise": 13, "accumulate": 8}
 AUTOCAST_CASTS = {"block": 23, "recompute": 10, "other": 3}
 # torch.compile of each block (train.compile) fuses its element-wise kernels about two to one (an
 # estimate, as for their traffic); the GEMMs and the attention kernel stay library calls, the gradient
-# accumulations stay eager
+# accumulations stay eager. Compiling the whole model (train.compile: model) fuses the element-wise
+# work outside the blocks the same way and the block boundaries' residual add into the next norm.
 COMPILED_ELEMENTWISE = 8
+COMPILED_MODEL_OTHER_ELEMENTWISE = 6
 
 # --- host cost of issuing kernels
 # Eager PyTorch, per kernel with the view ops around it: about 5-7 us for an autograd op from Python
@@ -111,27 +113,40 @@ def block_gemms(rows: int, width: int, mlp: int, recompute: bool = False) -> lis
     return out
 
 
-def kernels_per_micro_step(depth: int, checkpointing: bool = False, compile: bool = False,
-                           autocast: bool = False) -> dict[str, int]:
-    """Kernels one GPU issues per micro-step, by kind, and their ``total``. ``autocast``:
-    ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away when compiled)."""
+def recomputed_blocks(depth: int, checkpointing) -> int:
+    """Blocks recomputed in the backward: ``checkpointing`` as a block count (``True`` all of them)."""
+    return depth if checkpointing is True else max(0, min(int(checkpointing or 0), depth))
+
+
+def kernels_per_micro_step(depth: int, checkpointing=False, compile=False, autocast: bool = False) -> dict[str, int]:
+    """Kernels one GPU issues per micro-step, by kind, and their ``total``. ``checkpointing``: the
+    blocks recomputed (``True`` all); ``compile``: ``"blocks"`` (or ``True``), ``"model"`` or off;
+    ``autocast``: ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away
+    when compiled)."""
+    n = recomputed_blocks(depth, checkpointing)
+    mode = "blocks" if compile is True else (compile or "")
     out = {}
     for kind in ("gemm", "attention", "elementwise", "accumulate"):
-        per_block = BLOCK_KERNELS[kind] + (RECOMPUTE_KERNELS.get(kind, 0) if checkpointing else 0)
+        plain, extra = BLOCK_KERNELS[kind], RECOMPUTE_KERNELS.get(kind, 0)
         other = OTHER_KERNELS[kind]
-        if kind == "elementwise" and compile:
-            per_block = COMPILED_ELEMENTWISE + (RECOMPUTE_KERNELS[kind] // 2 if checkpointing else 0)
+        if kind == "elementwise" and mode:
+            plain, extra = COMPILED_ELEMENTWISE, RECOMPUTE_KERNELS[kind] // 2
+            if mode == "model":
+                other = COMPILED_MODEL_OTHER_ELEMENTWISE
         elif kind == "elementwise" and autocast:
-            per_block += AUTOCAST_CASTS["block"] + (AUTOCAST_CASTS["recompute"] if checkpointing else 0)
+            plain, extra = plain + AUTOCAST_CASTS["block"], extra + AUTOCAST_CASTS["recompute"]
             other += AUTOCAST_CASTS["other"]
-        out[kind] = depth * per_block + other
+        out[kind] = depth * plain + n * extra + other
     out["total"] = sum(out.values())
     return out
 
 
-def host_seconds(kernels: int, depth: int, checkpointing: bool = False, compile: bool = False) -> float:
-    """Seconds the host needs to issue one micro-step's ``kernels``."""
-    calls = depth * (3 if checkpointing else 2) if compile else 0
+def host_seconds(kernels: int, depth: int, checkpointing=False, compile=False) -> float:
+    """Seconds the host needs to issue one micro-step's ``kernels``: each kernel's launch and each
+    compiled region's call (a block's forward, its backward and its recompute; the whole model's
+    forward and backward once)."""
+    mode = "blocks" if compile is True else (compile or "")
+    calls = 2 if mode == "model" else 2 * depth + recomputed_blocks(depth, checkpointing) if mode else 0
     return kernels * HOST_SECONDS_PER_KERNEL + calls * COMPILED_CALL_HOST_SECONDS
 
 
@@ -150,7 +165,9 @@ def zero3_work_seconds(gpu_seconds: float, params: int) -> float:
     return ZERO3_COMPUTE_FACTOR * gpu_seconds + ZERO3_PARAM_SECONDS * params
 
 
-def zero3_hook_seconds(modules: int, checkpointing: bool, module_s: float = ZERO3_MODULE_SECONDS) -> float:
+def zero3_hook_seconds(modules: int, checkpointing, module_s: float = ZERO3_MODULE_SECONDS) -> float:
     """Host seconds ZeRO-3 adds to one micro-step of ``modules`` hooked modules (forward and backward
-    hooks; activation checkpointing runs the forward's again, half as much once more)."""
-    return modules * module_s * (1.5 if checkpointing else 1.0)
+    hooks; activation checkpointing runs the forward's again, half as much once more).
+    ``checkpointing``: on or off, or the share of the blocks recomputed."""
+    share = 1.0 if checkpointing is True else float(checkpointing or 0)
+    return modules * module_s * (1.0 + 0.5 * min(share, 1.0))

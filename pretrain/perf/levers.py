@@ -51,11 +51,12 @@ def bucket_elements(params: int, grad_bytes: int, busbw_bytes_s: float, latency_
     return max(BUCKET_FLOOR, int(round(elems / BUCKET_ROUND)) * BUCKET_ROUND)
 
 
-def link(world: int, gpus_per_node: int, gpu: Optional[str]) -> tuple[float, float]:
+def link(world: int, gpus_per_node: int, gpu: Optional[str], network: Optional[str] = None) -> tuple[float, float]:
     """(bus bandwidth in bytes/s, latency in s) of the slowest link a ring of ``world`` ranks
-    crosses, from the GPU type's usual network preset (an H100 DGX where the GPU is unknown)."""
+    crosses, from ``network`` or the GPU type's usual network preset (an H100 DGX where the GPU is
+    unknown)."""
     key = gpu if gpu in GPUS else "h100-sxm"
-    net = NETWORKS[default_network(key)]
+    net = NETWORKS[network or default_network(key)]
     crosses = world > max(1, gpus_per_node)
     if crosses:
         return net.inter_gbps / 8 * 1e9 * LINK_EFFICIENCY["inter"], LATENCY_S["inter"]
@@ -74,11 +75,11 @@ def fewest_checkpointed(cfg, world: int, shape: memory.ModelShape, memory_bytes:
 
 
 def resolve_zero(zero, train, params: int, block_params: int, world: int, *, gpus_per_node: int = 8,
-                 gpu: Optional[str] = None):
+                 gpu: Optional[str] = None, network: Optional[str] = None):
     """The ``zero:`` section with its ``auto`` bucket sizes decided for a model of ``params``
     parameters (``block_params`` per Transformer block), and lines saying what was chosen."""
     e = 2 if (train.precision in ("bf16", "bf16-autocast") and train.reduce_dtype == "bf16") else 4
-    bw, lat = link(world, gpus_per_node, gpu)
+    bw, lat = link(world, gpus_per_node, gpu, network)
     lines = []
     reduce = zero.reduce_bucket_size
     if reduce == "auto":
@@ -95,13 +96,13 @@ def resolve_zero(zero, train, params: int, block_params: int, world: int, *, gpu
 
 
 def resolve(cfg, world: int, *, gpus_per_node: int = 8, gpu: Optional[str] = None,
-            memory_bytes: Optional[float] = None):
+            memory_bytes: Optional[float] = None, network: Optional[str] = None):
     """``cfg`` with every ``auto`` lever decided (and ``true``/``false`` checkpointing as a block
     count), and the :class:`Choices` made. ``memory_bytes``: the device's memory (None: unknown, as
     on a CPU: ``auto`` checkpoints nothing). Idempotent: a resolved config comes back unchanged."""
     shape = memory.model_shape(cfg.model)
     zero, lines = resolve_zero(cfg.zero, cfg.train, shape.params, shape.block_params, world,
-                               gpus_per_node=gpus_per_node, gpu=gpu)
+                               gpus_per_node=gpus_per_node, gpu=gpu, network=network)
     cfg = dataclasses.replace(cfg, zero=zero)
     n = checkpoint_count(cfg.train.activation_checkpointing, shape.depth)
     if n is None:

@@ -52,12 +52,13 @@ groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from typing import Optional, Union
 
+from pretrain.config import compile_mode
 from pretrain.models import arch
 from pretrain.perf import inputs, kernels, memory
 from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel, zero3_hooked
-from pretrain.perf.hardware import NETWORKS, default_network, gpu_key, gpu_of
+from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu_of
 
 # Element-wise kernels reach about this fraction of the HBM bandwidth on the data sheets
 # (STREAM-like copy kernels measure 80-90 % on A100 and H100).
@@ -65,6 +66,11 @@ HBM_EFFICIENCY = 0.8
 # Adam / AdamW step: read master, grad, m, v (4 x 4 B), write master, m, v (3 x 4 B) and the
 # bf16 copy (2 B): bytes per parameter the step moves on its shard.
 OPTIMIZER_BYTES_PER_PARAM = 30
+# the element-wise traffic left by torch.compile (train.compile), against eager: each block's
+# chains fused (LayerNorm with its cast, bias + GELU, residual adds) about two to one; the whole
+# model also fuses the work between blocks (a block's last residual add into the next LayerNorm)
+# and around them (patch embedding's add and concatenation, final norm, pooling, loss)
+COMPILED_TRAFFIC = {"blocks": 0.5, "model": 0.45}
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,8 @@ class Layout:
     zero: int = 1
     precision: str = "bf16"
     reduce_dtype: str = "fp32"
-    checkpointing: bool = False
-    compile: bool = False
+    checkpointing: Union[bool, int] = False  # True: every block recomputed; an int: that many (the first ones)
+    compile: Union[bool, str] = False  # "blocks" (True), "model" or off (train.compile)
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
     optimizer: str = "adamw"
     overlap_comm: bool = True
@@ -168,10 +174,12 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
     parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True)
-    model_flops = 6.0 * parts["total"] * images
-    recompute = 2.0 * parts["blocks"] * images if layout.checkpointing else 0.0
     shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
     d, s, depth = shape.width, shape.seq_len, shape.depth
+    n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again
+    mode = compile_mode(layout.compile)
+    model_flops = 6.0 * parts["total"] * images
+    recompute = 2.0 * parts["blocks"] * images * n / depth
     mlp = shape.mlp_hidden or 4 * d
     peak = g.peak_tflops * 1e12
 
@@ -179,34 +187,34 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
         return kernels.gemm_seconds(m, n, k, peak, g.efficiency, g.sms)
 
     rows = images * s
-    t_blocks = depth * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, layout.checkpointing))
+    t_blocks = (n * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, True))
+                + (depth - n) * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, False)))
     patches = s - 1
     t_other = 2 * gemm(images * patches, d, parts["embed"] / (patches * d))  # patch embedding: forward, weights
     c = layout.num_classes
     t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
     # fused attention: 2 s^2 d multiply-adds per image and block forward, twice that backward
-    attn_flops = 2.0 * 2 * s * s * d * images * (3 + (1 if layout.checkpointing else 0))
-    n_kernels = kernels.kernels_per_micro_step(depth, layout.checkpointing, layout.compile,
-                                               layout.precision == "bf16-autocast")
+    attn_flops = 2.0 * 2 * s * s * d * images * (3 * depth + n)
+    n_kernels = kernels.kernels_per_micro_step(depth, n, mode, layout.precision == "bf16-autocast")
     fixed = kernels.GEMM_FIXED_S if g.sms else 0.0
-    t_attn = depth * attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
+    t_attn = attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
     t_mm = t_blocks + t_other + t_attn
     e = memory.activation_dtype_bytes(layout.precision)
     token_bytes = _elementwise_elems(d, mlp, shape.heads, s, layout.fused_attention) * e
-    passes = 3 + (1 if layout.checkpointing else 0)  # backward's element-wise traffic ~ twice the forward's
+    passes = 3 + n / depth  # backward's element-wise traffic ~ twice the forward's; the recompute once more
     if layout.precision == "bf16-autocast":  # LayerNorms (4 d) and residual adds (6 d) on the fp32 stream
         token_bytes += 10 * d * 2
-    elem_bytes = token_bytes * s * depth * images * passes * (0.5 if layout.compile else 1.0)
+    elem_bytes = token_bytes * s * depth * images * passes * COMPILED_TRAFFIC.get(mode, 1.0)
     if layout.precision == "bf16-autocast":  # each weight cast to bf16 per forward (and recompute): read 4, write 2 B
-        elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (2 if layout.checkpointing else 1)
+        elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (1 + n / depth)
     gaps = (n_kernels["elementwise"] + n_kernels["accumulate"]) * (kernels.KERNEL_GAP_SECONDS if g.sms else 0.0)
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem
-    host = kernels.host_seconds(n_kernels["total"], depth, layout.checkpointing, layout.compile)
+    host = kernels.host_seconds(n_kernels["total"], depth, n, mode)
     hooks = work = 0.0
     if layout.zero == 3:  # paced with the GPU, so added to the step, not hidden under it
-        modules = zero3_hooked(replace(layout, leaf_blocks=layout.leaf_blocks or layout.compile))
-        hooks = kernels.zero3_hook_seconds(modules, layout.checkpointing)
+        modules = zero3_hooked(replace(layout, leaf_blocks=layout.leaf_blocks or bool(mode)))
+        hooks = kernels.zero3_hook_seconds(modules, n / depth)
         work = kernels.zero3_work_seconds(gpu, shape.params)
     return {"matmul": t_mm, "elementwise": t_mem, "gpu": gpu, "host": host, "launch_wait": max(0.0, host - gpu),
             "zero3_hooks": hooks, "zero3_work": work, "total": max(gpu, host) + hooks + work,
@@ -266,9 +274,13 @@ def predict(layout: Layout) -> Prediction:
     colls = collectives(layout, shape.params)
     comm_total = exposed = 0.0
     # compute each kind of collective can hide under, per step
-    backward_share = 2 / 3 + (1 / 4 if layout.checkpointing else 0)
+    depth = shape.depth
+    backward_share = 2 / 3 + kernels.recomputed_blocks(depth, layout.checkpointing) / depth / 4
     hide = {"backward": micro["total"] * backward_share * (k if layout.zero in (2, 3) else 1),
             "forward": micro["total"] * (1 - backward_share) * k}
+    if compile_mode(layout.compile) == "model" and layout.zero < 3:
+        # one compiled backward graph returns every gradient at its end: no bucket is ready before
+        hide["backward"] = 0.0
     for c in colls:
         t = collective_seconds(layout, c)
         comm_total += t
@@ -383,11 +395,17 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
 # ------------------------------------------------------------------------------ from configs
 def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
                        **overrides) -> Layout:
-    """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs."""
+    """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs, its
+    ``auto`` levers decided for them as training decides them (``pretrain.perf.levers``; the GPU
+    type's memory from its table entry)."""
     from pretrain.config import image_size
+    from pretrain.perf import levers
 
-    t, z, m = cfg.train, cfg.zero, cfg.model
     network = network or default_network(gpu)
+    memory_gb = overrides.get("memory_gb") or GPUS[gpu].memory_gb if gpu in GPUS else overrides.get("memory_gb")
+    cfg, _ = levers.resolve(cfg, nodes * gpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu, network=network,
+                            memory_bytes=memory_gb * 1e9 if memory_gb else None)
+    t, z, m = cfg.train, cfg.zero, cfg.model
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
@@ -400,6 +418,44 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               decode=inputs.CONFIG_PATHS[cfg.data.decode_device])
     kw.update(overrides)
     return Layout(**kw)
+
+
+def lever_gains(layout: Layout) -> list[tuple[str, float]]:
+    """Each speed lever turned the other way from ``layout``, with its predicted img/s relative to
+    ``layout``'s (1.10: 10 % faster), best first; alternatives that do not fit are left out.
+    The levers: activation checkpointing (none, every block), ``train.compile`` (off, blocks,
+    model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
+    batch (half and double, the global batch kept)."""
+    from pretrain.perf import levers
+
+    base = predict(layout).images_per_second
+    depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
+    n = kernels.recomputed_blocks(depth, layout.checkpointing)
+    mode = compile_mode(layout.compile)
+    trials = [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))
+              for v, c in (("false", 0), ("true", depth)) if c != n]
+    trials += [(f"train.compile={v}", replace(layout, compile=c))
+               for v, c in (("false", ""), ("blocks", "blocks"), ("model", "model")) if c != mode]
+    params = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).params
+    bw, lat = levers.link(layout.world, layout.gpus_per_node, layout.gpu, layout.network)
+    auto = levers.bucket_elements(params, 2 if layout.reduce_dtype == "bf16" else 4, bw, lat)
+    for v in (500_000_000, auto):
+        if v != layout.reduce_bucket_size:
+            trials.append((f"zero.reduce_bucket_size={'auto' if v == auto else v}",
+                           replace(layout, reduce_bucket_size=v)))
+    for mb in (layout.micro_batch // 2, layout.micro_batch * 2):
+        trial = replace(layout, micro_batch=max(1, mb))
+        try:
+            trial.accumulation
+        except ValueError:
+            continue
+        trials.append((f"train.micro_batch_size={trial.micro_batch}", trial))
+    out = []
+    for text, trial in trials:
+        p = predict(trial)
+        if p.fits:
+            out.append((text, p.images_per_second / base))
+    return sorted(out, key=lambda t: -t[1])
 
 
 def summary_line(p: Prediction) -> str:
