@@ -19,13 +19,14 @@ cannot be balanced are dropped and counted (by rank 0, as ``dropped_for_balance`
 float32 (B, 3, H, W) normalised with augment.mean/std, on ``device``; ``targets`` int64 (B,), or
 float32 (B, num_classes) for multi-label data or when Mixup/CutMix is on.
 
-The batch contract inside: a worker sends each batch as uint8 (``batch_decode.DeferredBatch``: one
-(B, 3, H, W) shared-memory tensor, the targets, the batch's Mixup/CutMix seed), never float; this
-process finishes it (``batch_decode.BatchDecoder``): (x - 255 mean) / (255 std) as
-``x * (1 / (255 std)) + (-mean / std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one
-batch ahead on a side stream, from pinned memory), and then releases the worker's shared-memory
-tensor for reuse (``batch_decode.BatchBuffers``). Workers send a quarter of the bytes a float
-batch has; on a GPU the host does no per-pixel float work at all.
+The batch contract inside: a worker sends each batch as uint8 (``batch.wire.DeferredBatch``:
+one (B, 3, H, W) shared-memory tensor, the batch's Mixup/CutMix seed) with its targets and its
+``batch.record.BatchRecord`` (position, counters, keys), never float; this process finishes it
+(``batch.decode.BatchDecoder``): (x - 255 mean) / (255 std) as ``x * (1 / (255 std)) + (-mean /
+std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one batch ahead on a side stream, from
+pinned memory: ``batch/prefetch.py``), and then releases the worker's shared-memory tensor for reuse
+(``batch.buffers.BatchBuffers``). Workers send a quarter of the bytes a float batch has; on a GPU
+the host does no per-pixel float work at all.
 
 Exact resume: the state is (epoch, batches yielded in the epoch, per-worker shuffle-buffer
 emissions). Augmentation randomness is seeded per sample from (seed, epoch, shard position in the
@@ -47,7 +48,7 @@ Exclusion (``data.exclude_keys: FILE``, e.g. vit-audit's exclude.txt): samples w
 listed are dropped before decoding and counted as ``excluded``; like bad samples they leave the
 slot short, so it refills its batches from a further pass (``repeated_for_balance``).
 
-Decode device (``data.decode_device``, ``batch_decode.py``): ``worker`` decodes in the workers as
+Decode device (``data.decode_device``, ``batch/decode.py``): ``worker`` decodes in the workers as
 above; ``cuda`` / ``cpu`` / ``dali`` have the workers ship plain JPEGs undecoded with their crop
 boxes, and this process decodes, crops and normalises each batch there (nvJPEG on a GPU, ignoring
 ``device``: the current CUDA device; DALI's pipeline, with ``data.workers`` threads, on the GPU or
@@ -72,7 +73,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.errors import DataError, TooManyCorruptSamples
-from data_pipeline.loading.batch_decode import BatchBuffers, BatchDecoder, check_device
+from data_pipeline.loading.batch.buffers import BatchBuffers
+from data_pipeline.loading.batch.decode import BatchDecoder, check_device
+from data_pipeline.loading.batch.prefetch import finish
+from data_pipeline.loading.batch.record import BatchRecord
 from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.remainder import RestEpoch, rest_epoch
 from data_pipeline.loading.stream import Settings, SlotStream, Start
@@ -190,35 +194,34 @@ class ShardLoader:
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
         # batches finished here (on a GPU: one ahead, on a side stream)
-        for images, targets, meta in self._decoder.finish(loader, buffers):
+        for images, targets, record in finish(self._decoder, loader, buffers):
             epoch = self._epoch
-            self._account(meta)
+            self._account(record)
             if images is not None:
                 self._counts["samples"] += images.shape[0]
-                self.last_keys, self.last_shards, self.last_epoch = meta["keys"], meta["shards"], epoch
+                self.last_keys, self.last_shards, self.last_epoch = record.keys, record.shards, epoch
                 yield images, targets
         if not self.plan.train:
             self._reset_epoch(self._epoch)
 
-    def _account(self, meta: dict) -> None:
-        tally = meta["tally"]
-        self._counts.update(tally["counts"])
-        self._epoch_bad.update(tally["bad_by_shard"])
-        if "error" in meta:
-            raise TooManyCorruptSamples(meta["error"] + self._worst())
+    def _account(self, record: BatchRecord) -> None:
+        self._counts.update(record.tally["counts"])
+        self._epoch_bad.update(record.tally["bad_by_shard"])
+        if record.error is not None:
+            raise TooManyCorruptSamples(record.error + self._worst())
         bad = sum(self._epoch_bad.values())
         if bad > self.cfg.max_corrupt_rate * self._due:
             raise TooManyCorruptSamples(
                 f"epoch {self._epoch}, rank {self.rank}: {bad} bad samples of the {self._due} due "
                 f"({100.0 * bad / max(1, self._due):.2f}%) exceed data.max_corrupt_rate="
                 f"{self.cfg.max_corrupt_rate}" + self._worst())
-        if "emitted" not in meta:  # evaluation: no resume state
+        if not record.train:  # evaluation: no resume state
             return
         expected = self._batch % self.plan.workers
-        if meta["role"] != expected or meta["epoch"] != self._epoch:
-            raise RuntimeError(f"loader out of step: got batch of role {meta['role']} epoch {meta['epoch']}, "
+        if record.role != expected or record.epoch != self._epoch:
+            raise RuntimeError(f"loader out of step: got batch of role {record.role} epoch {record.epoch}, "
                                f"expected role {expected} epoch {self._epoch}")
-        self._emitted[meta["role"]] = meta["emitted"]
+        self._emitted[record.role] = record.emitted
         self._batch += 1
         if self._batch == self.batches_this_epoch:
             self._end_epoch()
@@ -301,8 +304,9 @@ class ShardLoader:
         first = states[0]
         world = first.get("world_size")
         if [st.get("rank") for st in states] != list(range(len(states))) or world != len(states):
-            raise DataError(f"data loader states: need one state per old rank 0..{world - 1 if isinstance(world, int) else '?'}"
-                            f", got ranks {[st.get('rank') for st in states]}")
+            last = world - 1 if isinstance(world, int) else "?"
+            raise DataError(f"data loader states: need one state per old rank 0..{last}, got ranks "
+                            f"{[st.get('rank') for st in states]}")
         shared = ("epoch", "batch", "world_size", "workers", "batch_size", "shuffle_buffer", "rest")
         for st in states[1:]:
             k = next((k for k in shared if st.get(k) != first.get(k)), None)

@@ -28,7 +28,7 @@ from PIL import Image
 from data_pipeline.config import AugmentConfig
 from data_pipeline.errors import ConfigError
 from data_pipeline.loading import dali_decode
-from data_pipeline.loading.batch_decode import BatchDecoder
+from data_pipeline.loading.batch.decode import BatchDecoder
 from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import SampleTransform
