@@ -222,7 +222,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
     if resumed:
         info, states = resumed
         start, run_id = info["step"], info.get("wandb_run_id")
-        loader.load_state_dicts([st["loader"] for st in states])  # same layout: this rank's, bit-exact
+        loader.resume(Checkpointer.loader_states(states))  # same layout: this rank's, bit-exact
     else:
         torch.manual_seed(t.seed + 1000 * (rank + 1))  # per-rank dropout / drop-path streams
 

@@ -43,7 +43,7 @@ def test_cpu_batch_decode_equals_the_worker_path(mixed, aug):
         assert torch.equal(a, b), (a - b).abs().max()
         assert torch.equal(ta, tb)
     assert got_loader.counters == want_loader.counters
-    assert got_loader.state_dict()["emitted"] == want_loader.state_dict()["emitted"]
+    assert got_loader.state().emitted == want_loader.state().emitted
 
 
 def test_cpu_batch_decode_eval_pass_equals_the_worker_path(mixed):
