@@ -2,7 +2,7 @@
 finished on the CPU against on the GPU, measured interleaved in one run.
 
 Workers send uint8 batches; the training process normalises them with augment.mean/std and, with
-Mixup/CutMix on, mixes them (``batch_decode.BatchDecoder``) on the device the loader is built for
+Mixup/CutMix on, mixes them (``batch.decode.BatchDecoder``) on the device the loader is built for
 (``build_loader(..., device=)``). Per round and for each of plain and Mixup/CutMix batches, this
 times ``--batches`` batches of 64 at 224 px from shards stored at shorter side 256
 (``loader_throughput.make_images``), each finished on ``cpu`` and (where CUDA is present) on

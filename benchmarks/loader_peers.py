@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loader_throughput import make_images, rate_batches  # noqa: E402
 
 from data_pipeline.loading import loader as loader_module  # noqa: E402
-from data_pipeline.loading.batch_decode import BatchDecoder  # noqa: E402
+from data_pipeline.loading.batch.decode import BatchDecoder  # noqa: E402
 from data_pipeline.loading.loader import build_loader  # noqa: E402
 from data_pipeline.shards import crop_decode  # noqa: E402
 from data_pipeline.shards.decode import draft  # noqa: E402

@@ -213,7 +213,8 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
         torch.manual_seed(cfg.train.seed + 1000 * (c.rank + 1))  # per-rank dropout / drop-path streams
         return Restored()
     info, states = resumed
-    b.loader.load_state_dicts([st["loader"] for st in states])  # same layout: this rank's, bit-exact
+    # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)
+    b.loader.resume(Checkpointer.loader_states(states, type(b.loader.state())))
     return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states))
 
 

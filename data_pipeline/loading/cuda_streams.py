@@ -1,8 +1,8 @@
 """The CUDA side of training-process decode (``data.decode_device: cuda``, and ``dali`` on a GPU):
 the streams a batch's work runs on and the only calls that order them (:class:`CudaStreams`), and
-nvJPEG's call with the stream rule it needs (:func:`decode_jpeg`). ``batch_decode`` reaches CUDA's
-ordering through these alone, so a recording stand-in checks that order on a machine without a GPU
-(tests/unit/test_decode_streams.py)."""
+nvJPEG's call with the stream rule it needs (:func:`decode_jpeg`). ``batch.decode`` and ``batch.prefetch``
+reach CUDA's ordering through these alone, so a recording stand-in checks that order on a machine
+without a GPU (tests/unit/test_decode_streams.py)."""
 from __future__ import annotations
 
 import warnings
@@ -35,7 +35,7 @@ def decode_jpeg(data, device: torch.device):
 
 class CudaStreams:
     """The streams of ``data.decode_device: cuda`` (and of ``dali`` on a GPU) and the only calls
-    that order them. The prefetcher (:meth:`BatchDecoder.finish`) and the decoder reach CUDA's
+    that order them. The prefetcher (``prefetch.finish``) and the decoder reach CUDA's
     ordering through these methods alone, so a recording stand-in can check their order on a
     machine without a GPU.
 

@@ -3,7 +3,7 @@ JPEGs of each batch in the training process.
 
 The workers still read tar members and draw each sample's crop box and flip
 (``SampleTransform.defer``, as for ``cpu`` / ``cuda``), so the plan, resume and sample accounting
-are unchanged; ``batch_decode.BatchDecoder`` hands this module the batch's files, boxes and flips
+are unchanged; ``batch.decode.BatchDecoder`` hands this module the batch's files, boxes and flips
 and does the rest (worker-decoded members, corrupt samples, RandAugment, normalisation, mixing).
 
 The pipeline, per sample: ``decoders.image_slice`` decodes only the window (libjpeg-turbo's cropped
@@ -11,7 +11,7 @@ decode on the CPU; on a GPU the ``mixed`` decoder: the hardware JPEG engine of A
 the batch, nvJPEG's CUDA decoder for the rest), ``resize`` takes the box out of the window and scales
 it to ``img_size`` (linear, antialiased when it shrinks), ``crop_mirror_normalize`` flips and lays
 it out as CHW, uint8. Feeding is through ``external_source``, one batch a run, no prefetch of
-DALI's own (``BatchDecoder.finish`` works a batch ahead on the GPU).
+DALI's own (``prefetch.finish`` works a batch ahead on the GPU).
 
 Pixels against the ``worker`` path (torch's antialiased resize of the crop, PIL's decode): the CPU
 decode is libjpeg-turbo with the same integer IDCT and fancy upsampling, the resize the same

@@ -7,9 +7,9 @@ counts on every rank, exact resume, corrupt-sample accounting.
     for images, targets in loader: ...        # endless in training, epoch after epoch
     loader.last_keys, loader.last_shards      # __key__ and shard name of each sample of that batch
     loader.last_epoch                         # the epoch that batch belongs to
-    state = loader.state_dict()               # position after the last batch *yielded*
-    loader.load_state_dict(state)             # before iterating: continue exactly there
-    loader.load_state_dicts(states)           # all old ranks' states: any layout (elastic resume)
+    state = loader.state()                    # position after the last batch *yielded* (a LoaderState)
+    loader.resume(states)                     # before iterating: every old rank's state, any layout
+                                              # (elastic resume); on the same layout this rank's alone
 
 Training stream (``train=True``). Epoch ``e`` permutes the shards with (seed, e), lays their samples
 end to end and gives slot ``rank * workers + worker`` a contiguous range of them (``plan.py``);
@@ -19,24 +19,26 @@ cannot be balanced are dropped and counted (by rank 0, as ``dropped_for_balance`
 float32 (B, 3, H, W) normalised with augment.mean/std, on ``device``; ``targets`` int64 (B,), or
 float32 (B, num_classes) for multi-label data or when Mixup/CutMix is on.
 
-The batch contract inside: a worker sends each batch as uint8 (``batch_decode.DeferredBatch``: one
-(B, 3, H, W) shared-memory tensor, the targets, the batch's Mixup/CutMix seed), never float; this
-process finishes it (``batch_decode.BatchDecoder``): (x - 255 mean) / (255 std) as
-``x * (1 / (255 std)) + (-mean / std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one
-batch ahead on a side stream, from pinned memory), and then releases the worker's shared-memory
-tensor for reuse (``batch_decode.BatchBuffers``). Workers send a quarter of the bytes a float
-batch has; on a GPU the host does no per-pixel float work at all.
+The batch contract inside: a worker sends each batch as uint8 (``batch.wire.DeferredBatch``:
+one (B, 3, H, W) shared-memory tensor, the batch's Mixup/CutMix seed) with its targets and its
+``batch.record.BatchRecord`` (position, counters, keys), never float; this process finishes it
+(``batch.decode.BatchDecoder``): (x - 255 mean) / (255 std) as ``x * (1 / (255 std)) + (-mean /
+std)`` in float32, then Mixup/CutMix, on ``device`` (on a GPU one batch ahead on a side stream, from
+pinned memory: ``batch/prefetch.py``), and then releases the worker's shared-memory tensor for reuse
+(``batch.buffers.BatchBuffers``). Workers send a quarter of the bytes a float batch has; on a GPU
+the host does no per-pixel float work at all.
 
-Exact resume: the state is (epoch, batches yielded in the epoch, per-worker shuffle-buffer
-emissions). Augmentation randomness is seeded per sample from (seed, epoch, shard position in the
-manifest, index in shard), so with the same world size and worker count the following batches are
-bit-identical; fast-forwarding reads tar members but decodes nothing (``stream.py``).
+Exact resume: the state (``loader_state.LoaderState``) is (epoch, batches yielded in the epoch,
+per-worker shuffle-buffer emissions), with the layout, seed and data it applies to. Augmentation
+randomness is seeded per sample from (seed, epoch, shard position in the manifest, index in shard),
+so with the same world size and worker count the following batches are bit-identical;
+fast-forwarding reads tar members but decodes nothing (``stream.py``).
 
 Elastic resume (another world size, ``data.workers``, micro batch or shuffle buffer):
-``load_state_dicts(states)`` with the states of *all* old ranks. The rest of the interrupted epoch
-is then exactly the samples the old layout had not consumed, each once, laid over the new layout
-with equal batches per rank (fewer than one global batch dropped); the next epoch follows the new
-layout's plan (``rest.py``). Sample seeds and the epoch's permutation do not depend on the layout,
+``resume(states)`` with the states of *all* old ranks. The rest of the interrupted epoch is then
+exactly the samples the old layout had not consumed, each once, laid over the new layout with equal
+batches per rank (fewer than one global batch dropped); the next epoch follows the new layout's plan
+(``remainder.py``). Sample seeds and the epoch's permutation do not depend on the layout,
 so a sample looks the same whichever layout reads it.
 
 Evaluation stream (``train=False``): resize + center crop, one pass in manifest order, every sample
@@ -47,7 +49,7 @@ Exclusion (``data.exclude_keys: FILE``, e.g. vit-audit's exclude.txt): samples w
 listed are dropped before decoding and counted as ``excluded``; like bad samples they leave the
 slot short, so it refills its batches from a further pass (``repeated_for_balance``).
 
-Decode device (``data.decode_device``, ``batch_decode.py``): ``worker`` decodes in the workers as
+Decode device (``data.decode_device``, ``batch/decode.py``): ``worker`` decodes in the workers as
 above; ``cuda`` / ``cpu`` / ``dali`` have the workers ship plain JPEGs undecoded with their crop
 boxes, and this process decodes, crops and normalises each batch there (nvJPEG on a GPU, ignoring
 ``device``: the current CUDA device; DALI's pipeline, with ``data.workers`` threads, on the GPU or
@@ -67,12 +69,17 @@ the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming t
 from __future__ import annotations
 
 from collections import Counter
+from typing import Sequence
 
 import torch
 from torch.utils.data import DataLoader
 
 from data_pipeline.errors import DataError, TooManyCorruptSamples
-from data_pipeline.loading.batch_decode import BatchBuffers, BatchDecoder, check_device
+from data_pipeline.loading.batch.buffers import BatchBuffers
+from data_pipeline.loading.batch.decode import BatchDecoder, check_device
+from data_pipeline.loading.batch.prefetch import finish
+from data_pipeline.loading.batch.record import BatchRecord
+from data_pipeline.loading.loader_state import AGREED, LoaderState
 from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.remainder import RestEpoch, rest_epoch
 from data_pipeline.loading.stream import Settings, SlotStream, Start
@@ -84,8 +91,6 @@ from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.storage.retry import RemotePolicy
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
-# 2: sample-range plan; adds shuffle_buffer and rest (the elastic source of a rest-epoch).
-STATE_VERSION = 2
 
 
 def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: int, seed: int = 0,
@@ -120,9 +125,9 @@ class ShardLoader:
         self.num_classes = plan.shardset.num_classes
         self.batches_per_epoch = plan.rank_batches(rank)
         exclude = read_exclusion(data_cfg.exclude_keys, "data.exclude_keys").keys \
-            if getattr(data_cfg, "exclude_keys", None) else frozenset()
-        decode_device = getattr(data_cfg, "decode_device", "worker")
-        worker_decoder = crop_decode.resolve(getattr(data_cfg, "worker_decoder", "auto")) if plan.train else "pil"
+            if data_cfg.exclude_keys else frozenset()
+        decode_device = data_cfg.decode_device
+        worker_decoder = crop_decode.resolve(data_cfg.worker_decoder) if plan.train else "pil"
         self.worker_decoder = crop_decode.describe(worker_decoder)  # for the start-up log, in words
         self.settings = Settings(data_cfg.augment, img_size, data_cfg.shuffle_buffer if plan.train else 0,
                                  data_cfg.max_image_pixels, data_cfg.multi_label, exclude, decode_device,
@@ -190,35 +195,34 @@ class ShardLoader:
             # one number from the training process's global RNG per iterator and break its resume.
             generator=torch.Generator().manual_seed(0))
         # batches finished here (on a GPU: one ahead, on a side stream)
-        for images, targets, meta in self._decoder.finish(loader, buffers):
+        for images, targets, record in finish(self._decoder, loader, buffers):
             epoch = self._epoch
-            self._account(meta)
+            self._account(record)
             if images is not None:
                 self._counts["samples"] += images.shape[0]
-                self.last_keys, self.last_shards, self.last_epoch = meta["keys"], meta["shards"], epoch
+                self.last_keys, self.last_shards, self.last_epoch = record.keys, record.shards, epoch
                 yield images, targets
         if not self.plan.train:
             self._reset_epoch(self._epoch)
 
-    def _account(self, meta: dict) -> None:
-        tally = meta["tally"]
-        self._counts.update(tally["counts"])
-        self._epoch_bad.update(tally["bad_by_shard"])
-        if "error" in meta:
-            raise TooManyCorruptSamples(meta["error"] + self._worst())
+    def _account(self, record: BatchRecord) -> None:
+        self._counts.update(record.tally["counts"])
+        self._epoch_bad.update(record.tally["bad_by_shard"])
+        if record.error is not None:
+            raise TooManyCorruptSamples(record.error + self._worst())
         bad = sum(self._epoch_bad.values())
         if bad > self.cfg.max_corrupt_rate * self._due:
             raise TooManyCorruptSamples(
                 f"epoch {self._epoch}, rank {self.rank}: {bad} bad samples of the {self._due} due "
                 f"({100.0 * bad / max(1, self._due):.2f}%) exceed data.max_corrupt_rate="
                 f"{self.cfg.max_corrupt_rate}" + self._worst())
-        if "emitted" not in meta:  # evaluation: no resume state
+        if not record.train:  # evaluation: no resume state
             return
         expected = self._batch % self.plan.workers
-        if meta["role"] != expected or meta["epoch"] != self._epoch:
-            raise RuntimeError(f"loader out of step: got batch of role {meta['role']} epoch {meta['epoch']}, "
+        if record.role != expected or record.epoch != self._epoch:
+            raise RuntimeError(f"loader out of step: got batch of role {record.role} epoch {record.epoch}, "
                                f"expected role {expected} epoch {self._epoch}")
-        self._emitted[meta["role"]] = meta["emitted"]
+        self._emitted[record.role] = record.emitted
         self._batch += 1
         if self._batch == self.batches_this_epoch:
             self._end_epoch()
@@ -228,101 +232,76 @@ class ShardLoader:
         return ("; worst shards: " + ", ".join(f"{name} ({n} bad)" for name, n in worst)) if worst else ""
 
     # --------------------------------------------------------------------------------- resume
-    def state_dict(self) -> dict:
+    def state(self) -> LoaderState:
+        """This rank's position after the last batch it yielded (its checkpoint entry)."""
         p = self.plan
-        return {
-            "version": STATE_VERSION, "epoch": self._epoch, "batch": self._batch,
-            "emitted": list(self._emitted), "rank": self.rank, "world_size": p.world_size,
-            "workers": p.workers, "batch_size": p.batch_size, "seed": p.seed,
-            "shuffle_buffer": self.settings.shuffle_buffer, "data": p.shardset.fingerprint(),
-            "rest": self._rest.source if self._rest is not None else None,
-            "counters": dict(self._counts), "epoch_bad_by_shard": dict(self._epoch_bad),
-        }
+        return LoaderState(self._epoch, self._batch, tuple(self._emitted), self.rank, p.world_size, p.workers,
+                           p.batch_size, p.seed, self.settings.shuffle_buffer, p.shardset.fingerprint(),
+                           self._rest.source if self._rest is not None else None, dict(self._counts),
+                           dict(self._epoch_bad))
 
-    def _layout(self) -> dict:
+    def _layout(self) -> tuple:
         p = self.plan
-        return {"world_size": p.world_size, "workers": p.workers, "batch_size": p.batch_size,
-                "shuffle_buffer": self.settings.shuffle_buffer}
+        return p.world_size, p.workers, p.batch_size, self.settings.shuffle_buffer
 
-    def _check_same_data(self, state) -> None:
-        version = state.get("version") if isinstance(state, dict) else state
-        if version == 1:
-            raise DataError("data loader state was saved by the shard-level plan (version 1), which this "
-                            "loader no longer follows: load_state_dict(state, strict=False) starts at its next epoch")
-        if version != STATE_VERSION:
-            raise DataError(f"data loader state: unsupported version {version!r} (expected {STATE_VERSION})")
-        for k, v in (("seed", self.plan.seed), ("data", self.plan.shardset.fingerprint())):
-            if state.get(k) != v:
-                raise DataError(f"data loader state was saved with {k}={state.get(k)}, now {v}: a data "
-                                f"position only applies to the same data and seed")
-
-    def load_state_dict(self, state, strict: bool = True) -> None:
-        """Continue at ``state``'s position (before iterating). The same layout (world size,
-        workers, batch size, shuffle buffer) continues bit-exactly. A list of every old rank's
-        state goes to ``load_state_dicts`` (any layout). A single state of another layout raises
-        ``DataError``, or with ``strict=False`` starts at the beginning of its next epoch."""
-        if isinstance(state, (list, tuple)):
-            return self.load_state_dicts(state)
-        if not strict and isinstance(state, dict) and state.get("version") == 1:
-            state = {**state, "version": STATE_VERSION, "shuffle_buffer": None}  # layout differs: next epoch
-        else:
-            self._check_same_data(state)
-        mine = {**self._layout(), "rank": self.rank}
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
-        self._counts = Counter(state.get("counters", {}))
-        if diff:
-            if strict:
-                k, (old, new) = next(iter(diff.items()))
-                raise DataError(f"data loader state was saved with {k}={old}, now {new}: resuming on another "
-                                f"layout needs every old rank's state (load_state_dicts), or "
-                                f"load_state_dict(state, strict=False) starts at the next epoch")
-            self._reset_epoch(int(state["epoch"]) + 1)
-            return
-        rest = rest_epoch(self.plan, self.rank, state["rest"]) if state.get("rest") else None
-        self._reset_epoch(int(state["epoch"]), rest)
-        self._batch = int(state["batch"])
-        self._emitted = [int(x) for x in state["emitted"]]
-        self._epoch_bad = Counter(state.get("epoch_bad_by_shard", {}))
-
-    def load_state_dicts(self, states: list) -> None:
-        """Elastic resume: continue from the states of *all* ranks of the old run (one dict per old
-        rank, as ``state_dict`` made them; any order), whatever its world size, workers, micro batch
-        or shuffle buffer. The rest of the interrupted epoch is the samples the old layout had not
-        consumed, each once, with equal batches on every rank of this layout (fewer than one global
-        batch of them dropped, counted by rank 0); then epochs follow this layout's plan. Same
-        layout: exactly ``load_state_dict(states[rank])``. Cost: replaying the shuffle buffers of
-        the old slots that feed this rank, about a microsecond per consumed sample, no I/O.
-        Counters: rank 0 takes the old ranks' sum, so the sum over ranks carries on."""
-        states = sorted(states, key=lambda st: st.get("rank", -1) if isinstance(st, dict) else -1)
+    def resume(self, states: Sequence[LoaderState]) -> None:
+        """Continue where the loaders of a run stopped (before iterating): ``states`` are every old
+        rank's (any order), as ``state()`` made them at one step, or on the same layout this rank's
+        own alone. The same layout (world size, workers, micro batch, shuffle buffer) continues from
+        this rank's state bit-exactly. Another layout (elastic resume): the rest of the interrupted
+        epoch is the samples the old layout had not consumed, each once, with equal batches on every
+        rank of this layout (fewer than one global batch of them dropped, counted by rank 0); then
+        epochs follow this layout's plan. Cost: replaying the shuffle buffers of the old slots that
+        feed this rank, about a microsecond per consumed sample, no I/O. Counters: rank 0 takes the
+        old ranks' sum, so the sum over ranks carries on. ``DataError`` for states of other data or
+        seed, of different steps, or too few of them for another layout."""
         if not states:
-            raise DataError("load_state_dicts: no states given")
+            raise DataError("data loader resume: no states given")
+        states = sorted(states, key=lambda st: st.rank)
         for st in states:
             self._check_same_data(st)
         first = states[0]
-        world = first.get("world_size")
-        if [st.get("rank") for st in states] != list(range(len(states))) or world != len(states):
-            raise DataError(f"data loader states: need one state per old rank 0..{world - 1 if isinstance(world, int) else '?'}"
-                            f", got ranks {[st.get('rank') for st in states]}")
-        shared = ("epoch", "batch", "world_size", "workers", "batch_size", "shuffle_buffer", "rest")
         for st in states[1:]:
-            k = next((k for k in shared if st.get(k) != first.get(k)), None)
+            k = next((k for k in AGREED if getattr(st, k) != getattr(first, k)), None)
             if k is not None:
-                raise DataError(f"data loader states disagree on {k}: rank 0 has {first.get(k)!r}, "
-                                f"rank {st['rank']} has {st.get(k)!r} (states of one checkpoint step needed)")
-        if {k: first.get(k) for k in self._layout()} == self._layout():
-            return self.load_state_dict(states[self.rank])
+                raise DataError(f"data loader states disagree on {k}: rank {first.rank} has {getattr(first, k)!r}, "
+                                f"rank {st.rank} has {getattr(st, k)!r} (states of one checkpoint step needed)")
+        own = next((st for st in states if st.rank == self.rank), None)
+        if first.layout == self._layout() and own is not None:
+            self._continue(own)
+            return
+        ranks = [st.rank for st in states]
+        if ranks != list(range(first.world_size)):
+            raise DataError(f"data loader states: need one state per old rank 0..{first.world_size - 1}, got ranks "
+                            f"{ranks}")
         total = Counter()
         for st in states:
-            total.update(st.get("counters", {}))
+            total.update(st.counters)
         self._counts = total if self.rank == 0 else Counter()
-        epoch = int(first["epoch"])
-        emitted = [int(x) for st in states for x in st["emitted"]]
-        if not any(emitted) and first.get("rest") is None:  # an epoch boundary: nothing to carry over
-            self._reset_epoch(epoch)
+        emitted = [x for st in states for x in st.emitted]
+        if not any(emitted) and first.rest is None:  # an epoch boundary: nothing to carry over
+            self._reset_epoch(first.epoch)
             return
-        source = {"epoch": epoch, "world_size": int(world), "workers": int(first["workers"]),
-                  "batch_size": int(first["batch_size"]), "shuffle_buffer": int(first["shuffle_buffer"]),
-                  "emitted": emitted, "rest": first.get("rest")}
-        self._reset_epoch(epoch, rest_epoch(self.plan, self.rank, source))
+        source = {"epoch": first.epoch, "world_size": first.world_size, "workers": first.workers,
+                  "batch_size": first.batch_size, "shuffle_buffer": first.shuffle_buffer, "emitted": emitted,
+                  "rest": first.rest}
+        self._reset_epoch(first.epoch, rest_epoch(self.plan, self.rank, source))
         if self.batches_this_epoch == 0:  # fewer left than one global batch of this layout
             self._end_epoch()
+
+    def _check_same_data(self, state: LoaderState) -> None:
+        now = {"seed": self.plan.seed, "data": self.plan.shardset.fingerprint()}
+        for k, new in now.items():
+            old = getattr(state, k)
+            if old != new:
+                raise DataError(f"data loader state was saved with {k}={old}, now {new}: a data position only "
+                                f"applies to the same data and seed")
+
+    def _continue(self, state: LoaderState) -> None:
+        """Exactly where ``state`` (of this rank, on this layout) stopped."""
+        self._counts = Counter(state.counters)
+        rest = rest_epoch(self.plan, self.rank, state.rest) if state.rest else None
+        self._reset_epoch(state.epoch, rest)
+        self._batch = state.batch
+        self._emitted = list(state.emitted)
+        self._epoch_bad = Counter(state.epoch_bad_by_shard)

@@ -1,11 +1,11 @@
 """What one dataloader worker runs: its slot's sample ranges -> shuffle buffer -> safe decode -> batches.
 
 A worker plays one *role* (0..workers-1) of its rank; slot = rank * workers + role. Each emitted
-batch carries ``meta``: the epoch, the role, how many samples the role's shuffle buffer has emitted
-so far this epoch (corrupt ones included), the counter delta since the previous batch, and the
-``__key__`` and shard name of each sample in the batch. The
-main process (``loader.ShardLoader``) keeps those numbers for the batches it has *yielded*, which
-is the whole resume state:
+batch carries a ``batch.record.BatchRecord``: the epoch, the role, how many samples the role's
+shuffle buffer has emitted so far this epoch (corrupt ones included), the counter delta since the
+previous batch, and the ``__key__`` and shard name of each sample in the batch. The main process
+(``loader.ShardLoader``) keeps those numbers for the batches it has *yielded*, which is the whole
+resume state:
 
 * Fast-forward: a resumed role replays its epoch stream -- reading tar members, never decoding --
   and discards the first ``emitted`` samples of the shuffle buffer's output. The buffer's choices
@@ -16,7 +16,7 @@ is the whole resume state:
   batches, see ``plan.py``). A dataloader worker therefore works out its role afresh in every
   epoch from where that epoch starts in its iterator's sequence.
 * Rest-epoch: after an elastic resume the first epoch reads what the old layout left
-  (``rest.RestEpoch``: per-role pieces and batch count); later epochs follow the plan.
+  (``remainder.RestEpoch``: per-role pieces and batch count); later epochs follow the plan.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.config import AugmentConfig
-from data_pipeline.loading.batch_decode import BatchBuffers, DeferredBatch
+from data_pipeline.loading.batch.buffers import BatchBuffers
+from data_pipeline.loading.batch.record import BatchRecord
+from data_pipeline.loading.batch.wire import DeferredBatch
 from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, shuffle_seed
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
@@ -60,7 +62,7 @@ class Start:
     epoch: int
     batch: int  # batches of this rank already yielded in ``epoch``
     emitted: tuple  # per role: shuffle-buffer emissions consumed in ``epoch``
-    rest: object = None  # rest.RestEpoch when ``epoch`` is the rest of an epoch after an elastic resume
+    rest: object = None  # remainder.RestEpoch when ``epoch`` is the rest of an epoch after an elastic resume
 
 
 class ShuffleBuffer:
@@ -191,7 +193,7 @@ class SlotStream(IterableDataset):
                 level = rest.level if rest is not None else 0
                 for item in self._train_epoch(epoch, slot, role, pieces, level, done, skips[role], due):
                     yield item
-                    if "error" in item[2]:  # the main process raises; nothing more to read
+                    if item[2].error is not None:  # the main process raises; nothing more to read
                         return
             epoch, j0, b0, rest, skips = epoch + 1, j0 + q - b0, 0, None, (0,) * W
 
@@ -227,20 +229,19 @@ class SlotStream(IterableDataset):
                     # unless the tar held more than planned: a slot's range is a whole number of batches)
                     in_buffer = len(buffer.items) if pass_no == 0 else 0
                     tally.add("dropped_for_balance", reader.total - reader.accounted + in_buffer)
-                meta = {"epoch": epoch, "role": role, "emitted": emitted, "tally": tally.take(),
-                        "keys": keys, "shards": shards}
+                record = BatchRecord(True, role, tally.take(), epoch, emitted, keys, shards)
                 batch_seed = mix_seed(TAG_BATCH, plan.seed, epoch, slot, done, *([level] if level else []))
-                yield self._collate(images, labels, batch_seed) + (meta,)
+                yield self._collate(images, labels, batch_seed) + (record,)
                 images, labels, keys, shards = [], [], [], []
                 if done == per_slot:
                     return
         except _Starved:
             names = ", ".join(sh.name for sh in reader.shards)
-            yield None, None, {"error": f"rank {self.rank} reader slot {role}: none of its shards "
-                                        f"({names}) yielded a readable sample in epoch {epoch}",
-                               "tally": tally.take()}
+            yield None, None, BatchRecord(True, role, tally.take(), epoch, error=(
+                f"rank {self.rank} reader slot {role}: none of its shards ({names}) yielded a readable "
+                f"sample in epoch {epoch}"))
         except RemoteShardError as e:  # the main process raises it (a DataError: one line)
-            yield None, None, {"error": str(e), "tally": tally.take()}
+            yield None, None, BatchRecord(True, role, tally.take(), epoch, error=str(e))
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_pass(self, slot, role):
@@ -250,7 +251,7 @@ class SlotStream(IterableDataset):
         try:
             yield from self._eval_batches(samples, role, tally)
         except RemoteShardError as e:
-            yield None, None, {"role": role, "error": str(e), "tally": tally.take()}
+            yield None, None, BatchRecord(False, role, tally.take(), error=str(e))
 
     def _eval_batches(self, samples, role, tally):
         plan = self.plan
@@ -263,14 +264,14 @@ class SlotStream(IterableDataset):
                 keys.append(raw.key)
                 shards.append(raw.shard.name)
             if len(images) == plan.batch_size:
-                meta = {"role": role, "tally": tally.take(), "keys": keys, "shards": shards}
-                yield self._collate(images, labels, 0) + (meta,)
+                record = BatchRecord(False, role, tally.take(), keys=keys, shards=shards)
+                yield self._collate(images, labels, 0) + (record,)
                 images, labels, keys, shards = [], [], [], []
         delta = tally.take()
         if images:
-            yield self._collate(images, labels, 0) + ({"role": role, "tally": delta, "keys": keys, "shards": shards},)
+            yield self._collate(images, labels, 0) + (BatchRecord(False, role, delta, keys=keys, shards=shards),)
         elif delta["counts"]:  # counters of a tail without good samples still reach the main process
-            yield None, None, {"role": role, "tally": delta}
+            yield None, None, BatchRecord(False, role, delta)
 
     # -------------------------------------------------------------------------------- samples
     def _decode(self, raw, seed, tally):
@@ -305,5 +306,5 @@ class SlotStream(IterableDataset):
         else:
             y = torch.tensor(labels, dtype=torch.int64)
         # uint8 samples (and, with data.decode_device cpu/cuda/dali, JPEG files): the training
-        # process decodes what is left, normalises and mixes (batch_decode.BatchDecoder)
+        # process decodes what is left, normalises and mixes (batch.decode.BatchDecoder)
         return DeferredBatch.pack(images, batch_seed if s.mixing(self.plan.train) else None, self.buffers), y

@@ -9,6 +9,7 @@ handed out) is the loader's state: a resumed run continues the same sequence.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -57,12 +58,24 @@ class SyntheticLoader:
             yield batch
 
     # ---------------------------------------------------------------------------------- resume
-    def state_dict(self) -> dict:
+    def state(self) -> "SyntheticState":
+        return SyntheticState(self.batches)
+
+    def resume(self, states: list["SyntheticState"]) -> None:
+        """This rank's saved position (the same world size) or, on another world size, rank 0's."""
+        self.batches = (states[self.rank] if self.rank < len(states) else states[0]).batches
+
+
+@dataclass(frozen=True)
+class SyntheticState:
+    """The synthetic loader's position: batches handed out. Stored in checkpoints as a small dict."""
+    batches: int
+
+    def to_dict(self) -> dict:
         return {"kind": STATE_KIND, "batches": self.batches}
 
-    def load_state_dicts(self, states: list) -> None:
-        """This rank's saved position (the same world size) or, on another world size, rank 0's."""
-        state = states[self.rank] if self.rank < len(states) else states[0]
-        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+    @classmethod
+    def from_dict(cls, d) -> "SyntheticState":
+        if not isinstance(d, dict) or d.get("kind") != STATE_KIND:
             raise DataError("the checkpoint's data position is a shard loader's; data.synthetic cannot continue it")
-        self.batches = int(state["batches"])
+        return cls(int(d["batches"]))

@@ -18,7 +18,7 @@ the size, without PIL: :meth:`SampleTransform.window_sample`); otherwise PIL dec
 image, in draft mode at 1/2..1/8 scale whenever the crop still has at least ``img_size`` pixels
 per side. Either way the crop box and every other draw are the same. Resizing runs on uint8 tensors
 (torch's vectorised antialiased kernel); samples leave the worker as uint8, and the training
-process normalises and mixes the batch (``batch_decode.BatchDecoder``).
+process normalises and mixes the batch (``batch.decode.BatchDecoder``).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from data_pipeline.loading.loader_state import LoaderState
 from data_pipeline.loading.sample_log import SampleLog
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.async_save import Saver
@@ -35,6 +36,13 @@ class Checkpointer:
         self.blocked_s: list[float] = []  # seconds each save held the training thread
         self.waited_s: list[float] = []  # of which waiting for the previous asynchronous save
 
+    @staticmethod
+    def loader_states(rank_states: list, kind=LoaderState) -> list:
+        """The loader states (``kind``: ``LoaderState``, or the synthetic loader's) of the per-rank
+        states ``checkpoint.resume`` returns, as :meth:`maybe_save` stored them; ``DataError`` in one
+        line for a state this loader cannot continue (an old version, another kind of loader)."""
+        return [kind.from_dict(st["loader"]) for st in rank_states]
+
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last
 
@@ -48,7 +56,7 @@ class Checkpointer:
             if self.samples is not None:
                 self.samples.flush()
             t0 = time.perf_counter()
-            state = dict(rank_state={"loader": self.loader.state_dict()},
+            state = dict(rank_state={"loader": self.loader.state().to_dict()},
                          run_info={**self.run_info, "wandb_run_id": self.logger.run_id})
             if self.saver is None:
                 checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)

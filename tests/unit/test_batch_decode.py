@@ -20,7 +20,7 @@ from decode_samples import (
 from PIL import Image
 
 from data_pipeline.config import AugmentConfig
-from data_pipeline.loading.batch_decode import DeferredBatch
+from data_pipeline.loading.batch.wire import DeferredBatch
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.stream import Settings, SlotStream, Start
@@ -43,7 +43,7 @@ def test_cpu_batch_decode_equals_the_worker_path(mixed, aug):
         assert torch.equal(a, b), (a - b).abs().max()
         assert torch.equal(ta, tb)
     assert got_loader.counters == want_loader.counters
-    assert got_loader.state_dict()["emitted"] == want_loader.state_dict()["emitted"]
+    assert got_loader.state().emitted == want_loader.state().emitted
 
 
 def test_cpu_batch_decode_eval_pass_equals_the_worker_path(mixed):
@@ -76,11 +76,11 @@ def test_worker_batches_cross_as_uint8_and_are_normalised_here(mixed, aug, train
     loader = build_loader(cfg, batch_size=8, seed=3, img_size=16, train=train)
     stream = SlotStream(loader.plan, 0, loader.settings, Start(0, 0, (0,)), loader.num_classes)
     crossed = []
-    for batch, y, meta in DataLoader(stream, batch_size=None, collate_fn=_same, num_workers=1):
+    for batch, y, record in DataLoader(stream, batch_size=None, collate_fn=_same, num_workers=1):
         assert isinstance(batch, DeferredBatch) and batch.blob.numel() == 0
         assert batch.decoded.dtype == torch.uint8 and batch.decoded.shape == (8, 3, 16, 16)
         assert batch.items == list(range(8)) and (batch.mix_seed is not None) == bool(aug)
-        crossed.append((batch, y, meta["keys"]))
+        crossed.append((batch, y, record.keys))
         if len(crossed) == 4:
             break
     m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
@@ -109,9 +109,9 @@ def test_workers_ship_plain_jpegs_undecoded(mixed):
             for m in tar.getmembers():
                 members[m.name] = tar.extractfile(m).read()
     kinds = set()
-    for batch, _, meta in (next(iter(stream)),) + tuple(x for _, x in zip(range(3), iter(stream))):
+    for batch, _, record in (next(iter(stream)),) + tuple(x for _, x in zip(range(3), iter(stream))):
         assert isinstance(batch, DeferredBatch) and batch.mix_seed is None
-        for item, key in zip(batch.items, meta["keys"]):
+        for item, key in zip(batch.items, record.keys):
             if isinstance(item, Deferred):
                 assert bytes(batch.file(item).numpy()) == members[f"{key}.jpg"]
                 i = int(key[2:])  # RGB, grey baseline, or EXIF orientation 1 (nothing to turn)
@@ -193,7 +193,8 @@ def test_a_sample_met_again_in_a_repeat_pass_is_counted_once(tmp_path, shard_kit
 
 
 def test_eval_drops_a_broken_jpeg_as_the_worker_path_does(tmp_path, shard_kit):
-    root = shard_kit.make_shards(tmp_path / "e", [broken_jpegs(mixed_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
+    root = shard_kit.make_shards(tmp_path / "e", [broken_jpegs(mixed_samples(16, 5), at=(1,))],
+                                 [f"c{i}" for i in range(5)])
     got = {}
     for device in ("worker", "cpu"):
         loader = build_loader(decode_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
@@ -261,7 +262,8 @@ def test_cuda_batch_decode_matches_cpu(mixed, tmp_path, shard_kit):
     _, got = run_loader(decode_cfg(root, "cuda"), batches=2)
     for (a, _, ka), (b, _, kb) in zip(want, got):
         assert ka == kb and (a - b.cpu()).abs().mean() < 3 / 127.5, (a - b.cpu()).abs().mean() * 127.5
-    root = shard_kit.make_shards(tmp_path / "bad", [broken_jpegs(mixed_samples(16, 7), at=(2,))], [f"c{i}" for i in range(5)])
+    root = shard_kit.make_shards(tmp_path / "bad", [broken_jpegs(mixed_samples(16, 7), at=(2,))],
+                                 [f"c{i}" for i in range(5)])
     loader = build_loader(decode_cfg(root, "cuda", workers=0), batch_size=8, img_size=16)
     for n, (x, _) in enumerate(loader, 1):
         assert x.is_cuda and torch.isfinite(x).all()
@@ -297,15 +299,15 @@ class _Filled(torch.utils.data.IterableDataset):
         self.buffers, self.n = buffers, n
 
     def __iter__(self):
-        from data_pipeline.loading import batch_decode
+        from data_pipeline.loading.batch import buffers as batch_buffers
 
-        fresh, make = [0], batch_decode._shared_storage
+        fresh, make = [0], batch_buffers._shared_storage
 
         def counted(numel):
             fresh[0] += 1
             return make(numel)
 
-        batch_decode._shared_storage = counted  # in this worker process only
+        batch_buffers._shared_storage = counted  # in this worker process only
         for i in range(self.n):
             t, tag = self.buffers.take((4, 3, 8, 8))
             yield t.fill_(i % 251), tag, fresh[0]
@@ -315,7 +317,7 @@ def test_worker_buffers_are_reused_only_once_released():
     """A worker stacks into the same few shared-memory tensors while the training process releases
     each batch after reading it; a batch held unreleased is never written over (the worker takes a
     fresh tensor instead, and does not wait). Real DataLoader worker processes."""
-    from data_pipeline.loading.batch_decode import BatchBuffers
+    from data_pipeline.loading.batch.buffers import BatchBuffers
 
     buffers = BatchBuffers(1, slots=4)
     loader = torch.utils.data.DataLoader(_Filled(buffers, 60), batch_size=None, num_workers=1, prefetch_factor=2)

@@ -28,7 +28,7 @@ from PIL import Image
 from data_pipeline.config import AugmentConfig
 from data_pipeline.errors import ConfigError
 from data_pipeline.loading import dali_decode
-from data_pipeline.loading.batch_decode import BatchDecoder
+from data_pipeline.loading.batch.decode import BatchDecoder
 from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import SampleTransform
@@ -112,7 +112,7 @@ def test_dali_loader_gives_the_worker_paths_epoch_on_two_ranks(shards):
                 batches.append((x.clone(), y.clone(), list(loader.last_keys)))
                 if n == loader.batches_per_epoch:
                     break
-            got[device] = (batches, loader.counters, loader.state_dict())
+            got[device] = (batches, loader.counters, loader.state())
         (want, cw, sw), (have, ch, sh) = got["worker"], got["dali"]
         assert len(have) == len(want) == 16
         for (a, ta, ka), (b, tb, kb) in zip(want, have):
@@ -163,7 +163,7 @@ def test_mixed_batches_with_worker_decoded_members(mixed, aug):  # noqa: F811  (
                     assert _levels(a[k], b[k])[..., 1:-1, 1:-1].max() <= INNER + 0.01, key
     assert worker_rows > 0 or aug
     assert got_loader.counters == want_loader.counters
-    assert got_loader.state_dict() == want_loader.state_dict()
+    assert got_loader.state() == want_loader.state()
 
 
 def test_a_jpeg_dali_cannot_decode_is_counted_once_and_refilled(tmp_path, shard_kit):
@@ -203,7 +203,8 @@ def test_a_jpeg_dali_cannot_decode_is_counted_once_and_refilled(tmp_path, shard_
 
 
 def test_eval_drops_a_jpeg_dali_cannot_decode(tmp_path, shard_kit):
-    root = shard_kit.make_shards(tmp_path / "e", [broken_jpegs(mixed_samples(16, 5), at=(1,))], [f"c{i}" for i in range(5)])
+    root = shard_kit.make_shards(tmp_path / "e", [broken_jpegs(mixed_samples(16, 5), at=(1,))],
+                                 [f"c{i}" for i in range(5)])
     got = {}
     for device in ("worker", "dali"):
         loader = build_loader(decode_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
@@ -220,11 +221,11 @@ def test_dali_resume_mid_epoch_is_exact(shards):
     for n, (x, y) in enumerate(loader, 1):
         whole.append((x.clone(), y.clone(), list(loader.last_keys)))
         if n == 3:
-            state = loader.state_dict()
+            state = loader.state()
         if n == 6:
             break
     resumed = build_loader(cfg, rank=1, world_size=2, batch_size=8, seed=3, img_size=32)
-    resumed.load_state_dict(state)
+    resumed.resume([state])
     for n, (x, y) in enumerate(resumed, 4):
         a, ta, ka = whole[n - 1]
         assert resumed.last_keys == ka and torch.equal(x, a) and torch.equal(y, ta), n
@@ -277,7 +278,8 @@ def test_dali_missing_is_one_line_naming_the_key_and_package(shards, monkeypatch
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("data.decode_device: dali, but nvidia.dali does not import (")
-    assert msg.endswith(f"; pip install nvidia-dali-cuda{torch.version.cuda.split('.')[0] if torch.version.cuda else 13}0")
+    major = torch.version.cuda.split('.')[0] if torch.version.cuda else 13
+    assert msg.endswith(f"; pip install nvidia-dali-cuda{major}0")
 
 
 def test_a_forked_child_can_drop_a_dali_pipeline(shards):
@@ -347,5 +349,5 @@ def test_dali_prefetch_adds_no_host_sync(shards):
     a torch call)."""
     assert dali_decode.unavailable() is None, dali_decode.unavailable()
 
-    calm_and_busy(lambda: build_loader(decode_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
-                                       img_size=32))
+    calm_and_busy(lambda: build_loader(decode_cfg(shards.parent, "dali", mixup_alpha=0.8, cutmix_alpha=1.0),
+                                       batch_size=8, img_size=32))

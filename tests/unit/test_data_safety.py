@@ -86,7 +86,7 @@ def test_truncated_tar_and_missing_shard(tmp_path, shard_kit):
     c = loader.counters
     assert c["missing_shard"] == 1 and c["truncated_tar"] == 1
     assert 20 < c["lost_in_shard"] < 40 and c["samples"] == 80
-    assert loader.state_dict()["epoch"] == 1
+    assert loader.state().epoch == 1
 
 
 def test_corrupt_rate_threshold_names_worst_shard(tmp_path, shard_kit):
@@ -224,11 +224,13 @@ def test_tar_reading_is_tarfiles_at_every_cut(tmp_path, shard_kit, monkeypatch):
 
     def read(path, ranges, unseekable):
         if unseekable:
-            monkeypatch.setattr(reader, "open_shard", lambda url, name, tally, policy: io.BufferedReader(_Unseekable(url)))
+            monkeypatch.setattr(reader, "open_shard",
+                                lambda url, name, tally, policy: io.BufferedReader(_Unseekable(url)))
         else:
             monkeypatch.undo()
         tally = Tally()
-        got = [(s.index, s.key, s.members, s.lost) for s in reader.read_shard(Shard(0, "s.tar", str(path), 6), tally, ranges)]
+        got = [(s.index, s.key, s.members, s.lost)
+               for s in reader.read_shard(Shard(0, "s.tar", str(path), 6), tally, ranges)]
         return got, tally.take()
 
     for name, data in files.items():

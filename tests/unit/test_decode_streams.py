@@ -17,7 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from data_pipeline.config import AugmentConfig
 from data_pipeline.errors import TooManyCorruptSamples
-from data_pipeline.loading.batch_decode import BatchDecoder, DeferredBatch, crop_batch
+from data_pipeline.loading.batch.crop_atlas import crop_batch
+from data_pipeline.loading.batch.decode import BatchDecoder
+from data_pipeline.loading.batch.prefetch import finish
+from data_pipeline.loading.batch.record import BatchRecord
+from data_pipeline.loading.batch.wire import DeferredBatch
 from data_pipeline.loading.cuda_streams import decode_jpeg
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.transforms import Deferred, SampleTransform
@@ -72,7 +76,8 @@ class RecordingStreams:
 def as_on_cuda(monkeypatch):
     """Loaders built with decode_device=cpu run the cuda path (prefetch, batched crop) on the CPU
     with RecordingStreams; decode_jpeg calls are logged as ("decode", current stream, outputs)."""
-    from data_pipeline.loading import batch_decode, loader
+    from data_pipeline.loading import loader
+    from data_pipeline.loading.batch import decode as batch_decode
 
     log = []
     streams = RecordingStreams(log)
@@ -194,10 +199,13 @@ def _deferred_batch(train: bool, n: int):
     return tf, DeferredBatch.pack(samples, None)
 
 
+def _record(train: bool, n: int, epoch: int = 0) -> BatchRecord:
+    return BatchRecord(train, 0, {"counts": {}, "bad_by_shard": {}}, epoch, keys=[str(i) for i in range(n)],
+                       shards=["s"] * n)
+
+
 def _finish(decoder, batch):
-    meta = {"tally": {"counts": {}, "bad_by_shard": {}}, "keys": [str(i) for i in range(len(batch.items))],
-            "shards": ["s"] * len(batch.items)}
-    return decoder(batch, torch.arange(len(batch.items)) % 5, meta)
+    return decoder(batch, torch.arange(len(batch.items)) % 5, _record(decoder.transform.train, len(batch.items)))
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -282,7 +290,7 @@ def test_cuda_path_on_cpu_gives_the_cpu_paths_batches(tmp_path, shard_kit, monke
         assert _levels(a, b).mean() < 0.5 and _levels(a, b).max() <= 3.01
     assert got_loader.counters == want_loader.counters and got_loader.counters["corrupt_image"] >= 1
     if train:
-        assert got_loader.state_dict() == want_loader.state_dict()
+        assert got_loader.state() == want_loader.state()
 
 
 def test_randaugment_on_the_batched_crop():
@@ -305,17 +313,17 @@ def test_an_error_finishing_the_next_batch_is_raised_in_batch_order():
     calls = []
 
     class Failing(BatchDecoder):
-        def __call__(self, batch, targets, meta):
-            calls.append(meta["n"])
-            if meta["n"] == 1:
+        def __call__(self, batch, targets, record):
+            calls.append(record.epoch)
+            if record.epoch == 1:
                 raise TooManyCorruptSamples("batch 1")
-            return super().__call__(batch, targets, meta)
+            return super().__call__(batch, targets, record)
 
     decoder = Failing(tf, AugmentConfig(), "cpu", 10 ** 8, 5, streams=RecordingStreams([]), batched=True)
-    meta = [{"n": n, "tally": {"counts": {}, "bad_by_shard": {}}} for n in range(3)]
-    it = decoder.finish(iter([(batch, torch.zeros(4, dtype=torch.int64), m) for m in meta]))
-    x, _, m = next(it)
-    assert m["n"] == 0 and x.shape == (4, 3, 16, 16) and calls == [0, 1]
+    records = [_record(True, 4, epoch=n) for n in range(3)]  # the epoch field tells the batches apart
+    it = finish(decoder, iter([(batch, torch.zeros(4, dtype=torch.int64), r) for r in records]))
+    x, _, r = next(it)
+    assert r.epoch == 0 and x.shape == (4, 3, 16, 16) and calls == [0, 1]
     with pytest.raises(TooManyCorruptSamples, match="batch 1"):
         next(it)
 
@@ -326,4 +334,5 @@ def test_cuda_prefetch_is_ordered_by_events_alone(smooth):
     finished one ahead on the side stream equal those of a run that drains the device after each
     batch; and after start-up no torch call synchronises (sync debug mode set to error; torchvision's
     own wait for nvJPEG, inside its decode, is not a torch call)."""
-    calm_and_busy(lambda: build_loader(decode_cfg(smooth, "cuda", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8, img_size=16))
+    calm_and_busy(lambda: build_loader(decode_cfg(smooth, "cuda", mixup_alpha=0.8, cutmix_alpha=1.0), batch_size=8,
+                                       img_size=16))

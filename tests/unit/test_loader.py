@@ -3,6 +3,7 @@ evaluation stream, targets. Shards whose label is the sample id let targets show
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
+from data_pipeline.loading.loader_state import LoaderState
 from pretrain.config import AugmentConfig, DataConfig
 
 
@@ -27,7 +29,7 @@ def _epoch_ids(cfg, world_size, batch_size, epoch=0):
                               img_size=16, epoch=epoch)
         it = iter(loader)
         ids = [int(t) for _ in range(loader.batches_per_epoch) for t in next(it)[1]]
-        assert loader.epoch == epoch + 1 and loader.state_dict()["batch"] == 0
+        assert loader.epoch == epoch + 1 and loader.state().batch == 0
         per_rank.append(ids)
         loaders.append(loader)
     return per_rank, loaders
@@ -79,12 +81,12 @@ def test_exact_resume_bit_identical(demo_train, workers, cuts):
     it = iter(ref_loader)
     for _ in range(total):
         ref.append(next(it))
-        states.append(ref_loader.state_dict())
-    assert states[-1]["epoch"] == 1
+        states.append(json.dumps(ref_loader.state().to_dict()))  # as a checkpoint stores it
+    assert json.loads(states[-1])["epoch"] == 1
     assert ref[0][1].dtype == torch.float32 and ref[0][1].shape == (24, 10)  # mixup/cutmix: soft targets
     for cut in cuts:
         loader = make()
-        loader.load_state_dict(states[cut - 1])
+        loader.resume([LoaderState.from_dict(json.loads(states[cut - 1]))])  # this rank's alone
         it = iter(loader)
         for k in range(cut, min(cut + 4, total)):
             x, y = next(it)
@@ -101,17 +103,25 @@ def test_workers0_leaves_global_rng_alone(demo_train):
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_resume_layout_mismatch(balanced_ids):
-    cfg = _cfg(balanced_ids)
-    loader = build_loader(cfg, rank=0, world_size=2, batch_size=6, img_size=16)
+STORED_KEYS = ["version", "epoch", "batch", "emitted", "rank", "world_size", "workers", "batch_size", "seed",
+               "shuffle_buffer", "data", "rest", "counters", "epoch_bad_by_shard"]  # a checkpoint's "loader"
+
+
+def test_state_keeps_the_checkpoint_layout_and_refuses_version_1(balanced_ids):
+    """A state stored as a checkpoint's JSON keeps version 2's layout (checkpoints written earlier
+    load) and reads back as the same state; a version-1 state (the shard-level plan) or one missing a
+    field is refused in one line."""
+    loader = build_loader(_cfg(balanced_ids, workers=0), rank=1, world_size=2, batch_size=6, seed=3, img_size=16)
     it = iter(loader)
-    next(it)
-    state = loader.state_dict()
-    other = build_loader(cfg, rank=0, world_size=4, batch_size=6, img_size=16)
-    with pytest.raises(DataError, match="world_size=2, now 4: resuming on another layout needs every old rank's"):
-        other.load_state_dict(state)
-    other.load_state_dict(state, strict=False)
-    assert other.state_dict()["epoch"] == 1 and other.state_dict()["batch"] == 0
+    next(it), next(it)
+    stored = json.loads(json.dumps(loader.state().to_dict()))
+    assert list(stored) == STORED_KEYS and stored["version"] == 2 and stored["batch"] == 2
+    assert LoaderState.from_dict(stored) == loader.state()
+    with pytest.raises(DataError, match=r"^data loader state version 1 .*: start a new run") as e:
+        LoaderState.from_dict({**stored, "version": 1})
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="lacks 'emitted'"):
+        LoaderState.from_dict({k: v for k, v in stored.items() if k != "emitted"})
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -188,14 +198,14 @@ def test_layout_that_cannot_feed_every_slot_is_a_data_error(balanced_ids):
 
 # ------------------------------------------------------------- keys, full epochs, elastic resume
 def _ids_and_states(cfg, world, batch, n, states=None, seed=3):
-    """Each rank of a ``world``-rank layout (after ``load_state_dicts(states)`` when given) yields
+    """Each rank of a ``world``-rank layout (after ``resume(states)`` when given) yields
     ``n`` batches (None: the rest of the current epoch); returns (ids per rank, new states, loaders)."""
     ids, out, loaders = [], [], []
     for rank in range(world):
         loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch, seed=seed, img_size=16)
         if states is not None:
-            loader.load_state_dicts(states)
-        count = loader.batches_this_epoch - loader.state_dict()["batch"] if n is None else n
+            loader.resume(states)
+        count = loader.batches_this_epoch - loader.state().batch if n is None else n
         mine, it = [], iter(loader)
         for _ in range(count):
             epoch = loader.epoch
@@ -204,7 +214,7 @@ def _ids_and_states(cfg, world, batch, n, states=None, seed=3):
             assert all(s.startswith("train-") for s in loader.last_shards)
             mine += y.tolist()
         ids.append(mine)
-        out.append(loader.state_dict())
+        out.append(loader.state())
         loaders.append(loader)
     return ids, out, loaders
 
@@ -255,7 +265,7 @@ def test_elastic_twice_in_one_epoch_and_exact_resume_inside_the_rest(uneven_ids)
     batch = 4
     before, s0, _ = _ids_and_states(_cfg(uneven_ids, workers=2), 2, batch, 4)
     mid, s1, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 3, s0)
-    assert s1[0]["rest"]["world_size"] == 2
+    assert s1[0].rest["world_size"] == 2
     rest_a, s2, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 2, s1)  # same layout: exact
     rest_b, _, _ = _ids_and_states(_cfg(uneven_ids, workers=0), 1, batch, 2, s1)
     assert rest_a == rest_b
@@ -271,8 +281,8 @@ def test_elastic_states_must_be_complete_and_agree(uneven_ids):
     _, states, _ = _ids_and_states(_cfg(uneven_ids), 2, 4, 1)
     loader = build_loader(_cfg(uneven_ids), rank=0, world_size=1, batch_size=4, seed=3, img_size=16)
     with pytest.raises(DataError, match=r"need one state per old rank 0..1, got ranks \[1\]"):
-        loader.load_state_dicts(states[1:])
+        loader.resume(states[1:])
     with pytest.raises(DataError, match="disagree on batch"):
-        loader.load_state_dicts([states[0], {**states[1], "batch": 7}])
+        loader.resume([states[0], dataclasses.replace(states[1], batch=7)])
     with pytest.raises(DataError, match="saved with seed=3, now 4"):
-        build_loader(_cfg(uneven_ids), batch_size=4, seed=4, img_size=16).load_state_dicts(states)
+        build_loader(_cfg(uneven_ids), batch_size=4, seed=4, img_size=16).resume(states)
