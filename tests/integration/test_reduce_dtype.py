@@ -90,3 +90,18 @@ def test_default_config_and_stage0_refusal():
     with pytest.raises(ConfigError, match="train.reduce_dtype=bf16 with train.precision=fp32"):
         deepspeed_config(OptimConfig(), TrainConfig(precision="fp32", reduce_dtype="bf16", global_batch_size=8,
                                                     micro_batch_size=4), ZeroConfig(stage=1, **BUCKETS), 2)
+
+
+def test_auto_buckets_reduce_during_the_backward():
+    """ZeRO-2 on 2 ranks: with ``zero.reduce_bucket_size: auto`` (a quarter of the tiny ViT's
+    parameters at most) the first gradient reduction starts before the autograd pass has produced
+    its last gradient; with DeepSpeed's 5e8 (larger than the model) every reduction waits for the end
+    of the backward, overlapping nothing."""
+    r = run_job(deepspeed_cmd("tests.jobs.reduce_overlap_job", json.dumps(["auto", 500_000_000])), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(next(ln for ln in r.stdout.splitlines() if "RESULT " in ln).split("RESULT ", 1)[1])
+    auto, whole = got["auto"], got["500000000"]
+    assert auto["bucket"] <= auto["params"] / 4, auto
+    early = [s for s in auto["starts_before_end"] if s < 0]
+    assert len(early) >= 2, auto  # several buckets reduced while autograd still computes gradients
+    assert whole["starts_before_end"] and min(whole["starts_before_end"]) >= 0, whole

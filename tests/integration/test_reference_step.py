@@ -51,6 +51,11 @@ CASES = {
     # (SGD: under AdamW, compiled plain PyTorch is itself 1.2e-4 from eager, 3.5x the noise measure above)
     "z3-compile-ckpt-sgd-momentum-2steps": dict(compile=True, ckpt=True, momentum=0.9, steps=2, clip=1.0, wd=0.05,
                                                 leaf_blocks=False),
+    # train.compile: model, the whole module compiled by inductor (ZeRO 0-2), without and with
+    # checkpointing of the first 5 of the 12 blocks (train.activation_checkpointing: N)
+    "z2-compile-model-sgd-momentum-2steps": dict(stage=2, compile="model", momentum=0.9, steps=2, clip=1.0, wd=0.05),
+    "z1-compile-model-ckpt5-sgd-momentum-2steps": dict(stage=1, compile="model", ckpt=5, momentum=0.9, steps=2,
+                                                       clip=1.0, wd=0.05),
 }
 # bf16: DeepSpeed runs the whole model in bf16 (8 significant bits: 2**-8 = 3.9e-3 per rounding),
 # forward and backward, against an fp32 reference; the errors add up over 12 blocks. Measured:
