@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.runner import LaunchSpec
+
 PROG = "vit-launch"
 
 
@@ -27,10 +29,8 @@ def resource_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
 
 
-def launch_spec(args):
+def launch_spec(args) -> LaunchSpec:
     """The ``LaunchSpec`` of ``config_arguments`` + ``resource_arguments``."""
-    from launch.runner import LaunchSpec
-
     return LaunchSpec(config=args.config, overrides=list(args.overrides), hostfile=args.hostfile,
                       num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node, master_addr=args.master_addr,
                       master_port=args.master_port, include=args.include, exclude=args.exclude)
