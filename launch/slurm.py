@@ -1,4 +1,5 @@
-"""An sbatch script for a multi-node job: readable, and meant to be edited by a person.
+"""An sbatch script for a multi-node job: readable, and meant to be edited by a person. The
+``vit-launch slurm`` command that writes it (options, checks) is ``launch/commands/slurm.py``.
 
 The script (1) turns ``SLURM_JOB_NODELIST`` into a DeepSpeed hostfile with
 ``scontrol show hostnames``, (2) sets the NCCL defaults (README, "NCCL defaults"), (3) runs the
@@ -41,7 +42,6 @@ a job array whose task I runs ``vit-shards ... --part I/N`` and ``shards.merge.s
 """
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -51,7 +51,6 @@ from typing import Optional
 from launch.hostfile import LaunchError
 from launch.runner import STORE_ENV, TRAIN_MODULE, deepspeed_executable
 from launch.sbatch import SLURM_TIME, bash_array, shell_word
-from launch.slurm_shards import shards_main
 
 
 @dataclass
@@ -268,97 +267,3 @@ def write(job: SlurmJob, output: str | Path) -> Path:
     out.write_text(text)
     out.chmod(0o755)
     return out
-
-
-# --------------------------------------------------------------------------- `vit-launch slurm`
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The options of ``vit-launch slurm`` (besides --config, overrides and --gpu-memory-gb)."""
-    ap.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
-    ap.add_argument("--gpus-per-node", type=int, required=True,
-                    help="GPUs (ranks) per node; 0: a CPU-only job (no GPU request, see --ranks-per-node)")
-    ap.add_argument("--ranks-per-node", type=int,
-                    help="ranks per node of a CPU-only job (default 1); with GPUs it is --gpus-per-node")
-    ap.add_argument("--partition", help="SLURM partition")
-    ap.add_argument("--time", help="time limit, e.g. 4:00:00 or 2-00:00:00")
-    ap.add_argument("--account", help="SLURM account")
-    ap.add_argument("--job-name", help="default: vitscale-<config name>")
-    ap.add_argument("--cpus-per-node", type=int, help="CPUs to request per node")
-    ap.add_argument("--launcher", default="pdsh", choices=["pdsh", "srun"],
-                    help="pdsh: runner on the first node over ssh (default); srun: one runner per node")
-    ap.add_argument("--master-port", type=int, help="default: 20000 + job id %% 20000")
-    ap.add_argument("--log-dir", default="logs", help="job output, hostfile (default logs/; created now)")
-    ap.add_argument("--requeue", action="store_true",
-                    help="requeue on pre-emption; SIGTERM --signal-grace s before the time limit")
-    ap.add_argument("--signal-grace", type=int, default=120,
-                    help="seconds before the time limit that the job is told to checkpoint (default 120)")
-    ap.add_argument("--output", required=True, help="sbatch script to write")
-    g = ap.add_argument_group("shard writing instead of training: --shards [options] -- VIT-SHARDS OPTIONS")
-    g.add_argument("--shards", action="store_true",
-                   help="write vit-shards as a job array + a merge job to submit with --dependency=afterok on it "
-                        "(no --config; `vit-launch slurm --shards --help`)")
-    g.add_argument("--parts", type=int, help="with --shards: array tasks, one part of the vit-shards job each")
-    g.add_argument("--max-running", type=int, help="with --shards: array tasks running at once")
-
-
-def job_from_args(args) -> SlurmJob:
-    return SlurmJob(config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                    overrides=list(args.overrides), partition=args.partition, time=args.time,
-                    account=args.account, job_name=args.job_name, cpus_per_node=args.cpus_per_node,
-                    launcher=args.launcher, master_port=args.master_port, gpu_memory_gb=args.gpu_memory_gb,
-                    log_dir=args.log_dir, ranks_per_node=getattr(args, "ranks_per_node", None),
-                    requeue=getattr(args, "requeue", False), signal_grace=getattr(args, "signal_grace", 120))
-
-
-def layout_ok(cfg, job: SlurmJob) -> bool:
-    """The pre-flight checks that need no cluster (batch arithmetic, memory estimate) for the job's
-    world size, before a script is written: a layout that cannot run fails now, not after the queue
-    wait. Errors and warnings one line each on stderr; the data and disk checks run in the job."""
-    import io
-
-    from launch.preflight import layout_checks, report
-
-    findings = layout_checks(cfg, job.nodes * job.ranks, gpu_memory_gb=job.gpu_memory_gb)
-    return report(findings, "vit-launch slurm", io.StringIO(), sys.stderr)
-
-
-def command(args) -> int:
-    """``vit-launch slurm``: check the config and the layout, write the script and its log folder.
-    A layout that fails a check is one line, exit 2, and no script."""
-    from pretrain.config import load_config
-
-    for flag, v in (("--parts", getattr(args, "parts", None)), ("--max-running", getattr(args, "max_running", None))):
-        if v is not None:
-            raise LaunchError(f"{flag} belongs to a shard-writing job array: add --shards")
-    cfg = load_config(args.config, args.overrides)  # a bad key fails here, not after the queue wait
-    job = job_from_args(args)
-    validate(job)
-    if not layout_ok(cfg, job):
-        return 2
-    out = write(job, args.output)
-    what = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.ranks} CPU rank(s)"
-    print(f"wrote {out}: {job.nodes} node(s) x {what}, launcher {job.launcher}"
-          f"{', --requeue' if job.requeue else ''}; logs in {Path(job.log_dir).absolute()}; submit with: sbatch {out}")
-    return 0
-
-
-def main(argv=None) -> None:
-    """``python -m launch.slurm`` = ``vit-launch slurm``."""
-    from data_pipeline.errors import DataError, Parser, cli_errors
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--shards" in argv[:argv.index("--") if "--" in argv else len(argv)]:
-        shards_main(argv)
-
-    ap = Parser(prog="vit-launch slurm", description="Write an sbatch script for a vitscale pre-training job.")
-    ap.add_argument("--config", required=True, help="YAML experiment file")
-    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
-    ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="for the pre-flight memory estimate")
-    add_arguments(ap)
-    args = ap.parse_intermixed_args(argv)
-    with cli_errors(ap.prog, DataError, LaunchError, OSError):
-        code = command(args)
-    raise SystemExit(code)
-
-
-if __name__ == "__main__":
-    main()

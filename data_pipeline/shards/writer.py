@@ -48,12 +48,14 @@ import json
 import random
 import re
 from collections import Counter
+from dataclasses import dataclass, field
 
 from PIL import Image
 
 from data_pipeline.errors import DataError
 from data_pipeline.shards.decode import to_8bit
 from data_pipeline.shards.demo_data import demo_items
+from data_pipeline.shards.exclude import Exclusion
 from data_pipeline.shards.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -155,30 +157,48 @@ def _member_bytes(n: int) -> int:
 
 
 class _ShardSink:
-    """Writes samples into ``<split>-NNNNNN.tar`` files of ``out`` (``storage.places``): each
-    streamed under a temporary name (a multipart upload in S3) that becomes the file when complete,
-    then recorded in the progress file (finished shards with their size and the store's ETag +
-    where the next one starts in the sample order + skip counts so far)."""
+    """Writes samples into ``<prefix>-NNNNNN.tar`` files of ``out`` (``storage.places``), starting a
+    new shard when the current one holds ``shard_size`` samples or the next sample would take it past
+    ``max_shard_bytes``. Each shard streams under a temporary name (a multipart upload in S3) that
+    becomes the file when complete, then is recorded in the progress file (finished shards with
+    their size and the store's ETag + where the next one starts in the sample order + skip counts
+    so far). ``shards``: the finished shards of an interrupted run, extended in place."""
 
-    def __init__(self, out, prefix: str, progress: str, job: str, shards: list, skipped: Counter,
-                 skipped_files: dict):
+    def __init__(self, out, prefix: str, progress: str, job: str, shards: list, shard_size: int,
+                 max_shard_bytes: int | None):
         self.out, self.prefix, self.progress, self.job = out, prefix, progress, job
-        self.shards, self.skipped = shards, skipped
-        self.skipped_files = skipped_files  # reason -> the first SKIPPED_NAMES names
+        self.shards, self.shard_size, self.max_shard_bytes = shards, shard_size, max_shard_bytes
+        last = shards[-1] if shards else {}  # skip counts go on from where the last finished shard left them
+        self.skipped = Counter(last.get("skipped", {}))
+        self.skipped_files = {k: list(v) for k, v in last.get("skipped_files", {}).items()}  # the first SKIPPED_NAMES
         self.current = None  # (output stream, TarWriter, name)
         self.count = self.size = 0
 
-    def add(self, sample: dict, nbytes: int) -> None:
+    def skip(self, reason: str, item, index: int) -> None:
+        self.skipped[reason] += 1
+        names = self.skipped_files.setdefault(reason, [])
+        if len(names) < SKIPPED_NAMES:
+            names.append(_item_name(item, index))
+
+    def add(self, position: int, sample: dict) -> None:
+        """Sample ``position`` of the job's order; it may close the current shard first."""
         import webdataset as wds
 
+        need = sum(_member_bytes(len(v)) for k, v in sample.items() if k != "__key__")
+        if self.current and (self.count >= self.shard_size or
+                             (self.max_shard_bytes and self.size + need > self.max_shard_bytes)):
+            self.finish(position)
         if self.current is None:
             name = f"{self.prefix}-{len(self.shards):06d}.tar"
             f = self.out.create(name)
             self.current, self.count, self.size = (f, wds.TarWriter(f, mtime=0), name), 0, 0
         self.current[1].write(sample)
-        self.count, self.size = self.count + 1, self.size + nbytes
+        self.count, self.size = self.count + 1, self.size + need
 
     def finish(self, end: int) -> None:
+        """Close the current shard (if any); the next one starts at ``end`` in the sample order."""
+        if self.current is None:
+            return
         f, writer, name = self.current
         writer.close()
         done = f.commit()  # {"bytes"}, and the store's "etag" for S3
@@ -230,14 +250,113 @@ def _finished_shards(out, job: str, name: str) -> list:
     return shards
 
 
-def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 1000,
-                 max_shard_bytes: int | None = None, resize_shorter: int | None = None, quality: int = 95,
-                 workers: int = 1, shuffle_seed: int | None = 0, limit: int | None = None,
-                 progress: bool = True, exclude=None, part: tuple[int, int] | None = None) -> dict:
+@dataclass
+class ShardJob:
+    """One ``vit-shards`` job: a source and the options that fix what its shards hold. ``id`` (the
+    manifest's ``"job"``) hashes both, once, here: a rerun with the same ones continues or returns
+    the job, another refuses to mix with it, and ``vit-audit`` names it in exclusion lists.
+    ``exclude`` (``exclude.Exclusion``): keys of this same job to leave out (a key is a position in
+    the job's sample order, so a list written for another job is refused); the others keep their
+    keys, the left-out ones count as ``skipped["excluded"]``, and the list's hash joins the options."""
+    source: Source = field(repr=False)
+    split: str = "train"
+    shard_size: int = 1000
+    max_shard_bytes: int | None = None
+    resize_shorter: int | None = None
+    quality: int = 95
+    shuffle_seed: int | None = 0
+    limit: int | None = None
+    exclude: Exclusion | None = field(default=None, repr=False)
+    options: dict = field(init=False)  # as the manifest records them
+    id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.options = {"split": self.split, "shard_size": self.shard_size, "max_shard_bytes": self.max_shard_bytes,
+                        "resize_shorter": self.resize_shorter, "quality": self.quality,
+                        "shuffle_seed": self.shuffle_seed, "limit": self.limit}
+        if self.exclude is not None:
+            audited = self._digest()  # the job whose keys the list must name
+            if self.exclude.jobs and audited not in self.exclude.jobs:
+                raise DataError(f"{self.exclude.path}: lists keys of vit-shards job {', '.join(self.exclude.jobs)}, "
+                                f"but this source and these options make job {audited}; rerun the audited command "
+                                "with --exclude")
+            self.options["exclude"] = hashlib.sha1("\n".join(sorted(self.exclude.keys)).encode()).hexdigest()[:16]
+        self.id = self._digest()
+
+    def _digest(self) -> str:
+        what = [self.source.description, self.source.classes, len(self.source.items), self.options]
+        return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
+
+    def finished(self, out, part: tuple[int, int] | None) -> dict | None:
+        """The manifest a finished run of this job (or of this part of it) left in ``out``, else None;
+        another job's is a DataError."""
+        done = _job_done(out, MANIFEST_NAME, self.id, "the folder already holds shards of another source or "
+                         "options; use another --output or remove it")
+        if done is None and part is not None:
+            done = _job_done(out, part_manifest_name(part), self.id, "this part was written by another source or "
+                             "options; use another --output or remove the folder's parts")
+        return done
+
+    def order(self) -> list[int]:
+        """Source indices in the job's sample order: the sample at position ``i`` has key ``i``."""
+        order = list(range(len(self.source.items)))
+        if self.shuffle_seed is not None:  # class-sorted sources (imagefolder) must not stay sorted in shards
+            random.Random(self.shuffle_seed).shuffle(order)
+        return order[:self.limit]
+
+    def tasks(self, order: list[int], start: int, stop: int):
+        """``encode_item``'s arguments for positions ``start..stop-1``; a left-out key's item is not even read."""
+        skip = self.exclude.keys if self.exclude is not None else frozenset()
+        return ((None if f"{i:09d}" in skip else self.source.items[order[i]], self.resize_shorter, self.quality)
+                for i in range(start, stop))
+
+    def sample(self, position: int, item, data: bytes, ext: str) -> dict:
+        sample = {"__key__": f"{position:09d}", ext: data}
+        if item.labels:
+            sample["cls"] = str(item.labels[0])
+        if self.source.multi_label:
+            sample["json"] = json.dumps({"labels": list(item.labels)})
+        return sample
+
+    def manifest(self, shards: list, sink: _ShardSink, part: tuple[int, int] | None, span: tuple[int, int],
+                 samples: int) -> dict:
+        """``manifest.json``, or for ``part`` its part manifest: which part, which ``span`` of the job's
+        ``samples`` (what ``merge_parts`` checks)."""
+        manifest = {
+            "format": FORMAT, "version": VERSION, "split": self.split, "source": self.source.description,
+            "classes": list(self.source.classes), "multi_label": bool(self.source.multi_label),
+            "total": sum(s["samples"] for s in shards),
+            "shards": [{k: s[k] for k in ("name", "samples", "bytes")} for s in shards],
+            "options": self.options, "skipped": dict(sink.skipped), "skipped_files": sink.skipped_files,
+            "job": self.id,
+        }
+        if part is not None:
+            manifest.update(format=PART_FORMAT, part=part[0], parts=part[1], range=list(span), job_samples=samples)
+        return manifest
+
+
+@contextlib.contextmanager
+def _encoded(tasks, workers: int, some: bool):
+    """``encode_item`` over ``tasks``, in order (shard contents are deterministic): in ``workers``
+    processes when there are several and ``some`` work is left, else here."""
+    if workers <= 1 or not some:
+        yield map(encode_item, tasks)
+        return
+    import multiprocessing
+
+    pool = multiprocessing.get_context().Pool(workers)
+    try:
+        yield pool.imap(encode_item, tasks, chunksize=16)
+    finally:
+        pool.terminate()
+
+
+def write_shards(source, out_dir, *, workers: int = 1, progress: bool = True, part: tuple[int, int] | None = None,
+                 **options) -> dict:
     """Write ``source`` (see ``sources.py``) as shards into ``out_dir``; return the manifest.
-    Idempotent: a finished job returns its manifest, an interrupted one is completed.
-    ``exclude`` (``exclude.Exclusion``): keys of this same job (same source and options) to leave
-    out; the others keep their keys, and the skipped ones count as ``skipped["excluded"]``.
+    ``options`` are ``ShardJob``'s (``split``, ``shard_size``, ``max_shard_bytes``, ``resize_shorter``,
+    ``quality``, ``shuffle_seed``, ``limit``, ``exclude``). Idempotent: a finished job returns its
+    manifest, an interrupted one is completed. ``workers`` processes encode the images.
     ``part=(I, N)``: write only part I of N (``part_range``) as ``<split>-IIIIofNNNN-<j>.tar`` and the
     part manifest ``part-IIIIofNNNN.json`` (returned); ``merge_parts`` turns the N part manifests into
     ``manifest.json``. Keys, samples and labels are those the one-process job gives them; parts of
@@ -245,85 +364,41 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     ``out_dir``: a folder or ``s3://bucket/prefix`` (``storage.places.open_place``)."""
     from tqdm import tqdm
 
+    job = ShardJob(source, **options)
     out = open_place(out_dir)
     out.prepare()
-    options = {"split": split, "shard_size": shard_size, "max_shard_bytes": max_shard_bytes,
-               "resize_shorter": resize_shorter, "quality": quality, "shuffle_seed": shuffle_seed,
-               "limit": limit}
-    job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
-                       ).hexdigest()[:16]
-    if exclude is not None:  # a key is a position in this job's sample order: only its own keys apply
-        if exclude.jobs and job not in exclude.jobs:
-            raise DataError(f"{exclude.path}: lists keys of vit-shards job {', '.join(exclude.jobs)}, but this "
-                            f"source and these options make job {job}; rerun the audited command with --exclude")
-        options["exclude"] = hashlib.sha1("\n".join(sorted(exclude.keys)).encode()).hexdigest()[:16]
-        job = hashlib.sha1(json.dumps([source.description, source.classes, len(source.items), options]).encode()
-                           ).hexdigest()[:16]
-    done = _job_done(out, MANIFEST_NAME, job, "the folder already holds shards of another source or options; "
-                     "use another --output or remove it")
+    done = job.finished(out, part)
     if done is not None:
         return done
-    prefix, progress_path = split, PROGRESS_NAME
+    prefix, progress_path, manifest_name = job.split, PROGRESS_NAME, MANIFEST_NAME
     if part is not None:
-        prefix, progress_path = f"{split}-{part_tag(part)}", f".vit-shards-progress-{part_tag(part)}.json"
-        done = _job_done(out, part_manifest_name(part), job, "this part was written by another source or options; "
-                         "use another --output or remove the folder's parts")
-        if done is not None:
-            return done
-    shards = _finished_shards(out, job, progress_path)
+        prefix, progress_path = f"{job.split}-{part_tag(part)}", f".vit-shards-progress-{part_tag(part)}.json"
+        manifest_name = part_manifest_name(part)
+    shards = _finished_shards(out, job.id, progress_path)
     out.clean_unfinished(re.compile(rf"{re.escape(prefix)}-\d+\.tar"))  # this job's (or part's) unfinished shards
 
-    order = list(range(len(source.items)))
-    if shuffle_seed is not None:  # class-sorted sources (imagefolder) must not stay sorted in shards
-        random.Random(shuffle_seed).shuffle(order)
-    order = order[:limit]
-    lo, hi = part_range(len(order), shard_size, part) if part is not None else (0, len(order))
+    order = job.order()
+    lo, hi = part_range(len(order), job.shard_size, part) if part is not None else (0, len(order))
     start = shards[-1]["end"] if shards else lo
-    last = shards[-1] if shards else {}
-    sink = _ShardSink(out, prefix, progress_path, job, shards, Counter(last.get("skipped", {})),
-                      {k: list(v) for k, v in last.get("skipped_files", {}).items()})
-    skip = exclude.keys if exclude is not None else frozenset()
-    tasks = ((None if f"{i:09d}" in skip else source.items[order[i]], resize_shorter, quality)
-             for i in range(start, hi))
-    pool = None
-    if workers > 1 and hi > start:
-        import multiprocessing
-
-        pool = multiprocessing.get_context().Pool(workers)
-        results = pool.imap(encode_item, tasks, chunksize=16)  # in order: shard contents are deterministic
-    else:
-        results = map(encode_item, tasks)
-    try:
-        desc = f"vit-shards {split}" + (f" part {part[0]}/{part[1]}" if part else "")
-        bar = tqdm(total=hi - lo, initial=start - lo, disable=not progress, unit="img", desc=desc)
-        for i, (data, ext) in enumerate(results, start):
-            bar.update(1)
-            if data is None:
-                sink.skipped[ext] += 1
-                names = sink.skipped_files.setdefault(ext, [])
-                if len(names) < SKIPPED_NAMES:
-                    names.append(_item_name(source.items[order[i]], order[i]))
-                continue
-            item = source.items[order[i]]
-            sample = {"__key__": f"{i:09d}", ext: data}
-            if item.labels:
-                sample["cls"] = str(item.labels[0])
-            if source.multi_label:
-                sample["json"] = json.dumps({"labels": list(item.labels)})
-            need = sum(_member_bytes(len(v)) for k, v in sample.items() if k != "__key__")
-            if sink.current and (sink.count >= shard_size or
-                                 (max_shard_bytes and sink.size + need > max_shard_bytes)):
-                sink.finish(i)
-            sink.add(sample, need)
-        if sink.current:
+    sink = _ShardSink(out, prefix, progress_path, job.id, shards, job.shard_size, job.max_shard_bytes)
+    desc = f"vit-shards {job.split}" + (f" part {part[0]}/{part[1]}" if part else "")
+    with _encoded(job.tasks(order, start, hi), workers, hi > start) as results:
+        try:
+            bar = tqdm(total=hi - lo, initial=start - lo, disable=not progress, unit="img", desc=desc)
+            for i, (data, ext) in enumerate(results, start):
+                bar.update(1)
+                item = source.items[order[i]]
+                if data is None:  # ext: why it was skipped
+                    sink.skip(ext, item, order[i])
+                else:
+                    sink.add(i, job.sample(i, item, data, ext))
             sink.finish(hi)
-        bar.close()
-    finally:
-        sink.abandon()
-        if pool is not None:
-            pool.terminate()
+            bar.close()
+        finally:
+            sink.abandon()
     if not shards and part is None:
         raise DataError(f"{source.description}: no readable images ({dict(sink.skipped)})")
+<<<<<<< HEAD
     manifest = {
         "format": FORMAT, "version": VERSION, "split": split, "source": source.description,
         "classes": list(source.classes), "multi_label": bool(source.multi_label),
@@ -337,6 +412,10 @@ def write_shards(source, out_dir, *, split: str = "train", shard_size: int = 100
     else:
         # last: its presence means every listed shard is complete
         out.write_text(MANIFEST_NAME, manifest_text(manifest))
+=======
+    manifest = job.manifest(shards, sink, part, (lo, hi), len(order))
+    out.write_text(manifest_name, manifest_text(manifest))  # last: its presence means every listed shard is complete
+>>>>>>> house-cli
     out.remove(progress_path)
     return manifest
 
@@ -365,7 +444,3 @@ def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard
     source = Source(f"demo:{split}", classes, items)
     return write_shards(source, out_dir, split=split, shard_size=shard_size, quality=quality,
                         workers=workers, progress=progress)
-
-
-
-

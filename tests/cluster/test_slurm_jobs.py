@@ -28,7 +28,7 @@ pytestmark = pytest.mark.cluster
 def write_script(tmp_path, manifest, run_dir, *extra_cli, overrides=()):
     out = tmp_path / "job.sbatch"
     logs = tmp_path / "logs"  # does not exist yet: `vit-launch slurm` must create it
-    r = subprocess.run([sys.executable, "-m", "launch.slurm", "--config", "configs/tiny_cpu.yaml", "--nodes", "1",
+    r = subprocess.run([sys.executable, "-m", "launch", "slurm", "--config", "configs/tiny_cpu.yaml", "--nodes", "1",
                         "--gpus-per-node", "0", "--ranks-per-node", "2", "--cpus-per-node", str(os.cpu_count()),
                         "--log-dir", str(logs), "--output", str(out), *extra_cli,
                         *train_overrides(manifest, run_dir, *overrides)],
@@ -111,7 +111,8 @@ def test_requeued_job_resumes_in_the_same_wandb_run(slurm, jobs, demo_manifest, 
     run_dirs.append(run_dir)
     steps = 60
     script, logs = write_script(tmp_path, demo_manifest, run_dir, "--requeue", "--signal-grace", "60",
-                                overrides=(f"train.steps={steps}", "checkpoint.every_steps=5", "checkpoint.keep_last=3"))
+                                overrides=(f"train.steps={steps}", "checkpoint.every_steps=5",
+                                           "checkpoint.keep_last=3"))
     text = script.read_text()
     assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:TERM@60" in text
     job = submit(slurm, script)

@@ -88,6 +88,27 @@ def test_user_mistakes(capsys, argv, needle):
     assert needle in user_error(capsys, argv)
 
 
+NOPE = ["--config", "configs/nope.yaml"]  # read, it would be the error: the argument check comes first
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*NOPE, "--dry-run", "--max-restarts", "-1"], "--max-restarts and --restart-backoff must be >= 0"),
+    ([*NOPE, "--dry-run", "--min-nodes", "2"], "--min-nodes needs --hostfile and a positive number"),
+    (["check", *NOPE, "--world-size", "2", "--gpu", "Z80"], "--gpu 'Z80' is not one of"),
+    (["sweep", *NOPE, "--world-sizes", "2", "--steps", "0"], "--steps must be positive"),
+    (["slurm", *NOPE, "--nodes", "1", "--gpus-per-node", "1", "--parts", "2", "--output", "x.sbatch"],
+     "--parts belongs to a shard-writing job array"),
+    (["plan", "--gpu", "h100-sxm"], "give --model NAME or --config FILE"),
+])
+def test_argument_values_are_checked_before_any_work(capsys, argv, needle):
+    """A bad value is the one line: no config read, no command printed, no pre-flight run."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert (e.value.code, out) == (2, "") and len(err.strip().splitlines()) == 1, (out, err)
+    assert err.startswith(f"vit-launch: error: {needle}"), err
+
+
 def test_python_dash_m_launch_has_no_traceback(tmp_path):
     """The real entry point in a fresh process: a bad key is one stderr line, exit 2."""
     r = subprocess.run([sys.executable, "-m", "launch", "--config", CONFIG, "--dry-run", "train.stepz=3"],
@@ -98,7 +119,7 @@ def test_python_dash_m_launch_has_no_traceback(tmp_path):
 
 
 def test_help_lists_the_commands_and_each_has_its_own_description(capsys):
-    from launch.cli import COMMANDS, DESCRIPTION
+    from launch.cli import COMMANDS
 
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -108,14 +129,14 @@ def test_help_lists_the_commands_and_each_has_its_own_description(capsys):
     assert [x.split()[0] for x in listed] == list(COMMANDS)  # one line each, in order
     assert all(len(x.split()) > 4 for x in listed)
     seen = set()
-    for cmd in COMMANDS[1:]:
+    for cmd in list(COMMANDS)[1:]:
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert e.value.code == 0 and text.startswith(f"usage: vit-launch {cmd} ")
-        assert " ".join(DESCRIPTION[cmd].split()) in text and "commands:" not in text
-        seen.add(DESCRIPTION[cmd])
-    assert len(seen | {DESCRIPTION["run"]}) == len(COMMANDS)
+        assert " ".join(COMMANDS[cmd].DESCRIPTION.split()) in text and "commands:" not in text
+        seen.add(COMMANDS[cmd].DESCRIPTION)
+    assert len(seen | {COMMANDS["run"].DESCRIPTION}) == len(COMMANDS)
 
 
 def test_exclude_slow_hosts_starts_on_the_hostfile_less_the_named_hosts(capsys, hostfile, tmp_path):
@@ -148,7 +169,8 @@ def test_exclude_slow_hosts_starts_on_the_hostfile_less_the_named_hosts(capsys, 
 
     assert list(fetch_hostfile(str(run / "hostfile.used"))) == ["node-a", "node-c"]  # and reads it so
     assert ("without node-b: 2 node(s), 16 rank(s) left, and train.global_batch_size=768 is not divisible by "
-            "train.micro_batch_size x world size = 32 x 16") in user_error(capsys, args[:-1] + ["train.global_batch_size=768"])
+            "train.micro_batch_size x world size = 32 x 16") in user_error(
+        capsys, args[:-1] + ["train.global_batch_size=768"])
     assert "--exclude-slow-hosts needs --hostfile" in user_error(
         capsys, ["--config", CONFIG, "--exclude-slow-hosts", "--skip-checks", f"train.output_dir={run}"])
     assert "below --min-nodes 3" in user_error(capsys, args + ["--min-nodes", "3"])

@@ -12,7 +12,6 @@ from deepspeed.launcher.runner import parse_args as runner_parse_args
 
 from launch.cli import main
 from launch.hostfile import parse_hostfile
-from launch.slurm import main as slurm_main
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -28,10 +27,10 @@ def write_script(tmp_path, capsys, *extra):
 
 
 def write_new(tmp_path, capsys, *args):
-    """`vit-launch slurm` with the options launch/slurm.py adds (CPU-only, requeue)."""
+    """`vit-launch slurm` with the options launch/commands/slurm.py adds (CPU-only, requeue)."""
     out = tmp_path / "job.sbatch"
     with pytest.raises(SystemExit) as e:
-        slurm_main(["--config", CONFIG, "--log-dir", str(tmp_path / "logs"), "--output", str(out), *args])
+        main(["slurm", "--config", CONFIG, "--log-dir", str(tmp_path / "logs"), "--output", str(out), *args])
     assert e.value.code == 0, capsys.readouterr().err
     return out
 
@@ -149,7 +148,7 @@ def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, cap
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
-        slurm_main(["--config", CONFIG, "--nodes", "1", "--output", str(tmp_path / "j.sbatch"), *args])
+        main(["slurm", "--config", CONFIG, "--nodes", "1", "--output", str(tmp_path / "j.sbatch"), *args])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from launch import preflight
-from launch.cli import _parser, _spec, main
+from launch.cli import main, parser
+from launch.commands.options import launch_spec
 from launch.runner import spec_world_size
 from pretrain.config import load_config
 
@@ -69,7 +70,8 @@ def test_config_passes_its_documented_check(config, tmp_path, capsys, monkeypatc
     assert argv[:2] == ["vit-launch", "check"] and argv[argv.index("--config") + 1] == config, h["Check"]
     world = int(argv[argv.index("--world-size") + 1])
     # the check is for the hardware the header names: "Hardware: 256 x H100 80GB (32 nodes x 8)"
-    hw = re.match(r"(\d+) x (?:\S+ )?(?:(\d+)GB)?", h["Hardware"]) or re.match(r"\d+ CPU cores \((\d+) ranks\)", h["Hardware"])
+    hw = (re.match(r"(\d+) x (?:\S+ )?(?:(\d+)GB)?", h["Hardware"])
+          or re.match(r"\d+ CPU cores \((\d+) ranks\)", h["Hardware"]))
     assert hw and int(hw.group(1)) == world, (h["Hardware"], world)
     if hw.lastindex == 2 and hw.group(2):
         assert float(argv[argv.index("--gpu-memory-gb") + 1]) == float(hw.group(2)), h["Check"]
@@ -84,7 +86,7 @@ def test_config_passes_its_documented_check(config, tmp_path, capsys, monkeypatc
         hosts = tmp_path / "hosts.txt"
         hosts.write_text("".join(f"node{i:03d} slots=8\n" for i in range(int(run[run.index("--num-nodes") + 1]))))
         run[run.index("--hostfile") + 1] = str(hosts)
-    assert spec_world_size(_spec(_parser("run").parse_intermixed_args(run[1:])))[0] == world, h["Run"]
+    assert spec_world_size(launch_spec(parser("run").parse_intermixed_args(run[1:])))[0] == world, h["Run"]
 
     cfg = load_config(config)
     slots = world * max(1, cfg.data.workers)
@@ -101,7 +103,8 @@ def test_config_passes_its_documented_check(config, tmp_path, capsys, monkeypatc
             f"x {gas} accumulation step(s)") in out
     assert "ok  memory:" in out
     if "Batch" in h:  # the header's arithmetic is the config's
-        assert h["Batch"].startswith(f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x {world} ranks")
+        assert h["Batch"].startswith(
+            f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x {world} ranks")
 
 
 def test_paper_recipes_keep_the_paper_batch():

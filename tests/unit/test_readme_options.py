@@ -17,7 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # the README and the guides beside the code: every *.md under the three packages
-DOCS = [REPO / "README.md"] + sorted(p for d in ("pretrain", "data_pipeline", "launch") for p in (REPO / d).rglob("*.md"))
+DOCS = [REPO / "README.md"] + sorted(p for d in ("pretrain", "data_pipeline", "launch")
+                                     for p in (REPO / d).rglob("*.md"))
 README = "\n".join(p.read_text() for p in DOCS)
 OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][a-zA-Z0-9]*(?:[-_][a-zA-Z0-9]+)*")
 # sbatch's own flags, written into the generated script (README "SLURM"; launch/slurm.py)
@@ -62,12 +63,12 @@ def console_scripts() -> dict[str, str]:
 
 def commands() -> dict[str, set[str]]:
     """Command name -> its options, for every console script and every ``python -m`` module the README names."""
-    from launch.cli import COMMANDS, _parser
+    from launch.cli import COMMANDS, parser
 
     out = {}
     for name, target in console_scripts().items():
         if name == "vit-launch":
-            out.update({f"vit-launch {c}": options(_parser(c)) for c in COMMANDS})
+            out.update({f"vit-launch {c}": options(parser(c)) for c in COMMANDS})
         else:
             out[name] = options(parser_of(target))
     for module in sorted(set(re.findall(r"python -m ((?:launch|pretrain|data_pipeline)[\w.]*)", README))):

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 
+from pretrain.config import ConfigError
 from pretrain.perf import hardware, inputs, perfmodel
+
+SUMMARY = ("predict images/s, MFU, memory and the bottleneck of a layout from the performance model "
+           "(--search ranks layouts)")
+DESCRIPTION = ("Predict a layout's images/s, MFU, step time, exposed communication, memory per GPU and bottleneck "
+               "from the performance model (pretrain/perf/perfmodel.py), without a GPU; --search ranks the layouts "
+               "that fit.")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -39,9 +45,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-leaf-blocks", action="store_true",
                     help="ZeRO-3 with DeepSpeed's hooks on every module (zero.leaf_blocks=false)")
     ap.add_argument("--network", choices=sorted(hardware.NETWORKS),
-                    help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, else pcie-100gbe)")
-    ap.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
-    ap.add_argument("--inter-node-gbps", type=float, help="a node's NICs together, Gbit/s one way (overrides the preset)")
+                    help="interconnect preset (default: dgx-a100 for A100s, dgx-h100 for H100/H200/B200, "
+                         "else pcie-100gbe)")
+    ap.add_argument("--intra-node-gbps", type=float,
+                    help="GPU-to-GPU link inside a node, Gbit/s one way (overrides the preset)")
+    ap.add_argument("--inter-node-gbps", type=float,
+                    help="a node's NICs together, Gbit/s one way (overrides the preset)")
     ap.add_argument("--decode", choices=list(inputs.DECODE_PATHS),
                     help="where JPEGs are decoded (default: the config's data.decode_device, else cpu): loader "
                          "workers (cpu; decode_device worker), the GPU (cuda, dali) or each training process on "
@@ -67,9 +76,24 @@ FLAGS = {"decode_rate": "--decode-rate", "cpu_cores": "--cpu-cores", "stored_sid
          "inter_node_gbps": "--inter-node-gbps", "zero=": "--zero "}
 
 
-def layout(args) -> perfmodel.Layout:
-    from pretrain.config import ConfigError
+def check_arguments(args) -> None:
+    if args.config:
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+        return
+    if not args.model:
+        raise ConfigError("give --model NAME or --config FILE")
+    if args.overrides:
+        raise ConfigError(f"config overrides {args.overrides[0]!r} need --config")
+    from pretrain.models.arch import list_models
 
+    if args.model not in list_models():
+        raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
+
+
+def layout(args) -> perfmodel.Layout:
+    """The layout the options describe (``check_arguments`` first); an impossible one is a
+    ``ConfigError`` in the flags' names."""
     try:
         return _layout(args)
     except ConfigError:
@@ -82,12 +106,10 @@ def layout(args) -> perfmodel.Layout:
 
 
 def _layout(args) -> perfmodel.Layout:
-    from pretrain.config import ConfigError, check_world_size, load_config
+    from pretrain.config import check_world_size, load_config
 
     if args.config:
         cfg = load_config(args.config, args.overrides)
-        if args.world_size is not None and args.world_size < 1:
-            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
         if args.world_size and args.micro_batch is None and args.global_batch is None:
             check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
         nodes = args.nodes
@@ -102,14 +124,6 @@ def _layout(args) -> perfmodel.Layout:
         lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                                            network=args.network)
     else:
-        if not args.model:
-            raise ConfigError("give --model NAME or --config FILE")
-        if args.overrides:
-            raise ConfigError(f"config overrides {args.overrides[0]!r} need --config")
-        from pretrain.models.arch import list_models
-
-        if args.model not in list_models():
-            raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
         net = args.network or hardware.default_network(args.gpu)
         lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                network=net)
@@ -168,9 +182,11 @@ def describe(p: perfmodel.Prediction) -> str:
     comm = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.comm_bytes_per_gpu.items()) or "none"
     k = p.layout["global_batch"] or lay["micro_batch"] * lay["nodes"] * lay["gpus_per_node"]
     return "\n".join([
-        f"{lay['model']} on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']} ({lay['network']}), ZeRO-{lay['zero']}, "
-        f"micro batch {lay['micro_batch']}, global batch {k}, {lay['precision']}, reduce {lay['reduce_dtype']}"
-        + ("" if lay["zero"] != 3 else ", leaf blocks" if lay["leaf_blocks"] or lay["compile"] else ", per-module hooks"),
+        f"{lay['model']} on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']} ({lay['network']}), "
+        f"ZeRO-{lay['zero']}, micro batch {lay['micro_batch']}, global batch {k}, {lay['precision']}, "
+        f"reduce {lay['reduce_dtype']}"
+        + ("" if lay["zero"] != 3
+           else ", leaf blocks" if lay["leaf_blocks"] or lay["compile"] else ", per-module hooks"),
         f"  levers          {lever_words(lay)}",
         f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
         f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
@@ -192,13 +208,16 @@ def describe(p: perfmodel.Prediction) -> str:
 
 
 def table(rows: list[perfmodel.Prediction]) -> str:
-    head = f"{'rank':>4}  {'zero':>4}  {'micro':>5}  {'ckpt':>4}  {'hpz':>3}  {'qwZ':>3}  {'img/s':>10}  {'MFU':>6}  {'GB/GPU':>6}  bottleneck"
+    head = (f"{'rank':>4}  {'zero':>4}  {'micro':>5}  {'ckpt':>4}  {'hpz':>3}  {'qwZ':>3}  {'img/s':>10}  "
+            f"{'MFU':>6}  {'GB/GPU':>6}  bottleneck")
     lines = [head]
     for i, p in enumerate(rows, 1):
         lay = p.layout
-        lines.append(f"{i:>4}  {lay['zero']:>4}  {lay['micro_batch']:>5}  {'on' if lay['checkpointing'] else 'off':>4}  "
+        lines.append(f"{i:>4}  {lay['zero']:>4}  {lay['micro_batch']:>5}  "
+                     f"{'on' if lay['checkpointing'] else 'off':>4}  "
                      f"{lay['hpz_partition_size']:>3}  {'on' if lay['quantized_weights'] else 'off':>3}  "
-                     f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.memory_gb_per_gpu['total']:>6.1f}  {p.bottleneck}")
+                     f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.memory_gb_per_gpu['total']:>6.1f}  "
+                     f"{p.bottleneck}")
     return "\n".join(lines)
 
 
@@ -207,9 +226,7 @@ def command(args) -> int:
     if args.search:
         rows = perfmodel.search(lay)
         if not rows:
-            print(f"vit-launch plan: no layout of {lay.model} fits {hardware.gpu_of(lay).memory_gb:.0f} GB per GPU",
-                  file=sys.stderr)
-            return 2
+            raise ConfigError(f"no layout of {lay.model} fits {hardware.gpu_of(lay).memory_gb:.0f} GB per GPU")
         rows = rows[:args.top]
         print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else table(rows))
         return 0

@@ -1,0 +1,47 @@
+"""What several ``vit-launch`` commands share: the config options, the options of where the ranks
+run (the deepspeed runner's), the launch spec they make, and the pre-flight report."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from launch.runner import LaunchSpec
+
+PROG = "vit-launch"
+
+
+def config_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                    help="device memory the estimate is checked against (default 80)")
+
+
+def resource_arguments(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("where the ranks run (deepspeed runner options)")
+    g.add_argument("--hostfile", help="DeepSpeed hostfile: one 'HOST slots=N' line per node")
+    g.add_argument("--num-nodes", type=int, help="use the first N hosts of the hostfile")
+    g.add_argument("--gpus-per-node", type=int,
+                   help="ranks per node (default: all slots; without a hostfile this machine's GPUs, or 1)")
+    g.add_argument("--include", default="", help="runner --include, e.g. 'worker-0@worker-1:0,2'")
+    g.add_argument("--exclude", default="", help="runner --exclude, same format")
+    g.add_argument("--master-addr", help="address of rank 0's node (default: the runner's choice)")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
+
+
+def launch_spec(args) -> LaunchSpec:
+    """The ``LaunchSpec`` of ``config_arguments`` + ``resource_arguments``."""
+    return LaunchSpec(config=args.config, overrides=list(args.overrides), hostfile=args.hostfile,
+                      num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node, master_addr=args.master_addr,
+                      master_port=args.master_port, include=args.include, exclude=args.exclude)
+
+
+def preflight(cfg, world: int, gpu_memory_gb: float, header: str) -> bool:
+    """Run the pre-flight checks for ``world`` ranks: ``header``, then findings on stdout, failures
+    one line each on stderr. True when none failed."""
+    from launch.preflight import report, run_checks
+
+    print(header, flush=True)
+    ok = report(run_checks(cfg, world, gpu_memory_gb=gpu_memory_gb), PROG, sys.stdout, sys.stderr)
+    sys.stdout.flush()
+    return ok

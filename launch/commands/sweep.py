@@ -1,0 +1,66 @@
+"""``vit-launch sweep``: the same short job at several world sizes, one after the other, in one W&B
+group (``launch/sweep.py`` plans and runs them); then the scaling table and plot
+(``launch/plot_scaling.py``). Every size passes the pre-flight checks before the first job starts."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from launch import plot_scaling, sweep
+from launch.commands.options import PROG, config_arguments, preflight
+from launch.hostfile import LaunchError
+from pretrain.config import load_config
+
+SUMMARY = "run the same short job at several world sizes and plot the scaling curve"
+DESCRIPTION = ("Scaling sweep: the same short job at each world size, one after the other, in one W&B group; "
+               "prints images/s and efficiency per size and draws the plot.")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    config_arguments(ap)
+    ap.add_argument("--world-sizes", required=True, help="comma-separated, e.g. 1,2,4,8")
+    ap.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
+    ap.add_argument("--scaling", default="weak", choices=["weak", "strong"],
+                    help="weak: global batch = micro x world (default); strong: global batch fixed")
+    ap.add_argument("--group", help="W&B group (default: scaling-<config>-<time>)")
+    ap.add_argument("--output-root", help="folder of the runs (default: beside train.output_dir)")
+    ap.add_argument("--hostfile", help="for world sizes above one node")
+    ap.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the hostfile's slots)")
+    ap.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+    ap.add_argument("--plot", default=None, help="scaling plot to write (default <root>/scaling.png)")
+
+
+def check_arguments(args) -> None:
+    sweep.parse_world_sizes(args.world_sizes)
+    if args.steps <= 0:
+        raise LaunchError(f"--steps must be positive, got {args.steps}")
+
+
+def command(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    p = sweep.plan(cfg, args.config, list(args.overrides), sweep.parse_world_sizes(args.world_sizes),
+                   steps=args.steps, scaling=args.scaling, group=args.group, root=args.output_root,
+                   hostfile=args.hostfile, gpus_per_node=args.gpus_per_node, master_port=args.master_port)
+    print(sweep.describe(p, cfg.train.micro_batch_size), flush=True)
+    if args.dry_run:
+        return 0
+    ok = True
+    for r in p.runs:  # every size passes pre-flight before the first job starts
+        run_cfg = load_config(args.config, r.overrides)
+        ok &= preflight(run_cfg, r.world_size, args.gpu_memory_gb, f"pre-flight: world size {r.world_size}")
+    if not ok:
+        return 2
+    env = sweep.cpu_thread_env(p, args.hostfile)
+    if env:
+        print(f"CPU ranks: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for every rank of every size", flush=True)
+    results = sweep.execute(p, env)
+    done = [r.output_dir for r, code in results if code == 0]
+    if not done:  # the jobs failed (exit 1), a mistake of no option: their output says why
+        print(f"{PROG}: error: no run of the sweep finished; see the output above", file=sys.stderr)
+        return 1
+    rows = plot_scaling.scaling_table([plot_scaling.load_run(d) for d in done])
+    print("\n" + plot_scaling.format_table(rows))
+    png = plot_scaling.plot(rows, args.plot or f"{p.root}/scaling.png", title=p.group)
+    print(f"plot: {png}\nredraw with: python -m launch.plot_scaling {' '.join(done)} --output {png}")
+    return 0 if len(done) == len(results) else 1
