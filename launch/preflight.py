@@ -314,11 +314,19 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
 
 # --------------------------------------------------------------------------------------- memory
 def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.ModelShape) -> list[Finding]:
-    est = memory.estimate(cfg, world, shape)
+    """The estimate against ``gpu_memory_gb``, the config's ``auto`` levers decided as training
+    decides them; a warning where it does not fit, and where the config checkpoints more blocks than
+    memory needs (each recomputed block costs its forward again)."""
+    from pretrain.perf import levers
+
     budget = gpu_memory_gb * memory.GB
+    written = cfg.train.activation_checkpointing
+    cfg, _ = levers.resolve(cfg, world, memory_bytes=budget)
+    est = memory.estimate(cfg, world, shape)
     s, t = est.states, cfg.train
-    ckpt = "on" if t.activation_checkpointing else "off"
-    other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if t.activation_checkpointing else 'on'}"
+    n = t.activation_checkpointing
+    ckpt = f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else "")
+    other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
     detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, micro batch "
               f"{t.micro_batch_size}): weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
               f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
@@ -328,11 +336,18 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
     host = f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
     if est.total <= budget:
-        return [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB; {host}")]
+        found = [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB; {host}")]
+        need = levers.fewest_checkpointed(cfg, world, shape, budget)
+        if written != "auto" and n > need:
+            found.append(Finding(WARN, "memory", f"train.activation_checkpointing={str(written).lower()} recomputes "
+                                                 f"{n} of {shape.depth} blocks but {need} would fit {gpu_memory_gb:g} GB: "
+                                                 "each recomputed block costs its forward again; set "
+                                                 f"train.activation_checkpointing=auto ({need} here)"))
+        return found
     fixes = []
-    if not t.activation_checkpointing and est.total_if_checkpointing(True) <= budget:
+    if n < shape.depth and est.total_if_checkpointing(True) <= budget:
         fixes.append(f"train.activation_checkpointing=true ({_gb(est.total_if_checkpointing(True))})")
-    mb = memory.largest_micro_batch(cfg, world, budget, shape, t.activation_checkpointing)
+    mb = memory.largest_micro_batch(cfg, world, budget, shape, n)
     mb = max((m for m in range(1, mb + 1) if t.global_batch_size % (m * world) == 0), default=0)
     if mb:
         fixes.append(f"train.micro_batch_size={mb} (more accumulation steps, same global batch)")

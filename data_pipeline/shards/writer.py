@@ -398,24 +398,8 @@ def write_shards(source, out_dir, *, workers: int = 1, progress: bool = True, pa
             sink.abandon()
     if not shards and part is None:
         raise DataError(f"{source.description}: no readable images ({dict(sink.skipped)})")
-<<<<<<< HEAD
-    manifest = {
-        "format": FORMAT, "version": VERSION, "split": split, "source": source.description,
-        "classes": list(source.classes), "multi_label": bool(source.multi_label),
-        "total": sum(s["samples"] for s in shards),
-        "shards": [{k: s[k] for k in ("name", "samples", "bytes")} for s in shards],
-        "options": options, "skipped": dict(sink.skipped), "skipped_files": sink.skipped_files, "job": job,
-    }
-    if part is not None:  # what merge_parts checks: which part, which samples of how many
-        manifest.update(format=PART_FORMAT, part=part[0], parts=part[1], range=[lo, hi], job_samples=len(order))
-        out.write_text(part_manifest_name(part), manifest_text(manifest))
-    else:
-        # last: its presence means every listed shard is complete
-        out.write_text(MANIFEST_NAME, manifest_text(manifest))
-=======
     manifest = job.manifest(shards, sink, part, (lo, hi), len(order))
     out.write_text(manifest_name, manifest_text(manifest))  # last: its presence means every listed shard is complete
->>>>>>> house-cli
     out.remove(progress_path)
     return manifest
 

@@ -39,14 +39,9 @@ from dataclasses import dataclass
 
 from pretrain.models import arch
 from pretrain.perf import memory
-from pretrain.perf.hardware import NETWORKS, gpu_of
+from pretrain.perf.hardware import LATENCY_S, LINK_EFFICIENCY, NETWORKS, gpu_of
 
 GB = 1e9
-# nccl-tests bus bandwidth against the line rate: NVLink about 0.8 (A100 all-reduce ~235 of
-# 300 GB/s), InfiniBand/RoCE about 0.9 (8 x HDR nodes ~180 of 200 GB/s).
-LINK_EFFICIENCY = {"intra": 0.8, "inter": 0.9}
-# Fixed cost of one collective (kernel launch, ring set-up, first chunk's hops), seconds.
-LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,25 @@ def gpu_of(layout) -> GPU:
                    efficiency=layout.efficiency if layout.efficiency is not None else g.efficiency)
 
 
+# nccl-tests bus bandwidth against the line rate: NVLink about 0.8 (A100 all-reduce ~235 of
+# 300 GB/s), InfiniBand/RoCE about 0.9 (8 x HDR nodes ~180 of 200 GB/s).
+LINK_EFFICIENCY = {"intra": 0.8, "inter": 0.9}
+# Fixed cost of one collective (kernel launch, ring set-up, first chunk's hops), seconds.
+LATENCY_S = {"intra": 15e-6, "inter": 40e-6}
+
+
+def ring_link(world: int, gpus_per_node: int, gpu: Optional[str], network: Optional[str] = None) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, latency in s) of the slowest link a ring of ``world`` ranks
+    crosses (``gpus_per_node`` to a node), from ``network`` or the GPU type's usual preset (an H100
+    DGX where the type is unknown)."""
+    key = gpu if gpu in GPUS else "h100-sxm"
+    net = NETWORKS[network or default_network(key)]
+    if world > max(1, gpus_per_node):
+        return net.inter_gbps / 8 * 1e9 * LINK_EFFICIENCY["inter"], LATENCY_S["inter"]
+    intra = min(net.intra_gbps or GPUS[key].link_gbps, GPUS[key].link_gbps)
+    return intra / 8 * 1e9 * LINK_EFFICIENCY["intra"], LATENCY_S["intra"]
+
+
 # CUDA device names (torch.cuda.get_device_name) -> GPUS keys, most specific first
 DEVICE_NAMES = [("A100", "40GB", "a100-40gb"), ("A100", "", "a100-80gb"), ("H100", "", "h100-sxm"),
                 ("H200", "", "h200"), ("B200", "", "b200"), ("L40S", "", "l40s"), ("3090", "", "rtx3090"),

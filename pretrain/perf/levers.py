@@ -6,8 +6,7 @@
   where memory needs it.
 - ``zero.reduce_bucket_size: auto``: gradient buckets small enough that the reduction runs under
   the backward (only the last bucket waits at its end) and large enough that each collective's
-  fixed latency costs at most :data:`LATENCY_SHARE` of its transfer on the job's slowest link;
-  never more than a quarter of the parameters, so at least four buckets overlap.
+  fixed latency is a small share of its transfer (``pretrain.perf.buckets``).
 - ``zero.stage3_prefetch_bucket_size: auto``: two Transformer blocks' weights, so that the next
   block's all-gather runs under the current block's compute.
 
@@ -21,14 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pretrain.config import checkpoint_count
-from pretrain.perf import memory
-from pretrain.perf.collectives import LATENCY_S, LINK_EFFICIENCY
-from pretrain.perf.hardware import GPUS, NETWORKS, default_network
+from pretrain.perf import buckets, memory
 
-# what a collective's fixed latency may cost against its transfer: 5 % (20x the latency in bytes)
-LATENCY_SHARE = 0.05
-BUCKET_FLOOR = 1_000_000  # elements: below this the NCCL ring runs far from its bus bandwidth
-BUCKET_ROUND = 1_000_000
 # the memory model's estimate against the device: what is left for the allocator's fragmentation
 MEMORY_HEADROOM = 0.95
 
@@ -41,27 +34,6 @@ class Choices:
     reduce_bucket_size: int
     prefetch_bucket_size: int
     lines: tuple[str, ...] = ()
-
-
-def bucket_elements(params: int, grad_bytes: int, busbw_bytes_s: float, latency_s: float) -> int:
-    """The ``auto`` gradient bucket (module docstring): ``latency / LATENCY_SHARE`` seconds of
-    transfer on the link, at most a quarter of ``params``, at least :data:`BUCKET_FLOOR`."""
-    by_latency = latency_s / LATENCY_SHARE * busbw_bytes_s / grad_bytes
-    elems = min(by_latency, params / 4)
-    return max(BUCKET_FLOOR, int(round(elems / BUCKET_ROUND)) * BUCKET_ROUND)
-
-
-def link(world: int, gpus_per_node: int, gpu: Optional[str], network: Optional[str] = None) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s, latency in s) of the slowest link a ring of ``world`` ranks
-    crosses, from ``network`` or the GPU type's usual network preset (an H100 DGX where the GPU is
-    unknown)."""
-    key = gpu if gpu in GPUS else "h100-sxm"
-    net = NETWORKS[network or default_network(key)]
-    crosses = world > max(1, gpus_per_node)
-    if crosses:
-        return net.inter_gbps / 8 * 1e9 * LINK_EFFICIENCY["inter"], LATENCY_S["inter"]
-    intra = min(net.intra_gbps or GPUS[key].link_gbps, GPUS[key].link_gbps)
-    return intra / 8 * 1e9 * LINK_EFFICIENCY["intra"], LATENCY_S["intra"]
 
 
 def fewest_checkpointed(cfg, world: int, shape: memory.ModelShape, memory_bytes: float) -> int:
@@ -78,18 +50,17 @@ def resolve_zero(zero, train, params: int, block_params: int, world: int, *, gpu
                  gpu: Optional[str] = None, network: Optional[str] = None):
     """The ``zero:`` section with its ``auto`` bucket sizes decided for a model of ``params``
     parameters (``block_params`` per Transformer block), and lines saying what was chosen."""
-    e = 2 if (train.precision in ("bf16", "bf16-autocast") and train.reduce_dtype == "bf16") else 4
-    bw, lat = link(world, gpus_per_node, gpu, network)
     lines = []
     reduce = zero.reduce_bucket_size
     if reduce == "auto":
-        reduce = bucket_elements(params, e, bw, lat)
+        reduce = buckets.auto_bucket(params, buckets.grad_bytes(train), world, gpus_per_node=gpus_per_node, gpu=gpu,
+                                     network=network)
         if zero.stage >= 1:
             lines.append(f"zero.reduce_bucket_size=auto: {reduce / 1e6:g}M elements "
                          f"({-(-params // reduce)} buckets of {params / 1e6:.0f}M parameters)")
     prefetch = zero.stage3_prefetch_bucket_size
     if prefetch == "auto":
-        prefetch = 2 * block_params
+        prefetch = buckets.auto_prefetch(block_params)
         if zero.stage == 3:
             lines.append(f"zero.stage3_prefetch_bucket_size=auto: {prefetch / 1e6:g}M elements (two blocks)")
     return dataclasses.replace(zero, reduce_bucket_size=reduce, stage3_prefetch_bucket_size=prefetch), lines

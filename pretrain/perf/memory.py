@@ -256,15 +256,30 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     from pretrain.config import checkpoint_count
 
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
-    n = checkpoint_count(t.activation_checkpointing, shape.depth)
-    if n is None:
-        raise ValueError("train.activation_checkpointing=auto: decide it first (pretrain.perf.levers.resolve)")
+    # `auto` without a device to fit (pretrain.perf.levers.resolve decides it against one): none
+    n = checkpoint_count(t.activation_checkpointing, shape.depth) or 0
     act = activation_bytes(shape, t.micro_batch_size, checkpointing=n, **kw)
     other = activation_bytes(shape, t.micro_batch_size, checkpointing=0 if n else shape.depth, **kw)
-    buffers = zero_buffer_bytes(cfg.zero, shape, t.precision, leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
+    buffers = zero_buffer_bytes(_sized_buckets(cfg, world, shape), shape, t.precision,
+                                leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=n,
                           host_build=host_build_bytes(shape, cfg.zero.stage))
+
+
+def _sized_buckets(cfg, world: int, shape: ModelShape):
+    """``cfg.zero`` with ``auto`` bucket sizes as ``pretrain.perf.levers`` decides them (8 GPUs a node)."""
+    import dataclasses
+
+    from pretrain.perf import buckets
+
+    z = cfg.zero
+    if z.reduce_bucket_size == "auto":
+        z = dataclasses.replace(z, reduce_bucket_size=buckets.auto_bucket(shape.params, buckets.grad_bytes(cfg.train),
+                                                                          world))
+    if z.stage3_prefetch_bucket_size == "auto":
+        z = dataclasses.replace(z, stage3_prefetch_bucket_size=buckets.auto_prefetch(shape.block_params))
+    return z
 
 
 def largest_micro_batch(cfg, world: int, budget_bytes: float, shape: ModelShape, checkpointing: bool) -> int:

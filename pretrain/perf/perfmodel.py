@@ -56,7 +56,7 @@ from typing import Optional, Union
 
 from pretrain.config import compile_mode
 from pretrain.models import arch
-from pretrain.perf import inputs, kernels, memory
+from pretrain.perf import buckets, inputs, kernels, memory
 from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel, zero3_hooked
 from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu_of
 
@@ -426,8 +426,6 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     The levers: activation checkpointing (none, every block), ``train.compile`` (off, blocks,
     model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
     batch (half and double, the global batch kept)."""
-    from pretrain.perf import levers
-
     base = predict(layout).images_per_second
     depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)
@@ -437,8 +435,8 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     trials += [(f"train.compile={v}", replace(layout, compile=c))
                for v, c in (("false", ""), ("blocks", "blocks"), ("model", "model")) if c != mode]
     params = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).params
-    bw, lat = levers.link(layout.world, layout.gpus_per_node, layout.gpu, layout.network)
-    auto = levers.bucket_elements(params, 2 if layout.reduce_dtype == "bf16" else 4, bw, lat)
+    auto = buckets.auto_bucket(params, 2 if layout.reduce_dtype == "bf16" else 4, layout.world,
+                               gpus_per_node=layout.gpus_per_node, gpu=layout.gpu, network=layout.network)
     for v in (500_000_000, auto):
         if v != layout.reduce_bucket_size:
             trials.append((f"zero.reduce_bucket_size={'auto' if v == auto else v}",

@@ -12,7 +12,7 @@ from dist_utils import REPO
 from launch import preflight
 from launch.cli import main
 from pretrain.config import load_config
-from pretrain.perf import memory
+from pretrain.perf import levers, memory
 from pretrain.perf.memory import checkpoint_bytes, model_shape
 
 CONFIG = "configs/tiny_cpu.yaml"
@@ -156,7 +156,9 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, id_dir, tmp_path
     (line,) = [x for x in err if "memory" in x]
     assert line.startswith("vit-launch: warning: memory: estimated") and "exceeds 1 GB (--gpu-memory-gb)" in line
     cfg = load_config(CONFIG, ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
-                               "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"])
+                               "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3",
+                               "train.activation_checkpointing=false"])
+    cfg = levers.resolve(cfg, 16)[0]  # its buckets, as training decides them
     (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
     assert f.level == "warning"
     assert "set train.activation_checkpointing=true" in f.message and "train.micro_batch_size=" in f.message
@@ -223,3 +225,21 @@ def test_counting_reads_headers_only_and_samples_many_shards(capsys, shard_kit, 
     # 64 tars counted (4 member headers each) + 100 first-block checks, 512 bytes a read; no image bytes
     assert len(read) > 100 and sum(read) < images / 4 and max(read) <= 512, (len(read), sum(read), images)
     assert preflight.spread(100, 64)[0] == 0 and preflight.spread(100, 64)[-1] == 99 and len(preflight.spread(100, 64)) == 64
+
+
+def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning():
+    """`auto` (the default) checkpoints the fewest blocks that fit, and the check says how many; an
+    explicit `true` that memory does not need is a warning naming what `auto` would do."""
+    big = ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
+           "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"]
+    cfg = load_config(CONFIG, big)
+    (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
+    n = int(f.message.split("checkpointing ")[1].split(" of 32 blocks (auto)")[0])
+    assert f.level == "ok" and 0 < n < 32, f.message  # some blocks, not all: the estimate fits 80 GB
+    cfg = load_config(CONFIG, ["model.name=vit_large_patch16_224", "model.img_size=224", "train.micro_batch_size=64",
+                               "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=2",
+                               "train.activation_checkpointing=true"])
+    ok, warn = preflight.check_memory(cfg, 64, 80, model_shape(cfg.model))
+    assert ok.level == "ok" and "checkpointing 24 of 24 blocks" in ok.message
+    assert warn.level == "warning" and "recomputes 24 of 24 blocks but 0 would fit 80 GB" in warn.message
+    assert "train.activation_checkpointing=auto (0 here)" in warn.message
