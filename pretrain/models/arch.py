@@ -83,6 +83,12 @@ def model_defaults(name: str) -> dict:
 
 
 
+def patch_keep(tokens: int, rate: float) -> int:
+    """Patch tokens an image keeps in training under patch dropout at ``rate`` (timm's
+    ``PatchDropout``: ``max(1, int(L * (1 - rate)))``); all of them at rate 0."""
+    return tokens if not rate else max(1, int(tokens * (1.0 - rate)))
+
+
 def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int, int]:
     """Multiply-adds of the hybrid's ResNet (convs + GroupNorms); returns (macs, h, w) out."""
     ceil = lambda a, s: -(-a // s)  # noqa: E731  TF 'SAME' output size
@@ -107,8 +113,11 @@ def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width
 
 
 def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
-                   representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False):
-    """The same count as :func:`forward_flops`, from the architecture alone (no tensors)."""
+                   representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False,
+                   patch_drop_rate: float = 0.0):
+    """The same count as :func:`forward_flops`, from the architecture alone (no tensors).
+    ``patch_drop_rate``: a training forward's, the blocks and the final norm on the tokens patch
+    dropout keeps (:func:`patch_keep`); the patch embedding still sees every patch."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
     h, w = (img, img) if isinstance(img, int) else img
@@ -120,7 +129,7 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     else:
         gh, gw = h // p, w // p
         embed = gh * gw * 3 * p * p * d
-    n = gh * gw + 1
+    n = patch_keep(gh * gw, patch_drop_rate) + 1
     hidden = a["mlp_hidden"]  # 4 d, except g/14 and G/14
     per_block = (
         (4 if qk_norm else 2) * 5 * n * d  # two LayerNorms (+ the queries' and keys' with qk_norm)

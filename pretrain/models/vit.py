@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.models.arch import variant
+from pretrain.models.arch import patch_keep, variant
 from pretrain.models.hybrid import ResNetStem
 from pretrain.models.init import fill, init_generator
 
@@ -60,6 +60,37 @@ class DropPath(nn.Module):
         return x * mask / keep
 
 
+@torch.compiler.disable  # eager under train.compile too: the same draws from the same generator state
+def _kept_indices(batch: int, tokens: int, keep: int, device: torch.device) -> torch.Tensor:
+    """Per image, ``keep`` of ``tokens`` positions uniformly at random: timm's ``PatchDropout`` draw
+    (``argsort`` of one standard normal per token), from this device's default generator, which is
+    the rank's own stream and which checkpoints save and restore (``pretrain.distributed.rng``)."""
+    return torch.argsort(torch.randn(batch, tokens, device=device), dim=-1)[:, :keep]
+
+
+class PatchDropout(nn.Module):
+    """Patch dropout in training (FLIP, Li et al. 2023; timm's ``PatchDropout``): each image keeps a
+    random subset of ``patch_keep(L, p)`` of its ``L`` patch tokens (timm's ``max(1, int(L * (1 -
+    p)))``), the prefix tokens always; identity in evaluation. The blocks then run on the kept
+    tokens only: attention costs fall with their square, the rest in proportion. No parameters: the
+    state dict and exports are those of the model without it."""
+
+    def __init__(self, p: float, num_prefix_tokens: int = 1):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"patch dropout rate must be in [0, 1), got {p}")
+        self.p, self.num_prefix_tokens = p, num_prefix_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        n = self.num_prefix_tokens
+        prefix, patches = x[:, :n], x[:, n:]
+        keep = _kept_indices(x.shape[0], patches.shape[1], patch_keep(patches.shape[1], self.p), x.device)
+        patches = patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return torch.cat([prefix, patches], dim=1) if n else patches
+
+
 class PatchEmbed(nn.Module):
     """Image -> (B, N, D) tokens with one strided convolution (a linear map of each patch)."""
 
@@ -72,6 +103,10 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).flatten(2).transpose(1, 2)
+
+    def grid_of(self, h: int, w: int) -> tuple[int, int]:
+        """The patch grid of an ``h`` x ``w`` input."""
+        return h // self.patch_size[0], w // self.patch_size[1]
 
 
 class HybridEmbed(nn.Module):
@@ -88,6 +123,11 @@ class HybridEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.backbone(x)).flatten(2).transpose(1, 2)
+
+    def grid_of(self, h: int, w: int) -> tuple[int, int]:
+        """The feature map of an ``h`` x ``w`` input (the stem's 'SAME' padding keeps partial positions)."""
+        s = self.patch_size[0]
+        return -(-h // s), -(-w // s)
 
 
 class Attention(nn.Module):
@@ -183,6 +223,7 @@ class VisionTransformer(nn.Module):
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        patch_drop_rate: float = 0.0,
         representation_size: Optional[int] = None,
         global_pool: str = "token",
         backbone: Optional[nn.Module] = None,
@@ -194,7 +235,8 @@ class VisionTransformer(nn.Module):
         """``defer_init``: leave the weights as the layers' constructors made them; the caller
         runs ``init_weights(gather, generator)`` later (ZeRO-3 builds partitioned parameters
         first). ``init_seed``: the initialisation's seed (None: one drawn from torch's global
-        CPU generator, so ``torch.manual_seed`` still decides it)."""
+        CPU generator, so ``torch.manual_seed`` still decides it). ``patch_drop_rate``: the share of
+        patch tokens dropped in training (:class:`PatchDropout`; no parameters)."""
         super().__init__()
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
@@ -213,6 +255,7 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
+        self.patch_drop = PatchDropout(patch_drop_rate, self.num_prefix_tokens) if patch_drop_rate else nn.Identity()
 
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         self.blocks = nn.Sequential(*[
@@ -310,10 +353,21 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The [class] token prepended and the position embeddings added to the patch tokens of a
+        ``grid``. A grid other than the model's (``train.resolution_schedule``) gets the stored
+        embeddings resampled to it in the forward, as timm's ``dynamic_img_size`` does: the
+        parameter keeps the model's grid (exports unchanged), its gradient flows back through the
+        bicubic interpolation, which costs one small (D, H, W) resample per forward."""
+        pos = self.pos_embed
+        if tuple(grid) != tuple(self.grid_size):
+            pos = resize_pos_embed(pos, grid, self.grid_size, self.num_prefix_tokens)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
+        return self.pos_drop(x + pos)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        grid = self.patch_embed.grid_of(x.shape[-2], x.shape[-1])
+        x = self.patch_drop(self._pos_embed(self.patch_embed(x), grid))
         if self.grad_checkpointing and torch.is_grad_enabled():
             for i, blk in enumerate(self.blocks):
                 # non-reentrant: works with ZeRO-3's parameter hooks, unused inputs and torch.compile
@@ -357,12 +411,13 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
 
 
 def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,
-                 drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 drop_rate: float = 0.0, drop_path_rate: float = 0.0, patch_drop_rate: float = 0.0,
                  representation_size: Optional[int] = None, global_pool: str = "token",
                  qk_norm: bool = False, init_values: Optional[float] = None, defer_init: bool = False,
                  init_seed: Optional[int] = None, **kwargs) -> VisionTransformer:
     """Build a registered variant. ``with torch.device('meta'):`` builds it without memory.
-    ``qk_norm`` / ``init_values``: timm's options of the same names (QK LayerNorm, LayerScale).
+    ``qk_norm`` / ``init_values`` / ``patch_drop_rate``: timm's options of the same names (QK
+    LayerNorm, LayerScale, patch dropout in training).
     ``defer_init``: skip the initialisation; call ``model.init_weights(gather, generator)``
     afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``)."""
     v = variant(name)
@@ -373,7 +428,7 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size
         img_size=img_size, patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth,
         num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
         defer_init=defer_init, init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate,
-        drop_path_rate=drop_path_rate, representation_size=representation_size,
+        drop_path_rate=drop_path_rate, patch_drop_rate=patch_drop_rate, representation_size=representation_size,
         global_pool=global_pool, backbone=backbone, **kwargs)
 
 
