@@ -68,6 +68,7 @@ the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming t
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Sequence
 
@@ -134,10 +135,8 @@ class ShardLoader:
                                  worker_decoder, RemotePolicy.of(data_cfg))
         if decode_device != "worker":
             check_device(decode_device)
-        # every batch is finished here: normalised and mixed (and with cpu/cuda/dali, decoded first)
-        self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
-                                     device if decode_device == "worker" else decode_device,
-                                     data_cfg.max_image_pixels, self.num_classes, threads=max(1, data_cfg.workers))
+        self._device = device if decode_device == "worker" else decode_device
+        self._decoder = self._make_decoder(img_size)
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size
@@ -149,6 +148,26 @@ class ShardLoader:
         self.last_shards: list[str] = []  # ... and its shard's name
         self.last_epoch: int = epoch  # ... and the epoch it belongs to
         self._reset_epoch(epoch)
+
+    def _make_decoder(self, img_size: int) -> BatchDecoder:
+        """Where every batch is finished: normalised and mixed (and with cpu/cuda/dali, decoded first)."""
+        cfg = self.cfg
+        return BatchDecoder(SampleTransform(cfg.augment, img_size, self.plan.train), cfg.augment, self._device,
+                            cfg.max_image_pixels, self.num_classes, threads=max(1, cfg.workers))
+
+    @property
+    def img_size(self) -> int:
+        return self.settings.img_size
+
+    def set_img_size(self, img_size: int) -> None:
+        """Crop at ``img_size`` px from the next iterator on (``train.resolution_schedule``). The
+        position, the samples and each sample's augmentation draws stay; only the output size
+        changes. An iterator already started keeps its size; the next one starts where the last
+        yielded batch left off, by the exact-resume path (workers restart and read the tar members
+        up to there without decoding them: about what a resume costs, once per switch)."""
+        if img_size != self.settings.img_size:
+            self.settings = dataclasses.replace(self.settings, img_size=int(img_size))
+            self._decoder = self._make_decoder(int(img_size))
 
     def _reset_epoch(self, epoch: int, rest: RestEpoch | None = None) -> None:
         self._epoch, self._batch, self._rest = epoch, 0, rest
