@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import unwritable
-from pretrain.config import Config, ConfigError, check_world_size
+from pretrain.config import Config, ConfigError, check_world_size, image_size
 from pretrain.perf import memory
 
 OK, WARN, FAIL = "ok", "warning", "error"
@@ -54,8 +54,15 @@ def check_batch(cfg: Config, world: int) -> list[Finding]:
         near = max(per, round(t.global_batch_size / per) * per)
         return [Finding(FAIL, "batch", f"{e}; set train.global_batch_size={near} or change "
                                        f"train.micro_batch_size / the number of ranks")]
-    return [Finding(OK, "batch", f"global {t.global_batch_size} = micro {t.micro_batch_size} x {world} rank(s) "
-                                 f"x {gas} accumulation step(s)")]
+    found = [Finding(OK, "batch", f"global {t.global_batch_size} = micro {t.micro_batch_size} x {world} rank(s) "
+                                  f"x {gas} accumulation step(s)")]
+    if t.resolution_schedule:
+        from pretrain.config.phases import resolution_phases
+
+        found.append(Finding(OK, "batch", "train.resolution_schedule: " + "; ".join(
+            f"steps {p.first:,}-{p.last:,} at {p.img_size} px, micro {p.micro_batch} x {world} x "
+            f"{t.global_batch_size // (p.micro_batch * world)}" for p in resolution_phases(t, image_size(cfg.model)))))
+    return found
 
 
 # --------------------------------------------------------------------------------------- shards
@@ -134,7 +141,8 @@ def _count_problems(local, sizes) -> tuple[list[tuple], int]:
         try:
             n = count_samples(s.url)
         except (tarfile.TarError, OSError, EOFError) as e:
-            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, why))
             continue
         if n != s.samples:
             bad.append((s, sizes.get(s.url, (None, "?"))[1], n, None))
@@ -208,7 +216,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     out: list[Finding] = []
     if shardset.num_classes != cfg.model.num_classes:  # train.py would stop here after building the model
         out.append(Finding(FAIL, "shards", f"model.num_classes={cfg.model.num_classes} but {where} lists "
-                                           f"{shardset.num_classes} classes; set model.num_classes={shardset.num_classes}"))
+                                           f"{shardset.num_classes} classes; "
+                                           f"set model.num_classes={shardset.num_classes}"))
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]
@@ -216,7 +225,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     if problems:
         url, why = problems[0]
         out.append(Finding(FAIL, "manifest", f"{len(problems)} of {len(local)} shard(s) do not match {where}, "
-                                             f"first {url}: {why}; re-copy them or re-write the shards with vit-shards"))
+                                             f"first {url}: {why}; re-copy them or re-write the shards with "
+                                             "vit-shards"))
     elif local:
         # -- sample counts: an overclaiming manifest would otherwise surface as "bad samples" mid-run
         bad, counted = _count_problems(local, sizes)
@@ -226,8 +236,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
             s, murl, n, err = bad[0]
             what = (f"{s.url}: unreadable as a tar ({err})" if n is None else
                     f"{murl} says {s.name} holds {s.samples} samples but the tar has {n} ({n - s.samples:+d})")
-            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their manifest, "
-                                                 f"first: {what}; re-write the shards with vit-shards"))
+            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their "
+                                                 f"manifest, first: {what}; re-write the shards with vit-shards"))
         else:
             out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes; samples "
                                                f"counted in {which} match the manifest"))
@@ -327,8 +337,10 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     n = t.activation_checkpointing
     ckpt = f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else "")
     other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
-    detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, micro batch "
-              f"{t.micro_batch_size}): weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
+    micro = (f"micro batch {t.micro_batch_size}" if not t.resolution_schedule
+             else f"its largest phase: {est.largest[0]} px, micro batch {est.largest[1]}")
+    detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, {micro}): "
+              f"weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
               f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
               f"(checkpointing {ckpt}; {other}), runtime {_gb(memory.RUNTIME_OVERHEAD_BYTES)}")
     if s["cpu"]:
@@ -340,9 +352,9 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         need = levers.fewest_checkpointed(cfg, world, shape, budget)
         if written != "auto" and n > need:
             found.append(Finding(WARN, "memory", f"train.activation_checkpointing={str(written).lower()} recomputes "
-                                                 f"{n} of {shape.depth} blocks but {need} would fit {gpu_memory_gb:g} GB: "
-                                                 "each recomputed block costs its forward again; set "
-                                                 f"train.activation_checkpointing=auto ({need} here)"))
+                                                 f"{n} of {shape.depth} blocks but {need} would fit "
+                                                 f"{gpu_memory_gb:g} GB: each recomputed block costs its forward "
+                                                 f"again; set train.activation_checkpointing=auto ({need} here)"))
         return found
     fixes = []
     if n < shape.depth and est.total_if_checkpointing(True) <= budget:

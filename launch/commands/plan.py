@@ -4,6 +4,9 @@
                     [--global-batch GB] [--zero S] [--checkpointing] [--network PRESET] [--json]
     vit-launch plan --config FILE --world-size W --gpu GPU [a.b=c ...]
     vit-launch plan ... --search
+
+With ``--config``, a run on fewer tokens (``train.resolution_schedule``, ``model.patch_drop_rate``)
+is also priced phase by phase against every step at the model's resolution with every token.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import json
 from dataclasses import replace
 
 from pretrain.config import ConfigError
-from pretrain.perf import hardware, inputs, perfmodel
+from pretrain.perf import hardware, inputs, memory, perfmodel
 
 SUMMARY = ("predict images/s, MFU, memory and the bottleneck of a layout from the performance model "
            "(--search ranks layouts)")
@@ -91,9 +94,10 @@ def check_arguments(args) -> None:
         raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
 
 
-def layout(args) -> perfmodel.Layout:
-    """The layout the options describe (``check_arguments`` first); an impossible one is a
-    ``ConfigError`` in the flags' names."""
+def layout(args) -> tuple[perfmodel.Layout, list]:
+    """The layout the options describe (``check_arguments`` first) and, with ``--config``, the run's
+    resolution phases (``pretrain.config.phases``; one without a schedule, none without a config);
+    an impossible layout is a ``ConfigError`` in the flags' names."""
     try:
         return _layout(args)
     except ConfigError:
@@ -105,9 +109,11 @@ def layout(args) -> perfmodel.Layout:
         raise ConfigError(msg) from None
 
 
-def _layout(args) -> perfmodel.Layout:
-    from pretrain.config import check_world_size, load_config
+def _layout(args) -> tuple[perfmodel.Layout, list]:
+    from pretrain.config import check_world_size, image_size, load_config
+    from pretrain.config.phases import resolution_phases
 
+    phases = []
     if args.config:
         cfg = load_config(args.config, args.overrides)
         if args.world_size and args.micro_batch is None and args.global_batch is None:
@@ -123,6 +129,8 @@ def _layout(args) -> perfmodel.Layout:
                                       f"{args.gpus_per_node}")
         lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                                            network=args.network)
+        if cfg.train.resolution_schedule or cfg.model.patch_drop_rate:
+            phases = resolution_phases(cfg.train, image_size(cfg.model))
     else:
         net = args.network or hardware.default_network(args.gpu)
         lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
@@ -147,7 +155,9 @@ def _layout(args) -> perfmodel.Layout:
         lay.accumulation
     except ValueError as e:
         raise ConfigError(f"--global-batch / --micro-batch: {e}") from None
-    return lay
+    if args.micro_batch is not None or args.img_size is not None:  # the flags describe one fixed layout
+        phases = []
+    return lay, phases
 
 
 def _checkpointing(value: str, lay: perfmodel.Layout):
@@ -161,7 +171,8 @@ def _checkpointing(value: str, lay: perfmodel.Layout):
     if value == "auto":
         return next((n for n in range(depth + 1) if perfmodel.predict(replace(lay, checkpointing=n)).fits), depth)
     if not value.isdigit() or int(value) > depth:
-        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, 'auto' or no value (every block)")
+        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, 'auto' or no value "
+                          "(every block)")
     return int(value)
 
 
@@ -207,6 +218,36 @@ def describe(p: perfmodel.Prediction) -> str:
     ])
 
 
+def token_table(price: perfmodel.TokenPrice) -> str:
+    """A run on fewer tokens, phase by phase, and what it saves against every step at the model's
+    resolution with every token."""
+    fixed = price.fixed.layout
+    world = fixed["nodes"] * fixed["gpus_per_node"]
+    lines = [f"  fewer tokens    {price.steps:,} steps, the global batch the same in every phase:",
+             f"    {'steps':>19}  {'px':>4}  {'micro':>5}  {'tokens':>6}  {'img/s':>10}  {'MFU':>6}  {'step ms':>8}  "
+             f"{'hours':>8}  {'GPU-h':>9}  {'GB/GPU':>6}"]
+    for r in price.phases:
+        p = r.prediction
+        lay = p.layout
+        shape = memory.trained_shape(memory.analytic_shape(lay["model"], img_size=r.img_size), None,
+                                     lay["patch_drop_rate"])
+        steps = f"{r.first:,}-{r.last:,}"
+        lines.append(f"    {steps:>19}  {r.img_size:>4}  {r.micro_batch:>5}  {shape.seq_len - 1:>6}  "
+                     f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.step_seconds * 1e3:>8,.1f}  "
+                     f"{r.seconds / 3600:>8,.1f}  {r.seconds * world / 3600:>9,.0f}  "
+                     f"{p.memory_gb_per_gpu['total']:>6.1f}")
+    biggest = max(price.phases, key=lambda r: r.prediction.memory_gb_per_gpu["total"])
+    lines += [f"    whole run: {price.seconds / 3600:,.1f} h ({price.seconds * world / 3600:,.0f} GPU-hours), "
+              f"{price.flops:.3g} FLOPs; every step at {fixed['img_size']} px with every token: "
+              f"{price.fixed_seconds / 3600:,.1f} h, {price.fixed_flops:.3g} FLOPs -> "
+              f"{price.seconds / price.fixed_seconds:.2f}x the time, "
+              f"{price.flops / price.fixed_flops:.2f}x the compute",
+              f"    memory: the largest phase ({biggest.img_size} px, micro {biggest.micro_batch}) "
+              f"{biggest.prediction.memory_gb_per_gpu['total']:.1f} GB per GPU -> "
+              + ("fits" if price.fits else "does NOT fit")]
+    return "\n".join(lines)
+
+
 def table(rows: list[perfmodel.Prediction]) -> str:
     head = (f"{'rank':>4}  {'zero':>4}  {'micro':>5}  {'ckpt':>4}  {'hpz':>3}  {'qwZ':>3}  {'img/s':>10}  "
             f"{'MFU':>6}  {'GB/GPU':>6}  bottleneck")
@@ -222,7 +263,7 @@ def table(rows: list[perfmodel.Prediction]) -> str:
 
 
 def command(args) -> int:
-    lay = layout(args)
+    lay, phases = layout(args)
     if args.search:
         rows = perfmodel.search(lay)
         if not rows:
@@ -231,11 +272,15 @@ def command(args) -> int:
         print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else table(rows))
         return 0
     p = perfmodel.predict(lay)
+    tokens = perfmodel.price_tokens(lay, phases) if phases else None
     if args.json:
-        print(json.dumps({**p.as_dict(), "levers": dict(perfmodel.lever_gains(lay))}, indent=1))
+        print(json.dumps({**p.as_dict(), "levers": dict(perfmodel.lever_gains(lay)),
+                          **({"tokens": tokens.as_dict()} if tokens else {})}, indent=1))
         return 0
     print(describe(p))
     gains = perfmodel.lever_gains(lay)
     if gains:
         print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))
+    if tokens:
+        print(token_table(tokens))
     return 0

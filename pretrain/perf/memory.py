@@ -46,8 +46,8 @@ batch, h width, a heads, 16-bit activations)::
 For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper (g/14 and G/14:
 about 4.4h and 4.9h, so the two MLP terms scale by hidden / 4h). ``model.qk_norm`` keeps the
 normalised Q and K and part of the norms' inputs (``6 s b h`` more, as autograd saves them on
-CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each branch's output for the gradient of
-its gamma (``4 s b h``). Two changes:
+CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each
+branch's output for the gradient of its gamma (``4 s b h``). Two changes:
 ``F.scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient) that keeps no
 s x s matrix, only Q, K, V, the output and a log-sum-exp (``4 a s b`` bytes, fp32), so the
 ``5 a s^2 b`` term becomes ``4 a s b``; and dropout masks exist only with ``model.drop_rate > 0``:
@@ -59,7 +59,10 @@ checkpointing (``model.set_grad_checkpointing``: each block recomputed in backwa
 block's input stays (``2 s b h`` per block, the paper's "full recomputation") plus one block's
 full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
 logits. The formula is checked against the bytes autograd actually saves in
-``tests/unit/test_launch_memory.py``.
+``tests/unit/test_launch_memory.py``. A step that trains on fewer tokens keeps fewer: ``s`` is the
+kept tokens plus one under ``model.patch_drop_rate`` (the image batch is still whole), and under
+``train.resolution_schedule`` each phase has its own ``s``, image size and micro batch; the phase
+with the most activations is the one the estimate (and ``auto`` checkpointing) must fit.
 
 Host memory while the model is built (``host_build``, per rank, CPU RAM): without ZeRO-3 every
 rank builds and initialises the whole fp32 model on the CPU before DeepSpeed moves it (4 B/param;
@@ -72,6 +75,7 @@ each hold at most one whole layer (fp32) beyond the rank's 1/N share (which is a
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GB = 2 ** 30
@@ -94,6 +98,35 @@ class ModelShape:
     mlp_hidden: int = 0  # 0: 4 x width
     qk_norm: bool = False
     layer_scale: bool = False
+    stride: int = 16  # input pixels per token, per side
+    stem: bool = False  # a hybrid's ResNet stem ('SAME' padding keeps partial positions)
+
+    def patches(self, img_size: int) -> int:
+        """Patch tokens of an ``img_size`` input."""
+        side = -(-img_size // self.stride) if self.stem else img_size // self.stride
+        return side * side
+
+
+def trained_shape(shape: ModelShape, img_size: int | None = None, patch_drop_rate: float = 0.0) -> ModelShape:
+    """``shape`` (the model's) as a training step sees it at ``img_size`` px (None: the model's):
+    that resolution's patch grid less what patch dropout drops (``arch.patch_keep``), plus the
+    [class] token, in the blocks; the parameters stay the model's."""
+    from pretrain.models.arch import patch_keep
+
+    img = img_size or shape.img_size
+    return dataclasses.replace(shape, img_size=img, seq_len=patch_keep(shape.patches(img), patch_drop_rate) + 1)
+
+
+def training_shapes(cfg, shape: ModelShape) -> list[tuple[ModelShape, int]]:
+    """(shape as trained, micro batch) of each ``train.resolution_schedule`` phase (one without a
+    schedule), with ``model.patch_drop_rate`` applied: what the activations of each phase are sized by."""
+    from pretrain.config.phases import resolution_phases
+
+    rate = getattr(cfg.model, "patch_drop_rate", 0.0)
+    t = cfg.train
+    if not getattr(t, "resolution_schedule", None):
+        return [(trained_shape(shape, None, rate), t.micro_batch_size)]
+    return [(trained_shape(shape, p.img_size, rate), p.micro_batch) for p in resolution_phases(t, shape.img_size)]
 
 
 def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
@@ -109,7 +142,8 @@ def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, represe
     return ModelShape(params=params, largest_layer=largest, block_params=block_param_count(name, qk_norm, layer_scale),
                       seq_len=tokens + 1, width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
-                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale)
+                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale, stride=s,
+                      stem=bool(d["stem_layers"]))
 
 
 def weight_bytes(precision: str) -> int:
@@ -229,6 +263,7 @@ class MemoryEstimate:
     activations_other: float  # with no block checkpointed (with every block when some are), for advice
     checkpointing: int  # blocks checkpointed
     host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
+    largest: tuple[int, int] = (0, 0)  # (px, micro batch) of the phase with the most activations
 
     @property
     def total(self) -> float:
@@ -258,13 +293,15 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
     # `auto` without a device to fit (pretrain.perf.levers.resolve decides it against one): none
     n = checkpoint_count(t.activation_checkpointing, shape.depth) or 0
-    act = activation_bytes(shape, t.micro_batch_size, checkpointing=n, **kw)
-    other = activation_bytes(shape, t.micro_batch_size, checkpointing=0 if n else shape.depth, **kw)
+    # the phase of train.resolution_schedule that holds the most activations decides (one without)
+    act, trained, micro = max(((activation_bytes(s, b, checkpointing=n, **kw), s, b)
+                               for s, b in training_shapes(cfg, shape)), key=lambda e: e[0])
+    other = activation_bytes(trained, micro, checkpointing=0 if n else shape.depth, **kw)
     buffers = zero_buffer_bytes(_sized_buckets(cfg, world, shape), shape, t.precision,
                                 leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=n,
-                          host_build=host_build_bytes(shape, cfg.zero.stage))
+                          host_build=host_build_bytes(shape, cfg.zero.stage), largest=(trained.img_size, micro))
 
 
 def _sized_buckets(cfg, world: int, shape: ModelShape):
