@@ -15,8 +15,15 @@ cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the
 (optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label), and
 ``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype), ``compile``
 (train.compile: the Transformer blocks compiled by inductor, as training does) and ``leaf_blocks``
-(zero.leaf_blocks; rank 0 also writes how many modules DeepSpeed made ZeRO-3 leaves). Every case starts
-from the same weights; the batches of step t are the same on every rank and in the reference.
+(zero.leaf_blocks; rank 0 also writes how many modules DeepSpeed made ZeRO-3 leaves), ``phases``
+(train.resolution_schedule: per step ``[px, gas]``, the engine switched to that micro batch between
+steps as training switches it) and ``patch_drop`` (model.patch_drop_rate). Every case starts from
+the same weights; the batches of step t are the same on every rank and in the reference.
+
+With ``phases`` or ``patch_drop`` the reference model is timm's (``dynamic_img_size``, its own
+``PatchDropout``) holding the same weights. Patch dropout draws each image's kept tokens from the
+generator of the process that runs the forward: both sides seed it alike before each micro-batch
+of each rank, and the reference sums the micro-batches' gradients as our ranks split them.
 
 The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
 which the whole-path tests share): the mean loss over the whole
@@ -39,6 +46,7 @@ import torch.nn.functional as F
 from deepspeed.utils import z3_leaf_module
 
 from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed import ds_compat
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.distributed.precision import compute_dtype
@@ -52,21 +60,43 @@ LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
                 schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
-                offload_params=False, reduce="fp32", compile=False, leaf_blocks=True)
+                offload_params=False, reduce="fp32", compile=False, leaf_blocks=True, phases=None, patch_drop=0.0)
 
 
-def base_model() -> torch.nn.Module:
-    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0)
+def base_model(patch_drop: float = 0.0) -> torch.nn.Module:
+    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0,
+                         patch_drop_rate=patch_drop)
     with torch.no_grad():  # a head that is not zero, so every layer has a gradient at the first step
         model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     return model
 
 
-def batch(step: int, world: int, multi_label: bool = False):
+def timm_twin(base: torch.nn.Module, case: dict) -> torch.nn.Module:
+    """timm's model with ``base``'s weights: another image size resampled by ``dynamic_img_size``,
+    patch dropout by timm's ``PatchDropout``."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, dynamic_img_size=True,
+                              patch_drop_rate=case["patch_drop"])
+    model.load_state_dict(base.state_dict(), strict=True)
+    return model
+
+
+def phase(case: dict, step: int) -> tuple[int, int]:
+    """(px, micro-batches per step) of ``step``."""
+    return tuple(case["phases"][step]) if case["phases"] else (IMG, case["gas"])
+
+
+def mask_seed(step: int, rank: int, micro: int) -> int:
+    """The generator's seed before the forward of one micro-batch of one rank (patch dropout)."""
+    return 10_000 + 100 * step + 10 * rank + micro
+
+
+def batch(step: int, world: int, multi_label: bool = False, img: int = IMG):
     """The global batch of ``step``: images (scaled so that gradients are large enough to clip) and
     labels (class indices, or multi-hot rows with about 3 of 10 classes on)."""
     g = torch.Generator().manual_seed(100 + step)
-    images = torch.randn(MICRO * world, 3, IMG, IMG, generator=g) * 3
+    images = torch.randn(MICRO * world, 3, img, img, generator=g) * 3
     if multi_label:
         return images, (torch.rand(MICRO * world, CLASSES, generator=g) < 0.3).float()
     return images, torch.randint(0, CLASSES, (MICRO * world,), generator=g)
@@ -92,9 +122,31 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
     else:
         opt = torch.optim.AdamW(groups, lr=LR["adamw"], betas=BETAS, eps=EPS)
     sched = reference_schedule(opt, case["warmup"], case["steps"], case["schedule"], case["min_ratio"])
-    batches = [batch(step, world, case["multi_label"]) for step in range(case["steps"])]
+    batches = [batch(step, world, case["multi_label"], phase(case, step)[0]) for step in range(case["steps"])]
+    if case["patch_drop"]:
+        return masked_reference(model, opt, sched, batches, case, world, reverse=split)
     return train_reference(model, opt, sched, batches, clip=case["clip"], split=MICRO // case["gas"] if split else 0,
                            loss=lambda logits, targets: reference_loss(logits, targets, case))[0]
+
+
+def masked_reference(model, opt, sched, batches, case: dict, world: int, reverse: bool) -> float:
+    """Plain PyTorch with patch dropout: each step's gradient summed over the micro-batches our ranks
+    take, each forward after the seed our side sets (``reverse``: summed in the other order, the
+    reference's own noise). The first gradient norm."""
+    norms = []
+    for step, (images, targets) in enumerate(batches):
+        per = MICRO // phase(case, step)[1]
+        chunks = [(r, m) for r in range(world) for m in range(MICRO // per)]
+        opt.zero_grad()
+        for r, m in reversed(chunks) if reverse else chunks:
+            lo = r * MICRO + m * per
+            torch.manual_seed(mask_seed(step, r, m))
+            (reference_loss(model(images[lo:lo + per]), targets[lo:lo + per], case) * (per / len(images))).backward()
+        clip = case["clip"] if case["clip"] > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+    return norms[0]
 
 
 def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
@@ -103,7 +155,7 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
                         momentum=case["momentum"], weight_decay=case["wd"], grad_clip=case["clip"],
                         warmup_steps=case["warmup"], schedule=case["schedule"],
                         min_lr=case["min_ratio"] * LR[case["optim"]])
-    gas = case["gas"]
+    gas = phase(case, 0)[1]
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
                         precision=case["precision"], activation_checkpointing=case["ckpt"], reduce_dtype=case["reduce"],
                         compile=case["compile"])
@@ -111,12 +163,17 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     engine, _ = initialize(model, optim, train, zero, world)
     start = weights(engine)  # the fp32 masters DeepSpeed made (from the bf16-rounded module in bf16)
     dtype = compute_dtype(case["precision"])
-    per = MICRO // gas
     for step in range(case["steps"]):
-        images, labels = batch(step, world, case["multi_label"])
+        img, gas = phase(case, step)
+        per = MICRO // gas
+        if case["phases"]:  # between optimizer steps, as pretrain.distributed.phases switches it
+            assert ds_compat.set_micro_batch(engine, per) == gas
+        images, labels = batch(step, world, case["multi_label"], img)
         mine = images[rank * MICRO:(rank + 1) * MICRO], labels[rank * MICRO:(rank + 1) * MICRO]
         for m in range(gas):
             x, y = mine[0][m * per:(m + 1) * per], mine[1][m * per:(m + 1) * per]
+            if case["patch_drop"]:
+                torch.manual_seed(mask_seed(step, rank, m))
             engine.backward(classification_loss(engine(x.to(dtype)), y, multi_label=case["multi_label"],
                                                 smoothing=case["smoothing"]))
             engine.step()
@@ -195,8 +252,11 @@ def main():
     results = {}
     for name, given in cases.items():
         case = {**DEFAULTS, **given}
-        base = base_model()
-        ref, twin = copy.deepcopy(base), copy.deepcopy(base)
+        base = base_model(case["patch_drop"])
+        if case["phases"] or case["patch_drop"]:
+            ref, twin = timm_twin(base, case), timm_twin(base, case)
+        else:
+            ref, twin = copy.deepcopy(base), copy.deepcopy(base)
         before = {n: p.detach().clone() for n, p in ref.named_parameters()}
         norm = reference(ref, case, world)
         reference(twin, case, world, split=True)
