@@ -255,9 +255,12 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         ds_compat.around_zero3_fetch(b.engine.module, clock.gather_begin, clock.gather_end)
     if clock.times_waits:  # backward's and step's waits for peers are not the rank's own work either
         ds_compat.time_collectives(clock.comm_begin, clock.comm_end, b.engine)
-    batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation, _sized(t, b, start)),
-                                  rank=c.rank, start_step=start, accumulation=b.accumulation)
     phases = resolution_phases(t, b.img)
+    sized = None  # without a schedule: the loader's own iteration
+    if t.resolution_schedule:  # the loader restarted at each phase's size where it changes
+        sized = sized_batches(b.loader, lambda step: phase_at(phases, step).img_size, start, b.accumulation)
+    batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation, sized),
+                                  rank=c.rank, start_step=start, accumulation=b.accumulation)
     if any(p.micro_batch != t.micro_batch_size for p in phases):  # the loader's batches cut to each phase's
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
@@ -269,15 +272,6 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                 detector=_straggler_detector(t, c, clock),
                 evaluator=evaluator if evaluator.enabled else None, say=c.say, logged=status)
     return Job(loop, status, samples)
-
-
-def _sized(t: TrainConfig, b: Built, start: int) -> Optional[Iterator]:
-    """With ``train.resolution_schedule``: the loader's batches, each step's at its phase's size
-    (``step_batches.sized_batches``); None without one (the loader's own iteration)."""
-    if not t.resolution_schedule:
-        return None
-    phases = resolution_phases(t, b.img)
-    return sized_batches(b.loader, lambda step: phase_at(phases, step).img_size, start, b.accumulation)
 
 
 def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[float, float]], dict]:
