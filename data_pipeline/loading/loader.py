@@ -45,6 +45,12 @@ Evaluation stream (``train=False``): resize + center crop, one pass in manifest 
 exactly once over all ranks, no shuffle, no drop. Ranks may yield *different* batch counts and
 short last batches (one per worker): reduce metrics with sums after the loop, not per step.
 
+Resolution (``train.resolution_schedule``): ``loader.set_img_size(px)`` crops at ``px`` from the next
+iterator on; that iterator starts where the last yielded batch left off, by the exact-resume path,
+so the samples and their augmentation draws are those of the old size (``step_batches.py`` restarts
+the iteration where a step's size changes). The plan, the state and the sample log do not depend on
+the size.
+
 Exclusion (``data.exclude_keys: FILE``, e.g. vit-audit's exclude.txt): samples whose ``__key__`` is
 listed are dropped before decoding and counted as ``excluded``; like bad samples they leave the
 slot short, so it refills its batches from a further pass (``repeated_for_balance``).
