@@ -255,7 +255,8 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
-        self.patch_drop = PatchDropout(patch_drop_rate, self.num_prefix_tokens) if patch_drop_rate else nn.Identity()
+        # no module at all without patch dropout: under ZeRO-3 each module costs a hook pair per forward
+        self.patch_drop = PatchDropout(patch_drop_rate, self.num_prefix_tokens) if patch_drop_rate else None
 
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         self.blocks = nn.Sequential(*[
@@ -367,7 +368,9 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         grid = self.patch_embed.grid_of(x.shape[-2], x.shape[-1])
-        x = self.patch_drop(self._pos_embed(self.patch_embed(x), grid))
+        x = self._pos_embed(self.patch_embed(x), grid)
+        if self.patch_drop is not None:
+            x = self.patch_drop(x)
         if self.grad_checkpointing and torch.is_grad_enabled():
             for i, blk in enumerate(self.blocks):
                 # non-reentrant: works with ZeRO-3's parameter hooks, unused inputs and torch.compile

@@ -93,7 +93,8 @@ def partitioned(layout) -> list[int]:
 # modules of pretrain.models.vit's Block (itself, norms, attention and MLP with their linears, dropouts,
 # identities, drop paths) and of the rest of a patch-embedding ViT (the model, patch embedding with
 # its conv, position dropout, the blocks' Sequential, final norm, pre-logits and pooling identities,
-# head dropout, head); tests/integration/test_perfmodel.py counts them on the built models
+# head dropout, head; patch dropout when on); tests/integration/test_perfmodel.py counts them on the
+# built models
 BLOCK_MODULES, OTHER_MODULES = 19, 10
 
 
@@ -101,7 +102,8 @@ def zero3_hooked(layout) -> int:
     """Modules DeepSpeed hooks under ZeRO-3: every module, or with ``leaf_blocks`` each block as one
     module and nothing inside it. A hybrid's ResNet stem is counted as one module (its layers are not)."""
     depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
-    return OTHER_MODULES + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
+    patch_drop = 1 if layout.patch_drop_rate else 0  # PatchDropout: a module only when on
+    return OTHER_MODULES + patch_drop + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
 
 
 def released_numel(layout, tensors: list[int]) -> int:
@@ -156,12 +158,14 @@ def collectives(layout, params: int) -> list[Collective]:
             calls = k * max(1, math.ceil(released / layout.prefetch_bucket_size))
             out.append(Collective("all_gather", released * w3 * k / calls, calls, min(hpz, n),
                                   multi and hpz > layout.gpus_per_node, "backward",
-                                  "weights released after the forward, backward" + (" (hpZ secondary)" if hpz < n else "")))
+                                  "weights released after the forward, backward"
+                                  + (" (hpZ secondary)" if hpz < n else "")))
         calls, per = buckets(params, layout.reduce_bucket_size)
         if layout.quantized_gradients:
             out.append(Collective("all_to_all", per * 0.5, k * calls, n, multi, "backward", "gradients, int4 (qgZ)"))
         else:
             out.append(Collective("reduce_scatter", per * g, k * calls, n, multi, "backward", "gradients"))
         if params > part:
-            out.append(Collective("all_gather", (params - part) * w, 1, n, multi, "", "persistent weights after the step"))
+            out.append(Collective("all_gather", (params - part) * w, 1, n, multi, "",
+                                  "persistent weights after the step"))
     return out
