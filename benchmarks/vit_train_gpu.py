@@ -77,7 +77,7 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
                 Row("vit_tiny_patch16_224", "plain", (4, 64), PLAIN)]
         # inductor's C++ build takes minutes on 2 cores: the smoke leaves train.compile to
         # tests/integration/test_compile.py and traces the plain reference with aot_eager
-        return rows, {"steps": 6, "log_every": 2, "budget_s": 600.0, "row_min_s": 60.0}
+        return rows, {"steps": 4, "log_every": 2, "budget_s": 600.0, "row_min_s": 60.0}
     L, B, H = "vit_l16_in21k", "vit_b16_in1k", "vit_h14_jft"
     best = ("train.activation_checkpointing=auto", "train.compile=model", "zero.reduce_bucket_size=auto")
     rows = [
