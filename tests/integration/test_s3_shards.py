@@ -178,7 +178,8 @@ def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, m
     c = store.client
     for name in _objects(c, "demo/train/"):
         if name != "train-000005.tar":
-            c.copy_object(Bucket=BUCKET, Key=f"partial/{name}", CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
+            c.copy_object(Bucket=BUCKET, Key=f"partial/{name}",
+                          CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
     url = f"s3://{BUCKET}/partial"
     with pytest.raises(DataError) as e:
         one_epoch(_cfg(url))
@@ -418,7 +419,8 @@ def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suit
         out = tmp_path / name
         assert vit_audit.main(["--shards", shards, "--eval", f"shards:{evals}", "--output", str(out), "--quiet",
                                "--grid", "2"]) == 0
-        assert capsys.readouterr().out.splitlines()[-1].startswith("80 pairs")
+        said = capsys.readouterr().out.splitlines()
+        assert said[-1].startswith("80 pairs") and f"{index.manifest_url(shards)}: 40 of 40 samples audited" in said
         doc = json.loads((out / "audit.json").read_text())
         assert doc["shards"][0]["manifest"] == index.manifest_url(shards) and doc["evals"][0]["images"] == 176
         return sorted(tuple(v for k, v in p.items() if k != "manifest") for p in doc["pairs"])
@@ -434,7 +436,7 @@ def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suit
             m.setenv(k, v)
         assert vit_audit.main(["--index", f"{url}/test", "--quiet"]) == 0
         out, err = capsys.readouterr()
-        assert out == "40 images hashed (0 unreadable) -> hashes.npz not stored (see the note above)\n", out
+        assert out == "40 of 40 samples hashed -> hashes.npz not stored (see the note above)\n", out
         assert err == (f"vit-audit: note: cannot store {url}/test/hashes.npz (S3 403 AccessDenied: check the "
                        "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) "
                        "and that they may access this bucket); the hashes are used for this run only\n"), err
@@ -447,7 +449,7 @@ def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suit
     real_build = index.build_index
     monkeypatch.setattr(index, "build_index", lambda *a, **k: built.append(a) or real_build(*a, **k))
     assert vit_audit.main(["--index", f"{url}/test/", "--quiet"]) == 0  # the stored hashes, fingerprint checked
-    assert capsys.readouterr().out == f"40 images hashed (0 unreadable) -> {url}/test/hashes.npz\n"
+    assert capsys.readouterr().out == f"40 of 40 samples hashed -> {url}/test/hashes.npz\n"
     assert built == [] and store.client.head_object(Bucket=BUCKET, Key=stored)["ETag"] == etag
     assert vit_audit.main(["--index", f"{url}/test", "--force", "--quiet"]) == 0
     assert len(built) == 1
@@ -565,7 +567,9 @@ def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
     # (safetensors writes its metadata in no fixed order: the weights file is compared by its tensors)
     assert all(body(f"exports/hf/{n}") == (tmp_path / "hf" / n).read_bytes() for n in files if n != "model.safetensors")
     (tmp_path / "hf_store.safetensors").write_bytes(body("exports/hf/model.safetensors"))
-    with safe_open(tmp_path / "hf_store.safetensors", "pt") as a, safe_open(tmp_path / "hf" / "model.safetensors", "pt") as b:
-        assert sorted(a.keys()) == sorted(b.keys()) and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    with safe_open(tmp_path / "hf_store.safetensors", "pt") as a, \
+            safe_open(tmp_path / "hf" / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
     r = run_job([sys.executable, "-m", "pretrain.export", str(run), "s3://no-such-bucket/x.safetensors"], timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no-such-bucket" in r.stderr, r.stderr
