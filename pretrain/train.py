@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError, is_user_error
+from data_pipeline.errors import DataError, exit_code
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
 from data_pipeline.loading.workers import stop_workers
@@ -54,7 +54,6 @@ from pretrain.resilience import faults, watchdog
 from pretrain.resilience.lifecycle import (
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USAGE,
     FailureRecord,
     RunStatus,
     StopRequest,
@@ -281,7 +280,7 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
         failed = True
         dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         lost = record.report(e)  # who is gone, not gloo's words; now, while the other ranks ask too
-        status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
+        status(max(start, lp.clock.completed), "failed", exit_code(e, *USER_ERRORS))  # 2 user, 69 store, 1
         if lost:
             raise SystemExit(1) from None
         raise

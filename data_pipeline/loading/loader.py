@@ -63,6 +63,8 @@ pixels are those of a full decode (PIL's draft mode differs slightly where it ap
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
 the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
+A remote store that stays away past ``data.remote_retry_s`` raises ``StoreUnreachable`` (exit 69:
+an outage, not bad data), whichever worker met it.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ from data_pipeline.loading.workers import worker_init
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import resolve_shards
-from data_pipeline.storage.retry import RemotePolicy
+from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
 # 2: sample-range plan; adds shuffle_buffer and rest (the elastic source of a rest-epoch).
@@ -204,6 +206,8 @@ class ShardLoader:
         tally = meta["tally"]
         self._counts.update(tally["counts"])
         self._epoch_bad.update(tally["bad_by_shard"])
+        if meta.get("unreachable"):  # the store stayed away past data.remote_retry_s: not the data's fault
+            raise StoreUnreachable(meta["error"])
         if "error" in meta:
             raise TooManyCorruptSamples(meta["error"] + self._worst())
         bad = sum(self._epoch_bad.values())
@@ -301,7 +305,8 @@ class ShardLoader:
         first = states[0]
         world = first.get("world_size")
         if [st.get("rank") for st in states] != list(range(len(states))) or world != len(states):
-            raise DataError(f"data loader states: need one state per old rank 0..{world - 1 if isinstance(world, int) else '?'}"
+            last = world - 1 if isinstance(world, int) else "?"
+            raise DataError(f"data loader states: need one state per old rank 0..{last}"
                             f", got ranks {[st.get('rank') for st in states]}")
         shared = ("epoch", "batch", "world_size", "workers", "batch_size", "shuffle_buffer", "rest")
         for st in states[1:]:

@@ -33,7 +33,7 @@ from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, sh
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.shards.reader import read_shard
-from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, StoreUnreachable
 from data_pipeline.tally import Tally
 
 SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
@@ -239,8 +239,8 @@ class SlotStream(IterableDataset):
             yield None, None, {"error": f"rank {self.rank} reader slot {role}: none of its shards "
                                         f"({names}) yielded a readable sample in epoch {epoch}",
                                "tally": tally.take()}
-        except RemoteShardError as e:  # the main process raises it (a DataError: one line)
-            yield None, None, {"error": str(e), "tally": tally.take()}
+        except (RemoteShardError, StoreUnreachable) as e:  # the main process raises it (one line)
+            yield None, None, {"error": str(e), "unreachable": isinstance(e, StoreUnreachable), "tally": tally.take()}
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_pass(self, slot, role):
@@ -249,8 +249,9 @@ class SlotStream(IterableDataset):
         (samples,) = _SlotReader(pieces, tally, repeat=False, remote=self.settings.remote).passes()
         try:
             yield from self._eval_batches(samples, role, tally)
-        except RemoteShardError as e:
-            yield None, None, {"role": role, "error": str(e), "tally": tally.take()}
+        except (RemoteShardError, StoreUnreachable) as e:
+            yield None, None, {"role": role, "error": str(e), "unreachable": isinstance(e, StoreUnreachable),
+                               "tally": tally.take()}
 
     def _eval_batches(self, samples, role, tally):
         plan = self.plan
