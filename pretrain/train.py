@@ -15,7 +15,7 @@ from functools import partial
 
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError, is_user_error
+from data_pipeline.errors import DataError, exit_code
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
@@ -25,7 +25,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import set_collective_timeout
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
-from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, FailureRecord, say_goodbye
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, FailureRecord, say_goodbye
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import gather_and_judge
 from pretrain.startup import Connected, Job, Loop, assemble, build_engine, connect, restore
@@ -128,7 +128,7 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
         failed = True
         c.dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
         lost = record.report(e)  # who is gone, not gloo's words; now, while the other ranks ask too
-        job.status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
+        job.status(max(start, lp.clock.completed), "failed", exit_code(e, *USER_ERRORS))  # 2 user, 69 store, 1
         if lost:
             raise SystemExit(1) from None
         raise

@@ -65,6 +65,8 @@ pixels are those of a full decode (PIL's draft mode differs slightly where it ap
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
 the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
+A remote store that stays away past ``data.remote_retry_s`` raises ``StoreUnreachable`` (exit 69:
+an outage, not bad data), whichever worker met it.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ from data_pipeline.loading.workers import worker_init
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import resolve_shards
-from data_pipeline.storage.retry import RemotePolicy
+from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
 
@@ -208,6 +210,8 @@ class ShardLoader:
     def _account(self, record: BatchRecord) -> None:
         self._counts.update(record.tally["counts"])
         self._epoch_bad.update(record.tally["bad_by_shard"])
+        if record.unreachable:  # the store stayed away past data.remote_retry_s: not the data's fault
+            raise StoreUnreachable(record.error)
         if record.error is not None:
             raise TooManyCorruptSamples(record.error + self._worst())
         bad = sum(self._epoch_bad.values())

@@ -35,7 +35,7 @@ from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, sh
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.shards.reader import read_shard
-from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, StoreUnreachable
 from data_pipeline.tally import Tally
 
 SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
@@ -240,8 +240,9 @@ class SlotStream(IterableDataset):
             yield None, None, BatchRecord(True, role, tally.take(), epoch, error=(
                 f"rank {self.rank} reader slot {role}: none of its shards ({names}) yielded a readable "
                 f"sample in epoch {epoch}"))
-        except RemoteShardError as e:  # the main process raises it (a DataError: one line)
-            yield None, None, BatchRecord(True, role, tally.take(), epoch, error=str(e))
+        except (RemoteShardError, StoreUnreachable) as e:  # the main process raises it (one line)
+            yield None, None, BatchRecord(True, role, tally.take(), epoch, error=str(e),
+                                          unreachable=isinstance(e, StoreUnreachable))
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_pass(self, slot, role):
@@ -250,8 +251,9 @@ class SlotStream(IterableDataset):
         (samples,) = _SlotReader(pieces, tally, repeat=False, remote=self.settings.remote).passes()
         try:
             yield from self._eval_batches(samples, role, tally)
-        except RemoteShardError as e:
-            yield None, None, BatchRecord(False, role, tally.take(), error=str(e))
+        except (RemoteShardError, StoreUnreachable) as e:
+            yield None, None, BatchRecord(False, role, tally.take(), error=str(e),
+                                          unreachable=isinstance(e, StoreUnreachable))
 
     def _eval_batches(self, samples, role, tally):
         plan = self.plan

@@ -6,6 +6,10 @@ Exit codes of ``pretrain.train`` (each rank) and ``vit-launch run`` (the whole j
     1                     a failure (exception, a dead peer, a non-finite loss streak)
     2   EXIT_USAGE        a user mistake, said in one line (nothing to retry)
     3   EXIT_HANG         the hang watchdog fired (``pretrain/resilience/watchdog.py``): stacks in <output_dir>/hang/
+    69  EXIT_UNAVAILABLE  (``data_pipeline.errors``) the shard store stayed unreachable past
+                          ``data.remote_retry_s``: an infrastructure failure, not a mistake;
+                          ``vit-launch --max-restarts`` restarts it, a ``--requeue`` sbatch script
+                          requeues it, and it resumes from the last checkpoint
     75  EXIT_INTERRUPTED  stopped on request (SIGTERM, SIGINT, the launcher went away) after saving
                           a checkpoint, or (``vit-launch``) during start-up before any step: start
                           the same command again to resume (EX_TEMPFAIL, so a scheduler may requeue
@@ -228,8 +232,8 @@ def goodbye_line(result: dict, checkpoint) -> str:
     if result["preempted"]:
         return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {checkpoint}; run "
                 f"the same command to resume (exit {EXIT_INTERRUPTED})")
-    return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: python -m pretrain.export "
-            f"{result['run_dir']} OUT.safetensors")
+    return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: "
+            f"python -m pretrain.export {result['run_dir']} OUT.safetensors")
 
 
 def say_goodbye(result: dict, summary, status: RunStatus, checkpoint) -> None:
