@@ -301,6 +301,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True, help="folder for vit_train_gpu.json, the rows' logs and metrics")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on a CPU: every code path, no meaningful figure")
     ap.add_argument("--only", default="", help="comma-separated MODEL:LEVER or LEVER names to run (default: all)")
+    ap.add_argument("--predict-only", metavar="DEVICE_NAME",
+                    help="print the rows with the plan's predictions for that CUDA device name (e.g. 'NVIDIA H100 "
+                         "80GB HBM3', 80 GiB assumed) and run nothing")
     ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # NAME,MICRO,IMG: the reference's own process
     ap.add_argument("--steps", type=int, default=16, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -312,6 +315,20 @@ def main(argv=None) -> int:
         (out / f"plain-{name}.json").write_text(json.dumps(r) + "\n")
         return 0
     rows, settings = plan_rows(args.smoke)
+    if args.predict_only:
+        from pretrain.config import load_config
+
+        out_rows = []
+        for row in rows:
+            if row.lever == "plain":
+                continue
+            cfg = load_config(ROOT / "configs" / f"{row.model}.yaml",
+                              row_overrides(row, Path("/tmp/unused"), Path("/tmp/unused"), settings))
+            out_rows.append({"model": SHORT.get(cfg.model.name, cfg.model.name), "lever": row.lever,
+                             "levers": row.levers, "micro_batch": cfg.train.micro_batch_size, "status": "ok",
+                             "img_per_s": None, **predicted(cfg, args.predict_only, 80 * 2 ** 30)})
+        print(table(out_rows))
+        return 0
     if args.only:
         keep = set(args.only.split(","))
         rows = [r for r in rows if r.lever in keep or f"{r.model}:{r.lever}" in keep]

@@ -415,7 +415,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
               hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
               quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers,
-              decode=inputs.CONFIG_PATHS[cfg.data.decode_device])
+              decode="synthetic" if cfg.data.synthetic else inputs.CONFIG_PATHS[cfg.data.decode_device])
     kw.update(overrides)
     return Layout(**kw)
 
