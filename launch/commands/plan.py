@@ -12,7 +12,7 @@ import json
 from dataclasses import replace
 
 from pretrain.config import ConfigError
-from pretrain.perf import hardware, inputs, perfmodel
+from pretrain.perf import advice, hardware, inputs, perfmodel
 
 SUMMARY = ("predict images/s, MFU, memory and the bottleneck of a layout from the performance model "
            "(--search ranks layouts)")
@@ -224,7 +224,7 @@ def table(rows: list[perfmodel.Prediction]) -> str:
 def command(args) -> int:
     lay = layout(args)
     if args.search:
-        rows = perfmodel.search(lay)
+        rows = advice.search(lay)
         if not rows:
             raise ConfigError(f"no layout of {lay.model} fits {hardware.gpu_of(lay).memory_gb:.0f} GB per GPU")
         rows = rows[:args.top]
@@ -232,10 +232,10 @@ def command(args) -> int:
         return 0
     p = perfmodel.predict(lay)
     if args.json:
-        print(json.dumps({**p.as_dict(), "levers": dict(perfmodel.lever_gains(lay))}, indent=1))
+        print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay))}, indent=1))
         return 0
     print(describe(p))
-    gains = perfmodel.lever_gains(lay)
+    gains = advice.lever_gains(lay)
     if gains:
         print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))
     return 0

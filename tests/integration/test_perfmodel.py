@@ -14,7 +14,7 @@ from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import check_zeropp_device, deepspeed_config
 from pretrain.models import arch
 from pretrain.models.vit import create_model
-from pretrain.perf import collectives, memory, perfmodel
+from pretrain.perf import advice, collectives, memory, perfmodel
 from pretrain.perf.hardware import GPUS, gpu_key
 from pretrain.perf.perfmodel import Layout, predict
 from pretrain.perf.published import calibrate, published_table
@@ -112,7 +112,7 @@ def test_reduce_dtype_and_zeropp_are_priced():
 
 
 def test_search_ranks_fitting_layouts(capsys):
-    rows = perfmodel.search(Layout("vit_huge_patch14_224", "a100-40gb", nodes=4, global_batch=4096))
+    rows = advice.search(Layout("vit_huge_patch14_224", "a100-40gb", nodes=4, global_batch=4096))
     assert rows and all(r.fits for r in rows)
     ips = [r.images_per_second for r in rows]
     assert all(b <= a * 1.005 for a, b in zip(ips, ips[1:]))  # best first; ties within 0.5 % by micro batch
