@@ -134,7 +134,8 @@ def _count_problems(local, sizes) -> tuple[list[tuple], int]:
         try:
             n = count_samples(s.url)
         except (tarfile.TarError, OSError, EOFError) as e:
-            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            bad.append((s, sizes.get(s.url, (None, "?"))[1], None,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__))
             continue
         if n != s.samples:
             bad.append((s, sizes.get(s.url, (None, "?"))[1], n, None))
@@ -208,7 +209,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     out: list[Finding] = []
     if shardset.num_classes != cfg.model.num_classes:  # train.py would stop here after building the model
         out.append(Finding(FAIL, "shards", f"model.num_classes={cfg.model.num_classes} but {where} lists "
-                                           f"{shardset.num_classes} classes; set model.num_classes={shardset.num_classes}"))
+                                           f"{shardset.num_classes} classes; "
+                                           f"set model.num_classes={shardset.num_classes}"))
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]
@@ -216,7 +218,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     if problems:
         url, why = problems[0]
         out.append(Finding(FAIL, "manifest", f"{len(problems)} of {len(local)} shard(s) do not match {where}, "
-                                             f"first {url}: {why}; re-copy them or re-write the shards with vit-shards"))
+                                             f"first {url}: {why}; "
+                                             "re-copy them or re-write the shards with vit-shards"))
     elif local:
         # -- sample counts: an overclaiming manifest would otherwise surface as "bad samples" mid-run
         bad, counted = _count_problems(local, sizes)
@@ -226,7 +229,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
             s, murl, n, err = bad[0]
             what = (f"{s.url}: unreadable as a tar ({err})" if n is None else
                     f"{murl} says {s.name} holds {s.samples} samples but the tar has {n} ({n - s.samples:+d})")
-            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their manifest, "
+            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) "
+                                                 "disagree with their manifest, "
                                                  f"first: {what}; re-write the shards with vit-shards"))
         else:
             out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes; samples "
@@ -340,7 +344,8 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         need = levers.fewest_checkpointed(cfg, world, shape, budget)
         if written != "auto" and n > need:
             found.append(Finding(WARN, "memory", f"train.activation_checkpointing={str(written).lower()} recomputes "
-                                                 f"{n} of {shape.depth} blocks but {need} would fit {gpu_memory_gb:g} GB: "
+                                                 f"{n} of {shape.depth} blocks but {need} would fit "
+                                                 f"{gpu_memory_gb:g} GB: "
                                                  "each recomputed block costs its forward again; set "
                                                  f"train.activation_checkpointing=auto ({need} here)"))
         return found

@@ -161,7 +161,8 @@ def _checkpointing(value: str, lay: perfmodel.Layout):
     if value == "auto":
         return next((n for n in range(depth + 1) if perfmodel.predict(replace(lay, checkpointing=n)).fits), depth)
     if not value.isdigit() or int(value) > depth:
-        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, 'auto' or no value (every block)")
+        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, "
+                          "'auto' or no value (every block)")
     return int(value)
 
 

@@ -61,7 +61,8 @@ def check_version(prog: str = "vit-train") -> bool:
     if version_ok(deepspeed.__version__):
         return True
     print(f"{prog}: warning: DeepSpeed {deepspeed.__version__} is outside the tested range {tested_range()}; "
-          "universal-checkpoint loading and the CPU shm clean-up rely on its internals (pretrain/distributed/ds_compat.py)",
+          "universal-checkpoint loading and the CPU shm clean-up rely on its internals "
+          "(pretrain/distributed/ds_compat.py)",
           file=sys.stderr, flush=True)
     return False
 

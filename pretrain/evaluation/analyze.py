@@ -332,9 +332,11 @@ def check_output_dir(output: str) -> None:
 
 def parser() -> Parser:
     ap = Parser(prog=PROG, description="The ViT paper's analysis figures (Figure 7, Figure 6) for a checkpoint")
-    ap.add_argument("--checkpoint", required=True, help="run directory (any ZeRO stage), .safetensors, timm state dict, "
+    ap.add_argument("--checkpoint", required=True,
+                    help="run directory (any ZeRO stage), .safetensors, timm state dict, "
                     "or a transformers ViT folder (config.json + weights)")
-    ap.add_argument("--images", required=True, help="folder of images (any depth) or shards (manifest.json / its folder)")
+    ap.add_argument("--images", required=True,
+                    help="folder of images (any depth) or shards (manifest.json / its folder)")
     ap.add_argument("--output", required=True, help="folder for the PNGs and JSON")
     ap.add_argument("--img-size", type=int, default=None, help="resolution (default: the checkpoint's)")
     ap.add_argument("--num-images", type=int, default=128, help="images for the attention distances (default 128)")

@@ -225,6 +225,7 @@ def param_tensors(name: str, img_size=None, num_classes: int = 1000) -> list[int
     h, w = (img, img) if isinstance(img, int) else img
     tokens = (-(-h // s_)) * (-(-w // s_)) if a["stem_layers"] else (h // s_) * (w // s_)
     block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, d * m, m, m * d, d]
-    out = ([stem] if stem else []) + embed + [d, (tokens + 1) * d] + block * a["depth"] + [d, d, d * num_classes, num_classes]
+    out = (([stem] if stem else []) + embed + [d, (tokens + 1) * d] + block * a["depth"]
+           + [d, d, d * num_classes, num_classes])
     assert sum(out) == total, (name, sum(out), total)
     return out

@@ -18,7 +18,8 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
     for stage in stages:
         pp = [(1, False)]
         if stage == 3:
-            pp += [(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1 else [(1, True)]
+            pp += ([(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1
+                   else [(1, True)])
         for mb in micro_batches:
             for ckpt in (False, True):
                 for hpz, qw in pp:

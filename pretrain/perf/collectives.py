@@ -156,12 +156,14 @@ def collectives(layout, params: int) -> list[Collective]:
             calls = k * max(1, math.ceil(released / layout.prefetch_bucket_size))
             out.append(Collective("all_gather", released * w3 * k / calls, calls, min(hpz, n),
                                   multi and hpz > layout.gpus_per_node, "backward",
-                                  "weights released after the forward, backward" + (" (hpZ secondary)" if hpz < n else "")))
+                                  "weights released after the forward, backward"
+                                  + (" (hpZ secondary)" if hpz < n else "")))
         calls, per = buckets(params, layout.reduce_bucket_size)
         if layout.quantized_gradients:
             out.append(Collective("all_to_all", per * 0.5, k * calls, n, multi, "backward", "gradients, int4 (qgZ)"))
         else:
             out.append(Collective("reduce_scatter", per * g, k * calls, n, multi, "backward", "gradients"))
         if params > part:
-            out.append(Collective("all_gather", (params - part) * w, 1, n, multi, "", "persistent weights after the step"))
+            out.append(Collective("all_gather", (params - part) * w, 1, n, multi, "",
+                                  "persistent weights after the step"))
     return out

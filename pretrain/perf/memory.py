@@ -46,8 +46,8 @@ batch, h width, a heads, 16-bit activations)::
 For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper (g/14 and G/14:
 about 4.4h and 4.9h, so the two MLP terms scale by hidden / 4h). ``model.qk_norm`` keeps the
 normalised Q and K and part of the norms' inputs (``6 s b h`` more, as autograd saves them on
-CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each branch's output for the gradient of
-its gamma (``4 s b h``). Two changes:
+CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each
+branch's output for the gradient of its gamma (``4 s b h``). Two changes:
 ``F.scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient) that keeps no
 s x s matrix, only Q, K, V, the output and a log-sum-exp (``4 a s b`` bytes, fp32), so the
 ``5 a s^2 b`` term becomes ``4 a s b``; and dropout masks exist only with ``model.drop_rate > 0``:

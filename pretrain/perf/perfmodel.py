@@ -149,7 +149,8 @@ class Layout:
         gb = self.global_batch or self.micro_batch * self.world
         k, rest = divmod(gb, self.micro_batch * self.world)
         if rest or k < 1:
-            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} x world {self.world}")
+            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} "
+                             f"x world {self.world}")
         return k
 
 

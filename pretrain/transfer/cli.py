@@ -37,10 +37,12 @@ def parser() -> argparse.ArgumentParser:
     ap = Parser(prog=PROG, description=__doc__.splitlines()[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="run directory, .safetensors file, .pth/.bin state dict, or a transformers ViT "
+    src.add_argument("--checkpoint",
+                     help="run directory, .safetensors file, .pth/.bin state dict, or a transformers ViT "
                      "folder (config.json + weights, e.g. from vit-export --format hf)")
     src.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a running pre-training job")
-    ap.add_argument("--suite", choices=list(SUITES), help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
+    ap.add_argument("--suite", choices=list(SUITES),
+                    help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
     ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot"])
     ap.add_argument("--data-root", help="dataset folder (eval.data_root)")
     ap.add_argument("--output", default="results.json", help="results JSON (default: results.json)")

@@ -104,7 +104,8 @@ def markdown(doc: dict) -> str:
     top1 = f"{k}-shot top-1 (%)" if k else "Top-1 (%)"
     lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}) -- {doc['suite']} / {doc['protocol']} "
              f"at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
-             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "") + " (every shot count under Details)"
+             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "")
+                + " (every shot count under Details)"
                 if k else ""), "",
              f"| Task | Group | {top1} | Chance (%) | Setting | Details | Train | Test |",
              "|---|---|---:|---:|---|---|---:|---:|"]
@@ -121,7 +122,8 @@ def markdown(doc: dict) -> str:
     elif len(doc["tasks"]) > 1:
         lines.append(f"| **mean** | | {_pct(doc['mean'])} | | | | | |")
     if doc.get("missing"):
-        lines += ["", f"Missing ({len(doc['missing'])}): {', '.join(doc['missing'])} -- means are over the tasks present."]
+        lines += ["", f"Missing ({len(doc['missing'])}): {', '.join(doc['missing'])} "
+                      "-- means are over the tasks present."]
     return "\n".join(lines)
 
 

@@ -49,12 +49,14 @@ def run_task(protocol, task, sweep: bool, log: Callable[[str], None] = log_stder
     best = grid[0]
     if len(grid) > 1:
         if task.val is None:
-            raise TransferError(f"{task.name}: sweeping needs a validation split (add a val/ split or eval.sweep=false)")
+            raise TransferError(f"{task.name}: sweeping needs a validation split "
+                                "(add a val/ split or eval.sweep=false)")
         best_acc = -1.0
         for setting in grid:
             acc, _ = protocol.fit_score(task, task.train, task.val, setting)
             val_scores.append({"setting": dict(setting), "accuracy": acc})
-            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
+            log(f"  {task.name} {protocol.name} {_fmt(setting)}: "
+                f"val {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
             if acc > best_acc:  # strict: the first of equal settings wins
                 best, best_acc = setting, acc
     acc, details = protocol.fit_score(task, task.trainval, task.test, best)

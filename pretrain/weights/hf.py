@@ -184,7 +184,8 @@ def check_config(config: dict, where: str) -> None:
 def arch_from_config(config: dict, sd: Mapping[str, torch.Tensor], where: str) -> dict:
     """Our model config section for a transformers ViT: the registered name of its shape, its
     resolution, classes, and the pooler as ``representation_size``."""
-    d, depth, heads = config.get("hidden_size", 768), config.get("num_hidden_layers", 12), config.get("num_attention_heads", 12)
+    d, depth, heads = (config.get("hidden_size", 768), config.get("num_hidden_layers", 12),
+                       config.get("num_attention_heads", 12))
     hidden, patch = config.get("intermediate_size", 3072), _side(config.get("patch_size", 16))[0]
     names = [n for n in list_models() if not model_defaults(n)["stem_layers"] and
              (model_defaults(n)["patch_size"], model_defaults(n)["embed_dim"], model_defaults(n)["depth"],

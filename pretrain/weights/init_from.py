@@ -81,7 +81,8 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
                 raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
-                + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes" if drop else ""))
+                + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes"
+                   if drop else ""))
     if compute_dtype(cfg.train.precision) == torch.float32 or not loads:
         return {}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

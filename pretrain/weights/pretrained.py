@@ -76,7 +76,8 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
             "representation_size": int(rep.shape[0]) if rep is not None else None}
 
 
-def _meta_arch(meta: dict[str, str], where: str) -> tuple[dict, Optional[tuple[int, int]], Optional[int], Optional[str]]:
+def _meta_arch(meta: dict[str, str],
+               where: str) -> tuple[dict, Optional[tuple[int, int]], Optional[int], Optional[str]]:
     """(arch, grid, step, wandb run id) from safetensors metadata written by ``vit-export``."""
     arch: dict = {}
     try:
@@ -128,7 +129,8 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         except WeightsError as e:
             raise CheckpointError(str(e)) from None
         except Exception as e:  # a truncated or foreign file: say so in one line
-            raise CheckpointError(f"{p}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            raise CheckpointError(f"{p}: not a readable checkpoint "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
         kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
         arch, grid, step, run_id = _meta_arch(meta, str(p))
     if not sd:

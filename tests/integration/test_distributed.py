@@ -172,7 +172,8 @@ def test_sigterm_saves_checkpoint_and_exits(tiny_run, tmp_path):
     run, log = preempt.run_dir, tmp_path / "job.log"
     cmd = preempt.cmd()
     with reaped(start_job(cmd, log)) as p:
-        wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
+        wait_for(lambda: (run / "metrics.jsonl").exists()
+                 and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
                  240, p, "two logged steps")
         # DeepSpeed's CPU shm all-reduce made a 66 MB /dev/shm file per rank; the ranks unlinked
         # them after start-up (still mapped), so no way of ending the job can leave them behind

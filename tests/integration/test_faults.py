@@ -139,7 +139,8 @@ def test_a_rank_failing_in_start_up_leaves_its_record(tiny_run):
     assert sorted(heads) == ["rank-0.txt", "rank-1.txt"], out[-3000:]
     for rank, head in enumerate(heads.values()):
         assert head["rank"] == rank and head["started"] >= t0 - 1 and "lost" not in head
-        assert head["host"] and f"rank {rank} on {head['host']}: ConfigError: train.global_batch_size=24" in head["line"]
+        assert (head["host"]
+                and f"rank {rank} on {head['host']}: ConfigError: train.global_batch_size=24" in head["line"])
     # a peer naming both ranks lost would not make their node dead: each left its own record
     heads["rank-0.txt"]["lost"] = [1]
     errors = job.run_dir / "errors" / "rank-0.txt"

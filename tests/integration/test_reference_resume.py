@@ -58,7 +58,8 @@ def test_an_elastic_resume_from_2_ranks_to_1_continues_the_plain_pytorch_traject
     assert r.returncode != 0 and f"injected crash in step {N + 1}" in r.stderr, r.stderr[-3000:]
     r = tiny_run(*common, via="deepspeed", ranks=1).run(300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "was saved on 2 rank(s), resuming on 1" in r.stderr and f"resuming from step {N}" in r.stderr, r.stderr[-3000:]
+    assert ("was saved on 2 rank(s), resuming on 1" in r.stderr
+            and f"resuming from step {N}" in r.stderr), r.stderr[-3000:]
 
     steps = recorded_steps(tmp_path / "run")  # each step's keys: rank 0's then rank 1's, or rank 0's two micro-batches
     assert sorted(steps) == list(range(1, N + K + 1)) and {len(k) for k in steps.values()} == {BATCH}, steps

@@ -61,7 +61,8 @@ def test_rng_state_touches_only_the_own_cuda_device(monkeypatch):
     asked, restored = [], []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d="cuda": asked.append(d) or torch.arange(4, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda d="cuda": asked.append(d) or torch.arange(4, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d="cuda": restored.append((d, s.tolist())))
 
     def every_gpu(*a, **k):
@@ -259,7 +260,8 @@ def test_timed_waits_make_the_evidence_of_bursts_steadier():
             out.append(m["straggler/ratio"])
         return out
     timed, local = span_ratios(True), span_ratios(False)
-    assert statistics.pstdev(timed) < 0.7 * statistics.pstdev(local), (statistics.pstdev(timed), statistics.pstdev(local))
+    assert statistics.pstdev(timed) < 0.7 * statistics.pstdev(local), (statistics.pstdev(timed),
+                                                                        statistics.pstdev(local))
     assert 1.5 < statistics.mean(timed) < 1.85 and min(timed) > min(local)
 
 

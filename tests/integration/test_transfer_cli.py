@@ -103,14 +103,16 @@ def test_user_mistakes_are_one_line_errors(tmp_path, colours, capsys):
     vt = tmp_path / "vtab"
     d = write_vtab_task(vt, "eurosat", counts=(4, 4), n_test=4)
     base = ["--output", str(tmp_path / "r.json"), "eval.workers=0"]
-    assert "nope.pth: checkpoint not found" in _error(capsys, ["--checkpoint", str(tmp_path / "nope.pth"), "--suite", "demo", *base])
+    assert "nope.pth: checkpoint not found" in _error(
+        capsys, ["--checkpoint", str(tmp_path / "nope.pth"), "--suite", "demo", *base])
     assert "junk.safetensors: not a readable checkpoint" in _error(
         capsys, ["--checkpoint", str(tmp_path / "junk.safetensors"), "--suite", "demo", *base])
     vtab = ["--checkpoint", str(ckpt), "--suite", "vtab1k", "--data-root", str(vt), *base]
     assert "VTAB-1k task 'svhn' not found" in _error(capsys, [*vtab, "eval.tasks=[svhn]"])
     assert "needs --data-root" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "cifar100", *base])
     assert "unknown key 'eval.stepz'" in _error(capsys, [*vtab, "eval.stepz=3"])
-    assert "eval.warmup_steps" in _error(capsys, [*vtab, "--protocol", "finetune", "eval.steps=10", "eval.warmup_steps=10"])
+    assert "eval.warmup_steps" in _error(
+        capsys, [*vtab, "--protocol", "finetune", "eval.steps=10", "eval.warmup_steps=10"])
     (d / "test.txt").write_text("images/test_0000.png 1\nimages/test_0001.png\n")
     assert "eurosat/test.txt:2: expected 'relative/path label'" in _error(capsys, vtab)
     (d / "test.txt").unlink()

@@ -82,7 +82,8 @@ def test_zero3_weights_equal_the_plain_build_on_any_world_size(tmp_path, ranks):
     """The initialisation draws from one CPU generator seeded by train.seed, so ZeRO-3 (which
     builds on the rank's device under zero.Init) gives the plain build's weights, parameter by
     parameter, on 1 rank here and on 2 in the ViT-S test above."""
-    r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks), timeout=300)
+    r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks),
+                timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["world"] == ranks and rec["mismatch"] == [], rec["mismatch"]

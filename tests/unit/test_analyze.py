@@ -273,10 +273,12 @@ def test_module_entry_point_reports_one_line(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "pretrain.evaluation.analyze", "--checkpoint", str(tmp_path / "x.safetensors"),
+    r = subprocess.run([sys.executable, "-m", "pretrain.evaluation.analyze",
+                        "--checkpoint", str(tmp_path / "x.safetensors"),
                         "--images", str(tmp_path), "--output", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == f"vit-analyze: error: {tmp_path / 'x.safetensors'}: checkpoint not found"
+    assert r.returncode == 2 and (r.stderr.strip()
+                                  == f"vit-analyze: error: {tmp_path / 'x.safetensors'}: checkpoint not found")
 
 
 # ------------------------------------------------------------------------------------ W&B

@@ -100,7 +100,8 @@ def make_run(root, manifest, step: int = 5, weights: bool = True, **model):
     save_config(cfg, root / "config.yaml")
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.5 - 0.1 * s}) + "\n"
                                                 for s in range(1, step + 2)))  # step+1: logged after the checkpoint
-    (root / "summary.json").write_text(json.dumps({"step": step, "seconds": 7200.0, "world_size": 2, "resumed_from": 0}))
+    (root / "summary.json").write_text(json.dumps({"step": step, "seconds": 7200.0, "world_size": 2,
+                                                   "resumed_from": 0}))
     (root / "results.json").write_text(json.dumps({
         "suite": "cifar100", "protocol": "linear", "step": step, "img_size": 32, "mean": 0.4321,
         "tasks": {"cifar100": {"accuracy": 0.4321}}}))
@@ -183,7 +184,8 @@ def test_hf_to_ours_to_hf(tmp_path, capsys):
 
     torch.manual_seed(3)
     conf = transformers.ViTConfig(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
-                                  image_size=32, patch_size=16, layer_norm_eps=1e-6, id2label=dict(enumerate(CLASSES[:5])),
+                                  image_size=32, patch_size=16, layer_norm_eps=1e-6,
+                                  id2label=dict(enumerate(CLASSES[:5])),
                                   label2id={c: i for i, c in enumerate(CLASSES[:5])})
     src = transformers.ViTForImageClassification(conf).eval()
     with torch.no_grad():

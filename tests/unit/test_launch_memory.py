@@ -80,8 +80,8 @@ def test_vit_huge_needs_zero3_or_checkpointing_on_80gb():
     """ViT-H/14 at micro batch 256 in bf16: activations alone exceed an 80 GB GPU without
     checkpointing (s b h = 257 x 256 x 1280 per block, 32 blocks), fit with it: the case the
     pre-flight warning is for."""
-    cfg = load_config("configs/vit_h14_jft.yaml", ["train.micro_batch_size=256", "train.activation_checkpointing=false", "model.num_classes=1000",
-                                                     "model.drop_rate=0.0"])
+    cfg = load_config("configs/vit_h14_jft.yaml", ["train.micro_batch_size=256", "train.activation_checkpointing=false",
+                                                     "model.num_classes=1000", "model.drop_rate=0.0"])
     est = memory.estimate(cfg, world=16)
     assert est.params == pytest.approx(632e6, rel=0.02)  # the paper's 632M parameters (1000-class head)
     assert est.activations > 80 * memory.GB > est.total_if_checkpointing(True)
