@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(PY) -m launch.demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not cluster and not gpu" -n 2 --dist loadfile tests
 
 # the checks only a GPU can make (bf16 fused attention, NCCL, nvJPEG); a CPU machine leaves them out
