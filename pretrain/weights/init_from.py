@@ -28,7 +28,8 @@ def build_model(cfg: Config) -> torch.nn.Module:
     m = cfg.model
     kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
               drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
-              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
+              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values, reg_tokens=m.reg_tokens,
+              class_token=m.class_token, pos_embed=m.pos_embed)
     if cfg.zero.stage != 3:
         return create_model(m.name, init_seed=cfg.train.seed, **kw)
     import deepspeed
@@ -81,7 +82,8 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
                 raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
-                + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes" if drop else ""))
+                + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes"
+                   if drop else ""))
     if compute_dtype(cfg.train.precision) == torch.float32 or not loads:
         return {}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
