@@ -280,3 +280,36 @@ def test_the_performance_model_sees_the_token_count_and_the_map_head():
         assert compute_seconds(lay, 32)["model_flops"] == 6 * 32 * analytic_flops(
             "vit_tiny_patch16_224", 64, 10, cfg.model.global_pool, reg_tokens=cfg.model.reg_tokens,
             class_token=cfg.model.class_token)
+
+
+def test_in_training_fewshot_features_are_the_models_pre_logits(tmp_path):
+    """The features the in-training few-shot probe fits are ``forward_head(pre_logits=True)``:
+    here MAP over the patch tokens and the pre-logits layer, not the first token after the norm."""
+    import torch.distributed as dist
+
+    from data_pipeline.config import DataConfig
+    from pretrain.evaluation.config import ValidationConfig
+    from pretrain.evaluation.in_training import InTrainingEval
+
+    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, reg_tokens=4, global_pool="map",
+                     representation_size=48).eval()
+
+    class Engine:  # what the evaluator calls: the engine's forward, its module and device
+        device, module = torch.device("cpu"), m
+
+        def __call__(self, x):
+            return m(x)
+
+    g = torch.Generator().manual_seed(0)
+    xs, ys = [torch.randn(3, 3, 32, 32, generator=g) for _ in range(2)], [torch.tensor([0, 1, 2])] * 2
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        ev = InTrainingEval(ValidationConfig(), DataConfig(), batch=3, seed=0, rank=0, world=1, img_size=32,
+                            num_classes=5, dtype=torch.float32)
+        with torch.no_grad():
+            feats, labels = ev._features(Engine(), (xs, ys))
+            expect = m.forward_head(m.forward_features(torch.cat(xs)), pre_logits=True)
+    finally:
+        dist.destroy_process_group()
+    assert feats.shape == (6, 48) and torch.equal(labels, torch.cat(ys))
+    torch.testing.assert_close(feats, expect)
