@@ -117,7 +117,7 @@ def _grid_from_meta(meta: dict[str, str]) -> Optional[tuple[int, int]]:
     return None
 
 
-def prefix_tokens(sd: Mapping[str, torch.Tensor]) -> int:
+def prefix_rows(sd: Mapping[str, torch.Tensor]) -> int:
     """Rows of a state dict's ``pos_embed`` before its patch grid: one for a ``cls_token``, one per
     register (``reg_token``), as timm lays them out."""
     reg = sd.get("reg_token")
@@ -149,7 +149,7 @@ def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
     elif pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
         if pe.shape[-1] == own["pos_embed"].shape[-1]:
             sd["pos_embed"] = resize_pos_embed(pe, tuple(model.grid_size), old_grid or _grid_from_meta(meta),
-                                               num_prefix_tokens=prefix_tokens(sd))
+                                               num_prefix_tokens=prefix_rows(sd))
             report.resized.append(f"pos_embed: {tuple(pe.shape)} -> {tuple(sd['pos_embed'].shape)}")
     for k, v in list(sd.items()):
         if k in own and own[k].shape != v.shape:

@@ -26,7 +26,7 @@ from data_pipeline.errors import ConfigError
 from pretrain.models.arch import list_models, model_defaults
 from pretrain.models.pooling import sincos_pos_embed
 from pretrain.models.vit import create_model
-from pretrain.weights.load import WeightsError, load_weights, prefix_tokens, read_state_dict
+from pretrain.weights.load import WeightsError, load_weights, prefix_rows, read_state_dict
 
 
 class CheckpointError(ConfigError):
@@ -66,7 +66,7 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
         return {}
     dim, patch, depth = w.shape[0], w.shape[-1], max(depth_ids) + 1
     hybrid = any(k.startswith("patch_embed.backbone.") for k in sd)
-    prefix = prefix_tokens(sd)
+    prefix = prefix_rows(sd)
     n = pe.shape[1] - prefix
     side = math.isqrt(n)
     names = [m for m in list_models() if _shape_key(model_defaults(m)) == (patch, dim, depth, hybrid)]
