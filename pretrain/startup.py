@@ -263,7 +263,7 @@ def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[tuple[float, float
     config, the layout, the FLOPs and, on GPUs, the performance model's prediction, said in a line."""
     m, t = cfg.model, cfg.train
     fwd = analytic_flops(m.name, b.img, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
-                         breakdown=True)
+                         breakdown=True, reg_tokens=m.reg_tokens, class_token=m.class_token)
     depth = len(b.engine.module.blocks)  # t.activation_checkpointing: blocks recomputed (decide_levers)
     flops = train_flops_per_image(fwd["total"], fwd["blocks"] * t.activation_checkpointing / depth)
     run_config = {**c.tree, "world_size": c.world, "zero_stage": cfg.zero.stage,

@@ -72,16 +72,16 @@ def read_back(shards: Path, keys: list[str], img_size: int) -> tuple[torch.Tenso
     return torch.stack(images), torch.tensor(labels)
 
 
-def timm_start(path: Path, img_size: int = 64, num_classes: int = 10) -> dict:
-    """A known start for a whole-path run: timm's ViT-Tiny/16 with every weight moved by N(0, 0.02)
-    (no zero head: every layer moves at the first step), written to ``path`` for
-    ``model.init_from``. Returns its state dict."""
+def timm_start(path: Path, img_size: int = 64, num_classes: int = 10, **arch) -> dict:
+    """A known start for a whole-path run: timm's ViT-Tiny/16 (``arch``: timm's ``reg_tokens``,
+    ``global_pool``, ...) with every weight moved by N(0, 0.02) (no zero head: every layer moves at
+    the first step), written to ``path`` for ``model.init_from``. Returns its state dict."""
     import timm
 
     from pretrain.weights.export import write_safetensors
 
     torch.manual_seed(3)
-    start = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes)
+    start = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes, **arch)
     with torch.no_grad():
         for p in start.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -89,20 +89,21 @@ def timm_start(path: Path, img_size: int = 64, num_classes: int = 10) -> dict:
     return start.state_dict()
 
 
-def timm_model(state: dict, img_size: int = 64, num_classes: int = 10) -> torch.nn.Module:
-    """timm's ViT-Tiny/16 holding ``state``."""
+def timm_model(state: dict, img_size: int = 64, num_classes: int = 10, **arch) -> torch.nn.Module:
+    """timm's ViT-Tiny/16 holding ``state`` (``arch``: timm's options, as :func:`timm_start`)."""
     import timm
 
-    model = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes, **arch)
     model.load_state_dict(state)
     return model
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only: not on biases, norm weights, the position embedding or
-    the [class] token (big_vision, timm)."""
+    """Weight decay on weight matrices only: not on biases, norm weights, the position embedding,
+    the [class] and register tokens (big_vision, timm) or the MAP probe (big_vision decays kernels
+    only)."""
     def flat(n, p):
-        return p.ndim <= 1 or n in ("pos_embed", "cls_token")
+        return p.ndim <= 1 or n in ("pos_embed", "cls_token", "reg_token", "attn_pool.latent")
 
     return [{"params": [p for n, p in model.named_parameters() if not flat(n, p)], "weight_decay": weight_decay},
             {"params": [p for n, p in model.named_parameters() if flat(n, p)], "weight_decay": 0.0}]

@@ -40,9 +40,11 @@ __all__ = ["save", "resume",
 # Keys whose change makes a checkpoint unloadable into this run (tensor shapes, parameter names,
 # optimizer state layout, ZeRO shard files). Others (lr, steps, drop rates, data) may change.
 RESUME_KEYS = ("model.name", "model.num_classes", "model.img_size", "model.representation_size",
-               "model.global_pool", "model.qk_norm", "model.init_values", "optim.name", "zero.stage",
-               "train.precision")
-_RESUME_DEFAULTS = {"model.qk_norm": False}  # keys added later: absent from older runs' configs
+               "model.global_pool", "model.qk_norm", "model.init_values", "model.reg_tokens", "model.class_token",
+               "model.pos_embed", "optim.name", "zero.stage", "train.precision")
+# keys added later: absent from older runs' configs
+_RESUME_DEFAULTS = {"model.qk_norm": False, "model.reg_tokens": 0, "model.class_token": True,
+                    "model.pos_embed": "learned"}
 
 
 def check_writable(folder: str | Path, key: str) -> None:

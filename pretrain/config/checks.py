@@ -42,6 +42,12 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
             fail(key, f"must be in [0, 1), got {val}")
     if m.init_values is not None and not m.init_values > 0:
         fail("model.init_values", f"must be > 0 or null (no LayerScale), got {m.init_values}")
+    if m.reg_tokens < 0:
+        fail("model.reg_tokens", f"must be >= 0, got {m.reg_tokens}")
+    if not m.class_token and m.global_pool == "token":
+        fail("model.class_token", "false needs model.global_pool=avg or map (token pooling reads the [class] token)")
+    if m.pos_embed == "sincos2d" and d["embed_dim"] % 4:
+        fail("model.pos_embed", f"sincos2d needs a width divisible by 4; {m.name} is {d['embed_dim']} wide")
     if cfg.data.img_size is not None and cfg.data.img_size != img:
         fail("data.img_size", f"{cfg.data.img_size} differs from the model's image size {img}")
     check_data(cfg.data, fail)

@@ -38,14 +38,30 @@ class ModelConfig:
     """Stochastic depth."""
     representation_size: Optional[int] = None
     """Width of the tanh pre-logits layer of the paper's pre-training head; null: none."""
-    global_pool: Literal["token", "avg"] = "token"
-    """`token` ([class] token) or `avg`."""
+    global_pool: Literal["token", "avg", "map"] = "token"
+    """Pooling before the head (timm's `global_pool`): `token` (the [class] token), `avg` (mean of
+    the patch tokens, LayerNorm after pooling as timm's `fc_norm`) or `map` (big_vision's multi-head
+    attention pooling: a learned probe attends over the patch tokens, then a residual MLP; timm's
+    `AttentionPoolLatent`, keys `attn_pool.*`; +1.4 % forward FLOPs at B/16). Registers and the
+    [class] token are left out of `avg` and `map`."""
     qk_norm: bool = False
     """LayerNorm over each head's queries and keys (timm's `qk_norm`, keys `attn.q_norm` /
     `attn.k_norm`): bounded attention logits at g/14-G/14 scale (stability past ViT-H)."""
     init_values: Optional[float] = None
     """LayerScale on both residual branches starting at this value (timm's `init_values`, keys
     `ls1.gamma` / `ls2.gamma`), e.g. `1e-5`; null: none."""
+    reg_tokens: int = 0
+    """Register tokens (Darcet et al. 2024, "Vision Transformers Need Registers"; timm's
+    `reg_tokens`, key `reg_token`): learned tokens after the [class] token that every block attends
+    to and no pooling reads; 4 in the paper. Each adds one token to every block's sequence."""
+    class_token: bool = True
+    """The [class] token (timm's `class_token`); `false` drops it (then `global_pool` is `avg` or
+    `map`, as in big_vision's recipes) and one token from every block's sequence."""
+    pos_embed: Literal["learned", "sincos2d"] = "learned"
+    """Position embedding: `learned` (the paper's) or `sincos2d` (big_vision's fixed 2-D sin-cos,
+    `posemb_sincos_2d`): not trained (no gradient, weight decay or optimizer state), recomputed for
+    the grid at another resolution, and exported under timm's `pos_embed` (zeros for the [class]
+    token and registers) so timm loads it as a learned embedding with equal values."""
     init_from: Optional[str] = None
     """Start from existing weights (e.g. continue from an ImageNet-21k model): a run directory, an
     exported or timm safetensors file, or a transformers ViT folder; null: a fresh model. How the
@@ -65,7 +81,8 @@ class OptimConfig:
     momentum: float = 0.9
     """SGD momentum (`sgd` only)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; none on biases, norms, position embedding, [class] token."""
+    """Decoupled weight decay; none on biases, norms, position embedding, [class] and register
+    tokens, the MAP probe."""
     grad_clip: float = 1.0
     """Global-norm gradient clipping; 0 disables clipping."""
     warmup_steps: int = 10_000

@@ -61,7 +61,9 @@ class EvalConfig:
     """Evaluation resolution; null: the checkpoint's resolution, else the position embedding is
     resized."""
     pool: Literal["model", "token", "avg"] = "model"
-    """Frozen features: `model` = the model's own pre-logits, `token` or `avg`."""
+    """Frozen features: `model` = the model's own pooling (`model.global_pool`: [class] token, mean
+    or MAP) and pre-logits layer, `token` (the [class] token; a model without one refuses it) or
+    `avg` (mean of the patch tokens, registers left out)."""
     batch_size: int = 64
     """Images per batch."""
     workers: int = 2

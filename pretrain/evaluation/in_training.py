@@ -5,8 +5,9 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
 * ``eval/loss``, ``eval/top1``, ``eval/top5`` (multi-label data: ``eval/prec@1``) over
   ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
   stream), reduced with sums after the pass.
-* ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on frozen [class]-token features
-  (``pretrain.transfer.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
+* ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on the frozen features the
+  model's own head sees (``forward_head(pre_logits=True)``: its pooling, [class] token, mean or
+  MAP, and pre-logits layer; ``pretrain.transfer.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
   ``NAME:PATH`` with the names of ``vit-transfer --suite``) at ``eval.fewshot_shots``. The few-shot
   images are decoded once per run (this rank's share, cached as float16) and their features are
   computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
@@ -152,11 +153,12 @@ class InTrainingEval:
         return self.fewshot
 
     def _features(self, engine, batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """[class]-token features after the final norm, taken by a hook during the engine's own
-        forward (so ZeRO-3 gathers every parameter as in training), gathered on every rank."""
+        """The model's pre-logits features (the head's input: ``forward_head(pre_logits=True)``,
+        which follows the pooling), taken by a hook during the engine's own forward (so ZeRO-3
+        gathers every parameter as in training), gathered on every rank."""
         device, model = engine.device, engine.module
         captured = []
-        hook = model.norm.register_forward_hook(lambda mod, inp, out: captured.append(out[:, 0].float().cpu()))
+        hook = model.head.register_forward_pre_hook(lambda mod, inp: captured.append(inp[0].float().cpu()))
         labels = []
         try:
             for item in lockstep(zip(*batches), device):

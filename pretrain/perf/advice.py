@@ -44,14 +44,16 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
     batch (half and double, the global batch kept)."""
     base = predict(layout).images_per_second
-    depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
+    shape = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes,
+                                  **layout.arch)
+    depth = shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)
     mode = compile_mode(layout.compile)
     trials = [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))
               for v, c in (("false", 0), ("true", depth)) if c != n]
     trials += [(f"train.compile={v}", replace(layout, compile=c))
                for v, c in (("false", ""), ("blocks", "blocks"), ("model", "model")) if c != mode]
-    params = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).params
+    params = shape.params
     auto = buckets.auto_bucket(params, 2 if layout.reduce_dtype == "bf16" else 4, layout.world,
                                gpus_per_node=layout.gpus_per_node, gpu=layout.gpu, network=layout.network)
     for v in (500_000_000, auto):

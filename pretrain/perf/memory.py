@@ -43,11 +43,12 @@ batch, h width, a heads, 16-bit activations)::
     MLP:       19 s b h               (fc1 input 2sbh, GELU input 8sbh, fc2 input 8sbh, mask sbh)
     norms:      4 s b h               -> 34 s b h + 5 a s^2 b per block
 
-For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper (g/14 and G/14:
-about 4.4h and 4.9h, so the two MLP terms scale by hidden / 4h). ``model.qk_norm`` keeps the
-normalised Q and K and part of the norms' inputs (``6 s b h`` more, as autograd saves them on
-CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each
-branch's output for the gradient of its gamma (``4 s b h``). Two changes:
+For ViT, s = patches + the prefix tokens ([class], registers: ``pretrain.models.arch.seq_len``)
+and the MLP is 4h wide as in the paper (g/14 and G/14: about 4.4h and 4.9h, so the two MLP terms
+scale by hidden / 4h). ``model.qk_norm`` keeps the normalised Q and K and part of the norms'
+inputs (``6 s b h`` more, as autograd saves them on CPU; plus a mean and 1/std per row,
+``8 a s b``); LayerScale (``model.init_values``) keeps each branch's output for the gradient of its
+gamma (``4 s b h``). Two changes:
 ``F.scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient) that keeps no
 s x s matrix, only Q, K, V, the output and a log-sum-exp (``4 a s b`` bytes, fp32), so the
 ``5 a s^2 b`` term becomes ``4 a s b``; and dropout masks exist only with ``model.drop_rate > 0``:
@@ -94,22 +95,25 @@ class ModelShape:
     mlp_hidden: int = 0  # 0: 4 x width
     qk_norm: bool = False
     layer_scale: bool = False
+    prefix_tokens: int = 1  # [class] and register tokens: seq_len less the patches
 
 
 def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
-                   global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False) -> ModelShape:
-    """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch)."""
-    from pretrain.models.arch import block_param_count, model_defaults, param_count
+                   global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False,
+                   reg_tokens: int = 0, class_token: bool = True, pos_embed: str = "learned") -> ModelShape:
+    """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch).
+    ``params`` counts the trainable tensors (a fixed sin-cos position embedding is none)."""
+    from pretrain.models.arch import block_param_count, model_defaults, param_count, prefix_tokens, seq_len
 
     d = model_defaults(name)
     img = img_size or d["img_size"]
-    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale)
-    s = d["stride"]
-    tokens = (-(-img // s)) ** 2 if d["stem_layers"] else (img // s) ** 2
+    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale,
+                                  reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
     return ModelShape(params=params, largest_layer=largest, block_params=block_param_count(name, qk_norm, layer_scale),
-                      seq_len=tokens + 1, width=d["embed_dim"],
+                      seq_len=seq_len(name, img, reg_tokens, class_token), width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
-                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale)
+                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale,
+                      prefix_tokens=prefix_tokens(reg_tokens, class_token))
 
 
 def weight_bytes(precision: str) -> int:
@@ -129,7 +133,9 @@ def model_shape(model_cfg) -> ModelShape:
 
     return analytic_shape(model_cfg.name, img_size=image_size(model_cfg), num_classes=model_cfg.num_classes,
                           representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
-                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values))
+                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values),
+                          reg_tokens=model_cfg.reg_tokens, class_token=model_cfg.class_token,
+                          pos_embed=model_cfg.pos_embed)
 
 
 def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",

@@ -84,6 +84,9 @@ class Layout:
     global_batch: Optional[int] = None  # None: micro_batch x world (no accumulation)
     img_size: Optional[int] = None
     num_classes: int = 1000
+    reg_tokens: int = 0  # the model's token layout and pooling (model.reg_tokens, class_token, global_pool)
+    class_token: bool = True
+    global_pool: str = "token"
     zero: int = 1
     precision: str = "bf16"
     reduce_dtype: str = "fp32"
@@ -145,6 +148,11 @@ class Layout:
         return self.nodes * self.gpus_per_node
 
     @property
+    def arch(self) -> dict:
+        """The architecture options ``pretrain.models.arch`` and ``memory.analytic_shape`` take."""
+        return dict(reg_tokens=self.reg_tokens, class_token=self.class_token, global_pool=self.global_pool)
+
+    @property
     def accumulation(self) -> int:
         gb = self.global_batch or self.micro_batch * self.world
         k, rest = divmod(gb, self.micro_batch * self.world)
@@ -174,8 +182,8 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     g = gpu_of(layout)
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
-    parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True)
-    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+    parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True, **layout.arch)
+    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
     d, s, depth = shape.width, shape.seq_len, shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again
     mode = compile_mode(layout.compile)
@@ -190,7 +198,7 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     rows = images * s
     t_blocks = (n * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, True))
                 + (depth - n) * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, False)))
-    patches = s - 1
+    patches = s - shape.prefix_tokens
     t_other = 2 * gemm(images * patches, d, parts["embed"] / (patches * d))  # patch embedding: forward, weights
     c = layout.num_classes
     t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
@@ -267,7 +275,7 @@ class Prediction:
 def predict(layout: Layout) -> Prediction:
     g = gpu_of(layout)
     img = layout.img_size or arch.model_defaults(layout.model)["img_size"]
-    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
     k, b = layout.accumulation, layout.micro_batch
     micro = compute_seconds(layout, b)
     comp = micro["total"] * k
@@ -381,7 +389,8 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
                             memory_bytes=memory_gb * 1e9 if memory_gb else None)
     t, z, m = cfg.train, cfg.zero, cfg.model
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
-              global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes, zero=z.stage,
+              global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,
+              reg_tokens=m.reg_tokens, class_token=m.class_token, global_pool=m.global_pool, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
               compile=t.compile, optimizer=cfg.optim.name, overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,

@@ -57,6 +57,9 @@ def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.dev
                         drop_path_rate=cfg.model.drop_path_rate, dist_info=dist, log=log)
     if dist.world > 1:
         raise TransferError(f"--protocol {ev.protocol} runs in one process; start it without the deepspeed runner")
+    if ev.pool == "token" and not pre.arch.get("class_token", True):
+        raise TransferError(f"eval.pool=token: {pre.source} holds a model without the [class] token; "
+                            "use eval.pool=model (its own pooling) or avg")
     model = build_backbone(pre, img_size=img_size)
     cache = FeatureCache(model, batch_size=ev.batch_size, pool=ev.pool, device=device, workers=ev.workers, log=log)
     if ev.protocol == "linear":

@@ -31,7 +31,8 @@ from data_pipeline.storage.s3 import S3Prefix
 from data_pipeline.storage.urls import is_s3
 from pretrain.checkpointing import rundir
 from pretrain.config import AugmentConfig, from_dict, image_size
-from pretrain.models.arch import model_defaults
+from pretrain.models.arch import model_defaults, prefix_tokens
+from pretrain.models.pooling import sincos_pos_embed
 from pretrain.weights import hf
 
 
@@ -54,7 +55,9 @@ def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
 
 
 def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
-    """fp32 full state dict from one DeepSpeed checkpoint directory, on CPU."""
+    """fp32 full state dict from one DeepSpeed checkpoint directory, on CPU. A fixed sin-cos
+    position embedding (``model.pos_embed=sincos2d``) is written from its formula: it has no fp32
+    master (a bf16 module holds it rounded), and ZeRO-1's bf16 optimizer files do not hold it."""
     info = json.loads((ckpt / "run.json").read_text())
     stage = info["config"]["zero"]["stage"]
     if stage == 0:
@@ -65,7 +68,13 @@ def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
         from pretrain.distributed.ds_compat import fp32_state_dict
 
         sd = fp32_state_dict(ckpt)
-    return {k: v.detach().float().contiguous() for k, v in sd.items()}
+    sd = {k: v.detach().float().contiguous() for k, v in sd.items()}
+    m = from_dict(info["config"]).model
+    if m.pos_embed == "sincos2d":
+        img, d = image_size(m), model_defaults(m.name)
+        grid = (img // d["stride"], img // d["stride"])
+        sd["pos_embed"] = sincos_pos_embed(grid, d["embed_dim"], prefix_tokens(m.reg_tokens, m.class_token))
+    return sd
 
 
 def run_info(ckpt: Path) -> dict:
@@ -172,6 +181,10 @@ def timm_call(info: dict, out: Path, pcfg: dict) -> str:
     args = [repr(m["name"]), "pretrained=True", f"img_size={info['img_size']}", f"num_classes={pcfg['num_classes']}"]
     if m.get("global_pool", "token") != "token":
         args.append(f"global_pool={m['global_pool']!r}")
+    if m.get("reg_tokens"):
+        args.append(f"reg_tokens={m['reg_tokens']}")
+    if m.get("class_token") is False:
+        args.append("class_token=False")
     if m.get("qk_norm"):
         args.append("qk_norm=True")
     if m.get("init_values"):

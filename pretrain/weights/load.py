@@ -4,8 +4,9 @@ names mapped back to ours and query / key / value fused: ``pretrain.weights.hf``
 
 Never unpickles arbitrary objects: ``.pth``/``.bin``/``.pt`` go through ``torch.load(weights_only=True)``.
 Position embeddings are resized by 2-D interpolation when the patch grids differ (224 -> 384
-fine-tuning), the [class] token kept. Missing, unexpected and shape-mismatched keys are reported
-by name.
+fine-tuning), the prefix tokens' rows ([class], registers) kept. A model with the fixed sin-cos
+embedding keeps its own (computed for its grid) and reads none. Missing, unexpected and
+shape-mismatched keys are reported by name.
 """
 from __future__ import annotations
 
@@ -116,6 +117,13 @@ def _grid_from_meta(meta: dict[str, str]) -> Optional[tuple[int, int]]:
     return None
 
 
+def prefix_rows(sd: Mapping[str, torch.Tensor]) -> int:
+    """Rows of a state dict's ``pos_embed`` before its patch grid: one for a ``cls_token``, one per
+    register (``reg_token``), as timm lays them out."""
+    reg = sd.get("reg_token")
+    return int("cls_token" in sd) + (int(reg.shape[1]) if reg is not None else 0)
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
                  exclude: tuple[str, ...] = (), old_grid: Optional[tuple[int, int]] = None) -> LoadReport:
@@ -135,11 +143,13 @@ def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
             del sd[k]
     own = model.state_dict()
     pe = sd.get("pos_embed")
-    if pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
-        prefix = getattr(model, "num_prefix_tokens", 1)
+    if pe is not None and getattr(model, "pos_embed_type", "learned") == "sincos2d":
+        del sd["pos_embed"]  # a function of the model's grid, computed when it was built
+        report.skipped.append("pos_embed")
+    elif pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
         if pe.shape[-1] == own["pos_embed"].shape[-1]:
             sd["pos_embed"] = resize_pos_embed(pe, tuple(model.grid_size), old_grid or _grid_from_meta(meta),
-                                               num_prefix_tokens=prefix)
+                                               num_prefix_tokens=prefix_rows(sd))
             report.resized.append(f"pos_embed: {tuple(pe.shape)} -> {tuple(sd['pos_embed'].shape)}")
     for k, v in list(sd.items()):
         if k in own and own[k].shape != v.shape:

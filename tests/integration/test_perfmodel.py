@@ -24,7 +24,9 @@ from pretrain.perf.published import calibrate, published_table
 def test_parameter_counts_match_the_built_model(name):
     """The torch-free counts the model prices are those of the modules pretrain.models.vit builds."""
     for kw in ({}, dict(qk_norm=True, init_values=1e-5, representation_size=64, global_pool="avg", num_classes=10,
-                        img_size=64)):
+                        img_size=64),
+               dict(reg_tokens=4, class_token=False, global_pool="map", pos_embed="sincos2d", num_classes=10,
+                    img_size=64)):
         with torch.device("meta"):
             m = create_model(name, **kw)
         params = sum(p.numel() for p in m.parameters())
@@ -44,6 +46,13 @@ def test_parameter_counts_match_the_built_model(name):
             inside = {id(x) for blk in m.blocks for x in blk.modules() if x is not blk}
             hooked = sum(1 for x in m.modules() if not (leaf and id(x) in inside))
             assert collectives.zero3_hooked(lay) == hooked, (name, leaf)
+        # with registers and the MAP head: their tensors, the pool's modules
+        opts = dict(reg_tokens=4, global_pool="map")
+        with torch.device("meta"):
+            m = create_model(name, num_classes=10, img_size=64, **opts)
+        assert sorted(arch.param_tensors(name, 64, 10, **opts)) == sorted(p.numel() for p in m.parameters())
+        lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=False, **opts)
+        assert collectives.zero3_hooked(lay) == sum(1 for _ in m.modules())
 
 
 def test_published_runs_within_stated_tolerance():

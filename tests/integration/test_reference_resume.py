@@ -28,10 +28,12 @@ N, K, BATCH, MICRO = 3, 2, 16, 8
 LR, WD, WARMUP, MIN_RATIO, CLIP = 1e-3, 0.05, 2, 0.1, 1.0
 
 
-def reference(start: dict, batches: list, split: int = 0, lose_moments_at: int = 0) -> tuple[dict, list[float]]:
-    """timm's model from ``start`` after AdamW steps on ``batches``: the weights and the gradient norms.
-    ``lose_moments_at``: Adam's state dropped after that many steps, as a resume that lost it would."""
-    model = timm_model(start)
+def reference(start: dict, batches: list, split: int = 0, lose_moments_at: int = 0,
+              arch: dict | None = None) -> tuple[dict, list[float]]:
+    """timm's model (``arch``: its options) from ``start`` after AdamW steps on ``batches``: the weights
+    and the gradient norms. ``lose_moments_at``: Adam's state dropped after that many steps, as a
+    resume that lost it would."""
+    model = timm_model(start, **(arch or {}))
     opt = torch.optim.AdamW(decay_groups(model, WD), lr=LR, betas=(0.9, 0.999), eps=1e-8)
     sched = reference_schedule(opt, WARMUP, N + K, "cosine", MIN_RATIO)
     cut = lose_moments_at or len(batches)
@@ -41,14 +43,18 @@ def reference(start: dict, batches: list, split: int = 0, lose_moments_at: int =
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-@pytest.mark.parametrize("stage", [3])  # ZeRO-3: the universal loader with the most repairs (elastic.py)
+# ZeRO-3: the universal loader with the most repairs (elastic.py); with registers and the MAP head, whose
+# tensors (reg_token, attn_pool.*) ZeRO-3 partitions and the universal checkpoint carries like any other
+@pytest.mark.parametrize("stage, arch", [(3, {}), (3, dict(reg_tokens=4, global_pool="map"))],
+                         ids=["z3", "z3-reg4-map"])
 def test_an_elastic_resume_from_2_ranks_to_1_continues_the_plain_pytorch_trajectory(tiny_run, shards, tmp_path,
-                                                                                     stage):
+                                                                                     stage, arch):
     from pretrain.weights.export import load_run_weights
 
     init = tmp_path / "start.safetensors"
-    start = timm_start(init)
-    common = (f"model.init_from={init}", f"train.steps={N + K}", "optim.name=adamw", f"optim.lr={LR}",
+    start = timm_start(init, **arch)
+    common = (f"model.init_from={init}", *(f"model.{k}={v}" for k, v in arch.items()), f"train.steps={N + K}",
+              "optim.name=adamw", f"optim.lr={LR}",
               "optim.betas=[0.9,0.999]", "optim.eps=1e-8", f"optim.weight_decay={WD}", f"optim.grad_clip={CLIP}",
               f"optim.warmup_steps={WARMUP}", "optim.schedule=cosine", f"optim.min_lr={MIN_RATIO * LR}",
               "optim.label_smoothing=0.0", *FIXED_CROP, "data.record_samples=true", f"train.global_batch_size={BATCH}",
@@ -65,7 +71,7 @@ def test_an_elastic_resume_from_2_ranks_to_1_continues_the_plain_pytorch_traject
     assert sorted(steps) == list(range(1, N + K + 1)) and {len(k) for k in steps.values()} == {BATCH}, steps
     images, labels = read_back(shards, [k for t in sorted(steps) for k in steps[t]], 64)
     batches = [(images[i:i + BATCH], labels[i:i + BATCH]) for i in range(0, len(images), BATCH)]
-    ref, norms = reference(start, batches)
+    ref, norms = reference(start, batches, arch=arch)
     assert min(norms) > CLIP, norms  # every step is clipped: the clip is tested too
     # The reference's own noise (reference_utils.NOISE_FACTOR): the same steps summed over our micro-batches,
     # on the pixels normalised by another exact formula. Our loader rounds its normalisation otherwise than
@@ -73,7 +79,7 @@ def test_an_elastic_resume_from_2_ranks_to_1_continues_the_plain_pytorch_traject
     # order: either alone moves the reference by about our error, and ours is as close to the fp64 run as both.
     pixels = torch.round((images * 0.5 + 0.5) * 255)
     other = [((pixels[i:i + BATCH] - 127.5) / 127.5, labels[i:i + BATCH]) for i in range(0, len(images), BATCH)]
-    twin, _ = reference(start, other, split=MICRO)
+    twin, _ = reference(start, other, split=MICRO, arch=arch)
 
     ours, info = load_run_weights(tmp_path / "run")
     assert info["step"] == N + K
@@ -81,7 +87,7 @@ def test_an_elastic_resume_from_2_ranks_to_1_continues_the_plain_pytorch_traject
     noise, _ = update_error(start, twin, ref)
     assert error <= max(FP32_BOUND, NOISE_FACTOR * noise), (error, noise)
     # what the check can see: a resume that kept the weights and the schedule but lost Adam's state
-    lost, _ = update_error(start, reference(start, batches, lose_moments_at=N)[0], ref)
+    lost, _ = update_error(start, reference(start, batches, lose_moments_at=N, arch=arch)[0], ref)
     assert lost > 10 * max(FP32_BOUND, NOISE_FACTOR * noise), (lost, noise)
-    print(f"elastic 2 -> 1 rank, ZeRO-{stage}, {N} + {K} AdamW steps: relative error {error:.2g} "
+    print(f"elastic 2 -> 1 rank, ZeRO-{stage} {arch or ''}, {N} + {K} AdamW steps: relative error {error:.2g} "
           f"(reference noise {noise:.2g}; moments lost at the resume: {lost:.2g})")

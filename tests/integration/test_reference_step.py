@@ -18,6 +18,7 @@ from reference_utils import (
 
 pytestmark = pytest.mark.slow
 
+REG_MAP = dict(reg_tokens=4, global_pool="map")
 # name -> what differs from one fp32 SGD step at ZeRO-3 without clipping, constant LR (the job's DEFAULTS);
 # weight decay only on weight matrices (not biases, norms, position embedding, [class] token)
 CASES = {
@@ -56,6 +57,15 @@ CASES = {
     "z2-compile-model-sgd-momentum-2steps": dict(stage=2, compile="model", momentum=0.9, steps=2, clip=1.0, wd=0.05),
     "z1-compile-model-ckpt5-sgd-momentum-2steps": dict(stage=1, compile="model", ckpt=5, momentum=0.9, steps=2,
                                                        clip=1.0, wd=0.05),
+    # registers and MAP at every ZeRO stage (ZeRO-3 partitions reg_token and attn_pool.*) against timm's
+    # model with the same options; without the [class] token at ZeRO-2, the fixed sin-cos embedding (a
+    # buffer, which zero.Init leaves whole) at ZeRO-2 and 3
+    "z0-reg4-map-sgd-momentum-2steps": dict(stage=0, momentum=0.9, steps=2, clip=1.0, wd=0.05, arch=REG_MAP),
+    "z1-reg4-map-adamw-2steps": dict(stage=1, optim="adamw", steps=2, clip=1.0, wd=0.05, arch=REG_MAP),
+    "z2-nocls-reg4-map-sincos-adamw-2steps": dict(stage=2, optim="adamw", steps=2, clip=1.0, wd=0.05,
+                                                  arch=dict(REG_MAP, class_token=False, pos_embed="sincos2d")),
+    "z3-reg4-map-sincos-adamw-ckpt-accumulate2": dict(optim="adamw", steps=2, gas=2, ckpt=True, clip=1.0, wd=0.05,
+                                                      arch=dict(REG_MAP, pos_embed="sincos2d")),
 }
 # bf16: DeepSpeed runs the whole model in bf16 (8 significant bits: 2**-8 = 3.9e-3 per rounding),
 # forward and backward, against an fp32 reference; the errors add up over 12 blocks. Measured:

@@ -17,6 +17,8 @@ from pretrain.models.vit import create_model
 
 
 @pytest.mark.parametrize("name, kw", [("vit_tiny_patch16_224", dict(qk_norm=True, init_values=1e-5)),
+                                      ("vit_tiny_patch16_224", dict(reg_tokens=4, class_token=False, global_pool="map",
+                                                                    pos_embed="sincos2d")),
                                       ("vit_base_r50_s16_224", dict(img_size=32))])
 def test_deferred_init_gathers_each_module_once_and_matches_plain(name, kw):
     kw = dict(dict(img_size=32, num_classes=7), **kw)

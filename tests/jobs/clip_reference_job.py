@@ -15,7 +15,9 @@ cosine), ``warmup`` (steps) and ``min_ratio`` (optim.min_lr / optim.lr), and the
 (optim.label_smoothing) or ``multi_label`` (sigmoid targets, data.multi_label), and
 ``offload_params`` (zero.offload_params), ``reduce`` (train.reduce_dtype), ``compile``
 (train.compile: the Transformer blocks compiled by inductor, as training does) and ``leaf_blocks``
-(zero.leaf_blocks; rank 0 also writes how many modules DeepSpeed made ZeRO-3 leaves). Every case starts
+(zero.leaf_blocks; rank 0 also writes how many modules DeepSpeed made ZeRO-3 leaves), and ``arch``
+(model.reg_tokens, class_token, global_pool, pos_embed: then the reference is timm's model with the
+same options holding the same weights, its ``pos_embed`` frozen for ``sincos2d``). Every case starts
 from the same weights; the batches of step t are the same on every rank and in the reference.
 
 The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
@@ -25,7 +27,7 @@ every class, or for multi-label targets the sigmoid cross-entropy summed over cl
 side trains with ``pretrain.models.losses.classification_loss`` as training does;
 ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.SGD`` / ``AdamW`` with weight decay on weight
 matrices only (not on biases, norm weights, the position embedding or the [class] token, as in
-big_vision and timm), and torch's own schedulers for the learning rate:
+big_vision and timm, nor on register tokens or the MAP probe), and torch's own schedulers for the learning rate:
 ``LinearLR`` from 1/warmup for the warmup, then ``LinearLR`` or ``CosineAnnealingLR`` down to
 ``min_ratio`` of the base at the last step, joined by ``SequentialLR``."""
 import copy
@@ -52,11 +54,11 @@ LR = {"sgd": 0.1, "adamw": 1e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
                 schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
-                offload_params=False, reduce="fp32", compile=False, leaf_blocks=True)
+                offload_params=False, reduce="fp32", compile=False, leaf_blocks=True, arch={})
 
 
-def base_model() -> torch.nn.Module:
-    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0)
+def base_model(arch: dict) -> torch.nn.Module:
+    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0, **arch)
     with torch.no_grad():  # a head that is not zero, so every layer has a gradient at the first step
         model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     return model
@@ -80,6 +82,21 @@ def reference_loss(logits: torch.Tensor, targets: torch.Tensor, case: dict) -> t
     logp = F.log_softmax(logits, dim=1)
     nll = -logp.gather(1, targets[:, None])[:, 0]
     return ((1 - case["smoothing"]) * nll - case["smoothing"] * logp.mean(1)).mean()
+
+
+def reference_model(base: torch.nn.Module, arch: dict) -> torch.nn.Module:
+    """The plain-PyTorch model a case's reference trains: a copy of ours, or with ``arch`` timm's
+    model of those options holding our weights (a fixed sin-cos embedding frozen there)."""
+    if not arch:
+        return copy.deepcopy(base)
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES,
+                              **{k: v for k, v in arch.items() if k != "pos_embed"})
+    model.load_state_dict(base.state_dict(), strict=True)
+    if arch.get("pos_embed") == "sincos2d":
+        model.pos_embed.requires_grad_(False)
+    return model
 
 
 def reference(model: torch.nn.Module, case: dict, world: int, split: bool = False) -> float:
@@ -125,12 +142,15 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
 
 
 def weights(engine) -> dict:
-    """Collective: every weight in full, the fp32 master where DeepSpeed keeps one apart."""
+    """Collective: every weight in full, the fp32 master where DeepSpeed keeps one apart; and the
+    buffers (a fixed sin-cos ``pos_embed``)."""
     out = {}
     for name, p in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p], enabled=engine.zero_optimization_stage() == 3):
             master = deepspeed.utils.safe_get_full_fp32_param(p)
             out[name] = (master if master is not None else p).detach().float().clone()
+    for name, b in engine.module.named_buffers():
+        out[name] = b.detach().float().clone()
     return out
 
 
@@ -195,8 +215,8 @@ def main():
     results = {}
     for name, given in cases.items():
         case = {**DEFAULTS, **given}
-        base = base_model()
-        ref, twin = copy.deepcopy(base), copy.deepcopy(base)
+        base = base_model(case["arch"])
+        ref, twin = reference_model(base, case["arch"]), reference_model(base, case["arch"])
         before = {n: p.detach().clone() for n, p in ref.named_parameters()}
         norm = reference(ref, case, world)
         reference(twin, case, world, split=True)

@@ -77,14 +77,24 @@ PARITY = [("vit_tiny_patch16_224", dict(img_size=64)),
           ("vit_tiny_patch16_224", dict(img_size=32, qk_norm=True, init_values=1e-5)),
           ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
           ("vit_base_patch32_224", dict(img_size=64, num_classes=10)),
-          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10))]
+          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10)),
+          # registers, no [class] token, MAP, the fixed sin-cos embedding (timm holds it as a learned one)
+          ("vit_tiny_patch16_224", dict(img_size=32, reg_tokens=4, global_pool="map")),
+          ("vit_tiny_patch16_224", dict(img_size=48, reg_tokens=1)),
+          ("vit_small_patch16_224", dict(img_size=32, class_token=False, global_pool="avg", pos_embed="sincos2d")),
+          ("vit_tiny_patch16_224", dict(img_size=32, class_token=False, reg_tokens=2, global_pool="map",
+                                        pos_embed="sincos2d", qk_norm=True)),
+          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10, reg_tokens=4, global_pool="map"))]
 
 
-@pytest.mark.parametrize("name, kw", PARITY, ids=[p[0] + "-" + str(p[1].get("global_pool", "token"))
-                                                  + ("-qknorm-ls" if p[1].get("qk_norm") else "") for p in PARITY])
+def _parity_id(p) -> str:
+    return "-".join([p[0]] + [f"{k}={v}" for k, v in p[1].items() if k not in ("img_size", "num_classes")])
+
+
+@pytest.mark.parametrize("name, kw", PARITY, ids=[_parity_id(p) for p in PARITY])
 def test_timm_parity_both_ways(name, kw):
     torch.manual_seed(0)
-    ref = timm.create_model(name, pretrained=False, **kw).eval()
+    ref = timm.create_model(name, pretrained=False, **{k: v for k, v in kw.items() if k != "pos_embed"}).eval()
     sd = {k: torch.randn_like(v) * 0.05 for k, v in ref.state_dict().items()}
     ref.load_state_dict(sd)
     ours = create_model(name, **kw).eval()

@@ -167,7 +167,7 @@ def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
     path = save_safetensors(tiny_model(32, representation_size=48), tmp_path / "rep.safetensors")
     pre = load_pretrained(path)  # no metadata: architecture read from the tensors
     assert pre.arch == {"name": "vit_tiny_patch16_224", "img_size": 32, "global_pool": "token",
-                        "representation_size": 48}
+                        "representation_size": 48, "reg_tokens": 0, "class_token": True, "pos_embed": "learned"}
     assert build_backbone(pre, img_size=32).num_features == 48
     ft = build_backbone(pre, img_size=32, num_classes=3, finetune=True)
     assert ft.num_features == 192 and isinstance(ft.pre_logits, torch.nn.Identity)
