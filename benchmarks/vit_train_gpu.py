@@ -169,12 +169,15 @@ def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, 
         with open(log, "w") as fh:
             proc = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", str(config), *overrides],
                                   cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():  # what the run measured, also when it failed later (the final save, say)
+            out.update(**measured(metrics))
+            shutil.copy(metrics, out_dir / f"{row.model}-{row.lever}-metrics.jsonl")
         if proc.returncode != 0:
             tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
             out.update(status="error", error=f"exit {proc.returncode}: {tail[0][:300]}")
         else:
-            out.update(status="ok", **measured(run_dir / "metrics.jsonl"))
-            shutil.copy(run_dir / "metrics.jsonl", out_dir / f"{row.model}-{row.lever}-metrics.jsonl")
+            out["status"] = "ok"
     except subprocess.TimeoutExpired:
         out.update(status="error", error=f"past its {timeout_s:.0f} s")
     finally:
@@ -333,7 +336,10 @@ def main(argv=None) -> int:
         keep = set(args.only.split(","))
         rows = [r for r in rows if r.lever in keep or f"{r.model}:{r.lever}" in keep]
     dev = device()
-    scratch = Path(tempfile.mkdtemp(prefix="vit-train-gpu-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    # run folders and checkpoints in memory where /dev/shm has room for ViT-H's (about 10 GB), else on disk
+    shm = Path("/dev/shm")
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 24 * 2 ** 30
+    scratch = Path(tempfile.mkdtemp(prefix="vit-train-gpu-", dir=shm if roomy else None))
     results = {"what": "vit-train's own path on one device, lever by lever", "device": dev[0] or "cpu",
                "accumulation": ACCUMULATION, "settings": settings, "rows": []}
 
