@@ -6,7 +6,7 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
   ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
   stream), reduced with sums after the pass.
 * ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on frozen [class]-token features
-  (``pretrain.transfer.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
+  (``pretrain.transfer.protocols.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
   ``NAME:PATH`` with the names of ``vit-transfer --suite``) at ``eval.fewshot_shots``. The few-shot
   images are decoded once per run (this rank's share, cached as float16) and their features are
   computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
@@ -38,7 +38,7 @@ class _Fewshot:
 
     def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int, shots: int, seeds: int):
         from pretrain.transfer.data import View
-        from pretrain.transfer.fewshot import sample_shots
+        from pretrain.transfer.protocols.fewshot import sample_shots
 
         self.name, self.num_classes = name, task.num_classes
         view = View(img_size=img_size, resize=task.resize)
@@ -174,7 +174,7 @@ class InTrainingEval:
         return torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
 
     def _fewshot(self, engine) -> dict:
-        from pretrain.transfer.fewshot import fewshot_accuracy
+        from pretrain.transfer.protocols.fewshot import fewshot_accuracy
 
         out = {}
         for s in self._suites():

@@ -25,7 +25,7 @@ from data_pipeline.errors import ConfigError, Parser, cli_errors
 from pretrain.config import load_config
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
-from pretrain.transfer.finetune import Dist
+from pretrain.transfer.protocols.finetune import Dist
 from pretrain.transfer.results import check_output, log_wandb, markdown, save_json
 from pretrain.transfer.suites import SUITES, build_tasks
 from pretrain.weights.pretrained import ARCH_KEYS, load_pretrained
@@ -37,10 +37,11 @@ def parser() -> argparse.ArgumentParser:
     ap = Parser(prog=PROG, description=__doc__.splitlines()[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="run directory, .safetensors file, .pth/.bin state dict, or a transformers ViT "
-                     "folder (config.json + weights, e.g. from vit-export --format hf)")
+    src.add_argument("--checkpoint", help="run directory, .safetensors file, .pth/.bin state dict, or a "
+                     "transformers ViT folder (config.json + weights, e.g. from vit-export --format hf)")
     src.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a running pre-training job")
-    ap.add_argument("--suite", choices=list(SUITES), help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
+    ap.add_argument("--suite", choices=list(SUITES),
+                    help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
     ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot"])
     ap.add_argument("--data-root", help="dataset folder (eval.data_root)")
     ap.add_argument("--output", default="results.json", help="results JSON (default: results.json)")

@@ -18,10 +18,10 @@ import torch
 from pretrain.config import Config
 from pretrain.transfer.data import View
 from pretrain.transfer.errors import TransferError
-from pretrain.transfer.features import FeatureCache
-from pretrain.transfer.fewshot import FewShot
-from pretrain.transfer.finetune import Dist, Finetune
-from pretrain.transfer.linear import LinearProbe
+from pretrain.transfer.protocols.features import FeatureCache
+from pretrain.transfer.protocols.fewshot import FewShot
+from pretrain.transfer.protocols.finetune import Dist, Finetune
+from pretrain.transfer.protocols.linear import LinearProbe
 from pretrain.transfer.results import assemble
 from pretrain.transfer.sweep import log_stderr, run_task
 from pretrain.weights.pretrained import Pretrained, build_backbone

@@ -162,7 +162,7 @@ def finetune_cases(spec: dict, rank: int, world: int) -> dict:
 
     from pretrain.config import load_config
     from pretrain.transfer.evaluate import make_protocol
-    from pretrain.transfer.finetune import Dist
+    from pretrain.transfer.protocols.finetune import Dist
     from pretrain.transfer.suites import imagefolder
     from pretrain.weights.pretrained import load_pretrained
 

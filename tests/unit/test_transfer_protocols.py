@@ -9,9 +9,9 @@ from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, w
 from pretrain.config import load_config
 from pretrain.models.vit import resize_pos_embed
 from pretrain.transfer.evaluate import evaluate_checkpoint
-from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
-from pretrain.transfer.finetune import Dist
-from pretrain.transfer.linear import fit_logistic
+from pretrain.transfer.protocols.fewshot import fewshot_accuracy, ridge_fit, sample_shots
+from pretrain.transfer.protocols.finetune import Dist
+from pretrain.transfer.protocols.linear import fit_logistic
 from pretrain.transfer.suites import imagefolder
 from pretrain.weights.pretrained import build_backbone, load_pretrained
 
@@ -176,7 +176,7 @@ def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
 def test_feature_pooling_choices():
     """``model``: the model's own head input; ``token``: the normed [class] token; ``avg``: the
     mean of the patch tokens."""
-    from pretrain.transfer.features import pooled
+    from pretrain.transfer.protocols.features import pooled
 
     m = tiny_model(32).eval()
     with torch.no_grad():
