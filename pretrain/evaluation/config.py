@@ -215,13 +215,21 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
 @dataclass
 class ValidationConfig:
     """Evaluation while pre-training (``pretrain/evaluation/in_training.py``): validation loss / top-k over
-    ``data.val_shards`` and few-shot probes, every ``every_steps`` steps."""
+    ``data.val_shards`` and few-shot and kNN probes, every ``every_steps`` steps."""
     every_steps: int = 0
     """Evaluate while pre-training every N steps and at the last one; 0 = off (see
     pretrain/evaluation/EVALUATION.md)."""
     fewshot_suites: list[str] = field(default_factory=list)
     """Few-shot probes while pre-training: vit-transfer suite names, `NAME` or `NAME:PATH` (e.g.
     `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`)."""
+    knn_suites: list[str] = field(default_factory=list)
+    """kNN probes while pre-training (DINOv2's weighted vote of the whole train split on the test
+    split), suites named as `validation.fewshot_suites`. Their images are read at every
+    evaluation (a forward pass over train and test each time), not kept: pick a small suite."""
+    knn_k: list[int] = _knn_field("knn_k")
+    """The kNN probes' neighbour counts."""
+    knn_temperature: float = _knn_field("knn_temperature")
+    """The kNN probes' vote temperature."""
     fewshot_shots: list[int] = _fewshot_field("fewshot_shots")
     """The probes' shots per class."""
     fewshot_seeds: int = _fewshot_field("fewshot_seeds")
@@ -243,9 +251,11 @@ def check_validation(val: ValidationConfig, fail: Callable[[str, str], None]) ->
             fail(f"validation.{key}", msg)
 
     need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
-    for spec in val.fewshot_suites:
-        name = spec.partition(":")[0]
-        need(name in SUITE_NEEDS_ROOT, "fewshot_suites",
-             f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
-        need(not SUITE_NEEDS_ROOT[name] or ":" in spec, "fewshot_suites", f"{spec!r}: suite {name} needs NAME:PATH")
+    for key in ("fewshot_suites", "knn_suites"):
+        for spec in getattr(val, key):
+            name = spec.partition(":")[0]
+            need(name in SUITE_NEEDS_ROOT, key,
+                 f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
+            need(not SUITE_NEEDS_ROOT[name] or ":" in spec, key, f"{spec!r}: suite {name} needs NAME:PATH")
     _check_fewshot(val, "validation", fail)
+    _check_knn(val, "validation", fail)
