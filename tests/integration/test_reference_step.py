@@ -122,8 +122,12 @@ def test_deit_finetune_under_deepspeed_equals_plain_pytorch_with_timm_layer_deca
     smoothing and ModelEmaV3 on the global batches (``reference_utils.deit_finetune_reference``);
     the EMA's weights too (ZeRO-3: gathered for every update)."""
     got = steps[f"finetune-deit-z{stage}"]
+    print(f"deit fine-tune, ZeRO-{stage}, 2 ranks: relative error {got['relative_error']:.2g}, "
+          f"EMA {got['ema_relative_error']:.2g}")
     assert got["layer_decay"] == 0.65
-    assert got["relative_error"] <= NOISE_FACTOR * 1e-4 and got["ema_relative_error"] <= NOISE_FACTOR * 1e-4, got
+    # measured 8e-6 for both: AdamW's per-element division shows the micro-batch summation order
+    # (the reference's own drift from it: up to 8e-5, see NOISE_FACTOR)
+    assert got["relative_error"] <= 5e-5 and got["ema_relative_error"] <= 5e-5, got
 
 
 def test_no_clip_would_have_been_seen(steps):
