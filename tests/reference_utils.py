@@ -177,3 +177,50 @@ def finetune_reference(backbone: dict, name: str, img_size: int, num_classes: in
                             [b for _, b in zip(range(steps), batches)], clip=clip)
     assert len(norms) == steps, f"{len(norms)} batches for {steps} steps"
     return before, {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
+def deit_finetune_reference(backbone: dict, name: str, img_size: int, num_classes: int, batches, *, steps: int,
+                            lr: float, warmup: int, min_lr: float, weight_decay: float, layer_decay: float,
+                            smoothing: float, ema_decay: float) -> tuple[dict, dict, dict]:
+    """The DeiT / MAE fine-tune in plain PyTorch with timm's pieces: timm's ``name`` with the
+    ``backbone`` weights and a zero head, timm's ``param_groups_layer_decay`` (the model's
+    ``no_weight_decay()``, as timm's ``create_optimizer_v2`` passes it) into ``torch.optim.AdamW``
+    with each group at ``lr x lr_scale`` (MAE's ``lr_sched``), ``LambdaLR``: linear warmup, then a
+    cosine from 1 to ``min_lr / lr``, timm's ``LabelSmoothingCrossEntropy``, no clipping, and timm's
+    ``ModelEmaV3`` with its decay warm-up, updated after optimizer step ``t`` with ``step=t`` (timm's
+    ``train.py``). Returns the weights before and after, and the EMA's."""
+    import timm
+    from timm.loss import LabelSmoothingCrossEntropy
+    from timm.optim import param_groups_layer_decay
+    from timm.utils import ModelEmaV3
+
+    model = timm.create_model(name, img_size=img_size, num_classes=num_classes)
+    model.load_state_dict({k: v for k, v in backbone.items() if not k.startswith("head.")}, strict=False)
+    torch.nn.init.zeros_(model.head.weight)
+    torch.nn.init.zeros_(model.head.bias)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups = param_groups_layer_decay(model, weight_decay=weight_decay, layer_decay=layer_decay,
+                                      no_weight_decay_list=model.no_weight_decay())
+    for g in groups:
+        g["lr"] = lr * g["lr_scale"]
+    opt = torch.optim.AdamW(groups, lr=lr)
+    ratio = min_lr / lr
+
+    def factor(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / warmup
+        progress = min(1.0, (t - warmup) / (steps - warmup))
+        return ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    ema = ModelEmaV3(model, decay=ema_decay, use_warmup=True)
+    loss_fn = LabelSmoothingCrossEntropy(smoothing=smoothing)
+    model.train()
+    for t, (images, targets) in zip(range(1, steps + 1), batches):
+        opt.zero_grad()
+        loss_fn(model(images), targets).backward()
+        opt.step()
+        sched.step()
+        ema.update(model, step=t)
+    return before, {n: p.detach() for n, p in model.named_parameters()}, \
+        {n: p.detach() for n, p in ema.module.named_parameters()}

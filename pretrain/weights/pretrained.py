@@ -138,8 +138,8 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         except WeightsError as e:
             raise CheckpointError(str(e)) from None
         except Exception as e:  # a truncated or foreign file: say so in one line
-            raise CheckpointError(f"{p}: not a readable checkpoint "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            raise CheckpointError(f"{p}: not a readable checkpoint ({type(e).__name__}: {first})") from None
         kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
         arch, grid, step, run_id = _meta_arch(meta, str(p))
     if not sd:
@@ -155,13 +155,9 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
     return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir)
 
 
-def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, finetune: bool = False,
-                   drop_path_rate: float = 0.0) -> torch.nn.Module:
-    """The pre-trained ViT at ``img_size`` (position embeddings resized when it differs).
-
-    ``finetune=True`` follows the ViT paper: the whole pre-training head goes -- the tanh
-    pre-logits layer too -- and one zero-initialised linear layer of ``num_classes`` replaces it.
-    Frozen-feature protocols keep the pre-logits layer (big_vision's ``pre_logits`` representation)."""
+def _pretrained_model(pre: Pretrained, *, img_size: int, num_classes: int, representation_size: Optional[int],
+                      drop_path_rate: float, exclude: tuple) -> torch.nn.Module:
+    """The ViT of ``pre.arch`` at ``img_size`` with ``pre``'s weights, bar those under ``exclude``."""
     a = pre.arch
     stride = model_defaults(a["name"])["stride"]
     if img_size % stride:
@@ -169,15 +165,39 @@ def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, fine
     # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
     qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
     layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)
-    model = create_model(a["name"], num_classes=0, img_size=img_size, global_pool=a["global_pool"] or "token",
-                         representation_size=None if finetune else a.get("representation_size"),
+    model = create_model(a["name"], num_classes=num_classes, img_size=img_size,
+                         global_pool=a["global_pool"] or "token", representation_size=representation_size,
                          drop_path_rate=drop_path_rate, qk_norm=qk_norm, init_values=1.0 if layer_scale else None,
                          reg_tokens=a["reg_tokens"], class_token=a["class_token"], pos_embed=a["pos_embed"])
-    exclude = ("head.", "pre_logits.") if finetune else ("head.",)
     try:
         load_weights(model, pre.state_dict, strict=True, exclude=exclude, old_grid=pre.grid)
     except WeightsError as e:
         raise CheckpointError(f"{pre.source}: {e}") from None
+    return model
+
+
+def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, finetune: bool = False,
+                   drop_path_rate: float = 0.0) -> torch.nn.Module:
+    """The pre-trained ViT at ``img_size`` (position embeddings resized when it differs).
+
+    ``finetune=True`` follows the ViT paper: the whole pre-training head goes -- the tanh
+    pre-logits layer too -- and one zero-initialised linear layer of ``num_classes`` replaces it.
+    Frozen-feature protocols keep the pre-logits layer (big_vision's ``pre_logits`` representation)."""
+    model = _pretrained_model(pre, img_size=img_size, num_classes=0,
+                              representation_size=None if finetune else pre.arch.get("representation_size"),
+                              drop_path_rate=drop_path_rate,
+                              exclude=("head.", "pre_logits.") if finetune else ("head.",))
     if num_classes:
         model.reset_classifier(num_classes)  # zero-initialised
     return model
+
+
+def build_classifier(pre: Pretrained, *, img_size: int) -> torch.nn.Module:
+    """The pre-trained ViT with its own head, every tensor of the file loaded (``--protocol
+    head``); CheckpointError when the file has no classifier (a ``head.weight`` of some classes)."""
+    head = pre.state_dict.get("head.weight")
+    if head is None or head.ndim != 2 or head.shape[0] == 0:
+        raise CheckpointError(f"{pre.source}: has no classifier head (head.weight); --protocol head scores a "
+                              "checkpoint's own classes, the other protocols train or probe new ones")
+    return _pretrained_model(pre, img_size=img_size, num_classes=int(head.shape[0]),
+                             representation_size=pre.arch.get("representation_size"), drop_path_rate=0.0, exclude=())

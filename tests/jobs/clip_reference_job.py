@@ -47,7 +47,14 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
-from tests.reference_utils import decay_groups, finetune_reference, reference_schedule, train_reference, update_error
+from tests.reference_utils import (
+    decay_groups,
+    deit_finetune_reference,
+    finetune_reference,
+    reference_schedule,
+    train_reference,
+    update_error,
+)
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
 LR = {"sgd": 0.1, "adamw": 1e-3}
@@ -177,12 +184,14 @@ def finetune_cases(spec: dict, rank: int, world: int) -> dict:
     """vit-transfer's fine-tune under the deepspeed runner (``Finetune.train`` with ZeRO ``spec["stages"]``)
     against the recipe in plain PyTorch (``tests/reference_utils.py``) on the global batches: every
     rank's share of each step, read from the split as each rank reads it. ``spec``: the ImageFolder
-    ``root``, the ``checkpoint`` file, ``steps``, ``warmup``, ``lr``, ``batch`` (global)."""
+    ``root``, the ``checkpoint`` file, ``steps``, ``warmup``, ``lr``, ``batch`` (global); ``deit``:
+    the same for ``--recipe deit`` (layer decay, AdamW, label smoothing, EMA; mixing and drop path
+    off), results ``finetune-deit-z{stage}`` with the EMA's error ``ema_relative_error``."""
     from safetensors.torch import load_file
 
     from pretrain.config import load_config
     from pretrain.transfer.evaluate import make_protocol
-    from pretrain.transfer.finetune import Dist
+    from pretrain.transfer.protocols.finetune import Dist
     from pretrain.transfer.suites import imagefolder
     from pretrain.weights.pretrained import load_pretrained
 
@@ -202,9 +211,43 @@ def finetune_cases(spec: dict, rank: int, world: int) -> dict:
         batches = ((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])) for parts in zip(*shares))
         before, ref, norms = finetune_reference(load_file(spec["checkpoint"]), "vit_tiny_patch16_224", 32,
                                                 task.num_classes, batches, steps=spec["steps"], lr=spec["lr"],
-                                                warmup=spec["warmup"], clip=cfg.eval.grad_clip)
+                                                warmup=spec["warmup"], clip=protocol.recipe.grad_clip)
         out[f"finetune-z{stage}"] = {"relative_error": update_error(before, got, ref)[0], "grad_norms": norms}
+        if spec.get("deit"):
+            out[f"finetune-deit-z{stage}"] = deit_case(spec, task, stage, rank, world)
     return out
+
+
+def deit_case(spec: dict, task, stage: int, rank: int, world: int) -> dict:
+    from safetensors.torch import load_file
+
+    from pretrain.config import load_config
+    from pretrain.transfer.evaluate import make_protocol
+    from pretrain.transfer.protocols.finetune import Dist
+    from pretrain.weights.pretrained import load_pretrained
+
+    d = spec["deit"]
+    cfg = load_config(None, ["eval.protocol=finetune", "eval.recipe=deit", f"eval.steps={spec['steps']}",
+                             f"eval.lr={d['lr']}", f"eval.min_lr={d['min_lr']}", f"eval.ema_decay={d['ema']}",
+                             f"eval.warmup_steps={spec['warmup']}", f"eval.batch_size={spec['batch']}",
+                             "eval.mixup_alpha=0", "eval.cutmix_alpha=0", "eval.drop_path_rate=0", "eval.workers=0",
+                             "eval.train_augment=false", "train.precision=fp32", f"zero.stage={stage}"])
+    protocol = make_protocol(cfg, load_pretrained(spec["checkpoint"]), 32, torch.device("cpu"),
+                             Dist(rank, world, deepspeed=True), lambda m: None)
+    r = protocol.recipe
+    runner, _ = protocol.train(task, task.trainval, {"lr": d["lr"]})
+    got = weights(runner.engine)
+    names = [n for n, _ in runner.engine.module.named_parameters()]
+    shares = [task.trainval.batches(protocol.view_of(task), batch_size=spec["batch"] // world, train=True,
+                                    seed=cfg.eval.seed, rank=q, world=world) for q in range(world)]
+    batches = ((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])) for parts in zip(*shares))
+    before, ref, ref_ema = deit_finetune_reference(
+        load_file(spec["checkpoint"]), "vit_tiny_patch16_224", 32, task.num_classes, batches, steps=spec["steps"],
+        lr=d["lr"], warmup=spec["warmup"], min_lr=d["min_lr"], weight_decay=r.weight_decay,
+        layer_decay=r.layer_decay, smoothing=r.label_smoothing, ema_decay=d["ema"])
+    return {"relative_error": update_error(before, got, ref)[0],
+            "ema_relative_error": update_error(before, dict(zip(names, runner.ema.state())), ref_ema)[0],
+            "layer_decay": r.layer_decay}
 
 
 def main():
