@@ -210,8 +210,8 @@ def test_arch_read_from_tensors_builds_the_transfer_backbone(tmp_path):
     its frozen features are the model's own pooling; eval.pool=token is refused in one line."""
     from pretrain.config import ConfigError, load_config
     from pretrain.transfer.evaluate import make_protocol
-    from pretrain.transfer.features import pooled
-    from pretrain.transfer.finetune import Dist
+    from pretrain.transfer.protocols.features import pooled
+    from pretrain.transfer.protocols.finetune import Dist
     from pretrain.weights.pretrained import build_backbone, load_pretrained
 
     kw = dict(class_token=False, reg_tokens=3, global_pool="map", pos_embed="sincos2d")
@@ -307,7 +307,7 @@ def test_in_training_fewshot_features_are_the_models_pre_logits(tmp_path):
         ev = InTrainingEval(ValidationConfig(), DataConfig(), batch=3, seed=0, rank=0, world=1, img_size=32,
                             num_classes=5, dtype=torch.float32)
         with torch.no_grad():
-            feats, labels = ev._features(Engine(), (xs, ys))
+            feats, labels = ev._features(Engine(), zip(xs, ys))
             expect = m.forward_head(m.forward_features(torch.cat(xs)), pre_logits=True)
     finally:
         dist.destroy_process_group()
