@@ -31,6 +31,11 @@ class AugmentConfig:
     """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops; 0 disables RandAugment."""
     randaugment_magnitude: int = 10
     """RandAugment's magnitude."""
+    three_augment: bool = False
+    """DeiT III's 3-Augment instead of RandAugment: after the crop and flip, one of grayscale,
+    solarization or Gaussian blur (radius 0.1..2) chosen uniformly per image, then colour jitter 0.3
+    (brightness, contrast, saturation), each op pixel for pixel PIL's as DeiT III applies them;
+    with every `data.decode_device` (data_pipeline/DATA.md)."""
     mixup_alpha: float = 0.0
     """Mixup's alpha (AugReg); 0 = off."""
     cutmix_alpha: float = 0.0
@@ -139,5 +144,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     a = data.augment
     if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
         fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")
+    if a.three_augment and a.randaugment_ops > 0:
+        fail("data.augment.three_augment", f"replaces RandAugment (DeiT III): set data.augment.randaugment_ops=0, "
+             f"got {a.randaugment_ops}")
     if len(a.mean) != 3 or len(a.std) != 3 or min(a.std) <= 0:
         fail("data.augment.std", "mean and std need 3 channels, std > 0")
