@@ -31,6 +31,11 @@ class AugmentConfig:
     """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops; 0 disables RandAugment."""
     randaugment_magnitude: int = 10
     """RandAugment's magnitude."""
+    three_augment: bool = False
+    """DeiT III's 3-Augment instead of RandAugment: after the crop and flip, one of grayscale,
+    solarization or Gaussian blur (radius 0.1..2) chosen uniformly per image, then colour jitter 0.3
+    (brightness, contrast, saturation), each op pixel for pixel PIL's as DeiT III applies them;
+    with every `data.decode_device` (data_pipeline/DATA.md)."""
     mixup_alpha: float = 0.0
     """Mixup's alpha (AugReg); 0 = off."""
     cutmix_alpha: float = 0.0
@@ -92,6 +97,11 @@ class DataConfig:
     and columns (NVIDIA nvImageCodec's CPU backend, `pip install nvidia-nvimgcodec-cu13`; no GPU
     needed), `pil` the whole image with PIL; `auto`: `nvimgcodec` when it is installed, else `pil`.
     The crop boxes, and so resume, are the same either way (data_pipeline/DATA.md)."""
+    repeat_augment: int = 1
+    """Repeated augmentation (DeiT's `RASampler`, which uses 3): an epoch keeps its length, N
+    draws, but draws the first ceil(N / k) samples of its shuffled sequence k times each, each copy
+    augmented afresh and, when there are at least k ranks, each on another rank; 1 = off. Resume,
+    elastic resume and the sample log count copies (data_pipeline/DATA.md)."""
     record_samples: bool = False
     """Write `step<TAB>epoch<TAB>key` per consumed sample to `<output_dir>/samples/rank-<R>.tsv`
     (cut back to the checkpoint's step on resume)."""
@@ -132,6 +142,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
         fail("data.remote_retries", f"{data.remote_retries} would end an outage after {waited:g} s, before "
              f"data.remote_retry_s={data.remote_retry_s:g} (the bound; this is only a guard): leave it out, "
              f"or at least {need}")
+    if data.repeat_augment < 1:
+        fail("data.repeat_augment", f"must be an integer >= 1 (1 = off; DeiT uses 3), got {data.repeat_augment!r}")
     if data.decode_device not in DEVICES:
         fail("data.decode_device", f"must be one of {', '.join(DEVICES)}, got {data.decode_device!r}")
     if data.worker_decoder not in WORKER_DECODERS:
@@ -139,5 +151,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     a = data.augment
     if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
         fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")
+    if a.three_augment and a.randaugment_ops > 0:
+        fail("data.augment.three_augment", f"replaces RandAugment (DeiT III): set data.augment.randaugment_ops=0, "
+             f"got {a.randaugment_ops}")
     if len(a.mean) != 3 or len(a.std) != 3 or min(a.std) <= 0:
         fail("data.augment.std", "mean and std need 3 channels, std > 0")

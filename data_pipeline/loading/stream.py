@@ -92,6 +92,12 @@ class ShuffleBuffer:
         return self.items.pop()
 
 
+def sample_seed(seed: int, epoch: int, raw, pass_no: int) -> int:
+    """The seed of a sample's augmentation: its identity in the epoch, whichever slot reads it.
+    A repeat (``data.repeat_augment``) adds its copy number; copy 0 keeps the seed it has without."""
+    return mix_seed(TAG_SAMPLE, seed, epoch, raw.shard.index, raw.index, pass_no, *([raw.copy] if raw.copy else []))
+
+
 class _Starved(Exception):
     pass
 
@@ -136,22 +142,23 @@ class _SlotReader:
             self.pass_no += 1
 
     def _runs(self):
-        """(shard, [(lo, hi), ...]) for each run of consecutive pieces of one shard."""
+        """(shard, copy, [(lo, hi), ...]) for each run of consecutive pieces of one shard and copy."""
         runs = []
         for p in self.pieces:
-            if runs and runs[-1][0] is p.shard:
-                runs[-1][1].append((p.lo, p.hi))
+            if runs and runs[-1][0] is p.shard and runs[-1][1] == p.copy:
+                runs[-1][2].append((p.lo, p.hi))
             else:
-                runs.append((p.shard, [(p.lo, p.hi)]))
+                runs.append((p.shard, p.copy, [(p.lo, p.hi)]))
         return runs
 
     def _one_pass(self, got):
         first = self.pass_no == 0
-        for shard, ranges in self._runs():
+        for shard, copy, ranges in self._runs():
             # repeated passes re-read the same bytes: their shard events were counted already
             for sample in read_shard(shard, self.tally if first else Tally(), ranges, self.remote):
                 got[0] += not sample.lost and sample.key not in self.exclude  # all excluded: starved
                 self.accounted += first
+                sample.copy = copy
                 yield sample
 
 
@@ -211,7 +218,7 @@ class SlotStream(IterableDataset):
                 if emitted <= skip:  # fast-forward: no decode
                     tally.enabled = emitted == skip
                     continue
-                seed = mix_seed(TAG_SAMPLE, plan.seed, epoch, raw.shard.index, raw.index, pass_no)
+                seed = sample_seed(plan.seed, epoch, raw, pass_no)
                 # a repeated pass meets the same bad samples again: they were counted the first time
                 item = self._decode(raw, seed, tally if pass_no == 0 else _quiet())
                 if item is None:

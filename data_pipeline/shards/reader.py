@@ -36,6 +36,7 @@ class RawSample:
     key: str
     members: dict = field(default_factory=dict)  # extension -> bytes
     lost: bool = False  # a placeholder for a sample the tar did not deliver (counted as lost_in_shard)
+    copy: int = 0  # which of its repeats in a training epoch this reading is (data.repeat_augment)
 
 
 def read_shard(shard: Shard, tally: Tally, ranges=None, policy: Optional[RemotePolicy] = None) -> Iterator[RawSample]:
