@@ -134,7 +134,8 @@ def _count_problems(local, sizes) -> tuple[list[tuple], int]:
         try:
             n = count_samples(s.url)
         except (tarfile.TarError, OSError, EOFError) as e:
-            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, why))
             continue
         if n != s.samples:
             bad.append((s, sizes.get(s.url, (None, "?"))[1], n, None))
@@ -208,7 +209,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     out: list[Finding] = []
     if shardset.num_classes != cfg.model.num_classes:  # train.py would stop here after building the model
         out.append(Finding(FAIL, "shards", f"model.num_classes={cfg.model.num_classes} but {where} lists "
-                                           f"{shardset.num_classes} classes; set model.num_classes={shardset.num_classes}"))
+                                           f"{shardset.num_classes} classes; "
+                                           f"set model.num_classes={shardset.num_classes}"))
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]
@@ -216,7 +218,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     if problems:
         url, why = problems[0]
         out.append(Finding(FAIL, "manifest", f"{len(problems)} of {len(local)} shard(s) do not match {where}, "
-                                             f"first {url}: {why}; re-copy them or re-write the shards with vit-shards"))
+                                             f"first {url}: {why}; "
+                                             "re-copy them or re-write the shards with vit-shards"))
     elif local:
         # -- sample counts: an overclaiming manifest would otherwise surface as "bad samples" mid-run
         bad, counted = _count_problems(local, sizes)
@@ -226,8 +229,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
             s, murl, n, err = bad[0]
             what = (f"{s.url}: unreadable as a tar ({err})" if n is None else
                     f"{murl} says {s.name} holds {s.samples} samples but the tar has {n} ({n - s.samples:+d})")
-            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their manifest, "
-                                                 f"first: {what}; re-write the shards with vit-shards"))
+            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their "
+                                                 f"manifest, first: {what}; re-write the shards with vit-shards"))
         else:
             out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes; samples "
                                                f"counted in {which} match the manifest"))
@@ -284,7 +287,7 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
         why = unwritable(d)
         if why:
             return [Finding(FAIL, "run dir", f"{key}={d}: {why}; choose a writable folder")]
-    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage)
+    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage, cfg.train.ema_decay > 0)
     free = shutil.disk_usage(_existing_ancestor(ckpt_dir)).free
     have = len(list_complete(ckpt_dir))
     # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist
@@ -318,7 +321,8 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     budget = gpu_memory_gb * memory.GB
     s, t = est.states, cfg.train
     ckpt = "on" if t.activation_checkpointing else "off"
-    other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if t.activation_checkpointing else 'on'}"
+    other = (f"{_gb(est.activations_other)} with activation checkpointing "
+             f"{'off' if t.activation_checkpointing else 'on'}")
     detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, micro batch "
               f"{t.micro_batch_size}): weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
               f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "

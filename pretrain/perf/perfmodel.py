@@ -65,6 +65,8 @@ HBM_EFFICIENCY = 0.8
 # Adam / AdamW step: read master, grad, m, v (4 x 4 B), write master, m, v (3 x 4 B) and the
 # bf16 copy (2 B): bytes per parameter the step moves on its shard.
 OPTIMIZER_BYTES_PER_PARAM = 30
+# the weights' EMA (train.ema_decay) after the step: read master and average, write the average
+EMA_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Layout:
     compile: bool = False
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
     optimizer: str = "adamw"
+    ema: bool = False  # train.ema_decay > 0: the weights' average updated after each step
     overlap_comm: bool = True
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
@@ -143,7 +146,8 @@ class Layout:
         gb = self.global_batch or self.micro_batch * self.world
         k, rest = divmod(gb, self.micro_batch * self.world)
         if rest or k < 1:
-            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} x world {self.world}")
+            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} "
+                             f"x world {self.world}")
         return k
 
 
@@ -216,9 +220,11 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
 
 
 def optimizer_seconds(layout: Layout, params: int) -> float:
+    """The optimizer step on this rank's shard at HBM bandwidth, with the EMA's pass when on."""
     g = gpu_of(layout)
     shard = params / (layout.world if layout.zero >= 1 else 1)
-    return OPTIMIZER_BYTES_PER_PARAM * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
+    moved = OPTIMIZER_BYTES_PER_PARAM + (EMA_BYTES_PER_PARAM if layout.ema else 0)
+    return moved * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
 
 
 # ------------------------------------------------------------------------------------- result
@@ -349,7 +355,8 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
     cfg = NS(zero=zero, model=NS(drop_rate=0.0),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
-                      activation_checkpointing=layout.checkpointing, compile=layout.compile))
+                      activation_checkpointing=layout.checkpointing, compile=layout.compile,
+                      ema_decay=0.9999 if layout.ema else 0.0))
     return memory.estimate(cfg, layout.world, shape)
 
 
@@ -362,7 +369,8 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
     for stage in stages:
         pp = [(1, False)]
         if stage == 3:
-            pp += [(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1 else [(1, True)]
+            pp += ([(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1
+                   else [(1, True)])
         for mb in micro_batches:
             for ckpt in (False, True):
                 for hpz, qw in pp:
@@ -391,7 +399,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
-              compile=t.compile, optimizer=cfg.optim.name, overlap_comm=z.overlap_comm,
+              compile=t.compile, optimizer=cfg.optim.name, ema=t.ema_decay > 0, overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
