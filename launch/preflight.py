@@ -134,8 +134,8 @@ def _count_problems(local, sizes) -> tuple[list[tuple], int]:
         try:
             n = count_samples(s.url)
         except (tarfile.TarError, OSError, EOFError) as e:
-            bad.append((s, sizes.get(s.url, (None, "?"))[1], None,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__))
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            bad.append((s, sizes.get(s.url, (None, "?"))[1], None, why))
             continue
         if n != s.samples:
             bad.append((s, sizes.get(s.url, (None, "?"))[1], n, None))
@@ -229,9 +229,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
             s, murl, n, err = bad[0]
             what = (f"{s.url}: unreadable as a tar ({err})" if n is None else
                     f"{murl} says {s.name} holds {s.samples} samples but the tar has {n} ({n - s.samples:+d})")
-            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) "
-                                                 "disagree with their manifest, "
-                                                 f"first: {what}; re-write the shards with vit-shards"))
+            out.append(Finding(FAIL, "manifest", f"{len(bad)} of {counted} counted tar(s) disagree with their "
+                                                 f"manifest, first: {what}; re-write the shards with vit-shards"))
         else:
             out.append(Finding(OK, "manifest", f"{len(local)} local tar(s) present with the recorded sizes; samples "
                                                f"counted in {which} match the manifest"))
@@ -288,7 +287,7 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
         why = unwritable(d)
         if why:
             return [Finding(FAIL, "run dir", f"{key}={d}: {why}; choose a writable folder")]
-    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage)
+    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage, cfg.train.ema_decay > 0)
     free = shutil.disk_usage(_existing_ancestor(ckpt_dir)).free
     have = len(list_complete(ckpt_dir))
     # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist

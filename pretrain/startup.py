@@ -27,6 +27,7 @@ from pretrain.checkpointing.rundir import RunDir, step_of
 from pretrain.config import Config, ConfigError, check_world_size, compile_mode, image_size, save_config, to_dict
 from pretrain.config.schema import TrainConfig
 from pretrain.distributed import ds_compat
+from pretrain.distributed.ema import WeightEma
 from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
@@ -63,6 +64,7 @@ class Loop:
     flops: tuple[float, float]  # (model, hardware) training FLOPs per image
     detector: Optional[StragglerDetector] = None
     evaluator: Optional[InTrainingEval] = None
+    ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
     say: Callable[[str], None] = lambda msg: None
     logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
@@ -92,6 +94,7 @@ class Built:
     accumulation: int  # micro-batches per optimizer step on this world size
     img: int
     resuming: bool  # a complete checkpoint waits to be loaded
+    ema: Optional[WeightEma] = None  # the weights' moving average (train.ema_decay), on the masters' partitions
 
 
 @dataclass
@@ -188,6 +191,7 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     c.startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, c.world, cfg.deepspeed)
     set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
+    ema = WeightEma(engine, t.ema_decay, t.ema_warmup) if t.ema_decay else None  # from the masters as set
     if cfg.data.synthetic:
         loader = SyntheticLoader(cfg.data, batch_size=t.micro_batch_size, img_size=img, seed=t.seed, rank=c.rank,
                                  num_classes=cfg.model.num_classes, device=engine.device)
@@ -198,7 +202,7 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
-    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming)
+    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming, ema)
 
 
 def restore(cfg: Config, c: Connected, b: Built) -> Restored:
@@ -208,7 +212,7 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     if b.resuming:
         c.say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
     c.startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
-    resumed = checkpoint.resume(b.engine, ckpt_dir, config=c.tree) if cfg.checkpoint.resume else None
+    resumed = checkpoint.resume(b.engine, ckpt_dir, config=c.tree, ema=b.ema) if cfg.checkpoint.resume else None
     if not resumed:
         torch.manual_seed(cfg.train.seed + 1000 * (c.rank + 1))  # per-rank dropout / drop-path streams
         return Restored()
@@ -239,7 +243,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
             SampleLog(c.layout.samples, old).open(start).close()
     evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=c.rank,
                                world=c.world, img_size=b.img, num_classes=cfg.model.num_classes,
-                               dtype=compute_dtype(t.precision), device=b.engine.device)
+                               dtype=compute_dtype(t.precision), device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
     status = RunStatus(c.layout.status if c.rank == 0 else None)
     status(start)
     clock = StepClock(b.engine.device, c.dog)
@@ -249,12 +253,13 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         ds_compat.time_collectives(clock.comm_begin, clock.comm_end, b.engine)
     batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation), rank=c.rank,
                                   start_step=start, accumulation=b.accumulation)
-    checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples)
+    checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
+                                ema=b.ema)
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
                 world=c.world, flops=flops, detector=_straggler_detector(t, c, clock),
-                evaluator=evaluator if evaluator.enabled else None, say=c.say, logged=status)
+                evaluator=evaluator if evaluator.enabled else None, ema=b.ema, say=c.say, logged=status)
     return Job(loop, status, samples)
 
 

@@ -40,13 +40,15 @@ def train_loop(lp: Loop) -> dict:
     every ``train.sync_every_steps``) nothing is read on the host."""
     t, engine, clock, device = lp.cfg.train, lp.engine, lp.clock, lp.engine.device
     guard = NonFiniteGuard(t.max_nonfinite_steps, engine.module.parameters(), device)
-    loss_of = partial(classification_loss, multi_label=lp.cfg.data.multi_label, smoothing=lp.cfg.optim.label_smoothing)
+    o = lp.cfg.optim
+    loss_of = partial(classification_loss, multi_label=lp.cfg.data.multi_label, smoothing=o.label_smoothing,
+                      loss=o.loss, target_threshold=o.bce_target_threshold)
     dtype, window = compute_dtype(t.precision), Window(device)
     history, step, stopped = [], lp.start_step, False
     while step < t.steps:
         clock.begin_step(step + 1, startup=step == lp.start_step)
         with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
-            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype))
+            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema))
         clock.end_step()
         step += 1
         if step == lp.start_step + 1:  # start-up is over: step-time bounds from here on

@@ -109,6 +109,23 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for n, p in model.named_parameters() if flat(n, p)], "weight_decay": 0.0}]
 
 
+def timm_layer_decay_groups(model: torch.nn.Module, name: str, weight_decay: float, layer_decay: float, lr: float,
+                            **timm_kwargs) -> list[dict]:
+    """Groups over ``model``'s parameters as timm makes them: ``timm.optim.param_groups_layer_decay``
+    on timm's ``name`` (built with ``timm_kwargs``; parameter names are ours), each group's
+    ``weight_decay`` and ``lr`` = ``lr`` x its ``lr_scale``."""
+    import timm
+    from timm.optim import param_groups_layer_decay
+
+    ref = timm.create_model(name, **timm_kwargs)
+    groups = param_groups_layer_decay(ref, weight_decay=weight_decay, no_weight_decay_list=ref.no_weight_decay(),
+                                      layer_decay=layer_decay)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    ours = dict(model.named_parameters())
+    return [{"params": [ours[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"],
+             "lr": lr * g["lr_scale"]} for g in groups]
+
+
 def reference_schedule(opt, warmup: int, steps: int, schedule: str, min_ratio: float):
     """The learning rate from torch's schedulers: warmup from 1/warmup of the base up to it, then
     held (constant) or decayed (linear / cosine) to ``min_ratio`` of it at the last of ``steps``."""
@@ -129,14 +146,15 @@ def reference_schedule(opt, warmup: int, steps: int, schedule: str, min_ratio: f
 
 
 def train_reference(model: torch.nn.Module, opt, sched, batches, *, clip: float = 0.0, split: int = 0,
-                    loss=F.cross_entropy) -> list[float]:
+                    loss=F.cross_entropy, after_step=None) -> list[float]:
     """Plain PyTorch steps, one per global batch ``(images, targets)`` of ``batches``: the gradient of
     the mean ``loss`` over the batch, ``clip_grad_norm_`` at ``clip`` (0: none), ``opt.step()``,
-    ``sched.step()``. ``split``: each step's gradient summed over chunks of that many images instead
-    (the same mathematics in another floating-point order: how far two exact implementations drift
-    apart). Returns every step's gradient norm."""
+    ``sched.step()``, then ``after_step(step)`` (counted from 1; e.g. an EMA's update). ``split``: each
+    step's gradient summed over chunks of that many images instead (the same mathematics in another
+    floating-point order: how far two exact implementations drift apart). Returns every step's
+    gradient norm."""
     norms = []
-    for images, targets in batches:
+    for step, (images, targets) in enumerate(batches, 1):
         opt.zero_grad()
         if split:
             for lo in range(0, len(images), split):
@@ -147,6 +165,8 @@ def train_reference(model: torch.nn.Module, opt, sched, batches, *, clip: float 
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
         sched.step()
+        if after_step is not None:
+            after_step(step)
     return norms
 
 

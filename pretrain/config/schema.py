@@ -70,19 +70,22 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
-    """`adamw` or `sgd`."""
+    name: Literal["adamw", "sgd", "lamb"] = "adamw"
+    """`adamw`, `sgd` or `lamb` (LAMB as timm's `Lamb` with its defaults: Adam moments with bias
+    correction, L2 weight decay added to the update, each tensor's update scaled by the trust ratio
+    ||w|| / ||update|| where the group decays; computed per whole parameter under every ZeRO stage;
+    `optim.grad_clip` is timm's `max_grad_norm`; timm's own `eps` default is 1e-6)."""
     lr: float = 1e-3
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW's betas."""
+    """AdamW's and LAMB's betas."""
     eps: float = 1e-8
-    """AdamW's epsilon."""
+    """AdamW's and LAMB's epsilon."""
     momentum: float = 0.9
     """SGD momentum (`sgd` only)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; none on biases, norms, position embedding, [class] and register
-    tokens, the MAP probe."""
+    """Weight decay (decoupled for AdamW, L2 in the update for LAMB); none on biases, norms, position
+    embedding, [class] and register tokens, the MAP probe."""
     grad_clip: float = 1.0
     """Global-norm gradient clipping; 0 disables clipping."""
     warmup_steps: int = 10_000
@@ -92,7 +95,22 @@ class OptimConfig:
     min_lr: float = 0.0
     """The learning rate the decay ends at."""
     label_smoothing: float = 0.0
-    """Label smoothing of the classification loss."""
+    """Label smoothing of the classification loss (`bce`: index targets become `s / classes` off
+    and `1 - s + s / classes` on, as timm's `BinaryCrossEntropy`)."""
+    layer_decay: float = 1.0
+    """Layer-wise learning-rate decay (BEiT, MAE and DeiT III fine-tuning), as timm's
+    `param_groups_layer_decay`: the head (and `fc_norm`) keeps the full LR, block `i` (from 0) of
+    `depth` gets `layer_decay ** (depth - i)`, the final norm that of the last block, the patch
+    embedding, position embedding and [class] token `layer_decay ** (depth + 1)`; the LR schedule
+    scales every group's own LR. 1.0 = off (two groups, decay and no decay)."""
+    loss: Literal["ce", "bce"] = "ce"
+    """The loss on single-label data: `ce` softmax cross-entropy, `bce` sigmoid binary cross-entropy
+    averaged over images and classes (DeiT III; timm's `BinaryCrossEntropy`): index targets are
+    smoothed by `optim.label_smoothing`, Mixup / CutMix targets used as mixed. Multi-label data
+    (`data.multi_label`) always trains with sigmoid cross-entropy summed over classes."""
+    bce_target_threshold: Optional[float] = None
+    """`bce` only: targets above this value become 1, the others 0 (timm's `target_threshold`;
+    DeiT III uses 0.2 with Mixup / CutMix); null: targets as they are."""
 
 
 @dataclass
@@ -179,6 +197,17 @@ class TrainConfig:
     before a full span; a slow rank is named in one line (`rank R on HOST: 2.0x the median step,
     mostly in forward`), in `straggler/*` metrics and in `<output_dir>/stragglers.json`;
     `vit-launch run --exclude-slow-hosts` leaves its host out at the next start."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights (timm's `ModelEmaV3` stepped with the
+    step count: the first step copies the weights, then `ema = decay * ema + (1 - decay) * w`),
+    updated after every optimizer step from the fp32 master weights, each rank its own ZeRO
+    partition (4 B/param over the ranks, no communication); saved in checkpoints, evaluated beside
+    the weights (`eval/ema/...`), exported by `vit-export --ema`. 0 = off; e.g. 0.9999. Cost:
+    pretrain/perf/PERFORMANCE.md."""
+    ema_warmup: bool = False
+    """Warm the EMA decay up as timm's `ModelEmaV3(use_warmup=True)`: at step `t` the decay is
+    `min(train.ema_decay, 1 - t ** (-2/3))` (gamma 1, power 2/3; 0 at the first step), so early
+    weights are forgotten quickly."""
     straggler_span_s: float = 5.0
     """The span is lengthened past `train.straggler_windows` windows until it holds at least this
     many seconds of steps: a window of one short step is mostly scheduling noise."""

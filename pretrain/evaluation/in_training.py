@@ -5,6 +5,9 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
 * ``eval/loss``, ``eval/top1``, ``eval/top5`` (multi-label data: ``eval/prec@1``) over
   ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
   stream), reduced with sums after the pass.
+* with ``train.ema_decay``, the same again on the weights' moving average: ``eval/ema/loss``,
+  ``eval/ema/top1``, ``eval/ema/fewshot/<suite>/<n>shot``, ... (the average swapped into the module
+  for the pass, ``WeightEma.swapped``, and the weights swapped back bit for bit).
 * ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on the frozen features the
   model's own head sees (``forward_head(pre_logits=True)``: its pooling, [class] token, mean or
   MAP, and pre-logits layer; ``pretrain.transfer.protocols.fewshot``) for each suite in
@@ -86,11 +89,13 @@ class _Knn:
 class InTrainingEval:
     """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
     ``batch``: images per forward; ``seed``: the validation loader's; ``device``: where its batches
-    are normalised (the training device)."""
+    are normalised (the training device); ``loss``: ``optim.loss``; ``ema``: the weights' moving
+    average (``pretrain.distributed.ema.WeightEma``), evaluated too."""
 
     def __init__(self, val, data, *, batch: int, seed: int, rank: int, world: int, img_size: int,
-                 num_classes: int, dtype: torch.dtype, device=None):
+                 num_classes: int, dtype: torch.dtype, device=None, loss: str = "ce", ema=None):
         self.ev, self.data, self.rank, self.world = val, data, rank, world
+        self.loss, self.ema = loss, ema
         self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
         self.batch, self.seed = batch, seed
         self.fewshot: Optional[list[_Fewshot]] = None  # built at the first evaluation
@@ -117,13 +122,20 @@ class InTrainingEval:
         engine.eval()
         try:
             with torch.no_grad(), rng.preserved():
-                out = self._validation(engine) if self.val is not None else {}
-                out.update(self._fewshot(engine))
-                out.update(self._knn(engine))
+                out = self._metrics(engine)
+                if self.ema is not None:
+                    with self.ema.swapped():
+                        out.update({f"ema/{k}": v for k, v in self._metrics(engine).items()})
         finally:
             engine.train()
         out["seconds"] = self.last_seconds = synced_now(engine.device) - t0
         return {f"eval/{k}": v for k, v in out.items()} if self.rank == 0 else {}
+
+    def _metrics(self, engine) -> dict:
+        out = self._validation(engine) if self.val is not None else {}
+        out.update(self._fewshot(engine))
+        out.update(self._knn(engine))
+        return out
 
     def _dummy(self, device) -> torch.Tensor:
         """The input a rank that ran out of batches feeds ZeRO-3's collective forward."""
@@ -142,7 +154,7 @@ class InTrainingEval:
             x, y = item
             logits = engine(x.to(device, self.dtype)).float()
             y = y.to(device)
-            loss = classification_loss(logits, y, multi_label=multi, reduction="sum")
+            loss = classification_loss(logits, y, multi_label=multi, reduction="sum", loss=self.loss)
             if multi:
                 hit1 = hit5 = y.gather(1, logits.argmax(1, keepdim=True)).sum()
             else:

@@ -10,7 +10,8 @@ gradient partition ZeRO casts to for the optimizer step)::
     module gradients                 2      4    stage 2
     fp32 master weights              4      4    stage 1   (fp32 + stage 0: none, torch's own step)
     fp32 gradient partition          4      -    stage 1
-    Adam m, v (SGD: momentum 4)      8      8    stage 1   (moved to CPU by zero.offload_optimizer)
+    Adam / LAMB m, v (SGD: mom. 4)   8      8    stage 1   (moved to CPU by zero.offload_optimizer)
+    EMA of the weights               4      4    stage 1   (train.ema_decay; beside the masters)
     (zero.offload_params moves the stage-3 module weight partitions to CPU)
 
 So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with ZeRO-3. ZeRO-1 in
@@ -138,15 +139,22 @@ def model_shape(model_cfg) -> ModelShape:
                           pos_embed=model_cfg.pos_embed)
 
 
+def optimizer_state_bytes(optimizer: str) -> int:
+    """Bytes per parameter of the optimizer's own state: Adam's and LAMB's two moments, SGD's momentum."""
+    return 4 if optimizer == "sgd" else 8
+
+
 def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",
-                      offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, float]:
+                      offload_optimizer: bool = False, offload_params: bool = False,
+                      ema: bool = False) -> dict[str, float]:
     """Bytes per GPU for weights, gradients and optimizer states (table in the module docstring);
     ``cpu`` is what ZeRO-Offload keeps in host memory per rank instead (the optimizer states, and
     with ``offload_params`` at ZeRO-3 the weight partitions: the GPU then holds the gathered layers,
-    which ``zero_buffer_bytes``' prefetch bucket bounds)."""
+    which ``zero_buffer_bytes``' prefetch bucket bounds). ``ema``: the weights' moving average,
+    counted with the optimizer states (it lives beside the masters)."""
     e = weight_bytes(precision)
     master = 0 if (e == 4 and stage == 0) else 4  # an fp32 module without ZeRO: torch steps it in place
-    opt_per_param = master + (4 if e == 2 else 0) + (8 if optimizer == "adamw" else 4)
+    opt_per_param = master + (4 if e == 2 else 0) + optimizer_state_bytes(optimizer) + (4 if ema else 0)
     n = max(1, world)
     weights = e * params / (n if stage >= 3 else 1)
     grads = e * params / (n if stage >= 2 else 1)
@@ -258,7 +266,7 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     t = cfg.train
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
                                optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer,
-                               offload_params=cfg.zero.offload_params)
+                               offload_params=cfg.zero.offload_params, ema=getattr(t, "ema_decay", 0) > 0)
     from pretrain.config import checkpoint_count
 
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
@@ -299,12 +307,13 @@ def largest_micro_batch(cfg, world: int, budget_bytes: float, shape: ModelShape,
     return max(0, int(room // per_sample))
 
 
-def checkpoint_bytes(params: int, precision: str, optimizer: str = "adamw", stage: int = 1) -> float:
-    """Size on disk of one DeepSpeed checkpoint, all ranks together: the module's weights in
-    their training dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for an fp32 module
-    without ZeRO, where the optimizer steps the module's own weights) and the moments (Adam 8, SGD 4):
-    14-16 B/param with AdamW. Measured on the tiny config (fp32, ZeRO-1, 2 ranks): 4.0 + 12.0
-    B/param. 5% on top for pickling, RNG and loader state."""
+def checkpoint_bytes(params: int, precision: str, optimizer: str = "adamw", stage: int = 1,
+                     ema: bool = False) -> float:
+    """Size on disk of one checkpoint, all ranks together: the module's weights in their training
+    dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for an fp32 module without ZeRO,
+    where the optimizer steps the module's own weights), the moments (Adam and LAMB 8, SGD 4) and
+    the EMA of the weights (4, ``ema``): 14-16 B/param with AdamW. Measured on the tiny config
+    (fp32, ZeRO-1, 2 ranks): 4.0 + 12.0 B/param. 5% on top for pickling, RNG and loader state."""
     weights = weight_bytes(precision)
     master = 0 if (weights == 4 and stage == 0) else 4
-    return 1.05 * params * (weights + master + (8 if optimizer == "adamw" else 4))
+    return 1.05 * params * (weights + master + optimizer_state_bytes(optimizer) + (4 if ema else 0))

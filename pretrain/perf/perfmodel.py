@@ -71,6 +71,8 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 # model also fuses the work between blocks (a block's last residual add into the next LayerNorm)
 # and around them (patch embedding's add and concatenation, final norm, pooling, loss)
 COMPILED_TRAFFIC = {"blocks": 0.5, "model": 0.45}
+# the weights' EMA (train.ema_decay) after the step: read master and average, write the average
+EMA_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Layout:
     compile: Union[bool, str] = False  # "blocks" (True), "model" or off (train.compile)
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
     optimizer: str = "adamw"
+    ema: bool = False  # train.ema_decay > 0: the weights' average updated after each step
     overlap_comm: bool = True
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
@@ -233,9 +236,11 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
 
 
 def optimizer_seconds(layout: Layout, params: int) -> float:
+    """The optimizer step on this rank's shard at HBM bandwidth, with the EMA's pass when on."""
     g = gpu_of(layout)
     shard = params / (layout.world if layout.zero >= 1 else 1)
-    return OPTIMIZER_BYTES_PER_PARAM * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
+    moved = OPTIMIZER_BYTES_PER_PARAM + (EMA_BYTES_PER_PARAM if layout.ema else 0)
+    return moved * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
 
 
 # ------------------------------------------------------------------------------------- result
@@ -370,7 +375,8 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
     cfg = NS(zero=zero, model=NS(drop_rate=0.0),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
-                      activation_checkpointing=layout.checkpointing, compile=layout.compile))
+                      activation_checkpointing=layout.checkpointing, compile=layout.compile,
+                      ema_decay=0.9999 if layout.ema else 0.0))
     return memory.estimate(cfg, layout.world, shape)
 
 
@@ -392,7 +398,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,
               reg_tokens=m.reg_tokens, class_token=m.class_token, global_pool=m.global_pool, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
-              compile=t.compile, optimizer=cfg.optim.name, overlap_comm=z.overlap_comm,
+              compile=t.compile, optimizer=cfg.optim.name, ema=t.ema_decay > 0, overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
