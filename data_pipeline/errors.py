@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import Callable, Optional
 
 EXIT_USAGE = 2  # a user mistake: one line on stderr, no traceback
 
@@ -37,14 +38,18 @@ def is_user_error(e: BaseException, *user_errors: type) -> bool:
 
 
 @contextlib.contextmanager
-def cli_errors(prog: str, *user_errors: type):
+def cli_errors(prog: str, *user_errors: type, voice: Optional[Callable[[BaseException], Optional[str]]] = None):
     """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on
-    stderr and exit code 2; no traceback."""
+    stderr and exit code 2; no traceback. ``voice``: for a command run as many processes (the ranks
+    of a job), the words this process puts before the message, or None when another process says
+    it (the exit code stays 2)."""
     try:
         yield
     except (ConfigError, FileNotFoundError, *user_errors) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+        who = "" if voice is None else voice(e)
+        if who is not None:
+            print(f"{prog}: error: {who}{msg}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USAGE) from None
 
 
