@@ -97,7 +97,8 @@ def supervise(args, cmd: list[str], pool, layout) -> int:
     from launch.supervise import Supervisor
 
     if pool is None:
-        return Supervisor(cmd, layout.status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
+        return Supervisor(cmd, layout.status, stop_grace_s=args.stop_grace,
+                          stop_file=layout.stop_request).run(args.max_restarts, args.restart_backoff)
     first = [cmd]
 
     def command() -> list[str]:  # the first attempt's is made above; each restart's after the failure

@@ -80,11 +80,15 @@ class StopRequest:
         self._file = Path(path)
 
     def _look(self) -> None:
-        if self._file is None or self.reason is not None:
+        """The request file, when written after this process started, asks to stop; its reason wins
+        over a signal's or a lost runner's: ``vit-launch run`` writes the signal it received there
+        before it forwards SIGTERM, and a rank may see the runner exit before its own signal handler
+        runs (Python runs it only once a collective in C returns)."""
+        if self._file is None:
             return
         try:
             if os.stat(self._file).st_mtime >= STARTED:  # an empty file (touch) asks too, naming itself
-                self.request((self._file.read_text().strip().splitlines() or [self._file.name])[0][:200])
+                self.reason = (self._file.read_text().strip().splitlines() or [self._file.name])[0][:200]
         except OSError:
             pass
 

@@ -76,11 +76,28 @@ def test_sigint_to_process_group_of_two_ranks_then_resume(tiny_run, tmp_path):
     assert ckpt is not None and 2 <= step < 400 and rundir.verify(ckpt) is None
     assert took < 120
     assert "the job stopped after a checkpoint (exit 75)" in out
+    assert f"vit-train: stopped (SIGINT to vit-launch) at step {step}: checkpoint" in out, out[-3000:]
     # the same command resumes there and finishes
     r = launched(tiny_run, f"train.steps={step + 2}", "checkpoint.every_steps=1000", "data.workers=1").run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from step {step}" in r.stderr
     assert json.loads((run / "summary.json").read_text())["step"] == step + 2
+
+
+def test_sigterm_to_vit_launch_is_the_reason_the_job_names(tiny_run, tmp_path):
+    """`kill VIT_LAUNCH_PID` (a scheduler's pre-emption): vit-launch forwards SIGTERM to the job, whose
+    ranks may notice their runner's exit first; the closing line names the signal vit-launch got,
+    not "runner exited"."""
+    job = launched(tiny_run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=0")
+    run, log = job.run_dir, tmp_path / "log.txt"
+    with reaped(job.start(log)) as p:
+        wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
+        os.kill(p.pid, signal.SIGTERM)
+        code = p.wait(150)
+    out = log.read_text()
+    step = rundir.step_of(rundir.latest_complete(run / "checkpoints"))
+    assert code == EXIT_INTERRUPTED and f"vit-train: stopped (SIGTERM to vit-launch) at step {step}" in out, out[-3000:]
+    assert "vit-launch: SIGTERM: asking the job to checkpoint and stop" in out
 
 
 def test_hung_rank_trips_the_watchdog(tiny_run):
