@@ -256,7 +256,9 @@ class FailureRecord:
         head = report_failure(err, self.hosts, self.errors_dir, self.rank, self.code_of(err))
         if head is None:
             return None
-        if "lost" in head and _first_to_say(self.rank):  # a peer that left no record: nobody else says it
+        # a peer that left no record: nobody else says it. Rank 0 among the lost: the store lives in its
+        # process and was just found out of reach, so it is not asked again (each side of a cut speaks)
+        if "lost" in head and (0 in head["lost"] or _first_to_say(self.rank)):
             print(f"vit-train: {head['line']}", file=sys.stderr, flush=True)
         return head["code"]
 
