@@ -29,7 +29,7 @@ measured), and which rank the scheduler makes wait is chance, so an even job's s
 1.4 on it alone. The clock counts it per phase (``QUEUED``, the kernel's run-queue time) and the
 evidence shares it out: each rank's own work less its run-queue wait plus the mean wait of its
 host's ranks (``shared_queue``). The job's load stays in the ratio (a rank stopped half its time
-still shows about 2x), the chance of who waited leaves it (the even job: within 1.06). What it
+still shows about 2x), the chance of who waited leaves it (even jobs beside a slowed one: 1.02-1.16). What it
 costs: a host loaded harder than the others still shows in its ranks, but one rank crowded out by
 its host's other ranks does not (on a GPU, where the device clock times the work, nothing changes).
 
