@@ -74,7 +74,8 @@ def test_meta_build_and_no_deepspeed_import():
 
 
 PARITY = [("vit_tiny_patch16_224", dict(img_size=64)),
-          ("vit_tiny_patch16_224", dict(img_size=32, qk_norm=True, init_values=1e-5)), ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
+          ("vit_tiny_patch16_224", dict(img_size=32, qk_norm=True, init_values=1e-5)),
+          ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
           ("vit_base_patch32_224", dict(img_size=64, num_classes=10)),
           ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10))]
 
