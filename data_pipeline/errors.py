@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import Callable, Optional
 
 EXIT_USAGE = 2  # a user mistake: one line on stderr, no traceback
 EXIT_UNAVAILABLE = 69  # a service the job needs stayed away past its bound: start again later
@@ -53,14 +54,18 @@ def exit_code(e: BaseException, *user_errors: type) -> int:
 
 
 @contextlib.contextmanager
-def cli_errors(prog: str, *user_errors: type):
+def cli_errors(prog: str, *user_errors: type, voice: Optional[Callable[[BaseException], Optional[str]]] = None):
     """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on
-    stderr and exit code 2, an ``Unavailable`` service into one line and exit code 69; no traceback."""
+    stderr and exit code 2, an ``Unavailable`` service into one line and exit code 69; no traceback.
+    ``voice``: for a command run as many processes (the ranks of a job), the words this process puts
+    before the message, or None when another process says it (the exit code stays the same)."""
     try:
         yield
     except (ConfigError, FileNotFoundError, Unavailable, *user_errors) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+        who = "" if voice is None else voice(e)
+        if who is not None:
+            print(f"{prog}: error: {who}{msg}", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(e, *user_errors)) from None
 
 

@@ -5,7 +5,9 @@
 * The runner starts in a session of its own. The first SIGTERM or SIGINT to the supervisor is
   forwarded as SIGTERM to that whole process group (runner, local launcher, ranks): every rank
   checkpoints at its next step and exits 75; ranks on other nodes follow through the per-step stop
-  agreement. A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
+  agreement. The signal received is written to ``stop_file`` first: rank 0's closing line names it
+  (``stopped (SIGINT to vit-launch)``), not the SIGTERM forwarded or the runner's exit it saw.
+  A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
   The runner gets ``PR_SET_PDEATHSIG``: a supervisor killed with ``kill -9`` takes the runner with
   it, and the ranks notice their runner is gone (``pretrain.resilience.lifecycle``) and stop.
 * The supervisor waits until the *group* is empty, not just the runner (DeepSpeed's runner can exit
@@ -129,7 +131,13 @@ class Supervisor:
         if self.proc is None:
             return
         if self.signals == 1:
-            _log(f"{signal.Signals(signum).name}: asking the job to checkpoint and stop (again to kill it)")
+            name = signal.Signals(signum).name
+            _log(f"{name}: asking the job to checkpoint and stop (again to kill it)")
+            if self.stop_file is not None:  # the reason rank 0 names: the signal received here, whichever of
+                try:  # the forwarded SIGTERM or the runner's exit a rank notices first
+                    write_atomic(self.stop_file, f"{name} to {PROG}\n")
+                except OSError:
+                    pass
             self._signal_group(signal.SIGTERM)
             self.stop_deadline = time.monotonic() + self.stop_grace_s
         else:

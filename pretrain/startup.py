@@ -198,7 +198,7 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     else:
         loader = build_loader(cfg.data, rank=c.rank, world_size=c.world, batch_size=t.micro_batch_size,
                               seed=t.seed, img_size=img, train=True, device=engine.device)
-    say(f"data workers decode: {loader.worker_decoder}")
+    say(loader.decode_path)  # who decodes the JPEGs, and with what
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import time
 from functools import partial
+from typing import Optional
 
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError, exit_code
+from data_pipeline.errors import DataError
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
@@ -95,11 +96,13 @@ def train_loop(lp: Loop) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- main
-def run(cfg: Config) -> dict:
+def run(cfg: Config, record: Optional[FailureRecord] = None) -> dict:
     """One rank's whole run; a failure anywhere in it, start-up included, leaves the rank's record
     in ``<output_dir>/errors/`` (``FailureRecord``: what ``vit-launch run`` tells a failed rank from
-    a dead node by)."""
-    with FailureRecord(RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).errors) as record:
+    a dead node by, and which rank of a job says a mistake)."""
+    record = record or FailureRecord(user_errors=USER_ERRORS)
+    record.errors_dir = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).errors
+    with record:
         return _run(cfg, record)
 
 
@@ -129,10 +132,10 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
     except BaseException as e:
         failed = True
         c.dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        lost = record.report(e)  # who is gone, not gloo's words; now, while the other ranks ask too
-        job.status(max(start, lp.clock.completed), "failed", exit_code(e, *USER_ERRORS))  # 2 user, 69 store, 1
-        if lost:
-            raise SystemExit(1) from None
+        peers = record.report(e)  # a peer's failure or who is gone, not gloo's words; now, while the others ask too
+        job.status(max(start, lp.clock.completed), "failed", record.code_of(e) if peers is None else peers)
+        if peers is not None:
+            raise SystemExit(peers) from None
         raise
     finally:
         c.startup.done()
@@ -153,9 +156,10 @@ def main(argv=None) -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
-    with cli_errors("vit-train", *USER_ERRORS):
+    record = FailureRecord(user_errors=USER_ERRORS)  # its folder once the config is read
+    with cli_errors("vit-train", *USER_ERRORS, voice=record.voice):  # one line per job, not one per rank
         cfg = load_config(args.config, args.overrides)
-        code = EXIT_INTERRUPTED if run(cfg)["preempted"] else EXIT_OK
+        code = EXIT_INTERRUPTED if run(cfg, record)["preempted"] else EXIT_OK
     if dist.is_initialized():
         dist.destroy_process_group()
     raise SystemExit(code)

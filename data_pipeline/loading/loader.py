@@ -63,7 +63,8 @@ Worker decode (``data.worker_decoder``, ``shards/crop_decode.py``): in training,
 the crop window of each plain JPEG when nvImageCodec is installed (``auto``), else the whole image
 with PIL; the crop boxes and so the batches' samples and resume are the same either way, the
 pixels are those of a full decode (PIL's draft mode differs slightly where it applies).
-``loader.worker_decoder`` says which path, in words.
+``loader.worker_decoder`` says which path, in words; ``loader.decode_path`` says who decodes the
+JPEGs on the ``data.decode_device`` chosen, and with what (the training start-up line).
 
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
@@ -144,6 +145,13 @@ class ShardLoader:
         self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
                                      device if decode_device == "worker" else decode_device,
                                      data_cfg.max_image_pixels, self.num_classes, threads=max(1, data_cfg.workers))
+        readers = f"{data_cfg.workers} data worker(s)" if data_cfg.workers else "this process (data.workers=0)"
+        if decode_device == "worker":
+            self.decode_path = f"data.decode_device=worker: JPEGs decoded by {readers}: {self.worker_decoder}"
+        else:  # the workers still decode what is not a plain JPEG (PNG, progressive, CMYK, ...)
+            self.decode_path = (f"data.decode_device={decode_device}: JPEGs decoded in this process by "
+                                f"{self._decoder.describe()}; other images (PNG, progressive JPEG, ...) by "
+                                f"{readers} with PIL")
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size

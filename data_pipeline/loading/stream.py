@@ -212,17 +212,22 @@ class SlotStream(IterableDataset):
         reader = _SlotReader(pieces, tally, repeat=True, exclude=s.exclude, remote=s.remote)
         buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(shuffle_seed(plan.seed, epoch, slot, level)))
         images, labels, keys, shards, emitted = [], [], [], [], 0
+        good_pass = -1  # the last pass that decoded a sample (a fast-forwarded one did, in the first run)
         try:
             for pass_no, raw in shuffled(reader, buffer):
                 emitted += 1
                 if emitted <= skip:  # fast-forward: no decode
                     tally.enabled = emitted == skip
+                    good_pass = pass_no
                     continue
+                if pass_no > good_pass + 1:  # a whole pass of samples none of which decodes: the slot's
+                    raise _Starved()  # batches can never fill, and repeating it would spin for ever
                 seed = sample_seed(plan.seed, epoch, raw, pass_no)
                 # a repeated pass meets the same bad samples again: they were counted the first time
                 item = self._decode(raw, seed, tally if pass_no == 0 else _quiet())
                 if item is None:
                     continue
+                good_pass = pass_no
                 if pass_no > 0:
                     tally.add("repeated_for_balance")
                 images.append(item[0])

@@ -26,9 +26,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")
     ap.add_argument("--model", help="registered model name (without --config), e.g. vit_large_patch16_224")
     ap.add_argument("--gpu", required=True, choices=sorted(hardware.GPUS), help="GPU type")
-    ap.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    ap.add_argument("--nodes", type=int, help="number of nodes (default 1, or --world-size / --gpus-per-node)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    ap.add_argument("--world-size", type=int, help="total GPUs (with --config; nodes = world / gpus-per-node)")
+    ap.add_argument("--world-size", type=int, help="total GPUs (nodes = world / gpus-per-node)")
     ap.add_argument("--micro-batch", type=int, help="images per GPU per forward/backward (default 32)")
     ap.add_argument("--global-batch", type=int, help="images per optimizer step (default: micro x world)")
     ap.add_argument("--img-size", type=int, help="input resolution (default: the model's)")
@@ -77,9 +77,11 @@ FLAGS = {"decode_rate": "--decode-rate", "cpu_cores": "--cpu-cores", "stored_sid
 
 
 def check_arguments(args) -> None:
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    if args.img_size is not None and args.img_size <= 0:
+        raise ConfigError(f"--img-size {args.img_size}: must be a positive number of pixels")
     if args.config:
-        if args.world_size is not None and args.world_size < 1:
-            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
         return
     if not args.model:
         raise ConfigError("give --model NAME or --config FILE")
@@ -108,25 +110,22 @@ def layout(args) -> perfmodel.Layout:
 def _layout(args) -> perfmodel.Layout:
     from pretrain.config import check_world_size, load_config
 
+    nodes, gpus_per_node = _nodes(args)
     if args.config:
         cfg = load_config(args.config, args.overrides)
         if args.world_size and args.micro_batch is None and args.global_batch is None:
             check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
-        nodes = args.nodes
-        if args.world_size:
-            nodes, rest = divmod(args.world_size, args.gpus_per_node)
-            if rest or nodes < 1:
-                if args.world_size < args.gpus_per_node:
-                    nodes, args.gpus_per_node = 1, args.world_size
-                else:
-                    raise ConfigError(f"--world-size {args.world_size} is not a multiple of --gpus-per-node "
-                                      f"{args.gpus_per_node}")
-        lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+        lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=gpus_per_node, gpu=args.gpu,
                                            network=args.network)
     else:
         net = args.network or hardware.default_network(args.gpu)
-        lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                               network=net)
+        lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=nodes, gpus_per_node=gpus_per_node, network=net)
+    if args.img_size is not None:
+        from pretrain.models.arch import model_defaults
+
+        patch = model_defaults(lay.model)["stride"]
+        if args.img_size % patch:
+            raise ConfigError(f"--img-size {args.img_size} is not a multiple of {lay.model}'s patch size {patch}")
     kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
                                 zero=args.zero, reduce_dtype=args.reduce_dtype, hpz_partition_size=args.hpz,
                                 network=args.network, intra_node_gbps=args.intra_node_gbps,
@@ -148,6 +147,24 @@ def _layout(args) -> perfmodel.Layout:
     except ValueError as e:
         raise ConfigError(f"--global-batch / --micro-batch: {e}") from None
     return lay
+
+
+def _nodes(args) -> tuple[int, int]:
+    """(nodes, GPUs per node) of ``--nodes``/``--gpus-per-node`` or ``--world-size``; a world smaller than
+    one node's GPUs is one node of that many. Given both, they must agree."""
+    gpn, world = args.gpus_per_node, args.world_size
+    if world is None:
+        return (1 if args.nodes is None else args.nodes), gpn
+    if world < gpn:
+        nodes, gpn = 1, world
+    else:
+        nodes, rest = divmod(world, gpn)
+        if rest:
+            raise ConfigError(f"--world-size {world} is not a multiple of --gpus-per-node {gpn}")
+    if args.nodes is not None and args.nodes != nodes:
+        raise ConfigError(f"--world-size {world} is {nodes} node(s) of {gpn} GPUs, not --nodes {args.nodes}: "
+                          "give one of the two (with --gpus-per-node)")
+    return nodes, gpn
 
 
 def _checkpointing(value: str, lay: perfmodel.Layout):

@@ -17,7 +17,6 @@ converts it (to timm names, or to a folder again). ``--ema`` exports the weights
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from data_pipeline.errors import DataError, cli_errors
+from data_pipeline.errors import DataError, Parser, cli_errors
 from data_pipeline.storage.s3 import S3Prefix
 from data_pipeline.storage.urls import is_s3
 from pretrain.checkpointing import rundir
@@ -315,7 +314,7 @@ def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="vit-export", description="Export a run's weights for timm or transformers")
+    ap = Parser(prog="vit-export", description="Export a run's weights for timm or transformers")
     ap.add_argument("run_dir", help="run directory, its checkpoints/ directory, one checkpoint, or a transformers "
                                     "ViT folder")
     ap.add_argument("output", help="OUT.safetensors (--format timm) or a folder (--format hf); either may be "

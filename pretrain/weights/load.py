@@ -74,9 +74,8 @@ def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, 
         elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
             try:
                 sd = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:  # weights_only refuses pickled code: say so in one line
-                raise WeightsError(f"{path}: not a plain tensor state dict ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200]})") from None
+            except Exception as e:  # noqa: BLE001  weights_only refuses pickled code; a damaged file fails too
+                raise WeightsError(untrusted_pickle(path, e)) from None
         else:
             raise WeightsError(f"{path}: unknown weights format {path.suffix!r} "
                                "(expected .safetensors, .pth, .pt, .bin)")
@@ -90,6 +89,23 @@ def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, 
     if bad:
         raise WeightsError(f"entries that are not tensors: {', '.join(bad[:5])}")
     return sd, meta
+
+
+def untrusted_pickle(path: Path, err: Exception) -> str:
+    """The one line for a ``.pth``/``.bin`` that ``torch.load(weights_only=True)`` refuses. torch's own
+    message offers ``weights_only=False``, which runs whatever code the file pickled; the safe ways
+    are said instead: a safetensors copy made knowingly, where the file is trusted."""
+    import re
+
+    text = " ".join(str(err).split())
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use| Check the documentation|$)", text)
+    if "Weights only load failed" not in text:  # not a pickle torch reads at all (empty, cut short)
+        return f"{path}: not a readable tensor state dict ({type(err).__name__}: {text[:160]})"
+    why = found.group(1).strip().rstrip(".")[:120] if found else "not plain tensors"
+    return (f"{path}: not loaded: torch.load(weights_only=True) refuses it ({why}): it holds Python objects "
+            "beside its tensors, which unpickling could run as code, or it is damaged. If you trust the file, "
+            "convert it once where you do: torch.load(..., weights_only=False) (which runs that code), then "
+            "safetensors.torch.save_file of its tensors; give the .safetensors file")
 
 
 def read_hf_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -267,10 +267,12 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
     assert r.returncode == 0, r.stderr
     two = json.loads(r.stdout)
     assert (two["train_batch_size"], two["gradient_accumulation_steps"], two["gradient_clipping"]) == (64, 1, 1.0)
+    # each mistake is the one line on stderr: no usage block, no DeepSpeed log line before it
     r = run_cli("--config", tiny, "--deepspeed")
-    assert r.returncode == 2 and "--deepspeed needs --world-size N" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "vit-config: error: --deepspeed needs --world-size N: the ranks set the gradient accumulation"], r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "deepspeed.zero_optimization.stag3=1")
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(
         "vit-config: error: deepspeed: DeepSpeed refuses the merged config:"), r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "3")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "3" in r.stderr, r.stderr

@@ -238,11 +238,29 @@ def test_load_weights_refuses_pickled_code(tmp_path):
     path = tmp_path / "evil.pth"
     with open(path, "wb") as f:
         pickle.dump({"pos_embed": _Evil()}, f)
-    with pytest.raises(WeightsError, match="not a plain tensor state dict"):
+    with pytest.raises(WeightsError, match="refuses it") as e:
         load_weights(create_model("vit_tiny_patch16_224", img_size=32), path)
     assert not os.path.exists(target)
+    # torch's advice (weights_only=False) runs that code: the line says so and names the safe way
+    assert "weights_only=False) (which runs that code)" in str(e.value) and "safetensors" in str(e.value)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         load_weights(create_model("vit_tiny_patch16_224", img_size=32), tmp_path / "missing.safetensors")
+
+
+def test_a_torch_saved_state_dict_with_an_object_says_how_to_convert_it_safely(tmp_path):
+    """A real ``torch.save`` of a state dict holding an object besides its tensors (a training
+    script's ``args``): one line naming the class torch refused, with the safe way to go on and
+    without torch's bare advice to load it with ``weights_only=False``."""
+    import argparse
+
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"pos_embed": torch.zeros(1), "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(WeightsError) as e:
+        load_weights(create_model("vit_tiny_patch16_224", img_size=32), path)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{path}: not loaded: torch.load(weights_only=True) refuses it")
+    assert "argparse.Namespace" in line and "unpickling could run as code" in line
+    assert "Re-running" not in line and "(which runs that code)" in line and "safetensors.torch.save_file" in line
 
 
 def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks():

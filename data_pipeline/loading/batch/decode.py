@@ -94,6 +94,19 @@ class BatchDecoder:
         self.shift = (-torch.tensor(aug.mean, dtype=torch.float32).view(3, 1, 1) / std).to(self.device)
         self._spare = None  # training: the last good sample of a batch (record.Spare)
 
+    def describe(self) -> str:
+        """Who decodes the plain JPEGs this finisher receives undecoded, in words (the start-up line):
+        nothing (``data.decode_device: worker``), or the decoder and device of cpu, cuda and dali."""
+        if self._dali is not None:
+            import nvidia.dali
+
+            where = f"{self.device} (its mixed decoder)" if self._dali.device_id is not None else \
+                f"the CPU ({self._dali.threads} thread(s))"
+            return f"DALI {nvidia.dali.__version__} on {where}, each crop's window only"
+        if self.device.type == "cuda":
+            return f"nvJPEG on {self.device} (torchvision's decode_jpeg), a batch ahead on a side stream"
+        return "libjpeg-turbo on the CPU (torchvision's decode_jpeg), the whole image"
+
     def __call__(self, batch: DeferredBatch, targets: torch.Tensor, record: BatchRecord):
         """(images, targets); failures are counted in ``record`` and replaced (training) or dropped
         (evaluation) with their keys there: :class:`~data_pipeline.loading.batch.record.BatchRecord`."""
