@@ -30,7 +30,9 @@ class AugmentConfig:
     randaugment_ops: int = 0
     """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops; 0 disables RandAugment."""
     randaugment_magnitude: int = 10
-    """RandAugment's magnitude."""
+    """RandAugment's magnitude on torchvision's scale (`v2.RandAugment`, 31 bins): 0-30, where 30
+    rotates up to 30 degrees, shears up to 0.3 and enhances by 1 +- 0.9. A level L of TF's, big_vision's
+    or timm's 0-10 scale is 3L here: big_vision's `randaug(2, 10)` is 30, timm's `rand-m9` 27."""
     three_augment: bool = False
     """DeiT III's 3-Augment instead of RandAugment: after the crop and flip, one of grayscale,
     solarization or Gaussian blur (radius 0.1..2) chosen uniformly per image, then colour jitter 0.3

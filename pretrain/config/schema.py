@@ -110,7 +110,7 @@ class OptimConfig:
     (`data.multi_label`) always trains with sigmoid cross-entropy summed over classes."""
     bce_target_threshold: Optional[float] = None
     """`bce` only: targets above this value become 1, the others 0 (timm's `target_threshold`;
-    DeiT III uses 0.2 with Mixup / CutMix); null: targets as they are."""
+    DeiT III binarises its Mixup / CutMix targets with `gt(0.0)`, i.e. 0); null: targets as they are."""
 
 
 @dataclass

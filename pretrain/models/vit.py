@@ -357,7 +357,10 @@ class VisionTransformer(nn.Module):
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
+        # the sin-cos buffer stays fp32 where DeepSpeed's bf16 / fp16 mode casts only parameters: add
+        # it in the tokens' dtype, as big_vision does, not promote the stream to fp32 (a no-op when
+        # learned: the parameter already has the tokens' dtype)
+        x = self.pos_drop(x + self.pos_embed.to(x.dtype))
         if self.grad_checkpointing and torch.is_grad_enabled():
             for i, blk in enumerate(self.blocks):
                 # non-reentrant: works with ZeRO-3's parameter hooks, unused inputs and torch.compile

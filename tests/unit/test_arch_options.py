@@ -89,6 +89,26 @@ def test_sincos_equals_big_vision(grid, width):
     assert (got - ref).abs().max() < 1e-6
 
 
+def test_sincos_model_computes_in_the_parameters_dtype_with_an_fp32_buffer():
+    """DeepSpeed's bf16 mode casts the parameters and keeps buffers in fp32
+    (``_cast_module_mixed_precision`` without ``buffer_dtype``): the sin-cos table is added in the
+    tokens' dtype, so the blocks see bf16 as under a whole-module cast, with equal logits."""
+    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=3, class_token=False, global_pool="avg",
+                     pos_embed="sincos2d")
+    with torch.no_grad():
+        m.head.weight.normal_(generator=torch.Generator().manual_seed(0))
+    whole = create_model("vit_tiny_patch16_224", img_size=32, num_classes=3, class_token=False, global_pool="avg",
+                         pos_embed="sincos2d")
+    whole.load_state_dict(m.state_dict())
+    whole.to(torch.bfloat16)  # buffers too
+    for p in m.parameters():  # as DeepSpeed: parameters only
+        p.data = p.data.to(torch.bfloat16)
+    assert m.pos_embed.dtype == torch.float32
+    x = torch.randn(2, 3, 32, 32).to(torch.bfloat16)
+    out = m(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, whole(x))
+
+
 def test_sincos_model_holds_it_untrained_after_its_prefix():
     """Zeros for the [class] and register tokens (big_vision adds no position to its [class]
     token), the sin-cos of the grid after them; a buffer: no gradient, no optimizer group, no
