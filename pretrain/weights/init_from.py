@@ -14,6 +14,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.models.arch import model_defaults
 from pretrain.models.init import init_generator
 from pretrain.models.vit import create_model
+from pretrain.perf import levers
 from pretrain.weights.load import WeightsError, load_weights
 
 
@@ -35,6 +36,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
     import deepspeed
 
     world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg, _ = levers.resolve(cfg, world)  # `auto` buckets sized as training sizes them (a no-op once decided)
     ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world, cfg.deepspeed)  # its dtype for the shards
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
         model = create_model(m.name, defer_init=True, **kw)

@@ -79,8 +79,8 @@ DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, mome
                 bf16_start=False, lr=None, arch={})
 
 
-def base_model(arch: dict) -> torch.nn.Module:
-    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0, **arch)
+def base_model(arch: dict | None = None) -> torch.nn.Module:
+    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0, **(arch or {}))
     with torch.no_grad():  # a head that is not zero, so every layer has a gradient at the first step
         model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     return model
@@ -247,7 +247,7 @@ class SameGradients:
     must do with the same parameters and gradients, whatever ZeRO spreads over the ranks."""
 
     def __init__(self, start: dict, case: dict):
-        self.model = base_model()
+        self.model = base_model(case["arch"])
         self.model.load_state_dict(start)
         self.opt = reference_optimizer(self.model, case, max_grad_norm=case["clip"] or None)
         self.sched = reference_schedule(self.opt, case["warmup"], case["steps"], case["schedule"], case["min_ratio"])
