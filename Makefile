@@ -8,11 +8,16 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: demo test test-gpu test-cluster cluster-packages install clean bench-gpu device-kit device-kit-nvidia
 
+# A first install downloads torch, DeepSpeed and the rest (about 3 minutes): a line per stage, and
+# pip's own lines (each package collected, its download's progress) instead of silence.
 $(STAMP): setup.py
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { echo "make install: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make install: upgrading pip, setuptools and wheel in $(VENV)"
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[test]'
+	@echo "make install: installing vitscale with its test extras (torch, DeepSpeed, ...; about 3 min the first time)"
+	$(PY) -m pip install --progress-bar on -e '.[test]'
 	@touch $(STAMP)
+	@echo "make install: done; $(VENV) is ready"
 
 install: $(STAMP)
 
@@ -20,6 +25,7 @@ demo: $(STAMP)
 	$(PY) -m launch.demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not cluster and not gpu" -n 2 --dist loadfile tests
 
 # the checks only a GPU can make (bf16 fused attention, NCCL, nvJPEG); a CPU machine leaves them out

@@ -11,7 +11,8 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["pretrain", "pretrain.*", "data_pipeline", "data_pipeline.*", "launch", "launch.*"]),
+    packages=find_packages(include=["pretrain", "pretrain.*", "data_pipeline", "data_pipeline.*",
+                                    "launch", "launch.*"]),
     package_data={"pretrain.perf": ["published_runs.json"]},
     install_requires=[
         "torch>=2.4",
@@ -36,7 +37,8 @@ setup(
         # data.decode_device: dali (the DALI build for torch's CUDA 13; its CPU operators need no GPU).
         # ~230 MB to download, ~520 MB installed: in `test` so that CI runs its CPU tests.
         "dali": ["nvidia-dali-cuda130>=2.4"],
-        "test": ["nvidia-nvimgcodec-cu13>=0.9", "nvidia-dali-cuda130>=2.4", "pytest>=8.0", "pytest-xdist>=3.5", "ruff>=0.6", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
+        "test": ["nvidia-nvimgcodec-cu13>=0.9", "nvidia-dali-cuda130>=2.4", "pytest>=8.0", "pytest-xdist>=3.5",
+                 "ruff>=0.6", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
                  "boto3>=1.28.57", "moto[server]>=5.0",  # moto: the S3 API server of tests/s3_server.py
                  "scikit-learn>=1.3"],  # the linear probe's reference (LogisticRegression)
     },

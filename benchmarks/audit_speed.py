@@ -4,7 +4,8 @@
 What is timed is what ``data_pipeline.audit.match.audit`` does between hashing the evaluation images
 and confirming candidates: building the multi-index table over the stored 64-bit pHashes
 (``HashTable``), looking up every probe of every evaluation image (29 per image, 22 crops of it
-and 7 of its mirror image: 290,000 queries) within ``MAX_BITS``, and the exact-hash join (sort + searchsorted). Hashes are synthetic
+and 7 of its mirror image: 290,000 queries) within ``MAX_BITS``, and the exact-hash join
+(sort + searchsorted). Hashes are synthetic
 (uniform 64-bit); ``--planted`` evaluation images get a stored neighbour at 1..7 bits (which the
 table guarantees to find) and are counted. Hashing itself is measured separately on real
 images: pHash of an evaluation image's 29 probes, and exact + pHash of a stored image (the

@@ -61,7 +61,8 @@ def engine_for(name: str, img: int, mode: str, batch: int):
 
     optim = OptimConfig(name="sgd", lr=1.0, momentum=0.0, weight_decay=0.0, grad_clip=0.0, warmup_steps=0,
                         schedule="constant", min_lr=1.0)
-    train = TrainConfig(steps=10 ** 6, global_batch_size=batch, micro_batch_size=batch, precision=mode)
+    train = TrainConfig(steps=10 ** 6, global_batch_size=batch, micro_batch_size=batch, precision=mode,
+                        activation_checkpointing=False)
     engine, _ = initialize(build(name, img), optim, train, ZeroConfig(stage=1), world_size=1)
     return engine
 

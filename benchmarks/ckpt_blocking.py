@@ -37,8 +37,9 @@ def run(kind: str, root: Path, shards: Path, args) -> dict:
            "--module", "pretrain.train", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={shards}",
            f"train.output_dir={out}", f"model.name={args.model}", "model.img_size=64", "model.num_classes=10",
            "train.global_batch_size=8", "train.micro_batch_size=4", "data.workers=1", "logging.wandb.mode=disabled",
-           "zero.stage=2", f"train.steps={args.steps}", "train.log_every_steps=1", f"checkpoint.every_steps={args.every}",
-           "checkpoint.keep_last=10", "optim.warmup_steps=1", f"checkpoint.async={'true' if kind == 'async' else 'false'}"]
+           "zero.stage=2", f"train.steps={args.steps}", "train.log_every_steps=1",
+           f"checkpoint.every_steps={args.every}", "checkpoint.keep_last=10", "optim.warmup_steps=1",
+           f"checkpoint.async={'true' if kind == 'async' else 'false'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if r.returncode:
@@ -65,20 +66,24 @@ def main() -> None:
         res = {k: run(k, root, shards / "manifest.json", args) for k in ("sync", "async")}
         last = f"step_{args.steps:08d}"
         files = sorted(p.name for p in (res["sync"]["out"] / "checkpoints" / last).glob("*.pt"))
-        same = all(members(res["sync"]["out"] / "checkpoints" / last / f) == members(res["async"]["out"] / "checkpoints" / last / f)
+        same = all(members(res["sync"]["out"] / "checkpoints" / last / f)
+                   == members(res["async"]["out"] / "checkpoints" / last / f)
                    for f in files)
         size = sum(p.stat().st_size for p in (res["sync"]["out"] / "checkpoints" / last).iterdir()) / 2 ** 20
     print(f"{args.model} @ 64 px, 2 CPU ranks, ZeRO-2, checkpoint {size:,.0f} MB, a save every {args.every} steps")
     for k, r in res.items():
         print(f"  {k:5s} blocked per save (s): {', '.join(f'{b:.2f}' for b in r['blocked'])}; "
               f"mean {statistics.mean(r['blocked']):.2f}; median img/s {r['img_s']:.1f}"
-              + (f"; of which waiting for the writer: {', '.join(f'{w:.2f}' for w in r['waited'])}" if r["waited"] else ""))
+              + (f"; of which waiting for the writer: {', '.join(f'{w:.2f}' for w in r['waited'])}"
+                 if r["waited"] else ""))
     ratio = statistics.mean(res["sync"]["blocked"]) / statistics.mean(res["async"]["blocked"])
     steady = slice(1, -1)  # after the first (which allocates the host buffers), before the last (which waits)
     s_sync, s_async = res["sync"]["blocked"][steady] or res["sync"]["blocked"], res["async"]["blocked"][steady] \
         or res["async"]["blocked"]
-    print(f"ratio = sync / async blocked seconds, steady-state saves: {statistics.mean(s_sync) / statistics.mean(s_async):.1f}x "
-          f"(goal >= 5); all saves, the first's buffer allocation and the last's wait for the writer included: {ratio:.1f}x")
+    print(f"ratio = sync / async blocked seconds, steady-state saves: "
+          f"{statistics.mean(s_sync) / statistics.mean(s_async):.1f}x "
+          f"(goal >= 5); all saves, the first's buffer allocation and the last's wait for the writer included: "
+          f"{ratio:.1f}x")
     print(f"last checkpoints hold the same tensors: {same}")
 
 

@@ -386,7 +386,8 @@ def run_zero(stage: int, plan: Plan, device, budget: float, peak, peak_source, l
         torch.manual_seed(0)
         cfg = Config(model=ModelConfig(name=name, img_size=plan.img), optim=OptimConfig(warmup_steps=0),
                      train=TrainConfig(steps=1000, global_batch_size=batch, micro_batch_size=batch,
-                                       precision=precision), zero=ZeroConfig(stage=stage, leaf_blocks=leaf_blocks))
+                                       precision=precision, activation_checkpointing=False),
+                     zero=ZeroConfig(stage=stage, leaf_blocks=leaf_blocks))
         try:  # training's own build: under ZeRO-3 inside deepspeed.zero.Init
             from pretrain.weights.init_from import build_model
         except ImportError:

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     if "b0" in med:
         print(f"(b0) vitscale loader, full-size shards          {med['b0']:7.1f} img/s per worker   {spread['b0']}")
     if "bd" in med:
-        print(f"(bd) vitscale loader, decode_device={args.decode_device:<4s}         {med['bd']:7.1f} img/s per worker   "
+        print(f"(bd) vitscale loader, decode_device={args.decode_device:<4s}         "
+              f"{med['bd']:7.1f} img/s per worker   "
               f"{spread['bd']}   bd/b = {med['bd'] / med['b']:.2f}")
     print(f"b/a = {med['b'] / med['a']:.2f} (target >= 0.8)   b/c = {med['b'] / med['c']:.2f} (target >= 1.5)   "
           f"[median of {args.rounds} rounds; workers={args.workers}, batch={args.batch}, torch threads=1]")

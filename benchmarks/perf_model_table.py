@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.perf import perfmodel  # noqa: E402
+from pretrain.perf import advice, perfmodel  # noqa: E402
 from pretrain.perf.published import published_table  # noqa: E402
 
 # ViT paper (Dosovitskiy et al. 2021), Table 2 / Figure 5: pre-training compute on JFT-300M
@@ -38,7 +38,7 @@ def main() -> None:
             base = perfmodel.Layout(model, "h100-sxm", nodes=gpus // 8, gpus_per_node=8, global_batch=4096,
                                     network="dgx-h100")
             t0 = time.perf_counter()
-            best = perfmodel.search(base)[0]
+            best = advice.search(base)[0]
             worst = max(worst, time.perf_counter() - t0)
             lay = best.layout
             days = budget * 1e18 / (best.images_per_second * best.train_flops_per_image) / 86400
@@ -60,7 +60,7 @@ def per_micro_batch() -> None:
     print("|---|---:|---:|---|---:|---:|---:|---|")
     for model in ("vit_base_patch16_224", "vit_large_patch16_224"):
         for gpus in (8, 64):
-            rows = perfmodel.search(perfmodel.Layout(model, "h100-sxm", nodes=gpus // 8, global_batch=4096,
+            rows = advice.search(perfmodel.Layout(model, "h100-sxm", nodes=gpus // 8, global_batch=4096,
                                                      network="dgx-h100"), micro_batches=(8, 16, 32, 64, 128))
             best = {}
             for p in rows:

@@ -68,14 +68,16 @@ def fetchers(env: dict) -> dict:
         if bucket not in stores:
             stores[bucket] = S3Store(bucket, endpoint=env["AWS_ENDPOINT_URL"], region=env["AWS_DEFAULT_REGION"],
                                      access_key_id=env["AWS_ACCESS_KEY_ID"],
-                                     secret_access_key=env["AWS_SECRET_ACCESS_KEY"], client_options={"allow_http": True})
+                                     secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                                     client_options={"allow_http": True})
         return obstore.get(stores[bucket], key).bytes().to_bytes()
 
     def ours(url: str) -> bytes:
         with S3Object(url, url.rsplit("/", 1)[1], RemotePolicy()) as f:
             return f.read()
 
-    return {"ours": ours, "boto3": lambda url: b3.get_object(Bucket=split_s3(url)[0], Key=split_s3(url)[1])["Body"].read(),
+    return {"ours": ours,
+            "boto3": lambda url: b3.get_object(Bucket=split_s3(url)[0], Key=split_s3(url)[1])["Body"].read(),
             "obstore": ob}
 
 

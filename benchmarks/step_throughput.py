@@ -34,7 +34,8 @@ def make(kind: str, name: str, img: int, device, ckpt: bool):
 
 
 def step_fn(model, opt, x, y, device):
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+           else torch.autocast("cpu", enabled=False))
 
     def go():
         with amp:

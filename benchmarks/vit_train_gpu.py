@@ -86,12 +86,13 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
                                                   "zero.reduce_bucket_size=500000000"), "checkpoint all, eager"),
                 Row("tiny_cpu", "no-ckpt", toy + ("train.activation_checkpointing=auto",
                                                   "zero.reduce_bucket_size=auto"), "auto checkpointing, auto buckets"),
+                # two steps a phase: one window each, within the smoke's budget on 2 cores
                 Row("tiny_cpu", "schedule", toy + ("train.resolution_schedule=[[0,32,8],[0.34,48],[0.67,64]]",),
-            "32 px (micro 8) / 48 / 64 px", steps=12),
-        Row("vit_tiny_patch16_224", "plain", (4, 64), PLAIN)]
+                    "32 px (micro 8) / 48 / 64 px", steps=6),
+                Row("vit_tiny_patch16_224", "plain", (4, 64), PLAIN)]
         # inductor's C++ build takes minutes on 2 cores: the smoke leaves train.compile to
         # tests/integration/test_compile.py and traces the plain reference with aot_eager
-        return rows, {"steps": 6, "log_every": 2, "budget_s": 600.0, "row_min_s": 60.0}
+        return rows, {"steps": 4, "log_every": 2, "budget_s": 600.0, "row_min_s": 60.0}
     L, B, H = "vit_l16_in21k", "vit_b16_in1k", "vit_h14_jft"
     best = ("train.activation_checkpointing=auto", "train.compile=model", "zero.reduce_bucket_size=auto")
     rows = [
@@ -211,14 +212,17 @@ def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, 
         with open(log, "w") as fh:
             proc = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", str(config), *overrides],
                                   cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():  # what the run measured, also when it failed later (the final save, say)
+            out.update(**measured(metrics))
+            shutil.copy(metrics, out_dir / f"{row.model}-{row.lever}-metrics.jsonl")
         if proc.returncode != 0:
             tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
             out.update(status="error", error=f"exit {proc.returncode}: {tail[0][:300]}")
         else:
-            out.update(status="ok", **measured(run_dir / "metrics.jsonl"))
+            out["status"] = "ok"
             for px, pred in phase_predictions(cfg, *dev).items():
                 out.get("phases", {}).setdefault(px, {}).update(pred)
-            shutil.copy(run_dir / "metrics.jsonl", out_dir / f"{row.model}-{row.lever}-metrics.jsonl")
     except subprocess.TimeoutExpired:
         out.update(status="error", error=f"past its {timeout_s:.0f} s")
     finally:
@@ -353,6 +357,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True, help="folder for vit_train_gpu.json, the rows' logs and metrics")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on a CPU: every code path, no meaningful figure")
     ap.add_argument("--only", default="", help="comma-separated MODEL:LEVER or LEVER names to run (default: all)")
+    ap.add_argument("--predict-only", metavar="DEVICE_NAME",
+                    help="print the rows with the plan's predictions for that CUDA device name (e.g. 'NVIDIA H100 "
+                         "80GB HBM3', 80 GiB assumed) and run nothing")
     ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # NAME,MICRO,IMG: the reference's own process
     ap.add_argument("--steps", type=int, default=16, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -364,11 +371,31 @@ def main(argv=None) -> int:
         (out / f"plain-{name}.json").write_text(json.dumps(r) + "\n")
         return 0
     rows, settings = plan_rows(args.smoke)
+    if args.predict_only:
+        from pretrain.config import load_config
+
+        out_rows = []
+        for row in rows:
+            if row.lever == "plain":
+                continue
+            cfg = load_config(ROOT / "configs" / f"{row.model}.yaml",
+                              row_overrides(row, Path("/tmp/unused"), Path("/tmp/unused"), settings))
+            out_rows.append({"model": SHORT.get(cfg.model.name, cfg.model.name), "lever": row.lever,
+                             "levers": row.levers, "micro_batch": cfg.train.micro_batch_size, "status": "ok",
+                             "img_per_s": None, **predicted(cfg, args.predict_only, 80 * 2 ** 30)})
+            phases = phase_predictions(cfg, args.predict_only, 80 * 2 ** 30)
+            if phases:  # the schedule row: each phase's prediction under the table
+                out_rows[-1]["phases"] = phases
+        print(table(out_rows))
+        return 0
     if args.only:
         keep = set(args.only.split(","))
         rows = [r for r in rows if r.lever in keep or f"{r.model}:{r.lever}" in keep]
     dev = device()
-    scratch = Path(tempfile.mkdtemp(prefix="vit-train-gpu-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    # run folders and checkpoints in memory where /dev/shm has room for ViT-H's (about 10 GB), else on disk
+    shm = Path("/dev/shm")
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 24 * 2 ** 30
+    scratch = Path(tempfile.mkdtemp(prefix="vit-train-gpu-", dir=shm if roomy else None))
     results = {"what": "vit-train's own path on one device, lever by lever", "device": dev[0] or "cpu",
                "accumulation": ACCUMULATION, "settings": settings, "rows": []}
 

@@ -39,7 +39,8 @@ def engines(model: str, img: int, micro: int, threshold: int) -> dict:
     from pretrain.distributed.engine import initialize
     from pretrain.models.vit import create_model
 
-    train = TrainConfig(steps=10 ** 6, global_batch_size=micro, micro_batch_size=micro, precision="fp32")
+    train = TrainConfig(steps=10 ** 6, global_batch_size=micro, micro_batch_size=micro, precision="fp32",
+                        activation_checkpointing=False)
     optim = OptimConfig(name="sgd", lr=0.01)
     specs = {"zero1": dict(stage=1),
              "zero3 per-module": dict(stage=3, leaf_blocks=False, stage3_param_persistence_threshold=threshold),

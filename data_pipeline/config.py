@@ -6,13 +6,16 @@ loading, type checking and error messages that name the file.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-__all__ = ["AugmentConfig", "DataConfig", "check_data"]
+__all__ = ["AugmentConfig", "DataConfig", "check_data", "backoff_s", "outage_retries"]
 
 DEVICES = ("worker", "cpu", "cuda", "dali")  # data.decode_device
 WORKER_DECODERS = ("auto", "nvimgcodec", "pil")  # data.worker_decoder
+BACKOFF_FIRST_S = 0.25  # data.remote_*: the wait after a remote failure, doubling per failure in a row
+BACKOFF_MAX_S = 8.0  # ... up to this
 
 
 @dataclass
@@ -27,7 +30,14 @@ class AugmentConfig:
     randaugment_ops: int = 0
     """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops; 0 disables RandAugment."""
     randaugment_magnitude: int = 10
-    """RandAugment's magnitude."""
+    """RandAugment's magnitude on torchvision's scale (`v2.RandAugment`, 31 bins): 0-30, where 30
+    rotates up to 30 degrees, shears up to 0.3 and enhances by 1 +- 0.9. A level L of TF's, big_vision's
+    or timm's 0-10 scale is 3L here: big_vision's `randaug(2, 10)` is 30, timm's `rand-m9` 27."""
+    three_augment: bool = False
+    """DeiT III's 3-Augment instead of RandAugment: after the crop and flip, one of grayscale,
+    solarization or Gaussian blur (radius 0.1..2) chosen uniformly per image, then colour jitter 0.3
+    (brightness, contrast, saturation), each op pixel for pixel PIL's as DeiT III applies them;
+    with every `data.decode_device` (data_pipeline/DATA.md)."""
     mixup_alpha: float = 0.0
     """Mixup's alpha (AugReg); 0 = off."""
     cutmix_alpha: float = 0.0
@@ -62,12 +72,15 @@ class DataConfig:
     """Sigmoid targets from `<key>.json` labels (ImageNet-21k / JFT style)."""
     allow_remote: bool = False
     """Permit `pipe:`, `http(s)://`, `s3://`, `gs://` shard URLs (`s3://`: boto3's AWS_* chain)."""
-    remote_retries: int = 8
-    """`http(s)://` and `s3://` shards: failures in a row (refused connect, dropped or stalled read,
-    408/429/5xx, S3 SlowDown) retried with backoff (0.25 s doubling, at most 8 s) before the run
-    stops; a read resumes at its byte (data_pipeline/DATA.md, "Shards over HTTP")."""
     remote_retry_s: float = 120.0
-    """The longest one outage of an `http(s)://` server or an S3 store is retried, waits included."""
+    """`http(s)://` and `s3://` shards: a failure (refused connect, dropped or stalled read,
+    408/429/5xx, S3 SlowDown) starts an outage, retried with backoff (0.25 s doubling, at most 8 s)
+    until it has lasted this long, waits included; a read resumes at its byte, and an outage past
+    this ends the run with exit 69 (data_pipeline/DATA.md, "Shards over HTTP")."""
+    remote_retries: Optional[int] = None
+    """A guard, not a bound: the most failures one outage may count before it ends (a loop failing
+    faster than the clock); null: as many as the backoff takes to fill `data.remote_retry_s`. A
+    number that would end an outage sooner than that is refused."""
     remote_timeout_s: float = 30.0
     """A connect or a read of an `http(s)://` or `s3://` shard that waits this long counts as a failure."""
     max_corrupt_rate: float = 0.01
@@ -86,6 +99,11 @@ class DataConfig:
     and columns (NVIDIA nvImageCodec's CPU backend, `pip install nvidia-nvimgcodec-cu13`; no GPU
     needed), `pil` the whole image with PIL; `auto`: `nvimgcodec` when it is installed, else `pil`.
     The crop boxes, and so resume, are the same either way (data_pipeline/DATA.md)."""
+    repeat_augment: int = 1
+    """Repeated augmentation (DeiT's `RASampler`, which uses 3): an epoch keeps its length, N
+    draws, but draws the first ceil(N / k) samples of its shuffled sequence k times each, each copy
+    augmented afresh and, when there are at least k ranks, each on another rank; 1 = off. Resume,
+    elastic resume and the sample log count copies (data_pipeline/DATA.md)."""
     record_samples: bool = False
     """Write `step<TAB>epoch<TAB>key` per consumed sample to `<output_dir>/samples/rank-<R>.tsv`
     (cut back to the checkpoint's step on resume)."""
@@ -96,17 +114,38 @@ class DataConfig:
     """Training augmentation and normalisation (the paper's by default)."""
 
 
+def backoff_s(failures: int) -> float:
+    """The wait after the ``failures``-th failure in a row of one remote outage."""
+    return min(BACKOFF_FIRST_S * 2 ** min(failures - 1, 32), BACKOFF_MAX_S)
+
+
+def outage_retries(retry_s: float) -> int:
+    """The retries one outage of ``retry_s`` seconds takes when every try fails at once: the fewest
+    that ``data.remote_retries`` may allow without ending outages before ``data.remote_retry_s``."""
+    n, waited = 0, 0.0
+    while waited < retry_s and backoff_s(n + 1) < BACKOFF_MAX_S:
+        n += 1
+        waited += backoff_s(n)
+    return n + max(0, math.ceil((retry_s - waited) / BACKOFF_MAX_S))
+
+
 def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     """Impossible values of the section; ``fail(key, message)`` raises the error naming the file."""
     if data.workers < 0:
         fail("data.workers", f"must be >= 0, got {data.workers}")
     if not 0.0 <= data.max_corrupt_rate <= 1.0:
         fail("data.max_corrupt_rate", f"must be in [0, 1], got {data.max_corrupt_rate}")
-    if data.remote_retries < 0:
-        fail("data.remote_retries", f"must be >= 0, got {data.remote_retries}")
     for key in ("remote_retry_s", "remote_timeout_s"):
         if not getattr(data, key) > 0:
             fail(f"data.{key}", f"must be > 0 seconds, got {getattr(data, key)}")
+    need = outage_retries(data.remote_retry_s)
+    if data.remote_retries is not None and data.remote_retries < need:
+        waited = sum(backoff_s(n) for n in range(1, max(0, data.remote_retries) + 1))
+        fail("data.remote_retries", f"{data.remote_retries} would end an outage after {waited:g} s, before "
+             f"data.remote_retry_s={data.remote_retry_s:g} (the bound; this is only a guard): leave it out, "
+             f"or at least {need}")
+    if data.repeat_augment < 1:
+        fail("data.repeat_augment", f"must be an integer >= 1 (1 = off; DeiT uses 3), got {data.repeat_augment!r}")
     if data.decode_device not in DEVICES:
         fail("data.decode_device", f"must be one of {', '.join(DEVICES)}, got {data.decode_device!r}")
     if data.worker_decoder not in WORKER_DECODERS:
@@ -114,5 +153,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     a = data.augment
     if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
         fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")
+    if a.three_augment and a.randaugment_ops > 0:
+        fail("data.augment.three_augment", f"replaces RandAugment (DeiT III): set data.augment.randaugment_ops=0, "
+             f"got {a.randaugment_ops}")
     if len(a.mean) != 3 or len(a.std) != 3 or min(a.std) <= 0:
         fail("data.augment.std", "mean and std need 3 channels, std > 0")

@@ -5,6 +5,10 @@ Every package above imports these (``pretrain``, ``launch``); nothing here impor
 * ``ConfigError``: a user mistake (config key, file, value); the message is one line and names
   the key or file at fault. ``DataError`` (shards, manifests) and the transfer harness's
   ``TransferError`` subclass it, so ``cli_errors`` prints any of them as one line, exit 2.
+* ``Unavailable``: a service the job needs (the shard store) stayed unreachable past the bound the
+  config states. Not a mistake and nothing to fix: one line and exit 69 (``EXIT_UNAVAILABLE``,
+  sysexits' EX_UNAVAILABLE), a code ``vit-launch --max-restarts`` restarts and the sbatch script of
+  ``vit-launch slurm --requeue`` requeues; the same command resumes once the service is back.
 * ``cli_errors(prog)``: the context manager each CLI's ``main`` runs its work in.
 * ``Parser``: argparse whose usage mistakes are one line (``prog: error: ...``), exit 2.
 """
@@ -13,8 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import Callable, Optional
 
 EXIT_USAGE = 2  # a user mistake: one line on stderr, no traceback
+EXIT_UNAVAILABLE = 69  # a service the job needs stayed away past its bound: start again later
 
 
 class ConfigError(ValueError):
@@ -31,21 +37,36 @@ class TooManyCorruptSamples(DataError):
     the worst shards."""
 
 
+class Unavailable(RuntimeError):
+    """A service the job needs stayed unreachable past the bound the config gives it (the shard
+    store past ``data.remote_retry_s``); the message is one line naming it and the bound."""
+
+
 def is_user_error(e: BaseException, *user_errors: type) -> bool:
     """Whether ``cli_errors(prog, *user_errors)`` reports ``e`` as a user mistake (exit 2)."""
     return isinstance(e, (ConfigError, FileNotFoundError, *user_errors))
 
 
+def exit_code(e: BaseException, *user_errors: type) -> int:
+    """The code ``cli_errors(prog, *user_errors)`` ends with for ``e``: 2 for a user mistake, 69 for
+    an unavailable service, 1 for anything else."""
+    return EXIT_USAGE if is_user_error(e, *user_errors) else EXIT_UNAVAILABLE if isinstance(e, Unavailable) else 1
+
+
 @contextlib.contextmanager
-def cli_errors(prog: str, *user_errors: type):
+def cli_errors(prog: str, *user_errors: type, voice: Optional[Callable[[BaseException], Optional[str]]] = None):
     """Turn user mistakes (ConfigError, FileNotFoundError and ``user_errors``) into one line on
-    stderr and exit code 2; no traceback."""
+    stderr and exit code 2, an ``Unavailable`` service into one line and exit code 69; no traceback.
+    ``voice``: for a command run as many processes (the ranks of a job), the words this process puts
+    before the message, or None when another process says it (the exit code stays the same)."""
     try:
         yield
-    except (ConfigError, FileNotFoundError, *user_errors) as e:
+    except (ConfigError, FileNotFoundError, Unavailable, *user_errors) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+        who = "" if voice is None else voice(e)
+        if who is not None:
+            print(f"{prog}: error: {who}{msg}", file=sys.stderr, flush=True)
+        raise SystemExit(exit_code(e, *user_errors)) from None
 
 
 class Parser(argparse.ArgumentParser):

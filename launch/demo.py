@@ -132,7 +132,8 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
         "", "vitscale demo: done", "",
         f"  pre-training   {s['step']} steps on {s['world_size']} ranks"
         + (f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") else ""),
-        f"  loss           {recs[0]['loss']:.3f} (step {recs[0]['step']}) -> {recs[-1]['loss']:.3f} (step {recs[-1]['step']})",
+        f"  loss           {recs[0]['loss']:.3f} (step {recs[0]['step']}) -> "
+        f"{recs[-1]['loss']:.3f} (step {recs[-1]['step']})",
         f"  throughput     {sum(ips) / len(ips):.1f} images/s over all ranks",
         (f"  few-shot       10-shot on the held-out shapes while training: {shots[0][FEWSHOT_KEY]:.1%} (step "
          f"{shots[0]['step']}) -> {shots[-1][FEWSHOT_KEY]:.1%} (step {shots[-1]['step']})") if shots else

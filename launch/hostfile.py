@@ -44,8 +44,14 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     path = Path(path)
     if not path.is_file():
         raise LaunchError(f"{path}: hostfile not found")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:  # a binary file, or another encoding: DeepSpeed's runner would fail on it too
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise LaunchError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); a hostfile is lines of "
+                          "'HOST slots=N'") from None
     hosts: dict[str, Host] = {}
-    for no, raw in enumerate(path.read_text().splitlines(), start=1):
+    for no, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

@@ -130,7 +130,8 @@ def slow_hosts(layout: RunDir, since: float = 0.0) -> dict[str, str]:
         return {}
     if not isinstance(doc, dict) or doc.get("time", 0) < since:
         return {}
-    return {h: f"slow: {doc.get('line') or 'named a straggler'} ({layout.stragglers.name})" for h in doc.get("hosts", [])}
+    return {h: f"slow: {doc.get('line') or 'named a straggler'} ({layout.stragglers.name})"
+            for h in doc.get("hosts", [])}
 
 
 def _without(spec: LaunchSpec, gone: set[str], hostfile: Path) -> LaunchSpec:
@@ -206,7 +207,8 @@ class NodePool:
         where = f"{len(ranks)} node(s), {world} rank(s)"
         if self.left_out:  # the whole hostfile is pre-flight's to check
             if self.min_nodes and len(ranks) < self.min_nodes:
-                raise LaunchError(f"without {', '.join(self.left_out)}: {where} left, below --min-nodes {self.min_nodes}")
+                raise LaunchError(f"without {', '.join(self.left_out)}: {where} left, "
+                                  f"below --min-nodes {self.min_nodes}")
             try:
                 check_world_size(self.train, world)
             except ConfigError as e:

@@ -73,7 +73,8 @@ def load_run(run_dir: str | Path) -> RunStats:
         world = json.loads(summary.read_text()).get("world_size")
     if not world:
         r = used[-1]
-        world = round(r["images_per_sec"] / r["images_per_sec_per_device"]) if r.get("images_per_sec_per_device") else None
+        world = (round(r["images_per_sec"] / r["images_per_sec_per_device"])
+                 if r.get("images_per_sec_per_device") else None)
     if not world:
         raise PlotError(f"{d}: world size unknown (no summary.json and no images_per_sec_per_device)")
     return RunStats(str(d), int(world), statistics.fmean(r["images_per_sec"] for r in used), len(used),
@@ -100,7 +101,8 @@ def scaling_table(runs: list[RunStats]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    head = f"{'world':>5}  {'runs':>4}  {'images/s':>10}  {'per rank':>9}  {'efficiency':>10}  {'data wait':>9}  {'MFU':>6}"
+    head = (f"{'world':>5}  {'runs':>4}  {'images/s':>10}  {'per rank':>9}  "
+            f"{'efficiency':>10}  {'data wait':>9}  {'MFU':>6}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['world_size']:>5}  {r['runs']:>4}  {r['images_per_sec']:>10.1f}  "

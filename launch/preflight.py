@@ -294,7 +294,7 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
         why = unwritable(d)
         if why:
             return [Finding(FAIL, "run dir", f"{key}={d}: {why}; choose a writable folder")]
-    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage)
+    need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage, cfg.train.ema_decay > 0)
     free = shutil.disk_usage(_existing_ancestor(ckpt_dir)).free
     have = len(list_complete(ckpt_dir))
     # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist

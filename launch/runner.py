@@ -27,7 +27,8 @@ TRAIN_MODULE = "pretrain.train"
 # Where an S3 store is, never its secrets (those stay in ~/.aws/credentials, read on every node): the
 # runner forwards only PYTHON* / NCCL* / UCX* / MV2* variables to other nodes over pdsh, so these go
 # through its DS_ENV_FILE (node_env_file here; the script of launch/slurm.py greps the same names).
-STORE_ENV = re.compile(r"AWS_(ENDPOINT_URL[A-Z_0-9]*|DEFAULT_REGION|REGION|PROFILE|CONFIG_FILE|SHARED_CREDENTIALS_FILE)")
+STORE_ENV = re.compile(r"AWS_(ENDPOINT_URL[A-Z_0-9]*|DEFAULT_REGION|REGION|PROFILE|"
+                       r"CONFIG_FILE|SHARED_CREDENTIALS_FILE)")
 
 
 def node_env_file(path: Path, environ: Optional[dict] = None) -> Optional[tuple[Path, list[str]]]:

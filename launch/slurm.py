@@ -25,8 +25,10 @@ process of it lives inside SLURM's job step and is signalled by SLURM directly.
 log) and ``#SBATCH --signal=B:TERM@<--signal-grace>``: the batch shell gets SIGTERM that many
 seconds before the time limit and forwards it to the training job's process group, so the ranks
 checkpoint at the next step and exit; ``sbatch``/``scontrol requeue`` then start it again and it
-resumes from that checkpoint, in the same W&B run. The launcher runs in the background of the
-script (``wait``, re-``wait`` after the trap) because bash runs a trap only between commands.
+resumes from that checkpoint, in the same W&B run. A job that ends with exit 69 (the shard store
+stayed unreachable past ``data.remote_retry_s``) is requeued by the script itself. The launcher
+runs in the background of the script (``wait``, re-``wait`` after the trap) because bash runs a
+trap only between commands.
 
 The log folder (``--log-dir``) is created when the script is written: SLURM opens the
 ``--output`` file before the script runs, and a missing folder ends the job at once
@@ -124,7 +126,8 @@ def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
 _START = """\
 # SIGTERM/SIGINT to this script (scancel, pre-emption, requeue, --signal=B:TERM@grace) is
 # forwarded to the job's process group: ranks checkpoint at the next step and exit.
-# Exit status of `vit-launch run`: 0 done, 2 user error, 75 interrupted (requeue is right).
+# Exit status of `vit-launch run`: 0 done, 2 user error, 75 interrupted (requeue is right),
+# 69 the shard store stayed unreachable (requeued below when the job was written with --requeue).
 if [[ -n "${{DRY_RUN:-}}" ]]; then
   {dry}
 else
@@ -143,7 +146,7 @@ else
   # ranks may still be saving after the runner ended; SLURM kills what is left when this script
   # ends, so give them up to {grace} s to finish
   for ((i = 0; i < {grace}; i++)); do kill -0 -- -"$JOB_PID" 2>/dev/null || break; sleep 1; done
-  echo "$(date -Is) job exited with status $STATUS" >&2
+  echo "$(date -Is) job exited with status $STATUS" >&2{requeue}
   exit "$STATUS"
 fi"""
 
@@ -186,7 +189,9 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "# (where the store is, never its secrets: those stay in ~/.aws/credentials, read on every node)\n"
             f"(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|{STORE_ENV.pattern})=' "
             "> \"$DS_ENV_FILE\") || true\n")
-    start = _START.format(dry=dry, launch=run_line, grace=job.signal_grace)
+    requeue = ("\n  if [[ $STATUS == 69 ]]; then  # the shard store stayed away: start again later, from the "
+               "checkpoint\n    scontrol requeue \"$SLURM_JOB_ID\"\n  fi") if job.requeue else ""
+    start = _START.format(dry=dry, launch=run_line, grace=job.signal_grace, requeue=requeue)
     return f"""#!/bin/bash
 # vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.
 #   config:    {config}

@@ -132,7 +132,8 @@ def shards_main(argv) -> None:
                 "tasks plus a merge job that depends on it. vit-shards' own options follow `--`.")
     ap.add_argument("--shards", action="store_true", required=True, help="write the shard-writing job array")
     ap.add_argument("--parts", type=int, required=True, help="array tasks, one part of the job each")
-    ap.add_argument("--output", required=True, help="array script to write; the merge goes beside it (NAME.merge.sbatch)")
+    ap.add_argument("--output", required=True,
+                    help="array script to write; the merge goes beside it (NAME.merge.sbatch)")
     ap.add_argument("--partition", help="SLURM partition")
     ap.add_argument("--time", help="time limit per part, e.g. 4:00:00")
     ap.add_argument("--account", help="SLURM account")

@@ -5,13 +5,16 @@
 * The runner starts in a session of its own. The first SIGTERM or SIGINT to the supervisor is
   forwarded as SIGTERM to that whole process group (runner, local launcher, ranks): every rank
   checkpoints at its next step and exits 75; ranks on other nodes follow through the per-step stop
-  agreement. A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
+  agreement. The signal received is written to ``stop_file`` first: rank 0's closing line names it
+  (``stopped (SIGINT to vit-launch)``), not the SIGTERM forwarded or the runner's exit it saw.
+  A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
   The runner gets ``PR_SET_PDEATHSIG``: a supervisor killed with ``kill -9`` takes the runner with
   it, and the ranks notice their runner is gone (``pretrain.resilience.lifecycle``) and stop.
 * The supervisor waits until the *group* is empty, not just the runner (DeepSpeed's runner can exit
   while its launcher still waits for ranks that are saving).
 * The exit code says what happened (``pretrain.resilience.lifecycle``), with one closing line:
-  0 done, 2 user error, 75 interrupted after a checkpoint (requeue it), 3 hang, 130 killed on a
+  0 done, 2 user error, 75 interrupted after a checkpoint (requeue it), 3 hang, 69 the shard store
+  stayed unreachable past ``data.remote_retry_s`` (restart or requeue it), 130 killed on a
   second interrupt, 1 any other failure (a rank's exception, a rank killed by a signal: DeepSpeed's
   launcher would pass on 245 or 247). ``status.json`` in the run
   directory, written by rank 0, decides between "completed" / "interrupted" and what the runner
@@ -42,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from data_pipeline.errors import EXIT_UNAVAILABLE
 from data_pipeline.files import write_atomic
 from launch.hostfile import LaunchError
 from pretrain.resilience.lifecycle import EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
@@ -96,6 +100,9 @@ def outcome(code: int) -> tuple[int, str]:
         return code, "the hang watchdog ended the job; stacks in <output_dir>/hang/ (exit 3)"
     if code == EXIT_INTERRUPTED:
         return code, f"the job stopped after a checkpoint (exit {EXIT_INTERRUPTED}); run the same command to resume"
+    if code == EXIT_UNAVAILABLE:
+        return code, (f"the shard store stayed unreachable past data.remote_retry_s, said above (exit "
+                      f"{EXIT_UNAVAILABLE}); the same command resumes from the last checkpoint once it is back")
     if code == 130:
         return code, "the job was killed on a second interrupt, without a checkpoint (exit 130)"
     why = f"exit code {code}"
@@ -124,7 +131,13 @@ class Supervisor:
         if self.proc is None:
             return
         if self.signals == 1:
-            _log(f"{signal.Signals(signum).name}: asking the job to checkpoint and stop (again to kill it)")
+            name = signal.Signals(signum).name
+            _log(f"{name}: asking the job to checkpoint and stop (again to kill it)")
+            if self.stop_file is not None:  # the reason rank 0 names: the signal received here, whichever of
+                try:  # the forwarded SIGTERM or the runner's exit a rank notices first
+                    write_atomic(self.stop_file, f"{name} to {PROG}\n")
+                except OSError:
+                    pass
             self._signal_group(signal.SIGTERM)
             self.stop_deadline = time.monotonic() + self.stop_grace_s
         else:

@@ -29,6 +29,7 @@ from pretrain.config import Config, ConfigError, check_world_size, compile_mode,
 from pretrain.config.phases import Phase, phase_at, resolution_phases
 from pretrain.config.schema import TrainConfig
 from pretrain.distributed import ds_compat
+from pretrain.distributed.ema import WeightEma
 from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
 from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
@@ -67,6 +68,7 @@ class Loop:
     phases: Callable[[int], Phase]  # a step's resolution phase (PhaseSwitch: switches the engine's micro batch)
     detector: Optional[StragglerDetector] = None
     evaluator: Optional[InTrainingEval] = None
+    ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
     say: Callable[[str], None] = lambda msg: None
     logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
@@ -96,6 +98,7 @@ class Built:
     accumulation: int  # micro-batches per optimizer step on this world size
     img: int
     resuming: bool  # a complete checkpoint waits to be loaded
+    ema: Optional[WeightEma] = None  # the weights' moving average (train.ema_decay), on the masters' partitions
 
 
 @dataclass
@@ -196,17 +199,18 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     c.startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, c.world, cfg.deepspeed)
     set_masters(engine, masters)  # a 16-bit module: the init_from file's fp32 bits, not the rounded module's
+    ema = WeightEma(engine, t.ema_decay, t.ema_warmup) if t.ema_decay else None  # from the masters as set
     if cfg.data.synthetic:
         loader = SyntheticLoader(cfg.data, batch_size=t.micro_batch_size, img_size=img, seed=t.seed, rank=c.rank,
                                  num_classes=cfg.model.num_classes, device=engine.device)
     else:
         loader = build_loader(cfg.data, rank=c.rank, world_size=c.world, batch_size=t.micro_batch_size,
                               seed=t.seed, img_size=img, train=True, device=engine.device)
-    say(f"data workers decode: {loader.worker_decoder}")
+    say(loader.decode_path)  # who decodes the JPEGs, and with what
     if loader.num_classes != cfg.model.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
                           f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
-    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming)
+    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming, ema)
 
 
 def restore(cfg: Config, c: Connected, b: Built) -> Restored:
@@ -216,7 +220,7 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     if b.resuming:
         c.say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
     c.startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
-    resumed = checkpoint.resume(b.engine, ckpt_dir, config=c.tree) if cfg.checkpoint.resume else None
+    resumed = checkpoint.resume(b.engine, ckpt_dir, config=c.tree, ema=b.ema) if cfg.checkpoint.resume else None
     if not resumed:
         torch.manual_seed(cfg.train.seed + 1000 * (c.rank + 1))  # per-rank dropout / drop-path streams
         return Restored()
@@ -247,7 +251,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
             SampleLog(c.layout.samples, old).open(start).close()
     evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=c.rank,
                                world=c.world, img_size=b.img, num_classes=cfg.model.num_classes,
-                               dtype=compute_dtype(t.precision), device=b.engine.device)
+                               dtype=compute_dtype(t.precision), device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
     status = RunStatus(c.layout.status if c.rank == 0 else None)
     status(start)
     clock = StepClock(b.engine.device, c.dog)
@@ -264,13 +268,14 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     if any(p.micro_batch != t.micro_batch_size for p in phases):  # the loader's batches cut to each phase's
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
-    checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples)
+    checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
+                                ema=b.ema)
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
                 world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say),
                 detector=_straggler_detector(t, c, clock),
-                evaluator=evaluator if evaluator.enabled else None, say=c.say, logged=status)
+                evaluator=evaluator if evaluator.enabled else None, ema=b.ema, say=c.say, logged=status)
     return Job(loop, status, samples)
 
 
@@ -283,7 +288,8 @@ def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[fl
     flops, fwd = {}, {}
     for img in {b.img} | {p.img_size for p in resolution_phases(t, b.img)}:
         fwd[img] = analytic_flops(m.name, img, m.num_classes, m.global_pool, m.representation_size,
-                                  qk_norm=m.qk_norm, breakdown=True, patch_drop_rate=m.patch_drop_rate)
+                                  qk_norm=m.qk_norm, breakdown=True, reg_tokens=m.reg_tokens,
+                                  class_token=m.class_token, patch_drop_rate=m.patch_drop_rate)
         flops[img] = train_flops_per_image(fwd[img]["total"], fwd[img]["blocks"] * t.activation_checkpointing / depth)
     run_config = {**c.tree, "world_size": c.world, "zero_stage": cfg.zero.stage,
                   "checkpointed_blocks": t.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size,

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import time
 from functools import partial
+from typing import Optional
 
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError, is_user_error
+from data_pipeline.errors import DataError
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
@@ -25,7 +26,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import set_collective_timeout
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
-from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, FailureRecord, say_goodbye
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, FailureRecord, say_goodbye
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import gather_and_judge
 from pretrain.startup import Connected, Job, Loop, assemble, build_engine, connect, restore
@@ -40,14 +41,16 @@ def train_loop(lp: Loop) -> dict:
     every ``train.sync_every_steps``) nothing is read on the host."""
     t, engine, clock, device = lp.cfg.train, lp.engine, lp.clock, lp.engine.device
     guard = NonFiniteGuard(t.max_nonfinite_steps, engine.module.parameters(), device)
-    loss_of = partial(classification_loss, multi_label=lp.cfg.data.multi_label, smoothing=lp.cfg.optim.label_smoothing)
+    o = lp.cfg.optim
+    loss_of = partial(classification_loss, multi_label=lp.cfg.data.multi_label, smoothing=o.label_smoothing,
+                      loss=o.loss, target_threshold=o.bce_target_threshold)
     dtype, window = compute_dtype(t.precision), Window(device)
     history, step, stopped = [], lp.start_step, False
     while step < t.steps:
         phase = lp.phases(step + 1)  # its first step: the engine takes its micro batch, the loader its size
         clock.begin_step(step + 1, startup=step == lp.start_step or step + 1 == phase.first)
         with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
-            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype),
+            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema),
                        lp.flops[phase.img_size], phase.img_size)
         clock.end_step()
         step += 1
@@ -97,11 +100,13 @@ def train_loop(lp: Loop) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- main
-def run(cfg: Config) -> dict:
+def run(cfg: Config, record: Optional[FailureRecord] = None) -> dict:
     """One rank's whole run; a failure anywhere in it, start-up included, leaves the rank's record
     in ``<output_dir>/errors/`` (``FailureRecord``: what ``vit-launch run`` tells a failed rank from
-    a dead node by)."""
-    with FailureRecord(RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).errors) as record:
+    a dead node by, and which rank of a job says a mistake)."""
+    record = record or FailureRecord(user_errors=USER_ERRORS)
+    record.errors_dir = RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir).errors
+    with record:
         return _run(cfg, record)
 
 
@@ -131,10 +136,10 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
     except BaseException as e:
         failed = True
         c.dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        lost = record.report(e)  # who is gone, not gloo's words; now, while the other ranks ask too
-        job.status(max(start, lp.clock.completed), "failed", EXIT_USAGE if is_user_error(e, *USER_ERRORS) else 1)
-        if lost:
-            raise SystemExit(1) from None
+        peers = record.report(e)  # a peer's failure or who is gone, not gloo's words; now, while the others ask too
+        job.status(max(start, lp.clock.completed), "failed", record.code_of(e) if peers is None else peers)
+        if peers is not None:
+            raise SystemExit(peers) from None
         raise
     finally:
         c.startup.done()
@@ -155,9 +160,10 @@ def main(argv=None) -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
-    with cli_errors("vit-train", *USER_ERRORS):
+    record = FailureRecord(user_errors=USER_ERRORS)  # its folder once the config is read
+    with cli_errors("vit-train", *USER_ERRORS, voice=record.voice):  # one line per job, not one per rank
         cfg = load_config(args.config, args.overrides)
-        code = EXIT_INTERRUPTED if run(cfg)["preempted"] else EXIT_OK
+        code = EXIT_INTERRUPTED if run(cfg, record)["preempted"] else EXIT_OK
     if dist.is_initialized():
         dist.destroy_process_group()
     raise SystemExit(code)

@@ -1,7 +1,8 @@
 """Plain-PyTorch references shared by the tests that check a training step of ours against one:
 the relative error of a whole update, the samples a run recorded read back by key from the tar
 shards (with the deterministic crop those runs configure), and the fine-tune recipe of the ViT
-paper written with torch's own optimizer, clipping and scheduler on timm's model."""
+paper written with torch's own optimizer, clipping and scheduler on timm's model; and big_vision's
+fixed position embedding (not installed), re-implemented from its code."""
 from __future__ import annotations
 
 import io
@@ -10,6 +11,7 @@ import tarfile
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,16 +74,16 @@ def read_back(shards: Path, keys: list[str], img_size: int) -> tuple[torch.Tenso
     return torch.stack(images), torch.tensor(labels)
 
 
-def timm_start(path: Path, img_size: int = 64, num_classes: int = 10) -> dict:
-    """A known start for a whole-path run: timm's ViT-Tiny/16 with every weight moved by N(0, 0.02)
-    (no zero head: every layer moves at the first step), written to ``path`` for
-    ``model.init_from``. Returns its state dict."""
+def timm_start(path: Path, img_size: int = 64, num_classes: int = 10, **arch) -> dict:
+    """A known start for a whole-path run: timm's ViT-Tiny/16 (``arch``: timm's ``reg_tokens``,
+    ``global_pool``, ...) with every weight moved by N(0, 0.02) (no zero head: every layer moves at
+    the first step), written to ``path`` for ``model.init_from``. Returns its state dict."""
     import timm
 
     from pretrain.weights.export import write_safetensors
 
     torch.manual_seed(3)
-    start = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes)
+    start = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes, **arch)
     with torch.no_grad():
         for p in start.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -89,23 +91,41 @@ def timm_start(path: Path, img_size: int = 64, num_classes: int = 10) -> dict:
     return start.state_dict()
 
 
-def timm_model(state: dict, img_size: int = 64, num_classes: int = 10) -> torch.nn.Module:
-    """timm's ViT-Tiny/16 holding ``state``."""
+def timm_model(state: dict, img_size: int = 64, num_classes: int = 10, **arch) -> torch.nn.Module:
+    """timm's ViT-Tiny/16 holding ``state`` (``arch``: timm's options, as :func:`timm_start`)."""
     import timm
 
-    model = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes, **arch)
     model.load_state_dict(state)
     return model
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only: not on biases, norm weights, the position embedding or
-    the [class] token (big_vision, timm)."""
+    """Weight decay on weight matrices only: not on biases, norm weights, the position embedding,
+    the [class] and register tokens (big_vision, timm) or the MAP probe (big_vision decays kernels
+    only)."""
     def flat(n, p):
-        return p.ndim <= 1 or n in ("pos_embed", "cls_token")
+        return p.ndim <= 1 or n in ("pos_embed", "cls_token", "reg_token", "attn_pool.latent")
 
     return [{"params": [p for n, p in model.named_parameters() if not flat(n, p)], "weight_decay": weight_decay},
             {"params": [p for n, p in model.named_parameters() if flat(n, p)], "weight_decay": 0.0}]
+
+
+def timm_layer_decay_groups(model: torch.nn.Module, name: str, weight_decay: float, layer_decay: float, lr: float,
+                            **timm_kwargs) -> list[dict]:
+    """Groups over ``model``'s parameters as timm makes them: ``timm.optim.param_groups_layer_decay``
+    on timm's ``name`` (built with ``timm_kwargs``; parameter names are ours), each group's
+    ``weight_decay`` and ``lr`` = ``lr`` x its ``lr_scale``."""
+    import timm
+    from timm.optim import param_groups_layer_decay
+
+    ref = timm.create_model(name, **timm_kwargs)
+    groups = param_groups_layer_decay(ref, weight_decay=weight_decay, no_weight_decay_list=ref.no_weight_decay(),
+                                      layer_decay=layer_decay)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    ours = dict(model.named_parameters())
+    return [{"params": [ours[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"],
+             "lr": lr * g["lr_scale"]} for g in groups]
 
 
 def reference_schedule(opt, warmup: int, steps: int, schedule: str, min_ratio: float):
@@ -128,14 +148,15 @@ def reference_schedule(opt, warmup: int, steps: int, schedule: str, min_ratio: f
 
 
 def train_reference(model: torch.nn.Module, opt, sched, batches, *, clip: float = 0.0, split: int = 0,
-                    loss=F.cross_entropy) -> list[float]:
+                    loss=F.cross_entropy, after_step=None) -> list[float]:
     """Plain PyTorch steps, one per global batch ``(images, targets)`` of ``batches``: the gradient of
     the mean ``loss`` over the batch, ``clip_grad_norm_`` at ``clip`` (0: none), ``opt.step()``,
-    ``sched.step()``. ``split``: each step's gradient summed over chunks of that many images instead
-    (the same mathematics in another floating-point order: how far two exact implementations drift
-    apart). Returns every step's gradient norm."""
+    ``sched.step()``, then ``after_step(step)`` (counted from 1; e.g. an EMA's update). ``split``: each
+    step's gradient summed over chunks of that many images instead (the same mathematics in another
+    floating-point order: how far two exact implementations drift apart). Returns every step's
+    gradient norm."""
     norms = []
-    for images, targets in batches:
+    for step, (images, targets) in enumerate(batches, 1):
         opt.zero_grad()
         if split:
             for lo in range(0, len(images), split):
@@ -146,6 +167,8 @@ def train_reference(model: torch.nn.Module, opt, sched, batches, *, clip: float 
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
         sched.step()
+        if after_step is not None:
+            after_step(step)
     return norms
 
 
@@ -176,3 +199,63 @@ def finetune_reference(backbone: dict, name: str, img_size: int, num_classes: in
                             [b for _, b in zip(range(steps), batches)], clip=clip)
     assert len(norms) == steps, f"{len(norms)} batches for {steps} steps"
     return before, {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
+def deit_finetune_reference(backbone: dict, name: str, img_size: int, num_classes: int, batches, *, steps: int,
+                            lr: float, warmup: int, min_lr: float, weight_decay: float, layer_decay: float,
+                            smoothing: float, ema_decay: float) -> tuple[dict, dict, dict]:
+    """The DeiT / MAE fine-tune in plain PyTorch with timm's pieces: timm's ``name`` with the
+    ``backbone`` weights and a zero head, timm's ``param_groups_layer_decay`` (the model's
+    ``no_weight_decay()``, as timm's ``create_optimizer_v2`` passes it) into ``torch.optim.AdamW``
+    with each group at ``lr x lr_scale`` (MAE's ``lr_sched``), ``LambdaLR``: linear warmup, then a
+    cosine from 1 to ``min_lr / lr``, timm's ``LabelSmoothingCrossEntropy``, no clipping, and timm's
+    ``ModelEmaV3`` with its decay warm-up, updated after optimizer step ``t`` with ``step=t`` (timm's
+    ``train.py``). Returns the weights before and after, and the EMA's."""
+    import timm
+    from timm.loss import LabelSmoothingCrossEntropy
+    from timm.optim import param_groups_layer_decay
+    from timm.utils import ModelEmaV3
+
+    model = timm.create_model(name, img_size=img_size, num_classes=num_classes)
+    model.load_state_dict({k: v for k, v in backbone.items() if not k.startswith("head.")}, strict=False)
+    torch.nn.init.zeros_(model.head.weight)
+    torch.nn.init.zeros_(model.head.bias)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups = param_groups_layer_decay(model, weight_decay=weight_decay, layer_decay=layer_decay,
+                                      no_weight_decay_list=model.no_weight_decay())
+    for g in groups:
+        g["lr"] = lr * g["lr_scale"]
+    opt = torch.optim.AdamW(groups, lr=lr)
+    ratio = min_lr / lr
+
+    def factor(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / warmup
+        progress = min(1.0, (t - warmup) / (steps - warmup))
+        return ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    ema = ModelEmaV3(model, decay=ema_decay, use_warmup=True)
+    loss_fn = LabelSmoothingCrossEntropy(smoothing=smoothing)
+    model.train()
+    for t, (images, targets) in zip(range(1, steps + 1), batches):
+        opt.zero_grad()
+        loss_fn(model(images), targets).backward()
+        opt.step()
+        sched.step()
+        ema.update(model, step=t)
+    return before, {n: p.detach() for n, p in model.named_parameters()}, \
+        {n: p.detach() for n, p in ema.module.named_parameters()}
+
+
+def big_vision_posemb_sincos_2d(h: int, w: int, width: int, temperature: float = 10_000.0) -> np.ndarray:
+    """big_vision's ``posemb_sincos_2d`` (``big_vision/models/vit.py``), line for line in numpy
+    (jnp -> np): what its ViT adds at the input's own patch grid."""
+    y, x = np.mgrid[:h, :w]
+    assert width % 4 == 0
+    omega = np.arange(width // 4) / (width // 4 - 1)
+    omega = 1.0 / (temperature ** omega)
+    y = np.einsum("m,d->md", y.flatten(), omega)
+    x = np.einsum("m,d->md", x.flatten(), omega)
+    pe = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
+    return pe[None, :, :]

@@ -23,12 +23,12 @@ def samples_of(out: Path) -> dict:
 
 
 def remote_data_cfg(shards: str, **kw):
-    """The data section the remote-shard tests read with: no workers, a small shuffle buffer,
-    retries bounded well inside a test's time (``kw`` overrides)."""
+    """The data section the remote-shard tests read with: no workers, a small shuffle buffer, an
+    outage retried well inside a test's time (``kw`` overrides)."""
     from data_pipeline.config import DataConfig
 
-    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retries=6,
-                remote_retry_s=20.0, remote_timeout_s=5.0)
+    base = dict(train_shards=shards, allow_remote=True, workers=0, shuffle_buffer=16, remote_retry_s=20.0,
+                remote_timeout_s=5.0)
     return DataConfig(**{**base, **kw})
 
 

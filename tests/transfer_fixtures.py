@@ -44,7 +44,8 @@ class _Py2Pickler(pickle._Pickler):
 
     def _save_str(self, obj: bytes):
         n = len(obj)
-        self.write(pickle.SHORT_BINSTRING + bytes([n]) + obj if n < 256 else pickle.BINSTRING + struct.pack("<i", n) + obj)
+        self.write(pickle.SHORT_BINSTRING + bytes([n]) + obj if n < 256
+                   else pickle.BINSTRING + struct.pack("<i", n) + obj)
         self.memoize(obj)
 
     dispatch[bytes] = _save_str

@@ -30,6 +30,7 @@ from data_pipeline.tally import Tally
 
 HASHES_NAME = "hashes.npz"
 HASH_KIND = "blake2b8-rgb+imagehash4-phash8"  # stored in the index; another kind means rebuild
+INDEX_VERSION = 2  # hashes.npz layout: 2 names every sample without a row; another version means rebuild
 MAX_BITS = 12  # candidate: pHash distance to the nearest probe (calibrated, see module doc)
 MIN_SCORE = 0.7  # confirmation: high-pass NCC of aligned 32x32 thumbnails (calibrated)
 MIN_DETAIL = 0.5  # ... and of the same boxes' finer detail, each region weighted alike (calibrated)
@@ -41,9 +42,9 @@ _SMALL = 256  # perceptual work happens on a grey copy at most this big: same on
 # axes together cut more than ~15% of the area are left out. Residual misalignment <= 2.5% a side.
 _AXIS = {0.0: [(0.0, 0.0)], 0.05: [(0.0, 0.05), (0.05, 0.0), (0.025, 0.025)],
          0.1: [(0.0, 0.1), (0.1, 0.0), (0.05, 0.05)]}
-PROBES = tuple((l, t, 1 - r, 1 - b)
+PROBES = tuple((left, top, 1 - right, 1 - bottom)
                for sx, sy in ((0.0, 0.0), (0.0, 0.05), (0.05, 0.0), (0.0, 0.1), (0.1, 0.0), (0.05, 0.05))
-               for l, r in _AXIS[sx] for t, b in _AXIS[sy])
+               for left, right in _AXIS[sx] for top, bottom in _AXIS[sy])
 # Of the mirror image, the whole and the 5% cuts of one axis: a flipped copy cropped by more is
 # rarer, and each probe costs lookup time (all 22 took 9.5 s for 1M x 10k, against a 10 s target)
 MIRROR_PROBES = PROBES[:7]
@@ -77,9 +78,9 @@ def phash64(grey: Image.Image) -> int:
 
 def _box(img: Image.Image, box) -> Image.Image:
     w, h = img.size
-    l, t, r, b = box
-    return img.crop((round(l * w), round(t * h), max(round(r * w), round(l * w) + 1),
-                     max(round(b * h), round(t * h) + 1)))
+    left, top, right, bottom = box
+    return img.crop((round(left * w), round(top * h), max(round(right * w), round(left * w) + 1),
+                     max(round(bottom * h), round(top * h) + 1)))
 
 
 def _mirror(img: Image.Image) -> Image.Image:
@@ -259,7 +260,8 @@ class HashTable:
 # ------------------------------------------------------------------------ pre-training index
 @dataclass
 class TrainIndex:
-    """The stored hashes of one shard set (one manifest), row per readable sample."""
+    """The stored hashes of one shard set (one manifest), row per readable sample; ``skipped`` names
+    every sample of the manifest that has no row, with why (``not_audited``)."""
     manifest: str
     job: str
     fingerprint: str
@@ -269,15 +271,16 @@ class TrainIndex:
     pos: np.ndarray  # int32: index of the sample within its shard
     exact: np.ndarray  # uint64
     phash: np.ndarray  # uint64
-    unreadable: int = 0
+    samples: int = 0  # the manifest's samples: what a whole audit covers
+    skipped: list = field(default_factory=list)  # {"shard", "index", "key", "reason"} per sample without a row
     shardset: Optional[ShardSet] = field(default=None, repr=False)  # the manifest's shards, read for this run
     stored: Optional[str] = None  # where hashes.npz is; None: it could not be stored, kept for this run only
 
     def save(self, folder: Union[LocalFolder, S3Prefix]) -> str:
         """Store as ``hashes.npz`` in ``folder`` (a temp file renamed, or one upload: a reader never
         sees half of it); returns its path or URL."""
-        meta = {"format": "vitscale-hashes", "version": 1, "kind": HASH_KIND, "manifest": self.manifest,
-                "job": self.job, "fingerprint": self.fingerprint, "unreadable": self.unreadable}
+        meta = {"format": "vitscale-hashes", "version": INDEX_VERSION, "kind": HASH_KIND, "manifest": self.manifest,
+                "job": self.job, "fingerprint": self.fingerprint, "samples": self.samples, "skipped": self.skipped}
         buf = io.BytesIO()
         np.savez(buf, meta=np.array(json.dumps(meta)), names=np.array(self.names, dtype=str),
                  keys=self.keys.astype(str), shard=self.shard, pos=self.pos, exact=self.exact, phash=self.phash)
@@ -286,11 +289,32 @@ class TrainIndex:
             out.commit()
         return folder.url(HASHES_NAME)
 
+    def not_audited(self) -> dict:
+        """reason -> samples of the manifest without a row: ``corrupt_image``, ``image_too_large``,
+        ``no_image`` (the sample's members), ``lost_in_shard`` (the tar ended or broke before them),
+        ``missing_shard`` (no such file)."""
+        out: dict = {}
+        for s in self.skipped:
+            out[s["reason"]] = out.get(s["reason"], 0) + 1
+        return out
+
+    def coverage(self, done: str, show: int = 5) -> str:
+        """``68 of 72 samples <done>`` and, when some are missing, why and the first ``show`` of them
+        (``shard:key``, or ``shard#index`` for a sample the tar never delivered)."""
+        line = f"{len(self.keys)} of {self.samples} samples {done}"
+        if not self.skipped:
+            return line
+        kinds = ", ".join(f"{k}: {n}" for k, n in sorted(self.not_audited().items()))
+        names = [f"{s['shard']}:{s['key']}" if s["key"] else f"{s['shard']}#{s['index']}" for s in self.skipped]
+        more = f", ... ({len(names) - show} more)" if len(names) > show else ""
+        return f"{line}; {len(self.skipped)} not ({kinds}): {', '.join(names[:show])}{more}"
+
     @classmethod
     def load(cls, folder: Union[LocalFolder, S3Prefix], manifest: str,
              shardset: ShardSet) -> Optional["TrainIndex"]:
         """The index stored in ``folder`` (``manifest``'s, whose shards are ``shardset``), or None when
-        there is none or it is of another kind or version."""
+        there is none or it is of another kind or version (one without the skipped samples' names
+        is rebuilt, not trusted to have covered the manifest)."""
         where = folder.url(HASHES_NAME)
         try:
             data = folder.read_bytes(HASHES_NAME)
@@ -298,11 +322,12 @@ class TrainIndex:
                 return None
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
-                if meta.get("format") != "vitscale-hashes" or meta.get("kind") != HASH_KIND:
+                if meta.get("format") != "vitscale-hashes" or meta.get("kind") != HASH_KIND or \
+                        meta.get("version") != INDEX_VERSION:
                     return None
                 return cls(manifest, meta.get("job", ""), meta["fingerprint"],
                            [str(n) for n in z["names"]], z["keys"], z["shard"], z["pos"], z["exact"], z["phash"],
-                           int(meta.get("unreadable", 0)), shardset, where)
+                           int(meta["samples"]), list(meta["skipped"]), shardset, where)
         except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:
             why = f"unreadable hash index ({e}); rebuild it with vit-audit --index --force"
             raise DataError(f"{where}: {why}") from None
@@ -323,31 +348,37 @@ def _folder(manifest: str) -> Union[LocalFolder, S3Prefix]:
 
 
 def _hash_shard(shard) -> tuple:
-    """Worker: (keys, positions, exact, phash, unreadable) of one shard."""
+    """Worker: (keys, positions, exact, phash, skipped) of one shard; ``skipped``: every sample the
+    manifest lists in it that got no hash, with why (``TrainIndex.skipped``)."""
     keys, pos, exact, ph = [], [], [], []
-    bad = 0
-    for raw in read_shard(shard, Tally()):
+    skipped, lost = [], []
+    tally = Tally()
+    for raw in read_shard(shard, tally):
         if raw.lost:
+            lost.append(raw.index)
             continue
         try:
             img = load_rgb(open_image(raw.members, MAX_PIXELS))
-        except BadSample:
-            bad += 1
+        except BadSample as e:
+            skipped.append({"shard": shard.name, "index": raw.index, "key": raw.key, "reason": e.kind})
             continue
         e, p = train_hashes(img)
         keys.append(raw.key)
         pos.append(raw.index)
         exact.append(e)
         ph.append(p)
-    return keys, pos, exact, ph, bad
+    why = "missing_shard" if tally.counts.get("missing_shard") else "lost_in_shard"
+    skipped += [{"shard": shard.name, "index": i, "key": "", "reason": why} for i in lost]
+    return keys, pos, exact, ph, sorted(skipped, key=lambda s: s["index"])
 
 
-def build_index(manifest, workers: int = 1, progress: bool = False, allow_remote: bool = False) -> TrainIndex:
+def build_index(manifest, workers: int = 1, progress: bool = False, allow_remote: bool = False,
+                option: str = "--shards") -> TrainIndex:
     """Decode every sample of the shard set once and hash it (``workers`` processes over shards).
-    ``allow_remote``: the manifest may be an ``s3://`` URL."""
+    ``allow_remote``: the manifest may be an ``s3://`` URL; ``option``: what errors name."""
     mpath = manifest_url(manifest)
-    shardset = resolve_shards(mpath, allow_remote=allow_remote, key="--shards")
-    job = read_manifest(mpath, allow_remote=allow_remote, key="--shards").get("job", "")
+    shardset = resolve_shards(mpath, allow_remote=allow_remote, key=option)
+    job = read_manifest(mpath, allow_remote=allow_remote, key=option).get("job", "")
     shards = list(shardset.shards)
     if workers > 1:
         import multiprocessing
@@ -364,7 +395,7 @@ def build_index(manifest, workers: int = 1, progress: bool = False, allow_remote
         np.array([i for p in parts for i in p[1]], dtype=np.int32),
         np.array([e for p in parts for e in p[2]], dtype=np.uint64),
         np.array([h for p in parts for h in p[3]], dtype=np.uint64),
-        sum(p[4] for p in parts), shardset)
+        sum(s.samples for s in shards), [s for p in parts for s in p[4]], shardset)
 
 
 def _progress(it, total, on, what):
@@ -376,17 +407,18 @@ def _progress(it, total, on, what):
 
 
 def train_index(manifest, workers: int = 1, rebuild: bool = False, progress: bool = False,
-                allow_remote: bool = False) -> TrainIndex:
+                allow_remote: bool = False, option: str = "--shards") -> TrainIndex:
     """The shard set's index from ``hashes.npz`` beside its manifest (in its folder or ``s3://``
     prefix); built (and stored there, when the folder or prefix takes it) when missing, of another
-    kind, or made for another shard list. ``allow_remote``: the manifest may be an ``s3://`` URL."""
+    kind, or made for another shard list. ``allow_remote``: the manifest may be an ``s3://`` URL;
+    ``option``: the command-line option errors name."""
     mpath = manifest_url(manifest)
-    shardset = resolve_shards(mpath, allow_remote=allow_remote, key="--shards")
+    shardset = resolve_shards(mpath, allow_remote=allow_remote, key=option)
     folder = _folder(mpath)
     index = None if rebuild else TrainIndex.load(folder, mpath, shardset)
     if index is not None and index.fingerprint == shardset.fingerprint():
         return index
-    index = build_index(mpath, workers, progress, allow_remote)
+    index = build_index(mpath, workers, progress, allow_remote, option)
     try:
         index.stored = index.save(folder)
     except (OSError, RemoteShardError) as e:  # a read-only folder or prefix (a 403 from the store)

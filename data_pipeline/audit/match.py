@@ -5,9 +5,11 @@
               --eval vtab1k:/data/vtab-1k --eval imagefolder:/data/pets --output audit/
     python -m pretrain.evaluation.audit ...                               # the same
 
-Outputs in ``--output``: ``audit.json`` (counts per evaluation set and split, and every confirmed
-pair ``{"eval", "split", "eval_id", "train_key", "shard", "manifest", "distance", "score", "detail",
-"match", "mirrored"}``),
+Outputs in ``--output``: ``audit.json`` (counts per evaluation set and split; per shard set the
+manifest's ``samples``, the ``images`` audited, and every sample that was not, counted by reason in
+``not_audited`` and named in ``not_audited_samples``; the candidates whose training sample could not
+be read again to confirm them, ``unconfirmed``; every confirmed pair ``{"eval", "split",
+"eval_id", "train_key", "shard", "manifest", "distance", "score", "detail", "match", "mirrored"}``),
 ``closest_pairs.png`` (the closest pairs side by side, for a person to look at) and
 ``exclude.txt`` (the matched pre-training keys; ``vit-shards --exclude`` and
 ``data.exclude_keys`` honour it, format in ``exclude.py``).
@@ -119,8 +121,9 @@ def _shard_split(mpath: str, set_name: str, split: Optional[str], allow_remote: 
     split = split or read_manifest(mpath, allow_remote=allow_remote, key="--eval shards").get("split", "test")
     for shard in shardset.shards:
         for raw in read_shard(shard, Tally()):
-            if raw.lost:
-                continue
+            if raw.lost:  # an evaluation image not audited would pass for a clean one
+                raise DataError(f"{shard.url}: sample #{raw.index} of the {shard.samples} {mpath} lists is "
+                                "missing (a truncated or damaged tar); the evaluation set must be read whole")
 
             def load(members=raw.members, where=f"{shard.url}:{raw.key}"):
                 try:
@@ -185,6 +188,9 @@ class AuditResult:
     max_bits: int = MAX_BITS
     min_score: float = MIN_SCORE
     min_detail: float = MIN_DETAIL
+    # candidates whose training sample could not be read again to confirm them (the shard changed
+    # since it was hashed): {"manifest", "shard", "index", "key", "reason"}; none of them is a pair
+    unconfirmed: list = field(default_factory=list)
 
     def counts(self) -> dict:
         out: dict = {}
@@ -200,9 +206,21 @@ class AuditResult:
         return out
 
 
+def check_thresholds(max_bits, min_score, min_detail=MIN_DETAIL) -> None:
+    """A one-line DataError for a threshold no pair can meet or every pair meets (a pHash distance
+    is 0..64 bits, a correlation score at most 1): such an audit would report a false clean."""
+    if isinstance(max_bits, bool) or not isinstance(max_bits, (int, np.integer)) or not 0 <= max_bits <= 64:
+        raise DataError(f"--max-bits {max_bits}: a pHash distance is 0..64 bits (default {MAX_BITS})")
+    for option, v, default in (("--min-score", min_score, MIN_SCORE), ("min_detail", min_detail, MIN_DETAIL)):
+        if not 0.0 <= v <= 1.0:  # NaN fails too
+            raise DataError(f"{option} {v:g}: a correlation score is compared in [0, 1] (default {default:g})")
+
+
 def audit(indexes: list, evals: Iterable[EvalImage], *, max_bits: int = MAX_BITS,
           min_score: float = MIN_SCORE, min_detail: float = MIN_DETAIL) -> AuditResult:
-    """Every (evaluation image, pre-training sample) pair that is an exact or near copy."""
+    """Every (evaluation image, pre-training sample) pair that is an exact or near copy. Thresholds
+    out of range: ``check_thresholds``."""
+    check_thresholds(max_bits, min_score, min_detail)
     t0 = time.perf_counter()
     images: list = []
     probes, exact = [], []
@@ -234,33 +252,40 @@ def audit(indexes: list, evals: Iterable[EvalImage], *, max_bits: int = MAX_BITS
                 slot = cands.setdefault((k, row), {}).setdefault(q, [64, 64])
                 slot[side] = min(bits, slot[side])
     t2 = time.perf_counter()
-    pairs = _confirm(indexes, images, exact, cands, max_bits, min_score, min_detail)
+    pairs, unconfirmed = _confirm(indexes, images, exact, cands, max_bits, min_score, min_detail)
     pairs.sort(key=lambda p: (p.distance, -p.score, p.eval, p.eval_id, p.train_key))
     return AuditResult(pairs, dict(counts), sum(len(v) for v in cands.values()), indexes,
                        {"hash_eval": round(t1 - t0, 3), "lookup": round(t2 - t1, 3),
-                        "confirm": round(time.perf_counter() - t2, 3)}, max_bits, min_score, min_detail)
+                        "confirm": round(time.perf_counter() - t2, 3)}, max_bits, min_score, min_detail,
+                       unconfirmed)
 
 
-def _confirm(indexes, images, exact, cands, max_bits, min_score, min_detail) -> list:
-    """Read each candidate training sample once (one pass per shard) and keep confirmed pairs."""
+def _confirm(indexes, images, exact, cands, max_bits, min_score, min_detail) -> tuple[list, list]:
+    """Read each candidate training sample once (one pass per shard): (confirmed pairs, the
+    candidates' samples that could not be read, as ``AuditResult.unconfirmed``)."""
     by_shard = defaultdict(list)
     for (k, row), evs in cands.items():
         by_shard[(k, int(indexes[k].shard[row]))].append((row, evs))
     eval_cache: dict = {}
-    pairs = []
+    pairs, unread = [], []
     for (k, s), rows in sorted(by_shard.items()):
         idx = indexes[k]
         shard = next(sh for sh in idx.shardset.shards if sh.name == idx.names[s])
         want = {int(idx.pos[row]): (row, evs) for row, evs in rows}
         ranges = [(p, p + 1) for p in sorted(want)]
-        for raw in read_shard(shard, Tally(), ranges):
-            if raw.lost or raw.index not in want:
-                continue
-            try:
-                train_img = load_rgb(open_image(raw.members, MAX_PIXELS))
-            except BadSample:
+        tally = Tally()
+        for raw in read_shard(shard, tally, ranges):
+            if raw.index not in want:
                 continue
             row, evs = want[raw.index]
+            try:
+                if raw.lost:
+                    raise BadSample("missing_shard" if tally.counts.get("missing_shard") else "lost_in_shard")
+                train_img = load_rgb(open_image(raw.members, MAX_PIXELS))
+            except BadSample as e:
+                unread.append({"manifest": idx.manifest, "shard": shard.name, "index": raw.index,
+                               "key": str(idx.keys[row]), "reason": e.kind})
+                continue
             train_exact = int(idx.exact[row])
             for j, bits in evs.items():
                 if j not in eval_cache:
@@ -276,7 +301,7 @@ def _confirm(indexes, images, exact, cands, max_bits, min_score, min_detail) -> 
                 if m is not None:
                     pairs.append(Pair(e.set, e.split, e.id, raw.key, shard.name, idx.manifest, int(bits[m.mirrored]),
                                       m.score, "near", m.mirrored, m.detail))
-    return pairs
+    return pairs, unread
 
 
 # ----------------------------------------------------------------------------------- report
@@ -288,14 +313,15 @@ def write_report(result: AuditResult, out_dir, evals: list, *, grid: int = 24,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "format": "vitscale-audit", "version": 1,
+        "format": "vitscale-audit", "version": 2,
         "thresholds": {"max_bits": result.max_bits, "min_score": result.min_score,
                        "min_detail": result.min_detail, "probes": N_PROBES},
-        "shards": [{"manifest": i.manifest, "job": i.job, "images": int(len(i.keys)), "unreadable": i.unreadable}
-                   for i in result.indexes],
+        "shards": [{"manifest": i.manifest, "job": i.job, "samples": i.samples, "images": int(len(i.keys)),
+                    "not_audited": i.not_audited(), "not_audited_samples": i.skipped} for i in result.indexes],
         "evals": evals,
         "counts": result.counts(),
         "candidates": result.candidates,
+        "unconfirmed": result.unconfirmed,
         "seconds": result.seconds,
         "pairs": [p.as_json() for p in result.pairs],
     }
@@ -323,8 +349,8 @@ def _grid(result: AuditResult, path: Path, n: int, loaders: dict) -> None:
     train = _train_images(result, pairs)
     for r, p in enumerate(pairs):
         y = 8 + r * (T + 8)
-        for c, img in enumerate((loaders.get((p.eval, p.split, p.eval_id)),
-                                 train.get((p.manifest, p.shard, p.train_key)))):
+        pair = (loaders.get((p.eval, p.split, p.eval_id)), train.get((p.manifest, p.shard, p.train_key)))
+        for c, img in enumerate(pair):
             if img is not None:
                 img = img.convert("RGB")
                 f = T / max(img.size)  # CIFAR's 32 px shown 3x, nearest: its pixels stay visible

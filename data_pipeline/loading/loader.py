@@ -17,7 +17,10 @@ each slot shuffles with a buffer seeded by (seed, e, slot); every rank yields th
 ``batches_per_epoch`` (no DDP hang), and the fewer than ``world_size x batch_size`` samples that
 cannot be balanced are dropped and counted (by rank 0, as ``dropped_for_balance``). ``images`` are
 float32 (B, 3, H, W) normalised with augment.mean/std, on ``device``; ``targets`` int64 (B,), or
-float32 (B, num_classes) for multi-label data or when Mixup/CutMix is on.
+float32 (B, num_classes) for multi-label data or when Mixup/CutMix is on. With
+``data.repeat_augment`` K an epoch keeps its batches but reads the first ceil(N / K) samples of its
+sequence K times, each copy augmented afresh and, with at least K ranks, on another rank
+(``plan.py``); everything counted below (positions, resume, the sample log) counts copies.
 
 The batch contract inside: a worker sends each batch as uint8 (``batch.wire.DeferredBatch``:
 one (B, 3, H, W) shared-memory tensor, the batch's Mixup/CutMix seed) with its targets and its
@@ -66,11 +69,14 @@ Worker decode (``data.worker_decoder``, ``shards/crop_decode.py``): in training,
 the crop window of each plain JPEG when nvImageCodec is installed (``auto``), else the whole image
 with PIL; the crop boxes and so the batches' samples and resume are the same either way, the
 pixels are those of a full decode (PIL's draft mode differs slightly where it applies).
-``loader.worker_decoder`` says which path, in words.
+``loader.worker_decoder`` says which path, in words; ``loader.decode_path`` says who decodes the
+JPEGs on the ``data.decode_device`` chosen, and with what (the training start-up line).
 
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
 the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
+A remote store that stays away past ``data.remote_retry_s`` raises ``StoreUnreachable`` (exit 69:
+an outage, not bad data), whichever worker met it.
 """
 from __future__ import annotations
 
@@ -95,7 +101,7 @@ from data_pipeline.loading.workers import worker_init
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import resolve_shards
-from data_pipeline.storage.retry import RemotePolicy
+from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
 
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
 
@@ -115,7 +121,8 @@ def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: in
     key = "data.train_shards" if train else "data.val_shards"
     spec = data_cfg.train_shards if train else data_cfg.val_shards
     shardset = resolve_shards(spec, allow_remote=data_cfg.allow_remote, key=key)
-    plan = Plan(shardset, world_size, max(1, data_cfg.workers), batch_size, seed, train)
+    plan = Plan(shardset, world_size, max(1, data_cfg.workers), batch_size, seed, train,
+                data_cfg.repeat_augment if train else 1)
     plan.check()
     size = img_size or data_cfg.img_size or 224
     return ShardLoader(data_cfg, plan, rank, size, epoch, torch.device(device or "cpu"))
@@ -143,6 +150,13 @@ class ShardLoader:
             check_device(decode_device)
         self._device = device if decode_device == "worker" else decode_device
         self._decoder = self._make_decoder(img_size)
+        readers = f"{data_cfg.workers} data worker(s)" if data_cfg.workers else "this process (data.workers=0)"
+        if decode_device == "worker":
+            self.decode_path = f"data.decode_device=worker: JPEGs decoded by {readers}: {self.worker_decoder}"
+        else:  # the workers still decode what is not a plain JPEG (PNG, progressive, CMYK, ...)
+            self.decode_path = (f"data.decode_device={decode_device}: JPEGs decoded in this process by "
+                                f"{self._decoder.describe()}; other images (PNG, progressive JPEG, ...) by "
+                                f"{readers} with PIL")
         # Samples this rank is due per epoch: the denominator of the corrupt rate.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size
@@ -233,6 +247,8 @@ class ShardLoader:
     def _account(self, record: BatchRecord) -> None:
         self._counts.update(record.tally["counts"])
         self._epoch_bad.update(record.tally["bad_by_shard"])
+        if record.unreachable:  # the store stayed away past data.remote_retry_s: not the data's fault
+            raise StoreUnreachable(record.error)
         if record.error is not None:
             raise TooManyCorruptSamples(record.error + self._worst())
         bad = sum(self._epoch_bad.values())
@@ -263,7 +279,7 @@ class ShardLoader:
         return LoaderState(self._epoch, self._batch, tuple(self._emitted), self.rank, p.world_size, p.workers,
                            p.batch_size, p.seed, self.settings.shuffle_buffer, p.shardset.fingerprint(),
                            self._rest.source if self._rest is not None else None, dict(self._counts),
-                           dict(self._epoch_bad))
+                           dict(self._epoch_bad), p.repeats)
 
     def _layout(self) -> tuple:
         p = self.plan
@@ -291,6 +307,7 @@ class ShardLoader:
             if k is not None:
                 raise DataError(f"data loader states disagree on {k}: rank {first.rank} has {getattr(first, k)!r}, "
                                 f"rank {st.rank} has {getattr(st, k)!r} (states of one checkpoint step needed)")
+        self._check_same_repeats(states)
         own = next((st for st in states if st.rank == self.rank), None)
         if first.layout == self._layout() and own is not None:
             self._continue(own)
@@ -321,6 +338,16 @@ class ShardLoader:
             if old != new:
                 raise DataError(f"data loader state was saved with {k}={old}, now {new}: a data position only "
                                 f"applies to the same data and seed")
+
+    def _check_same_repeats(self, states: Sequence[LoaderState]) -> None:
+        """``data.repeat_augment`` lays out the epoch's pool (``plan.py``): a position inside an
+        epoch applies only to the count it was saved with; at an epoch boundary either goes on."""
+        first = states[0]
+        inside = first.rest is not None or any(x for st in states for x in st.emitted)
+        if inside and first.repeats != self.plan.repeats:
+            raise DataError(f"data loader state was saved inside epoch {first.epoch} with data.repeat_augment="
+                            f"{first.repeats}, now {self.plan.repeats}: resume with {first.repeats} and change it "
+                            f"at an epoch boundary")
 
     def _continue(self, state: LoaderState) -> None:
         """Exactly where ``state`` (of this rank, on this layout) stopped."""

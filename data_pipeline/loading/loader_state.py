@@ -10,7 +10,7 @@ from data_pipeline.errors import DataError
 # 2: sample-range plan; adds shuffle_buffer and rest (the elastic source of a rest-epoch).
 STATE_VERSION = 2
 # what the states of all ranks of one checkpoint step share
-AGREED = ("epoch", "batch", "world_size", "workers", "batch_size", "shuffle_buffer", "rest")
+AGREED = ("epoch", "batch", "world_size", "workers", "batch_size", "shuffle_buffer", "rest", "repeats")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class LoaderState:
     rest: Optional[dict] = None  # the source of the rest-epoch being read (remainder.rest_epoch), or None
     counters: dict = field(default_factory=dict)  # loader.counters so far
     epoch_bad_by_shard: dict = field(default_factory=dict)  # shard name -> bad samples of ``epoch``
+    repeats: int = 1  # data.repeat_augment: the pool ``emitted`` counts in (a state without it: 1)
 
     @property
     def layout(self) -> tuple:
@@ -60,6 +61,6 @@ class LoaderState:
             return cls(int(d["epoch"]), int(d["batch"]), tuple(int(x) for x in d["emitted"]), int(d["rank"]),
                        int(d["world_size"]), int(d["workers"]), int(d["batch_size"]), int(d["seed"]),
                        int(d["shuffle_buffer"]), str(d["data"]), d.get("rest"), dict(d.get("counters") or {}),
-                       dict(d.get("epoch_bad_by_shard") or {}))
+                       dict(d.get("epoch_bad_by_shard") or {}), int(d.get("repeats", 1)))
         except KeyError as e:
             raise DataError(f"data loader state (version {STATE_VERSION}) lacks {e.args[0]!r}") from None

@@ -19,6 +19,22 @@ Pre-training (``train=True``):
     the next epoch: an epoch then stays exactly the (seed, epoch) permutation, which is what the
     per-sample augmentation seeds, the resume state and elastic resume (``rest.py``) are built on.
   * planning is O(shards + slots): a permutation, a prefix sum and a bisection per slot.
+  * repeated augmentation (``repeats`` K > 1, ``data.repeat_augment``; DeiT's ``RASampler``): the
+    epoch keeps its length, N draws, as DeiT's does, and draws the first ``M = ceil(N / K)``
+    positions of the sequence K times each. The layout above is laid over the *pool* ``0..N-1``
+    instead of the sequence, where pool entry ``c * M + p`` is copy ``c`` of position ``p``
+    (copy-major; the last copy of the last ``K * M - N`` positions falls outside the pool). A
+    rank's range holds at most ``N / world_size`` entries, no more than ``M`` when
+    ``K <= world_size``, so the copies of a position, ``M`` apart, land on distinct ranks (DeiT's
+    property: it deals the repeated list round-robin over ranks); with fewer ranks one rank holds
+    at most ``ceil(K / world_size)`` of them. When K divides the world size the copies sit at
+    nearly the same offset of their ranks' ranges (exactly when nothing rounds), so, up to each
+    slot's shuffle buffer, in about the same step, as DeiT puts them in one global batch. A slot
+    still reads contiguous runs of shards, each copy seeds its own augmentation (``Piece.copy``
+    enters the sample's seed), and the pool is what the resume state, the rest of an epoch after a
+    layout change and the sample log count in, so all of them hold as for K = 1 (there the pool is
+    the sequence). The chosen positions are whole shards' worth: the writer shuffles samples into
+    shards, and the (seed, epoch) permutation picks other shards each epoch.
 Evaluation (``train=False``): manifest order, slot ``s`` of ``S`` takes positions
 ``[s*N//S, (s+1)*N//S)``: every sample once; a slot's last batch may be short and ranks may yield
 different batch counts (documented in loader).
@@ -71,10 +87,12 @@ def shuffle_seed(seed: int, epoch: int, slot: int, level: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Piece:
-    """Samples ``lo <= index < hi`` of ``shard`` (indices are positions inside the tar)."""
+    """Samples ``lo <= index < hi`` of ``shard`` (indices are positions inside the tar), read as
+    their ``copy``-th repeat of the epoch (0 unless ``data.repeat_augment`` > 1)."""
     shard: Shard
     lo: int
     hi: int
+    copy: int = 0
 
     @property
     def samples(self) -> int:
@@ -89,6 +107,7 @@ class Plan:
     batch_size: int
     seed: int
     train: bool
+    repeats: int = 1  # training: data.repeat_augment, each chosen sample this many times per epoch
 
     @property
     def slots(self) -> int:
@@ -96,7 +115,26 @@ class Plan:
 
     @property
     def total(self) -> int:
+        """Samples in the data: the epoch's sequence, and the pool a training epoch lays out."""
         return self._sequence(0)[1][-1]
+
+    @property
+    def chosen(self) -> int:
+        """Sequence positions a training epoch draws (``M``): all, or the first ceil(N / repeats)."""
+        return -(-self.total // self.repeats) if self.train else self.total
+
+    def copies(self, intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """Pool intervals as ``(lo, hi, copy)`` intervals of sequence positions, in pool order."""
+        if not self.train or self.repeats == 1:
+            return [(lo, hi, 0) for lo, hi in intervals]
+        m, out = self.chosen, []
+        for lo, hi in intervals:
+            while lo < hi:
+                c = lo // m
+                end = min(hi, (c + 1) * m)
+                out.append((lo - c * m, end - c * m, c))
+                lo = end
+        return out
 
     # -------------------------------------------------------------------- the epoch's sequence
     def __getstate__(self):  # the per-epoch cache is rebuilt where needed, not shipped to workers
@@ -119,19 +157,19 @@ class Plan:
         return list(self._sequence(epoch)[0])
 
     def pieces(self, epoch: int, intervals: Iterable[tuple[int, int]]) -> list[Piece]:
-        """Sequence positions (sorted, disjoint ``[lo, hi)`` intervals) as shard pieces in read
-        order; touching pieces of one shard are merged."""
+        """Pool positions (sorted, disjoint ``[lo, hi)`` intervals; with one repeat the sequence's
+        own) as shard pieces in read order; touching pieces of one shard and copy are merged."""
         order, starts = self._sequence(epoch)
         out: list[Piece] = []
-        for lo, hi in intervals:
+        for lo, hi, copy in self.copies(intervals):
             i = bisect_right(starts, lo) - 1
             while lo < hi:
                 a, b = lo - starts[i], min(hi, starts[i + 1]) - starts[i]
                 if b > a:
-                    if out and out[-1].shard is order[i] and out[-1].hi == a:
-                        out[-1] = Piece(order[i], out[-1].lo, b)
+                    if out and out[-1].shard is order[i] and out[-1].hi == a and out[-1].copy == copy:
+                        out[-1] = Piece(order[i], out[-1].lo, b, copy)
                     else:
-                        out.append(Piece(order[i], a, b))
+                        out.append(Piece(order[i], a, b, copy))
                 lo = starts[i] + b
                 i += 1
         return out

@@ -20,6 +20,11 @@ lays them over the sequence (``Plan.slot_range``): equal batches per rank, fewer
 batch dropped. A change in the middle of such a rest-epoch nests: the state then carries the
 previous source (``source["rest"]``), and the pools are built recursively.
 
+With ``data.repeat_augment`` the positions are those of the epoch's pool (``plan.py``: copy-major
+repeats of the chosen positions), so the rest holds each copy the old layout had not consumed once;
+the new layout lays them out afresh, so in the rest of that one epoch a sample's copies may share
+a rank.
+
 A new rank only replays the old slots whose leftovers fall into its own slots' ranges (slot sizes
 in the pool are known without replay: ``range - emitted``).
 """
@@ -161,7 +166,7 @@ def pool_for(plan: Plan, source: Optional[dict]):
         return FullPool(plan.total), 0
     prev, level = pool_for(plan, source.get("rest"))
     old = Plan(plan.shardset, int(source["world_size"]), int(source["workers"]), int(source["batch_size"]),
-               plan.seed, True)
+               plan.seed, True, plan.repeats)
     pool = RestPool(prev, old, [int(x) for x in source["emitted"]], int(source["shuffle_buffer"]),
                     int(source["epoch"]), level)
     return pool, level + 1

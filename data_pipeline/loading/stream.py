@@ -35,7 +35,7 @@ from data_pipeline.loading.plan import TAG_BATCH, TAG_SAMPLE, Plan, mix_seed, sh
 from data_pipeline.loading.transforms import SampleTransform
 from data_pipeline.shards.decode import BadSample, image_bytes, open_image, parse_label
 from data_pipeline.shards.reader import read_shard
-from data_pipeline.storage.retry import RemotePolicy, RemoteShardError
+from data_pipeline.storage.retry import RemotePolicy, RemoteShardError, StoreUnreachable
 from data_pipeline.tally import Tally
 
 SHUFFLE_INITIAL = 100  # start emitting once this many samples are buffered (as webdataset does)
@@ -92,6 +92,12 @@ class ShuffleBuffer:
         return self.items.pop()
 
 
+def sample_seed(seed: int, epoch: int, raw, pass_no: int) -> int:
+    """The seed of a sample's augmentation: its identity in the epoch, whichever slot reads it.
+    A repeat (``data.repeat_augment``) adds its copy number; copy 0 keeps the seed it has without."""
+    return mix_seed(TAG_SAMPLE, seed, epoch, raw.shard.index, raw.index, pass_no, *([raw.copy] if raw.copy else []))
+
+
 class _Starved(Exception):
     pass
 
@@ -136,22 +142,23 @@ class _SlotReader:
             self.pass_no += 1
 
     def _runs(self):
-        """(shard, [(lo, hi), ...]) for each run of consecutive pieces of one shard."""
+        """(shard, copy, [(lo, hi), ...]) for each run of consecutive pieces of one shard and copy."""
         runs = []
         for p in self.pieces:
-            if runs and runs[-1][0] is p.shard:
-                runs[-1][1].append((p.lo, p.hi))
+            if runs and runs[-1][0] is p.shard and runs[-1][1] == p.copy:
+                runs[-1][2].append((p.lo, p.hi))
             else:
-                runs.append((p.shard, [(p.lo, p.hi)]))
+                runs.append((p.shard, p.copy, [(p.lo, p.hi)]))
         return runs
 
     def _one_pass(self, got):
         first = self.pass_no == 0
-        for shard, ranges in self._runs():
+        for shard, copy, ranges in self._runs():
             # repeated passes re-read the same bytes: their shard events were counted already
             for sample in read_shard(shard, self.tally if first else Tally(), ranges, self.remote):
                 got[0] += not sample.lost and sample.key not in self.exclude  # all excluded: starved
                 self.accounted += first
+                sample.copy = copy
                 yield sample
 
 
@@ -205,17 +212,22 @@ class SlotStream(IterableDataset):
         reader = _SlotReader(pieces, tally, repeat=True, exclude=s.exclude, remote=s.remote)
         buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(shuffle_seed(plan.seed, epoch, slot, level)))
         images, labels, keys, shards, emitted = [], [], [], [], 0
+        good_pass = -1  # the last pass that decoded a sample (a fast-forwarded one did, in the first run)
         try:
             for pass_no, raw in shuffled(reader, buffer):
                 emitted += 1
                 if emitted <= skip:  # fast-forward: no decode
                     tally.enabled = emitted == skip
+                    good_pass = pass_no
                     continue
-                seed = mix_seed(TAG_SAMPLE, plan.seed, epoch, raw.shard.index, raw.index, pass_no)
+                if pass_no > good_pass + 1:  # a whole pass of samples none of which decodes: the slot's
+                    raise _Starved()  # batches can never fill, and repeating it would spin for ever
+                seed = sample_seed(plan.seed, epoch, raw, pass_no)
                 # a repeated pass meets the same bad samples again: they were counted the first time
                 item = self._decode(raw, seed, tally if pass_no == 0 else _quiet())
                 if item is None:
                     continue
+                good_pass = pass_no
                 if pass_no > 0:
                     tally.add("repeated_for_balance")
                 images.append(item[0])
@@ -240,8 +252,9 @@ class SlotStream(IterableDataset):
             yield None, None, BatchRecord(True, role, tally.take(), epoch, error=(
                 f"rank {self.rank} reader slot {role}: none of its shards ({names}) yielded a readable "
                 f"sample in epoch {epoch}"))
-        except RemoteShardError as e:  # the main process raises it (a DataError: one line)
-            yield None, None, BatchRecord(True, role, tally.take(), epoch, error=str(e))
+        except (RemoteShardError, StoreUnreachable) as e:  # the main process raises it (one line)
+            yield None, None, BatchRecord(True, role, tally.take(), epoch, error=str(e),
+                                          unreachable=isinstance(e, StoreUnreachable))
 
     # ------------------------------------------------------------------------------ evaluation
     def _eval_pass(self, slot, role):
@@ -250,8 +263,9 @@ class SlotStream(IterableDataset):
         (samples,) = _SlotReader(pieces, tally, repeat=False, remote=self.settings.remote).passes()
         try:
             yield from self._eval_batches(samples, role, tally)
-        except RemoteShardError as e:
-            yield None, None, BatchRecord(False, role, tally.take(), error=str(e))
+        except (RemoteShardError, StoreUnreachable) as e:
+            yield None, None, BatchRecord(False, role, tally.take(), error=str(e),
+                                          unreachable=isinstance(e, StoreUnreachable))
 
     def _eval_batches(self, samples, role, tally):
         plan = self.plan

@@ -2,13 +2,14 @@
 batch-level Mixup/CutMix.
 
 Pre-training: the ViT paper's Inception-style random resized crop + horizontal flip, optionally
-RandAugment (AugReg). Evaluation: resize the shorter side to ``img_size / eval_crop_pct``, center
-crop. Each sample's randomness comes from a seed derived from its identity (see ``plan.mix_seed``):
-the crop box and flip are drawn from a generator of the transform's own, seeded with it, by the
-calls ``RandomResizedCrop`` and ``RandomHorizontalFlip`` make (so the same values); RandAugment
-continues that stream on torch's default generator inside ``fork_rng``. The caller's RNG stream is
-untouched (this matters with ``workers=0``, where transforms run in the training process), and
-augmentation is reproducible on resume, whichever worker decodes the sample.
+RandAugment (AugReg) or DeiT III's 3-Augment (``three_augment.py``). Evaluation: resize the shorter
+side to ``img_size / eval_crop_pct``, center crop. Each sample's randomness comes from a seed
+derived from its identity (see ``plan.mix_seed``): the crop box and flip are drawn from a generator
+of the transform's own, seeded with it, by the calls ``RandomResizedCrop`` and
+``RandomHorizontalFlip`` make (so the same values); 3-Augment continues that stream, RandAugment
+continues it on torch's default generator inside ``fork_rng``. The caller's RNG stream is untouched
+(this matters with ``workers=0``, where transforms run in the training process), and augmentation
+is reproducible on resume, whichever worker decodes the sample.
 
 Decoding cost: the crop is chosen from the JPEG header's size *before* decoding. Then, with
 ``data.worker_decoder: nvimgcodec`` (``shards/crop_decode.py``), only the crop's rows and columns
@@ -33,6 +34,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from data_pipeline.loading import three_augment
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.decode import draft, exif_orientation, load_rgb, oriented_size
 
@@ -98,6 +100,12 @@ class SampleTransform:
             self._log_ratio = [float(x) for x in torch.log(torch.tensor(self.crop.ratio))]
             self.randaug = v2.RandAugment(num_ops=aug.randaugment_ops, magnitude=aug.randaugment_magnitude) \
                 if aug.randaugment_ops > 0 else None
+            self.three_augment = aug.three_augment
+
+    @property
+    def replays(self) -> bool:
+        """Whether a sample has ops after its crop and flip, drawn from its seed (:meth:`replay`)."""
+        return self.train and (self.randaug is not None or self.three_augment)
 
     def _draw(self, W: int, H: int, gen: torch.Generator) -> tuple[tuple[int, int, int, int], bool]:
         """The sample's crop box (top, left, h, w) in a W x H image and its flip, drawn from ``gen``
@@ -140,19 +148,23 @@ class SampleTransform:
         return state
 
     def _post(self, out: torch.Tensor, flip: bool, gen: torch.Generator) -> torch.Tensor:
-        """Flip, then RandAugment drawing from where ``gen`` stands (on torch's default generator,
-        which ``v2.RandAugment`` uses, inside ``fork_rng``)."""
+        """Flip, then the sample's ops drawing from where ``gen`` stands: 3-Augment's, then
+        RandAugment's (on torch's default generator, which ``v2.RandAugment`` uses, inside
+        ``fork_rng``); the configuration allows one of the two."""
         if flip:
             out = out.flip(-1)
+        if self.three_augment:
+            out = three_augment.apply(out, three_augment.draw(gen))
         if self.randaug is None:
             return out
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.set_state(gen.get_state())
             return self.randaug(out)
 
-    def randaugment(self, x: torch.Tensor, item: "Deferred") -> torch.Tensor:
-        """RandAugment on the cropped (and flipped) sample ``x`` of ``item``, its ops drawn where the
-        sample's own stream stands after its crop and flip draws (replayed from its seed)."""
+    def replay(self, x: torch.Tensor, item: "Deferred") -> torch.Tensor:
+        """The ops after the crop and flip (3-Augment or RandAugment) on the cropped (and flipped)
+        sample ``x`` of ``item``, on its device, drawn where the sample's own stream stands after its
+        crop and flip draws (replayed from its seed)."""
         gen = self._seeded(item.seed)
         self._draw(*item.size, gen)
         return self._post(x, False, gen)
@@ -237,7 +249,7 @@ class SampleTransform:
         top, left, h, w = item.box
         out = F.resized_crop(pixels, top, left, h, w, [self.size, self.size], antialias=True)
         out = out.flip(-1) if item.flip else out
-        return self.randaugment(out, item) if self.randaug is not None else out
+        return self.replay(out, item) if self.replays else out
 
     def _eval(self, img: Image.Image) -> torch.Tensor:
         w, h = img.size

@@ -28,7 +28,7 @@ import braceexpand
 from data_pipeline.errors import DataError
 from data_pipeline.files import write_atomic
 from data_pipeline.storage.http import HTTPShard
-from data_pipeline.storage.retry import RemotePolicy
+from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
 from data_pipeline.storage.s3 import S3Object
 from data_pipeline.storage.urls import is_http, is_remote, is_s3, local_path
 
@@ -86,10 +86,10 @@ def _read_text(url: str, allow_remote: bool, key: str) -> str:
         if is_http(url) or is_s3(url):  # retried like the shards (storage.http, storage.s3)
             reader = HTTPShard if is_http(url) else S3Object
             try:
-                with reader(url, MANIFEST_NAME, RemotePolicy(retries=3, retry_s=10.0), kind="manifest") as f:
+                with reader(url, MANIFEST_NAME, RemotePolicy(retry_s=10.0), kind="manifest") as f:
                     return f.read().decode("utf-8")
-            except DataError as e:
-                raise DataError(f"{e} ({key})") from None
+            except (DataError, StoreUnreachable) as e:
+                raise (StoreUnreachable if isinstance(e, StoreUnreachable) else DataError)(f"{e} ({key})") from None
 
         try:
             with gopen(url, "rb") as f:

@@ -36,6 +36,7 @@ class RawSample:
     key: str
     members: dict = field(default_factory=dict)  # extension -> bytes
     lost: bool = False  # a placeholder for a sample the tar did not deliver (counted as lost_in_shard)
+    copy: int = 0  # which of its repeats in a training epoch this reading is (data.repeat_augment)
 
 
 def read_shard(shard: Shard, tally: Tally, ranges=None, policy: Optional[RemotePolicy] = None) -> Iterator[RawSample]:
@@ -45,8 +46,8 @@ def read_shard(shard: Shard, tally: Tally, ranges=None, policy: Optional[RemoteP
     last range ends. Whatever the manifest promised in the ranges and the tar did not deliver
     (missing file, truncation, garbage) is counted as ``lost_in_shard`` and comes out as a
     placeholder (``lost=True``, no members): a slot's arrivals are then exactly its planned
-    positions, which elastic resume (``rest.py``) relies on. An HTTP shard the server refuses or
-    stays away for (``policy``) raises ``RemoteShardError`` instead."""
+    positions, which elastic resume (``rest.py``) relies on. A remote shard the server refuses
+    raises ``RemoteShardError`` instead, one it stays away for past ``policy`` ``StoreUnreachable``."""
     ranges = [(0, shard.samples)] if ranges is None else [(lo, hi) for lo, hi in ranges if hi > lo]
     wanted = sum(hi - lo for lo, hi in ranges)
     if not wanted:
@@ -136,7 +137,8 @@ def _members(stream) -> Iterator[tuple]:
     reads on from that header. The checks are tarfile's: a bad or short header ends the archive
     (the first one is an error), and a member whose bytes or padding the file cuts short is a
     ``ReadError``."""
-    if hasattr(stream, "peek") and getattr(stream, "seekable", bool)() and not stream.peek(8)[:8].startswith(_COMPRESSED):
+    plain = hasattr(stream, "peek") and getattr(stream, "seekable", bool)()
+    if plain and not stream.peek(8)[:8].startswith(_COMPRESSED):
         pos, first = stream.tell(), True
         while True:
             try:

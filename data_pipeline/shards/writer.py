@@ -14,9 +14,10 @@ re-encoding), ``<key>.cls`` (first label as text) and, for multi-label data, ``<
 (``{"labels": [...]}``), so any stock ``webdataset.WebDataset`` reader reads the shards.
 ``--resize-shorter S`` stores images with shorter side at most S: decoding a pre-resized JPEG is
 the single biggest saving of the training loader (benchmarks/results/loader-throughput-cpu.md). Files copied as
-they are (no resize needed, 8-bit without transparency) are checked by their header only; others
-go through ``decode.to_8bit`` (EXIF orientation, alpha over white, 16-bit scaled), the loader's own
-mapping. Unreadable files are skipped, counted in the manifest's ``skipped`` and named in its
+they are (no resize needed, 8-bit without transparency) keep their bytes and are decoded once, a
+JPEG at 1/8 scale, so that a truncated one is not stored; others go through ``decode.to_8bit``
+(EXIF orientation, alpha over white, 16-bit scaled), the loader's own mapping. Files that do not
+decode whole are skipped, counted in the manifest's ``skipped`` and named in its
 ``skipped_files`` (the first 1,000 per reason) and in one line on stderr; the loader counts any
 that fail later. An imagefolder class folder without images is an error unless
 ``--allow-empty-classes``.
@@ -95,6 +96,7 @@ def encode_item(args):
             fmt = img.format
             lossless = fmt == "WEBP" and _webp_lossless(obj)
             if fmt in _KEEP and (shorter is None or min(img.size) <= shorter) and _plain(img):
+                _decode_whole(img)  # a truncated file would pass on its header alone
                 return obj, _KEEP[fmt]  # copied as-is: no generation loss, no encode cost
             if fmt == "JPEG" and shorter:
                 img.draft("RGB", _resized(img.size, shorter))
@@ -124,6 +126,15 @@ def encode_item(args):
     else:
         img.save(buf, out_fmt, quality=quality)
     return buf.getvalue(), _KEEP[out_fmt]
+
+
+def _decode_whole(img: Image.Image) -> None:
+    """Decode every byte of a file about to be stored as it is; raise where PIL cannot (a truncated
+    or damaged file), as the loader's decode would. A JPEG is decoded at 1/8 scale (libjpeg's DCT
+    scaling still reads the whole entropy-coded stream): about a third of a full decode."""
+    if img.format == "JPEG":
+        img.draft("RGB", (max(1, img.size[0] // 8), max(1, img.size[1] // 8)))
+    img.load()
 
 
 def _plain(img: Image.Image) -> bool:

@@ -2,12 +2,12 @@
 
 ``http://`` / ``https://`` shards (``data.allow_remote``) are read by ``HTTPShard``: a dropped
 connection, a timeout, a refused connect or a 408/429/5xx answer is retried with exponential
-backoff (``RemotePolicy``: ``data.remote_retries`` failures in a row, ``data.remote_retry_s``
-seconds of one outage at most), and the read resumes at the byte it stopped at with an HTTP
-``Range`` request, so the tar stream goes on with no sample repeated or skipped. Each retry is
-counted as ``remote_retries``. A server still failing past the policy, a 404 and any other
-refusal raise ``RemoteShardError`` (one line naming the URL and the shard); the stream stops the
-run with it rather than count the shard's samples as lost.
+backoff until the outage has lasted ``data.remote_retry_s`` (``storage.retry``), and the read
+resumes at the byte it stopped at with an HTTP ``Range`` request, so the tar stream goes on with no
+sample repeated or skipped. Each retry is counted as ``remote_retries``. A server still away past
+the policy raises ``StoreUnreachable``, a 404 and any other refusal ``RemoteShardError`` (one line
+naming the URL and the shard); the stream stops the run with it rather than count the shard's
+samples as lost.
 """
 from __future__ import annotations
 

@@ -1,76 +1,104 @@
 """The one retry policy of every remote reader and writer (``http(s)://``, ``s3://``).
 
 A transient failure (a refused connect, a reset or stalled read, a 408/429/5xx answer, S3's
-``SlowDown``) is retried with exponential backoff (``BACKOFF_FIRST_S`` doubling, at most
-``BACKOFF_MAX_S``) until ``RemotePolicy.retries`` failures in a row or ``RemotePolicy.retry_s``
-seconds of one outage; each retry is counted as ``remote_retries``. The readers resume at the byte
-they stopped at, so the caller never sees a byte twice or misses one. Past the policy, and for any
-refusal that waiting cannot fix (missing file, no permission, bad credentials), the error is a
-``RemoteShardError``: one line naming the URL and what to check.
+``SlowDown``) starts an *outage*: retried with exponential backoff (``data_pipeline.config.backoff_s``:
+0.25 s doubling, at most 8 s) until it has lasted ``RemotePolicy.retry_s`` (``data.remote_retry_s``),
+the last try at that bound; a try that waits out ``timeout_s`` makes an outage end at most that much
+later. The count of failures is a guard only (``RemotePolicy.retries``, by default as many as the
+backoff takes to fill ``retry_s``). Each retry counts as ``remote_retries``; a line on stderr says
+when an outage starts and when it ends (how long, how many retries). The readers resume at the
+byte they stopped at, so the caller never sees a byte twice or misses one.
+
+An outage past the bound raises ``StoreUnreachable`` (an ``Unavailable`` service: exit 69, which
+``vit-launch --max-restarts`` restarts and a requeueing sbatch script requeues). A refusal that
+waiting cannot fix (missing file, no permission, bad credentials) is a ``RemoteShardError`` (a user
+error, exit 2). Both are one line naming the URL and what to check.
 """
 from __future__ import annotations
 
 import http.client
 import io
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from data_pipeline.errors import DataError
+from data_pipeline.config import backoff_s, outage_retries
+from data_pipeline.errors import DataError, Unavailable
 from data_pipeline.tally import Tally
 
-BACKOFF_FIRST_S = 0.25  # first wait after a failure; doubles per failure in a row
-BACKOFF_MAX_S = 8.0  # longest single wait
 TRANSIENT = (OSError, http.client.HTTPException)  # what ``retrying`` retries: URLError, timeouts, resets, short reads
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class RemotePolicy:
-    """How long a remote shard read keeps trying (``data.remote_*``)."""
-    retries: int = 8  # failures in a row before giving up
-    retry_s: float = 120.0  # the longest one outage is retried (waits included)
+    """How long a remote read or write keeps trying (``data.remote_*``)."""
+    retry_s: float = 120.0  # an outage is retried until it has lasted this long (waits included)
     timeout_s: float = 30.0  # a connect or a read waiting this long counts as a failure
+    retries: Optional[int] = None  # guard: failures of one outage at most; None: ``outage_retries(retry_s)``
 
     @classmethod
     def of(cls, data_cfg) -> "RemotePolicy":
-        return cls(getattr(data_cfg, "remote_retries", cls.retries),
-                   getattr(data_cfg, "remote_retry_s", cls.retry_s),
-                   getattr(data_cfg, "remote_timeout_s", cls.timeout_s))
+        return cls(getattr(data_cfg, "remote_retry_s", cls.retry_s),
+                   getattr(data_cfg, "remote_timeout_s", cls.timeout_s),
+                   getattr(data_cfg, "remote_retries", cls.retries))
+
+    def guard(self) -> int:
+        """The failures one outage may count: never fewer than the backoff takes to fill ``retry_s``."""
+        return max(self.retries or 0, outage_retries(self.retry_s))
 
 
 class RemoteShardError(DataError):
-    """A remote file the server refused (404, 403, bad credentials, ...) or stayed unreachable for
-    past the ``RemotePolicy``; the message is one line naming the URL and the file."""
+    """A remote file the server refused (404, 403, bad credentials, ...): waiting cannot fix it; the
+    message is one line naming the URL and the file."""
+
+
+class StoreUnreachable(Unavailable):
+    """An outage of a server or store that lasted past ``RemotePolicy.retry_s``; one line naming the
+    URL, the bound and the last error."""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def retrying(op: Callable[[], T], *, policy: RemotePolicy, url: str, name: str,
-             tally: Optional[Tally] = None, drop: Callable[[], None] = lambda: None) -> T:
+             tally: Optional[Tally] = None, drop: Callable[[], None] = lambda: None,
+             say: Callable[[str], None] = _say) -> T:
     """``op()``; after a transient failure (``TRANSIENT``: the reader turns a retryable answer into
-    a ``ConnectionError``), ``drop()`` the broken connection, back off and try again, until
-    ``policy.retries`` failures in a row or ``policy.retry_s`` seconds of this outage. A
-    ``RemoteShardError`` from ``op`` passes through at once."""
-    failures, first = 0, None
+    a ``ConnectionError``), ``drop()`` the broken connection, back off and try again until this
+    outage has lasted ``policy.retry_s`` (then ``StoreUnreachable``). ``say`` gets a line when the
+    outage starts and one when it ends. A ``RemoteShardError`` from ``op`` passes through at once."""
+    failures, first = 0, 0.0
     while True:
         try:
-            return op()
+            result = op()
         except RemoteShardError:
             raise
         except TRANSIENT as e:
             drop()
             now = time.monotonic()
-            first = now if first is None else first
+            reason = getattr(e, "reason", None) or e
+            if not failures:
+                first = now
+                say(f"{url}: unreachable ({reason}); retrying {name} for up to {policy.retry_s:g} s "
+                    "(data.remote_retry_s)")
             failures += 1
-            delay = min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
-            if failures > policy.retries or now - first + delay > policy.retry_s:
-                reason = getattr(e, "reason", None) or e
-                raise RemoteShardError(
-                    f"{url}: server unreachable, gave up on {name} after {failures - 1} "
-                    f"retries over {now - first:.1f} s (data.remote_retries={policy.retries}, "
-                    f"data.remote_retry_s={policy.retry_s:g}); last error: {reason}") from None
+            left = policy.retry_s - (now - first)
+            if left <= 0.01 or failures > policy.guard():  # 0.01: a sleep may end a hair early
+                raise StoreUnreachable(
+                    f"{url}: server unreachable, gave up on {name} after {failures - 1} retries over "
+                    f"{now - first:.1f} s (data.remote_retry_s={policy.retry_s:g}); last error: {reason}; "
+                    "the same command resumes once it is back") from None
             if tally is not None:
                 tally.add("remote_retries")
-            time.sleep(delay)
+            time.sleep(min(backoff_s(failures), left))
+        else:
+            if failures:
+                say(f"{url}: reachable again after {time.monotonic() - first:.1f} s and {failures} "
+                    f"retr{'y' if failures == 1 else 'ies'}; {name} goes on")
+            return result
 
 
 class ResumableRead(io.RawIOBase):

@@ -31,8 +31,7 @@ def check_arguments(args) -> None:
         raise LaunchError(f"--world-size must be positive, got {args.world_size}")
     if args.gpu and args.gpu not in GPUS:
         raise LaunchError(f"--gpu {args.gpu!r} is not one of {', '.join(GPUS)}")
-    if args.world_size is None:  # the resource options give the world size
-        check_spec(launch_spec(args))
+    check_spec(launch_spec(args))  # the values `run` refuses, whether or not they give the world size
 
 
 def command(args) -> int:

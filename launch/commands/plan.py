@@ -15,7 +15,7 @@ import json
 from dataclasses import replace
 
 from pretrain.config import ConfigError
-from pretrain.perf import hardware, inputs, memory, perfmodel
+from pretrain.perf import advice, hardware, inputs, memory, perfmodel
 
 SUMMARY = ("predict images/s, MFU, memory and the bottleneck of a layout from the performance model "
            "(--search ranks layouts)")
@@ -29,9 +29,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")
     ap.add_argument("--model", help="registered model name (without --config), e.g. vit_large_patch16_224")
     ap.add_argument("--gpu", required=True, choices=sorted(hardware.GPUS), help="GPU type")
-    ap.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    ap.add_argument("--nodes", type=int, help="number of nodes (default 1, or --world-size / --gpus-per-node)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    ap.add_argument("--world-size", type=int, help="total GPUs (with --config; nodes = world / gpus-per-node)")
+    ap.add_argument("--world-size", type=int, help="total GPUs (nodes = world / gpus-per-node)")
     ap.add_argument("--micro-batch", type=int, help="images per GPU per forward/backward (default 32)")
     ap.add_argument("--global-batch", type=int, help="images per optimizer step (default: micro x world)")
     ap.add_argument("--img-size", type=int, help="input resolution (default: the model's)")
@@ -80,9 +80,11 @@ FLAGS = {"decode_rate": "--decode-rate", "cpu_cores": "--cpu-cores", "stored_sid
 
 
 def check_arguments(args) -> None:
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    if args.img_size is not None and args.img_size <= 0:
+        raise ConfigError(f"--img-size {args.img_size}: must be a positive number of pixels")
     if args.config:
-        if args.world_size is not None and args.world_size < 1:
-            raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
         return
     if not args.model:
         raise ConfigError("give --model NAME or --config FILE")
@@ -114,27 +116,24 @@ def _layout(args) -> tuple[perfmodel.Layout, list]:
     from pretrain.config.phases import resolution_phases
 
     phases = []
+    nodes, gpus_per_node = _nodes(args)
     if args.config:
         cfg = load_config(args.config, args.overrides)
         if args.world_size and args.micro_batch is None and args.global_batch is None:
             check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
-        nodes = args.nodes
-        if args.world_size:
-            nodes, rest = divmod(args.world_size, args.gpus_per_node)
-            if rest or nodes < 1:
-                if args.world_size < args.gpus_per_node:
-                    nodes, args.gpus_per_node = 1, args.world_size
-                else:
-                    raise ConfigError(f"--world-size {args.world_size} is not a multiple of --gpus-per-node "
-                                      f"{args.gpus_per_node}")
-        lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+        lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=gpus_per_node, gpu=args.gpu,
                                            network=args.network)
         if cfg.train.resolution_schedule or cfg.model.patch_drop_rate:
             phases = resolution_phases(cfg.train, image_size(cfg.model))
     else:
         net = args.network or hardware.default_network(args.gpu)
-        lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                               network=net)
+        lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=nodes, gpus_per_node=gpus_per_node, network=net)
+    if args.img_size is not None:
+        from pretrain.models.arch import model_defaults
+
+        patch = model_defaults(lay.model)["stride"]
+        if args.img_size % patch:
+            raise ConfigError(f"--img-size {args.img_size} is not a multiple of {lay.model}'s patch size {patch}")
     kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
                                 zero=args.zero, reduce_dtype=args.reduce_dtype, hpz_partition_size=args.hpz,
                                 network=args.network, intra_node_gbps=args.intra_node_gbps,
@@ -160,6 +159,24 @@ def _layout(args) -> tuple[perfmodel.Layout, list]:
     return lay, phases
 
 
+def _nodes(args) -> tuple[int, int]:
+    """(nodes, GPUs per node) of ``--nodes``/``--gpus-per-node`` or ``--world-size``; a world smaller than
+    one node's GPUs is one node of that many. Given both, they must agree."""
+    gpn, world = args.gpus_per_node, args.world_size
+    if world is None:
+        return (1 if args.nodes is None else args.nodes), gpn
+    if world < gpn:
+        nodes, gpn = 1, world
+    else:
+        nodes, rest = divmod(world, gpn)
+        if rest:
+            raise ConfigError(f"--world-size {world} is not a multiple of --gpus-per-node {gpn}")
+    if args.nodes is not None and args.nodes != nodes:
+        raise ConfigError(f"--world-size {world} is {nodes} node(s) of {gpn} GPUs, not --nodes {args.nodes}: "
+                          "give one of the two (with --gpus-per-node)")
+    return nodes, gpn
+
+
 def _checkpointing(value: str, lay: perfmodel.Layout):
     """``--checkpointing``'s value as the layout's block count (``auto``: the fewest that fit)."""
     from pretrain.config import ConfigError
@@ -171,8 +188,8 @@ def _checkpointing(value: str, lay: perfmodel.Layout):
     if value == "auto":
         return next((n for n in range(depth + 1) if perfmodel.predict(replace(lay, checkpointing=n)).fits), depth)
     if not value.isdigit() or int(value) > depth:
-        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, 'auto' or no value "
-                          "(every block)")
+        raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, "
+                          "'auto' or no value (every block)")
     return int(value)
 
 
@@ -229,10 +246,11 @@ def token_table(price: perfmodel.TokenPrice) -> str:
     for r in price.phases:
         p = r.prediction
         lay = p.layout
-        shape = memory.trained_shape(memory.analytic_shape(lay["model"], img_size=r.img_size), None,
-                                     lay["patch_drop_rate"])
-        steps = f"{r.first:,}-{r.last:,}"
-        lines.append(f"    {steps:>19}  {r.img_size:>4}  {r.micro_batch:>5}  {shape.seq_len - 1:>6}  "
+        full = memory.analytic_shape(lay["model"], img_size=r.img_size, reg_tokens=lay["reg_tokens"],
+                                     class_token=lay["class_token"])
+        shape = memory.trained_shape(full, None, lay["patch_drop_rate"])
+        steps = f"{r.first:,}-{r.last:,}"  # tokens: the patch tokens the blocks see, the prefix not counted
+        lines.append(f"    {steps:>19}  {r.img_size:>4}  {r.micro_batch:>5}  {shape.seq_len - shape.prefix_tokens:>6}  "
                      f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.step_seconds * 1e3:>8,.1f}  "
                      f"{r.seconds / 3600:>8,.1f}  {r.seconds * world / 3600:>9,.0f}  "
                      f"{p.memory_gb_per_gpu['total']:>6.1f}")
@@ -265,7 +283,7 @@ def table(rows: list[perfmodel.Prediction]) -> str:
 def command(args) -> int:
     lay, phases = layout(args)
     if args.search:
-        rows = perfmodel.search(lay)
+        rows = advice.search(lay)
         if not rows:
             raise ConfigError(f"no layout of {lay.model} fits {hardware.gpu_of(lay).memory_gb:.0f} GB per GPU")
         rows = rows[:args.top]
@@ -274,11 +292,11 @@ def command(args) -> int:
     p = perfmodel.predict(lay)
     tokens = perfmodel.price_tokens(lay, phases) if phases else None
     if args.json:
-        print(json.dumps({**p.as_dict(), "levers": dict(perfmodel.lever_gains(lay)),
+        print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay)),
                           **({"tokens": tokens.as_dict()} if tokens else {})}, indent=1))
         return 0
     print(describe(p))
-    gains = perfmodel.lever_gains(lay)
+    gains = advice.lever_gains(lay)
     if gains:
         print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))
     if tokens:

@@ -6,6 +6,7 @@ shell-quoted, and exits 0 (config and hostfile are validated; data and disk chec
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
@@ -40,8 +41,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args) -> None:
-    if args.max_restarts < 0 or args.restart_backoff < 0 or args.stop_grace <= 0:
-        raise LaunchError("--max-restarts and --restart-backoff must be >= 0, --stop-grace > 0")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for flag, v, zero_ok in (("--restart-backoff", args.restart_backoff, True),
+                             ("--stop-grace", args.stop_grace, False)):
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):  # nan compares false to every bound
+            raise LaunchError(f"{flag} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {v:g}")
     if args.exclude_slow_hosts and not args.hostfile:
         raise LaunchError("--exclude-slow-hosts needs --hostfile (the hosts to choose from)")
     if args.min_nodes is not None and (args.min_nodes <= 0 or not args.hostfile):
@@ -92,7 +97,8 @@ def supervise(args, cmd: list[str], pool, layout) -> int:
     from launch.supervise import Supervisor
 
     if pool is None:
-        return Supervisor(cmd, layout.status, stop_grace_s=args.stop_grace).run(args.max_restarts, args.restart_backoff)
+        return Supervisor(cmd, layout.status, stop_grace_s=args.stop_grace,
+                          stop_file=layout.stop_request).run(args.max_restarts, args.restart_backoff)
     first = [cmd]
 
     def command() -> list[str]:  # the first attempt's is made above; each restart's after the failure

@@ -133,10 +133,15 @@ class SnapshotEngine(CheckpointEngine):
     def save(self, state_dict, path: str) -> None:
         """Snapshot now, write later. The host buffers of this file's previous snapshot are reused:
         the caller (``Saver``) starts a save only after the writer finished the previous one."""
+        # by name, as DeepSpeed's engine: torch names the zip's root after it
+        self.save_with(state_dict, path, torch.save)
+
+    def save_with(self, obj, path: str, write: Callable[[Any, str], None]) -> None:
+        """:meth:`save` for a file of another format: ``write(snapshot, path)`` on the writer."""
         events: list = []
         pool = self._pools.setdefault(os.path.basename(path), [])
-        snap = snapshot(state_dict, {}, events, None, pool)
-        self._jobs.put((self._write, (snap, path, events)))
+        snap = snapshot(obj, {}, events, None, pool)
+        self._jobs.put((self._write, (snap, path, events, write)))
 
     def load(self, path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -176,10 +181,10 @@ class SnapshotEngine(CheckpointEngine):
     def error(self) -> Optional[BaseException]:
         return self._error
 
-    def _write(self, snap, path: str, events: list) -> None:
+    def _write(self, snap, path: str, events: list, write: Callable[[Any, str], None]) -> None:
         for ev in events:  # the device-to-host copies of this snapshot
             ev.synchronize()
-        torch.save(snap, path)  # by name, as DeepSpeed's engine: torch names the zip's root after it
+        write(snap, path)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)

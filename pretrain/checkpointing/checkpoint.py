@@ -2,7 +2,9 @@
 
 A checkpoint directory (layout: ``pretrain/checkpointing/rundir.py``) holds DeepSpeed's engine state (module,
 ZeRO optimizer shards, LR schedule), ``rank_<R>.json`` per rank (data-loader position, Python /
-NumPy / torch RNG), ``run.json`` (step, resolved config, W&B run id, world size) and, last, the
+NumPy / torch RNG), with ``train.ema_decay`` ``ema_rank_<R>.safetensors`` (each rank's pieces of the
+weights' moving average: ``pretrain/distributed/ema.py``), ``run.json`` (step, resolved config, W&B
+run id, world size) and, last, the
 ``COMPLETE`` marker that rank 0 writes after every rank finished, listing every file's size and
 checksum. A crash or ``kill -9`` mid-save leaves the previous checkpoint as the one to resume
 from; half-written directories are removed by the next successful save. Resume verifies the files
@@ -32,6 +34,7 @@ from pretrain.checkpointing.rundir import (
     step_of,
     tag_for,
 )
+from pretrain.distributed import ema as weight_ema
 from pretrain.distributed.rng import rng_state, set_rng_state
 
 __all__ = ["save", "resume",
@@ -40,9 +43,12 @@ __all__ = ["save", "resume",
 # Keys whose change makes a checkpoint unloadable into this run (tensor shapes, parameter names,
 # optimizer state layout, ZeRO shard files). Others (lr, steps, drop rates, data) may change.
 RESUME_KEYS = ("model.name", "model.num_classes", "model.img_size", "model.representation_size",
-               "model.global_pool", "model.qk_norm", "model.init_values", "optim.name", "zero.stage",
-               "train.precision")
-_RESUME_DEFAULTS = {"model.qk_norm": False}  # keys added later: absent from older runs' configs
+               "model.global_pool", "model.qk_norm", "model.init_values", "model.reg_tokens", "model.class_token",
+               "model.pos_embed", "optim.name", "zero.stage", "train.precision",
+               "optim.layer_decay")  # the parameter groups, and each group's base LR kept by the schedule's state
+# keys added later: absent from older runs' configs
+_RESUME_DEFAULTS = {"model.qk_norm": False, "model.reg_tokens": 0, "model.class_token": True,
+                    "model.pos_embed": "learned", "optim.layer_decay": 1.0}
 
 
 def check_writable(folder: str | Path, key: str) -> None:
@@ -58,8 +64,20 @@ def _write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj))
 
 
-def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def _ema_file(path: Path, rank: int) -> Path:
+    return path / weight_ema.FILE.format(rank)
+
+
+def _ema_meta(meta: dict, step: int) -> dict:
+    import torch.distributed as dist
+
+    return {**meta, "step": str(step), "world_size": str(dist.get_world_size())}
+
+
+def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict, keep_last: int,
+         ema=None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory. ``ema``: the weights'
+    moving average (``pretrain.distributed.ema.WeightEma``), written beside as each rank's pieces."""
     import torch.distributed as dist
 
     ckpt_dir = Path(ckpt_dir)
@@ -76,6 +94,9 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     except RuntimeError as e:  # torch.save's writer fails with a RuntimeError, e.g. on a full disk
         raise as_os_error(e, path) from None
     rank = dist.get_rank()
+    if ema is not None and ema.owns_pieces():
+        tensors, meta = ema.pieces()
+        weight_ema.write_pieces(_ema_file(path, rank), tensors, _ema_meta(meta, step))
     _write_json(path / f"rank_{rank:05d}.json", {**rank_state, "rng": rng_state(), "step": step})
     if rank == 0:
         _write_json(path / "run.json", {**run_info, "step": step, "world_size": dist.get_world_size()})
@@ -88,7 +109,8 @@ def save(engine, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info:
     return path
 
 
-def save_async(engine, saver, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict) -> Path:
+def save_async(engine, saver, ckpt_dir: str | Path, step: int, *, rank_state: dict, run_info: dict,
+               ema=None) -> Path:
     """Collective, like :func:`save`, but returns once this rank's state is snapshotted: the
     files are written by ``saver``'s background writer and the checkpoint becomes complete
     (``COMPLETE``, ``latest``, pruning) when every rank has written and synced them
@@ -104,6 +126,11 @@ def save_async(engine, saver, ckpt_dir: str | Path, step: int, *, rank_state: di
     path.mkdir(parents=True, exist_ok=True)
     engine.save_checkpoint(str(ckpt_dir), tag=tag_for(step), save_latest=False)  # snapshots, then queues
     rank = dist.get_rank()
+    if ema is not None and ema.owns_pieces():  # copied on the device, snapshotted to the host, written behind
+        tensors, meta = ema.pieces()
+        meta = _ema_meta(meta, step)
+        saver.writer.save_with(tensors, str(_ema_file(path, rank)),
+                               lambda snap, f: weight_ema.write_pieces(f, snap, meta))
     small = {path / f"rank_{rank:05d}.json": {**rank_state, "rng": rng_state(), "step": step}}
     if rank == 0:
         small[path / "run.json"] = {**run_info, "step": step, "world_size": dist.get_world_size()}
@@ -242,14 +269,16 @@ def check_resumable(ckpt_dir: str | Path, config: dict) -> Optional[Path]:
     return path
 
 
-def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None) -> Optional[tuple[dict, list[dict]]]:
+def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None,
+           ema=None) -> Optional[tuple[dict, list[dict]]]:
     """Load the newest intact complete checkpoint into ``engine``; returns (run_info, the per-rank
     states of *every* rank that saved it, in rank order) or None when there is nothing to resume.
     Collective. Saved on another world size, model and optimizer come through DeepSpeed's universal
     checkpointing (``pretrain/checkpointing/elastic.py``, converted once by rank 0 and kept beside the
     checkpoint); the data loader continues the interrupted epoch from all old ranks' states.
     With ``config`` (this run's, ``to_dict`` form) a change of a RESUME_KEYS entry against the
-    checkpoint's run.json is a one-line ConfigError before anything is loaded."""
+    checkpoint's run.json is a one-line ConfigError before anything is loaded. ``ema``: filled from
+    the checkpoint's pieces on any world size, or started from the resumed weights when it has none."""
     import torch.distributed as dist
 
     from pretrain.checkpointing import elastic
@@ -269,6 +298,15 @@ def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None) -> Optio
         elastic.load_checkpoint(engine, path)
     except elastic.ElasticError as e:
         raise ConfigError(str(e)) from None
+    if ema is not None:
+        try:
+            found = ema.load(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not found:
+            ema.reset()
+            if rank == 0:
+                _warn(f"{path.name} holds no EMA of the weights: train.ema_decay starts it from the resumed weights")
     states = [json.loads((path / f"rank_{r:05d}.json").read_text()) for r in range(saved_world)]
     # RNG streams continue exactly on the same layout; on another one each rank takes the saved
     # stream of its own rank number where there was one, else rank 0's

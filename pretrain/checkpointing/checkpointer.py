@@ -26,9 +26,9 @@ class Checkpointer:
     before the next save, on a stop and at the end (``close``)."""
 
     def __init__(self, cfg: Config, engine, loader, ckpt_dir: Path, run_info: dict, logger,
-                 samples: Optional[SampleLog]):
+                 samples: Optional[SampleLog], ema=None):
         self.every, self.last, self.keep = cfg.checkpoint.every_steps, cfg.train.steps, cfg.checkpoint.keep_last
-        self.engine, self.loader, self.dir, self.run_info = engine, loader, ckpt_dir, run_info
+        self.engine, self.loader, self.dir, self.run_info, self.ema = engine, loader, ckpt_dir, run_info, ema
         self.logger, self.samples = logger, samples
         self.saver = None
         if cfg.checkpoint.async_save:
@@ -57,7 +57,7 @@ class Checkpointer:
                 self.samples.flush()
             t0 = time.perf_counter()
             state = dict(rank_state={"loader": self.loader.state().to_dict()},
-                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id})
+                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id}, ema=self.ema)
             if self.saver is None:
                 checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)
             else:

@@ -195,7 +195,8 @@ def verify(ckpt: Path) -> Optional[str]:
     return None
 
 
-def newest_valid(ckpt_dir: str | Path, warn, step: Optional[int] = None) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+def newest_valid(ckpt_dir: str | Path, warn,
+                 step: Optional[int] = None) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     """The newest complete checkpoint whose files verify (or the one at ``step``), and the
     damaged ones met on the way as (path, reason); ``warn(message)`` is called once for each."""
     damaged = []

@@ -44,6 +44,12 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
             fail(key, f"must be in [0, 1), got {val}")
     if m.init_values is not None and not m.init_values > 0:
         fail("model.init_values", f"must be > 0 or null (no LayerScale), got {m.init_values}")
+    if m.reg_tokens < 0:
+        fail("model.reg_tokens", f"must be >= 0, got {m.reg_tokens}")
+    if not m.class_token and m.global_pool == "token":
+        fail("model.class_token", "false needs model.global_pool=avg or map (token pooling reads the [class] token)")
+    if m.pos_embed == "sincos2d" and d["embed_dim"] % 4:
+        fail("model.pos_embed", f"sincos2d needs a width divisible by 4; {m.name} is {d['embed_dim']} wide")
     if cfg.data.img_size is not None and cfg.data.img_size != img:
         fail("data.img_size", f"{cfg.data.img_size} differs from the model's image size {img}")
     check_data(cfg.data, fail)
@@ -90,6 +96,19 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("optim.weight_decay" if o.weight_decay < 0 else "optim.grad_clip", "must be >= 0")
     if not 0 <= o.label_smoothing < 1:
         fail("optim.label_smoothing", f"must be in [0, 1), got {o.label_smoothing}")
+    if not 0 < o.layer_decay <= 1:
+        fail("optim.layer_decay", f"must be in (0, 1] (1.0: off), got {o.layer_decay}")
+    if o.bce_target_threshold is not None and o.loss != "bce":
+        fail("optim.bce_target_threshold", f"applies to optim.loss=bce only, got optim.loss={o.loss}")
+    if o.bce_target_threshold is not None and not 0 <= o.bce_target_threshold < 1:
+        fail("optim.bce_target_threshold", f"must be in [0, 1) or null, got {o.bce_target_threshold}")
+    if o.loss == "bce" and cfg.data.multi_label:
+        fail("optim.loss", "data.multi_label=true always trains with sigmoid cross-entropy summed over classes; "
+                           "optim.loss=bce is for single-label data: remove it")
+    if not 0 <= t.ema_decay < 1:
+        fail("train.ema_decay", f"must be in [0, 1) (0: no EMA), got {t.ema_decay}")
+    if t.ema_warmup and not t.ema_decay:
+        fail("train.ema_warmup", "warms up the EMA's decay: set train.ema_decay too (e.g. 0.9999)")
     check_zero(cfg.zero, fail)
     check_checkpoint(cfg.checkpoint, fail)
     check_logging(cfg.logging, fail)

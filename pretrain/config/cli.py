@@ -5,11 +5,11 @@ An entry point on the top floor: ``--deepspeed`` reads ``pretrain.distributed.en
 from __future__ import annotations
 
 import contextlib
-import sys
+import io
 
 import yaml
 
-from data_pipeline.errors import cli_errors
+from data_pipeline.errors import Parser, cli_errors
 from data_pipeline.files import check_output_file, write_atomic
 from pretrain.config.load import load_config, save_config, to_dict
 
@@ -18,9 +18,7 @@ def main(argv=None) -> None:
     """``vit-config --config FILE [a.b=c ...] [--output resolved.yaml]``: validate and print;
     ``--deepspeed --world-size N``: print the DeepSpeed JSON config instead; ``vit-config
     --reference``: print the Markdown reference of every key."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="vit-config", description="Validate a config and print it resolved")
+    ap = Parser(prog="vit-config", description="Validate a config and print it resolved")
     ap.add_argument("--config", help="YAML experiment file (required unless --reference)")
     ap.add_argument("--output", help="write the resolved config (or the reference) here instead of printing it")
     ap.add_argument("--reference", action="store_true",
@@ -62,7 +60,9 @@ def main(argv=None) -> None:
             # the buckets `auto` picks for this model on a ring of that many ranks (8 per node)
             cfg, _ = levers.resolve(cfg, args.world_size, gpus_per_node=8)
             ds = deepspeed_config(cfg.optim, cfg.train, cfg.zero, args.world_size, cfg.deepspeed)
-            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout: the JSON alone goes there
+            # DeepSpeed logs to stdout (its accelerator guess on a machine without a GPU, say): the JSON
+            # alone goes there, and a refusal is the one line of check_with_deepspeed
+            with contextlib.redirect_stdout(io.StringIO()):
                 check_with_deepspeed(ds)
             text = json.dumps(ds, indent=2) + "\n"
             if args.output:

@@ -3,10 +3,10 @@ building against the schema (``schema.py``). An unknown key, a value of the wron
 impossible combination raises ``ConfigError`` naming the key and the file it came from."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,11 +20,27 @@ from pretrain.config.schema import MOVED, Config
 from pretrain.evaluation.config import FEWSHOT_DEFAULTS
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1) reading floats as YAML 1.2 and every user writes them:
+    ``1e-3``, ``1E5``, ``-2e-4`` are floats, not the strings YAML 1.1 makes of an exponent without
+    a dot or a sign. Config files, ``base:`` files and ``a.b=c`` overrides all read through it."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def yaml_scalars(text: str):
+    """``text`` read as YAML with the config's float rule (``YamlLoader``)."""
+    return yaml.load(text, Loader=YamlLoader)  # a SafeLoader: plain data only, no Python objects
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml_scalars(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
     except yaml.YAMLError as e:
@@ -84,13 +100,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        parsed = yaml.safe_load(value) if value != "" else ""
+        parsed = yaml_scalars(value) if value != "" else ""
     except yaml.YAMLError:
         parsed = value
-    # YAML 1.1 reads "3e-4" as a string; accept it as a float as users expect.
-    if isinstance(parsed, str):
-        with contextlib.suppress(ValueError):
-            parsed = float(parsed) if any(c in parsed for c in ".eE") and parsed.strip() else parsed
     return key.split("."), parsed
 
 
@@ -98,11 +110,13 @@ def apply_overrides(tree: dict, overrides, origin: dict) -> dict:
     for text in overrides:
         parts, value = parse_override(text)
         node = tree
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
             if not isinstance(nxt, dict):
                 nxt = {}
                 node[p] = nxt
+                # a section only the override names: a typo in it (``trian.steps=3``) is the command line's
+                _record(origin, ".".join(parts[:i + 1]), None, "command line")
             node = nxt
         node[parts[-1]] = value
         _record(origin, ".".join(parts), value, "command line")

@@ -44,14 +44,30 @@ class ModelConfig:
     checkpoints keep (exact resume); no parameters, so exports are unchanged. 0 = off."""
     representation_size: Optional[int] = None
     """Width of the tanh pre-logits layer of the paper's pre-training head; null: none."""
-    global_pool: Literal["token", "avg"] = "token"
-    """`token` ([class] token) or `avg`."""
+    global_pool: Literal["token", "avg", "map"] = "token"
+    """Pooling before the head (timm's `global_pool`): `token` (the [class] token), `avg` (mean of
+    the patch tokens, LayerNorm after pooling as timm's `fc_norm`) or `map` (big_vision's multi-head
+    attention pooling: a learned probe attends over the patch tokens, then a residual MLP; timm's
+    `AttentionPoolLatent`, keys `attn_pool.*`; +1.4 % forward FLOPs at B/16). Registers and the
+    [class] token are left out of `avg` and `map`."""
     qk_norm: bool = False
     """LayerNorm over each head's queries and keys (timm's `qk_norm`, keys `attn.q_norm` /
     `attn.k_norm`): bounded attention logits at g/14-G/14 scale (stability past ViT-H)."""
     init_values: Optional[float] = None
     """LayerScale on both residual branches starting at this value (timm's `init_values`, keys
     `ls1.gamma` / `ls2.gamma`), e.g. `1e-5`; null: none."""
+    reg_tokens: int = 0
+    """Register tokens (Darcet et al. 2024, "Vision Transformers Need Registers"; timm's
+    `reg_tokens`, key `reg_token`): learned tokens after the [class] token that every block attends
+    to and no pooling reads; 4 in the paper. Each adds one token to every block's sequence."""
+    class_token: bool = True
+    """The [class] token (timm's `class_token`); `false` drops it (then `global_pool` is `avg` or
+    `map`, as in big_vision's recipes) and one token from every block's sequence."""
+    pos_embed: Literal["learned", "sincos2d"] = "learned"
+    """Position embedding: `learned` (the paper's) or `sincos2d` (big_vision's fixed 2-D sin-cos,
+    `posemb_sincos_2d`): not trained (no gradient, weight decay or optimizer state), recomputed for
+    the grid at another resolution, and exported under timm's `pos_embed` (zeros for the [class]
+    token and registers) so timm loads it as a learned embedding with equal values."""
     init_from: Optional[str] = None
     """Start from existing weights (e.g. continue from an ImageNet-21k model): a run directory, an
     exported or timm safetensors file, or a transformers ViT folder; null: a fresh model. How the
@@ -60,18 +76,22 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
-    """`adamw` or `sgd`."""
+    name: Literal["adamw", "sgd", "lamb"] = "adamw"
+    """`adamw`, `sgd` or `lamb` (LAMB as timm's `Lamb` with its defaults: Adam moments with bias
+    correction, L2 weight decay added to the update, each tensor's update scaled by the trust ratio
+    ||w|| / ||update|| where the group decays; computed per whole parameter under every ZeRO stage;
+    `optim.grad_clip` is timm's `max_grad_norm`; timm's own `eps` default is 1e-6)."""
     lr: float = 1e-3
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW's betas."""
+    """AdamW's and LAMB's betas."""
     eps: float = 1e-8
-    """AdamW's epsilon."""
+    """AdamW's and LAMB's epsilon."""
     momentum: float = 0.9
     """SGD momentum (`sgd` only)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; none on biases, norms, position embedding, [class] token."""
+    """Weight decay (decoupled for AdamW, L2 in the update for LAMB); none on biases, norms, position
+    embedding, [class] and register tokens, the MAP probe."""
     grad_clip: float = 1.0
     """Global-norm gradient clipping; 0 disables clipping."""
     warmup_steps: int = 10_000
@@ -81,7 +101,22 @@ class OptimConfig:
     min_lr: float = 0.0
     """The learning rate the decay ends at."""
     label_smoothing: float = 0.0
-    """Label smoothing of the classification loss."""
+    """Label smoothing of the classification loss (`bce`: index targets become `s / classes` off
+    and `1 - s + s / classes` on, as timm's `BinaryCrossEntropy`)."""
+    layer_decay: float = 1.0
+    """Layer-wise learning-rate decay (BEiT, MAE and DeiT III fine-tuning), as timm's
+    `param_groups_layer_decay`: the head (and `fc_norm`) keeps the full LR, block `i` (from 0) of
+    `depth` gets `layer_decay ** (depth - i)`, the final norm that of the last block, the patch
+    embedding, position embedding and [class] token `layer_decay ** (depth + 1)`; the LR schedule
+    scales every group's own LR. 1.0 = off (two groups, decay and no decay)."""
+    loss: Literal["ce", "bce"] = "ce"
+    """The loss on single-label data: `ce` softmax cross-entropy, `bce` sigmoid binary cross-entropy
+    averaged over images and classes (DeiT III; timm's `BinaryCrossEntropy`): index targets are
+    smoothed by `optim.label_smoothing`, Mixup / CutMix targets used as mixed. Multi-label data
+    (`data.multi_label`) always trains with sigmoid cross-entropy summed over classes."""
+    bce_target_threshold: Optional[float] = None
+    """`bce` only: targets above this value become 1, the others 0 (timm's `target_threshold`;
+    DeiT III binarises its Mixup / CutMix targets with `gt(0.0)`, i.e. 0); null: targets as they are."""
 
 
 @dataclass
@@ -180,6 +215,17 @@ class TrainConfig:
     before a full span; a slow rank is named in one line (`rank R on HOST: 2.0x the median step,
     mostly in forward`), in `straggler/*` metrics and in `<output_dir>/stragglers.json`;
     `vit-launch run --exclude-slow-hosts` leaves its host out at the next start."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights (timm's `ModelEmaV3` stepped with the
+    step count: the first step copies the weights, then `ema = decay * ema + (1 - decay) * w`),
+    updated after every optimizer step from the fp32 master weights, each rank its own ZeRO
+    partition (4 B/param over the ranks, no communication); saved in checkpoints, evaluated beside
+    the weights (`eval/ema/...`), exported by `vit-export --ema`. 0 = off; e.g. 0.9999. Cost:
+    pretrain/perf/PERFORMANCE.md."""
+    ema_warmup: bool = False
+    """Warm the EMA decay up as timm's `ModelEmaV3(use_warmup=True)`: at step `t` the decay is
+    `min(train.ema_decay, 1 - t ** (-2/3))` (gamma 1, power 2/3; 0 at the first step), so early
+    weights are forgotten quickly."""
     straggler_span_s: float = 5.0
     """The span is lengthened past `train.straggler_windows` windows until it holds at least this
     many seconds of steps: a window of one short step is mostly scheduling noise."""

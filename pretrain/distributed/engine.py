@@ -1,5 +1,6 @@
-"""DeepSpeed wiring: typed config -> DeepSpeed config dict (a pure function), AdamW/SGD parameter
-groups, and ``deepspeed.initialize`` with the LR schedule of ``pretrain.distributed.schedule``.
+"""DeepSpeed wiring: typed config -> DeepSpeed config dict (a pure function), the optimizer (AdamW,
+SGD or LAMB; weight-decay groups, or per-layer groups with ``optim.layer_decay``), and
+``deepspeed.initialize`` with the LR schedule of ``pretrain.distributed.schedule``.
 
 The backend is DeepSpeed's accelerator's: NCCL on GPUs, gloo on its CPU accelerator, so the same
 code path runs in CI on CPU and on GPU clusters.
@@ -13,8 +14,10 @@ import torch
 
 from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode
 from pretrain.config.schema import OptimConfig, TrainConfig
-from pretrain.distributed import schedule
+from pretrain.distributed import ds_compat, schedule
 from pretrain.distributed.config import ZeroConfig
+from pretrain.distributed.lamb import Lamb, ShardLayout
+from pretrain.distributed.layer_decay import layer_decay_groups
 
 # the Transformer block's class, as DeepSpeed's ``leaf_module.classes`` names it (module.qualname)
 LEAF_BLOCK_CLASS = "pretrain.models.vit.Block"
@@ -79,7 +82,7 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
         "zero_optimization": z,
         "steps_per_print": 10 ** 9,  # our metrics module logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True,  # torch AdamW / SGD as client optimizers
+        "zero_allow_untested_optimizer": True,  # torch AdamW / SGD and our LAMB as client optimizers
         "zero_force_ds_cpu_optimizer": False,
         # 0.0 disables clipping: DeepSpeed clips at 1.0 when the key is absent
         "gradient_clipping": float(optim.grad_clip),
@@ -227,10 +230,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
+def optimizer_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict]:
+    """:func:`param_groups`, or with ``optim.layer_decay`` below 1 a group per layer and decay
+    (``pretrain.distributed.layer_decay``, timm's ``param_groups_layer_decay``), each at its own
+    base LR: ``optim.lr`` times its layer's ``lr_scale``, which the LR schedule (a ``LambdaLR``,
+    recording it as the group's ``initial_lr``) then scales. None of them is empty: DeepSpeed drops
+    an empty group, after which the schedule would hold one base LR too many."""
+    if optim.layer_decay == 1.0:
+        return param_groups(model, optim.weight_decay)
+    groups = layer_decay_groups(model.named_parameters(), weight_decay=optim.weight_decay,
+                                layer_decay=optim.layer_decay,
+                                no_weight_decay=getattr(model, "no_weight_decay", lambda: set())())
+    for g in groups:
+        g["lr"] = optim.lr * g["lr_scale"]
+    return groups
+
+
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, offload: bool) -> torch.optim.Optimizer:
-    groups = param_groups(model, optim.weight_decay)
+    """``optim.name`` over :func:`optimizer_groups`."""
+    groups = optimizer_groups(model, optim)
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
+    if optim.name == "lamb":  # on the CPU's partitions too under ZeRO-Offload
+        return Lamb(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
     if offload:
         # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed's vectorised CPU Adam is ~5x
         # faster than torch's there (built once by JIT, cached in ~/.cache/torch_extensions).
@@ -330,7 +352,17 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_schedule,
                                            config=ds_cfg)
+    shard_lamb(engine, optimizer)
     return engine, ds_cfg
+
+
+def shard_lamb(engine, optimizer: torch.optim.Optimizer) -> None:
+    """Under ZeRO, LAMB steps flat partitions: tell it which pieces of which parameters each holds,
+    so that its trust ratios are per whole parameter (``pretrain/distributed/lamb.py``)."""
+    if not isinstance(optimizer, Lamb) or engine.zero_optimization_stage() == 0:
+        return
+    device = ds_compat.collective_device(engine)
+    optimizer.shard(lambda: {s.flat: ShardLayout.of(s, device) for s in ds_compat.master_shards(engine)})
 
 
 def resolved_zero(model: torch.nn.Module, train: TrainConfig, zero: ZeroConfig, world_size: int) -> ZeroConfig:

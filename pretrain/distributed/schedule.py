@@ -1,7 +1,7 @@
 """Learning-rate schedules as step -> factor functions (for ``torch.optim.lr_scheduler.LambdaLR``).
 
 Plain arguments, no config types: pre-training (``engine.py``) and transfer fine-tuning
-(``transfer/finetune.py``) both build theirs here.
+(``transfer/protocols/finetune.py``) both build theirs here.
 """
 from __future__ import annotations
 

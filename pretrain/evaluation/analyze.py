@@ -330,11 +330,29 @@ def check_output_dir(output: str) -> None:
             raise ConfigError(f"--output {output}: {why}; choose a writable --output folder")
 
 
+def check_device(name: Optional[str]) -> str:
+    """``--device``: a device torch knows and this machine has (default: cuda when available, else cpu)."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA GPU on this machine; use --device cpu (or leave it out)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                          f"cuda:{torch.cuda.device_count() - 1}")
+    return name
+
+
 def parser() -> Parser:
     ap = Parser(prog=PROG, description="The ViT paper's analysis figures (Figure 7, Figure 6) for a checkpoint")
-    ap.add_argument("--checkpoint", required=True, help="run directory (any ZeRO stage), .safetensors, timm state dict, "
+    ap.add_argument("--checkpoint", required=True,
+                    help="run directory (any ZeRO stage), .safetensors, timm state dict, "
                     "or a transformers ViT folder (config.json + weights)")
-    ap.add_argument("--images", required=True, help="folder of images (any depth) or shards (manifest.json / its folder)")
+    ap.add_argument("--images", required=True,
+                    help="folder of images (any depth) or shards (manifest.json / its folder)")
     ap.add_argument("--output", required=True, help="folder for the PNGs and JSON")
     ap.add_argument("--img-size", type=int, default=None, help="resolution (default: the checkpoint's)")
     ap.add_argument("--num-images", type=int, default=128, help="images for the attention distances (default 128)")
@@ -358,6 +376,7 @@ def main(argv=None) -> None:
             v = getattr(args, flag)
             if v < (0 if flag == "rollout_images" else 1):
                 raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}")
+        device = check_device(args.device)
         cfg = load_config(args.config, args.overrides)
         check_output_dir(args.output)  # before any work: a mistake costs a second, not the analysis
         pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model))
@@ -368,7 +387,6 @@ def main(argv=None) -> None:
             if args.img_size <= 0 or args.img_size % stride:
                 raise ConfigError(f"--img-size {args.img_size} is not a positive multiple of the patch size "
                                   f"{stride} of {pre.arch['name']}")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         doc = analyze(pre, args.images, args.output, img_size=args.img_size, augment=replace(cfg.data.augment),
                       num_images=args.num_images, rollout_images=args.rollout_images,
                       batch_size=args.batch_size, device=device)

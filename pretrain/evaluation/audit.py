@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from data_pipeline.audit.index import HASHES_NAME, MAX_BITS, MIN_SCORE, train_index
-from data_pipeline.audit.match import EvalImage, audit, read_shards_eval, write_report
+from data_pipeline.audit.match import EvalImage, audit, check_thresholds, read_shards_eval, write_report
 from data_pipeline.errors import DataError, Parser, cli_errors
 from data_pipeline.storage.urls import is_remote, is_s3
 from pretrain.transfer import suites
@@ -108,11 +108,13 @@ def read_eval(spec: str) -> Iterator[EvalImage]:
 
 
 def shard_set(spec: str, option: str) -> str:
-    """A ``--shards`` / ``--index`` argument, checked: a path, or an ``s3://`` URL (named on the
-    command line: the user's consent to reach the store); any other URL is a one-line DataError."""
+    """A ``--shards`` / ``--index`` argument, checked: a path that exists, or an ``s3://`` URL (named
+    on the command line: the user's consent to reach the store); else a one-line DataError naming it."""
     if is_remote(spec) and not is_s3(spec):
         raise DataError(f"{option} {spec}: give a manifest.json, its folder or s3://bucket/prefix "
                         f"({spec.split(':', 1)[0]}: URLs are not read by vit-audit)")
+    if not is_remote(spec) and not os.path.exists(spec):
+        raise DataError(f"{option} {spec}: not found; give a manifest.json, its folder or s3://bucket/prefix")
     return spec
 
 
@@ -150,15 +152,17 @@ def main(argv=None) -> int:
         p.error("--shards needs --eval SUITE:PATH (one or more) and --output DIR")
 
     with cli_errors("vit-audit"):
+        check_thresholds(args.max_bits, args.min_score)
         if args.output:
             check_output_dir(args.output)  # before the hashing: a mistake costs a second, not the audit
-        specs = [shard_set(m, "--index" if args.index else "--shards") for m in args.index or args.shards]
+        option = "--index" if args.index else "--shards"
+        specs = [shard_set(m, option) for m in args.index or args.shards]
         indexes = []
         for m in specs:
-            idx = train_index(m, args.workers, rebuild=args.force, progress=not args.quiet, allow_remote=is_s3(m))
+            idx = train_index(m, args.workers, rebuild=args.force, progress=not args.quiet, allow_remote=is_s3(m),
+                              option=option)
             if args.index:
-                print(f"{len(idx.keys)} images hashed ({idx.unreadable} unreadable) -> "
-                      f"{idx.stored or f'{HASHES_NAME} not stored (see the note above)'}")
+                print(f"{idx.coverage('hashed')} -> {idx.stored or f'{HASHES_NAME} not stored (see the note above)'}")
             indexes.append(idx)
         if args.index:
             return 0
@@ -177,6 +181,7 @@ def main(argv=None) -> int:
         result = audit(indexes, all_evals(), max_bits=args.max_bits, min_score=args.min_score)
         shown = {k: loaders[k]() for k in [(q.eval, q.split, q.eval_id) for q in result.pairs[:args.grid]]}
         doc = write_report(result, args.output, evals_meta, grid=args.grid, images=shown)
+    _print_coverage(indexes, result.unconfirmed, args.output)
     _print_counts(doc, args.output)
     return 0
 
@@ -189,6 +194,21 @@ def _print_counts(doc: dict, out: str) -> None:
                   f"{c['near_pairs']:6d}")
     print(f"{len(doc['pairs'])} pairs ({doc['candidates']} candidates checked) -> {Path(out) / 'audit.json'}, "
           f"{Path(out) / 'exclude.txt'}, {Path(out) / 'closest_pairs.png'}")
+
+
+def _print_coverage(indexes: list, unconfirmed: list, out: str) -> None:
+    """Per shard set, how many of its manifest's samples the audit covered; those it did not are
+    named (the first few here, all in audit.json): a pair there cannot have been found. So are the
+    candidates that could not be confirmed (their shard changed since it was hashed)."""
+    report = Path(out) / "audit.json"
+    for idx in indexes:
+        where = f"; every one under \"not_audited_samples\" in {report}" if idx.skipped else ""
+        print(f"{idx.manifest}: {idx.coverage('audited')}{where}")
+    if unconfirmed:
+        names = ", ".join(f"{u['shard']}:{u['key']} ({u['reason']})" for u in unconfirmed[:5])
+        print(f"{len(unconfirmed)} candidate(s) not confirmed, their samples unreadable since they were hashed "
+              f"(rebuild with --force): {names}{', ...' if len(unconfirmed) > 5 else ''}; all under "
+              f"\"unconfirmed\" in {report}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The two evaluation sections of an experiment config, each with its checks: ``eval:`` (transfer
 evaluation of a checkpoint, ``vit-transfer`` in ``pretrain/transfer``, whose flags override it) and
 ``validation:`` (evaluation while pre-training, ``pretrain/evaluation/in_training.py``). Both run the
-few-shot probe on a transfer suite, so they share its settings, defined once here.
+few-shot and kNN probes on a transfer suite, so they share their settings, defined once here.
 
 ``pretrain.config`` composes the experiment schema from the sections and names the file in its errors.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
-__all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "SUITE_NEEDS_ROOT", "ValidationConfig", "check_eval",
+__all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "ValidationConfig", "check_eval",
            "check_validation"]
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
@@ -24,12 +24,26 @@ FEWSHOT_DEFAULTS = {"tasks": [], "fewshot_shots": [1, 5, 10, 25], "fewshot_seeds
                     "minival_fraction": 0.02, "seed": 0}
 
 
-def _fewshot_field(name: str) -> Any:
-    """The dataclass field of the shared setting ``name`` with its default (a fresh list per config)."""
-    default = FEWSHOT_DEFAULTS[name]
+# The kNN probe's settings, read by vit-transfer (``eval.knn_*``) and the kNN probes while
+# pre-training (``validation.knn_*``): DINOv2's k values and temperature.
+KNN_DEFAULTS = {"knn_k": [10, 20, 100, 200], "knn_temperature": 0.07}
+
+
+def _shared_field(default: Any) -> Any:
+    """A dataclass field with ``default`` (a fresh list per config)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default))
     return field(default=default)
+
+
+def _fewshot_field(name: str) -> Any:
+    """The dataclass field of the shared few-shot setting ``name`` with its default."""
+    return _shared_field(FEWSHOT_DEFAULTS[name])
+
+
+def _knn_field(name: str) -> Any:
+    """The dataclass field of the shared kNN setting ``name`` with its default."""
+    return _shared_field(KNN_DEFAULTS[name])
 
 
 def _check_fewshot(cfg: Any, section: str, fail: Callable[[str, str], None]) -> None:
@@ -44,6 +58,14 @@ def _check_fewshot(cfg: Any, section: str, fail: Callable[[str, str], None]) -> 
         fail(f"{section}.minival_fraction", f"must be in (0, 1), got {cfg.minival_fraction}")
 
 
+def _check_knn(cfg: Any, section: str, fail: Callable[[str, str], None]) -> None:
+    """Impossible values of the shared kNN settings of ``cfg``, named ``{section}.{key}``."""
+    if not (cfg.knn_k and all(k > 0 for k in cfg.knn_k)):
+        fail(f"{section}.knn_k", f"must be positive neighbour counts, got {cfg.knn_k}")
+    if not cfg.knn_temperature > 0:
+        fail(f"{section}.knn_temperature", f"must be > 0, got {cfg.knn_temperature}")
+
+
 @dataclass
 class EvalConfig:
     """Transfer evaluation of a checkpoint (``vit-transfer``, ``pretrain/transfer``); evaluation
@@ -51,8 +73,15 @@ class EvalConfig:
     used without a sweep; ``sweep_*`` are the grids searched on train -> val when sweeping."""
     suite: str = "cifar100"
     """vit-transfer's suite: a name in `pretrain.transfer.suites.SUITES`."""
-    protocol: Literal["finetune", "linear", "fewshot"] = "linear"
-    """vit-transfer's protocol: `finetune`, `linear` or `fewshot`."""
+    protocol: Literal["finetune", "linear", "fewshot", "knn", "head"] = "linear"
+    """vit-transfer's protocol: `finetune`, `linear`, `fewshot`, `knn` (DINOv2's weighted
+    nearest-neighbour vote on frozen features) or `head` (the checkpoint's own classifier, nothing
+    trained)."""
+    recipe: Literal["paper", "deit"] = "paper"
+    """Fine-tune recipe (`--recipe`): `paper` = the ViT paper / big_vision (SGD momentum 0.9, no
+    weight decay, clip 1, cosine); `deit` = DeiT / MAE (AdamW, weight decay 0.05, layer decay,
+    label smoothing, Mixup / CutMix, drop path, EMA). The fine-tune keys below left null take the
+    recipe's value (pretrain/transfer/protocols/recipes.py)."""
     data_root: Optional[str] = None
     """The suite's data folder (`--data-root`)."""
     tasks: list[str] = _fewshot_field("tasks")
@@ -61,7 +90,9 @@ class EvalConfig:
     """Evaluation resolution; null: the checkpoint's resolution, else the position embedding is
     resized."""
     pool: Literal["model", "token", "avg"] = "model"
-    """Frozen features: `model` = the model's own pre-logits, `token` or `avg`."""
+    """Frozen features: `model` = the model's own pooling (`model.global_pool`: [class] token, mean
+    or MAP) and pre-logits layer, `token` (the [class] token; a model without one refuses it) or
+    `avg` (mean of the patch tokens, registers left out)."""
     batch_size: int = 64
     """Images per batch."""
     workers: int = 2
@@ -69,14 +100,44 @@ class EvalConfig:
     seed: int = _fewshot_field("seed")
     """Seed of the new head, the fine-tune data order and the minival split."""
     steps: int = 500
-    """Fine-tune steps (ViT paper / big_vision: SGD momentum 0.9, no weight decay, cosine +
-    warmup)."""
-    lr: float = 0.01
-    """Fine-tune learning rate."""
+    """Fine-tune steps (linear warmup, then cosine decay)."""
+    lr: Optional[float] = None
+    """Fine-tune peak learning rate; null: the recipe's (paper 0.01; deit 5e-4 x
+    eval.batch_size / 512, DeiT's scaling rule)."""
+    min_lr: Optional[float] = None
+    """Fine-tune: the learning rate the cosine ends at; null: the recipe's (paper 0, deit 1e-6 as
+    MAE)."""
     warmup_steps: int = 100
     """Fine-tune warmup steps."""
-    grad_clip: float = 1.0
-    """Fine-tune global-norm clipping; 0 disables clipping."""
+    grad_clip: Optional[float] = None
+    """Fine-tune global-norm clipping, 0 = none; null: the recipe's (paper 1, deit none)."""
+    weight_decay: Optional[float] = None
+    """Fine-tune weight decay (AdamW's decoupled one; SGD's under the paper recipe), none on
+    biases, norms, position embedding and [class] token; null: the recipe's (paper 0, deit
+    0.05)."""
+    layer_decay: Optional[float] = None
+    """Fine-tune layer-wise lr decay: the head trains at lr, the last block at layer_decay x lr,
+    each block below at one more factor, the embeddings at the smallest (timm's
+    `param_groups_layer_decay`); 1 = none; null: the recipe's (paper 1; deit 0.65 up to 12 blocks,
+    0.75 deeper, as MAE's ViT-B and ViT-L/H)."""
+    label_smoothing: Optional[float] = None
+    """Fine-tune label smoothing; null: the recipe's (paper 0, deit 0.1)."""
+    mixup_alpha: Optional[float] = None
+    """Fine-tune Mixup alpha, 0 = off (with CutMix on too, each batch takes one of the two at even
+    odds); null: the recipe's (paper 0, deit 0.8)."""
+    cutmix_alpha: Optional[float] = None
+    """Fine-tune CutMix alpha, 0 = off; null: the recipe's (paper 0, deit 1.0)."""
+    drop_path_rate: Optional[float] = None
+    """Fine-tune stochastic depth (the last block's rate, linear from 0); null: the recipe's (paper
+    `model.drop_path_rate`, deit 0.1)."""
+    ema_decay: Optional[float] = None
+    """Fine-tune EMA of the weights (timm's ModelEmaV3), 0 = none; with an EMA the task's accuracy
+    is the EMA weights' and `details.accuracy_no_ema` the trained weights'; null: the recipe's
+    (paper 0, deit 0.99996 as DeiT)."""
+    ema_warmup: bool = True
+    """The EMA's decay after step t grows as 1 - t^(-2/3) up to `eval.ema_decay` (timm's `use_warmup`),
+    so a fine-tune of a few hundred steps averages its last tens of steps; false: `eval.ema_decay`
+    from the second step on (DeiT)."""
     train_augment: Optional[bool] = None
     """Fine-tune with random crops and flips; null: off for vtab1k (flips change structured
     labels), on otherwise."""
@@ -91,12 +152,22 @@ class EvalConfig:
     sweep: Optional[bool] = None
     """Hyper-parameter sweep: select on train -> val, retrain on train+val, report test; null: on
     for vtab1k (train800 -> val200), off otherwise."""
-    sweep_lr: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03])
-    """Fine-tune learning rates searched when sweeping."""
+    sweep_lr: Optional[list[float]] = None
+    """Fine-tune learning rates searched when sweeping; null: the recipe's (paper [0.001, 0.003,
+    0.01, 0.03], deit [1e-4, 2.5e-4, 5e-4, 1e-3])."""
     sweep_linear_l2: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
     """Linear-probe L2 penalties searched when sweeping."""
     sweep_fewshot_l2: list[float] = field(default_factory=lambda: [64.0, 256.0, 1024.0, 4096.0])
     """Few-shot ridge penalties searched when sweeping."""
+    knn_k: list[int] = _knn_field("knn_k")
+    """kNN: neighbour counts scored (DINOv2's 10, 20, 100, 200); the task's accuracy is 20-NN top-1
+    (the largest k when 20 is absent), every k under details."""
+    knn_temperature: float = _knn_field("knn_temperature")
+    """kNN: the temperature T of the vote weights exp(cosine / T) (DINO, DINOv2: 0.07)."""
+    real_labels: Optional[str] = None
+    """`head`: a labels file in ImageNet-ReaL's layout (real.json: a list with one list of valid
+    class indices per image, images in sorted file-name order; an empty list leaves the image
+    out); adds ReaL top-1 / top-5 for an image-folder suite."""
     minival_fraction: float = _fewshot_field("minival_fraction")
     """The val split cut from train where a suite has none (big_vision)."""
     wandb: bool = False
@@ -122,8 +193,21 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
         need(ev.steps > 0, "steps", f"must be positive, got {ev.steps}")
         need(0 <= ev.warmup_steps < ev.steps, "warmup_steps",
              f"must be in [0, eval.steps={ev.steps}), got {ev.warmup_steps}")
-        need(ev.lr > 0 and all(v > 0 for v in ev.sweep_lr), "lr", "learning rates must be positive")
-        need(ev.grad_clip >= 0, "grad_clip", f"must be >= 0, got {ev.grad_clip}")
+        need((ev.lr is None or ev.lr > 0) and all(v > 0 for v in ev.sweep_lr or ()), "lr",
+             "learning rates must be positive")
+        need(ev.sweep_lr is None or len(ev.sweep_lr) > 0, "sweep_lr", "must list at least one learning rate")
+        for key in ("min_lr", "grad_clip", "weight_decay", "label_smoothing", "mixup_alpha", "cutmix_alpha",
+                    "drop_path_rate"):
+            need(getattr(ev, key) is None or getattr(ev, key) >= 0, key, f"must be >= 0, got {getattr(ev, key)}")
+        need(ev.layer_decay is None or 0 < ev.layer_decay <= 1, "layer_decay",
+             f"must be in (0, 1] (1: no layer decay), got {ev.layer_decay}")
+        need(ev.label_smoothing is None or ev.label_smoothing < 1, "label_smoothing",
+             f"must be < 1, got {ev.label_smoothing}")
+        need(ev.drop_path_rate is None or ev.drop_path_rate < 1, "drop_path_rate",
+             f"must be < 1, got {ev.drop_path_rate}")
+        need(ev.ema_decay is None or 0 <= ev.ema_decay < 1, "ema_decay",
+             f"must be in [0, 1) (0: no EMA), got {ev.ema_decay}")
+    _check_knn(ev, "eval", fail)
     need(ev.linear_l2 >= 0 and all(v >= 0 for v in ev.sweep_linear_l2), "linear_l2", "must be >= 0")
     need(ev.fewshot_l2 > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "fewshot_l2", "must be > 0")
     _check_fewshot(ev, "eval", fail)
@@ -133,13 +217,21 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
 @dataclass
 class ValidationConfig:
     """Evaluation while pre-training (``pretrain/evaluation/in_training.py``): validation loss / top-k over
-    ``data.val_shards`` and few-shot probes, every ``every_steps`` steps."""
+    ``data.val_shards`` and few-shot and kNN probes, every ``every_steps`` steps."""
     every_steps: int = 0
     """Evaluate while pre-training every N steps and at the last one; 0 = off (see
     pretrain/evaluation/EVALUATION.md)."""
     fewshot_suites: list[str] = field(default_factory=list)
     """Few-shot probes while pre-training: vit-transfer suite names, `NAME` or `NAME:PATH` (e.g.
     `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`)."""
+    knn_suites: list[str] = field(default_factory=list)
+    """kNN probes while pre-training (DINOv2's weighted vote of the whole train split on the test
+    split), suites named as `validation.fewshot_suites`. Their images are read at every
+    evaluation (a forward pass over train and test each time), not kept: pick a small suite."""
+    knn_k: list[int] = _knn_field("knn_k")
+    """The kNN probes' neighbour counts."""
+    knn_temperature: float = _knn_field("knn_temperature")
+    """The kNN probes' vote temperature."""
     fewshot_shots: list[int] = _fewshot_field("fewshot_shots")
     """The probes' shots per class."""
     fewshot_seeds: int = _fewshot_field("fewshot_seeds")
@@ -161,9 +253,11 @@ def check_validation(val: ValidationConfig, fail: Callable[[str, str], None]) ->
             fail(f"validation.{key}", msg)
 
     need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
-    for spec in val.fewshot_suites:
-        name = spec.partition(":")[0]
-        need(name in SUITE_NEEDS_ROOT, "fewshot_suites",
-             f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
-        need(not SUITE_NEEDS_ROOT[name] or ":" in spec, "fewshot_suites", f"{spec!r}: suite {name} needs NAME:PATH")
+    for key in ("fewshot_suites", "knn_suites"):
+        for spec in getattr(val, key):
+            name = spec.partition(":")[0]
+            need(name in SUITE_NEEDS_ROOT, key,
+                 f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
+            need(not SUITE_NEEDS_ROOT[name] or ":" in spec, key, f"{spec!r}: suite {name} needs NAME:PATH")
     _check_fewshot(val, "validation", fail)
+    _check_knn(val, "validation", fail)

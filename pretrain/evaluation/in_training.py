@@ -1,16 +1,26 @@
-"""Evaluation while pre-training: validation loss / top-1 / top-5 and few-shot linear probes.
+"""Evaluation while pre-training: validation loss / top-1 / top-5, few-shot and kNN probes.
 
 Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)``:
 
 * ``eval/loss``, ``eval/top1``, ``eval/top5`` (multi-label data: ``eval/prec@1``) over
   ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
   stream), reduced with sums after the pass.
-* ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on frozen [class]-token features
-  (``pretrain.transfer.fewshot``) for each suite in ``validation.fewshot_suites`` (``NAME`` or
-  ``NAME:PATH`` with the names of ``vit-transfer --suite``) at ``eval.fewshot_shots``. The few-shot
+* with ``train.ema_decay``, the same again on the weights' moving average: ``eval/ema/loss``,
+  ``eval/ema/top1``, ``eval/ema/fewshot/<suite>/<n>shot``, ... (the average swapped into the module
+  for the pass, ``WeightEma.swapped``, and the weights swapped back bit for bit).
+* ``eval/fewshot/<suite>/<n>shot``: big_vision's closed-form ridge on the frozen features the
+  model's own head sees (``forward_head(pre_logits=True)``: its pooling, [class] token, mean or
+  MAP, and pre-logits layer; ``pretrain.transfer.protocols.fewshot``) for each suite in
+  ``validation.fewshot_suites`` (``NAME`` or ``NAME:PATH`` with the names of ``vit-transfer --suite``)
+  at ``eval.fewshot_shots``. The few-shot
   images are decoded once per run (this rank's share, cached as float16) and their features are
   computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
   number of forwards: ranks that run out pad with a dummy batch) and gathered on rank 0.
+* ``eval/knn/<suite>/<k>nn``: DINOv2's weighted kNN vote (``pretrain.transfer.protocols.knn``) of the whole
+  train split on the test split, for each suite in ``validation.knn_suites`` at
+  ``validation.knn_k`` and ``validation.knn_temperature``, on the same features. These images are
+  read again at each evaluation (all of a train split would not fit in memory as the few-shot
+  pools do): a forward pass over train and test each time.
 * Training is not disturbed: its data stream is untouched (separate loaders), torch's RNG states
   are saved and restored, the model returns to train mode, and the time is logged as
   ``eval/seconds`` and left out of throughput and MFU.
@@ -38,7 +48,7 @@ class _Fewshot:
 
     def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int, shots: int, seeds: int):
         from pretrain.transfer.data import View
-        from pretrain.transfer.fewshot import sample_shots
+        from pretrain.transfer.protocols.fewshot import sample_shots
 
         self.name, self.num_classes = name, task.num_classes
         view = View(img_size=img_size, resize=task.resize)
@@ -61,17 +71,35 @@ class _Fewshot:
             self.parts[part] = (xs, ys)
 
 
+class _Knn:
+    """One kNN suite: its train and test splits, this rank's share streamed at every evaluation."""
+
+    def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int):
+        from pretrain.transfer.data import View
+
+        self.name, self.num_classes = name, task.num_classes
+        self.view, self.rank, self.world, self.batch = View(img_size=img_size, resize=task.resize), rank, world, batch
+        self.splits = {"train": task.trainval, "test": task.test}
+
+    def batches(self, part: str):
+        return self.splits[part].batches(self.view, batch_size=self.batch, train=False, rank=self.rank,
+                                         world=self.world)
+
+
 class InTrainingEval:
     """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
     ``batch``: images per forward; ``seed``: the validation loader's; ``device``: where its batches
-    are normalised (the training device)."""
+    are normalised (the training device); ``loss``: ``optim.loss``; ``ema``: the weights' moving
+    average (``pretrain.distributed.ema.WeightEma``), evaluated too."""
 
     def __init__(self, val, data, *, batch: int, seed: int, rank: int, world: int, img_size: int,
-                 num_classes: int, dtype: torch.dtype, device=None):
+                 num_classes: int, dtype: torch.dtype, device=None, loss: str = "ce", ema=None):
         self.ev, self.data, self.rank, self.world = val, data, rank, world
+        self.loss, self.ema = loss, ema
         self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
         self.batch, self.seed = batch, seed
         self.fewshot: Optional[list[_Fewshot]] = None  # built at the first evaluation
+        self.knn: list[_Knn] = []
         self.last_seconds = 0.0
         self.val = None
         if self.enabled and data.val_shards:
@@ -82,7 +110,7 @@ class InTrainingEval:
 
     @property
     def enabled(self) -> bool:
-        return self.ev.every_steps > 0 and bool(self.data.val_shards or self.ev.fewshot_suites)
+        return self.ev.every_steps > 0 and bool(self.data.val_shards or self.ev.fewshot_suites or self.ev.knn_suites)
 
     def due(self, step: int, last_step: int) -> bool:
         return self.enabled and (step % self.ev.every_steps == 0 or step == last_step)
@@ -94,12 +122,20 @@ class InTrainingEval:
         engine.eval()
         try:
             with torch.no_grad(), rng.preserved():
-                out = self._validation(engine) if self.val is not None else {}
-                out.update(self._fewshot(engine))
+                out = self._metrics(engine)
+                if self.ema is not None:
+                    with self.ema.swapped():
+                        out.update({f"ema/{k}": v for k, v in self._metrics(engine).items()})
         finally:
             engine.train()
         out["seconds"] = self.last_seconds = synced_now(engine.device) - t0
         return {f"eval/{k}": v for k, v in out.items()} if self.rank == 0 else {}
+
+    def _metrics(self, engine) -> dict:
+        out = self._validation(engine) if self.val is not None else {}
+        out.update(self._fewshot(engine))
+        out.update(self._knn(engine))
+        return out
 
     def _dummy(self, device) -> torch.Tensor:
         """The input a rank that ran out of batches feeds ZeRO-3's collective forward."""
@@ -118,7 +154,7 @@ class InTrainingEval:
             x, y = item
             logits = engine(x.to(device, self.dtype)).float()
             y = y.to(device)
-            loss = classification_loss(logits, y, multi_label=multi, reduction="sum")
+            loss = classification_loss(logits, y, multi_label=multi, reduction="sum", loss=self.loss)
             if multi:
                 hit1 = hit5 = y.gather(1, logits.argmax(1, keepdim=True)).sum()
             else:
@@ -133,33 +169,40 @@ class InTrainingEval:
             return {"loss": total / n, "prec@1": hit1 / n, "samples": int(count)}
         return {"loss": total / n, "top1": hit1 / n, "top5": hit5 / n, "samples": int(count)}
 
+    def _tasks(self, specs: list[str]) -> list[tuple[str, object]]:
+        """``(label, task)`` of each suite spec (``NAME`` or ``NAME:PATH``), read by vit-transfer's builders."""
+        from types import SimpleNamespace
+
+        from pretrain.transfer.suites import SUITES
+
+        out = []
+        for spec in specs:
+            name, path = parse_suite(spec)
+            ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=self.ev.minival_fraction,
+                                 seed=self.ev.seed, tasks=list(self.ev.tasks))
+            tasks, _ = SUITES[name].build(ev, self.data)
+            out += [(name if len(tasks) == 1 else f"{name}/{task.name}", task) for task in tasks]
+        return out
+
     def _suites(self) -> list[_Fewshot]:
         if self.fewshot is None:
-            from types import SimpleNamespace
-
-            from pretrain.transfer.suites import SUITES
-
-            self.fewshot = []
-            for spec in self.ev.fewshot_suites:
-                name, path = parse_suite(spec)
-                ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=self.ev.minival_fraction,
-                                     seed=self.ev.seed, tasks=list(self.ev.tasks))
-                tasks, _ = SUITES[name].build(ev, self.data)
-                for task in tasks:
-                    label = name if len(tasks) == 1 else f"{name}/{task.name}"
-                    self.fewshot.append(_Fewshot(label, task, self.img_size, self.rank, self.world, self.batch,
-                                                 max(self.ev.fewshot_shots), self.ev.fewshot_seeds))
+            self.fewshot = [_Fewshot(label, task, self.img_size, self.rank, self.world, self.batch,
+                                     max(self.ev.fewshot_shots), self.ev.fewshot_seeds)
+                            for label, task in self._tasks(self.ev.fewshot_suites)]
+            self.knn = [_Knn(label, task, self.img_size, self.rank, self.world, self.batch)
+                        for label, task in self._tasks(self.ev.knn_suites)]
         return self.fewshot
 
     def _features(self, engine, batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """[class]-token features after the final norm, taken by a hook during the engine's own
-        forward (so ZeRO-3 gathers every parameter as in training), gathered on every rank."""
+        """The model's pre-logits features (the head's input: ``forward_head(pre_logits=True)``,
+        which follows the pooling), taken by a hook during the engine's own forward (so ZeRO-3
+        gathers every parameter as in training), gathered on every rank."""
         device, model = engine.device, engine.module
         captured = []
-        hook = model.norm.register_forward_hook(lambda mod, inp, out: captured.append(out[:, 0].float().cpu()))
+        hook = model.head.register_forward_pre_hook(lambda mod, inp: captured.append(inp[0].float().cpu()))
         labels = []
         try:
-            for item in lockstep(zip(*batches), device):
+            for item in lockstep(batches, device):
                 captured.clear()
                 engine(self._dummy(device) if item is None else item[0].to(device, self.dtype))
                 if item is not None:
@@ -174,16 +217,31 @@ class InTrainingEval:
         return torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
 
     def _fewshot(self, engine) -> dict:
-        from pretrain.transfer.fewshot import fewshot_accuracy
+        from pretrain.transfer.protocols.fewshot import fewshot_accuracy
 
         out = {}
         for s in self._suites():
-            Xtr, ytr = self._features(engine, s.parts["train"])
-            Xte, yte = self._features(engine, s.parts["test"])
+            Xtr, ytr = self._features(engine, zip(*s.parts["train"]))
+            Xte, yte = self._features(engine, zip(*s.parts["test"]))
             if self.rank != 0:
                 continue
             acc = fewshot_accuracy(Xtr, ytr, Xte, yte, s.num_classes, list(self.ev.fewshot_shots),
                                    self.ev.fewshot_seeds, self.ev.fewshot_l2)
             for k, per_seed in acc.items():
                 out[f"fewshot/{s.name}/{k}shot"] = sum(per_seed) / len(per_seed)
+        return out
+
+    def _knn(self, engine) -> dict:
+        from pretrain.transfer.protocols.knn import knn_scores, topk_accuracy
+
+        self._suites()
+        out = {}
+        for s in self.knn:
+            Xtr, ytr = self._features(engine, s.batches("train"))
+            Xte, yte = self._features(engine, s.batches("test"))
+            if self.rank != 0:
+                continue
+            scores = knn_scores(Xtr, ytr, Xte, list(self.ev.knn_k), self.ev.knn_temperature, s.num_classes)
+            for k, sc in scores.items():
+                out[f"knn/{s.name}/{k}nn"] = topk_accuracy(sc, yte, 1)
         return out

@@ -112,12 +112,42 @@ def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width
     return macs, h, w
 
 
+def prefix_tokens(reg_tokens: int = 0, class_token: bool = True) -> int:
+    """Tokens before the patches ([class], then registers): timm's ``num_prefix_tokens``."""
+    return int(class_token) + reg_tokens
+
+
+def grid_tokens(name: str, img_size=None) -> int:
+    """Patch tokens at ``img_size`` (a hybrid's 'SAME'-padded stem keeps partial positions)."""
+    a = model_defaults(name)
+    img = img_size or a["img_size"]
+    h, w = (img, img) if isinstance(img, int) else img
+    s = a["stride"]
+    if a["stem_layers"]:
+        return -(-h // s) * -(-w // s)
+    return (h // s) * (w // s)
+
+
+def seq_len(name: str, img_size=None, reg_tokens: int = 0, class_token: bool = True) -> int:
+    """Tokens every encoder block sees: the patch grid plus the prefix tokens."""
+    return grid_tokens(name, img_size) + prefix_tokens(reg_tokens, class_token)
+
+
+def map_head_macs(d: int, hidden: int, patches: int) -> int:
+    """Multiply-adds of the MAP head (``pretrain.models.pooling.AttentionPool``) over ``patches``
+    tokens: the probe's query, keys and values of every token, the probe's one attention row (its
+    scores and weighted sum), the output projection, its LayerNorm and the MLP on one token."""
+    return d * d + patches * d * 2 * d + 2 * patches * d + d * d + 5 * d + 2 * d * hidden
+
+
 def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
                    representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False,
-                   patch_drop_rate: float = 0.0):
-    """The same count as :func:`forward_flops`, from the architecture alone (no tensors).
-    ``patch_drop_rate``: a training forward's, the blocks and the final norm on the tokens patch
-    dropout keeps (:func:`patch_keep`); the patch embedding still sees every patch."""
+                   reg_tokens: int = 0, class_token: bool = True, patch_drop_rate: float = 0.0):
+    """The same count as :func:`forward_flops`, from the architecture alone (no tensors). Register
+    tokens and the [class] token lengthen the sequence of every block; ``map`` pooling adds
+    :func:`map_head_macs` (in ``head``). ``patch_drop_rate``: a training forward's, the blocks, the
+    final norm and the MAP head on the patch tokens patch dropout keeps (:func:`patch_keep`; the
+    prefix tokens all kept); the patch embedding still sees every patch."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
     h, w = (img, img) if isinstance(img, int) else img
@@ -129,7 +159,8 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     else:
         gh, gw = h // p, w // p
         embed = gh * gw * 3 * p * p * d
-    n = patch_keep(gh * gw, patch_drop_rate) + 1
+    kept = patch_keep(gh * gw, patch_drop_rate)
+    n = kept + prefix_tokens(reg_tokens, class_token)
     hidden = a["mlp_hidden"]  # 4 d, except g/14 and G/14
     per_block = (
         (4 if qk_norm else 2) * 5 * n * d  # two LayerNorms (+ the queries' and keys' with qk_norm)
@@ -139,16 +170,17 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
         + 2 * n * d * hidden  # MLP
     )
     blocks = depth * per_block
-    final_norm = 5 * n * d if global_pool == "token" else 5 * d
+    final_norm = 5 * d if global_pool == "avg" else 5 * n * d  # after pooling (fc_norm), else on every token
+    pool = map_head_macs(d, hidden, kept) if global_pool == "map" else 0
     feat = d
     head = 0
     if representation_size:
         head += d * representation_size
         feat = representation_size
     head += feat * num_classes
-    total = embed + blocks + final_norm + head
+    total = embed + blocks + final_norm + pool + head
     if breakdown:
-        return dict(embed=embed, blocks=blocks, head=head + final_norm, total=total)
+        return dict(embed=embed, blocks=blocks, head=head + final_norm + pool, total=total)
     return total
 
 
@@ -182,47 +214,60 @@ def block_param_count(name: str, qk_norm: bool = False, layer_scale: bool = Fals
             + (4 * hd if qk_norm else 0) + (2 * d if layer_scale else 0))
 
 
+def _map_params(d: int, m: int) -> list[int]:
+    """Element counts of the MAP head's tensors: probe, query, key + value, projection, norm, MLP."""
+    return [d, d * d, d, 2 * d * d, 2 * d, d * d, d, d, d, d * m, m, m * d, d]
+
+
+def _top_params(d: int, tokens: int, reg_tokens: int, class_token: bool, pos_embed: str) -> list[int]:
+    """The root module's own tensors: [class] token, registers, a learned position embedding (the
+    sin-cos one is a buffer, no parameter)."""
+    return ([d] if class_token else []) + ([reg_tokens * d] if reg_tokens else []) + \
+        ([(tokens + prefix_tokens(reg_tokens, class_token)) * d] if pos_embed == "learned" else [])
+
+
 def param_count(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
                 representation_size: Optional[int] = None, qk_norm: bool = False,
-                layer_scale: bool = False) -> tuple[int, int]:
+                layer_scale: bool = False, reg_tokens: int = 0, class_token: bool = True,
+                pos_embed: str = "learned") -> tuple[int, int]:
     """(parameters, parameters of the largest single module) of the model ``pretrain.models.vit``
     builds with these arguments. The second is what ZeRO-3 gathers at once at most when DeepSpeed
     fetches each module's own parameters (``zero.leaf_blocks=false``); leaf blocks are fetched
     whole (:func:`block_param_count`)."""
     a = model_defaults(name)
-    img = img_size or a["img_size"]
-    h, w = (img, img) if isinstance(img, int) else img
     d, depth, m = a["embed_dim"], a["depth"], a["mlp_hidden"]
+    tokens = grid_tokens(name, img_size)
     if a["stem_layers"]:
         stem, stem_largest = _stem_params(a["stem_layers"])
-        s = a["stem_stride"]
-        ceil = lambda x: -(-x // s)  # noqa: E731  'SAME' padding keeps partial positions
-        tokens = ceil(h) * ceil(w)
         embed = stem + stem_channels(a["stem_layers"]) * d + d
         modules = [stem_largest, stem_channels(a["stem_layers"]) * d + d]
     else:
         p = a["patch_size"]
-        tokens = (h // p) * (w // p)
         embed = 3 * p * p * d + d
         modules = [embed]
-    top = d + (tokens + 1) * d  # class token + position embeddings
+    top = sum(_top_params(d, tokens, reg_tokens, class_token, pos_embed))
     block = block_param_count(name, qk_norm, layer_scale)
     head_in = representation_size or d
     head = 2 * d + (d * representation_size + representation_size if representation_size else 0) \
         + head_in * num_classes + num_classes
     modules += [top, 3 * d * d + 3 * d, d * m + m, head_in * num_classes + num_classes]
+    if global_pool == "map":
+        head += sum(_map_params(d, m))
+        modules += [d, 2 * d * d + 2 * d]  # the probe (the pool's own), key + value
     if representation_size:
         modules.append(d * representation_size + representation_size)
     return embed + top + depth * block + head, max(modules)
 
 
-def param_tensors(name: str, img_size=None, num_classes: int = 1000) -> list[int]:
-    """Element counts of the model's parameter tensors (token pooling, no extras): what ZeRO-3
-    partitions one by one, and its persistence threshold compares against."""
+def param_tensors(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
+                  reg_tokens: int = 0, class_token: bool = True, pos_embed: str = "learned") -> list[int]:
+    """Element counts of the model's parameter tensors (no pre-logits layer, qk_norm or
+    LayerScale): what ZeRO-3 partitions one by one, and its persistence threshold compares against."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
     d, m = a["embed_dim"], a["mlp_hidden"]
-    total, _ = param_count(name, img, num_classes)
+    arch = dict(global_pool=global_pool, reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
+    total, _ = param_count(name, img, num_classes, **arch)
     if a["stem_layers"]:
         c = stem_channels(a["stem_layers"])
         embed = [c * d, d]
@@ -230,11 +275,9 @@ def param_tensors(name: str, img_size=None, num_classes: int = 1000) -> list[int
     else:
         p = a["patch_size"]
         embed, stem = [3 * p * p * d, d], 0
-    s_ = a["stride"]
-    h, w = (img, img) if isinstance(img, int) else img
-    tokens = (-(-h // s_)) * (-(-w // s_)) if a["stem_layers"] else (h // s_) * (w // s_)
+    top = _top_params(d, grid_tokens(name, img), reg_tokens, class_token, pos_embed)
     block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, d * m, m, m * d, d]
-    out = (([stem] if stem else []) + embed + [d, (tokens + 1) * d] + block * a["depth"]
-           + [d, d, d * num_classes, num_classes])
+    pool = _map_params(d, m) if global_pool == "map" else []
+    out = ([stem] if stem else []) + embed + top + block * a["depth"] + [d, d] + pool + [d * num_classes, num_classes]
     assert sum(out) == total, (name, sum(out), total)
     return out

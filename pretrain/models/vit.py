@@ -2,11 +2,19 @@
 
 Conv patch embedding, learnable [class] token, learnable 1-D position embeddings, pre-norm
 encoder blocks (LN -> MSA -> residual, LN -> MLP(GELU) -> residual), final LayerNorm, optional
-tanh pre-logits layer, linear head (zero-initialised).
+tanh pre-logits layer, linear head (zero-initialised). Today's options, each under timm's name:
+register tokens (``reg_tokens``, Darcet et al. 2024), no [class] token (``class_token=False``),
+big_vision's fixed 2-D sin-cos position embedding (``pos_embed='sincos2d'``) and multi-head
+attention pooling (``global_pool='map'``, ``pretrain.models.pooling``).
 
 Parameter names and shapes equal timm's model of the same name (``strict=True`` both ways) as
 long as ``representation_size`` is None: timm 1.x dropped the pre-logits layer, ours keeps it as
-``pre_logits.fc`` (the name older timm and the original JAX->PyTorch ports use).
+``pre_logits.fc`` (the name older timm and the original JAX->PyTorch ports use). That holds for
+every combination of the options above: ``timm.create_model(name, reg_tokens=..., class_token=...,
+global_pool=...)`` takes our ``state_dict()`` with ``strict=True`` and gives the same logits. The
+sin-cos embedding is a buffer under timm's name ``pos_embed`` (zeros in the prefix rows: big_vision
+adds no position to its [class] token), so timm reads it as a learned embedding holding the same
+values, while here it has no gradient, no weight decay and no optimizer state.
 
 This module knows nothing of distribution: it imports no deepspeed, builds wherever the default
 device is (its initialisation skips meta tensors), and activation checkpointing is a plain
@@ -29,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from pretrain.models.arch import patch_keep, variant
 from pretrain.models.hybrid import ResNetStem
 from pretrain.models.init import fill, init_generator
+from pretrain.models.pooling import AttentionPool, sincos_pos_embed
 
 _Size = Union[int, tuple[int, int]]
 # Called around the initialisation of each module's own parameters; the default does nothing.
@@ -229,22 +238,39 @@ class VisionTransformer(nn.Module):
         backbone: Optional[nn.Module] = None,
         qk_norm: bool = False,
         init_values: Optional[float] = None,
+        reg_tokens: int = 0,
+        class_token: bool = True,
+        pos_embed: str = "learned",
         defer_init: bool = False,
         init_seed: Optional[int] = None,
     ):
-        """``defer_init``: leave the weights as the layers' constructors made them; the caller
-        runs ``init_weights(gather, generator)`` later (ZeRO-3 builds partitioned parameters
-        first). ``init_seed``: the initialisation's seed (None: one drawn from torch's global
-        CPU generator, so ``torch.manual_seed`` still decides it). ``patch_drop_rate``: the share of
-        patch tokens dropped in training (:class:`PatchDropout`; no parameters)."""
+        """``global_pool``: ``token`` (the [class] token), ``avg`` (mean of the patch tokens, norm
+        after pooling as ``fc_norm``) or ``map`` (``AttentionPool`` over the patch tokens).
+        ``reg_tokens``: register tokens after the [class] token, in the sequence but in no pooling.
+        ``class_token=False``: none (then ``avg`` or ``map``). ``pos_embed``: ``learned`` or
+        ``sincos2d`` (fixed). ``patch_drop_rate``: the share of patch tokens dropped in training
+        (:class:`PatchDropout`; no parameters; the prefix tokens always kept). ``defer_init``: leave
+        the weights as the layers' constructors made them; the caller runs ``init_weights(gather,
+        generator)`` later (ZeRO-3 builds partitioned parameters first). ``init_seed``: the
+        initialisation's seed (None: one drawn from torch's global CPU generator, so
+        ``torch.manual_seed`` still decides it)."""
         super().__init__()
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        if global_pool not in ("token", "avg", "map"):
+            raise ValueError(f"global_pool must be 'token', 'avg' or 'map', got {global_pool!r}")
+        if global_pool == "token" and not class_token:
+            raise ValueError("global_pool='token' needs the [class] token; use 'avg' or 'map' with class_token=False")
+        if pos_embed not in ("learned", "sincos2d"):
+            raise ValueError(f"pos_embed must be 'learned' or 'sincos2d', got {pos_embed!r}")
+        if reg_tokens < 0:
+            raise ValueError(f"reg_tokens must be >= 0, got {reg_tokens}")
         norm_layer = lambda d: nn.LayerNorm(d, eps=1e-6)  # noqa: E731  (eps of the JAX original)
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
+        self.num_reg_tokens = reg_tokens
+        self.has_class_token = class_token
+        self.pos_embed_type = pos_embed
+        self.num_prefix_tokens = int(class_token) + reg_tokens  # timm's: the tokens before the patches
         self.grad_checkpointing = 0  # blocks recomputed in the backward (set_grad_checkpointing)
 
         if backbone is None:
@@ -252,8 +278,13 @@ class VisionTransformer(nn.Module):
         else:
             self.patch_embed = HybridEmbed(backbone, img_size, embed_dim)
         num_patches = self.patch_embed.grid_size[0] * self.patch_embed.grid_size[1]
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
+        pe = torch.zeros(1, num_patches + self.num_prefix_tokens, embed_dim)
+        if pos_embed == "learned":
+            self.pos_embed = nn.Parameter(pe)
+        else:  # a function of the grid: set by init_weights, never trained
+            self.register_buffer("pos_embed", pe)
         self.pos_drop = nn.Dropout(drop_rate)
         # no module at all without patch dropout: under ZeRO-3 each module costs a hook pair per forward
         self.patch_drop = PatchDropout(patch_drop_rate, self.num_prefix_tokens) if patch_drop_rate else None
@@ -265,7 +296,9 @@ class VisionTransformer(nn.Module):
             for i in range(depth)])
         # timm's layout: the final LN sits on the tokens for [class]-token pooling and after
         # pooling (fc_norm) for average pooling; names must match for strict loading.
-        self.norm = norm_layer(embed_dim) if global_pool == "token" else nn.Identity()
+        self.norm = norm_layer(embed_dim) if global_pool != "avg" else nn.Identity()
+        self.attn_pool = AttentionPool(embed_dim, num_heads, Mlp(embed_dim, int(embed_dim * mlp_ratio)),
+                                       norm_layer(embed_dim)) if global_pool == "map" else None
         self.fc_norm = norm_layer(embed_dim) if global_pool == "avg" else nn.Identity()
         if representation_size:
             self.pre_logits = nn.Sequential()
@@ -285,7 +318,9 @@ class VisionTransformer(nn.Module):
     def init_weights(self, gather: Optional[Gather] = None, generator: Optional[torch.Generator] = None) -> None:
         """The paper's (JAX) initialisation: Xavier-uniform linears, LeCun-normal patch conv,
         tiny-normal MLP biases, N(0, 0.02) position embeddings, zero [class] token and head,
-        LayerScale at ``init_values`` (the hybrid's ResNet stem: its own rule).
+        LayerScale at ``init_values`` (the hybrid's ResNet stem: its own rule); register tokens
+        N(0, 1e-6) (timm, DINOv2); the MAP head as big_vision's ``MAPHead`` (Xavier-uniform probe
+        of fan-in 1, key and value Xavier each); the sin-cos embedding computed for the grid.
 
         Module by module, each inside ``gather(its own parameters)``, so partitioned parameters
         (ZeRO-3) are whole only one module at a time. Every draw comes from ``generator`` (a CPU
@@ -313,9 +348,15 @@ class VisionTransformer(nn.Module):
                 continue
             with gather(own):
                 _init_module(name, m, g)
-        with gather(root):
-            fill(self.pos_embed, lambda t: nn.init.normal_(t, std=0.02, generator=g))
-            nn.init.zeros_(self.cls_token)
+        with gather(root) if root else contextlib.nullcontext():
+            if self.pos_embed_type == "learned":
+                fill(self.pos_embed, lambda t: nn.init.normal_(t, std=0.02, generator=g))
+            elif not self.pos_embed.is_meta:
+                self.pos_embed.copy_(sincos_pos_embed(self.grid_size, self.embed_dim, self.num_prefix_tokens))
+            if self.cls_token is not None:
+                nn.init.zeros_(self.cls_token)
+            if self.reg_token is not None:  # after the draws the token-only model makes: its weights stay
+                fill(self.reg_token, lambda t: nn.init.normal_(t, std=1e-6, generator=g))
 
     # ------------------------------------------------------------------------- public
     @property
@@ -331,8 +372,9 @@ class VisionTransformer(nn.Module):
         return self.patch_embed.grid_size
 
     def no_weight_decay(self) -> set[str]:
-        """Parameters excluded from weight decay besides biases and norm weights."""
-        return {"pos_embed", "cls_token"}
+        """Parameters excluded from weight decay besides biases and norm weights: the tokens and
+        the position embedding (timm's list), and the MAP probe (big_vision decays kernels only)."""
+        return {"pos_embed", "cls_token", "reg_token", "attn_pool.latent"}
 
     def set_grad_checkpointing(self, enable=True) -> None:
         """Recompute blocks in the backward pass instead of keeping their activations: ``True``
@@ -355,18 +397,30 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.head.bias)
 
     def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """The [class] token prepended and the position embeddings added to the patch tokens of a
-        ``grid``. A grid other than the model's (``train.resolution_schedule``) gets the stored
-        embeddings resampled to it in the forward, as timm's ``dynamic_img_size`` does: the
-        parameter keeps the model's grid (exports unchanged), its gradient flows back through the
-        bicubic interpolation, which costs one small (D, H, W) resample per forward."""
+        """The prefix tokens ([class], registers) prepended and the position embeddings added to the
+        patch tokens of a ``grid``. A grid other than the model's (``train.resolution_schedule``)
+        gets the learned embeddings' patch part resampled to it in the forward, the prefix rows kept,
+        as timm's ``dynamic_img_size`` does: the parameter keeps the model's grid (exports
+        unchanged), its gradient flows back through the bicubic interpolation, which costs one small
+        (D, H, W) resample per forward. The sin-cos table is a function of the grid: it is computed
+        for the new grid instead (big_vision's), on the CPU and copied over, (H*W, D) per forward."""
         pos = self.pos_embed
         if tuple(grid) != tuple(self.grid_size):
-            pos = resize_pos_embed(pos, grid, self.grid_size, self.num_prefix_tokens)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.pos_drop(x + pos)
+            if self.pos_embed_type == "sincos2d":
+                pos = sincos_pos_embed(grid, self.embed_dim, self.num_prefix_tokens).to(x.device)
+            else:
+                pos = resize_pos_embed(pos, grid, self.grid_size, self.num_prefix_tokens)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if prefix:
+            x = torch.cat(prefix + [x], dim=1)
+        # the sin-cos buffer stays fp32 where DeepSpeed's bf16 / fp16 mode casts only parameters: add
+        # it in the tokens' dtype, as big_vision does, not promote the stream to fp32 (a no-op when
+        # learned: the parameter already has the tokens' dtype)
+        return self.pos_drop(x + pos.to(x.dtype))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, prefix + kept patches, D) tokens after the final norm: [class], registers, then the
+        patches (all of them, or in training the ones patch dropout keeps)."""
         grid = self.patch_embed.grid_of(x.shape[-2], x.shape[-1])
         x = self._pos_embed(self.patch_embed(x), grid)
         if self.patch_drop is not None:
@@ -379,9 +433,17 @@ class VisionTransformer(nn.Module):
             x = self.blocks(x)
         return self.norm(x)
 
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) tokens -> (B, D): the [class] token, or the mean or MAP of the patch tokens
+        (registers and [class] token left out, as timm)."""
+        if self.global_pool == "token":
+            return x[:, 0]
+        x = x[:, self.num_prefix_tokens:]
+        return self.attn_pool(x) if self.attn_pool is not None else x.mean(dim=1)
+
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x[:, self.num_prefix_tokens:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
-        x = self.pre_logits(self.fc_norm(x))
+        """Pooled, normed (``avg``) and through the pre-logits layer; the logits unless ``pre_logits``."""
+        x = self.pre_logits(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(self.head_drop(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +457,10 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)
             return
-        fill(m.weight, lambda t: nn.init.xavier_uniform_(t, generator=g))
+        if name.endswith("attn_pool.kv"):  # big_vision's key and value kernels: each Xavier over D x D
+            fill(m.weight, lambda t: [nn.init.xavier_uniform_(half, generator=g) for half in t.chunk(2)])
+        else:
+            fill(m.weight, lambda t: nn.init.xavier_uniform_(t, generator=g))
         if "mlp" in name:
             fill(m.bias, lambda t: nn.init.normal_(t, std=1e-6, generator=g))
         else:
@@ -411,16 +476,23 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
         nn.init.zeros_(m.bias)
     elif isinstance(m, LayerScale):
         nn.init.constant_(m.gamma, m.init_values)
+    elif isinstance(m, AttentionPool):
+        # flax's xavier_uniform on big_vision's (1, 1, D) probe: fan-in 1, fan-out D
+        bound = math.sqrt(6.0 / (1 + m.latent.shape[-1]))
+        fill(m.latent, lambda t: nn.init.uniform_(t, -bound, bound, generator=g))
 
 
 def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,
                  drop_rate: float = 0.0, drop_path_rate: float = 0.0, patch_drop_rate: float = 0.0,
                  representation_size: Optional[int] = None, global_pool: str = "token",
-                 qk_norm: bool = False, init_values: Optional[float] = None, defer_init: bool = False,
+                 qk_norm: bool = False, init_values: Optional[float] = None, reg_tokens: int = 0,
+                 class_token: bool = True, pos_embed: str = "learned", defer_init: bool = False,
                  init_seed: Optional[int] = None, **kwargs) -> VisionTransformer:
     """Build a registered variant. ``with torch.device('meta'):`` builds it without memory.
-    ``qk_norm`` / ``init_values`` / ``patch_drop_rate``: timm's options of the same names (QK
-    LayerNorm, LayerScale, patch dropout in training).
+    ``qk_norm`` / ``init_values`` / ``reg_tokens`` / ``class_token`` / ``global_pool`` /
+    ``patch_drop_rate``: timm's options of the same names (QK LayerNorm, LayerScale, registers,
+    [class] token, pooling, patch dropout in training); ``pos_embed``: ``learned`` or big_vision's
+    fixed ``sincos2d``.
     ``defer_init``: skip the initialisation; call ``model.init_weights(gather, generator)``
     afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``)."""
     v = variant(name)
@@ -430,17 +502,19 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size
     return VisionTransformer(
         img_size=img_size, patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth,
         num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
-        defer_init=defer_init, init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate,
-        drop_path_rate=drop_path_rate, patch_drop_rate=patch_drop_rate, representation_size=representation_size,
-        global_pool=global_pool, backbone=backbone, **kwargs)
+        reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed, defer_init=defer_init,
+        init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
+        patch_drop_rate=patch_drop_rate, representation_size=representation_size, global_pool=global_pool,
+        backbone=backbone, **kwargs)
 
 
 # ------------------------------------------------------------------------ position embeddings
 def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int],
                      old_grid: Optional[tuple[int, int]] = None, num_prefix_tokens: int = 1) -> torch.Tensor:
     """Resize (1, prefix + H*W, D) position embeddings to a new patch grid by 2-D bicubic
-    interpolation of the grid part; the [class] token's embedding is kept unchanged (as in the
-    paper's fine-tuning at higher resolution). Non-square grids work when ``old_grid`` is given;
+    interpolation of the grid part; the prefix tokens' embeddings ([class] and registers,
+    ``num_prefix_tokens`` of them) are kept unchanged (as in the paper's fine-tuning at higher
+    resolution). Non-square grids work when ``old_grid`` is given;
     without it the old grid is taken as square."""
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
     n_old = grid.shape[1]

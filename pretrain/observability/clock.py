@@ -11,8 +11,9 @@ inside steps.
 """
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -43,7 +44,26 @@ PHASES = ("data", "forward", "gather", "agree", "backward", "step")
 # for its peers, then moving the bytes), timed on the host where collectives block it (the CPU; 0 on
 # a GPU, where NCCL runs them on its own streams). ``close_window`` reports them beside the phases.
 WAITED = {"backward": "backward_waited", "step": "step_waited"}
-CLOCKED = PHASES + tuple(WAITED.values())
+# Not phases either: the seconds of each phase, outside its timed collectives, this rank was ready to
+# run but waited for a core (the kernel's run queue), where the host clock times the phases (the CPU;
+# 0 on a GPU). On cores shared by more processes than they hold, which process waits is the
+# scheduler's chance, and it is most of a phase's seconds (a busy loop on two cores shared by five
+# jobs ran 29 % of the wall time): ``pretrain.resilience.straggler`` shares it out per host.
+QUEUED = {p: f"{p}_queued" for p in PHASES}
+CLOCKED = PHASES + tuple(WAITED.values()) + tuple(QUEUED.values())
+
+
+def run_queue_clock() -> Optional[Callable[[], float]]:
+    """A function returning the seconds the calling thread has so far spent runnable but not running
+    (waiting on a run queue for a core), read from Linux's ``/proc/thread-self/schedstat`` (its second
+    field, nanoseconds); None where the kernel keeps no such count. The file is opened once, by the
+    thread the returned function measures. Cost: one ``pread`` of a proc file, about 2 us."""
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return lambda: int(os.pread(fd, 128, 0).split()[1]) * 1e-9
 
 
 class StepClock:
@@ -66,6 +86,9 @@ class StepClock:
         self.t0 = synced_now(self.device)
         self.totals = dict.fromkeys(CLOCKED, 0.0)
         self._depth, self._w, self._wphase = 0, 0.0, None  # collectives in progress (nested: once), since when
+        # run-queue seconds: on the host-timed phases of a host-synchronous device only
+        self._queue = None if self.cuda else run_queue_clock()
+        self._q, self._wq, self._q_in_comm = 0.0, 0.0, 0.0  # at the phase's start, the collective's, inside them
 
     def begin_step(self, step: int, startup: bool = False) -> None:
         """Phases from here on belong to ``step``; ``startup``: the watchdog allows start-up's
@@ -97,11 +120,15 @@ class StepClock:
         self._depth += 1
         if self._depth == 1 and self.times_waits and self._phase in WAITED:
             self._w, self._wphase = time.perf_counter(), self._phase
+            if self._queue is not None:
+                self._wq = self._queue()
 
     def comm_end(self) -> None:
         self._depth = max(self._depth - 1, 0)
         if self._depth == 0 and self._wphase is not None:
             self.totals[WAITED[self._wphase]] += time.perf_counter() - self._w
+            if self._queue is not None:
+                self._q_in_comm += self._queue() - self._wq
             self._wphase = None
 
     @property
@@ -124,6 +151,8 @@ class StepClock:
             self._event.record()
         else:
             self._t = time.perf_counter()
+            if self._queue is not None:
+                self._q, self._q_in_comm = self._queue(), 0.0
 
     def _close(self) -> None:
         if self._phase is None:
@@ -135,6 +164,8 @@ class StepClock:
             self._event = None
         else:
             self.totals[self._phase] += time.perf_counter() - self._t
+            if self._queue is not None:
+                self.totals[QUEUED[self._phase]] += self._queue() - self._q - self._q_in_comm
         self._phase = None
 
     def exclude(self, seconds: float) -> None:

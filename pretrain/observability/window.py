@@ -42,7 +42,8 @@ def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world
     dist.all_reduce(window.loss)
     total, count = window.loss.tolist()
     gn = engine.get_global_grad_norm()
-    metrics = {"loss": total / count if count else None, "lr": engine.get_lr()[0],
+    # the largest group LR: the peak (optim.layer_decay scales the lower layers' groups down)
+    metrics = {"loss": total / count if count else None, "lr": max(engine.get_lr()),
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": step * global_batch,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,

@@ -1,4 +1,5 @@
-"""The sizes ``zero.reduce_bucket_size: auto`` and ``zero.stage3_prefetch_bucket_size: auto`` pick (``pretrain.perf.levers`` decides the levers).
+"""The sizes ``zero.reduce_bucket_size: auto`` and ``zero.stage3_prefetch_bucket_size: auto`` pick
+(``pretrain.perf.levers`` decides the levers).
 
 DeepSpeed reduces a gradient bucket once it is full, under the rest of the backward; only the last
 bucket waits for its end. So a bucket should be small, but each collective pays a fixed latency: the

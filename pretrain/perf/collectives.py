@@ -86,16 +86,17 @@ def collective_seconds(layout, c: Collective) -> float:
 def partitioned(layout) -> list[int]:
     """Element counts of the tensors ZeRO-3 partitions (and gathers one module at a time):
     those above the persistence threshold; the rest stay whole on every rank."""
-    return [n for n in arch.param_tensors(layout.model, layout.img_size, layout.num_classes)
+    return [n for n in arch.param_tensors(layout.model, layout.img_size, layout.num_classes, **layout.arch)
             if n > layout.persistence_threshold]
 
 
 # modules of pretrain.models.vit's Block (itself, norms, attention and MLP with their linears, dropouts,
 # identities, drop paths) and of the rest of a patch-embedding ViT (the model, patch embedding with
 # its conv, position dropout, the blocks' Sequential, final norm, pre-logits and pooling identities,
-# head dropout, head; patch dropout when on); tests/integration/test_perfmodel.py counts them on the
-# built models
-BLOCK_MODULES, OTHER_MODULES = 19, 10
+# head dropout, head; patch dropout when on), and of the MAP head (the pool, its query, key + value
+# and output linears, norm, MLP with its linears, GELU and dropouts); tests/integration/test_perfmodel.py
+# counts them on the built models
+BLOCK_MODULES, OTHER_MODULES, MAP_MODULES = 19, 10, 11
 
 
 def zero3_hooked(layout) -> int:
@@ -103,7 +104,8 @@ def zero3_hooked(layout) -> int:
     module and nothing inside it. A hybrid's ResNet stem is counted as one module (its layers are not)."""
     depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
     patch_drop = 1 if layout.patch_drop_rate else 0  # PatchDropout: a module only when on
-    return OTHER_MODULES + patch_drop + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
+    pool = MAP_MODULES if layout.global_pool == "map" else 0
+    return OTHER_MODULES + patch_drop + pool + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
 
 
 def released_numel(layout, tensors: list[int]) -> int:

@@ -34,7 +34,7 @@ MEASURED_SIDE = 256  # stored shorter side the rates below were measured at
 CPU_DECODE_PER_WORKER = 283.0 * 1.25  # img/s, decode + crop + flip in one loader worker (docstring)
 READ_PER_WORKER = 610.0  # img/s, a worker that only reads members and draws boxes (cuda decode)
 GPU_DECODE_PER_GPU = 4883.0  # img/s, nvJPEG on one H100 (a lower bound)
-DECODE_PATHS = ("cpu", "cuda", "dali", "rank")
+DECODE_PATHS = ("cpu", "cuda", "dali", "rank", "synthetic")  # synthetic: data.synthetic, made on the GPU
 # data.decode_device -> the path here
 CONFIG_PATHS = {"worker": "cpu", "cuda": "cuda", "dali": "dali", "cpu": "rank"}
 # cores a training rank keeps busy itself: on a GPU, the Python process launching kernels
@@ -72,6 +72,8 @@ def node_rate(decode: str, cpu_cores: int, gpus_per_node: int, stored_side: int 
     ``rank_cores``: cores each rank process keeps busy itself."""
     if decode not in DECODE_PATHS:
         raise ValueError(f"decode={decode!r} (one of {', '.join(DECODE_PATHS)})")
+    if decode == "synthetic":  # data.synthetic: batches made on the device, nothing read or decoded
+        return InputRate(float("inf"), "synthetic batches on the GPU (data.synthetic)", 0, float(cpu_cores))
     procs = max(1, int(cpu_cores - gpus_per_node * rank_cores)) if workers is None else gpus_per_node * max(1, workers)
     cores = worker_cores(cpu_cores, gpus_per_node, procs, rank_cores)
     idle = max(0.0, cpu_cores - gpus_per_node * rank_cores - cores)

@@ -10,7 +10,8 @@ gradient partition ZeRO casts to for the optimizer step)::
     module gradients                 2      4    stage 2
     fp32 master weights              4      4    stage 1   (fp32 + stage 0: none, torch's own step)
     fp32 gradient partition          4      -    stage 1
-    Adam m, v (SGD: momentum 4)      8      8    stage 1   (moved to CPU by zero.offload_optimizer)
+    Adam / LAMB m, v (SGD: mom. 4)   8      8    stage 1   (moved to CPU by zero.offload_optimizer)
+    EMA of the weights               4      4    stage 1   (train.ema_decay; beside the masters)
     (zero.offload_params moves the stage-3 module weight partitions to CPU)
 
 So bf16 + AdamW costs 20 B/param on one rank, 2 + 18/N with ZeRO-2, 20/N with ZeRO-3. ZeRO-1 in
@@ -43,11 +44,12 @@ batch, h width, a heads, 16-bit activations)::
     MLP:       19 s b h               (fc1 input 2sbh, GELU input 8sbh, fc2 input 8sbh, mask sbh)
     norms:      4 s b h               -> 34 s b h + 5 a s^2 b per block
 
-For ViT, s = patches + 1 ([class] token) and the MLP is 4h wide as in the paper (g/14 and G/14:
-about 4.4h and 4.9h, so the two MLP terms scale by hidden / 4h). ``model.qk_norm`` keeps the
-normalised Q and K and part of the norms' inputs (``6 s b h`` more, as autograd saves them on
-CPU; plus a mean and 1/std per row, ``8 a s b``); LayerScale (``model.init_values``) keeps each
-branch's output for the gradient of its gamma (``4 s b h``). Two changes:
+For ViT, s = patches + the prefix tokens ([class], registers: ``pretrain.models.arch.seq_len``)
+and the MLP is 4h wide as in the paper (g/14 and G/14: about 4.4h and 4.9h, so the two MLP terms
+scale by hidden / 4h). ``model.qk_norm`` keeps the normalised Q and K and part of the norms'
+inputs (``6 s b h`` more, as autograd saves them on CPU; plus a mean and 1/std per row,
+``8 a s b``); LayerScale (``model.init_values``) keeps each branch's output for the gradient of its
+gamma (``4 s b h``). Two changes:
 ``F.scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient) that keeps no
 s x s matrix, only Q, K, V, the output and a log-sum-exp (``4 a s b`` bytes, fp32), so the
 ``5 a s^2 b`` term becomes ``4 a s b``; and dropout masks exist only with ``model.drop_rate > 0``:
@@ -60,7 +62,7 @@ block's input stays (``2 s b h`` per block, the paper's "full recomputation") pl
 full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
 logits. The formula is checked against the bytes autograd actually saves in
 ``tests/unit/test_launch_memory.py``. A step that trains on fewer tokens keeps fewer: ``s`` is the
-kept tokens plus one under ``model.patch_drop_rate`` (the image batch is still whole), and under
+kept patch tokens plus the prefix tokens under ``model.patch_drop_rate`` (the image batch is still whole), and under
 ``train.resolution_schedule`` each phase has its own ``s``, image size and micro batch; the phase
 with the most activations is the one the estimate (and ``auto`` checkpointing) must fit.
 
@@ -98,6 +100,7 @@ class ModelShape:
     mlp_hidden: int = 0  # 0: 4 x width
     qk_norm: bool = False
     layer_scale: bool = False
+    prefix_tokens: int = 1  # [class] and register tokens: seq_len less the patches
     stride: int = 16  # input pixels per token, per side
     stem: bool = False  # a hybrid's ResNet stem ('SAME' padding keeps partial positions)
 
@@ -109,12 +112,14 @@ class ModelShape:
 
 def trained_shape(shape: ModelShape, img_size: int | None = None, patch_drop_rate: float = 0.0) -> ModelShape:
     """``shape`` (the model's) as a training step sees it at ``img_size`` px (None: the model's):
-    that resolution's patch grid less what patch dropout drops (``arch.patch_keep``), plus the
-    [class] token, in the blocks; the parameters stay the model's."""
+    that resolution's patch grid less what patch dropout drops (``arch.patch_keep``), plus every
+    prefix token ([class], registers: patch dropout keeps them), in the blocks; the parameters stay
+    the model's."""
     from pretrain.models.arch import patch_keep
 
     img = img_size or shape.img_size
-    return dataclasses.replace(shape, img_size=img, seq_len=patch_keep(shape.patches(img), patch_drop_rate) + 1)
+    kept = patch_keep(shape.patches(img), patch_drop_rate)
+    return dataclasses.replace(shape, img_size=img, seq_len=kept + shape.prefix_tokens)
 
 
 def training_shapes(cfg, shape: ModelShape) -> list[tuple[ModelShape, int]]:
@@ -130,19 +135,21 @@ def training_shapes(cfg, shape: ModelShape) -> list[tuple[ModelShape, int]]:
 
 
 def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
-                   global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False) -> ModelShape:
-    """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch)."""
-    from pretrain.models.arch import block_param_count, model_defaults, param_count
+                   global_pool: str = "token", qk_norm: bool = False, layer_scale: bool = False,
+                   reg_tokens: int = 0, class_token: bool = True, pos_embed: str = "learned") -> ModelShape:
+    """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch).
+    ``params`` counts the trainable tensors (a fixed sin-cos position embedding is none)."""
+    from pretrain.models.arch import block_param_count, model_defaults, param_count, prefix_tokens, seq_len
 
     d = model_defaults(name)
     img = img_size or d["img_size"]
-    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale)
-    s = d["stride"]
-    tokens = (-(-img // s)) ** 2 if d["stem_layers"] else (img // s) ** 2
+    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale,
+                                  reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
     return ModelShape(params=params, largest_layer=largest, block_params=block_param_count(name, qk_norm, layer_scale),
-                      seq_len=tokens + 1, width=d["embed_dim"],
+                      seq_len=seq_len(name, img, reg_tokens, class_token), width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
-                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale, stride=s,
+                      mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale,
+                      prefix_tokens=prefix_tokens(reg_tokens, class_token), stride=d["stride"],
                       stem=bool(d["stem_layers"]))
 
 
@@ -163,18 +170,27 @@ def model_shape(model_cfg) -> ModelShape:
 
     return analytic_shape(model_cfg.name, img_size=image_size(model_cfg), num_classes=model_cfg.num_classes,
                           representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
-                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values))
+                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values),
+                          reg_tokens=model_cfg.reg_tokens, class_token=model_cfg.class_token,
+                          pos_embed=model_cfg.pos_embed)
+
+
+def optimizer_state_bytes(optimizer: str) -> int:
+    """Bytes per parameter of the optimizer's own state: Adam's and LAMB's two moments, SGD's momentum."""
+    return 4 if optimizer == "sgd" else 8
 
 
 def model_state_bytes(params: int, *, stage: int, world: int, precision: str, optimizer: str = "adamw",
-                      offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, float]:
+                      offload_optimizer: bool = False, offload_params: bool = False,
+                      ema: bool = False) -> dict[str, float]:
     """Bytes per GPU for weights, gradients and optimizer states (table in the module docstring);
     ``cpu`` is what ZeRO-Offload keeps in host memory per rank instead (the optimizer states, and
     with ``offload_params`` at ZeRO-3 the weight partitions: the GPU then holds the gathered layers,
-    which ``zero_buffer_bytes``' prefetch bucket bounds)."""
+    which ``zero_buffer_bytes``' prefetch bucket bounds). ``ema``: the weights' moving average,
+    counted with the optimizer states (it lives beside the masters)."""
     e = weight_bytes(precision)
     master = 0 if (e == 4 and stage == 0) else 4  # an fp32 module without ZeRO: torch steps it in place
-    opt_per_param = master + (4 if e == 2 else 0) + (8 if optimizer == "adamw" else 4)
+    opt_per_param = master + (4 if e == 2 else 0) + optimizer_state_bytes(optimizer) + (4 if ema else 0)
     n = max(1, world)
     weights = e * params / (n if stage >= 3 else 1)
     grads = e * params / (n if stage >= 2 else 1)
@@ -287,7 +303,7 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     t = cfg.train
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
                                optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer,
-                               offload_params=cfg.zero.offload_params)
+                               offload_params=cfg.zero.offload_params, ema=getattr(t, "ema_decay", 0) > 0)
     from pretrain.config import checkpoint_count
 
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
@@ -330,12 +346,13 @@ def largest_micro_batch(cfg, world: int, budget_bytes: float, shape: ModelShape,
     return max(0, int(room // per_sample))
 
 
-def checkpoint_bytes(params: int, precision: str, optimizer: str = "adamw", stage: int = 1) -> float:
-    """Size on disk of one DeepSpeed checkpoint, all ranks together: the module's weights in
-    their training dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for an fp32 module
-    without ZeRO, where the optimizer steps the module's own weights) and the moments (Adam 8, SGD 4):
-    14-16 B/param with AdamW. Measured on the tiny config (fp32, ZeRO-1, 2 ranks): 4.0 + 12.0
-    B/param. 5% on top for pickling, RNG and loader state."""
+def checkpoint_bytes(params: int, precision: str, optimizer: str = "adamw", stage: int = 1,
+                     ema: bool = False) -> float:
+    """Size on disk of one checkpoint, all ranks together: the module's weights in their training
+    dtype (2 or 4 B/param), ZeRO's fp32 master weights (4; none for an fp32 module without ZeRO,
+    where the optimizer steps the module's own weights), the moments (Adam and LAMB 8, SGD 4) and
+    the EMA of the weights (4, ``ema``): 14-16 B/param with AdamW. Measured on the tiny config
+    (fp32, ZeRO-1, 2 ranks): 4.0 + 12.0 B/param. 5% on top for pickling, RNG and loader state."""
     weights = weight_bytes(precision)
     master = 0 if (weights == 4 and stage == 0) else 4
-    return 1.05 * params * (weights + master + (8 if optimizer == "adamw" else 4))
+    return 1.05 * params * (weights + master + optimizer_state_bytes(optimizer) + (4 if ema else 0))

@@ -62,7 +62,7 @@ from typing import Optional, Union
 
 from pretrain.config import compile_mode
 from pretrain.models import arch
-from pretrain.perf import buckets, inputs, kernels, memory
+from pretrain.perf import inputs, kernels, memory
 from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel, zero3_hooked
 from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu_of
 
@@ -77,6 +77,8 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 # model also fuses the work between blocks (a block's last residual add into the next LayerNorm)
 # and around them (patch embedding's add and concatenation, final norm, pooling, loss)
 COMPILED_TRAFFIC = {"blocks": 0.5, "model": 0.45}
+# the weights' EMA (train.ema_decay) after the step: read master and average, write the average
+EMA_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,9 @@ class Layout:
     global_batch: Optional[int] = None  # None: micro_batch x world (no accumulation)
     img_size: Optional[int] = None
     num_classes: int = 1000
+    reg_tokens: int = 0  # the model's token layout and pooling (model.reg_tokens, class_token, global_pool)
+    class_token: bool = True
+    global_pool: str = "token"
     zero: int = 1
     precision: str = "bf16"
     reduce_dtype: str = "fp32"
@@ -98,6 +103,7 @@ class Layout:
     patch_drop_rate: float = 0.0  # model.patch_drop_rate: the blocks run on the kept tokens
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
     optimizer: str = "adamw"
+    ema: bool = False  # train.ema_decay > 0: the weights' average updated after each step
     overlap_comm: bool = True
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
@@ -152,12 +158,17 @@ class Layout:
         return self.nodes * self.gpus_per_node
 
     @property
+    def arch(self) -> dict:
+        """The architecture options ``pretrain.models.arch`` and ``memory.analytic_shape`` take."""
+        return dict(reg_tokens=self.reg_tokens, class_token=self.class_token, global_pool=self.global_pool)
+
+    @property
     def accumulation(self) -> int:
         gb = self.global_batch or self.micro_batch * self.world
         k, rest = divmod(gb, self.micro_batch * self.world)
         if rest or k < 1:
-            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} x world "
-                             f"{self.world}")
+            raise ValueError(f"global batch {gb} is not a multiple of micro batch {self.micro_batch} "
+                             f"x world {self.world}")
         return k
 
 
@@ -182,8 +193,8 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
     parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True,
-                                patch_drop_rate=layout.patch_drop_rate)
-    full = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+                                patch_drop_rate=layout.patch_drop_rate, **layout.arch)
+    full = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
     shape = memory.trained_shape(full, None, layout.patch_drop_rate)  # the blocks' tokens
     d, s, depth = shape.width, shape.seq_len, shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again
@@ -199,7 +210,7 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     rows = images * s
     t_blocks = (n * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, True))
                 + (depth - n) * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, False)))
-    patches = full.seq_len - 1  # the patch embedding sees every patch
+    patches = full.seq_len - full.prefix_tokens  # the patch embedding sees every patch
     t_other = 2 * gemm(images * patches, d, parts["embed"] / (patches * d))  # patch embedding: forward, weights
     c = layout.num_classes
     t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
@@ -234,9 +245,11 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
 
 
 def optimizer_seconds(layout: Layout, params: int) -> float:
+    """The optimizer step on this rank's shard at HBM bandwidth, with the EMA's pass when on."""
     g = gpu_of(layout)
     shard = params / (layout.world if layout.zero >= 1 else 1)
-    return OPTIMIZER_BYTES_PER_PARAM * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
+    moved = OPTIMIZER_BYTES_PER_PARAM + (EMA_BYTES_PER_PARAM if layout.ema else 0)
+    return moved * shard / (g.hbm_gbs * GB * HBM_EFFICIENCY)
 
 
 # ------------------------------------------------------------------------------------- result
@@ -276,7 +289,7 @@ class Prediction:
 def predict(layout: Layout) -> Prediction:
     g = gpu_of(layout)
     img = layout.img_size or arch.model_defaults(layout.model)["img_size"]
-    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes)
+    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
     k, b = layout.accumulation, layout.micro_batch
     micro = compute_seconds(layout, b)
     comp = micro["total"] * k
@@ -371,36 +384,9 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
     cfg = NS(zero=zero, model=NS(drop_rate=0.0, patch_drop_rate=layout.patch_drop_rate),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
-                      activation_checkpointing=layout.checkpointing, compile=layout.compile))
+                      activation_checkpointing=layout.checkpointing, compile=layout.compile,
+                      ema_decay=0.9999 if layout.ema else 0.0))
     return memory.estimate(cfg, layout.world, shape)
-
-
-# ---------------------------------------------------------------------------------- search
-def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 3)) -> list[Prediction]:
-    """Layouts that fit, best predicted throughput first: ZeRO stage x micro batch x activation
-    checkpointing x ZeRO++ (hpZ within a node, qwZ; stage 3 only). The global batch stays
-    ``base.global_batch`` (when given), so micro batches that do not divide it are skipped."""
-    out = []
-    for stage in stages:
-        pp = [(1, False)]
-        if stage == 3:
-            pp += ([(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1
-                   else [(1, True)])
-        for mb in micro_batches:
-            for ckpt in (False, True):
-                for hpz, qw in pp:
-                    lay = replace(base, zero=stage, micro_batch=mb, checkpointing=ckpt, hpz_partition_size=hpz,
-                                  quantized_weights=qw, quantized_gradients=base.quantized_gradients and stage == 3)
-                    try:
-                        lay.accumulation
-                    except ValueError:
-                        continue
-                    p = predict(lay)
-                    if p.fits:
-                        out.append(p)
-    # best img/s first; an exact tie goes to the larger micro batch, then the smaller memory
-    out.sort(key=lambda p: (-p.images_per_second, -p.layout["micro_batch"], p.memory_gb_per_gpu["total"]))
-    return out
 
 
 # ------------------------------------------------------------------------------ from configs
@@ -418,16 +404,17 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
                             memory_bytes=memory_gb * 1e9 if memory_gb else None)
     t, z, m = cfg.train, cfg.zero, cfg.model
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
-              global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes, zero=z.stage,
+              global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,
+              reg_tokens=m.reg_tokens, class_token=m.class_token, global_pool=m.global_pool, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
-              compile=t.compile, patch_drop_rate=m.patch_drop_rate, optimizer=cfg.optim.name,
+              compile=t.compile, patch_drop_rate=m.patch_drop_rate, optimizer=cfg.optim.name, ema=t.ema_decay > 0,
               overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
               hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
               quantized_gradients=z.quantized_gradients, network=network, loader_workers=cfg.data.workers,
-              decode=inputs.CONFIG_PATHS[cfg.data.decode_device])
+              decode="synthetic" if cfg.data.synthetic else inputs.CONFIG_PATHS[cfg.data.decode_device])
     kw.update(overrides)
     return Layout(**kw)
 
@@ -483,42 +470,6 @@ def price_tokens(layout: Layout, phases: list) -> TokenPrice:
     return TokenPrice(rows, fixed, steps, sum(r.seconds for r in rows), sum(r.flops for r in rows),
                       steps * fixed.step_seconds, steps * global_batch * fixed.train_flops_per_image,
                       all(r.prediction.fits for r in rows))
-
-
-def lever_gains(layout: Layout) -> list[tuple[str, float]]:
-    """Each speed lever turned the other way from ``layout``, with its predicted img/s relative to
-    ``layout``'s (1.10: 10 % faster), best first; alternatives that do not fit are left out.
-    The levers: activation checkpointing (none, every block), ``train.compile`` (off, blocks,
-    model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
-    batch (half and double, the global batch kept)."""
-    base = predict(layout).images_per_second
-    depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
-    n = kernels.recomputed_blocks(depth, layout.checkpointing)
-    mode = compile_mode(layout.compile)
-    trials = [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))
-              for v, c in (("false", 0), ("true", depth)) if c != n]
-    trials += [(f"train.compile={v}", replace(layout, compile=c))
-               for v, c in (("false", ""), ("blocks", "blocks"), ("model", "model")) if c != mode]
-    params = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).params
-    auto = buckets.auto_bucket(params, 2 if layout.reduce_dtype == "bf16" else 4, layout.world,
-                               gpus_per_node=layout.gpus_per_node, gpu=layout.gpu, network=layout.network)
-    for v in (500_000_000, auto):
-        if v != layout.reduce_bucket_size:
-            trials.append((f"zero.reduce_bucket_size={'auto' if v == auto else v}",
-                           replace(layout, reduce_bucket_size=v)))
-    for mb in (layout.micro_batch // 2, layout.micro_batch * 2):
-        trial = replace(layout, micro_batch=max(1, mb))
-        try:
-            trial.accumulation
-        except ValueError:
-            continue
-        trials.append((f"train.micro_batch_size={trial.micro_batch}", trial))
-    out = []
-    for text, trial in trials:
-        p = predict(trial)
-        if p.fits:
-            out.append((text, p.images_per_second / base))
-    return sorted(out, key=lambda t: -t[1])
 
 
 def summary_line(p: Prediction) -> str:

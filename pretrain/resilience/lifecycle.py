@@ -6,6 +6,10 @@ Exit codes of ``pretrain.train`` (each rank) and ``vit-launch run`` (the whole j
     1                     a failure (exception, a dead peer, a non-finite loss streak)
     2   EXIT_USAGE        a user mistake, said in one line (nothing to retry)
     3   EXIT_HANG         the hang watchdog fired (``pretrain/resilience/watchdog.py``): stacks in <output_dir>/hang/
+    69  EXIT_UNAVAILABLE  (``data_pipeline.errors``) the shard store stayed unreachable past
+                          ``data.remote_retry_s``: an infrastructure failure, not a mistake;
+                          ``vit-launch --max-restarts`` restarts it, a ``--requeue`` sbatch script
+                          requeues it, and it resumes from the last checkpoint
     75  EXIT_INTERRUPTED  stopped on request (SIGTERM, SIGINT, the launcher went away) after saving
                           a checkpoint, or (``vit-launch``) during start-up before any step: start
                           the same command again to resume (EX_TEMPFAIL, so a scheduler may requeue
@@ -80,11 +84,15 @@ class StopRequest:
         self._file = Path(path)
 
     def _look(self) -> None:
-        if self._file is None or self.reason is not None:
+        """The request file, when written after this process started, asks to stop; its reason wins
+        over a signal's or a lost runner's: ``vit-launch run`` writes the signal it received there
+        before it forwards SIGTERM, and a rank may see the runner exit before its own signal handler
+        runs (Python runs it only once a collective in C returns)."""
+        if self._file is None:
             return
         try:
             if os.stat(self._file).st_mtime >= STARTED:  # an empty file (touch) asks too, naming itself
-                self.request((self._file.read_text().strip().splitlines() or [self._file.name])[0][:200])
+                self.reason = (self._file.read_text().strip().splitlines() or [self._file.name])[0][:200]
         except OSError:
             pass
 
@@ -117,19 +125,37 @@ class StopRequest:
         threading.Thread(target=watch, name="vitscale-lifeline", daemon=True).start()
 
 
-def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int) -> bool:
-    """A rank of a multi-rank job is failing with ``err``: its record for ``vit-launch run``, which
-    decides from the records which nodes a restart leaves out. ``errors_dir/rank-<R>.txt`` gets a
-    first line of JSON (``rank``, ``host``, ``time``, ``started``: when this process started, so a
-    record of an earlier attempt's rank that ended late is told apart; ``line``; ``lost``: the ranks
-    that did not answer) and then the traceback.
+SAY_GRACE_S = 5.0  # before the ranks are connected: how long a rank other than 0 leaves rank 0 to say it first
 
-    When a collective failed because a peer went away or could not be reached, the line names the
-    ranks and hosts that did not answer (asked through the rendezvous store) and is this rank's
-    whole report on the terminal: gloo's traceback repeated in 27 lines what it says. Returns
-    whether that was the failure (the caller then exits 1 without a traceback); False for any other
-    error, which keeps its traceback on the terminal too. A rank that leaves no record (killed, its
-    node gone) is what the others' ``lost`` name."""
+
+def _peer_records(errors_dir, rank: int, since: float) -> list[dict]:
+    """The records of the other ranks written since ``since`` (this process's start: this attempt),
+    oldest first: the ranks that failed on their own, each having said why."""
+    from pathlib import Path
+
+    folder = Path(errors_dir)
+    heads = [read_record(f) for f in sorted(folder.glob("rank-*.txt"))] if folder.is_dir() else []
+    return sorted((h for h in heads if h and h["rank"] != rank and h.get("own") and h.get("time", 0) >= since),
+                  key=lambda h: h.get("time", 0))
+
+
+def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int, code: int = 1) -> Optional[dict]:
+    """A rank of a multi-rank job is failing with ``err`` (``code``: the exit code it would end with):
+    its record for ``vit-launch run``, which decides from the records which nodes a restart leaves
+    out. ``errors_dir/rank-<R>.txt`` gets a first line of JSON (``rank``, ``host``, ``time``,
+    ``started``: when this process started, so a record of an earlier attempt's rank that ended late
+    is told apart; ``line``; ``code``; ``own``: a failure of this rank's own, not a peer's; ``lost``:
+    the ranks that did not answer) and then the traceback.
+
+    When a collective failed because a peer went away, what the peers left says why, not gloo's
+    traceback: a peer that failed on its own wrote its record before it exited (a clean error exit,
+    not a network fault), and this rank's line is that it stopped because of it, with that peer's
+    exit code (the job's exit code is the cause's, whichever rank the launcher sees end first).
+    Without such a record the ranks that did not answer are asked after through the rendezvous store,
+    and the line names them and their hosts (dead, or cut off). Returns None for a failure of this
+    rank's own (the caller raises it: a user error's one line, else its traceback); for a peer's, the
+    head written (``line``, ``code``), and the caller ends with that code without a traceback. A
+    rank that leaves no record (killed, its node gone) is what the others' ``lost`` name."""
     import json
     import traceback
     from pathlib import Path
@@ -139,20 +165,59 @@ def report_failure(err: BaseException, hosts: list[str], errors_dir, rank: int) 
     from pretrain.distributed.process import is_peer_error, lost_peers, node_name
 
     host = hosts[rank] if rank < len(hosts) else node_name()  # before the ranks exchanged names: our own
-    found = lost_peers(hosts) if is_peer_error(err) and dist.is_initialized() else None
-    line, lost = found if found else (f"rank {rank} on {host}: {type(err).__name__}: {err}".splitlines()[0][:300], None)
+    me = f"rank {rank} on {host}"
+    line, lost, peers = None, None, None
+    if is_peer_error(err) and dist.is_initialized():
+        peers = _peer_records(errors_dir, rank, STARTED)
+        if not peers:
+            found = lost_peers(hosts)
+            if found:  # the store waited for their marks: a peer that failed meanwhile has its record now
+                peers = [h for h in _peer_records(errors_dir, rank, STARTED) if h["rank"] in found[1]]
+                line, lost = found if not peers else (None, None)
+        if peers:
+            first = peers[0]
+            line, code = f"{me}: stopped: {first.get('line', '')}"[:400], first.get("code", 1)
+        elif lost is not None:
+            code = 1
+    own = line is None
+    if own:
+        line = f"{me}: {type(err).__name__}: {err}".splitlines()[0][:300]
     where = Path(errors_dir) / f"rank-{rank}.txt"
-    head = {"rank": rank, "host": host, "time": time.time(), "started": STARTED, "line": line}
+    head = {"rank": rank, "host": host, "time": time.time(), "started": STARTED, "line": line, "code": code,
+            "own": own}
     if lost is not None:
         head["lost"] = lost
     try:
         write_atomic(where, json.dumps(head) + "\n" + "".join(traceback.format_exception(err)))
-        line += f" (traceback: {where})"
+        head["line"] += f" (traceback: {where})"
     except OSError as e:  # the line still says what happened
-        line += f" (traceback not written to {where}: {e.strerror or e})"
-    if found:
-        print(f"vit-train: {line}", file=sys.stderr, flush=True)
-    return bool(found)
+        head["line"] += f" (traceback not written to {where}: {e.strerror or e})"
+    return None if own else head
+
+
+def _first_to_say(rank: int) -> bool:
+    """Whether this failing rank is the job's one voice on the terminal: the first rank to fail says
+    why, the others (failing the same way, or because of it) only write their records. Decided
+    through the rendezvous store once the ranks are connected (one atomic count; a store out of reach
+    lets everyone speak, each side of a cut network for itself). Before that, no rank knows what the
+    others met: rank 0 says it, the others give it ``SAY_GRACE_S`` first (the launcher ends them when
+    rank 0 fails alike) and speak only if still running, a mistake of their own."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from datetime import timedelta
+
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            store = c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=5))
+            return store.add("vitscale/said", 1) == 1
+        except Exception:  # noqa: BLE001  the store (on rank 0's host) is out of reach
+            return True
+    if rank != 0:
+        time.sleep(SAY_GRACE_S)
+    return True
 
 
 class FailureRecord:
@@ -162,27 +227,66 @@ class FailureRecord:
     the same time), else on the way out of the block (start-up: the process group, the model,
     DeepSpeed, the data). Only in a job of more than one rank, read from the runner's ``RANK`` and
     ``WORLD_SIZE``, which exist before the process group does. ``hosts``: every rank's node, once
-    the ranks have exchanged them (until then a record names only this rank's)."""
+    the ranks have exchanged them (until then a record names only this rank's). ``errors_dir`` may
+    be set later (None: not known yet, the config unread; nothing is written).
 
-    def __init__(self, errors_dir):
-        self.errors_dir = errors_dir
+    ``voice`` is what the command line's one-line errors ask (``cli_errors``): in a job of several
+    ranks the first to fail speaks, naming itself, and the others stay silent, so that a job says
+    one line per mistake, not one per rank."""
+
+    def __init__(self, errors_dir=None, user_errors: tuple = ()):
+        self.errors_dir, self.user_errors = errors_dir, user_errors
         self.hosts: list[str] = []
         self.written = False
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
     def __enter__(self) -> "FailureRecord":
         return self
 
-    def report(self, err: BaseException) -> bool:
-        """Write the record unless written already; True when a peer went away (``report_failure``:
-        the caller exits 1 without a traceback)."""
-        if self.written or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return False
+    def code_of(self, err: BaseException) -> int:
+        """The exit code ``err`` ends the rank with when it is its own: 2 for a user mistake (one of
+        ``user_errors``, or what ``cli_errors`` reports as one), 69 for an unavailable store, else 1."""
+        from data_pipeline.errors import exit_code
+
+        return exit_code(err, *self.user_errors)
+
+    def report(self, err: BaseException) -> Optional[int]:
+        """Write the record unless written already. None for a failure of this rank's own; for a
+        peer's (``report_failure``), the code to end with, without a traceback, after this rank said
+        so if a peer went away without a word and this rank is the first to fail."""
+        if self.written or self.world <= 1 or self.errors_dir is None:
+            return None
         self.written = True
-        return report_failure(err, self.hosts, self.errors_dir, int(os.environ.get("RANK", "0")))
+        head = report_failure(err, self.hosts, self.errors_dir, self.rank, self.code_of(err))
+        if head is None:
+            return None
+        # a peer that left no record: nobody else says it. Rank 0 among the lost: the store lives in its
+        # process and was just found out of reach, so it is not asked again (each side of a cut speaks)
+        if "lost" in head and (0 in head["lost"] or _first_to_say(self.rank)):
+            print(f"vit-train: {head['line']}", file=sys.stderr, flush=True)
+        return head["code"]
+
+    def voice(self, err: BaseException) -> Optional[str]:
+        """For ``cli_errors``: the words before a user error's message on the terminal ("" in a job of
+        one rank; ``rank R on HOST: `` when this rank is the job's first to fail), or None to stay
+        silent (another rank said it, or says it)."""
+        if self.world <= 1:
+            return ""
+        self.report(err)
+        if not _first_to_say(self.rank):
+            return None
+        host = self.hosts[self.rank] if self.rank < len(self.hosts) else None
+        if host is None:
+            from pretrain.distributed.process import node_name
+
+            host = node_name()
+        return f"rank {self.rank} on {host}: "
 
     def __exit__(self, kind, err, tb) -> bool:
-        if err is not None and self.report(err):
-            raise SystemExit(1) from None
+        if err is not None and not isinstance(err, SystemExit):
+            code = self.report(err)
+            if code is not None:
+                raise SystemExit(code) from None
         return False
 
 
@@ -228,8 +332,8 @@ def goodbye_line(result: dict, checkpoint) -> str:
     if result["preempted"]:
         return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {checkpoint}; run "
                 f"the same command to resume (exit {EXIT_INTERRUPTED})")
-    return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: python -m pretrain.export "
-            f"{result['run_dir']} OUT.safetensors")
+    return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: "
+            f"python -m pretrain.export {result['run_dir']} OUT.safetensors")
 
 
 def say_goodbye(result: dict, summary, status: RunStatus, checkpoint) -> None:

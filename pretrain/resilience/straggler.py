@@ -22,6 +22,17 @@ its (short) local phases first, so bursts land in local phases far less often th
 the step (measured on the tiny CPU config: local phases 8-15 % of the step, the slowed rank's local
 ratio 1.25 where 2 was due). Own work less waits sees every burst outside a collective.
 
+Where the host clock times the phases (the CPU), a rank's seconds also hold the time it was ready
+to run but waited for a core: on cores shared by more processes than they hold (the test machine:
+two cores, four ranks and the rest of the suite) that is most of them (0.7 of a rank's own seconds,
+measured), and which rank the scheduler makes wait is chance, so an even job's span ratio swung up to
+1.4 on it alone. The clock counts it per phase (``QUEUED``, the kernel's run-queue time) and the
+evidence shares it out: each rank's own work less its run-queue wait plus the mean wait of its
+host's ranks (``shared_queue``). The job's load stays in the ratio (a rank stopped half its time
+still shows about 2x), the chance of who waited leaves it (even jobs beside a slowed one: 1.02-1.16). What it
+costs: a host loaded harder than the others still shows in its ranks, but one rank crowded out by
+its host's other ranks does not (on a GPU, where the device clock times the work, nothing changes).
+
 At each logging window every rank contributes its phase seconds (one small all-gather in the
 loop). The verdict rests on evidence summed over a sliding span of the last ``windows`` windows,
 not on a streak of single windows: one window's ratio swings with where its bursts fell. A rank that
@@ -46,7 +57,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pretrain.observability.clock import CLOCKED, WAITED
+from pretrain.observability.clock import CLOCKED, PHASES, QUEUED, WAITED
 
 LOCAL = ("data", "forward")
 OWN = LOCAL + tuple(WAITED)  # backward and step less their waits, where collectives are timed
@@ -65,6 +76,28 @@ def own_seconds(p: dict, waits_timed: bool) -> float:
     """A rank's own work in phase seconds ``p``: the local phases, and where the clock timed the
     collectives (``waits_timed``) backward and step less the time spent in them."""
     return sum(own_phase(p, k, waits_timed) for k in OWN)
+
+
+def shared_queue(per_rank: list[dict], hosts: list[str], waits_timed: bool) -> list[dict]:
+    """Each rank's own work per ``OWN`` phase, its run-queue wait (``QUEUED``: runnable, no core free)
+    replaced by the mean of its host's ranks in that phase: which rank of a loaded host the scheduler
+    makes wait is chance, how long the host's ranks wait is its load. Where nothing was queued (a GPU,
+    a kernel without the count) this is ``own_phase`` of every phase."""
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    out = []
+    for r, p in enumerate(per_rank):
+        mates = by_host.get(hosts[r], [r])
+        row = {}
+        for phase in OWN:
+            if phase not in LOCAL and not waits_timed:
+                row[phase] = 0.0  # no evidence: collectives untimed (a GPU's backward and step)
+                continue
+            queued = [per_rank[m].get(QUEUED[phase], 0.0) for m in mates]
+            row[phase] = own_phase(p, phase, waits_timed) - p.get(QUEUED[phase], 0.0) + sum(queued) / len(queued)
+        out.append(row)
+    return out
 
 
 def median_of_others(values: list[float], i: int) -> float:
@@ -102,7 +135,7 @@ class StragglerDetector:
         """One window's phase seconds per rank -> (metrics for this window, a line naming a
         straggler or None)."""
         window = [dict(p) for p in per_rank]
-        self.span.append((window, max(sum(p.values()) for p in window)))
+        self.span.append((window, max(sum(p.get(k, 0.0) for k in PHASES) for p in window)))
         self.seconds += self.span[-1][1]
         self._add(window, 1.0)
         while len(self.span) > self.windows and (self.seconds - self.span[0][1] >= self.span_s
@@ -110,14 +143,15 @@ class StragglerDetector:
             old, sec = self.span.popleft()
             self.seconds -= sec
             self._add(old, -1.0)
-        local = [own_seconds(p, self.waits_timed) for p in self.summed]
+        evidence = shared_queue(self.summed, self.hosts, self.waits_timed)
+        local = [sum(e.values()) for e in evidence]
         ratios = [local[i] / max(median_of_others(local, i), 1e-9) for i in range(len(local))]
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         metrics = {"straggler/slowest_rank": slowest, "straggler/slowest_host": self.hosts[slowest],
                    "straggler/ratio": ratios[slowest]}
         if len(per_rank) <= 64:  # one series per rank in W&B; past that the summary says enough
-            metrics.update({f"straggler/own_seconds/rank_{r}": own_seconds(p, self.waits_timed)
-                            for r, p in enumerate(per_rank)})
+            metrics.update({f"straggler/own_seconds/rank_{r}": sum(e.values())
+                            for r, e in enumerate(shared_queue(window, self.hosts, self.waits_timed))})
         line = None
         recovered = 1.0 + (self.factor - 1.0) / 2
         for r, ratio in enumerate(ratios):
@@ -127,7 +161,7 @@ class StragglerDetector:
                   and line is None):
                 self.named.add(r)
                 line = (f"rank {r} on {self.hosts[r]}: {ratio:.1f}x the median step, mostly in "
-                        f"{self.worst_phase(self.summed, r, self.waits_timed)}")
+                        f"{self.worst_phase(evidence, r)}")
         if line and self.record is not None:
             from data_pipeline.files import write_json
 
@@ -136,10 +170,11 @@ class StragglerDetector:
         return metrics, line
 
     @staticmethod
-    def worst_phase(per_rank: list[dict], r: int, waits_timed: bool = False) -> str:
-        """The phase where rank ``r`` spent the most of its own work beyond the other ranks' median."""
+    def worst_phase(evidence: list[dict], r: int) -> str:
+        """The phase where rank ``r`` spent the most of its own work (``shared_queue``'s) beyond the
+        other ranks' median."""
         def excess(phase):
-            vals = [own_phase(p, phase, waits_timed) for p in per_rank]
+            vals = [e[phase] for e in evidence]
             return vals[r] - median_of_others(vals, r)
         return max(OWN, key=excess)
 

@@ -6,8 +6,9 @@ step (start-up, first collectives, JIT builds) and checkpoints get ``slow_factor
 allowance. When it fires, the rank writes every thread's Python stack to
 ``<output_dir>/hang/rank-<R>.txt`` (first line: a JSON header with rank, step, phase, idle seconds),
 waits briefly for the other ranks' files, and exits with ``EXIT_HANG``. The first rank done waiting
-(it creates ``hang/reported``) prints one line naming the step and the rank(s) that stopped progressing: the ranks furthest
-behind (a rank stuck inside a step is still in an earlier phase than its peers, who wait for it in
+(it creates ``hang/reported``) prints one line naming the step and the rank(s) that stopped
+progressing: the ranks furthest behind (a rank stuck inside a step is still in an earlier phase
+than its peers, who wait for it in
 the next collective), or those that wrote no file at all.
 
 Cost: two attribute writes per beat; the thread wakes every few seconds. A rank stuck in C code

@@ -1,12 +1,15 @@
 """``vit-transfer``: transfer evaluation of a pre-trained ViT (also ``python -m pretrain.transfer``).
 
     vit-transfer --checkpoint PATH --suite cifar100|vtab1k|demo|imagefolder|shards \\
-                 --protocol finetune|linear|fewshot --data-root DIR --output results.json \\
-                 [--config FILE] [a.b=c ...]
+                 --protocol finetune|linear|fewshot|knn|head [--recipe paper|deit] \\
+                 --data-root DIR --output results.json [--config FILE] [a.b=c ...]
     vit-transfer --watch RUN_DIR --protocol fewshot --suite demo --output watch.json
     deepspeed --num_gpus 8 --module pretrain.transfer --checkpoint ... --protocol finetune ...
 
-PATH: a run directory (any ZeRO stage), an exported .safetensors file or a timm state dict.
+PATH: a run directory (any ZeRO stage), an exported .safetensors file, a timm state dict or a
+transformers folder. ``--recipe`` picks the fine-tune's (the paper's SGD, or DeiT / MAE's AdamW
+with layer decay, mixing and EMA); ``head`` scores the checkpoint's own classifier on the set
+(``--data-root``: for imagefolder / shards the evaluated set itself).
 Flags set the ``eval`` keys of the same name; everything else is ``eval.*`` / ``model.*`` /
 ``zero.*`` keys in the config or as overrides (``eval.img_size=384 eval.steps=2500``).
 Results: ``--output`` (JSON), a Markdown table on stdout, W&B with ``eval.wandb=true``.
@@ -25,7 +28,7 @@ from data_pipeline.errors import ConfigError, Parser, cli_errors
 from pretrain.config import load_config
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
-from pretrain.transfer.finetune import Dist
+from pretrain.transfer.protocols.finetune import Dist
 from pretrain.transfer.results import check_output, log_wandb, markdown, save_json
 from pretrain.transfer.suites import SUITES, build_tasks
 from pretrain.weights.pretrained import ARCH_KEYS, load_pretrained
@@ -37,11 +40,15 @@ def parser() -> argparse.ArgumentParser:
     ap = Parser(prog=PROG, description=__doc__.splitlines()[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="run directory, .safetensors file, .pth/.bin state dict, or a transformers ViT "
+    src.add_argument("--checkpoint",
+                     help="run directory, .safetensors file, .pth/.bin state dict, or a transformers ViT "
                      "folder (config.json + weights, e.g. from vit-export --format hf)")
     src.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a running pre-training job")
-    ap.add_argument("--suite", choices=list(SUITES), help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
-    ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot"])
+    ap.add_argument("--suite", choices=list(SUITES),
+                    help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
+    ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot", "knn", "head"],
+                    help="eval.protocol (default: linear)")
+    ap.add_argument("--recipe", choices=["paper", "deit"], help="eval.recipe: the fine-tune's recipe (default: paper)")
     ap.add_argument("--data-root", help="dataset folder (eval.data_root)")
     ap.add_argument("--output", default="results.json", help="results JSON (default: results.json)")
     ap.add_argument("--config", help="YAML config (eval / model / zero sections)")
@@ -97,7 +104,8 @@ def run_watch(args, cfg, user_arch: dict) -> list[dict]:
     from pretrain.transfer.watch import watch
 
     if cfg.eval.protocol == "finetune":
-        raise TransferError("--watch runs fewshot or linear (fine-tuning would compete with the training job)")
+        raise TransferError("--watch runs fewshot, linear, knn or head "
+                            "(fine-tuning would compete with the training job)")
     tasks, missing = build_tasks(cfg.eval, cfg.data)  # read once, reused for every checkpoint
     out = Path(args.output)
     docs: list[dict] = []
@@ -133,7 +141,8 @@ def main(argv=None) -> None:
     with cli_errors(PROG, TransferError, DataError, ConfigError):
         # the flags are overrides of the eval section: validated once, with the rest, by the schema
         flags = [f"eval.{k}={json.dumps(v)}" for k, v in (("suite", args.suite), ("protocol", args.protocol),
-                                               ("data_root", args.data_root)) if v is not None]
+                                               ("recipe", args.recipe), ("data_root", args.data_root))
+                 if v is not None]
         cfg = load_config(args.config, [*args.overrides, *flags])
         user_arch = explicit_model_keys(args.config, args.overrides, cfg.model)
         check_output(args.output)  # before the evaluation: an unwritable --output costs a second, not the run

@@ -293,12 +293,15 @@ class ShardSplit(Split):
     def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
         from data_pipeline.loading.loader import build_loader
 
-        aug = self.data_cfg.augment
+        # batch mixing is the fine-tune recipe's (eval.mixup_alpha / cutmix_alpha), as for every
+        # other suite: pre-training's data.augment mixing never reaches a transfer batch
+        aug, repeats = replace(self.data_cfg.augment, mixup_alpha=0.0, cutmix_alpha=0.0), self.data_cfg.repeat_augment
         if not view.train_augment:  # full image, no flip: scale 1 at ratio 1 is a center crop
             aug = replace(aug, crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0], hflip=0.0, randaugment_ops=0,
-                          mixup_alpha=0.0, cutmix_alpha=0.0)
+                          three_augment=False)
+            repeats = 1
         cfg = replace(self.data_cfg, train_shards=self.spec, val_shards=self.spec, workers=workers,
-                      img_size=None, augment=aug)
+                      img_size=None, augment=aug, repeat_augment=repeats)
         loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch_size, seed=seed,
                               img_size=view.img_size, train=train, device=device)
         return iter(loader)

@@ -4,8 +4,9 @@
     tasks, missing = build_tasks(cfg.eval, cfg.data)
     doc = evaluate_checkpoint(cfg, pre, tasks, missing)
 
-Each part receives its own settings: the protocol gets the ``eval`` section, views get
-``data.augment`` (normalisation, crop), fine-tuning under DeepSpeed gets ``zero``.
+Each part receives its own settings: the protocol gets the ``eval`` section (the fine-tune its
+resolved recipe), views get ``data.augment`` (normalisation, crop), fine-tuning under DeepSpeed
+gets ``zero``.
 """
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ from typing import Callable, Optional
 import torch
 
 from pretrain.config import Config
+from pretrain.models.arch import model_defaults
 from pretrain.transfer.data import View
 from pretrain.transfer.errors import TransferError
-from pretrain.transfer.features import FeatureCache
-from pretrain.transfer.fewshot import FewShot
-from pretrain.transfer.finetune import Dist, Finetune
-from pretrain.transfer.linear import LinearProbe
+from pretrain.transfer.protocols.features import FeatureCache
+from pretrain.transfer.protocols.fewshot import FewShot
+from pretrain.transfer.protocols.finetune import Dist, Finetune
+from pretrain.transfer.protocols.head import OwnHead
+from pretrain.transfer.protocols.knn import KNN
+from pretrain.transfer.protocols.linear import LinearProbe
+from pretrain.transfer.protocols.recipes import resolve
 from pretrain.transfer.results import assemble
 from pretrain.transfer.sweep import log_stderr, run_task
-from pretrain.weights.pretrained import Pretrained, build_backbone
+from pretrain.weights.pretrained import Pretrained, build_backbone, build_classifier
 
 
 def make_view(task, img_size: int, ev, aug) -> View:
@@ -52,15 +57,23 @@ def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.dev
         precision = cfg.train.precision if torch.cuda.is_available() else "fp32"
         # a fine-tune's batches are small: `auto` (pre-training's memory rule) checkpoints nothing here
         ckpt = cfg.train.activation_checkpointing if cfg.train.activation_checkpointing != "auto" else False
-        return Finetune(pre, img_size=img_size, ev=ev, view_of=view_of, device=device, precision=precision,
-                        zero=cfg.zero, grad_checkpointing=ckpt,
-                        drop_path_rate=cfg.model.drop_path_rate, dist_info=dist, log=log)
+        recipe = resolve(ev, depth=model_defaults(pre.arch["name"])["depth"], model_drop_path=cfg.model.drop_path_rate)
+        return Finetune(pre, img_size=img_size, ev=ev, recipe=recipe, view_of=view_of, device=device,
+                        precision=precision, zero=cfg.zero, grad_checkpointing=ckpt, dist_info=dist, log=log)
     if dist.world > 1:
         raise TransferError(f"--protocol {ev.protocol} runs in one process; start it without the deepspeed runner")
+    if ev.pool == "token" and not pre.arch.get("class_token", True):
+        raise TransferError(f"eval.pool=token: {pre.source} holds a model without the [class] token; "
+                            "use eval.pool=model (its own pooling) or avg")
+    if ev.protocol == "head":
+        return OwnHead(build_classifier(pre, img_size=img_size), view_of, batch_size=ev.batch_size, device=device,
+                       workers=ev.workers, real_labels=ev.real_labels, log=log)
     model = build_backbone(pre, img_size=img_size)
     cache = FeatureCache(model, batch_size=ev.batch_size, pool=ev.pool, device=device, workers=ev.workers, log=log)
     if ev.protocol == "linear":
         return LinearProbe(cache, view_of, ev.linear_l2, list(ev.sweep_linear_l2))
+    if ev.protocol == "knn":
+        return KNN(cache, view_of, list(ev.knn_k), ev.knn_temperature)
     return FewShot(cache, view_of, list(ev.fewshot_shots), ev.fewshot_seeds, ev.fewshot_l2, list(ev.sweep_fewshot_l2))
 
 

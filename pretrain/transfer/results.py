@@ -97,21 +97,44 @@ def headline_shots(doc: dict) -> Optional[int]:
     return shots.pop() if len(shots) == 1 else None
 
 
+def headline_k(doc: dict) -> Optional[int]:
+    """The neighbour count a kNN document's accuracies are (DINO's 20, else the largest)."""
+    ks = {r["details"].get("headline_k") for r in doc["tasks"].values()} - {None}
+    return ks.pop() if len(ks) == 1 else None
+
+
+def _details(d: dict) -> str:
+    """The Details cell: every shot count (few-shot), every k (kNN), top-5 and ReaL (head), the
+    trained weights' accuracy beside the EMA's (fine-tune)."""
+    if "shots" in d:  # few-shot: every shot count, mean over seeds
+        return " / ".join(f"{k}-shot {_pct(v['mean'])}" for k, v in d["shots"].items())
+    if "k" in d and isinstance(d["k"], dict):  # kNN: top-1 of every k
+        return " / ".join(f"{k}-NN {_pct(v['top1'])}" for k, v in d["k"].items())
+    parts = []
+    if "top5" in d:
+        parts.append(f"top-5 {_pct(d['top5'])}")
+    if "real_top1" in d:
+        parts.append(f"ReaL {_pct(d['real_top1'])} ({d['real_scored']} images)")
+    if "accuracy_no_ema" in d:
+        parts.append(f"EMA weights; trained weights {_pct(d['accuracy_no_ema'])}")
+    return " / ".join(parts)
+
+
 def markdown(doc: dict) -> str:
     step = f"step {doc['step']}" if doc.get("step") is not None else "step ?"
     k = headline_shots(doc) if doc["protocol"] == "fewshot" else None
     seeds = (doc.get("settings") or {}).get("fewshot_seeds")
-    top1 = f"{k}-shot top-1 (%)" if k else "Top-1 (%)"
+    nn = headline_k(doc) if doc["protocol"] == "knn" else None
+    top1 = f"{k}-shot top-1 (%)" if k else f"{nn}-NN top-1 (%)" if nn else "Top-1 (%)"
     lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}) -- {doc['suite']} / {doc['protocol']} "
              f"at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
-             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "") + " (every shot count under Details)"
-                if k else ""), "",
+             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "")
+                + " (every shot count under Details)" if k else "")
+             + (f"; top-1 is {nn}-NN (every k under Details)" if nn else ""), "",
              f"| Task | Group | {top1} | Chance (%) | Setting | Details | Train | Test |",
              "|---|---|---:|---:|---|---|---:|---:|"]
     for name, r in doc["tasks"].items():
-        details = ""
-        if "shots" in r["details"]:  # few-shot: every shot count, mean over seeds
-            details = " / ".join(f"{k}-shot {_pct(v['mean'])}" for k, v in r["details"]["shots"].items())
+        details = _details(r["details"])
         lines.append(f"| {name} | {r['group'] or ''} | {_pct(r['accuracy'])} | {_pct(r['chance'])} "
                      f"| {_setting(r['setting'])} | {details} | {r['num_train']} | {r['num_test']} |")
     for g, s in (doc.get("groups") or {}).items():
@@ -121,7 +144,8 @@ def markdown(doc: dict) -> str:
     elif len(doc["tasks"]) > 1:
         lines.append(f"| **mean** | | {_pct(doc['mean'])} | | | | | |")
     if doc.get("missing"):
-        lines += ["", f"Missing ({len(doc['missing'])}): {', '.join(doc['missing'])} -- means are over the tasks present."]
+        lines += ["", f"Missing ({len(doc['missing'])}): {', '.join(doc['missing'])} "
+                      "-- means are over the tasks present."]
     return "\n".join(lines)
 
 
@@ -131,6 +155,12 @@ def wandb_metrics(doc: dict) -> dict:
     for t, r in doc["tasks"].items():
         for k, v in r["details"].get("shots", {}).items():
             m[f"{prefix}/{t}_{k}shot"] = v["mean"]
+        knn = r["details"].get("k")
+        for k, v in (knn.items() if isinstance(knn, dict) else ()):
+            m[f"{prefix}/{t}_{k}nn"] = v["top1"]
+        for key in ("top5", "real_top1", "real_top5", "accuracy_no_ema"):
+            if key in r["details"]:
+                m[f"{prefix}/{t}_{key}"] = r["details"][key]
     for g, s in (doc.get("groups") or {}).items():
         if s["mean"] is not None:
             m[f"{prefix}/{g}"] = s["mean"]

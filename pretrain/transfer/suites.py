@@ -11,10 +11,11 @@ Layouts:
                containers, numbers and strings; nothing can be called).
   vtab1k       ROOT/<task>/{train800,val200,train800val200,test}.txt, lines ``relative/path label``
                (the PyTorch VTAB-1k layout); task folders by paper or short name (``vtab.py``).
-  imagefolder  ROOT/train/<class>/..., ROOT/test/<class>/..., optional ROOT/val/<class>/...
+  imagefolder  ROOT/train/<class>/..., ROOT/test/<class>/..., optional ROOT/val/<class>/...;
+               for ``--protocol head`` ROOT/<class>/... or ROOT/<image> alone (``labelled_folder``)
   shards       ROOT/{train,test}[/val] each holding WebDataset shards + manifest.json; ROOT may be
                s3://bucket/prefix (with data.allow_remote=true), whose val/ is found by asking the
-               store for val/manifest.json.
+               store for val/manifest.json; for ``--protocol head`` ROOT is one set of shards.
   demo         the built-in held-out demo shapes (``data_pipeline.shards.demo_data``): their shards
                under ROOT/transfer-{train,test} when --data-root is given, else drawn on demand.
 """
@@ -195,6 +196,39 @@ def imagefolder(root: str, minival_fraction: float, seed: int) -> Task:
     return Task(base.name, len(classes), fit, val, trainval, test, resize="crop", augment=True)
 
 
+def labelled_folder(root: str) -> Task:
+    """``--protocol head``: ROOT is the evaluated set itself. ROOT/<class>/... (sorted class names
+    are the indices, as ImageNet's synset folders; folders all named by integers are the indices
+    themselves, as ImageNet-V2's ``0``..``999``), or images directly in ROOT, unlabelled (ImageNet
+    val as distributed, scored with ``eval.real_labels``)."""
+    from data_pipeline.shards.sources import IMG_EXTENSIONS
+    from data_pipeline.shards.sources import imagefolder as read_folder
+
+    base = _need_dir(Path(root), "image folder")
+    if any(d.is_dir() and not d.name.startswith(".") for d in base.iterdir()):
+        src = read_folder(str(base))
+        numbered = all(c.isdigit() for c in src.classes)
+        index = [int(c) for c in src.classes] if numbered else list(range(len(src.classes)))
+        paths, labels = [it.path for it in src.items], [index[it.labels[0]] for it in src.items]
+        num_classes = max(index) + 1
+    else:
+        paths = sorted(str(f) for f in base.iterdir() if f.is_file() and f.name.lower().endswith(IMG_EXTENSIONS))
+        if not paths:
+            raise TransferError(f"{base}: no images and no class folders")
+        labels, num_classes = [-1] * len(paths), 0
+    split = FileImages(base.name, paths, labels)
+    return Task(base.name, num_classes, split, None, split, split, resize="crop", augment=False)
+
+
+def labelled_shards(root: str, data_cfg) -> Task:
+    """``--protocol head``: ROOT is one set of shards (a ``manifest.json`` or its folder)."""
+    where = root.rstrip("/")
+    if where.endswith(MANIFEST_NAME):
+        where = where[:-len(MANIFEST_NAME)].rstrip("/")
+    split = ShardSplit(last_part(where) or "shards", root, data_cfg)
+    return Task(split.name, split.num_classes, split, None, split, split, resize="crop", augment=False)
+
+
 # ------------------------------------------------------------------------------------- shards
 def _split_manifests(root: str, data_cfg) -> dict[str, tuple[str, bool]]:
     """``{split: (ROOT/split/manifest.json, whether it is there)}`` for train, test and val. ROOT is
@@ -284,9 +318,17 @@ SUITES: dict[str, Suite] = {
 assert {n: s.needs_root for n, s in SUITES.items()} == SUITE_NEEDS_ROOT, "suites and schema disagree"
 
 
+# ``--protocol head`` trains nothing: for these suites --data-root is the evaluated set alone
+# (other suites are scored on their test split)
+EVAL_SETS: dict[str, Callable] = {"imagefolder": lambda ev, d: labelled_folder(ev.data_root),
+                                  "shards": lambda ev, d: labelled_shards(ev.data_root, d)}
+
+
 def build_tasks(ev, data_cfg) -> tuple[list[Task], list[str]]:
     """(tasks, missing VTAB tasks) for the ``eval`` section ``ev``."""
     suite = SUITES[ev.suite]
     if suite.needs_root and not ev.data_root:
         raise TransferError(f"--suite {ev.suite} needs --data-root (eval.data_root)")
+    if getattr(ev, "protocol", None) == "head" and ev.suite in EVAL_SETS:
+        return [EVAL_SETS[ev.suite](ev, data_cfg)], []
     return suite.build(ev, data_cfg)

@@ -6,7 +6,8 @@ run -- is refitted on ``task.trainval`` (train800val200) and only then scored on
 The test split is touched exactly once, after the choice is made.
 
 A protocol is any object with ``name``, ``grid(sweep) -> [setting dict]`` and
-``fit_score(task, fit_split, eval_split, setting) -> (top-1, details)``.
+``fit_score(task, fit_split, eval_split, setting) -> (top-1, details)``; ``trains = False`` on one
+that fits nothing (``head``) reports no training images.
 """
 from __future__ import annotations
 
@@ -49,18 +50,22 @@ def run_task(protocol, task, sweep: bool, log: Callable[[str], None] = log_stder
     best = grid[0]
     if len(grid) > 1:
         if task.val is None:
-            raise TransferError(f"{task.name}: sweeping needs a validation split (add a val/ split or eval.sweep=false)")
+            raise TransferError(f"{task.name}: sweeping needs a validation split "
+                                "(add a val/ split or eval.sweep=false)")
         best_acc = -1.0
         for setting in grid:
             acc, _ = protocol.fit_score(task, task.train, task.val, setting)
             val_scores.append({"setting": dict(setting), "accuracy": acc})
-            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
+            metric = getattr(protocol, "metric", "top-1")
+            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val {metric} {100 * acc:.2f}")
             if acc > best_acc:  # strict: the first of equal settings wins
                 best, best_acc = setting, acc
     acc, details = protocol.fit_score(task, task.trainval, task.test, best)
     log(f"  {task.name} {protocol.name} {_fmt(best)}: test {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
+    trained = len(task.trainval) if getattr(protocol, "trains", True) else 0
+    chance = 1.0 / task.num_classes if task.num_classes else 0.0
     return TaskResult(task.name, task.group, acc, dict(best), val_scores, details, task.num_classes,
-                      1.0 / task.num_classes, len(task.trainval), len(task.test), time.time() - t0)
+                      chance, trained, len(task.test), time.time() - t0)
 
 
 def _fmt(setting: dict) -> str:

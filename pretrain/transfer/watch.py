@@ -72,7 +72,8 @@ def watch(run_dir: str | Path, evaluate: Callable[[int, Path], None], *, poll_s:
                 evaluate(step, path)
                 evaluated.append(step)
             except (TransferError, CheckpointError, OSError) as e:  # e.g. pruned by the training job mid-read
-                log(f"vit-transfer: skipped step {step} ({path}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                log(f"vit-transfer: skipped step {step} ({path}): "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
         if items:
             step, path = items[-1]
             fs = final_step(path)

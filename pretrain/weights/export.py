@@ -1,7 +1,7 @@
 """Export a run's weights: one safetensors file with timm names, or a Hugging Face transformers folder.
 
-    python -m pretrain.export RUN_OR_CKPT OUT.safetensors [--step N]          # timm (default)
-    python -m pretrain.export RUN_OR_CKPT OUT_DIR --format hf [--step N]      # transformers
+    python -m pretrain.export RUN_OR_CKPT OUT.safetensors [--step N] [--ema]          # timm (default)
+    python -m pretrain.export RUN_OR_CKPT OUT_DIR --format hf [--step N] [--ema]      # transformers
 
 Works from any ZeRO stage: DeepSpeed's ``zero_to_fp32`` merges the fp32 master-weight shards of
 stages 1-3 (the exact weights the optimizer holds, also when training in bf16); stage 0 stores
@@ -11,11 +11,12 @@ timm's ``pretrained_cfg`` (input size, mean, std, crop, interpolation, classes);
 prints the ``timm.create_model`` call that loads it with that preprocessing. ``--format hf``
 writes what ``ViTForImageClassification.from_pretrained`` loads (``pretrain.weights.hf``), with a model
 card made from the run directory. RUN_OR_CKPT may also be a transformers ViT folder: that
-converts it (to timm names, or to a folder again).
+converts it (to timm names, or to a folder again). ``--ema`` exports the weights' moving average
+(``train.ema_decay``) instead, assembled from the checkpoint's per-rank EMA files
+(``pretrain.distributed.ema.read_full``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,12 +27,14 @@ from typing import Optional
 
 import torch
 
-from data_pipeline.errors import DataError, cli_errors
+from data_pipeline.errors import DataError, Parser, cli_errors
 from data_pipeline.storage.s3 import S3Prefix
 from data_pipeline.storage.urls import is_s3
 from pretrain.checkpointing import rundir
 from pretrain.config import AugmentConfig, from_dict, image_size
-from pretrain.models.arch import model_defaults
+from pretrain.distributed import ema as weight_ema
+from pretrain.models.arch import model_defaults, prefix_tokens
+from pretrain.models.pooling import sincos_pos_embed
 from pretrain.weights import hf
 
 
@@ -53,11 +56,19 @@ def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
         raise ExportError(str(e)) from None
 
 
-def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
-    """fp32 full state dict from one DeepSpeed checkpoint directory, on CPU."""
+def consolidate(ckpt: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """fp32 full state dict from one DeepSpeed checkpoint directory, on CPU; ``ema``: the weights'
+    moving average instead (ExportError when the run kept none). A fixed sin-cos position embedding
+    (``model.pos_embed=sincos2d``) is written from its formula: it has no fp32 master (a bf16 module
+    holds it rounded), ZeRO-1's bf16 optimizer files do not hold it, and the average has no copy."""
     info = json.loads((ckpt / "run.json").read_text())
     stage = info["config"]["zero"]["stage"]
-    if stage == 0:
+    if ema:
+        try:
+            sd = weight_ema.read_full(ckpt)
+        except (LookupError, ValueError) as e:
+            raise ExportError(str(e)) from None
+    elif stage == 0:
         # our own file, written by this program: DeepSpeed's module state is a plain state dict
         states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         sd = states["module"]
@@ -65,7 +76,13 @@ def consolidate(ckpt: Path) -> dict[str, torch.Tensor]:
         from pretrain.distributed.ds_compat import fp32_state_dict
 
         sd = fp32_state_dict(ckpt)
-    return {k: v.detach().float().contiguous() for k, v in sd.items()}
+    sd = {k: v.detach().float().contiguous() for k, v in sd.items()}
+    m = from_dict(info["config"]).model
+    if m.pos_embed == "sincos2d":
+        img, d = image_size(m), model_defaults(m.name)
+        grid = (img // d["stride"], img // d["stride"])
+        sd["pos_embed"] = sincos_pos_embed(grid, d["embed_dim"], prefix_tokens(m.reg_tokens, m.class_token))
+    return sd
 
 
 def run_info(ckpt: Path) -> dict:
@@ -98,12 +115,16 @@ def _hf_folder_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         "grid_size": [gh, gw], "checkpoint": str(path), "run_dir": None, "labels": labels}
 
 
-def load_run_weights(run_dir: str | Path, step: Optional[int] = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(fp32 state dict, info) of a run (``run_info``), or of a transformers ViT folder."""
+def load_run_weights(run_dir: str | Path, step: Optional[int] = None,
+                     ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """(fp32 state dict, info) of a run (``run_info``), or of a transformers ViT folder; ``ema``: the
+    run's moving average of the weights."""
     if hf.is_hf_folder(run_dir):
+        if ema:
+            raise ExportError(f"{run_dir}: a transformers folder holds no EMA of the weights; drop --ema")
         return _hf_folder_weights(Path(run_dir))
     ckpt = find_checkpoint(run_dir, step)
-    return consolidate(ckpt), run_info(ckpt)
+    return consolidate(ckpt, ema), run_info(ckpt)
 
 
 def _umask() -> int:
@@ -172,6 +193,10 @@ def timm_call(info: dict, out: Path, pcfg: dict) -> str:
     args = [repr(m["name"]), "pretrained=True", f"img_size={info['img_size']}", f"num_classes={pcfg['num_classes']}"]
     if m.get("global_pool", "token") != "token":
         args.append(f"global_pool={m['global_pool']!r}")
+    if m.get("reg_tokens"):
+        args.append(f"reg_tokens={m['reg_tokens']}")
+    if m.get("class_token") is False:
+        args.append("class_token=False")
     if m.get("qk_norm"):
         args.append("qk_norm=True")
     if m.get("init_values"):
@@ -202,7 +227,7 @@ def _run_root(info: dict, given: Path) -> Optional[Path]:
     return None
 
 
-def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> dict:
+def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None, ema: bool = False) -> dict:
     """Write a transformers folder (``pretrain.weights.hf``). A model transformers' ViT cannot express is
     refused from run.json alone, before the weights are consolidated."""
     from pretrain.checkpointing.checkpoint import check_writable
@@ -212,13 +237,13 @@ def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None) 
         raise ExportError(f"{out} is a file; --format hf writes a folder (config.json, model.safetensors, ...)")
     check_writable(out if out.is_dir() else out.parent, "output folder")
     if hf.is_hf_folder(run_dir):
-        sd, info = load_run_weights(run_dir, step)
+        sd, info = load_run_weights(run_dir, step, ema)
         hf.check_expressible(info["model"])
     else:
         ckpt = find_checkpoint(run_dir, step)
         info = run_info(ckpt)
         hf.check_expressible(info["model"])  # before consolidating (minutes for a large ZeRO-3 run)
-        sd = consolidate(ckpt)
+        sd = consolidate(ckpt, ema)
     classes, dataset = _class_names(info)
     labels = hf.labels_for(int(info["model"].get("num_classes", 0)), classes)
     prep = preprocessing(info)
@@ -230,21 +255,22 @@ def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None) 
     return {**info, "output": str(out), "tensors": len(sd), "labels": labels}
 
 
-def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> dict:
-    """Write one safetensors file in timm's names; ``pretrained_cfg`` and ``timm_call`` in the result."""
+def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None, ema: bool = False) -> dict:
+    """Write one safetensors file in timm's names; ``pretrained_cfg`` and ``timm_call`` in the result.
+    ``ema``: the run's moving average of the weights (metadata ``weights: ema``)."""
     from pretrain.checkpointing.checkpoint import check_writable
 
     out = Path(out)
     if out.is_dir():
         raise ExportError(f"{out} is a folder; name the file, e.g. {out / 'model.safetensors'}")
     check_writable(out.parent, "output folder")  # before consolidating (minutes for a large ZeRO-3 run)
-    sd, info = load_run_weights(run_dir, step)
+    sd, info = load_run_weights(run_dir, step, ema)
     classes, _ = _class_names(info)
     pcfg = timm_pretrained_cfg(info, classes if classes and len(classes) == info["model"].get("num_classes") else None)
     meta = {"format": "pt", "model_name": info["model"]["name"], "model": json.dumps(info["model"]),
             "grid_size": "x".join(map(str, info["grid_size"])), "img_size": str(info["img_size"]),
             "step": "" if info["step"] is None else str(info["step"]), "wandb_run_id": info["wandb_run_id"] or "",
-            "pretrained_cfg": json.dumps(pcfg)}
+            "pretrained_cfg": json.dumps(pcfg), "weights": "ema" if ema else "weights"}
     try:
         write_safetensors(sd, out, meta)
     except OSError as e:
@@ -260,13 +286,14 @@ def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None) -> 
             "timm_call": timm_call(info, out, pcfg)}
 
 
-def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, fmt: str = "timm") -> dict:
+def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, fmt: str = "timm",
+              ema: bool = False) -> dict:
     """``export`` (``fmt`` timm) or ``export_hf`` (hf) to a local path, or to ``s3://bucket/key``:
     there the bucket is checked first (before consolidating), the export is staged in a temporary
     folder and uploaded one object per file (multipart, retried as shards are), the safetensors file
     at the URL itself, a transformers folder's files under the URL as a prefix."""
     if not is_s3(str(out)):
-        return (export_hf if fmt == "hf" else export)(run_dir, out, step)
+        return (export_hf if fmt == "hf" else export)(run_dir, out, step, ema)
     url = str(out).rstrip("/")
     prefix, name = (url, "hf") if fmt == "hf" else url.rsplit("/", 1)
     if fmt != "hf" and (prefix == "s3:/" or not name.endswith(".safetensors")):
@@ -275,7 +302,7 @@ def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
     place.prepare()
     with tempfile.TemporaryDirectory(prefix="vit-export-") as tmp:
         local = Path(tmp) / name
-        r = (export_hf if fmt == "hf" else export)(run_dir, local, step)
+        r = (export_hf if fmt == "hf" else export)(run_dir, local, step, ema)
         for f in sorted(local.iterdir()) if fmt == "hf" else [local]:
             with open(f, "rb") as src, place.create(f.name) as up:  # a failed upload is aborted on close
                 shutil.copyfileobj(src, up, 8 << 20)
@@ -287,7 +314,7 @@ def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="vit-export", description="Export a run's weights for timm or transformers")
+    ap = Parser(prog="vit-export", description="Export a run's weights for timm or transformers")
     ap.add_argument("run_dir", help="run directory, its checkpoints/ directory, one checkpoint, or a transformers "
                                     "ViT folder")
     ap.add_argument("output", help="OUT.safetensors (--format timm) or a folder (--format hf); either may be "
@@ -296,15 +323,18 @@ def main(argv=None) -> None:
                     help="timm: one safetensors file in timm's names (default); hf: a transformers "
                          "ViTForImageClassification folder with a model card")
     ap.add_argument("--step", type=int, default=None, help="export this step instead of the newest")
+    ap.add_argument("--ema", action="store_true", help="export the moving average of the weights (train.ema_decay) "
+                                                        "instead of the weights")
     args = ap.parse_args(argv)
     with cli_errors("vit-export", ExportError, hf.HFUnsupported, DataError):  # DataError: the store refused
         try:
-            r = export_to(args.run_dir, args.output, args.step, args.format)
+            r = export_to(args.run_dir, args.output, args.step, args.format, args.ema)
         except ExportRescued as e:  # not a user mistake (the folder passed the check): exit 1, one line
             print(f"vit-export: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None
     step = "" if r["step"] is None else f" step {r['step']}"
-    print(f"vit-export: {r['model']['name']}{step} from {r['checkpoint']} -> {r['output']} "
+    what = " (EMA of the weights)" if args.ema else ""
+    print(f"vit-export: {r['model']['name']}{step}{what} from {r['checkpoint']} -> {r['output']} "
           f"({r['tensors']} tensors)", file=sys.stderr)
     if is_s3(args.output):
         print(f"vit-export: in the store; download it first (aws s3 cp{' --recursive' if args.format == 'hf' else ''} "

@@ -11,8 +11,10 @@ with its default 1e-12 (Google's converted checkpoints) loads into ours unchange
 then differ slightly, most where a token's variance is small (the eps is added to it).
 
 transformers' ViT is the plain pre-norm ViT with [class]-token pooling: a model with ``qk_norm``,
-LayerScale (``init_values``), average pooling, a pre-logits layer or a ResNet stem (hybrid) has no
-equivalent there, and :func:`check_expressible` names the config key. Neither transformers nor
+LayerScale (``init_values``), register tokens, no [class] token, average or MAP pooling, a
+pre-logits layer or a ResNet stem (hybrid) has no equivalent there, and :func:`check_expressible`
+names the config key. A fixed sin-cos position embedding travels as the learned
+``position_embeddings`` holding its values (transformers then trains it, if asked to). Neither transformers nor
 timm is imported here: export and import need only torch and safetensors.
 
 Writing a folder (config.json, model.safetensors, preprocessor_config.json, README.md) and the
@@ -81,6 +83,8 @@ def check_expressible(model: Mapping) -> None:
     for key, bad, what in (
             ("qk_norm", bool(model.get("qk_norm")), "LayerNorm over queries and keys"),
             ("init_values", bool(model.get("init_values")), "LayerScale on the residual branches"),
+            ("reg_tokens", bool(model.get("reg_tokens")), "register tokens"),
+            ("class_token", model.get("class_token") is False, "a ViT without the [class] token"),
             ("global_pool", model.get("global_pool", "token") != "token", "pooling other than the [class] token"),
             ("representation_size", bool(model.get("representation_size")), "a tanh pre-logits layer before the head")):
         if bad:
@@ -184,7 +188,8 @@ def check_config(config: dict, where: str) -> None:
 def arch_from_config(config: dict, sd: Mapping[str, torch.Tensor], where: str) -> dict:
     """Our model config section for a transformers ViT: the registered name of its shape, its
     resolution, classes, and the pooler as ``representation_size``."""
-    d, depth, heads = config.get("hidden_size", 768), config.get("num_hidden_layers", 12), config.get("num_attention_heads", 12)
+    d, depth, heads = (config.get("hidden_size", 768), config.get("num_hidden_layers", 12),
+                       config.get("num_attention_heads", 12))
     hidden, patch = config.get("intermediate_size", 3072), _side(config.get("patch_size", 16))[0]
     names = [n for n in list_models() if not model_defaults(n)["stem_layers"] and
              (model_defaults(n)["patch_size"], model_defaults(n)["embed_dim"], model_defaults(n)["depth"],
@@ -358,7 +363,8 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
     if step is not None and t.get("global_batch_size"):
         images = step * int(t["global_batch_size"])
         macs = analytic_flops(m["name"], img, int(m.get("num_classes", 0)), m.get("global_pool", "token"),
-                              m.get("representation_size"), qk_norm=bool(m.get("qk_norm")))
+                              m.get("representation_size"), qk_norm=bool(m.get("qk_norm")),
+                              reg_tokens=int(m.get("reg_tokens") or 0), class_token=m.get("class_token", True))
         rows += [("Steps", f"{step}"), ("Images seen", f"{images:,} ({step} x global batch {t['global_batch_size']})"),
                  ("Compute", f"{6 * macs * images / 1e18:.3g} exaFLOPs (6 x {macs / 1e9:.3g} GMACs forward per "
                              f"image x images seen; analytic)")]

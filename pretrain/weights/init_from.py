@@ -14,6 +14,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.models.arch import model_defaults
 from pretrain.models.init import init_generator
 from pretrain.models.vit import create_model
+from pretrain.perf import levers
 from pretrain.weights.load import WeightsError, load_weights
 
 
@@ -28,13 +29,14 @@ def build_model(cfg: Config) -> torch.nn.Module:
     m = cfg.model
     kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
               drop_path_rate=m.drop_path_rate, patch_drop_rate=m.patch_drop_rate,
-              representation_size=m.representation_size,
-              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values)
+              representation_size=m.representation_size, global_pool=m.global_pool, qk_norm=m.qk_norm,
+              init_values=m.init_values, reg_tokens=m.reg_tokens, class_token=m.class_token, pos_embed=m.pos_embed)
     if cfg.zero.stage != 3:
         return create_model(m.name, init_seed=cfg.train.seed, **kw)
     import deepspeed
 
     world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg, _ = levers.resolve(cfg, world)  # `auto` buckets sized as training sizes them (a no-op once decided)
     ds_cfg = deepspeed_config(cfg.optim, cfg.train, cfg.zero, world, cfg.deepspeed)  # its dtype for the shards
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
         model = create_model(m.name, defer_init=True, **kw)

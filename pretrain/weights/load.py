@@ -4,8 +4,9 @@ names mapped back to ours and query / key / value fused: ``pretrain.weights.hf``
 
 Never unpickles arbitrary objects: ``.pth``/``.bin``/``.pt`` go through ``torch.load(weights_only=True)``.
 Position embeddings are resized by 2-D interpolation when the patch grids differ (224 -> 384
-fine-tuning), the [class] token kept. Missing, unexpected and shape-mismatched keys are reported
-by name.
+fine-tuning), the prefix tokens' rows ([class], registers) kept. A model with the fixed sin-cos
+embedding keeps its own (computed for its grid) and reads none. Missing, unexpected and
+shape-mismatched keys are reported by name.
 """
 from __future__ import annotations
 
@@ -73,9 +74,8 @@ def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, 
         elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
             try:
                 sd = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:  # weights_only refuses pickled code: say so in one line
-                raise WeightsError(f"{path}: not a plain tensor state dict ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200]})") from None
+            except Exception as e:  # noqa: BLE001  weights_only refuses pickled code; a damaged file fails too
+                raise WeightsError(untrusted_pickle(path, e)) from None
         else:
             raise WeightsError(f"{path}: unknown weights format {path.suffix!r} "
                                "(expected .safetensors, .pth, .pt, .bin)")
@@ -89,6 +89,23 @@ def read_state_dict(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, 
     if bad:
         raise WeightsError(f"entries that are not tensors: {', '.join(bad[:5])}")
     return sd, meta
+
+
+def untrusted_pickle(path: Path, err: Exception) -> str:
+    """The one line for a ``.pth``/``.bin`` that ``torch.load(weights_only=True)`` refuses. torch's own
+    message offers ``weights_only=False``, which runs whatever code the file pickled; the safe ways
+    are said instead: a safetensors copy made knowingly, where the file is trusted."""
+    import re
+
+    text = " ".join(str(err).split())
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use| Check the documentation|$)", text)
+    if "Weights only load failed" not in text:  # not a pickle torch reads at all (empty, cut short)
+        return f"{path}: not a readable tensor state dict ({type(err).__name__}: {text[:160]})"
+    why = found.group(1).strip().rstrip(".")[:120] if found else "not plain tensors"
+    return (f"{path}: not loaded: torch.load(weights_only=True) refuses it ({why}): it holds Python objects "
+            "beside its tensors, which unpickling could run as code, or it is damaged. If you trust the file, "
+            "convert it once where you do: torch.load(..., weights_only=False) (which runs that code), then "
+            "safetensors.torch.save_file of its tensors; give the .safetensors file")
 
 
 def read_hf_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -116,6 +133,13 @@ def _grid_from_meta(meta: dict[str, str]) -> Optional[tuple[int, int]]:
     return None
 
 
+def prefix_rows(sd: Mapping[str, torch.Tensor]) -> int:
+    """Rows of a state dict's ``pos_embed`` before its patch grid: one for a ``cls_token``, one per
+    register (``reg_token``), as timm lays them out."""
+    reg = sd.get("reg_token")
+    return int("cls_token" in sd) + (int(reg.shape[1]) if reg is not None else 0)
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
                  exclude: tuple[str, ...] = (), old_grid: Optional[tuple[int, int]] = None) -> LoadReport:
@@ -135,11 +159,13 @@ def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
             del sd[k]
     own = model.state_dict()
     pe = sd.get("pos_embed")
-    if pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
-        prefix = getattr(model, "num_prefix_tokens", 1)
+    if pe is not None and getattr(model, "pos_embed_type", "learned") == "sincos2d":
+        del sd["pos_embed"]  # a function of the model's grid, computed when it was built
+        report.skipped.append("pos_embed")
+    elif pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
         if pe.shape[-1] == own["pos_embed"].shape[-1]:
             sd["pos_embed"] = resize_pos_embed(pe, tuple(model.grid_size), old_grid or _grid_from_meta(meta),
-                                               num_prefix_tokens=prefix)
+                                               num_prefix_tokens=prefix_rows(sd))
             report.resized.append(f"pos_embed: {tuple(pe.shape)} -> {tuple(sd['pos_embed'].shape)}")
     for k, v in list(sd.items()):
         if k in own and own[k].shape != v.shape:

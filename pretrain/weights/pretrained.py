@@ -7,8 +7,9 @@ and ``wandb_run_id``; (3) a timm / torch state dict (``.pth``/``.bin``/``.pt``, 
 ``weights_only=True``). Nothing here unpickles code.
 
 The architecture comes, in increasing priority, from the tensors themselves (patch size, width,
-depth, pooling and pre-logits layer are all visible in the shapes and names), the file's metadata,
-and the user's explicit ``model.*`` keys. Position embeddings are resized by ``load_weights`` when
+depth, pooling, [class] and register tokens, the pre-logits layer are all visible in the shapes and
+names, a sin-cos position embedding in its values), the file's metadata, and the user's explicit
+``model.*`` keys. Position embeddings are resized by ``load_weights`` when
 the evaluation resolution differs from the checkpoint's.
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 
 from data_pipeline.errors import ConfigError
 from pretrain.models.arch import list_models, model_defaults
+from pretrain.models.pooling import sincos_pos_embed
 from pretrain.models.vit import create_model
-from pretrain.weights.load import WeightsError, load_weights, read_state_dict
+from pretrain.weights.load import WeightsError, load_weights, prefix_rows, read_state_dict
 
 
 class CheckpointError(ConfigError):
@@ -32,13 +34,14 @@ class CheckpointError(ConfigError):
     ``cli_errors`` prints it as one line (exit 2) naming the path."""
 
 
-ARCH_KEYS = ("name", "img_size", "global_pool", "representation_size")
+ARCH_KEYS = ("name", "img_size", "global_pool", "representation_size", "reg_tokens", "class_token", "pos_embed")
+ARCH_DEFAULTS = {"global_pool": "token", "reg_tokens": 0, "class_token": True, "pos_embed": "learned"}
 
 
 @dataclass
 class Pretrained:
     state_dict: dict[str, torch.Tensor]
-    arch: dict  # name, img_size (None: the name's), global_pool, representation_size
+    arch: dict  # ARCH_KEYS: name, img_size (None: the name's), pooling, pre-logits width, tokens, position embedding
     grid: Optional[tuple[int, int]]  # the checkpoint's patch grid when known (non-square grids)
     step: Optional[int]
     wandb_run_id: Optional[str]
@@ -63,7 +66,8 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
         return {}
     dim, patch, depth = w.shape[0], w.shape[-1], max(depth_ids) + 1
     hybrid = any(k.startswith("patch_embed.backbone.") for k in sd)
-    n = pe.shape[1] - 1
+    prefix = prefix_rows(sd)
+    n = pe.shape[1] - prefix
     side = math.isqrt(n)
     names = [m for m in list_models() if _shape_key(model_defaults(m)) == (patch, dim, depth, hybrid)]
     if not names:
@@ -72,11 +76,17 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
     img = side * d["stride"] if side * side == n else None
     name = next((m for m in names if model_defaults(m)["img_size"] == img), names[0])
     rep = sd.get("pre_logits.fc.weight")
-    return {"name": name, "img_size": img, "global_pool": "avg" if "fc_norm.weight" in sd else "token",
-            "representation_size": int(rep.shape[0]) if rep is not None else None}
+    pool = "map" if "attn_pool.latent" in sd else "avg" if "fc_norm.weight" in sd else "token"
+    # a sin-cos embedding saved by timm or in bf16 is still its formula to bf16's rounding
+    sincos = side * side == n and torch.allclose(pe.float(), sincos_pos_embed((side, side), dim, prefix), atol=1e-2)
+    return {"name": name, "img_size": img, "global_pool": pool,
+            "representation_size": int(rep.shape[0]) if rep is not None else None,
+            "reg_tokens": prefix - int("cls_token" in sd), "class_token": "cls_token" in sd,
+            "pos_embed": "sincos2d" if sincos else "learned"}
 
 
-def _meta_arch(meta: dict[str, str], where: str) -> tuple[dict, Optional[tuple[int, int]], Optional[int], Optional[str]]:
+def _meta_arch(meta: dict[str, str],
+               where: str) -> tuple[dict, Optional[tuple[int, int]], Optional[int], Optional[str]]:
     """(arch, grid, step, wandb run id) from safetensors metadata written by ``vit-export``."""
     arch: dict = {}
     try:
@@ -128,7 +138,8 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         except WeightsError as e:
             raise CheckpointError(str(e)) from None
         except Exception as e:  # a truncated or foreign file: say so in one line
-            raise CheckpointError(f"{p}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            raise CheckpointError(f"{p}: not a readable checkpoint ({type(e).__name__}: {first})") from None
         kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
         arch, grid, step, run_id = _meta_arch(meta, str(p))
     if not sd:
@@ -139,8 +150,30 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
                             "give it with model.name=... or --config FILE")
     if full["name"] not in list_models():
         raise CheckpointError(f"{p}: unknown model {full['name']!r}; known: {', '.join(list_models())}")
-    full.setdefault("global_pool", "token")
+    for k, v in ARCH_DEFAULTS.items():
+        full.setdefault(k, v)
     return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir)
+
+
+def _pretrained_model(pre: Pretrained, *, img_size: int, num_classes: int, representation_size: Optional[int],
+                      drop_path_rate: float, exclude: tuple) -> torch.nn.Module:
+    """The ViT of ``pre.arch`` at ``img_size`` with ``pre``'s weights, bar those under ``exclude``."""
+    a = pre.arch
+    stride = model_defaults(a["name"])["stride"]
+    if img_size % stride:
+        raise CheckpointError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
+    # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
+    qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
+    layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)
+    model = create_model(a["name"], num_classes=num_classes, img_size=img_size,
+                         global_pool=a["global_pool"] or "token", representation_size=representation_size,
+                         drop_path_rate=drop_path_rate, qk_norm=qk_norm, init_values=1.0 if layer_scale else None,
+                         reg_tokens=a["reg_tokens"], class_token=a["class_token"], pos_embed=a["pos_embed"])
+    try:
+        load_weights(model, pre.state_dict, strict=True, exclude=exclude, old_grid=pre.grid)
+    except WeightsError as e:
+        raise CheckpointError(f"{pre.source}: {e}") from None
+    return model
 
 
 def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, finetune: bool = False,
@@ -150,21 +183,21 @@ def build_backbone(pre: Pretrained, *, img_size: int, num_classes: int = 0, fine
     ``finetune=True`` follows the ViT paper: the whole pre-training head goes -- the tanh
     pre-logits layer too -- and one zero-initialised linear layer of ``num_classes`` replaces it.
     Frozen-feature protocols keep the pre-logits layer (big_vision's ``pre_logits`` representation)."""
-    a = pre.arch
-    stride = model_defaults(a["name"])["stride"]
-    if img_size % stride:
-        raise CheckpointError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
-    # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
-    qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
-    layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)
-    model = create_model(a["name"], num_classes=0, img_size=img_size, global_pool=a["global_pool"] or "token",
-                         representation_size=None if finetune else a.get("representation_size"),
-                         drop_path_rate=drop_path_rate, qk_norm=qk_norm, init_values=1.0 if layer_scale else None)
-    exclude = ("head.", "pre_logits.") if finetune else ("head.",)
-    try:
-        load_weights(model, pre.state_dict, strict=True, exclude=exclude, old_grid=pre.grid)
-    except WeightsError as e:
-        raise CheckpointError(f"{pre.source}: {e}") from None
+    model = _pretrained_model(pre, img_size=img_size, num_classes=0,
+                              representation_size=None if finetune else pre.arch.get("representation_size"),
+                              drop_path_rate=drop_path_rate,
+                              exclude=("head.", "pre_logits.") if finetune else ("head.",))
     if num_classes:
         model.reset_classifier(num_classes)  # zero-initialised
     return model
+
+
+def build_classifier(pre: Pretrained, *, img_size: int) -> torch.nn.Module:
+    """The pre-trained ViT with its own head, every tensor of the file loaded (``--protocol
+    head``); CheckpointError when the file has no classifier (a ``head.weight`` of some classes)."""
+    head = pre.state_dict.get("head.weight")
+    if head is None or head.ndim != 2 or head.shape[0] == 0:
+        raise CheckpointError(f"{pre.source}: has no classifier head (head.weight); --protocol head scores a "
+                              "checkpoint's own classes, the other protocols train or probe new ones")
+    return _pretrained_model(pre, img_size=img_size, num_classes=int(head.shape[0]),
+                             representation_size=pre.arch.get("representation_size"), drop_path_rate=0.0, exclude=())

@@ -252,7 +252,8 @@ def ssh_nodes(tmp_path_factory):
     daemon = start_daemon(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], root / "sshd.log")
     nodes = SshNodes(root, port, root / "ssh_config", root / "hostfile", [daemon], env)
     try:
-        wait_until(lambda: pdsh_answers(LOOPBACK_NODES, env), 30, f"pdsh over our sshd on port {port} ({root}/sshd.log)")
+        wait_until(lambda: pdsh_answers(LOOPBACK_NODES, env), 30,
+                   f"pdsh over our sshd on port {port} ({root}/sshd.log)")
         yield nodes
     finally:
         kill_pids(nodes.session_pids())
@@ -357,8 +358,8 @@ PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """)
         env = {"SLURM_CONF": str(conf)}
         full = {**os.environ, **env}
-        daemons.append(start_daemon(["/usr/sbin/slurmctld", "-D", "-i", "-f", str(conf)], root / "log" / "slurmctld.out",
-                                    env=full))
+        daemons.append(start_daemon(["/usr/sbin/slurmctld", "-D", "-i", "-f", str(conf)],
+                                    root / "log" / "slurmctld.out", env=full))
         daemons.append(start_daemon(["/usr/sbin/slurmd", "-D", "-N", "localhost", "-f", str(conf)],
                                     root / "log" / "slurmd.out", env=full))
         s = Slurm(root, conf, env, daemons)

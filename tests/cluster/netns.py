@@ -181,7 +181,8 @@ class Star:
         for i in range(self.n):
             ip("netns", "add", self.ns(i))
             # both ends made in their namespaces: no name of ours ever exists in this one
-            ip("link", "add", STAR_DEV, "netns", self.ns(i), "type", "veth", "peer", "name", f"vp{i}", "netns", self.switch)
+            ip("link", "add", STAR_DEV, "netns", self.ns(i), "type", "veth",
+               "peer", "name", f"vp{i}", "netns", self.switch)
             ip("-n", self.switch, "link", "set", f"vp{i}", "master", "br0")
             ip("-n", self.switch, "link", "set", f"vp{i}", "up")
             ip("-n", self.ns(i), "addr", "add", f"{self.addr(i)}/24", "dev", STAR_DEV)

@@ -11,8 +11,9 @@ node's ranks are one launcher's children, a node is left out whole).
    SIGCONT about every 0.1 s, stopped 65 % of the time: on 2 shared cores the other ranks get the CPU
    it leaves, so its work takes about 1.5-2x theirs, not 2.9x): it is named a straggler within 10
    logging windows, and ``--exclude-slow-hosts`` stops the job (``stop.request``: every rank
-   checkpoints) and restarts it on the other three. Then every process of node 3 is SIGKILLed (the ssh session made to its address and
-   all below it): the job ends within ``DEAD_NODE_BOUND_S``, node 3 is left out because its rank left
+   checkpoints) and restarts it on the other three. Then every process of node 3 is SIGKILLed (the
+   ssh session made to its address and all below it): the job ends within ``DEAD_NODE_BOUND_S``,
+   node 3 is left out because its rank left
    no record while the others name it, and the job finishes on two nodes. Each epoch's samples
    (``data.record_samples``) are each seen once across the three attempts.
 2. Namespace nodes 169.254.78.1-4 on a bridge (``star_nodes``), vit-launch running inside node 0:
@@ -210,7 +211,8 @@ def test_a_slow_node_then_a_dead_node_are_left_out_and_the_epochs_go_on(ssh_node
     stopped = job.line_after(r"vit-train: stopped \(vit-launch: 127\.0\.0\.4 named a straggler .*\) at step (\d+)",
                              stop.end(), 120, "every rank to checkpoint and stop")
     job.line_after(r"restart 1/2 now", stopped.end(), 120, "the restart after the slow node")
-    left = job.line_after(r"leaving out 127\.0\.0\.4: slow: rank 3 on 127\.0\.0\.4: ", stop.end(), 60, "node 4 left out")
+    left = job.line_after(r"leaving out 127\.0\.0\.4: slow: rank 3 on 127\.0\.0\.4: ", stop.end(), 60,
+                          "node 4 left out")
     job.line_after(r"starting on 3 node\(s\), 3 rank\(s\): 127\.0\.0\.1, 127\.0\.0\.2, 127\.0\.0\.3", left.end(), 60,
                    "the restart on three nodes")
     resumed = job.line_after(r"on 3 rank\(s\), ZeRO-1, fp32, resuming from step (\d+)", left.end(), 300,
@@ -231,8 +233,8 @@ def test_a_slow_node_then_a_dead_node_are_left_out_and_the_epochs_go_on(ssh_node
     took = time.time() - killed_at
     assert took <= DEAD_NODE_BOUND_S, took
     dead = job.line_after(r"leaving out 127\.0\.0\.3: dead: its rank\(s\) 2 ended without a record of their own; "
-                          r"(rank \d on 127\.0\.0\.\d: no answer within [\d.]+ s from rank 2 on 127\.0\.0\.3.*)", at, 60,
-                          "node 3 left out as dead")
+                          r"(rank \d on 127\.0\.0\.\d: no answer within [\d.]+ s from rank 2 on 127\.0\.0\.3.*)",
+                          at, 60, "node 3 left out as dead")
     job.line_after(r"starting on 2 node\(s\), 2 rank\(s\): 127\.0\.0\.1, 127\.0\.0\.2", dead.end(), 60,
                    "the restart on two nodes")
     out = job.finished(400)

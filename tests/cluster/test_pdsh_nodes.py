@@ -80,7 +80,8 @@ def job(ssh_nodes, demo_manifest):
 
 def steps_logged(run_dir) -> int:
     try:
-        return max((json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()), default=0)
+        return max((json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()),
+                   default=0)
     except (OSError, ValueError):
         return 0
 
@@ -138,7 +139,8 @@ def test_kill_rank_on_second_node_ends_job_then_resume(ssh_nodes, job, tmp_path)
     os.kill(rank1, signal.SIGKILL)
 
     try:
-        wait_until(lambda: not job_pids(p, ssh_nodes, run_dir), DEAD_RANK_BOUND_S, "every process of the job to exit", 1)
+        wait_until(lambda: not job_pids(p, ssh_nodes, run_dir), DEAD_RANK_BOUND_S,
+                   "every process of the job to exit", 1)
     except AssertionError:
         left = job_pids(p, ssh_nodes, run_dir)
         pytest.fail(f"{len(left)} process(es) of the job still alive {DEAD_RANK_BOUND_S} s after kill -9 of rank 1 "
@@ -191,8 +193,8 @@ def test_vit_launch_over_pdsh_trains_from_an_s3_store_on_both_nodes(ssh_nodes, t
         env.pop("VITSCALE_FAULT", None)
         cmd = [sys.executable, "-m", "launch", "run", "--hostfile", str(ssh_nodes.hostfile), "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), "--config", "configs/tiny_cpu.yaml",
-               *train_overrides("s3://cluster/demo/train", run_dir, "data.allow_remote=true", "data.record_samples=true",
-                                "train.steps=4", "checkpoint.every_steps=4")]
+               *train_overrides("s3://cluster/demo/train", run_dir, "data.allow_remote=true",
+                                "data.record_samples=true", "train.steps=4", "checkpoint.every_steps=4")]
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                              start_new_session=True)
         try:

@@ -15,7 +15,7 @@ from pretrain.checkpointing.async_save import SnapshotEngine, snapshot
 from pretrain.weights.export import load_run_weights
 
 COMMON = ["zero.stage=2", "train.steps=6", "train.log_every_steps=1", "checkpoint.every_steps=2",
-          "checkpoint.keep_last=5", "optim.warmup_steps=2"]
+          "checkpoint.keep_last=5", "optim.warmup_steps=2", "train.ema_decay=0.9"]
 
 
 def zip_members(path) -> dict:
@@ -57,6 +57,14 @@ def test_writer_runs_off_the_calling_thread_and_reports_errors(tmp_path):
     assert eng.error is not None
 
 
+def safetensors_content(path) -> tuple[dict, dict]:
+    """(metadata, {name: values as bytes}): a file's content, whatever order its header lists them in."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}
+
+
 def test_async_run_matches_sync_and_survives_kill9_mid_write(tiny_run):
     sync_job, async_job = tiny_run(*COMMON, name="sync"), tiny_run(*COMMON, "checkpoint.async=true", name="async")
     sync, run = sync_job.run_dir, async_job.run_dir
@@ -83,8 +91,14 @@ def test_async_run_matches_sync_and_survives_kill9_mid_write(tiny_run):
                 a, b = (json.loads((d / tag / n).read_text()) for d in (sync / "checkpoints", ckpts))
                 [r["rng"].pop(k) for r in (a, b) for k in ("python", "numpy")]
                 assert a == b, (tag, n)
+            elif n.startswith("ema_rank_"):  # the weights' EMA, snapshotted and written by the writer thread
+                assert safetensors_content(sync / "checkpoints" / tag / n) == safetensors_content(ckpts / tag / n)
     a, _ = load_run_weights(sync)
     b, info = load_run_weights(run)
     assert info["step"] == 6 and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(n.startswith("ema_rank_") for n in names)
+    a, _ = load_run_weights(sync, ema=True)
+    b, _ = load_run_weights(run, ema=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ma, mb = metrics(sync), metrics(run)
     assert [ma[s]["loss"] for s in range(1, 7)] == [mb[s]["loss"] for s in range(1, 7)]

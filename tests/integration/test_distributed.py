@@ -109,9 +109,10 @@ def check_zero3_export(run, tmp_path):
 
 def test_exact_resume_after_kills_and_wandb_run(tiny_run, tmp_path):
     """N steps in one go == N/2 steps, SIGKILL in the middle of a save, kill -9 of the whole job,
-    and restarts to N: bit-identical exported weights and the same loss curve."""
+    and restarts to N: bit-identical exported weights and EMA of the weights (``vit-export --ema``)
+    and the same loss curve."""
     common = ["zero.stage=2", "train.steps=8", "train.log_every_steps=1", "checkpoint.every_steps=2",
-              "checkpoint.keep_last=5", "optim.warmup_steps=2"]
+              "checkpoint.keep_last=5", "optim.warmup_steps=2", "train.ema_decay=0.9", "train.ema_warmup=true"]
     straight = job(tiny_run, "straight", *common)  # the reference, beside the interrupted run
     ref, ref_log = straight.run_dir, tmp_path / "straight.log"
     reference = straight.start(ref_log)
@@ -145,6 +146,11 @@ def test_exact_resume_after_kills_and_wandb_run(tiny_run, tmp_path):
     assert info["step"] == 8 and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+    ea, _ = load_run_weights(ref, ema=True)
+    eb, _ = load_run_weights(run, ema=True)
+    assert ea.keys() == a.keys() and any(not torch.equal(ea[k], a[k]) for k in a)  # the average, not the weights
+    for k in ea:
+        assert torch.equal(ea[k], eb[k]), f"the EMA of {k} differs after resume"
     ma, mb = metrics(ref), metrics(run)
     assert [ma[s]["loss"] for s in range(1, 9)] == [mb[s]["loss"] for s in range(1, 9)]
 
@@ -219,8 +225,8 @@ def test_sigterm_saves_checkpoint_and_exits(tiny_run, tmp_path):
     run, log = preempt.run_dir, tmp_path / "job.log"
     cmd = preempt.cmd()
     with reaped(start_job(cmd, log)) as p:
-        logged = run / "metrics.jsonl"
-        wait_for(lambda: logged.exists() and len(logged.read_text().splitlines()) >= 2, 240, p, "two logged steps")
+        log_file = run / "metrics.jsonl"
+        wait_for(lambda: log_file.exists() and len(log_file.read_text().splitlines()) >= 2, 240, p, "two logged steps")
         # DeepSpeed's CPU shm all-reduce made a 66 MB /dev/shm file per rank; the ranks unlinked
         # them after start-up (still mapped), so no way of ending the job can leave them behind
         assert "deepspeed_shm_comm_op built successfully" in log.read_text(), log.read_text()[-2000:]

@@ -1,12 +1,14 @@
 """Elastic resume of model and optimizer (pretrain.checkpointing.elastic): a checkpoint saved on W ranks loads on
-W' ranks through DeepSpeed universal checkpointing, for ZeRO-1/2/3, fp32 and bf16.
+W' ranks through DeepSpeed universal checkpointing, for ZeRO-1/2/3, fp32 and bf16, AdamW and LAMB, with and
+without layer-wise LR decay (a group and a base LR per layer); the weights' EMA, kept as each rank's pieces,
+loads bit for bit on the other world size too.
 
 Real jobs through the deepspeed runner on CPU (gloo): three launches (2 ranks, 1 rank, 2 ranks)
 run every case of the matrix in turn (tests/jobs/elastic_job.py), about 2 minutes in all; the tests
 then read what each job recorded. Matrix (saved ranks -> resumed ranks):
 
-    ZeRO-0 fp32 2->1    ZeRO-1 fp32 2->1    ZeRO-2 bf16 2->1    ZeRO-3 fp32 2->1
-                        ZeRO-1 bf16 1->2    ZeRO-2 fp32 1->2    ZeRO-3 bf16 1->2
+    ZeRO-0 fp32 2->1    ZeRO-1 fp32 LAMB 2->1        ZeRO-2 bf16 layer decay 2->1    ZeRO-3 fp32 layer decay 2->1
+                        ZeRO-1 bf16 LAMB + layer decay 1->2    ZeRO-2 fp32 1->2     ZeRO-3 bf16 LAMB 1->2
 
 ZeRO-0 has no shards (the whole optimizer is in the model-states file) and loads without a
 conversion; ZeRO-0 bf16 is not covered (the snapshot helper cannot read its optimizer state).
@@ -21,8 +23,8 @@ from dist_utils import deepspeed_cmd, run_job
 from pretrain.checkpointing import elastic
 
 SAVE_AT = 4
-FROM_2 = ["z0-fp32", "z1-fp32", "z2-bf16", "z3-fp32"]  # saved on 2 ranks, resumed on 1
-FROM_1 = ["z1-bf16", "z2-fp32", "z3-bf16"]             # saved on 1 rank, resumed on 2
+FROM_2 = ["z0-fp32", "z1-fp32-lamb", "z2-bf16-ld", "z3-fp32-ld"]  # saved on 2 ranks, resumed on 1
+FROM_1 = ["z1-bf16-lamb-ld", "z2-fp32", "z3-bf16-lamb"]          # saved on 1 rank, resumed on 2
 BROKEN = "z2-fp32-broken"                   # saved on 1 rank, unconvertible, resumed on 2
 
 
@@ -63,7 +65,7 @@ def test_elastic_resume_restores_model_optimizer_schedule(runs, case):
     saved = torch.load(runs / case / "save.pt", weights_only=False)
     got = torch.load(runs / case / "resume.pt", weights_only=False)
     assert saved["world"] != got["world"]
-    bf16 = case.endswith("bf16")
+    bf16 = case.split("-")[1] == "bf16"
 
     # weights: DeepSpeed's own consolidation of the saved shards == the live engine after the load
     ref = consolidated(tag_dir(runs, case))
@@ -82,7 +84,16 @@ def test_elastic_resume_restores_model_optimizer_schedule(runs, case):
     assert saved["adam_steps"] == got["adam_steps"] == [float(SAVE_AT)]
     assert saved["adam_steps_end"] == got["adam_steps_end"] == [8.0], "Adam's step must advance once per step"
     assert got["groups"] == saved["groups"], (case, got["groups"], saved["groups"])
-    assert [g["weight_decay"] for g in got["groups"]] == [0.05, 0.0]
+    if "ld" in case.split("-"):  # stem, 2 blocks, head: four LR scales, each layer's groups decayed or not
+        assert sorted({g["lr_scale"] for g in got["groups"]}) == [0.7 ** k for k in (3, 2, 1, 0)], got["groups"]
+        assert {g["weight_decay"] for g in got["groups"]} == {0.05, 0.0}
+    else:
+        assert [g["weight_decay"] for g in got["groups"]] == [0.05, 0.0]
+
+    # the weights' EMA: every value as saved, from the other world size's pieces
+    assert got["ema_loaded"] and got["ema"].keys() == saved["ema"].keys() == ref.keys()
+    for k, v in saved["ema"].items():
+        assert torch.equal(got["ema"][k], v), f"{case}: EMA of {k} differs after resume"
 
     # LR schedule and step counters continue at the saved step
     assert got["lr"] == saved["lr"] and got["sched_last_epoch"] == saved["sched_last_epoch"] == SAVE_AT

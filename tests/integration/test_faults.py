@@ -76,11 +76,28 @@ def test_sigint_to_process_group_of_two_ranks_then_resume(tiny_run, tmp_path):
     assert ckpt is not None and 2 <= step < 400 and rundir.verify(ckpt) is None
     assert took < 120
     assert "the job stopped after a checkpoint (exit 75)" in out
+    assert f"vit-train: stopped (SIGINT to vit-launch) at step {step}: checkpoint" in out, out[-3000:]
     # the same command resumes there and finishes
     r = launched(tiny_run, f"train.steps={step + 2}", "checkpoint.every_steps=1000", "data.workers=1").run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from step {step}" in r.stderr
     assert json.loads((run / "summary.json").read_text())["step"] == step + 2
+
+
+def test_sigterm_to_vit_launch_is_the_reason_the_job_names(tiny_run, tmp_path):
+    """`kill VIT_LAUNCH_PID` (a scheduler's pre-emption): vit-launch forwards SIGTERM to the job, whose
+    ranks may notice their runner's exit first; the closing line names the signal vit-launch got,
+    not "runner exited"."""
+    job = launched(tiny_run, "train.steps=400", "checkpoint.every_steps=1000", "data.workers=0")
+    run, log = job.run_dir, tmp_path / "log.txt"
+    with reaped(job.start(log)) as p:
+        wait_for(lambda: logged_step(run) >= 2, 300, p, "step 2")
+        os.kill(p.pid, signal.SIGTERM)
+        code = p.wait(150)
+    out = log.read_text()
+    step = rundir.step_of(rundir.latest_complete(run / "checkpoints"))
+    assert code == EXIT_INTERRUPTED and f"vit-train: stopped (SIGTERM to vit-launch) at step {step}" in out, out[-3000:]
+    assert "vit-launch: SIGTERM: asking the job to checkpoint and stop" in out
 
 
 def test_hung_rank_trips_the_watchdog(tiny_run):
@@ -123,6 +140,63 @@ def test_failed_job_restarts_and_resumes(tiny_run):
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
 
 
+def _damaged_for_rank_one(shard_kit, root: Path, overrides: tuple[str, ...]) -> Path:
+    """Shards whose samples rank 1 reads in epoch 0 (``data.loading.plan``: 2 ranks, one reader slot
+    each) are damaged JPEGs; rank 0's are whole. The manifest is that of four shards of 16."""
+    from data_pipeline.loading.plan import Plan
+    from data_pipeline.shards.manifest import resolve_shards
+    from pretrain.config import load_config
+
+    def shards(bad: set) -> Path:
+        samples = [[(f"{s:02d}{i:04d}", {"jpg": b"\xff\xd8not a jpeg" if (s, i) in bad else
+                                       shard_kit.image_bytes(20, 20, seed=16 * s + i), "cls": str(i % 2).encode()})
+                    for i in range(16)] for s in range(4)]
+        return shard_kit.make_shards(root, samples, ["a", "b"]) / "manifest.json"
+
+    manifest = shards(set())
+    cfg = load_config("configs/tiny_cpu.yaml", [f"data.train_shards={manifest}", *overrides])
+    plan = Plan(resolve_shards(str(manifest)), 2, 1, cfg.train.micro_batch_size, cfg.train.seed, True)
+    names = [sh.name for sh in plan.shardset.shards]
+    bad = {(names.index(p.shard.name), i) for p in plan.slot_pieces(0, 1) for i in range(p.lo, p.hi)}
+    return shards(bad)
+
+
+def test_a_data_error_on_one_rank_is_one_line_naming_it(tiny_run, shard_kit, tmp_path):
+    """Rank 1's samples are damaged, rank 0's are not: the job says one line, the data error naming
+    rank 1, and exits 2 (a user error, nothing to retry). Rank 0, left in a collective by rank 1's
+    clean exit, is not told a network fault: its record says it stopped because of rank 1, with
+    rank 1's exit code, and it says nothing on the terminal."""
+    from pretrain.resilience.lifecycle import read_record
+
+    common = (*ZERO1, "train.steps=4", "checkpoint.every_steps=100", "model.num_classes=2")
+    manifest = _damaged_for_rank_one(shard_kit, tmp_path / "shards", common)
+    job = tiny_run(*common, via="deepspeed", ranks=2, shards=manifest)
+    r = job.run(300)
+    out = r.stdout + r.stderr
+    said = [ln for ln in out.splitlines() if ln.startswith("vit-train: error:") or "vit-train: rank" in ln]
+    assert r.returncode == 2 and len(said) == 1, (r.returncode, said, out[-3000:])
+    assert said[0].startswith("vit-train: error: rank 1 on ") and "yielded a readable sample" in said[0], said
+    assert "no answer" not in out and "unreachable" not in out and "Traceback" not in out, out[-3000:]
+    heads = {f.name: read_record(f) for f in (job.run_dir / "errors").glob("rank-*.txt")}
+    one = heads["rank-1.txt"]
+    assert one["own"] and one["code"] == 2 and "TooManyCorruptSamples" in one["line"], one
+    zero = heads.get("rank-0.txt")  # none when the launcher ended rank 0 before its collective failed
+    if zero is not None:
+        assert not zero["own"] and zero["code"] == 2 and "lost" not in zero, zero
+        assert zero["line"].startswith(f"rank 0 on {zero['host']}: stopped: rank 1 on "), zero
+
+
+def test_a_config_mistake_under_the_runner_is_one_line(tiny_run):
+    """Every rank reads the same config and finds the same mistake, before the ranks are connected:
+    rank 0 alone says it."""
+    r = tiny_run("optim.lrr=1", via="deepspeed", ranks=2).run(300)
+    out = r.stdout + r.stderr
+    said = [ln for ln in out.splitlines() if ln.startswith("vit-train:")]
+    assert r.returncode == 2 and said == [
+        "vit-train: error: rank 0 on " + said[0].split(" on ", 1)[1].split(":", 1)[0]
+        + ": command line: unknown key 'optim.lrr'; did you mean 'optim.lr'?"], out[-3000:]
+
+
 def test_a_rank_failing_in_start_up_leaves_its_record(tiny_run):
     """A rank that fails before the training loop (here: a batch the 2 ranks cannot split, found
     once the process group says the world size) writes its record too, so ``vit-launch run`` does
@@ -135,11 +209,14 @@ def test_a_rank_failing_in_start_up_leaves_its_record(tiny_run):
     r = job.run(300)
     out = r.stdout + r.stderr
     assert r.returncode == 2 and "train.global_batch_size=24 is not divisible" in out, out[-3000:]
+    said = [ln for ln in out.splitlines() if ln.startswith("vit-train: error:")]
+    assert len(said) == 1 and said[0].startswith("vit-train: error: rank "), said  # one line per job
     heads = {f.name: read_record(f) for f in sorted((job.run_dir / "errors").glob("rank-*.txt"))}
     assert sorted(heads) == ["rank-0.txt", "rank-1.txt"], out[-3000:]
     for rank, head in enumerate(heads.values()):
-        assert head["rank"] == rank and head["started"] >= t0 - 1 and "lost" not in head
-        assert head["host"] and f"rank {rank} on {head['host']}: ConfigError: train.global_batch_size=24" in head["line"]
+        assert head["rank"] == rank and head["started"] >= t0 - 1 and "lost" not in head and head["own"]
+        assert head["host"]
+        assert f"rank {rank} on {head['host']}: ConfigError: train.global_batch_size=24" in head["line"]
     # a peer naming both ranks lost would not make their node dead: each left its own record
     heads["rank-0.txt"]["lost"] = [1]
     errors = job.run_dir / "errors" / "rank-0.txt"

@@ -19,7 +19,8 @@ set -u
 mount -t tmpfs -o size=130m tmpfs "$CKPT"
 "$PY" -m pretrain.train "$@" > "$OUT/first.log" 2>&1; echo $? > "$OUT/first.rc"
 ls "$CKPT" > "$OUT/listing"
-"$PY" -c "import sys; from pretrain.checkpointing import rundir; c = rundir.latest_complete(sys.argv[1]); print(c, rundir.verify(c))" "$CKPT" > "$OUT/verify" 2>&1
+"$PY" -c "import sys; from pretrain.checkpointing import rundir; \
+c = rundir.latest_complete(sys.argv[1]); print(c, rundir.verify(c))" "$CKPT" > "$OUT/verify" 2>&1
 mount -o remount,size=400m "$CKPT"
 "$PY" -m pretrain.train "$@" > "$OUT/second.log" 2>&1; echo $? > "$OUT/second.rc"
 """

@@ -123,7 +123,8 @@ def test_sigint_stops_at_the_next_sync_point(tiny_run, tmp_path):
 
     from pretrain.checkpointing import rundir
 
-    job = tiny_run("train.steps=500", "train.log_every_steps=5", "train.sync_every_steps=3", "checkpoint.every_steps=1000")
+    job = tiny_run("train.steps=500", "train.log_every_steps=5", "train.sync_every_steps=3",
+                   "checkpoint.every_steps=1000")
     run, log = job.run_dir, tmp_path / "log.txt"
     with reaped(job.start(log)) as p:
         wait_for(lambda: (run / "metrics.jsonl").exists() and max(metrics(run), default=0) >= 5, 240, p, "step 5")

@@ -1,11 +1,13 @@
 """Shards over HTTP (``data.train_shards: http://...`` with ``data.allow_remote``), against a real
 HTTP server on 127.0.0.1 (tests/jobs/shard_http_server.py, its own process, stopped by PID): the same
 batches as from disk; the server crashing mid-shard and coming back resumes the shard at its byte
-(no sample twice, none skipped) and counts the retries; a server that stays away ends the read
-within the retry bound naming the URL; a 404 names the shard; a rate-limited server is only slow."""
+(no sample twice, none skipped), counts the retries and says when the outage started and ended; a
+server that stays away ends the read within data.remote_retry_s naming the URL (an outage, exit 69,
+not a user error); a 404 names the shard; a rate-limited server is only slow."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from shard_utils import one_epoch, remote_data_cfg
 
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
+from data_pipeline.storage.retry import StoreUnreachable
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "tests" / "jobs" / "shard_http_server.py"
@@ -141,10 +144,10 @@ def test_server_back_without_range_support_or_busy(server, from_disk, served, re
 def test_server_gone_for_good_ends_within_the_bound(server, served):
     size = (served / "train-000002.tar").stat().st_size
     server.start("--die-after", f"train-000002.tar:{size // 3}")
-    cfg = remote_data_cfg(f"{server.url}/manifest.json", remote_retries=50, remote_retry_s=3.0)
+    cfg = remote_data_cfg(f"{server.url}/manifest.json", remote_retry_s=3.0)
     loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
     t0 = time.monotonic()
-    with pytest.raises(DataError) as e:
+    with pytest.raises(StoreUnreachable) as e:
         for _ in loader:
             pass
     took = time.monotonic() - t0
@@ -165,7 +168,8 @@ def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_p
             pass
     assert str(e.value).startswith(f"{server.url}/train-000005.tar: HTTP 404 Not Found: shard train-000005.tar "
                                    "is listed in the manifest but not on the server"), e.value
-    with pytest.raises(DataError, match=r"manifest\.json: HTTP 404 Not Found: not on the server \(data\.train_shards\)"):
+    with pytest.raises(DataError,
+                       match=r"manifest\.json: HTTP 404 Not Found: not on the server \(data\.train_shards\)"):
         build_loader(remote_data_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
 
 
@@ -192,18 +196,25 @@ def test_remote_keys_are_checked(tmp_path):
     from data_pipeline.errors import ConfigError
     from pretrain.config import load_config
 
-    for bad, says in (("data.remote_retries=-1", "must be >= 0"), ("data.remote_retry_s=0", "must be > 0 seconds")):
-        with pytest.raises(ConfigError, match=says):
+    for bad, says in (("data.remote_retries=8", "data.remote_retries: 8 would end an outage after 31.75 s, before "
+                                                "data.remote_retry_s=120 (the bound; this is only a guard): leave it "
+                                                "out, or at least 20"),
+                      ("data.remote_retries=-1", "-1 would end an outage after 0 s"),
+                      ("data.remote_retry_s=0", "must be > 0 seconds")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [bad])
+    for ok in (["data.remote_retries=20"], ["data.remote_retry_s=60", "data.remote_retries=12"]):
+        load_config(str(REPO / "configs" / "tiny_cpu.yaml"), ok)
     with pytest.raises(DataError, match="needs data.allow_remote=true"):
         build_loader(remote_data_cfg("http://127.0.0.1:1/manifest.json", allow_remote=False), batch_size=8)
 
 
 def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, served, tiny_run, tmp_path):
     """``python -m pretrain.train`` reading a rate-limited server that crashes mid-shard and comes back
-    2 s later: the recorded samples are exactly the disk loader's, the retries are in ``data/*`` and
-    the wait in ``data_wait_share``; then the server goes for good after a checkpoint: the run ends
-    within data.remote_retry_s, exit 2, one line naming the URL, the checkpoint intact."""
+    2 s later: the recorded samples are exactly the disk loader's, the retries are in ``data/*``, the
+    wait in ``data_wait_share`` and a line each says when the outage started and ended; then the
+    server goes for good after a checkpoint: the run ends within data.remote_retry_s, exit 69, one
+    line naming the URL, the checkpoint intact."""
     from pretrain.checkpointing import checkpoint
     from pretrain.config import load_config
 
@@ -211,9 +222,9 @@ def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, s
     size = (served / "train-000004.tar").stat().st_size
     server.start("--die-after", f"train-000004.tar:{size // 2}", *rate)
     server.restart_after_death(2.0, *rate)
-    job = tiny_run("data.allow_remote=true", "data.record_samples=true", "data.remote_retries=20",
-                   "data.remote_retry_s=4", "data.shuffle_buffer=16", "model.num_classes=96", "train.steps=200",
-                   "train.log_every_steps=2", "checkpoint.every_steps=8", "optim.warmup_steps=2",
+    job = tiny_run("data.allow_remote=true", "data.record_samples=true", "data.remote_retry_s=4",
+                   "data.shuffle_buffer=16", "model.num_classes=96", "train.steps=200", "train.log_every_steps=2",
+                   "checkpoint.every_steps=8", "optim.warmup_steps=2",
                    shards=f"{server.url}/manifest.json")
     run_dir, overrides = job.run_dir, job.overrides()
     log = tmp_path / "train.log"
@@ -231,7 +242,9 @@ def test_training_over_http_resumes_a_shard_then_ends_on_a_dead_server(server, s
             proc.kill()
     out = log.read_text()
     errors = [line for line in out.splitlines() if line.startswith("vit-train: error:")]
-    assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert proc.returncode == 69 and len(errors) == 1, out[-3000:]
+    ended = [line for line in out.splitlines() if "reachable again after" in line]  # the crash, 2 s
+    assert len(ended) == 1 and ended[0].startswith(f"{server.url}/train-000004.tar:"), out[-3000:]
     assert errors[0].startswith(f"vit-train: error: {server.url}/train-") and "server unreachable" in errors[0]
     assert took < 4 + 10, took  # the retry bound, plus the steps the prefetched batches still fed
     saved = checkpoint.latest_complete(ckpts)

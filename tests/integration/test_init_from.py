@@ -50,7 +50,8 @@ def test_pretraining_starts_from_a_transformers_folder(tiny_run, hf_folder, prec
             assert torch.equal(got[k], resize_pos_embed(v, (4, 4), (2, 2)))  # 2x2 -> 4x4 grid
         else:
             assert torch.equal(got[k], v), k
-    if precision == "fp32":  # the same command, longer: the run resumes from its checkpoint, init_from is not read again
+    # the same command, longer: the run resumes from its checkpoint, init_from is not read again
+    if precision == "fp32":
         r = tiny_run(f"model.init_from={folder}", *STILL[1:], *small, "train.steps=2").run(300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr

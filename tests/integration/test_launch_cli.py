@@ -74,6 +74,16 @@ def test_bad_hostfile_line_is_one_line(capsys, tmp_path):
     assert f"{p}:2: slots must be a whole number" in line
 
 
+@pytest.mark.parametrize("command", [["run", "--dry-run"], ["check"]])
+def test_a_hostfile_that_is_not_text_is_one_line(capsys, tmp_path, command):
+    """A hostfile saved in another encoding (or a binary picked by mistake): `run` and `check` say
+    which file and line, not a UnicodeDecodeError's traceback."""
+    p = tmp_path / "hosts"
+    p.write_bytes(b"node-a slots=8\nn\xe9ud-b slots=8\n")  # "néud" in Latin-1
+    line = user_error(capsys, [*command[:1], "--config", CONFIG, "--hostfile", str(p), *command[1:]])
+    assert f"{p}:2: not UTF-8 text (byte 0xe9)" in line
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--config", CONFIG, "--dry-run", "optim.lrr=1"], "unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
     (["--config", "configs/nope.yaml", "--dry-run"], "configs/nope.yaml: config file not found"),
@@ -92,7 +102,13 @@ NOPE = ["--config", "configs/nope.yaml"]  # read, it would be the error: the arg
 
 
 @pytest.mark.parametrize("argv, needle", [
-    ([*NOPE, "--dry-run", "--max-restarts", "-1"], "--max-restarts and --restart-backoff must be >= 0"),
+    ([*NOPE, "--dry-run", "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    ([*NOPE, "--dry-run", "--stop-grace", "nan"], "--stop-grace must be a number of seconds > 0, got nan"),
+    ([*NOPE, "--dry-run", "--stop-grace", "0"], "--stop-grace must be a number of seconds > 0, got 0"),
+    ([*NOPE, "--dry-run", "--restart-backoff", "inf"], "--restart-backoff must be a number of seconds >= 0, got inf"),
+    (["check", *NOPE, "--world-size", "2", "--master-port", "99999"], "--master-port must be in 1-65535, got 99999"),
+    (["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm", "--img-size", "0"],
+     "--img-size 0: must be a positive number of pixels"),
     ([*NOPE, "--dry-run", "--min-nodes", "2"], "--min-nodes needs --hostfile and a positive number"),
     (["check", *NOPE, "--world-size", "2", "--gpu", "Z80"], "--gpu 'Z80' is not one of"),
     (["sweep", *NOPE, "--world-sizes", "2", "--steps", "0"], "--steps must be positive"),
@@ -107,6 +123,32 @@ def test_argument_values_are_checked_before_any_work(capsys, argv, needle):
     out, err = capsys.readouterr()
     assert (e.value.code, out) == (2, "") and len(err.strip().splitlines()) == 1, (out, err)
     assert err.startswith(f"vit-launch: error: {needle}"), err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "vit_base_patch16_224", "--img-size", "100"],
+     "--img-size 100 is not a multiple of vit_base_patch16_224's patch size 16"),
+    (["--config", CONFIG, "--img-size", "72", "--world-size", "2"],
+     "--img-size 72 is not a multiple of vit_tiny_patch16_224's patch size 16"),
+    (["--config", CONFIG, "--world-size", "2", "--nodes", "4"],
+     "--world-size 2 is 1 node(s) of 2 GPUs, not --nodes 4: give one of the two"),
+    (["--model", "vit_base_patch16_224", "--world-size", "32", "--nodes", "2"],
+     "--world-size 32 is 4 node(s) of 8 GPUs, not --nodes 2"),
+])
+def test_plan_refuses_a_layout_it_would_have_read_otherwise(capsys, argv, needle):
+    """`plan --img-size 0` meant the default and 100 px was priced on a patch-16 model; `--world-size`
+    silently won over `--nodes`: each is one line now, after the config is read (the model's patch)."""
+    assert needle in user_error(capsys, ["plan", "--gpu", "h100-sxm", *argv])
+
+
+def test_plan_takes_the_world_size_with_a_model_too(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--gpu", "h100-sxm", "--model", "vit_base_patch16_224", "--world-size", "16", "--json"])
+    out, err = capsys.readouterr()
+    import json
+
+    doc = json.loads(out)
+    assert e.value.code == 0 and (doc["layout"]["nodes"], doc["layout"]["gpus_per_node"]) == (2, 8), err
 
 
 def test_python_dash_m_launch_has_no_traceback(tmp_path):

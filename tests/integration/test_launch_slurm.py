@@ -113,7 +113,7 @@ def test_cpu_only_job_asks_for_no_gpu_and_runs_locally_on_one_node(tmp_path, cap
     assert "#SBATCH --cpus-per-task=8" in text.splitlines() and "#SBATCH --ntasks-per-node=1" in text.splitlines()
     for gpu_line in ("--gpus-per-node=", "--gres", "--exclusive"):
         assert not any(line.startswith("#SBATCH") and gpu_line in line for line in text.splitlines()), gpu_line
-    assert "#SBATCH --requeue" not in text
+    assert "#SBATCH --requeue" not in text and "scontrol requeue" not in text
     lines = dry_run_script(tmp_path, script, nodes=("cpu01",), cpus=8)
     assert (tmp_path / "logs" / "hostfile.4242").read_text() == "cpu01 slots=2\n"
     check, launch = (shlex.split(x) for x in lines)
@@ -138,6 +138,9 @@ def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, cap
     # the launcher runs in its own process group in the background; the trap forwards TERM to it
     assert "trap forward TERM INT" in body and 'kill -TERM -- -"$JOB_PID"' in body
     assert 'setsid "${LAUNCH[@]}" &' in body and 'wait "$JOB_PID"' in body
+    # exit 69, the shard store away past data.remote_retry_s: the script requeues itself
+    assert '  if [[ $STATUS == 69 ]]; then' in body and '    scontrol requeue "$SLURM_JOB_ID"' in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
 @pytest.mark.parametrize("args, message", [

@@ -14,7 +14,7 @@ from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import check_zeropp_device, deepspeed_config
 from pretrain.models import arch
 from pretrain.models.vit import create_model
-from pretrain.perf import collectives, memory, perfmodel
+from pretrain.perf import advice, collectives, memory, perfmodel
 from pretrain.perf.hardware import GPUS, gpu_key
 from pretrain.perf.perfmodel import Layout, predict
 from pretrain.perf.published import calibrate, published_table
@@ -24,7 +24,9 @@ from pretrain.perf.published import calibrate, published_table
 def test_parameter_counts_match_the_built_model(name):
     """The torch-free counts the model prices are those of the modules pretrain.models.vit builds."""
     for kw in ({}, dict(qk_norm=True, init_values=1e-5, representation_size=64, global_pool="avg", num_classes=10,
-                        img_size=64)):
+                        img_size=64),
+               dict(reg_tokens=4, class_token=False, global_pool="map", pos_embed="sincos2d", num_classes=10,
+                    img_size=64)):
         with torch.device("meta"):
             m = create_model(name, **kw)
         params = sum(p.numel() for p in m.parameters())
@@ -48,6 +50,17 @@ def test_parameter_counts_match_the_built_model(name):
                 inside = {id(x) for blk in m.blocks for x in blk.modules() if x is not blk}
                 hooked = sum(1 for x in m.modules() if not (leaf and id(x) in inside))
                 assert collectives.zero3_hooked(lay) == hooked, (name, leaf, rate)
+        # with registers and the MAP head: their tensors, the pool's modules (and patch dropout's when on)
+        opts = dict(reg_tokens=4, global_pool="map")
+        with torch.device("meta"):
+            m = create_model(name, num_classes=10, img_size=64, **opts)
+        assert sorted(arch.param_tensors(name, 64, 10, **opts)) == sorted(p.numel() for p in m.parameters())
+        for rate in (0.0, 0.5):
+            with torch.device("meta"):
+                m = create_model(name, num_classes=10, img_size=64, patch_drop_rate=rate, **opts)
+            lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=False,
+                         patch_drop_rate=rate, **opts)
+            assert collectives.zero3_hooked(lay) == sum(1 for _ in m.modules()), rate
 
 
 def test_published_runs_within_stated_tolerance():
@@ -116,7 +129,7 @@ def test_reduce_dtype_and_zeropp_are_priced():
 
 
 def test_search_ranks_fitting_layouts(capsys):
-    rows = perfmodel.search(Layout("vit_huge_patch14_224", "a100-40gb", nodes=4, global_batch=4096))
+    rows = advice.search(Layout("vit_huge_patch14_224", "a100-40gb", nodes=4, global_batch=4096))
     assert rows and all(r.fits for r in rows)
     ips = [r.images_per_second for r in rows]
     assert all(b <= a * 1.005 for a, b in zip(ips, ips[1:]))  # best first; ties within 0.5 % by micro batch

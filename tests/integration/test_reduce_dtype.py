@@ -81,7 +81,8 @@ def test_default_config_and_stage0_refusal():
     with pytest.raises(ConfigError, match="zero.stage=0 with train.precision=bf16"):
         deepspeed_config(OptimConfig(), train, ZeroConfig(stage=0, **BUCKETS), 2)
     auto = TrainConfig(precision="bf16-autocast", global_batch_size=8, micro_batch_size=4)
-    cfg = deepspeed_config(OptimConfig(), auto, ZeroConfig(stage=0, **BUCKETS), 2)  # no refusal: fp32 gradients at ZeRO-0
+    # no refusal: fp32 gradients at ZeRO-0
+    cfg = deepspeed_config(OptimConfig(), auto, ZeroConfig(stage=0, **BUCKETS), 2)
     assert cfg["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert cfg["bf16"] == {"enabled": False} and cfg["data_types"] == {"grad_accum_dtype": "fp32"}
     fp32 = deepspeed_config(OptimConfig(), TrainConfig(precision="fp32", global_batch_size=8, micro_batch_size=4),

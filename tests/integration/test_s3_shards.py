@@ -2,13 +2,16 @@
 own process with IAM authentication on (tests/s3_server.py), behind a TCP proxy that cuts
 connections, refuses new ones and answers ``503 SlowDown``. ``vit-shards --output s3://...`` writes
 what it writes to disk, byte for byte; the loader reads the same samples from the store as from
-disk, through cuts and SlowDown bursts (resumed at the byte, retries counted); a missing key, a
-missing bucket and wrong credentials are one line; ``vit-launch check`` checks the shards in
-the store as on disk; an interrupted write is finished by a rerun that
-keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
+disk, through cuts and SlowDown bursts (resumed at the byte, retries counted) and through an outage
+until it has lasted data.remote_retry_s, said when it starts and ends; past that bound the store is
+unreachable (exit 69); a missing key, a missing bucket and wrong credentials are one line;
+``vit-launch check`` checks the shards in the store as on disk; an interrupted write is finished by
+a rerun that keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
 nobody writes is one line and no local folder; ``vit-transfer --suite shards`` and ``vit-audit``
 give from the store the numbers and pairs they give from disk; 2 ranks train from the store through
-a cut and a kill -9 + resume on exactly the samples they read from disk."""
+a cut and a kill -9 + resume on exactly the samples they read from disk; a run rides out a 45 s
+stop of the store, and one whose store is gone for good ends with exit 69 and is restarted by
+``vit-launch --max-restarts`` once the store is back, on those same samples."""
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +25,7 @@ import time
 
 import pytest
 import torch
-from dist_utils import kill_group, metrics, reaped, run_job, wait_for
+from dist_utils import TINY_CONFIG, kill_group, metrics, reaped, run_job, wait_for
 from s3_server import MotoS3, Proxy
 from shard_utils import InterruptOnce, one_epoch, remote_data_cfg
 
@@ -32,6 +35,7 @@ from data_pipeline.shards import cli, sources
 from data_pipeline.shards.demo_data import demo_items
 from data_pipeline.shards.manifest import resolve_shards
 from data_pipeline.shards.writer import PROGRESS_NAME, write_shards
+from data_pipeline.storage.retry import StoreUnreachable
 from data_pipeline.storage.s3 import S3Prefix
 
 BUCKET = "vitscale-test"
@@ -39,7 +43,7 @@ DEMO = ["--source", "demo", "--limit", "96", "--shard-size", "12", "--quiet"]
 
 
 def _cfg(shards: str, **kw):
-    return remote_data_cfg(shards, **{"remote_retries": 8, **kw})
+    return remote_data_cfg(shards, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -162,23 +166,43 @@ def test_read_through_two_cuts_and_a_slowdown_burst(store, written, from_disk, p
     assert set(counters) == {"samples", "remote_retries"}, counters
 
 
-def test_store_gone_for_good_ends_within_the_bound(store, written, proxy):
+def test_an_outage_is_retried_until_it_has_lasted_remote_retry_s(store, written, from_disk, proxy, capsys):
+    """The store cut mid-shard and stopped for 4.5 s, data.remote_retry_s=6: ridden out (a count of
+    failures, 8 by default, once ended such an outage at 3.75 s of backoff), every sample once, a
+    line when the outage starts and one when it ends."""
+    total = sum(_objects(store.client, "demo/train/").values())
+    proxy.plan([(total // 3, 4.5, 0)])
+    batches, counters = one_epoch(_cfg(written[1], remote_retry_s=6.0))
+    _same(batches, from_disk)
+    assert counters["remote_retries"] >= 5 and set(counters) == {"samples", "remote_retries"}, counters
+    err = capsys.readouterr().err.splitlines()
+    start = [x for x in err if "unreachable (" in x]
+    end = [x for x in err if "reachable again after" in x]
+    assert len(start) == len(end) == 1, err
+    assert start[0].startswith(f"{written[1]}/train-") and "for up to 6 s (data.remote_retry_s)" in start[0], start
+    lasted, retries = float(end[0].split("after ")[1].split(" s")[0]), int(end[0].split(" and ")[1].split()[0])
+    assert 4.0 <= lasted <= 6.5 and retries == counters["remote_retries"], (end, counters)
+
+
+def test_store_gone_for_good_ends_within_the_bound(store, written, proxy, capsys):
     proxy.plan([(10_000, 60.0, 0)])  # cut mid-shard, then refused (the fixture reopens the port)
     t0 = time.monotonic()
-    with pytest.raises(DataError) as e:
-        one_epoch(_cfg(written[1], remote_retries=50, remote_retry_s=2.0))
+    with pytest.raises(StoreUnreachable) as e:  # not a DataError: an outage, exit 69, restarted or requeued
+        one_epoch(_cfg(written[1], remote_retry_s=2.0))
     took = time.monotonic() - t0
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{written[1]}/train-") and "server unreachable" in msg, msg
-    assert "data.remote_retry_s=2" in msg, msg
-    assert took < 2.0 + 5.0, took
+    assert "data.remote_retry_s=2" in msg and not isinstance(e.value, DataError), msg
+    assert 2.0 <= took < 2.0 + 5.0, took
+    assert "retrying" in capsys.readouterr().err
 
 
 def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, monkeypatch, capsys):
     c = store.client
     for name in _objects(c, "demo/train/"):
         if name != "train-000005.tar":
-            c.copy_object(Bucket=BUCKET, Key=f"partial/{name}", CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
+            c.copy_object(Bucket=BUCKET, Key=f"partial/{name}",
+                          CopySource={"Bucket": BUCKET, "Key": f"demo/train/{name}"})
     url = f"s3://{BUCKET}/partial"
     with pytest.raises(DataError) as e:
         one_epoch(_cfg(url))
@@ -228,7 +252,7 @@ def test_preflight_checks_the_shards_in_the_store(store, written, tmp_path, caps
     def check():
         with pytest.raises(SystemExit) as e:
             main(["check", "--config", "configs/tiny_cpu.yaml", f"data.train_shards={url}/manifest.json",
-                  "data.allow_remote=true", "data.remote_retries=1", f"train.output_dir={tmp_path / 'run'}",
+                  "data.allow_remote=true", "data.remote_retry_s=2", f"train.output_dir={tmp_path / 'run'}",
                   "model.num_classes=10", "train.micro_batch_size=4", "train.global_batch_size=8",
                   "data.workers=1", "--world-size", "2"])
         out, err = capsys.readouterr()
@@ -418,7 +442,8 @@ def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suit
         out = tmp_path / name
         assert vit_audit.main(["--shards", shards, "--eval", f"shards:{evals}", "--output", str(out), "--quiet",
                                "--grid", "2"]) == 0
-        assert capsys.readouterr().out.splitlines()[-1].startswith("80 pairs")
+        said = capsys.readouterr().out.splitlines()
+        assert said[-1].startswith("80 pairs") and f"{index.manifest_url(shards)}: 40 of 40 samples audited" in said
         doc = json.loads((out / "audit.json").read_text())
         assert doc["shards"][0]["manifest"] == index.manifest_url(shards) and doc["evals"][0]["images"] == 176
         return sorted(tuple(v for k, v in p.items() if k != "manifest") for p in doc["pairs"])
@@ -434,7 +459,7 @@ def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suit
             m.setenv(k, v)
         assert vit_audit.main(["--index", f"{url}/test", "--quiet"]) == 0
         out, err = capsys.readouterr()
-        assert out == "40 images hashed (0 unreadable) -> hashes.npz not stored (see the note above)\n", out
+        assert out == "40 of 40 samples hashed -> hashes.npz not stored (see the note above)\n", out
         assert err == (f"vit-audit: note: cannot store {url}/test/hashes.npz (S3 403 AccessDenied: check the "
                        "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) "
                        "and that they may access this bucket); the hashes are used for this run only\n"), err
@@ -447,14 +472,14 @@ def test_audit_finds_the_pairs_of_disk_with_either_side_in_the_store(store, suit
     real_build = index.build_index
     monkeypatch.setattr(index, "build_index", lambda *a, **k: built.append(a) or real_build(*a, **k))
     assert vit_audit.main(["--index", f"{url}/test/", "--quiet"]) == 0  # the stored hashes, fingerprint checked
-    assert capsys.readouterr().out == f"40 images hashed (0 unreadable) -> {url}/test/hashes.npz\n"
+    assert capsys.readouterr().out == f"40 of 40 samples hashed -> {url}/test/hashes.npz\n"
     assert built == [] and store.client.head_object(Bucket=BUCKET, Key=stored)["ETag"] == etag
     assert vit_audit.main(["--index", f"{url}/test", "--force", "--quiet"]) == 0
     assert len(built) == 1
 
 
 def _job(tiny_run, shards: str, name: str):
-    return tiny_run("data.allow_remote=true", "data.workers=1", "data.record_samples=true", "data.remote_retries=20",
+    return tiny_run("data.allow_remote=true", "data.workers=1", "data.record_samples=true",
                     "data.remote_retry_s=20", "train.log_every_steps=1", "optim.warmup_steps=2",
                     "checkpoint.every_steps=3", "train.steps=6",  # 96 samples: one epoch
                     shards=shards, name=name, via="deepspeed", ranks=2)
@@ -496,42 +521,93 @@ def test_two_ranks_train_from_the_store_through_a_cut_and_a_kill_on_the_samples_
     assert not any(k in r for r in m.values() for k in ("data/lost_in_shard", "data/missing_shard"))
 
 
+def _disk_keys(job, local, rows: int) -> list[str]:
+    """The first ``rows`` sample keys the loader gives ``job``'s config from the disk copy ``local``:
+    what the job's sample log (data.record_samples) must list, in order."""
+    from pretrain.config import load_config
+
+    cfg = load_config(TINY_CONFIG, [*job.overrides(), f"data.train_shards={local}"])
+    loader = build_loader(cfg.data, batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed,
+                          img_size=cfg.model.img_size)
+    keys = []
+    for _ in loader:
+        keys += loader.last_keys
+        if len(keys) >= rows:
+            return keys[:rows]
+    raise AssertionError("the disk loader ended first")
+
+
+def _logged_keys(job, steps: int) -> list[str]:
+    rows = [line.split("\t") for line in (job.run_dir / "samples" / "rank-0.tsv").read_text().splitlines()]
+    assert [int(r[0]) for r in rows] == [s for s in range(1, steps + 1) for _ in range(16)], "a step twice or lost"
+    return [r[2] for r in rows]
+
+
+# one process, two epochs of the 96 samples (6 steps each); the shuffle buffer holds a whole epoch, so
+# the store is read at steps 1 and 7
+OUTAGE_RUN = ("data.allow_remote=true", "data.record_samples=true", "train.log_every_steps=1",
+              "checkpoint.every_steps=2", "train.steps=12")
+
+
 @pytest.mark.slow
-def test_store_gone_after_a_checkpoint_ends_the_run_within_the_bound_and_the_run_resumes(store, written, proxy,
-                                                                                          tiny_run, tmp_path):
-    """One process, two epochs from the store: once step 2's checkpoint is complete the store refuses
-    every connection; the run ends within data.remote_retry_s (+ the exit) with one line naming the
-    shard and the bound. With the store back, the same command resumes from that checkpoint and ends."""
-    bound = 3.0
-    job = tiny_run("data.allow_remote=true", f"data.remote_retry_s={bound}", "data.remote_retries=100",
-                   "train.log_every_steps=1", "checkpoint.every_steps=2", "train.steps=12",  # epoch 2 needs the store
-                   shards=written[1], name="gone")
-    ckpts = job.run_dir / "checkpoints"
-    log = tmp_path / "gone.log"
+def test_a_run_rides_out_a_45_s_stop_of_the_store(store, written, proxy, tiny_run, tmp_path):
+    """The store stops (every connection refused) once checkpoint 2 is complete and comes back 45 s
+    later; with data.remote_retry_s=60 the run waits at step 7 and goes on: done, a line when the
+    outage started and one when it ended, the sample log that of the run from disk."""
+    job = tiny_run(*OUTAGE_RUN, "data.remote_retry_s=60", shards=written[1], name="rides")
+    log = tmp_path / "rides.log"
     with reaped(job.start(log)) as p:
-        wait_for(lambda: (ckpts / "step_00000002" / "COMPLETE").exists(), 300, p, "checkpoint 2")
+        wait_for(lambda: (job.run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists(), 300, p,
+                 "checkpoint 2")
         cut_at = time.monotonic()
-        proxy.cut(refuse_s=600)  # gone for good, as far as this run can tell
-        code = p.wait(bound + 60)
+        proxy.cut(refuse_s=45.0)
+        code = p.wait(240)
         took = time.monotonic() - cut_at
     out = log.read_text()
-    assert code != 0, out[-3000:]
-    last = out.strip().splitlines()[-1]
-    assert f"{written[1]}/train-" in last and "server unreachable" in last and f"data.remote_retry_s={bound:g}" in last, \
-        out[-3000:]
-    assert took < bound + 20, took  # the bound, then the exit (DeepSpeed and the process)
-    print(f"store gone after checkpoint 2: the run ended {took:.1f} s after the cut (bound {bound:g} s)")
-    from pretrain.checkpointing.rundir import latest_complete
+    assert code == 0 and "vit-train: done at step 12" in out, out[-3000:]
+    start = [x for x in out.splitlines() if "unreachable (" in x and "for up to 60 s (data.remote_retry_s)" in x]
+    end = [x for x in out.splitlines() if "reachable again after" in x]
+    assert len(start) == len(end) == 1 and start[0].startswith(f"{written[1]}/train-"), out[-3000:]
+    lasted = float(end[0].split("after ")[1].split(" s")[0])
+    assert 38.0 < lasted < 54.0 and took >= 45.0, (end, took)  # away 45 s, seen from step 7 to the next try
+    print(f"store stopped 45 s: {end[0]}; run done {took:.0f} s after the stop")
+    assert _logged_keys(job, 12) == _disk_keys(job, written[0], 12 * 16)  # no sample twice, none lost
+    m = metrics(job.run_dir)
+    assert sorted(m) == list(range(1, 13)) and max(r.get("data/remote_retries", 0) for r in m.values()) >= 1
 
-    saved = latest_complete(ckpts)
-    step = json.loads((saved / "run.json").read_text())["step"]
-    assert 2 <= step < 12 and max(metrics(job.run_dir)) < 12, step
 
-    proxy.reset()  # the store is back
-    r = job.run(300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resuming from step {step}" in r.stderr, r.stderr[-3000:]  # the checkpoint is intact
-    assert "vit-train: done at step 12" in r.stderr
+@pytest.mark.slow
+def test_store_gone_for_good_ends_the_run_with_exit_69_and_vit_launch_restarts_it(store, written, proxy,
+                                                                                  tiny_run, tmp_path):
+    """vit-launch --max-restarts 1 over one rank: once checkpoint 2 is complete the store refuses every
+    connection; the job ends within data.remote_retry_s (+ a step and the exit) with one line naming
+    the shard and the bound and exit 69, which vit-launch restarts; the store is back by then, and the
+    job resumes from its last checkpoint and ends, its sample log that of the run from disk."""
+    bound = 3.0
+    job = tiny_run(*OUTAGE_RUN, f"data.remote_retry_s={bound:g}", shards=written[1], name="gone", via="launch",
+                   launch_args=("--max-restarts", "1", "--restart-backoff", "5"))
+    log = tmp_path / "gone.log"
+    with reaped(job.start(log)) as p:
+        wait_for(lambda: (job.run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists(), 300, p,
+                 "checkpoint 2")
+        cut_at = time.monotonic()
+        proxy.cut(refuse_s=600)  # gone for good, as far as this attempt can tell
+        wait_for(lambda: "restart 1/1 in" in log.read_text(), bound + 60, p, "the restart")
+        took = time.monotonic() - cut_at
+        proxy.reset()  # the store is back before the second attempt reads it
+        code = p.wait(300)
+    out = log.read_text()
+    failed = out.split("restart 1/1 in")[0].splitlines()
+    errors = [x for x in failed if x.startswith("vit-train: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"vit-train: error: {written[1]}/train-"), out[-3000:]
+    assert "server unreachable" in errors[0] and f"data.remote_retry_s={bound:g}" in errors[0], errors
+    assert failed[-1].startswith("vit-launch: the job failed with exit code 69;"), failed[-3:]
+    assert took < bound + 20, took  # the bound, a step, then the exit (DeepSpeed and the process)
+    print(f"store gone after checkpoint 2: exit 69 and the restart line {took:.1f} s after the cut (bound {bound:g} s)")
+    assert code == 0 and "vit-launch: the job completed (exit 0)" in out, out[-3000:]
+    resumed = out.split("restart 1/1 in")[1]
+    assert "resuming from step 6" in resumed and "vit-train: done at step 12" in resumed, resumed[-3000:]
+    assert _logged_keys(job, 12) == _disk_keys(job, written[0], 12 * 16)  # no sample twice, none lost
 
 
 def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
@@ -565,7 +641,9 @@ def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
     # (safetensors writes its metadata in no fixed order: the weights file is compared by its tensors)
     assert all(body(f"exports/hf/{n}") == (tmp_path / "hf" / n).read_bytes() for n in files if n != "model.safetensors")
     (tmp_path / "hf_store.safetensors").write_bytes(body("exports/hf/model.safetensors"))
-    with safe_open(tmp_path / "hf_store.safetensors", "pt") as a, safe_open(tmp_path / "hf" / "model.safetensors", "pt") as b:
-        assert sorted(a.keys()) == sorted(b.keys()) and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    with safe_open(tmp_path / "hf_store.safetensors", "pt") as a, \
+            safe_open(tmp_path / "hf" / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
     r = run_job([sys.executable, "-m", "pretrain.export", str(run), "s3://no-such-bucket/x.safetensors"], timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no-such-bucket" in r.stderr, r.stderr

@@ -115,6 +115,37 @@ def test_imagefolder_roundtrip_resize_formats_and_skips(tmp_path, capsys):
     assert exts == {"jpg", "png", "webp"}
 
 
+def test_truncated_file_stored_as_it_comes_is_skipped_and_counted(tmp_path, capsys):
+    """A JPEG small enough to be stored as it comes, cut short (a partial copy, a full disk): its
+    header parses, its pixels do not. The writer decodes it, skips it and says so; the loader then
+    meets no corrupt sample in the first epoch."""
+    from data_pipeline.config import DataConfig
+    from data_pipeline.loading.loader import build_loader
+
+    root = tmp_path / "images"
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        for i in range(4):
+            buf = io.BytesIO()  # noise: a JPEG of many bytes past its header
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+            (root / name / f"{i}.jpg").write_bytes(buf.getvalue())
+    whole = (root / "dog" / "3.jpg").read_bytes()
+    (root / "dog" / "3.jpg").write_bytes(whole[:len(whole) * 3 // 4])
+    Image.open(root / "dog" / "3.jpg")  # the header alone reads fine
+    out = tmp_path / "shards"
+    assert main(["--source", f"imagefolder:{root}", "--output", str(out), "--shard-size", "4", "--quiet"]) == 0
+    m = _check_manifest(out)
+    assert m["total"] == 7 and m["skipped"] == {"unreadable": 1}, m["skipped"]
+    assert m["skipped_files"] == {"unreadable": ["dog/3.jpg"]}
+    o, err = capsys.readouterr()
+    assert "7 samples in 2 shards" in o and o.rstrip().endswith("; skipped {'unreadable': 1}"), o
+    assert "skipped 1 files (unreadable: 1): dog/3.jpg" in err, err
+    loader = build_loader(DataConfig(train_shards=str(out), workers=0, shuffle_buffer=4), batch_size=7, img_size=32)
+    next(iter(loader))
+    assert loader.counters == {"samples": 7}, loader.counters  # the whole epoch, nothing corrupt
+
+
 def _fails_one_line(argv, capsys) -> str:
     with pytest.raises(SystemExit) as e:
         main(argv)

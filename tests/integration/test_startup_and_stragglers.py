@@ -5,12 +5,12 @@
   rank 0 spinning forever; ``train.startup_timeout_s`` ends it with one line naming the phase.
 * One rank of a 2-rank job stopped half its time in bursts for real (SIGSTOP / SIGCONT for 0.1-0.5 s
   each, at irregular times; logging every 5 steps, the default factor and span) is named within 10
-  logging windows; the same job unslowed, run beside it, names nobody in 40 windows (of 4 steps, 3 under ZeRO-3) while
-  the machine is busy with the slowed job and the rest of the suite (test_step_parts models 200
-  windows of a loaded machine). Both
-  under ZeRO-2 and under ZeRO-3, where every submodule's forward waits for its parameters'
-  all-gather, and so for the slow peer: that wait is the clock's ``gather`` phase, not the rank's
-  own forward.
+  logging windows; the same job unslowed, run beside it, names nobody in 40 windows (of 4 steps, 3
+  under ZeRO-3) while the machine is busy with the slowed job and the rest of the suite: four ranks
+  and the other test worker on two cores, where each rank waits for a core most of its time, and
+  which rank waits is chance (test_step_parts models 200 windows of such a machine). Both under
+  ZeRO-2 and under ZeRO-3, where every submodule's forward waits for its parameters' all-gather,
+  and so for the slow peer: that wait is the clock's ``gather`` phase, not the rank's own forward.
 """
 import os
 import random
@@ -97,15 +97,13 @@ def test_a_rank_slowed_in_bursts_is_named_and_an_even_job_names_nobody(tiny_run,
             assert pid is not None
             end, bursts = time.time() + 180, random.Random(0)
             while time.time() < end and "straggler: rank 1" not in log.read_text():
-                # rank 1 runs about a third of the time, stopped in bursts of 0.1-0.5 s at irregular times
+                # rank 1 runs about half of the time, stopped in bursts of 0.1-0.5 s at irregular times
                 # (a strictly periodic pattern can phase-lock the job so that every burst lands in the
-                # collective phases, where its peer waits as long as it does: see straggler.py). Bursts
-                # that land in a collective leave no trace, and ZeRO-3's many gathers make that a large
-                # share: on two loaded cores a rank stopped half the time showed 1.2-1.5x, not 2x
+                # collective phases, where its peer waits as long as it does: see straggler.py)
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(bursts.uniform(0.1, 0.5))
                 os.kill(pid, signal.SIGCONT)
-                time.sleep(bursts.uniform(0.05, 0.25))
+                time.sleep(bursts.uniform(0.1, 0.5))
             named_at = max(metrics(run))
         finally:
             kill_group(job)
@@ -113,6 +111,7 @@ def test_a_rank_slowed_in_bursts_is_named_and_an_even_job_names_nobody(tiny_run,
         lines = [ln for ln in out.splitlines() if "straggler:" in ln]
         assert lines and lines[0].split("straggler: ")[1].startswith("rank 1 on "), out[-3000:]
         assert "x the median step, mostly in " in lines[0]
+        print(f"ZeRO-{stage}: rank 1 named after {(named_at - before) / 5:g} windows")  # pytest -s shows it
         assert named_at - before <= 5 * 10, (before, named_at)  # within ten windows of five steps
         recs = [r for s, r in sorted(metrics(run).items()) if s > before and "straggler/ratio" in r]
         assert recs and recs[-1]["straggler/slowest_rank"] == 1 and recs[-1]["straggler/ratio"] >= 1.5
@@ -121,6 +120,7 @@ def test_a_rank_slowed_in_bursts_is_named_and_an_even_job_names_nobody(tiny_run,
     assert code == 0, even_log.read_text()[-3000:]
     m = metrics(even_run)
     assert sorted(m) == list(range(every, 40 * every + 1, every)) and all("straggler/ratio" in r for r in m.values())
+    print(f"ZeRO-{stage}: even job's highest span ratio {max(r['straggler/ratio'] for r in m.values()):.2f}")
     assert "straggler:" not in even_log.read_text(), (max(r["straggler/ratio"] for s, r in m.items() if s >= 6),
                                                       even_log.read_text()[-2000:])
 

@@ -1,5 +1,6 @@
 """Evaluation while pre-training (validation.every_steps): validation metrics over every val sample once,
-few-shot probes on the held-out demo shapes, and training bit-identical with evaluation on or off."""
+few-shot and kNN probes on the held-out demo shapes, the same on the weights' EMA (train.ema_decay), and
+training bit-identical with evaluation on or off."""
 import json
 
 import pytest
@@ -29,16 +30,23 @@ def records(job):
 
 
 def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run, val):
+    # with an EMA: its evaluation swaps it into the module and back, which training must not notice either
     on = records(six_steps(tiny_run, val, "validation.every_steps=3", "validation.fewshot_suites=[demo]",
-                           "validation.fewshot_shots=[1,5]", "validation.fewshot_seeds=2", name="on"))
-    off = records(six_steps(tiny_run, val, name="off"))
+                           "validation.fewshot_shots=[1,5]", "validation.fewshot_seeds=2",
+                           "validation.knn_suites=[demo]", "validation.knn_k=[5,20]", "train.ema_decay=0.5",
+                           name="on"))
+    off = records(six_steps(tiny_run, val, "train.ema_decay=0.5", name="off"))
     evals = [r for r in on if "eval/loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
     for r in evals:
         assert r["eval/samples"] == 75  # every validation sample exactly once
         assert 0.0 <= r["eval/top1"] <= r["eval/top5"] <= 1.0 and r["eval/loss"] > 0
         assert 0.0 <= r["eval/fewshot/demo/1shot"] <= 1.0 and 0.0 <= r["eval/fewshot/demo/5shot"] <= 1.0
+        assert 0.0 <= r["eval/knn/demo/5nn"] <= 1.0 and 0.0 <= r["eval/knn/demo/20nn"] <= 1.0
         assert r["eval/seconds"] > 0
+        assert r["eval/ema/samples"] == 75 and 0.0 <= r["eval/ema/top1"] <= r["eval/ema/top5"] <= 1.0
+        assert 0.0 <= r["eval/ema/fewshot/demo/5shot"] <= 1.0
+        assert r["eval/ema/loss"] != r["eval/loss"]  # another model: the average of six steps' weights
     # training did not notice: the same losses, bit for bit, with and without evaluation
     train_on = [(r["step"], r["loss"]) for r in on if "loss" in r]
     train_off = [(r["step"], r["loss"]) for r in off if "loss" in r]
@@ -47,7 +55,12 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run,
 
 def test_two_ranks_zero3_evaluate_every_val_sample_once(tiny_run, val):
     job = six_steps(tiny_run, val, "zero.stage=3", "validation.every_steps=3", "validation.fewshot_suites=[demo]",
-                    "validation.fewshot_shots=[1]", "validation.fewshot_seeds=1", via="deepspeed", ranks=2)
+                    "validation.fewshot_shots=[1]", "validation.fewshot_seeds=1", "validation.knn_suites=[demo]",
+                    "validation.knn_k=[10]", "train.ema_decay=0.5", via="deepspeed", ranks=2)
     evals = [x for x in records(job) if "eval/loss" in x]
     assert [x["step"] for x in evals] == [3, 6]
-    assert all(x["eval/samples"] == 75 and "eval/fewshot/demo/1shot" in x for x in evals)
+    assert all(x["eval/samples"] == 75 and "eval/fewshot/demo/1shot" in x and "eval/knn/demo/10nn" in x
+               for x in evals)
+    # the EMA, each rank's partition swapped into ZeRO-3's partitions: every sample once too
+    assert all(x["eval/ema/samples"] == 75 and "eval/ema/fewshot/demo/1shot" in x for x in evals)
+    assert all(x["eval/ema/loss"] != x["eval/loss"] for x in evals)

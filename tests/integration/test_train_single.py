@@ -34,6 +34,7 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     phases = ["vit-train: building vit_tiny_patch16_224 (64 px) on 1 rank(s) [",
               "vit-train: DeepSpeed init: ZeRO-1, fp32, 5.5M parameters [",
+              "vit-train: data.decode_device=worker: JPEGs decoded by this process (data.workers=0): ",
               "vit-train: waiting for the first batch (data.workers=0) [",
               "vit-train: step 1 done; a line every 5 steps ["]
     at = [r.stderr.find(p) for p in phases]
@@ -44,6 +45,22 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     again = train(shards, tmp_path / "run", "train.steps=3", "train.log_every_steps=5", "zero.stage=1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"vit-train: resuming: verifying and loading the newest checkpoint in {ckpt.parent} [" in again.stderr
+
+
+@pytest.mark.parametrize("device, decoder", [
+    ("cpu", "libjpeg-turbo on the CPU (torchvision's decode_jpeg)"),
+    ("dali", "DALI "),
+])
+def test_startup_says_which_decode_path_runs(shards, tmp_path, device, decoder):
+    """With data.decode_device cpu or dali the training process decodes the JPEGs, not the workers:
+    the start-up line said only what the workers would have used."""
+    r = train(shards, tmp_path / "run", "train.steps=1", "zero.stage=1", f"data.decode_device={device}",
+              "data.workers=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stderr.splitlines() if "decode" in ln and ln.startswith("vit-train: data.")]
+    assert len(line) == 1, r.stderr[-3000:]
+    assert line[0].startswith(f"vit-train: data.decode_device={device}: JPEGs decoded in this process by {decoder}")
+    assert "other images (PNG, progressive JPEG, ...) by 1 data worker(s) with PIL" in line[0]
 
 
 def test_nonfinite_in_a_row_stops_naming_steps(shards, tmp_path):

@@ -87,6 +87,46 @@ def test_cli_cifar100_linear_sweeps_on_the_minival_cut_from_train(tmp_path):
     assert r["accuracy"] >= 0.75  # 4 of the 100 fine labels in use: chance is 0.25 at best
 
 
+# --------------------------------------------------------------------------- kNN, own head, deit
+def test_cli_knn_from_an_export(tmp_path, colours, capsys):
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors", exported_metadata(
+        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=11, grid=(2, 2)))
+    out = tmp_path / "knn.json"
+    main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "knn", "--data-root", str(colours),
+          "--output", str(out), "eval.knn_k=[3,10]", *FAST])
+    r = json.loads(out.read_text())["tasks"]["colours"]
+    assert r["accuracy"] >= 0.75 and r["details"]["headline_k"] == 10 and set(r["details"]["k"]) == {"3", "10"}
+    table = capsys.readouterr().out
+    assert "| Task | Group | 10-NN top-1 (%) |" in table and "3-NN" in table
+
+
+def test_cli_own_head_of_a_run_directory_on_a_folder(tmp_path, colours):
+    """``--protocol head`` with --data-root the evaluated folder itself: every test image scored by
+    the run's own 10-class head, nothing trained."""
+    run = write_run_dir(tmp_path / "run", tiny_model(32, seed=2), {4: True}, final=4)
+    out = tmp_path / "head.json"
+    main(["--checkpoint", str(run), "--suite", "imagefolder", "--protocol", "head", "--data-root",
+          str(colours / "test"), "--output", str(out), *FAST])
+    doc = json.loads(out.read_text())
+    r = doc["tasks"]["test"]
+    assert doc["step"] == 4 and r["num_train"] == 0 and r["num_test"] == 24 and r["details"]["head_classes"] == 10
+    assert 0.0 <= r["details"]["top1"] == r["accuracy"] <= r["details"]["top5"] <= 1.0
+
+
+def test_cli_deit_finetune_from_a_timm_state_dict(tmp_path, colours):
+    """``--recipe deit`` end to end (AdamW, layer decay, mixing, smoothing, drop path, EMA): learns
+    the task; the EMA's accuracy is the result, the trained weights' beside it."""
+    _timm_pth(tmp_path / "timm.pth")
+    out = tmp_path / "deit.json"
+    main(["--checkpoint", str(tmp_path / "timm.pth"), "--suite", "imagefolder", "--protocol", "finetune",
+          "--recipe", "deit", "--data-root", str(colours), "--output", str(out), "model.name=vit_tiny_patch16_224",
+          "eval.steps=40", "eval.warmup_steps=5", "eval.lr=0.001", *FAST])
+    r = json.loads(out.read_text())["tasks"]["colours"]
+    recipe = r["details"]["recipe"]
+    assert recipe["optimizer"] == "adamw" and recipe["layer_decay"] == 0.65 and recipe["mixup_alpha"] == 0.8
+    assert r["accuracy"] >= 0.75 and "accuracy_no_ema" in r["details"], r
+
+
 # ----------------------------------------------------------------------------------------- errors
 def _error(capsys, argv) -> str:
     with pytest.raises(SystemExit) as e:
@@ -103,14 +143,16 @@ def test_user_mistakes_are_one_line_errors(tmp_path, colours, capsys):
     vt = tmp_path / "vtab"
     d = write_vtab_task(vt, "eurosat", counts=(4, 4), n_test=4)
     base = ["--output", str(tmp_path / "r.json"), "eval.workers=0"]
-    assert "nope.pth: checkpoint not found" in _error(capsys, ["--checkpoint", str(tmp_path / "nope.pth"), "--suite", "demo", *base])
+    assert "nope.pth: checkpoint not found" in _error(
+        capsys, ["--checkpoint", str(tmp_path / "nope.pth"), "--suite", "demo", *base])
     assert "junk.safetensors: not a readable checkpoint" in _error(
         capsys, ["--checkpoint", str(tmp_path / "junk.safetensors"), "--suite", "demo", *base])
     vtab = ["--checkpoint", str(ckpt), "--suite", "vtab1k", "--data-root", str(vt), *base]
     assert "VTAB-1k task 'svhn' not found" in _error(capsys, [*vtab, "eval.tasks=[svhn]"])
     assert "needs --data-root" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "cifar100", *base])
     assert "unknown key 'eval.stepz'" in _error(capsys, [*vtab, "eval.stepz=3"])
-    assert "eval.warmup_steps" in _error(capsys, [*vtab, "--protocol", "finetune", "eval.steps=10", "eval.warmup_steps=10"])
+    assert "eval.warmup_steps" in _error(
+        capsys, [*vtab, "--protocol", "finetune", "eval.steps=10", "eval.warmup_steps=10"])
     (d / "test.txt").write_text("images/test_0000.png 1\nimages/test_0001.png\n")
     assert "eurosat/test.txt:2: expected 'relative/path label'" in _error(capsys, vtab)
     (d / "test.txt").unlink()
@@ -160,8 +202,9 @@ def test_watch_evaluates_each_complete_checkpoint_once_and_stops_at_the_last(tmp
 
 def test_watch_refuses_finetune(tmp_path, capsys):
     run = write_run_dir(tmp_path / "run", tiny_model(32), {10: True}, final=10)
-    assert "--watch runs fewshot or linear" in _error(capsys, ["--watch", str(run), "--suite", "demo", "--protocol",
-                                                               "finetune", "--output", str(tmp_path / "w.json")])
+    assert "--watch runs fewshot, linear, knn or head" in _error(
+        capsys, ["--watch", str(run), "--suite", "demo", "--protocol", "finetune",
+                 "--output", str(tmp_path / "w.json")])
 
 
 # -------------------------------------------------------------------------------------------- W&B

@@ -1,5 +1,6 @@
 """Fine-tuning under the deepspeed runner: 2 CPU ranks (gloo), ZeRO-3, and a test set that leaves
-one rank a batch short (ZeRO-3's per-forward gathers would hang without the dummy batch)."""
+one rank a batch short (ZeRO-3's per-forward gathers would hang without the dummy batch); both
+recipes (deit: its EMA gathered at every step and written back into the partitioned weights)."""
 import json
 
 import pytest
@@ -9,7 +10,8 @@ from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, w
 pytestmark = pytest.mark.slow
 
 
-def test_zero3_finetune_on_two_ranks_counts_every_test_image_once(tmp_path):
+@pytest.mark.parametrize("recipe", ["paper", "deit"])
+def test_zero3_finetune_on_two_ranks_counts_every_test_image_once(tmp_path, recipe):
     root = write_imagefolder(tmp_path / "colours", n_train=8, n_test=8)
     (root / "test" / "red" / "extra.png").write_bytes((root / "test" / "red" / "000.png").read_bytes())  # 33
     ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors", exported_metadata(
@@ -18,11 +20,14 @@ def test_zero3_finetune_on_two_ranks_counts_every_test_image_once(tmp_path):
     p = run_job(deepspeed_cmd("pretrain.transfer", "--checkpoint", str(ckpt), "--suite", "imagefolder",
                               "--protocol", "finetune", "--data-root", str(root), "--output", str(out),
                               "eval.workers=0", "eval.steps=12", "eval.warmup_steps=2", "eval.batch_size=16",
-                              "train.precision=fp32", "zero.stage=3"), timeout=300)
+                              "train.precision=fp32", "zero.stage=3", "--recipe", recipe,
+                              *(["eval.lr=0.001"] if recipe == "deit" else [])), timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())["tasks"]["colours"]
     assert r["num_test"] == 33 and r["details"]["batch_size"] == 16
     # every image counted once over the two ranks: accuracy is a multiple of 1/33
     assert abs(r["accuracy"] * 33 - round(r["accuracy"] * 33)) < 1e-6
     assert r["accuracy"] >= 0.75, r  # chance 0.25
+    if recipe == "deit":  # the EMA's weights were scored, the trained ones beside them
+        assert r["details"]["recipe"]["ema_decay"] == 0.99996 and r["details"]["accuracy_no_ema"] >= 0.75, r
     assert p.stdout.count("| colours |") == 1  # rank 0 alone reports

@@ -90,6 +90,13 @@ def test_export_unwritable_folder_is_one_line_before_consolidating(trained, lock
     assert sorted(p.name for p in locked.iterdir()) == ["keep.txt"]
 
 
+def test_export_to_a_format_it_does_not_write_is_one_line(tmp_path):
+    """`--format onnx` (not a format vit-export writes): argparse's usage block made it two lines."""
+    r = export(tmp_path / "run", tmp_path / "m.onnx", "--format", "onnx")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "vit-export: error: argument --format: invalid choice: 'onnx' (choose from 'timm', 'hf')"], r.stderr
+
+
 def test_export_failing_at_the_end_saves_the_weights_elsewhere(trained, tmp_path, monkeypatch, capsys):
     """The folder passed the check, then the final write failed (disk full, folder locked since):
     the weights go to the run directory and the one line says where."""

@@ -17,6 +17,8 @@ from pretrain.models.vit import create_model
 
 
 @pytest.mark.parametrize("name, kw", [("vit_tiny_patch16_224", dict(qk_norm=True, init_values=1e-5)),
+                                      ("vit_tiny_patch16_224", dict(reg_tokens=4, class_token=False, global_pool="map",
+                                                                    pos_embed="sincos2d")),
                                       ("vit_base_r50_s16_224", dict(img_size=32))])
 def test_deferred_init_gathers_each_module_once_and_matches_plain(name, kw):
     kw = dict(dict(img_size=32, num_classes=7), **kw)
@@ -82,7 +84,8 @@ def test_zero3_weights_equal_the_plain_build_on_any_world_size(tmp_path, ranks):
     """The initialisation draws from one CPU generator seeded by train.seed, so ZeRO-3 (which
     builds on the rank's device under zero.Init) gives the plain build's weights, parameter by
     parameter, on 1 rank here and on 2 in the ViT-S test above."""
-    r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks), timeout=300)
+    r = run_job(deepspeed_cmd("tests.jobs.zero_init_job", str(tmp_path), "vit_tiny_patch16_224", ranks=ranks),
+                timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["world"] == ranks and rec["mismatch"] == [], rec["mismatch"]

@@ -2,14 +2,17 @@
 
     deepspeed --num_gpus W --module tests.jobs.elastic_job ROOT save:z2-bf16 resume:z3-fp32 ...
 
-A case is ``z<stage>-<precision>``; its files live in ROOT/<case>/. ``save`` (on the case's first
-world size) trains STEPS steps, saves ``ckpt/step_00000004`` with our run.json, records the full
-fp32 weights, Adam moments, step, param-group hyperparameters and LR at the save, then trains on to
-TOTAL steps as the uninterrupted reference curve. ``resume`` (on another world size) builds a fresh
-engine, loads through ``pretrain.checkpointing.elastic.load_checkpoint``, records the same quantities, trains to
-TOTAL on the same data, and saves again. Every case runs in one process one after another (a
-launch costs ~15 s here); each writes ROOT/<case>/<phase>.pt, or <phase>.error with the traceback.
-The checks are made by the test, which reads those files.
+A case is ``z<stage>-<precision>[-lamb][-ld]`` (``lamb``: optim.name=lamb, else AdamW; ``ld``:
+optim.layer_decay=0.7, a group and a base LR per layer); its files live in ROOT/<case>/. Every case
+keeps an EMA of the weights (train.ema_decay, with warmup). ``save`` (on the case's first world
+size) trains STEPS steps, saves ``ckpt/step_00000004`` with our run.json and each rank's EMA pieces,
+records the full fp32 weights, the moments, step, param-group hyperparameters, LR and the whole EMA
+at the save, then trains on to TOTAL steps as the uninterrupted reference curve. ``resume`` (on
+another world size) builds a fresh engine, loads through
+``pretrain.checkpointing.elastic.load_checkpoint`` and ``WeightEma.load``, records the same
+quantities, trains to TOTAL on the same data, and saves again. Every case runs in one process one
+after another (a launch costs ~15 s here); each writes ROOT/<case>/<phase>.pt, or <phase>.error with
+the traceback. The checks are made by the test, which reads those files.
 """
 import gc
 import json
@@ -22,22 +25,26 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed import ema as weight_ema
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.models.vit import VisionTransformer
 
 SAVE_AT, TOTAL, GLOBAL_BATCH, CLASSES = 4, 8, 8, 7
+EMA_DECAY, LAYER_DECAY = 0.8, 0.7
 
 
-def build(stage: int, precision: str, world: int):
+def build(stage: int, precision: str, world: int, lamb: bool = False, layer_decay: bool = False):
     torch.manual_seed(0)  # identical initial weights on every rank and every world size
     # 7 classes: odd-sized head bias, so ZeRO's partition padding is exercised
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=CLASSES)
-    optim = OptimConfig(lr=3e-3, weight_decay=0.05, warmup_steps=3, schedule="cosine", grad_clip=1.0)
+    # LAMB moves each tensor by lr x its norm: a larger LR, so the loss falls as fast as AdamW's
+    optim = OptimConfig(name="lamb" if lamb else "adamw", lr=3e-2 if lamb else 3e-3, weight_decay=0.05, warmup_steps=3,
+                        schedule="cosine", grad_clip=1.0, layer_decay=LAYER_DECAY if layer_decay else 1.0)
     train = TrainConfig(steps=10, global_batch_size=GLOBAL_BATCH, micro_batch_size=4, precision=precision)
     zero = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)  # ZeRO-3: partition everything
     engine, _ = initialize(model, optim, train, zero, world)
-    return engine
+    return engine, weight_ema.WeightEma(engine, EMA_DECAY, warmup=True)
 
 
 def batch(step: int, rank: int, world: int, gas: int, micro: int, dtype):
@@ -51,8 +58,8 @@ def batch(step: int, rank: int, world: int, gas: int, micro: int, dtype):
     return x[lo:lo + per].to(dtype), y[lo:lo + per]
 
 
-def train_to(engine, start: int, end: int, rank: int, world: int) -> list[float]:
-    """Steps start+1..end; the global mean loss of each."""
+def train_to(engine, ema, start: int, end: int, rank: int, world: int) -> list[float]:
+    """Steps start+1..end, each followed by the EMA's update; the global mean loss of each."""
     import torch.distributed as dist
 
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
@@ -66,6 +73,7 @@ def train_to(engine, start: int, end: int, rank: int, world: int) -> list[float]
             engine.backward(loss)
             engine.step()
             total += loss.detach() / gas
+        ema.update(step + 1)
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
@@ -119,23 +127,36 @@ def module_weights(engine) -> dict:
         return {n: p.detach().cpu().clone() for n, p in params}
 
 
-def save_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
+def write_ema(ema, folder: Path, rank: int) -> dict:
+    """Collective: each rank's EMA pieces written into ``folder`` as a checkpoint holds them; the
+    whole EMA read back from the files (on every rank)."""
     import torch.distributed as dist
 
-    losses = train_to(engine, 0, SAVE_AT, rank, world)
+    if ema.owns_pieces():
+        tensors, meta = ema.pieces()
+        weight_ema.write_pieces(folder / weight_ema.FILE.format(rank), tensors, meta)
+    dist.barrier()
+    return weight_ema.read_full(folder)
+
+
+def save_phase(engine, ema, case_dir: Path, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    losses = train_to(engine, ema, 0, SAVE_AT, rank, world)
     ckpt_dir = case_dir / "ckpt"
     tag = f"step_{SAVE_AT:08d}"
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    saved_ema = write_ema(ema, ckpt_dir / tag, rank)
     if rank == 0:
         (ckpt_dir / tag / "run.json").write_text(json.dumps({"world_size": world, "step": SAVE_AT}))
         (ckpt_dir / tag / "COMPLETE").write_text(json.dumps({"step": SAVE_AT}))
     dist.barrier()
     snap = snapshot(engine)
-    losses += train_to(engine, SAVE_AT, TOTAL, rank, world)
-    return {**snap, "losses": losses, "world": world, "adam_steps_end": _adam_steps(engine)}
+    losses += train_to(engine, ema, SAVE_AT, TOTAL, rank, world)
+    return {**snap, "ema": saved_ema, "losses": losses, "world": world, "adam_steps_end": _adam_steps(engine)}
 
 
-def resume_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
+def resume_phase(engine, ema, case_dir: Path, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from pretrain.checkpointing import elastic
@@ -157,20 +178,24 @@ def resume_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
     finally:
         elastic._fix_zero3_universal_load = fix
     flag_after = engine._config.load_universal_checkpoint
+    loaded = ema.load(ckpt)
+    (case_dir / "ema_after_load").mkdir(exist_ok=True)
+    ema_after = write_ema(ema, case_dir / "ema_after_load", rank)
     snap = snapshot(engine)
     weights = module_weights(engine)
-    losses = train_to(engine, SAVE_AT, TOTAL, rank, world)
+    losses = train_to(engine, ema, SAVE_AT, TOTAL, rank, world)
     steps_end = _adam_steps(engine)
     # a save after an elastic resume: every rank's files must be there (deepspeedai/DeepSpeed#7546)
     engine.save_checkpoint(str(case_dir / "ckpt2"), tag="again", save_latest=False)
     dist.barrier()
     files = sorted(p.name for p in (case_dir / "ckpt2" / "again").iterdir())
-    return {**snap, "module": weights, "losses": losses, "world": world, "flag_after_load": flag_after,
+    return {**snap, "module": weights, "ema": ema_after, "ema_loaded": loaded, "losses": losses, "world": world,
+            "flag_after_load": flag_after,
             "files_after_resave": files, "deepspeed_zero3_raw": raw,
             "adam_steps_end": steps_end}
 
 
-def fail_phase(engine, case_dir: Path, rank: int, world: int) -> dict:
+def fail_phase(engine, ema, case_dir: Path, rank: int, world: int) -> dict:
     """A checkpoint that cannot be converted: every rank gets the same one-line error, none hangs."""
     from pretrain.checkpointing import elastic
 
@@ -192,13 +217,14 @@ def main():
     torch.set_num_threads(1)
     for job in jobs:
         phase, case = job.split(":")
-        stage, precision = int(case.split("-")[0][1:]), case.split("-")[1]
+        parts = case.split("-")
+        stage, precision = int(parts[0][1:]), parts[1]
         case_dir = root / case
         case_dir.mkdir(parents=True, exist_ok=True)
         try:
-            engine = build(stage, precision, world)
+            engine, ema = build(stage, precision, world, lamb="lamb" in parts, layer_decay="ld" in parts)
             run = {"save": save_phase, "resume": resume_phase, "fail": fail_phase}[phase]
-            out = run(engine, case_dir, rank, world)
+            out = run(engine, ema, case_dir, rank, world)
             if phase == "fail":
                 (case_dir / f"fail.{rank}.json").write_text(json.dumps(out))
             elif rank == 0:
@@ -207,7 +233,7 @@ def main():
             (case_dir / f"{phase}.error.{rank}").write_text(traceback.format_exc())
             raise  # a collective may be half done: this launch cannot go on safely
         finally:
-            engine = None
+            engine = ema = None
             gc.collect()
         dist.barrier()
     dist.destroy_process_group()

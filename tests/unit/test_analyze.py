@@ -267,16 +267,29 @@ def test_one_line_errors(tmp_path, capsys, photos):
     assert "multiple of the patch size" in _error(capsys, ["--checkpoint", str(ckpt), "--images", str(photos),
                                                            "--output", out, "--img-size", "40"])
     assert "--images" in _error(capsys, ["--checkpoint", str(ckpt), "--output", out])
+    assert "--device 'gpu0': not a device (cpu, cuda, cuda:N)" in _error(
+        capsys, ["--checkpoint", str(ckpt), "--images", str(photos), "--output", out, "--device", "gpu0"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine lacks")
+def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line(tmp_path, capsys, photos):
+    """`--device cuda` without a GPU was torch's traceback from deep inside the model's move."""
+    ckpt = tmp_path / "m.pth"
+    torch.save(tiny_model(32).state_dict(), ckpt)
+    err = _error(capsys, ["--checkpoint", str(ckpt), "--images", str(photos), "--output", str(tmp_path / "out"),
+                          "--device", "cuda"])
+    assert err == "vit-analyze: error: --device cuda: no CUDA GPU on this machine; use --device cpu (or leave it out)"
 
 
 def test_module_entry_point_reports_one_line(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "pretrain.evaluation.analyze", "--checkpoint", str(tmp_path / "x.safetensors"),
-                        "--images", str(tmp_path), "--output", str(tmp_path / "o")],
+    r = subprocess.run([sys.executable, "-m", "pretrain.evaluation.analyze", "--checkpoint",
+                        str(tmp_path / "x.safetensors"), "--images", str(tmp_path), "--output", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == f"vit-analyze: error: {tmp_path / 'x.safetensors'}: checkpoint not found"
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"vit-analyze: error: {tmp_path / 'x.safetensors'}: checkpoint not found"
 
 
 # ------------------------------------------------------------------------------------ W&B

@@ -53,9 +53,9 @@ def crop(im, rng):
     """A random box that keeps >= 90% of the area."""
     w, h = im.size
     while True:
-        l, r, t, b = (rng.uniform(0, 0.1) for _ in range(4))
-        if (1 - l - r) * (1 - t - b) >= 0.9:
-            return im.crop((round(l * w), round(t * h), round((1 - r) * w), round((1 - b) * h)))
+        left, right, top, bottom = (rng.uniform(0, 0.1) for _ in range(4))
+        if (1 - left - right) * (1 - top - bottom) >= 0.9:
+            return im.crop((round(left * w), round(top * h), round((1 - right) * w), round((1 - bottom) * h)))
 
 
 def jitter(im):
@@ -312,7 +312,9 @@ def test_user_mistakes_are_one_line(tmp_path, capsys):
     for argv, text in (
             (["--shards", str(tmp_path), "--eval", "nope:x", "--output", str(tmp_path)], "manifest not found"),
             (["--shards", str(tmp_path)], "--eval"),
-            (["--index", str(tmp_path / "missing.json")], "manifest not found"),
+            (["--index", str(tmp_path / "missing.json")], f"--index {tmp_path / 'missing.json'}: not found"),
+            (["--shards", "/nonexist", "--eval", "shards:x", "--output", str(tmp_path)],
+             "--shards /nonexist: not found"),
             (["--index", "pipe:cat /x/manifest.json"], "--index pipe:cat /x/manifest.json: give a manifest.json, "
              "its folder or s3://bucket/prefix (pipe: URLs are not read by vit-audit)")):
         with pytest.raises(SystemExit) as e:
@@ -327,6 +329,98 @@ def test_user_mistakes_are_one_line(tmp_path, capsys):
         with pytest.raises(DataError) as e:
             list(vit_audit.read_eval(spec))
         assert str(e.value).startswith(f"--eval {spec}: ") and str(e.value).endswith(said), e.value
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("--max-bits", "-3", "--max-bits -3: a pHash distance is 0..64 bits (default 12)"),
+    ("--max-bits", "65", "--max-bits 65: a pHash distance is 0..64 bits"),
+    ("--min-score", "5", "--min-score 5: a correlation score is compared in [0, 1] (default 0.7)"),
+    ("--min-score", "-0.5", "--min-score -0.5: a correlation score is compared in [0, 1]"),
+    ("--min-score", "nan", "--min-score nan: a correlation score is compared in [0, 1]"),
+])
+def test_thresholds_out_of_range_are_one_line_not_a_clean_audit(world, audited, option, value, said, tmp_path,
+                                                                 capsys):
+    """At the defaults these sets have pairs; a threshold no pair can meet must not report 0 of them."""
+    assert audited[1]["pairs"]
+    with pytest.raises(SystemExit) as e:
+        vit_audit.main(["--shards", str(world["train"]), "--eval", f"imagefolder:{world['ev']}",
+                        "--output", str(tmp_path / "out"), "--quiet", option, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vit-audit: error: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DataError, match="min_detail 2"):
+        M.audit([], [], min_detail=2.0)
+
+
+def _damaged_shards(root: Path) -> Path:
+    """72 demo samples in 6 shards of 12; in shard 2 the 17th member's tar header is garbage (the
+    tar ends there: samples 8-11 never arrive), in shard 4 the first image's bytes are zeroed."""
+    import tarfile
+
+    from data_pipeline.shards.writer import write_demo_shards
+
+    write_demo_shards(root, split="train", n=72, shard_size=12)
+    for name, damage in (("train-000002.tar", "header"), ("train-000004.tar", "image")):
+        tar = root / name
+        data = bytearray(tar.read_bytes())
+        with tarfile.open(tar) as t:
+            members = t.getmembers()
+        if damage == "header":
+            data[members[16].offset:members[16].offset + 512] = b"\x00garbage" * 64
+        else:
+            m = next(m for m in members if m.name.endswith(".jpg"))
+            data[m.offset_data:m.offset_data + m.size] = bytes(m.size)
+        tar.write_bytes(bytes(data))
+    return root
+
+
+def test_samples_not_audited_are_counted_named_and_said(tmp_path, capsys):
+    """Shards with damaged members: the 5 samples the audit could not hash are counted by reason
+    and named in audit.json, on the console and in the stored index, and the report says how many
+    of the manifest's 72 samples it covered; a damaged evaluation set is one line, not a silent gap."""
+    from data_pipeline.shards.writer import write_demo_shards
+
+    train = _damaged_shards(tmp_path / "train")
+    write_demo_shards(tmp_path / "ev", split="train", n=72, shard_size=12)  # the same images, undamaged
+    named = ["train-000002.tar#8", "train-000002.tar#9", "train-000002.tar#10", "train-000002.tar#11",
+             "train-000004.tar:000000048"]
+    said = (f"67 of 72 samples hashed; 5 not (corrupt_image: 1, lost_in_shard: 4): {', '.join(named)} -> "
+            f"{train / I.HASHES_NAME}")
+    assert vit_audit.main(["--index", str(train), "--quiet"]) == 0
+    assert capsys.readouterr().out == said + "\n"
+    out = tmp_path / "out"
+    assert vit_audit.main(["--shards", str(train), "--eval", f"shards:{tmp_path / 'ev'}", "--output", str(out),
+                           "--quiet"]) == 0  # the stored index: the names kept with the hashes
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"{train / 'manifest.json'}: 67 of 72 samples audited; 5 not (corrupt_image: 1, "
+                        f"lost_in_shard: 4): {', '.join(named)}; every one under \"not_audited_samples\" in "
+                        f"{out / 'audit.json'}"), lines
+    assert lines[-1].startswith("67 pairs")
+    doc = json.loads((out / "audit.json").read_text())
+    (s,) = doc["shards"]
+    assert (s["samples"], s["images"], s["not_audited"]) == (72, 67, {"corrupt_image": 1, "lost_in_shard": 4})
+    assert [(x["shard"], x["index"], x["key"], x["reason"]) for x in s["not_audited_samples"]] == [
+        *(("train-000002.tar", i, "", "lost_in_shard") for i in range(8, 12)),
+        ("train-000004.tar", 0, "000000048", "corrupt_image")]
+    (train / "train-000003.tar").rename(tmp_path / "away.tar")  # gone since it was hashed: its candidates
+    assert vit_audit.main(["--shards", str(train), "--eval", f"shards:{tmp_path / 'ev'}", "--output", str(out),
+                           "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("12 candidate(s) not confirmed, their samples unreadable since they were hashed "
+                               "(rebuild with --force): train-000003.tar:000000036 (missing_shard), "), lines
+    assert lines[-1].startswith("55 pairs")
+    doc = json.loads((out / "audit.json").read_text())
+    assert [(u["shard"], u["reason"]) for u in doc["unconfirmed"]] == [("train-000003.tar", "missing_shard")] * 12
+    shutil.rmtree(out)
+    idx = I.train_index(train, rebuild=True)
+    assert idx.not_audited() == {"corrupt_image": 1, "lost_in_shard": 4, "missing_shard": 12}
+    (tmp_path / "away.tar").rename(train / "train-000003.tar")
+    with pytest.raises(SystemExit) as e:
+        vit_audit.main(["--shards", str(tmp_path / "ev"), "--eval", f"shards:{train}", "--output", str(out),
+                        "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vit-audit: error: {train / 'train-000002.tar'}: sample #8 of "
+                                                f"the 12 {train / 'manifest.json'} lists is missing"), err
 
 
 def test_unwritable_output_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):

@@ -28,9 +28,9 @@ from data_pipeline.loading.transforms import Deferred, SampleTransform
 from data_pipeline.shards.manifest import resolve_shards
 
 
-@pytest.mark.parametrize("aug", [{}, {"randaugment_ops": 2, "randaugment_magnitude": 9},
+@pytest.mark.parametrize("aug", [{}, {"randaugment_ops": 2, "randaugment_magnitude": 9}, {"three_augment": True},
                                  {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}],
-                         ids=["crop-flip", "randaugment", "mixup-cutmix"])
+                         ids=["crop-flip", "randaugment", "3-augment", "mixup-cutmix"])
 def test_cpu_batch_decode_equals_the_worker_path(mixed, aug):
     """Same seeds, same crop boxes and flips, same decoder (libjpeg-turbo), same resize kernel:
     bit-identical batches, targets and keys, with plain JPEGs, worker-decoded members and mixing."""

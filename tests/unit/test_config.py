@@ -70,6 +70,31 @@ def test_overrides_parse_yaml_scalars(tmp_path):
     assert parse_override("a.b=1") == (["a", "b"], 1)
 
 
+def test_yaml_floats_as_users_write_them_in_files_and_overrides(tmp_path):
+    """YAML 1.1 reads ``1e-3`` (no dot) and ``1E5``, ``1.5e3`` (no exponent sign) as strings; the
+    config reads them as the floats the docs and every user write, in a file as on the command line."""
+    f = write(tmp_path / "f.yaml", f"base: {REPO / 'configs/tiny_cpu.yaml'}\n"
+              "optim: {lr: 1e-3, min_lr: -2e-4, eps: 1E-8, weight_decay: .5, betas: [9e-1, 1.5e-1]}\n"
+              "train: {steps: 1E3}\n")
+    c = load_config(f)
+    assert (c.optim.lr, c.optim.min_lr, c.optim.eps, c.optim.weight_decay) == (1e-3, -2e-4, 1e-8, 0.5)
+    assert c.optim.betas == [0.9, 0.15] and c.train.steps == 1000 and isinstance(c.train.steps, int)
+    o = load_config(REPO / "configs/tiny_cpu.yaml", ["optim.lr=1e-3", "optim.eps=1E-8", "optim.min_lr=-2e-4",
+                                                      "optim.weight_decay=.5"])
+    assert (o.optim.lr, o.optim.eps, o.optim.min_lr, o.optim.weight_decay) == (1e-3, 1e-8, -2e-4, 0.5)
+    r = run_cli("--config", str(f))
+    assert r.returncode == 0 and "lr: 0.001" in r.stdout, r.stderr
+    assert parse_override("data.train_shards=x1e3") == (["data", "train_shards"], "x1e3")  # not a number
+
+
+def test_a_typo_in_an_override_names_the_command_line_not_the_file(tmp_path):
+    r = run_cli("--config", "configs/tiny_cpu.yaml", "trian.steps=3")
+    assert r.returncode == 2 and r.stderr == ("vit-config: error: command line: unknown key 'trian'; did you mean "
+                                              "'train'?\n"), r.stderr
+    with pytest.raises(ConfigError, match=r"^command line: unknown key 'train\.stepz'"):
+        load_config(REPO / "configs/tiny_cpu.yaml", ["train.stepz=3"])
+
+
 def test_unknown_key_names_key_file_and_suggestion(tmp_path):
     bad = write(tmp_path / "bad.yaml", "optim:\n  lr: 0.1\n  warmup_step: 5\n")
     with pytest.raises(ConfigError) as e:
@@ -242,10 +267,12 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
     assert r.returncode == 0, r.stderr
     two = json.loads(r.stdout)
     assert (two["train_batch_size"], two["gradient_accumulation_steps"], two["gradient_clipping"]) == (64, 1, 1.0)
+    # each mistake is the one line on stderr: no usage block, no DeepSpeed log line before it
     r = run_cli("--config", tiny, "--deepspeed")
-    assert r.returncode == 2 and "--deepspeed needs --world-size N" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "vit-config: error: --deepspeed needs --world-size N: the ranks set the gradient accumulation"], r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "deepspeed.zero_optimization.stag3=1")
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(
         "vit-config: error: deepspeed: DeepSpeed refuses the merged config:"), r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "3")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "3" in r.stderr, r.stderr

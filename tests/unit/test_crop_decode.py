@@ -150,7 +150,8 @@ def test_window_size_reads_the_header_as_pil_does():
     for _ in range(3000):
         b = bytearray(base)
         for _ in range(int(rng.integers(1, 4))):
-            b[int(rng.integers(2, header))] = int(rng.choice([0, 1, 2, 3, 8, 0xC2, 0xD9, 0xDA, 0xE1, 0xFF, rng.integers(256)]))
+            b[int(rng.integers(2, header))] = int(rng.choice([0, 1, 2, 3, 8, 0xC2, 0xD9, 0xDA, 0xE1, 0xFF,
+                                                              rng.integers(256)]))
         size = crop_decode.window_size(bytes(b))
         if size is not None:
             view = _pil_view(bytes(b))

@@ -114,6 +114,35 @@ def test_slot_without_any_readable_shard_fails_loudly(tmp_path, shard_kit):
         _run(broken, 1)
 
 
+def test_slot_whose_every_image_is_damaged_fails_loudly_instead_of_spinning(tmp_path, shard_kit):
+    """The tar reads, but none of the slot's JPEGs decodes: repeating its pass (meant for a slot whose
+    slack bad samples ate) could never fill a batch and spun silently for ever; the slot is starved
+    after one whole pass and the rank says so in one line. With ``max_corrupt_rate=1.0`` nothing
+    else would stop it."""
+    import threading
+
+    shards = [_samples(shard_kit, 10 * k, 10) for k in range(2)]
+    for _, members in shards[0]:
+        members["jpg"] = b"\xff\xd8 not a jpeg"
+    root = shard_kit.make_shards(tmp_path / "s", shards, list("abcd"))
+    loaders = [build_loader(_cfg(root, max_corrupt_rate=1.0), world_size=2, rank=r, batch_size=5, seed=0,
+                            img_size=16) for r in (0, 1)]
+    broken = [ld for ld in loaders if ld.plan.slot_shards(0, ld.rank)[0].name == "train-000000.tar"][0]
+    raised = []
+
+    def first_batch():
+        try:
+            _run(broken, 1)
+        except TooManyCorruptSamples as e:
+            raised.append(e)
+
+    reader = threading.Thread(target=first_batch, daemon=True)  # a spinning reader must not hang the suite
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), "the reader still spins on a slot without a decodable image"
+    assert raised and "none of its shards (train-000000.tar) yielded a readable sample in epoch 0" in str(raised[0])
+
+
 def _png_header_only(w, h) -> bytes:
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))

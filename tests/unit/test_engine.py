@@ -364,8 +364,9 @@ def test_the_deepspeed_section_merges_and_contradictions_are_one_line():
     assert ds["zero_optimization"]["ignore_unused_parameters"] is False
     assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == c.zero.stage3_prefetch_bucket_size
     check_with_deepspeed(ds)  # DeepSpeed's own parser takes it
-    for bad, needle in [({"zero_optimization": {"stage": 2}}, "deepspeed.zero_optimization.stage=2 contradicts 3, "
-                                                               "which vitscale sets from zero.stage: change that instead"),
+    for bad, needle in [({"zero_optimization": {"stage": 2}},
+                         "deepspeed.zero_optimization.stage=2 contradicts 3, "
+                         "which vitscale sets from zero.stage: change that instead"),
                         ({"bf16": {"enabled": True}}, "sets from train.precision"),
                         ({"optimizer": {"type": "Adam"}}, "deepspeed.optimizer: vitscale builds the optimizer itself"),
                         ({"zero_optimization": {"stage3_max_live_parameters": 5}},

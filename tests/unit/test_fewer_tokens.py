@@ -1,5 +1,6 @@
 """Fewer tokens for the same model: patch dropout and position embeddings resampled to another
-resolution against timm, the FLOPs they count, the resolution schedule's phases and checks, the
+resolution against timm (with its prefix tokens: registers, no [class] token, MAP) and a sin-cos
+table against big_vision's at the new grid, the FLOPs they count, the resolution schedule's phases and checks, the
 loader cropping at a new size from the same position, the batches regrouped per step, the memory
 model's largest phase and the plan's price of a schedule."""
 import dataclasses
@@ -7,6 +8,7 @@ import dataclasses
 import pytest
 import timm
 import torch
+from reference_utils import big_vision_posemb_sincos_2d
 
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.step_batches import regrouped, sized_batches
@@ -15,7 +17,7 @@ from pretrain.config import AugmentConfig, ConfigError, DataConfig, check_world_
 from pretrain.config.phases import Phase, phase_at, resolution_phases
 from pretrain.config.schema import TrainConfig
 from pretrain.models.arch import analytic_flops, patch_keep
-from pretrain.models.vit import create_model
+from pretrain.models.vit import create_model, resize_pos_embed
 from pretrain.observability.flops import forward_flops
 from pretrain.observability.window import Window
 from pretrain.perf import memory, perfmodel
@@ -81,6 +83,81 @@ def test_position_embeddings_resample_as_timms_dynamic_img_size(size):
     torch.testing.assert_close(ours.pos_embed.grad, ref.pos_embed.grad, rtol=1e-4, atol=1e-6)
 
 
+# the prefix-token layouts timm builds with the same option names: registers after the [class]
+# token, registers alone, no prefix at all; MAP or average pooling of the patch tokens
+PREFIXES = {"reg4": dict(reg_tokens=4), "reg4-map": dict(reg_tokens=4, global_pool="map"),
+            "nocls-reg2-avg": dict(reg_tokens=2, class_token=False, global_pool="avg"),
+            "nocls-map": dict(class_token=False, global_pool="map")}
+
+
+@pytest.mark.parametrize("arch", list(PREFIXES.values()), ids=list(PREFIXES))
+def test_prefix_tokens_with_patch_dropout_and_another_size_are_timms(arch):
+    """timm's ``VisionTransformer(reg_tokens=..., class_token=..., global_pool=..., patch_drop_rate=...,
+    dynamic_img_size=True)`` on the same weights and the same draws: the same logits and gradients at
+    the model's size and at another, in training and evaluation. Patch dropout keeps every prefix
+    token ([class], registers) and draws among the patches only; the resample moves only the
+    embedding's patch grid, the prefix rows stay as stored."""
+    ours, ref = twins(64, 0.5, **arch)
+    n = ours.num_prefix_tokens
+    assert n == ref.num_prefix_tokens == int(arch.get("class_token", True)) + arch.get("reg_tokens", 0)
+    seen = []
+    ours.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    for size in (64, 48):
+        ours.zero_grad(), ref.zero_grad()
+        x = torch.randn(3, 3, size, size)
+        torch.manual_seed(5)
+        a = ours.train()(x)
+        torch.manual_seed(5)
+        b = ref.train()(x)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        a.square().sum().backward()
+        b.square().sum().backward()
+        theirs = dict(ref.named_parameters())
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        grid = (size // 16) ** 2
+        assert seen[-1].shape == (3, n + patch_keep(grid, 0.5), 192)
+        prefix = [t for t in (ours.cls_token, ours.reg_token) if t is not None]
+        if prefix:  # every prefix token, each with its own stored position row
+            want = torch.cat(prefix, dim=1) + ours.pos_embed[:, :n]
+            torch.testing.assert_close(seen[-1][:, :n], want.expand(3, -1, -1))
+        torch.testing.assert_close(ours.eval()(x), ref.eval()(x), rtol=1e-5, atol=1e-5)
+    assert ours.pos_embed.shape == (1, n + 16, 192)
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(reg_tokens=2, class_token=False, global_pool="map")])
+def test_a_sincos_table_at_another_size_is_big_visions_for_that_grid(arch):
+    """``pos_embed='sincos2d'`` at another size than the model's: the table is big_vision's
+    ``posemb_sincos_2d`` of the input's own grid (what big_vision's ViT adds), not the stored one
+    resampled; the prefix rows get none; the buffer keeps the model's grid; patch dropout then keeps
+    the prefix and draws among those patches."""
+    model = create_model(NAME, img_size=64, num_classes=10, pos_embed="sincos2d", init_seed=0, **arch).eval()
+    n = model.num_prefix_tokens
+    stored = model.pos_embed.clone()
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        model(x)
+        table = torch.from_numpy(big_vision_posemb_sincos_2d(3, 3, 192)).float()
+        torch.testing.assert_close(seen[0][:, n:], model.patch_embed(x) + table)
+        prefix = [t for t in (model.cls_token, model.reg_token) if t is not None]
+        if prefix:
+            torch.testing.assert_close(seen[0][:, :n], torch.cat(prefix, dim=1).expand(2, -1, -1))
+        resampled = resize_pos_embed(stored, (3, 3), (4, 4), n)[:, n:]
+        assert (resampled - table).abs().max() > 1e-2  # a resample would be another table
+    assert torch.equal(model.pos_embed, stored) and model.pos_embed.shape == (1, n + 16, 192)
+    dropping = create_model(NAME, img_size=64, num_classes=10, pos_embed="sincos2d", patch_drop_rate=0.5,
+                            init_seed=0, **arch).train()
+    dropping.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        dropping(x)
+    kept, patches = seen[-1], model.patch_embed(x) + table
+    assert kept.shape == (2, n + patch_keep(9, 0.5), 192)
+    for i in range(2):  # each kept token one of the image's own patch tokens at the new grid's position
+        assert all(any(torch.allclose(t, q, atol=1e-6) for q in patches[i]) for t in kept[i, n:])
+
+
 def test_a_patch_dropout_model_exports_what_timm_loads(tmp_path):
     """No parameters of its own: the state dict is the plain model's, and timm's plain model loads the
     export and gives the same logits in evaluation."""
@@ -98,14 +175,16 @@ def test_a_patch_dropout_model_exports_what_timm_loads(tmp_path):
     torch.testing.assert_close(ours.eval()(x), ref(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("img, rate", [(32, 0.0), (96, 0.0), (64, 0.5), (48, 0.75)])
-def test_flops_follow_the_resolution_and_the_kept_tokens(img, rate):
-    """fvcore's count of a training forward at ``img`` px (patch dropout on) is the analytic one the
-    metrics and the plan use."""
-    model = create_model(NAME, img_size=64, num_classes=10, patch_drop_rate=rate)
-    assert forward_flops(model, img_size=img, train=True) == analytic_flops(NAME, img, 10, patch_drop_rate=rate)
-    if rate:
-        assert forward_flops(model, img_size=img) == analytic_flops(NAME, img, 10)  # evaluation: every token
+@pytest.mark.parametrize("img, rate, arch", [(32, 0.0, {}), (96, 0.0, {}), (64, 0.5, {}), (48, 0.75, {}),
+                                             (48, 0.5, PREFIXES["reg4-map"]), (64, 0.5, PREFIXES["nocls-reg2-avg"])])
+def test_flops_follow_the_resolution_and_the_kept_tokens(img, rate, arch):
+    """fvcore's count of a training forward at ``img`` px (patch dropout on; with prefix tokens, every
+    one kept, and MAP over the kept patches) is the analytic one the metrics and the plan use."""
+    model = create_model(NAME, img_size=64, num_classes=10, patch_drop_rate=rate, **arch)
+    assert forward_flops(model, img_size=img, train=True) == analytic_flops(NAME, img, 10, patch_drop_rate=rate,
+                                                                            **arch)
+    if rate:  # evaluation: every token
+        assert forward_flops(model, img_size=img) == analytic_flops(NAME, img, 10, **arch)
 
 
 def test_a_window_counts_each_steps_flops_at_its_own_resolution():
@@ -242,6 +321,20 @@ def test_the_memory_estimate_takes_the_phase_with_the_most_activations():
     assert est.activations < fixed.activations  # no phase holds micro 64 at 224 px
     dropped = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, patch_drop_rate=0.5))
     assert memory.estimate(dropped, 64, shape).activations < 0.6 * fixed.activations
+
+
+
+def test_the_trained_shape_counts_every_prefix_token():
+    """The blocks' sequence under a schedule and patch dropout: the kept patches of that size plus
+    every prefix token (patch dropout keeps them), as the built model runs it."""
+    for arch in PREFIXES.values():
+        full = memory.analytic_shape(NAME, img_size=64, num_classes=10, **arch)
+        shape = memory.trained_shape(full, 48, 0.5)
+        model = create_model(NAME, img_size=64, num_classes=10, patch_drop_rate=0.5, **arch).train()
+        seen = []
+        model.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        model(torch.randn(1, 3, 48, 48))
+        assert shape.seq_len == seen[0].shape[1] == model.num_prefix_tokens + patch_keep(9, 0.5), arch
 
 
 def test_the_plan_prices_each_phase_and_the_whole_run():

@@ -47,9 +47,24 @@ def test_attention_is_counted():
     ("vit_base_patch32_224", 224, {"num_classes": 21843}),
     ("vit_base_patch16_224", 384, {}),
     ("vit_base_r50_s16_224", 96, {"representation_size": 64, "num_classes": 10}),
+    # registers and no [class] token change every block's sequence; MAP adds its attention and MLP
+    ("vit_tiny_patch16_224", 64, {"reg_tokens": 4, "global_pool": "map"}),
+    ("vit_small_patch16_224", 96, {"class_token": False, "global_pool": "avg"}),
+    ("vit_base_r50_s16_224", 96, {"class_token": False, "reg_tokens": 2, "global_pool": "map", "num_classes": 10}),
 ])
 def test_analytic_equals_fvcore(name, img, kw):
     assert analytic_flops(name, img, **kw) == forward_flops(meta_model(name, img_size=img, **kw))
+
+
+def test_map_head_is_counted_by_fvcore_as_analytic():
+    """fvcore's count of the MAP head module alone: the probe's query, keys and values of the 16
+    patch tokens (not the [class] token or the 4 registers), the probe's attention row, output
+    projection, LayerNorm and MLP on one token."""
+    from pretrain.models.arch import map_head_macs
+
+    by_mod = forward_flops(meta_model("vit_tiny_patch16_224", img_size=64, reg_tokens=4, global_pool="map"),
+                           by_module=True)
+    assert by_mod["attn_pool"] == map_head_macs(192, 768, 16)
 
 
 def test_analytic_equals_fvcore_with_qk_norm_layerscale_and_odd_mlp():

@@ -88,10 +88,11 @@ def make_run(root, manifest, step: int = 5, weights: bool = True, **model):
         "data.augment.eval_crop_pct=0.9", "train.precision=fp32"])
     ckpt = root / "checkpoints" / rundir.tag_for(step)
     ckpt.mkdir(parents=True)
-    ours = randomized(create_model(cfg.model.name, img_size=cfg.model.img_size, num_classes=cfg.model.num_classes,
-                                   global_pool=cfg.model.global_pool, qk_norm=cfg.model.qk_norm,
-                                   init_values=cfg.model.init_values,
-                                   representation_size=cfg.model.representation_size, init_seed=1))
+    m = cfg.model
+    ours = randomized(create_model(m.name, img_size=m.img_size, num_classes=m.num_classes, global_pool=m.global_pool,
+                                   qk_norm=m.qk_norm, init_values=m.init_values, reg_tokens=m.reg_tokens,
+                                   class_token=m.class_token, pos_embed=m.pos_embed,
+                                   representation_size=m.representation_size, init_seed=1))
     if weights:
         torch.save({"module": ours.state_dict()}, ckpt / "mp_rank_00_model_states.pt")
     (ckpt / "run.json").write_text(json.dumps({"config": to_dict(cfg), "wandb_run_id": "r1", "step": step,
@@ -100,7 +101,8 @@ def make_run(root, manifest, step: int = 5, weights: bool = True, **model):
     save_config(cfg, root / "config.yaml")
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.5 - 0.1 * s}) + "\n"
                                                 for s in range(1, step + 2)))  # step+1: logged after the checkpoint
-    (root / "summary.json").write_text(json.dumps({"step": step, "seconds": 7200.0, "world_size": 2, "resumed_from": 0}))
+    (root / "summary.json").write_text(json.dumps({"step": step, "seconds": 7200.0, "world_size": 2,
+                                                   "resumed_from": 0}))
     (root / "results.json").write_text(json.dumps({
         "suite": "cifar100", "protocol": "linear", "step": step, "img_size": 32, "mean": 0.4321,
         "tasks": {"cifar100": {"accuracy": 0.4321}}}))
@@ -183,7 +185,8 @@ def test_hf_to_ours_to_hf(tmp_path, capsys):
 
     torch.manual_seed(3)
     conf = transformers.ViTConfig(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
-                                  image_size=32, patch_size=16, layer_norm_eps=1e-6, id2label=dict(enumerate(CLASSES[:5])),
+                                  image_size=32, patch_size=16, layer_norm_eps=1e-6,
+                                  id2label=dict(enumerate(CLASSES[:5])),
                                   label2id={c: i for i, c in enumerate(CLASSES[:5])})
     src = transformers.ViTForImageClassification(conf).eval()
     with torch.no_grad():
@@ -222,10 +225,11 @@ def test_hf_to_ours_to_hf(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key, value", [("qk_norm", "true"), ("init_values", "1e-5"), ("global_pool", "avg"),
+                                        ("global_pool", "map"), ("reg_tokens", "4"), ("class_token", "false"),
                                         ("representation_size", "192"), ("name", "vit_base_r50_s16_224")])
 def test_unsupported_variant_is_one_line_naming_the_key(tmp_path, manifest, capsys, key, value):
     """Refused from run.json alone: the checkpoint here holds no weights at all."""
-    extra = {"img_size": 64} if key == "name" else {}
+    extra = {"img_size": 64} if key == "name" else {"global_pool": "avg"} if key == "class_token" else {}
     run, _ = make_run(tmp_path / "run", manifest, weights=False, **{key: value, **extra})
     code, out, err = export(capsys, run, tmp_path / "hf", "--format", "hf")
     lines = err.strip().splitlines()
@@ -254,3 +258,41 @@ def test_timm_export_carries_pretrained_cfg(tmp_path, manifest, capsys):
     _, meta = read_state_dict(out)
     pcfg = json.loads(meta["pretrained_cfg"])
     assert pcfg["label_names"] == CLASSES and pcfg["num_classes"] == 6 and pcfg["input_size"] == [3, 32, 32]
+
+
+@pytest.mark.parametrize("model", [dict(reg_tokens=4, global_pool="map"),
+                                   dict(class_token=False, global_pool="avg", pos_embed="sincos2d"),
+                                   dict(class_token=False, reg_tokens=2, global_pool="map", pos_embed="sincos2d")],
+                         ids=["reg4-map", "nocls-avg-sincos", "nocls-reg2-map-sincos"])
+def test_timm_export_of_registers_map_and_sincos_gives_equal_logits(tmp_path, manifest, capsys, model):
+    """The printed timm call names reg_tokens / class_token / global_pool; timm loads the file
+    (strict) and its logits equal ours in fp32 on the same preprocessed images; the sin-cos
+    embedding arrives as timm's learned ``pos_embed`` holding the formula's values."""
+    run, ours = make_run(tmp_path / "run", manifest, **{k: str(v).lower() for k, v in model.items()})
+    out = tmp_path / "w.safetensors"
+    code, stdout, err = export(capsys, run, out)
+    assert code == 0, err
+    call = stdout.strip().splitlines()[-1]
+    for k, v in model.items():
+        if k != "pos_embed":
+            assert f"{k}={v!r}" in call, call
+    scope: dict = {}
+    exec(call, scope)
+    x = jpeg_batch(32)
+    with torch.no_grad():
+        diff = (scope["m"].eval()(x) - ours(x)).abs().max()
+    assert diff < 1e-5 and ours(x).abs().max() > 1e-2, diff
+    if model.get("pos_embed"):
+        assert torch.equal(read_state_dict(out)[0]["pos_embed"], ours.pos_embed)
+
+
+def test_hf_export_holds_the_sincos_embedding(tmp_path, manifest, capsys):
+    """transformers' ViT holds a fixed sin-cos embedding as its learned one, with equal logits."""
+    run, ours = make_run(tmp_path / "run", manifest, pos_embed="sincos2d")
+    code, _, err = export(capsys, run, tmp_path / "hf", "--format", "hf")
+    assert code == 0, err
+    x = jpeg_batch(32)
+    logits, info = hf_logits(tmp_path / "hf", x)
+    assert_clean(info)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ours(x), rtol=0, atol=1e-4)

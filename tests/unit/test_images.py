@@ -279,7 +279,8 @@ def test_train_crop_of_oriented_jpeg_equals_crop_of_upright_image(o):
     the crop of the same pixels stored upright."""
     from types import SimpleNamespace
 
-    aug = SimpleNamespace(crop_scale=(0.2, 1.0), crop_ratio=(0.75, 1.333), hflip=0.0, randaugment_ops=0)
+    aug = SimpleNamespace(crop_scale=(0.2, 1.0), crop_ratio=(0.75, 1.333), hflip=0.0, randaugment_ops=0,
+                          three_augment=False)
     tf = SampleTransform(aug, 12, train=True)
     data = _jpeg_with_orientation(RNG.integers(0, 256, (18, 30, 3), dtype=np.uint8), o)
     upright = _expected_orientation(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), o)

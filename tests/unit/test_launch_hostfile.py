@@ -159,7 +159,7 @@ def test_a_restart_leaves_out_the_nodes_whose_ranks_left_no_record(tmp_path):
                                                        "rank 0 on a: no answer within 5 s from rank 4 on c")
     # rank 5 failed on its own (an exception: report_failure's record, no peer error): node c keeps
     # only rank 4 named, and is still dead (one rank killed with its node is enough)
-    assert report_failure(ValueError("bad batch"), ranks, layout.errors, 5) is False
+    assert report_failure(ValueError("bad batch"), ranks, layout.errors, 5) is None  # its own: the caller raises
     assert named_dead(layout, attempt)["c"].startswith("dead: its rank(s) 4 ended without")
     record(4)  # rank 4 wrote too: both failed, neither was killed
     assert named_dead(layout, attempt) == {}

@@ -224,7 +224,8 @@ def test_counting_reads_headers_only_and_samples_many_shards(capsys, shard_kit, 
     images = sum(p.stat().st_size for p in root.glob("*.tar"))
     # 64 tars counted (4 member headers each) + 100 first-block checks, 512 bytes a read; no image bytes
     assert len(read) > 100 and sum(read) < images / 4 and max(read) <= 512, (len(read), sum(read), images)
-    assert preflight.spread(100, 64)[0] == 0 and preflight.spread(100, 64)[-1] == 99 and len(preflight.spread(100, 64)) == 64
+    assert (preflight.spread(100, 64)[0] == 0 and preflight.spread(100, 64)[-1] == 99
+            and len(preflight.spread(100, 64)) == 64)
 
 
 def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning():

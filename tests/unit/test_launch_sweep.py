@@ -58,7 +58,8 @@ def test_strong_scaling_that_cannot_divide_is_a_one_line_error(capsys, tmp_path)
         main(["sweep", "--config", CONFIG, "--world-sizes", "1,4", "--scaling", "strong", "--dry-run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
-    assert "strong scaling: train.global_batch_size=64 is not divisible by train.micro_batch_size x world size = 32 x 4" in err[0]
+    assert ("strong scaling: train.global_batch_size=64 is not divisible by "
+            "train.micro_batch_size x world size = 32 x 4") in err[0]
 
 
 def test_multi_node_sizes_use_whole_nodes_of_the_hostfile(capsys, tmp_path):

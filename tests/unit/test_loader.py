@@ -66,10 +66,13 @@ def test_epochs_reshuffle_and_seed_changes_order(balanced_ids):
     assert [int(t) for t in next(iter(other))[1]] != e0[:8]
 
 
-@pytest.mark.parametrize("workers, cuts", [(2, [1, 5, 8, 11]), (0, [3, 8])])
-def test_exact_resume_bit_identical(demo_train, workers, cuts):
-    aug = AugmentConfig(randaugment_ops=2, mixup_alpha=0.8, cutmix_alpha=1.0)
-    cfg = _cfg(demo_train, workers=workers, augment=aug)
+@pytest.mark.parametrize("workers, cuts, deit", [(2, [1, 5, 8, 11], False), (0, [3, 8], False), (2, [3, 8], True)],
+                         ids=["workers", "in-process", "repeats-3augment"])
+def test_exact_resume_bit_identical(demo_train, workers, cuts, deit):
+    """Cut anywhere, the next batches are those of the uninterrupted run; ``deit``: with DeiT's data
+    pieces (data.repeat_augment 3, 3-Augment), whose copies and ops replay from the same state."""
+    aug = AugmentConfig(randaugment_ops=0 if deit else 2, three_augment=deit, mixup_alpha=0.8, cutmix_alpha=1.0)
+    cfg = _cfg(demo_train, workers=workers, augment=aug, repeat_augment=3 if deit else 1)
 
     def make():
         return build_loader(cfg, rank=1, world_size=2, batch_size=24, seed=5, img_size=32)
@@ -104,7 +107,7 @@ def test_workers0_leaves_global_rng_alone(demo_train):
 
 
 STORED_KEYS = ["version", "epoch", "batch", "emitted", "rank", "world_size", "workers", "batch_size", "seed",
-               "shuffle_buffer", "data", "rest", "counters", "epoch_bad_by_shard"]  # a checkpoint's "loader"
+               "shuffle_buffer", "data", "rest", "counters", "epoch_bad_by_shard", "repeats"]  # a checkpoint's "loader"
 
 
 def test_state_keeps_the_checkpoint_layout_and_refuses_version_1(balanced_ids):
@@ -117,6 +120,7 @@ def test_state_keeps_the_checkpoint_layout_and_refuses_version_1(balanced_ids):
     stored = json.loads(json.dumps(loader.state().to_dict()))
     assert list(stored) == STORED_KEYS and stored["version"] == 2 and stored["batch"] == 2
     assert LoaderState.from_dict(stored) == loader.state()
+    assert LoaderState.from_dict({k: v for k, v in stored.items() if k != "repeats"}) == loader.state()  # earlier
     with pytest.raises(DataError, match=r"^data loader state version 1 .*: start a new run") as e:
         LoaderState.from_dict({**stored, "version": 1})
     assert "\n" not in str(e.value)
@@ -286,3 +290,63 @@ def test_elastic_states_must_be_complete_and_agree(uneven_ids):
         loader.resume([states[0], dataclasses.replace(states[1], batch=7)])
     with pytest.raises(DataError, match="saved with seed=3, now 4"):
         build_loader(_cfg(uneven_ids), batch_size=4, seed=4, img_size=16).resume(states)
+
+
+# ------------------------------------------------------------------ repeated augmentation
+def _pool(loader, epoch: int, dropped: bool = False) -> Counter:
+    """The ids an epoch of ``loader``'s plan draws over all ranks: its pool, without the tail it
+    drops for balance (or with it)."""
+    plan = loader.plan
+    starts = [0]
+    for sh in plan.shardset.shards:
+        starts.append(starts[-1] + sh.samples)
+    pieces = plan.pieces(epoch, [(0, plan.total if dropped else plan.used())])
+    return Counter(starts[p.shard.index] + i for p in pieces for i in range(p.lo, p.hi))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_repeated_copies_land_on_distinct_ranks(uneven_ids, workers):
+    """data.repeat_augment 3 on 3 ranks: an epoch keeps its batches per rank; it draws the first
+    ceil(127 / 3) samples of its sequence, each 3 times on 3 distinct ranks (but those whose last
+    copy fell into the dropped tail)."""
+    cfg = _cfg(uneven_ids, workers=workers, repeat_augment=3)
+    ids, _, loaders = _ids_and_states(cfg, 3, 4, 127 // 12)
+    assert [ld.batches_per_epoch for ld in loaders] == [127 // 12] * 3 and all(ld.epoch == 1 for ld in loaders)
+    drawn = Counter(i for r in ids for i in r)
+    assert drawn == _pool(loaders[0], 0) and len(drawn) == 43 and max(drawn.values()) == 3
+    assert sum(1 for k in drawn.values() if k < 3) == 7 + 2  # dropped (127 - 10 x 12) + past N (3 x 43 - 127)
+    for i in drawn:
+        ranks = [r for r in range(3) if i in ids[r]]
+        assert len(ranks) == drawn[i] and all(ids[r].count(i) == 1 for r in ranks), (i, ranks)
+
+
+def test_repeated_copies_are_augmented_afresh(demo_train):
+    """A sample's copies draw their own crop, flip and 3-Augment: their pixels differ."""
+    cfg = _cfg(demo_train, workers=0, repeat_augment=2, augment=AugmentConfig(three_augment=True))
+    loader = build_loader(cfg, batch_size=16, img_size=32)
+    seen, pairs = {}, 0
+    for (x, _), _ in zip(loader, range(loader.batches_per_epoch)):
+        for key, img in zip(loader.last_keys, x):
+            if key in seen:
+                assert not torch.equal(seen[key], img), key
+                pairs += 1
+            seen[key] = img
+    assert pairs == 192
+
+
+def test_elastic_resume_with_repeats_reads_each_copy_once(uneven_ids):
+    """2 ranks x 2 workers -> 3 x 0 inside an epoch with data.repeat_augment 2: the copies read
+    before the cut and after it are the epoch's pool, each copy once (fewer than one global batch of
+    the new layout dropped); the repeat count a mid-epoch state was saved with is required."""
+    cfg = _cfg(uneven_ids, workers=2, repeat_augment=2)
+    before, states, loaders = _ids_and_states(cfg, 2, 4, 5)
+    pool = _pool(loaders[0], 0, dropped=True)  # the old layout's dropped tail is owed to the rest
+    after, states1, _ = _ids_and_states(_cfg(uneven_ids, workers=0, repeat_augment=2), 3, 4, None, states)
+    seen = Counter(i for r in before + after for i in r)
+    assert sum(pool.values()) == 127 and not seen - pool and 0 <= sum((pool - seen).values()) < 3 * 4
+    with pytest.raises(DataError, match="inside epoch 0 with data.repeat_augment=2, now 1: resume with 2"):
+        build_loader(_cfg(uneven_ids, workers=2), rank=0, world_size=2, batch_size=4, seed=3,
+                     img_size=16).resume(states)
+    plain = build_loader(_cfg(uneven_ids, workers=0), rank=0, world_size=3, batch_size=4, seed=3, img_size=16)
+    plain.resume(states1)  # at the epoch's end: another repeat count goes on
+    assert plain.epoch == 1 and plain.plan.repeats == 1

@@ -74,16 +74,27 @@ def test_meta_build_and_no_deepspeed_import():
 
 
 PARITY = [("vit_tiny_patch16_224", dict(img_size=64)),
-          ("vit_tiny_patch16_224", dict(img_size=32, qk_norm=True, init_values=1e-5)), ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
+          ("vit_tiny_patch16_224", dict(img_size=32, qk_norm=True, init_values=1e-5)),
+          ("vit_small_patch16_224", dict(img_size=48, global_pool="avg")),
           ("vit_base_patch32_224", dict(img_size=64, num_classes=10)),
-          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10))]
+          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10)),
+          # registers, no [class] token, MAP, the fixed sin-cos embedding (timm holds it as a learned one)
+          ("vit_tiny_patch16_224", dict(img_size=32, reg_tokens=4, global_pool="map")),
+          ("vit_tiny_patch16_224", dict(img_size=48, reg_tokens=1)),
+          ("vit_small_patch16_224", dict(img_size=32, class_token=False, global_pool="avg", pos_embed="sincos2d")),
+          ("vit_tiny_patch16_224", dict(img_size=32, class_token=False, reg_tokens=2, global_pool="map",
+                                        pos_embed="sincos2d", qk_norm=True)),
+          ("vit_base_r50_s16_224", dict(img_size=64, num_classes=10, reg_tokens=4, global_pool="map"))]
 
 
-@pytest.mark.parametrize("name, kw", PARITY, ids=[p[0] + "-" + str(p[1].get("global_pool", "token"))
-                                                  + ("-qknorm-ls" if p[1].get("qk_norm") else "") for p in PARITY])
+def _parity_id(p) -> str:
+    return "-".join([p[0]] + [f"{k}={v}" for k, v in p[1].items() if k not in ("img_size", "num_classes")])
+
+
+@pytest.mark.parametrize("name, kw", PARITY, ids=[_parity_id(p) for p in PARITY])
 def test_timm_parity_both_ways(name, kw):
     torch.manual_seed(0)
-    ref = timm.create_model(name, pretrained=False, **kw).eval()
+    ref = timm.create_model(name, pretrained=False, **{k: v for k, v in kw.items() if k != "pos_embed"}).eval()
     sd = {k: torch.randn_like(v) * 0.05 for k, v in ref.state_dict().items()}
     ref.load_state_dict(sd)
     ours = create_model(name, **kw).eval()
@@ -227,11 +238,29 @@ def test_load_weights_refuses_pickled_code(tmp_path):
     path = tmp_path / "evil.pth"
     with open(path, "wb") as f:
         pickle.dump({"pos_embed": _Evil()}, f)
-    with pytest.raises(WeightsError, match="not a plain tensor state dict"):
+    with pytest.raises(WeightsError, match="refuses it") as e:
         load_weights(create_model("vit_tiny_patch16_224", img_size=32), path)
     assert not os.path.exists(target)
+    # torch's advice (weights_only=False) runs that code: the line says so and names the safe way
+    assert "weights_only=False) (which runs that code)" in str(e.value) and "safetensors" in str(e.value)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         load_weights(create_model("vit_tiny_patch16_224", img_size=32), tmp_path / "missing.safetensors")
+
+
+def test_a_torch_saved_state_dict_with_an_object_says_how_to_convert_it_safely(tmp_path):
+    """A real ``torch.save`` of a state dict holding an object besides its tensors (a training
+    script's ``args``): one line naming the class torch refused, with the safe way to go on and
+    without torch's bare advice to load it with ``weights_only=False``."""
+    import argparse
+
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"pos_embed": torch.zeros(1), "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(WeightsError) as e:
+        load_weights(create_model("vit_tiny_patch16_224", img_size=32), path)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{path}: not loaded: torch.load(weights_only=True) refuses it")
+    assert "argparse.Namespace" in line and "unpickling could run as code" in line
+    assert "Re-running" not in line and "(which runs that code)" in line and "safetensors.torch.save_file" in line
 
 
 def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks():

@@ -20,8 +20,9 @@ def _shardset(counts) -> ShardSet:
     return ShardSet(shards, ("a", "b"), False, ("/nowhere/manifest.json",))
 
 
-def _samples(pieces) -> list[tuple[int, int]]:
-    return [(p.shard.index, i) for p in pieces for i in range(p.lo, p.hi)]
+def _samples(pieces) -> list[tuple[int, int, int]]:
+    """(shard, index in shard, copy) of each sample the pieces read, in order."""
+    return [(p.shard.index, i, p.copy) for p in pieces for i in range(p.lo, p.hi)]
 
 
 def _cases(n, seed=0):
@@ -32,10 +33,12 @@ def _cases(n, seed=0):
         yield counts, rng.randint(1, 5), rng.randint(1, 4), rng.randint(1, 8), rng.randint(0, 9)
 
 
-def test_sweep_equal_batches_each_sample_once_drop_below_one_global_batch():
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_sweep_equal_batches_each_sample_once_drop_below_one_global_batch(repeats):
+    """Each sample (with data.repeat_augment: each copy of a chosen sample) once per epoch."""
     checked = 0
     for counts, world, workers, batch, seed in _cases(300):
-        plan = Plan(_shardset(counts), world, workers, batch, seed, True)
+        plan = Plan(_shardset(counts), world, workers, batch, seed, True, repeats)
         total = sum(counts)
         if total < world * workers * batch:
             with pytest.raises(DataError, match=f"fewer than batch_size={batch} samples"):
@@ -61,10 +64,11 @@ def test_sweep_equal_batches_each_sample_once_drop_below_one_global_batch():
     assert checked > 150
 
 
-def test_epochs_permute_shards_and_layout_does_not_change_the_sequence():
-    plan = Plan(_shardset([10] * 20), 2, 2, 4, 7, True)
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_epochs_permute_shards_and_layout_does_not_change_the_sequence(repeats):
+    plan = Plan(_shardset([10] * 20), 2, 2, 4, 7, True, repeats)
     assert plan.epoch_order(0) != plan.epoch_order(1)
-    other = Plan(plan.shardset, 3, 1, 5, 7, True)
+    other = Plan(plan.shardset, 3, 1, 5, 7, True, repeats)
     assert other.epoch_order(1) == plan.epoch_order(1)  # the sequence depends on (seed, epoch) only
     # slots are contiguous ranges of it: concatenated in slot order they are its first used() samples
     seq = _samples(plan.pieces(1, [(0, plan.total)]))
@@ -75,7 +79,7 @@ def test_epochs_permute_shards_and_layout_does_not_change_the_sequence():
 def test_evaluation_split_covers_every_sample_in_manifest_order():
     plan = Plan(_shardset([5, 0, 9, 3]), 3, 2, 4, 0, False)
     joined = [x for s in range(plan.slots) for x in _samples(plan.slot_pieces(0, s))]
-    assert joined == [(i, j) for i, c in enumerate([5, 0, 9, 3]) for j in range(c)]
+    assert joined == [(i, j, 0) for i, c in enumerate([5, 0, 9, 3]) for j in range(c)]
     assert sum(plan.rank_batches(r) for r in range(3)) == sum(
         -(-len(_samples(plan.slot_pieces(0, s))) // 4) for s in range(6))
 
@@ -99,8 +103,9 @@ def _random_emitted(rng, plan, pool_size):
     return [plan.role_batches(b, r % plan.workers) * plan.batch_size for r in range(plan.slots)], b
 
 
+@pytest.mark.parametrize("repeats", [1, 3])
 @pytest.mark.parametrize("seed", range(40))
-def test_rest_of_epoch_is_what_the_old_layout_left_each_once(seed):
+def test_rest_of_epoch_is_what_the_old_layout_left_each_once(seed, repeats):
     rng = random.Random(seed)
     counts = [rng.randint(1, 40) for _ in range(rng.randint(2, 25))]
     shardset, s_seed, epoch, buffer = _shardset(counts), rng.randint(0, 9), rng.randint(0, 3), rng.randint(1, 30)
@@ -108,7 +113,7 @@ def test_rest_of_epoch_is_what_the_old_layout_left_each_once(seed):
     if sum(counts) < max(w * k * b for w, k, b in layouts[:1]):
         return
     # level 0: a plain epoch on layout 0, interrupted
-    old = Plan(shardset, *layouts[0], s_seed, True)
+    old = Plan(shardset, *layouts[0], s_seed, True, repeats)
     slots0 = [old.slot_pieces(epoch, s) for s in range(old.slots)]
     emitted, _ = _random_emitted(rng, old, old.total)
     consumed = _consumed(old, epoch, emitted, buffer, slots0)
@@ -116,7 +121,7 @@ def test_rest_of_epoch_is_what_the_old_layout_left_each_once(seed):
               "shuffle_buffer": buffer, "emitted": emitted, "rest": None}
     # level 1: layout 1 reads the rest; interrupted again; level 2: layout 2 finishes the epoch
     for level, (world, workers, batch) in enumerate(layouts[1:], start=1):
-        new = Plan(shardset, world, workers, batch, s_seed, True)
+        new = Plan(shardset, world, workers, batch, s_seed, True, repeats)
         rests = [rest_epoch(new, r, source) for r in range(world)]
         assert {r.batches for r in rests} == {rests[0].batches} and rests[0].level == level
         q = rests[0].batches

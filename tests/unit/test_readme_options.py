@@ -107,3 +107,20 @@ def test_every_option_in_the_readme_belongs_to_a_command(cmds):
 
 def test_the_check_sees_a_made_up_option():
     assert "--frobnicate" in set(OPTION.findall("run `vit-launch --frobnicate` now")) - options(parser_of("launch.cli"))
+
+
+def test_the_workflow_says_how_to_resume_and_where_throughput_and_mfu_go():
+    """The README's workflow tells a new user that the same command resumes, and where throughput and
+    MFU are logged, with the keys `throughput` writes; and that MFU is absent on the CPU, as it is."""
+    from pretrain.observability.metrics import throughput
+
+    text = (REPO / "README.md").read_text()
+    flow = text[text.index("## Typical workflow"):text.index("## Configuration")]
+    said = " ".join(ln.lstrip("# ").strip() for ln in flow.splitlines() if ln.startswith("#"))
+    assert "the same command resumes" in said and "metrics.jsonl" in said and "W&B" in said, said
+    assert "progress line on stderr" in said and "on the CPU" in said and "it is absent" in said, said
+    keys = re.search(r"metrics\.jsonl \(([a-z_, ]+)\)", said).group(1).split(", ")
+    on_gpu = throughput(640, 2.0, 8, 1e9, 1.2e9, peak=312e12)
+    on_cpu = throughput(640, 2.0, 8, 1e9, 1.2e9, peak=None)
+    assert keys == ["images_per_sec", "tflops_per_device", "mfu"] and set(keys) <= set(on_gpu), keys
+    assert "mfu" not in on_cpu and {"images_per_sec", "tflops_per_device"} <= set(on_cpu)

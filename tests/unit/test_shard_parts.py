@@ -119,7 +119,8 @@ def test_merge_refuses_missing_duplicate_and_foreign_parts(folder, tmp_path, cap
     p1, p2, p3 = (out / f"part-000{i}of0003.json" for i in (1, 2, 3))
     capsys.readouterr()
     assert "part 2 of 3 is missing (part-0002of0003.json" in _merge_fails([out, p1, p3], capsys)
-    assert f"{p2.with_name('nope.json')}: part manifest not found" in _merge_fails([out, p1, p2.with_name("nope.json"), p3], capsys)
+    assert f"{p2.with_name('nope.json')}: part manifest not found" in _merge_fails(
+        [out, p1, p2.with_name("nope.json"), p3], capsys)
     dup = tmp_path / "copy.json"
     dup.write_text(p1.read_text())
     assert f"{dup}: part 1 of 3 is also given as {p1}" in _merge_fails([out, p1, dup, p2, p3], capsys)

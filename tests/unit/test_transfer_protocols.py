@@ -9,9 +9,9 @@ from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, w
 from pretrain.config import load_config
 from pretrain.models.vit import resize_pos_embed
 from pretrain.transfer.evaluate import evaluate_checkpoint
-from pretrain.transfer.fewshot import fewshot_accuracy, ridge_fit, sample_shots
-from pretrain.transfer.finetune import Dist
-from pretrain.transfer.linear import fit_logistic
+from pretrain.transfer.protocols.fewshot import fewshot_accuracy, ridge_fit, sample_shots
+from pretrain.transfer.protocols.finetune import Dist
+from pretrain.transfer.protocols.linear import fit_logistic
 from pretrain.transfer.suites import imagefolder
 from pretrain.weights.pretrained import build_backbone, load_pretrained
 
@@ -107,15 +107,19 @@ def _run(ckpt, task, *overrides):
     return evaluate_checkpoint(cfg, load_pretrained(ckpt), [task], [], log=lambda m: None)
 
 
-@pytest.mark.parametrize("protocol", ["linear", "fewshot"])
+@pytest.mark.parametrize("protocol", ["linear", "fewshot", "knn"])
 def test_frozen_feature_protocols_end_to_end(tiny_ckpt, colour_task, protocol):
-    doc = _run(tiny_ckpt, colour_task, f"eval.protocol={protocol}", "eval.fewshot_shots=[1,5,10]")
+    doc = _run(tiny_ckpt, colour_task, f"eval.protocol={protocol}", "eval.fewshot_shots=[1,5,10]",
+               "eval.knn_k=[1,5,20]")
     r = doc["tasks"]["colours"]
     assert r["accuracy"] >= 0.75, r  # chance 0.25
     assert doc["step"] == 5 and doc["img_size"] == 32 and r["num_test"] == 32
     if protocol == "fewshot":
         assert set(r["details"]["shots"]) == {"1", "5", "10"} and r["details"]["headline_shots"] == 10
         assert len(r["details"]["shots"]["5"]["per_seed"]) == 3
+    if protocol == "knn":  # 48 training images: 20-NN is the headline, every k reported with its top-5
+        assert set(r["details"]["k"]) == {"1", "5", "20"} and r["details"]["headline_k"] == 20
+        assert r["accuracy"] == r["details"]["k"]["20"]["top1"] <= r["details"]["k"]["20"]["top5"]
 
 
 def test_finetune_end_to_end_at_a_higher_resolution(tiny_ckpt, colour_task):
@@ -153,12 +157,72 @@ def test_finetune_steps_equal_plain_pytorch_from_the_recipe(tiny_ckpt, colour_ta
     runner, _ = protocol.train(colour_task, colour_task.trainval, {"lr": FT_LR})
 
     batches = colour_task.trainval.batches(protocol.view_of(colour_task), batch_size=8, train=True, seed=cfg.eval.seed)
+    clip = protocol.recipe.grad_clip  # the paper recipe's: 1
     before, ref, norms = finetune_reference(load_file(str(tiny_ckpt)), "vit_tiny_patch16_224", 32, 4, batches,
-                                            steps=FT_STEPS, lr=FT_LR, warmup=FT_WARMUP, clip=cfg.eval.grad_clip)
-    assert max(norms) > cfg.eval.grad_clip, norms  # the clip changes a step: it is tested too
+                                            steps=FT_STEPS, lr=FT_LR, warmup=FT_WARMUP, clip=clip)
+    assert clip == 1.0 and max(norms) > clip, norms  # the clip changes a step: it is tested too
     error, _ = update_error(before, dict(runner.model.named_parameters()), ref)
     assert error <= 1e-5, error
     print(f"fine-tune, one process, {FT_STEPS} steps: relative error {error:.2g}, gradient norms {norms}")
+
+
+DEIT_LR, DEIT_MIN_LR, DEIT_EMA = 1e-3, 1e-4, 0.999
+
+
+def test_deit_finetune_steps_equal_plain_pytorch_with_timm_layer_decay(tiny_ckpt, colour_task):
+    """``--recipe deit`` (AdamW, weight decay 0.05, layer decay 0.65 for 12 blocks, label smoothing
+    0.1, cosine to a floor, EMA) against ``reference_utils.deit_finetune_reference``: timm's model,
+    timm's ``param_groups_layer_decay``, torch's AdamW and LambdaLR, timm's
+    ``LabelSmoothingCrossEntropy`` and ``ModelEmaV3``, on the same batches. Mixing and drop path
+    are off here (their draws are another library's RNG); the mixed targets are held to timm's in
+    ``test_mixed_targets_equal_timm_mixup``."""
+    from reference_utils import deit_finetune_reference, update_error
+    from safetensors.torch import load_file
+
+    from pretrain.transfer.evaluate import make_protocol
+
+    cfg = load_config(None, ["eval.protocol=finetune", "eval.recipe=deit", f"eval.steps={FT_STEPS}",
+                             f"eval.warmup_steps={FT_WARMUP}", f"eval.lr={DEIT_LR}", f"eval.min_lr={DEIT_MIN_LR}",
+                             f"eval.ema_decay={DEIT_EMA}", "eval.mixup_alpha=0", "eval.cutmix_alpha=0",
+                             "eval.drop_path_rate=0", "eval.batch_size=8", "eval.workers=0",
+                             "eval.train_augment=false"])
+    protocol = make_protocol(cfg, load_pretrained(tiny_ckpt), 32, torch.device("cpu"), Dist(), lambda m: None)
+    r = protocol.recipe
+    assert (r.optimizer, r.weight_decay, r.layer_decay, r.label_smoothing, r.grad_clip) == \
+        ("adamw", 0.05, 0.65, 0.1, 0.0)
+    runner, _ = protocol.train(colour_task, colour_task.trainval, {"lr": DEIT_LR})
+
+    batches = colour_task.trainval.batches(protocol.view_of(colour_task), batch_size=8, train=True, seed=cfg.eval.seed)
+    before, ref, ref_ema = deit_finetune_reference(
+        load_file(str(tiny_ckpt)), "vit_tiny_patch16_224", 32, 4, batches, steps=FT_STEPS, lr=DEIT_LR,
+        warmup=FT_WARMUP, min_lr=DEIT_MIN_LR, weight_decay=0.05, layer_decay=0.65, smoothing=0.1, ema_decay=DEIT_EMA)
+    names = [n for n, _ in runner.model.named_parameters()]
+    error, _ = update_error(before, dict(runner.model.named_parameters()), ref)
+    ema_error, _ = update_error(before, dict(zip(names, runner.ema.state())), ref_ema)
+    assert error <= 1e-4 and ema_error <= 1e-4, (error, ema_error)
+    print(f"deit fine-tune, one process, {FT_STEPS} steps: relative error {error:.2g}, EMA {ema_error:.2g}")
+
+
+def test_mixed_targets_equal_timm_mixup():
+    """Mixup / CutMix with label smoothing: for the lambda a batch drew (read back from the mixed
+    pixels: image i is constant i, and image 0 is mixed with image B-1), the targets equal timm's
+    ``mixup_target``."""
+    from timm.data.mixup import mixup_target
+
+    from pretrain.transfer.protocols.finetune import mixed_batch
+    from pretrain.transfer.protocols.recipes import Recipe
+
+    B, C = 6, 5
+    x = torch.arange(B, dtype=torch.float32).view(B, 1, 1, 1).expand(B, 3, 16, 16).contiguous()
+    y = torch.tensor([0, 1, 2, 3, 4, 1])
+    for mixup, cutmix in ((0.8, 0.0), (0.0, 1.0), (0.8, 1.0)):
+        recipe = Recipe("deit", "adamw", 1e-3, (), 0.0, 0.0, 0.05, 0.65, 0.1, mixup, cutmix, 0.1, 0.0, True)
+        for seed in range(6):
+            xm, t = mixed_batch(x, y, recipe, C, seed)
+            lam = 1.0 - float(xm[0].mean()) / (B - 1)  # image 0 is zeros, image B-1 is B-1: its share is 1 - lam
+            assert torch.allclose(t, mixup_target(y, C, lam, smoothing=0.1), atol=1e-6), (mixup, cutmix, seed)
+    plain = Recipe("deit", "adamw", 1e-3, (), 0.0, 0.0, 0.05, 0.65, 0.1, 0.0, 0.0, 0.1, 0.0, True)
+    assert mixed_batch(x, y, plain, C, 0)[1] is y  # no mixing: class indices, smoothed by the loss
 
 
 def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
@@ -167,7 +231,7 @@ def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
     path = save_safetensors(tiny_model(32, representation_size=48), tmp_path / "rep.safetensors")
     pre = load_pretrained(path)  # no metadata: architecture read from the tensors
     assert pre.arch == {"name": "vit_tiny_patch16_224", "img_size": 32, "global_pool": "token",
-                        "representation_size": 48}
+                        "representation_size": 48, "reg_tokens": 0, "class_token": True, "pos_embed": "learned"}
     assert build_backbone(pre, img_size=32).num_features == 48
     ft = build_backbone(pre, img_size=32, num_classes=3, finetune=True)
     assert ft.num_features == 192 and isinstance(ft.pre_logits, torch.nn.Identity)
@@ -176,7 +240,7 @@ def test_finetune_drops_the_pre_logits_layer_features_keep_it(tmp_path):
 def test_feature_pooling_choices():
     """``model``: the model's own head input; ``token``: the normed [class] token; ``avg``: the
     mean of the patch tokens."""
-    from pretrain.transfer.features import pooled
+    from pretrain.transfer.protocols.features import pooled
 
     m = tiny_model(32).eval()
     with torch.no_grad():

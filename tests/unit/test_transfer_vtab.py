@@ -71,7 +71,8 @@ def test_vtab_linear_suite_end_to_end_with_missing_tasks(vtab_root, tmp_path, ca
         assert r["setting"] in ({"l2": 0.0001}, {"l2": 0.1}) and r["num_train"] == 60 and r["num_test"] == 40
         assert r["accuracy"] >= 0.75, (name, r)  # 4 colour classes: chance 0.25
     assert doc["groups"]["specialized"]["tasks"] == 1 and doc["groups"]["natural"]["mean"] is None
-    assert doc["mean"] == pytest.approx((doc["tasks"]["eurosat"]["accuracy"] + doc["tasks"]["clevr_count"]["accuracy"]) / 2)
+    assert doc["mean"] == pytest.approx(
+        (doc["tasks"]["eurosat"]["accuracy"] + doc["tasks"]["clevr_count"]["accuracy"]) / 2)
     assert len(doc["missing"]) == 17 and "eurosat" not in doc["missing"]
     table = capsys.readouterr().out
     assert "| eurosat | specialized |" in table and "| **mean** (2/19) |" in table and "Missing (17)" in table

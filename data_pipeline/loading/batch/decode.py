@@ -94,6 +94,19 @@ class BatchDecoder:
         self.shift = (-torch.tensor(aug.mean, dtype=torch.float32).view(3, 1, 1) / std).to(self.device)
         self._spare = None  # training: the last good sample of a batch (record.Spare)
 
+    def describe(self) -> str:
+        """Who decodes the plain JPEGs this finisher receives undecoded, in words (the start-up line):
+        nothing (``data.decode_device: worker``), or the decoder and device of cpu, cuda and dali."""
+        if self._dali is not None:
+            import nvidia.dali
+
+            where = f"{self.device} (its mixed decoder)" if self._dali.device_id is not None else \
+                f"the CPU ({self._dali.threads} thread(s))"
+            return f"DALI {nvidia.dali.__version__} on {where}, each crop's window only"
+        if self.device.type == "cuda":
+            return f"nvJPEG on {self.device} (torchvision's decode_jpeg), a batch ahead on a side stream"
+        return "libjpeg-turbo on the CPU (torchvision's decode_jpeg), the whole image"
+
     def __call__(self, batch: DeferredBatch, targets: torch.Tensor, record: BatchRecord):
         """(images, targets); failures are counted in ``record`` and replaced (training) or dropped
         (evaluation) with their keys there: :class:`~data_pipeline.loading.batch.record.BatchRecord`."""
@@ -135,15 +148,14 @@ class BatchDecoder:
         and cropped together (:meth:`_crop_decoded`, or :meth:`_crop_dali`), one upload for the
         worker-decoded samples, one scatter into batch order, one normalisation. Per sample only what
         is rare or differs per sample: a JPEG that failed here (PIL, in this process), one too long
-        and thin for ``crop_batch``'s atlas (a side over ``4 * img_size``), and RandAugment's ops."""
+        and thin for ``crop_batch``'s atlas (a side over ``4 * img_size``), and RandAugment's or 3-Augment's ops."""
         items, S = batch.items, self.transform.size
         jpegs = [i for i, it in enumerate(items) if isinstance(it, Deferred)]
         x, rows, alone = (self._crop_dali if self._dali is not None else self._crop_decoded)(batch, jpegs) \
             if jpegs else (None, [], {})
         parts, order = [], []
         if rows:
-            parts.append(self._randaugment(x, [items[i] for i in rows]) if self.transform.train
-                         and self.transform.randaug is not None else x)
+            parts.append(self._replay(x, [items[i] for i in rows]) if self.transform.replays else x)
             order += rows
         if batch.decoded is not None:
             parts.append(self._upload(batch.decoded).float())
@@ -210,13 +222,13 @@ class BatchDecoder:
         top, left = int(round((h2 - S) / 2.0)), int(round((w2 - S) / 2.0))
         return top * H / h2, left * W / w2, S * H / h2, S * W / w2
 
-    def _randaugment(self, x: torch.Tensor, items: list) -> torch.Tensor:
-        """RandAugment on the cropped (and flipped) uint8 samples, sample by sample: each draws its
-        own ops, replayed from its seed after the crop and flip draws, as ``SampleTransform.finish``
-        does."""
+    def _replay(self, x: torch.Tensor, items: list) -> torch.Tensor:
+        """3-Augment or RandAugment on the cropped (and flipped) uint8 samples, sample by sample:
+        each draws its own ops, replayed from its seed after the crop and flip draws, as
+        ``SampleTransform.finish`` does."""
         u8 = x.to(torch.uint8)
         for k, it in enumerate(items):
-            u8[k] = self.transform.randaugment(u8[k], it)
+            u8[k] = self.transform.replay(u8[k], it)
         return u8.float()
 
     def _decode(self, datas: list) -> list:

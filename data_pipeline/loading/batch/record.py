@@ -41,6 +41,7 @@ class BatchRecord:
     keys: list = field(default_factory=list)  # each sample's __key__
     shards: list = field(default_factory=list)  # ... and its shard's name
     error: Optional[str] = None  # why the role stopped (a DataError's line)
+    unreachable: bool = False  # ... because the store stayed away past data.remote_retry_s (exit 69)
 
     def count_corrupt(self, rows: list, items: list) -> None:
         """The samples at ``rows`` failed to decode (``items``: the batch's Deferred records): each

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.observability.progress import Progress
-from pretrain.transfer.features import FrozenFeatureProtocol
+from pretrain.transfer.protocols.features import FrozenFeatureProtocol
 
 
 @dataclass

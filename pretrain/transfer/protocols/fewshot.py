@@ -4,16 +4,16 @@ For each seed, ``k`` examples per class are drawn from the training split (a per
 permutation, its first ``k``); features are standardised with those examples' mean and std, a
 constant 100 is appended (a bias that is almost unregularised), targets are one-hot rescaled to
 {-1, +1}, and the ridge system is solved on the smaller Gram matrix (X^T X when N >= D, else
-X X^T: with 1 shot of 100 classes that is 100 x 100 instead of D x D). Test top-1 is averaged over seeds. big_vision's defaults:
-shots 1/5/10/25, 3 seeds, l2 = 2^10. A few seconds on CPU -- cheap enough to run while
-pre-training goes on (``--watch``).
+X X^T: with 1 shot of 100 classes that is 100 x 100 instead of D x D). Test top-1 is averaged
+over seeds. big_vision's defaults: shots 1/5/10/25, 3 seeds, l2 = 2^10. A few seconds on CPU --
+cheap enough to run while pre-training goes on (``--watch``).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from pretrain.transfer.features import FeatureCache, FrozenFeatureProtocol
+from pretrain.transfer.protocols.features import FeatureCache, FrozenFeatureProtocol
 
 BIAS_CONSTANT = 100.0
 HEADLINE_SHOTS = 10  # the number big_vision shows first; the largest shot count when 10 is absent
@@ -46,7 +46,8 @@ def sample_shots(labels: np.ndarray, num_classes: int, shots: int, seed: int) ->
     return np.concatenate([idx[:shots] for idx in per_class]).astype(np.int64)
 
 
-def fewshot_accuracy(Xtr, ytr, Xte, yte, num_classes: int, shots: list[int], seeds: int, l2: float) -> dict[int, list[float]]:
+def fewshot_accuracy(Xtr, ytr, Xte, yte, num_classes: int, shots: list[int], seeds: int,
+                     l2: float) -> dict[int, list[float]]:
     """{shots: [test top-1 per seed]}."""
     out: dict[int, list[float]] = {}
     ytr_np = ytr.numpy()

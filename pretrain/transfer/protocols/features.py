@@ -22,8 +22,9 @@ from pretrain.transfer.data import Concat, Split, Subset, View
 
 
 def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Tensor:
-    """``model``: the model's own pooling and pre-logits layer (big_vision's ``pre_logits``);
-    ``token``: the [class] token after the final norm; ``avg``: mean of the patch tokens."""
+    """``model``: the model's own pooling ([class] token, mean or MAP) and pre-logits layer
+    (big_vision's ``pre_logits``); ``token``: the [class] token after the final norm; ``avg``: mean
+    of the patch tokens (registers left out)."""
     if pool == "model":
         return model.forward_head(tokens, pre_logits=True)
     if pool == "token":
