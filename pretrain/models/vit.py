@@ -5,7 +5,10 @@ encoder blocks (LN -> MSA -> residual, LN -> MLP(GELU) -> residual), final Layer
 tanh pre-logits layer, linear head (zero-initialised). Today's options, each under timm's name:
 register tokens (``reg_tokens``, Darcet et al. 2024), no [class] token (``class_token=False``),
 big_vision's fixed 2-D sin-cos position embedding (``pos_embed='sincos2d'``) and multi-head
-attention pooling (``global_pool='map'``, ``pretrain.models.pooling``).
+attention pooling (``global_pool='map'``, ``pretrain.models.pooling``). Fewer tokens for the same
+model: patch dropout in training (``patch_drop_rate``) and any input size a multiple of the patch,
+the position embeddings then resampled (or, sin-cos, computed) for its grid in the forward
+(``pretrain.models.tokens``). The encoder block and its pieces live in ``pretrain.models.layers``.
 
 Parameter names and shapes equal timm's model of the same name (``strict=True`` both ways) as
 long as ``representation_size`` is None: timm 1.x dropped the pre-logits layer, ours keeps it as
@@ -27,19 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Iterable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.models.arch import patch_keep, variant
+from pretrain.models.arch import variant
 from pretrain.models.hybrid import ResNetStem
 from pretrain.models.init import fill, init_generator
+from pretrain.models.layers import Block, LayerScale, Mlp
 from pretrain.models.pooling import AttentionPool, sincos_pos_embed
+from pretrain.models.tokens import HybridEmbed, PatchDropout, PatchEmbed, Size, resize_pos_embed
 
-_Size = Union[int, tuple[int, int]]
 # Called around the initialisation of each module's own parameters; the default does nothing.
 # A caller whose parameters are partitioned (ZeRO-3) passes a gather that makes them whole.
 Gather = Callable[[list[nn.Parameter]], ContextManager]
@@ -49,179 +52,11 @@ def _no_gather(params: Iterable[nn.Parameter]) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def _pair(x: _Size) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
-
-
-# ------------------------------------------------------------------------------------- layers
-class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample (Huang et al. 2016)."""
-
-    def __init__(self, p: float = 0.0):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
-            return x
-        keep = 1.0 - self.p
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * mask / keep
-
-
-@torch.compiler.disable  # eager under train.compile too: the same draws from the same generator state
-def _kept_indices(batch: int, tokens: int, keep: int, device: torch.device) -> torch.Tensor:
-    """Per image, ``keep`` of ``tokens`` positions uniformly at random: timm's ``PatchDropout`` draw
-    (``argsort`` of one standard normal per token), from this device's default generator, which is
-    the rank's own stream and which checkpoints save and restore (``pretrain.distributed.rng``)."""
-    return torch.argsort(torch.randn(batch, tokens, device=device), dim=-1)[:, :keep]
-
-
-class PatchDropout(nn.Module):
-    """Patch dropout in training (FLIP, Li et al. 2023; timm's ``PatchDropout``): each image keeps a
-    random subset of ``patch_keep(L, p)`` of its ``L`` patch tokens (timm's ``max(1, int(L * (1 -
-    p)))``), the prefix tokens always; identity in evaluation. The blocks then run on the kept
-    tokens only: attention costs fall with their square, the rest in proportion. No parameters: the
-    state dict and exports are those of the model without it."""
-
-    def __init__(self, p: float, num_prefix_tokens: int = 1):
-        super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"patch dropout rate must be in [0, 1), got {p}")
-        self.p, self.num_prefix_tokens = p, num_prefix_tokens
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        n = self.num_prefix_tokens
-        prefix, patches = x[:, :n], x[:, n:]
-        keep = _kept_indices(x.shape[0], patches.shape[1], patch_keep(patches.shape[1], self.p), x.device)
-        patches = patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        return torch.cat([prefix, patches], dim=1) if n else patches
-
-
-class PatchEmbed(nn.Module):
-    """Image -> (B, N, D) tokens with one strided convolution (a linear map of each patch)."""
-
-    def __init__(self, img_size: _Size, patch_size: int, in_chans: int, embed_dim: int):
-        super().__init__()
-        self.img_size = _pair(img_size)
-        self.patch_size = (patch_size, patch_size)
-        self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-    def grid_of(self, h: int, w: int) -> tuple[int, int]:
-        """The patch grid of an ``h`` x ``w`` input."""
-        return h // self.patch_size[0], w // self.patch_size[1]
-
-
-class HybridEmbed(nn.Module):
-    """Section 3.1 hybrid: a CNN feature map is the patch grid (patch size 1 on the feature map)."""
-
-    def __init__(self, backbone: nn.Module, img_size: _Size, embed_dim: int):
-        super().__init__()
-        self.backbone = backbone
-        self.img_size = _pair(img_size)
-        s = backbone.stride
-        self.patch_size = (s, s)
-        self.grid_size = (self.img_size[0] // s, self.img_size[1] // s)
-        self.proj = nn.Conv2d(backbone.out_channels, embed_dim, kernel_size=1, stride=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.backbone(x)).flatten(2).transpose(1, 2)
-
-    def grid_of(self, h: int, w: int) -> tuple[int, int]:
-        """The feature map of an ``h`` x ``w`` input (the stem's 'SAME' padding keeps partial positions)."""
-        s = self.patch_size[0]
-        return -(-h // s), -(-w // s)
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention. ``qk_norm``: LayerNorm over each head's queries and keys before
-    the dot product (Dehghani et al. 2023, ViT-22B), which keeps attention logits from growing
-    without bound at large width; adds 4 * head_dim parameters."""
-
-    def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 qk_norm: bool = False, norm_layer: Optional[Callable[[int], nn.Module]] = None):
-        super().__init__()
-        assert dim % num_heads == 0, f"embed dim {dim} not divisible by {num_heads} heads"
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, dim * 3)
-        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
-        self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        # Fused kernel (flash / memory-efficient) on GPUs; the math path on CPU.
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        x = x.transpose(1, 2).reshape(B, N, C)
-        return self.proj_drop(self.proj(x))
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, drop: float = 0.0):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
-
-
-class LayerScale(nn.Module):
-    """Per-channel scale of a residual branch, initialised small (CaiT, Touvron et al. 2021):
-    each block starts close to the identity, which steadies very deep models."""
-
-    def __init__(self, dim: int, init_values: float):
-        super().__init__()
-        self.init_values = init_values
-        self.gamma = nn.Parameter(torch.full((dim,), init_values))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
-
-
-class Block(nn.Module):
-    """Pre-norm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)); with ``init_values`` each
-    branch is scaled by a LayerScale (``ls1`` / ``ls2``, absent when it is None or 0, as timm)."""
-
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, drop: float, attn_drop: float,
-                 drop_path: float, norm_layer: Callable[[int], nn.Module], qk_norm: bool = False,
-                 init_values: Optional[float] = None):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, qk_norm=qk_norm,
-                              norm_layer=norm_layer)
-        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path)
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
-        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-
-
 # -------------------------------------------------------------------------------------- model
 class VisionTransformer(nn.Module):
     def __init__(
         self,
-        img_size: _Size = 224,
+        img_size: Size = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -482,7 +317,7 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
         fill(m.latent, lambda t: nn.init.uniform_(t, -bound, bound, generator=g))
 
 
-def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,
+def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[Size] = None,
                  drop_rate: float = 0.0, drop_path_rate: float = 0.0, patch_drop_rate: float = 0.0,
                  representation_size: Optional[int] = None, global_pool: str = "token",
                  qk_norm: bool = False, init_values: Optional[float] = None, reg_tokens: int = 0,
@@ -506,30 +341,3 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size
         init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
         patch_drop_rate=patch_drop_rate, representation_size=representation_size, global_pool=global_pool,
         backbone=backbone, **kwargs)
-
-
-# ------------------------------------------------------------------------ position embeddings
-def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int],
-                     old_grid: Optional[tuple[int, int]] = None, num_prefix_tokens: int = 1) -> torch.Tensor:
-    """Resize (1, prefix + H*W, D) position embeddings to a new patch grid by 2-D bicubic
-    interpolation of the grid part; the prefix tokens' embeddings ([class] and registers,
-    ``num_prefix_tokens`` of them) are kept unchanged (as in the paper's fine-tuning at higher
-    resolution). Non-square grids work when ``old_grid`` is given;
-    without it the old grid is taken as square."""
-    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
-    n_old = grid.shape[1]
-    if old_grid is None:
-        side = int(math.isqrt(n_old))
-        if side * side != n_old:
-            raise ValueError(f"position embedding has {n_old} grid tokens, not a square; pass old_grid")
-        old_grid = (side, side)
-    if old_grid[0] * old_grid[1] != n_old:
-        raise ValueError(f"old_grid {old_grid} does not match {n_old} grid tokens")
-    if tuple(old_grid) == tuple(new_grid):
-        return posemb
-    dim = grid.shape[-1]
-    orig_dtype = grid.dtype
-    grid = grid.reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
-    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(orig_dtype)
-    return torch.cat([prefix, grid], dim=1)

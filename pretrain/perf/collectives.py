@@ -90,7 +90,7 @@ def partitioned(layout) -> list[int]:
             if n > layout.persistence_threshold]
 
 
-# modules of pretrain.models.vit's Block (itself, norms, attention and MLP with their linears, dropouts,
+# modules of pretrain.models.layers' Block (itself, norms, attention and MLP with their linears, dropouts,
 # identities, drop paths) and of the rest of a patch-embedding ViT (the model, patch embedding with
 # its conv, position dropout, the blocks' Sequential, final norm, pre-logits and pooling identities,
 # head dropout, head; patch dropout when on), and of the MAP head (the pool, its query, key + value

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from pretrain.models.arch import seq_len
 from pretrain.models.pooling import sincos_2d
-from pretrain.models.vit import create_model, resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
+from pretrain.models.vit import create_model
 from pretrain.weights.load import load_weights
 
 
@@ -127,8 +128,8 @@ def test_sincos_model_holds_it_untrained_after_its_prefix():
 # ------------------------------------------------------------------------------------------- MAP
 @pytest.mark.parametrize("d, heads, tokens", [(192, 3, 16), (64, 4, 7)])
 def test_map_head_equals_big_vision_map_head(d, heads, tokens):
+    from pretrain.models.layers import Mlp
     from pretrain.models.pooling import AttentionPool
-    from pretrain.models.vit import Mlp
 
     p = random_map_params(d, 4 * d)
     pool = AttentionPool(d, heads, Mlp(d, 4 * d), torch.nn.LayerNorm(d, eps=1e-6)).eval()

@@ -17,7 +17,8 @@ from pretrain.config import AugmentConfig, ConfigError, DataConfig, check_world_
 from pretrain.config.phases import Phase, phase_at, resolution_phases
 from pretrain.config.schema import TrainConfig
 from pretrain.models.arch import analytic_flops, patch_keep
-from pretrain.models.vit import create_model, resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
+from pretrain.models.vit import create_model
 from pretrain.observability.flops import forward_flops
 from pretrain.observability.window import Window
 from pretrain.perf import memory, perfmodel
