@@ -12,6 +12,11 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             model     ``train.compile: model`` with ``auto`` buckets
             micro     the same at a larger micro batch
             blocks    ``train.compile: blocks`` instead (for the comparison)
+            schedule  the best levers on fewer tokens: ``train.resolution_schedule`` 128 px (micro 128),
+                      192 px, 224 px, a third of the steps each; img/s per phase, each phase's windows
+                      read from its metrics.jsonl by ``img_size`` (the first of each phase left out:
+                      the loader restarts and compile traces the new shape), beside the plan's
+                      prediction for that phase (``pretrain.perf.perfmodel.price_tokens``)
   ViT-B/16, ViT-H/14  the best L/16 levers (H/14 at ZeRO-2: one GPU needs no ZeRO-3)
   plain     the best plain PyTorch step of L/16 on the same batch sizes (``torch.compile`` of the
             model, bf16 autocast, fused AdamW): the reference vit-train's MFU is held against
@@ -55,6 +60,8 @@ SHORT = {"vit_tiny_patch16_224": "ViT-Ti/16", "vit_base_patch16_224": "ViT-B/16"
 
 
 PLAIN = "torch.compile model, bf16 autocast, fused AdamW"
+# data.synthetic makes its batches on the GPU: the prediction leaves the loaders' rate out
+SYNTHETIC_RATE = 1e9
 
 
 @dataclasses.dataclass
@@ -63,6 +70,11 @@ class Row:
     lever: str
     overrides: tuple  # dotted overrides (the plain row: micro batch, image size)
     levers: str  # in words, for the table
+    steps: int = 0  # the row's own step count (0: the run settings')
+
+
+# ViT-L/16's schedule row: three phases of 8 steps (two logging windows each), the first at micro 128
+SCHEDULE = "train.resolution_schedule=[[0,128,128],[0.34,192],[0.67,224]]"
 
 
 def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
@@ -74,6 +86,9 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
                                                   "zero.reduce_bucket_size=500000000"), "checkpoint all, eager"),
                 Row("tiny_cpu", "no-ckpt", toy + ("train.activation_checkpointing=auto",
                                                   "zero.reduce_bucket_size=auto"), "auto checkpointing, auto buckets"),
+                # two steps a phase: one window each, within the smoke's budget on 2 cores
+                Row("tiny_cpu", "schedule", toy + ("train.resolution_schedule=[[0,32,8],[0.34,48],[0.67,64]]",),
+                    "32 px (micro 8) / 48 / 64 px", steps=6),
                 Row("vit_tiny_patch16_224", "plain", (4, 64), PLAIN)]
         # inductor's C++ build takes minutes on 2 cores: the smoke leaves train.compile to
         # tests/integration/test_compile.py and traces the plain reference with aot_eager
@@ -87,6 +102,7 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
                            "zero.reduce_bucket_size=500000000"), "no checkpointing, eager"),
         Row(L, "model", best, "no checkpointing (auto), compile model, auto buckets"),
         Row(L, "micro128", best + ("train.micro_batch_size=128",), "... and micro batch 128"),
+        Row(L, "schedule", best + (SCHEDULE,), "compile model, 128 px (micro 128) / 192 / 224 px", steps=24),
         Row("vit_large_patch16_224", "plain", (128, 224), PLAIN),
         Row(B, "model", best, "auto checkpointing, compile model, auto buckets"),
         Row(H, "model", best + ("zero.stage=2", "train.micro_batch_size=32"),
@@ -106,7 +122,7 @@ def row_overrides(row: Row, run_dir: Path, ckpt_dir: Path, settings: dict) -> li
 
     micro = load_config(ROOT / "configs" / f"{row.model}.yaml", list(row.overrides)).train.micro_batch_size
     return list(row.overrides) + [
-        "data.synthetic=true", "data.workers=0", f"train.steps={settings['steps']}",
+        "data.synthetic=true", "data.workers=0", f"train.steps={row.steps or settings['steps']}",
         f"train.log_every_steps={settings['log_every']}", f"train.sync_every_steps={settings['log_every']}",
         f"train.global_batch_size={micro * ACCUMULATION}", f"train.output_dir={run_dir}", f"checkpoint.dir={ckpt_dir}",
         "checkpoint.every_steps=100000", "logging.wandb.mode=disabled", "validation.every_steps=0",
@@ -137,7 +153,7 @@ def predicted(cfg, device_name: str | None, memory_bytes: float | None) -> dict:
     out = {"checkpointed_blocks": cfg.train.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size}
     if key is None:
         return out
-    p = predict(layout_from_config(cfg, nodes=1, gpus_per_node=1, gpu=key))
+    p = predict(layout_from_config(cfg, nodes=1, gpus_per_node=1, gpu=key, decode_rate=SYNTHETIC_RATE))
     return {**out, "predicted_img_per_s": p.images_per_second, "predicted_mfu": p.mfu,
             "predicted_gb": p.memory_gb_per_gpu["total"]}
 
@@ -146,9 +162,36 @@ def measured(metrics_file: Path) -> dict:
     lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
     windows = [m for m in lines if "images_per_sec" in m][1:] or [m for m in lines if "images_per_sec" in m]
     med = lambda k: statistics.median(w[k] for w in windows) if windows and k in windows[0] else None  # noqa: E731
-    return {"img_per_s": med("images_per_sec"), "mfu": med("mfu"), "hfu": med("hfu"),
-            "tflops": med("tflops_per_device"), "peak_gb": max((w["peak_memory_gb"] for w in windows), default=None),
-            "windows": len(windows)}
+    out = {"img_per_s": med("images_per_sec"), "mfu": med("mfu"), "hfu": med("hfu"),
+           "tflops": med("tflops_per_device"), "peak_gb": max((w["peak_memory_gb"] for w in windows), default=None),
+           "windows": len(windows)}
+    sizes = sorted({m["img_size"] for m in lines if "images_per_sec" in m})
+    if len(sizes) > 1:  # a resolution schedule: each phase's windows after its first
+        out["phases"] = {}
+        for px in sizes:
+            own = [m for m in lines if m.get("img_size") == px and "images_per_sec" in m]
+            steady = own[1:] or own
+            out["phases"][px] = {k: statistics.median(w[k] for w in steady) if k in steady[0] else None
+                                 for k in ("images_per_sec", "mfu", "tflops_per_device")} | {"windows": len(steady)}
+    return out
+
+
+def phase_predictions(cfg, device_name: str | None, memory_bytes: float | None) -> dict:
+    """The performance model's img/s and MFU for each resolution phase of ``cfg`` on this device."""
+    from pretrain.config import image_size
+    from pretrain.config.phases import resolution_phases
+    from pretrain.perf import levers
+    from pretrain.perf.hardware import gpu_key
+    from pretrain.perf.perfmodel import layout_from_config, price_tokens
+
+    key = gpu_key(device_name or "")
+    if key is None or not cfg.train.resolution_schedule:
+        return {}
+    cfg, _ = levers.resolve(cfg, 1, gpus_per_node=1, gpu=key, memory_bytes=memory_bytes)
+    price = price_tokens(layout_from_config(cfg, nodes=1, gpus_per_node=1, gpu=key, decode_rate=SYNTHETIC_RATE),
+                         resolution_phases(cfg.train, image_size(cfg.model)))
+    return {r.img_size: {"predicted_img_per_s": r.prediction.images_per_second, "predicted_mfu": r.prediction.mfu,
+                         "micro_batch": r.micro_batch} for r in price.phases}
 
 
 def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, timeout_s: float) -> dict:
@@ -178,6 +221,8 @@ def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, 
             out.update(status="error", error=f"exit {proc.returncode}: {tail[0][:300]}")
         else:
             out["status"] = "ok"
+            for px, pred in phase_predictions(cfg, *dev).items():
+                out.get("phases", {}).setdefault(px, {}).update(pred)
     except subprocess.TimeoutExpired:
         out.update(status="error", error=f"past its {timeout_s:.0f} s")
     finally:
@@ -285,6 +330,14 @@ def table(rows: list[dict]) -> str:
                      f"{f(r.get('peak_gb'), '.1f')} | "
                      f"{f(r.get('predicted_img_per_s'), ',.0f')} | {f(r.get('predicted_mfu'), '.1%')} | "
                      f"{f(r.get('seconds'), '.0f')} |")
+    for r in rows:
+        if r.get("status") == "ok" and r.get("phases"):
+            lines += ["", f"{r['model']} {r['lever']}, per resolution phase (its windows after the first):", "",
+                      "| px | micro | img/s | MFU | predicted img/s | predicted MFU |", "|---|---|---|---|---|---|"]
+            for px, p in sorted(r["phases"].items(), key=lambda kv: int(kv[0])):
+                lines.append(f"| {px} | {p.get('micro_batch', '-')} | {f(p.get('images_per_sec'), ',.0f')} | "
+                             f"{f(p.get('mfu'), '.1%')} | {f(p.get('predicted_img_per_s'), ',.0f')} | "
+                             f"{f(p.get('predicted_mfu'), '.1%')} |")
     return "\n".join(lines)
 
 
@@ -330,6 +383,9 @@ def main(argv=None) -> int:
             out_rows.append({"model": SHORT.get(cfg.model.name, cfg.model.name), "lever": row.lever,
                              "levers": row.levers, "micro_batch": cfg.train.micro_batch_size, "status": "ok",
                              "img_per_s": None, **predicted(cfg, args.predict_only, 80 * 2 ** 30)})
+            phases = phase_predictions(cfg, args.predict_only, 80 * 2 ** 30)
+            if phases:  # the schedule row: each phase's prediction under the table
+                out_rows[-1]["phases"] = phases
         print(table(out_rows))
         return 0
     if args.only:

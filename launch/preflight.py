@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import unwritable
-from pretrain.config import Config, ConfigError, check_world_size
+from pretrain.config import Config, ConfigError, check_world_size, image_size
 from pretrain.perf import memory
 
 OK, WARN, FAIL = "ok", "warning", "error"
@@ -54,8 +54,15 @@ def check_batch(cfg: Config, world: int) -> list[Finding]:
         near = max(per, round(t.global_batch_size / per) * per)
         return [Finding(FAIL, "batch", f"{e}; set train.global_batch_size={near} or change "
                                        f"train.micro_batch_size / the number of ranks")]
-    return [Finding(OK, "batch", f"global {t.global_batch_size} = micro {t.micro_batch_size} x {world} rank(s) "
-                                 f"x {gas} accumulation step(s)")]
+    found = [Finding(OK, "batch", f"global {t.global_batch_size} = micro {t.micro_batch_size} x {world} rank(s) "
+                                  f"x {gas} accumulation step(s)")]
+    if t.resolution_schedule:
+        from pretrain.config.phases import resolution_phases
+
+        found.append(Finding(OK, "batch", "train.resolution_schedule: " + "; ".join(
+            f"steps {p.first:,}-{p.last:,} at {p.img_size} px, micro {p.micro_batch} x {world} x "
+            f"{t.global_batch_size // (p.micro_batch * world)}" for p in resolution_phases(t, image_size(cfg.model)))))
+    return found
 
 
 # --------------------------------------------------------------------------------------- shards
@@ -218,8 +225,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     if problems:
         url, why = problems[0]
         out.append(Finding(FAIL, "manifest", f"{len(problems)} of {len(local)} shard(s) do not match {where}, "
-                                             f"first {url}: {why}; "
-                                             "re-copy them or re-write the shards with vit-shards"))
+                                             f"first {url}: {why}; re-copy them or re-write the shards with "
+                                             "vit-shards"))
     elif local:
         # -- sample counts: an overclaiming manifest would otherwise surface as "bad samples" mid-run
         bad, counted = _count_problems(local, sizes)
@@ -330,8 +337,10 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     n = t.activation_checkpointing
     ckpt = f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else "")
     other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
-    detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, micro batch "
-              f"{t.micro_batch_size}): weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
+    micro = (f"micro batch {t.micro_batch_size}" if not t.resolution_schedule
+             else f"its largest phase: {est.largest[0]} px, micro batch {est.largest[1]}")
+    detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, {micro}): "
+              f"weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
               f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
               f"(checkpointing {ckpt}; {other}), runtime {_gb(memory.RUNTIME_OVERHEAD_BYTES)}")
     if s["cpu"]:
@@ -344,9 +353,8 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         if written != "auto" and n > need:
             found.append(Finding(WARN, "memory", f"train.activation_checkpointing={str(written).lower()} recomputes "
                                                  f"{n} of {shape.depth} blocks but {need} would fit "
-                                                 f"{gpu_memory_gb:g} GB: "
-                                                 "each recomputed block costs its forward again; set "
-                                                 f"train.activation_checkpointing=auto ({need} here)"))
+                                                 f"{gpu_memory_gb:g} GB: each recomputed block costs its forward "
+                                                 f"again; set train.activation_checkpointing=auto ({need} here)"))
         return found
     fixes = []
     if n < shape.depth and est.total_if_checkpointing(True) <= budget:

@@ -20,19 +20,22 @@ import torch
 
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
+from data_pipeline.loading.step_batches import regrouped, sized_batches
 from data_pipeline.loading.synthetic import SyntheticLoader
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import Checkpointer
 from pretrain.checkpointing.rundir import RunDir, step_of
 from pretrain.config import Config, ConfigError, check_world_size, compile_mode, image_size, save_config, to_dict
+from pretrain.config.phases import Phase, phase_at, resolution_phases
 from pretrain.config.schema import TrainConfig
 from pretrain.distributed import ds_compat
 from pretrain.distributed.ema import WeightEma
 from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, initialize
+from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
 from pretrain.evaluation.in_training import InTrainingEval
-from pretrain.models.arch import analytic_flops
+from pretrain.models.arch import analytic_flops, patch_keep
 from pretrain.observability.clock import StepClock
 from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
@@ -61,7 +64,8 @@ class Loop:
     startup: StartupGuard
     start_step: int
     world: int
-    flops: tuple[float, float]  # (model, hardware) training FLOPs per image
+    flops: dict[int, tuple[float, float]]  # resolution -> (model, hardware) training FLOPs per image
+    phases: Callable[[int], Phase]  # a step's resolution phase (PhaseSwitch: switches the engine's micro batch)
     detector: Optional[StragglerDetector] = None
     evaluator: Optional[InTrainingEval] = None
     ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
@@ -184,6 +188,10 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     model = build_model(cfg)
     resuming = cfg.checkpoint.resume and checkpoint.latest_complete(c.layout.checkpoints) is not None
     masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
+    if cfg.model.patch_drop_rate:
+        grid = model.grid_size[0] * model.grid_size[1]
+        say(f"model.patch_drop_rate={cfg.model.patch_drop_rate:g}: in training each image keeps "
+            f"{patch_keep(grid, cfg.model.patch_drop_rate)} of its {grid} patch tokens at {img} px")
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     if compile_mode(t.compile):
         what = "the whole model" if compile_mode(t.compile) == "model" and cfg.zero.stage < 3 else "each block"
@@ -251,30 +259,42 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         ds_compat.around_zero3_fetch(b.engine.module, clock.gather_begin, clock.gather_end)
     if clock.times_waits:  # backward's and step's waits for peers are not the rank's own work either
         ds_compat.time_collectives(clock.comm_begin, clock.comm_end, b.engine)
-    batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation), rank=c.rank,
-                                  start_step=start, accumulation=b.accumulation)
+    phases = resolution_phases(t, b.img)
+    sized = None  # without a schedule: the loader's own iteration
+    if t.resolution_schedule:  # the loader restarted at each phase's size where it changes
+        sized = sized_batches(b.loader, lambda step: phase_at(phases, step).img_size, start, b.accumulation)
+    batches = faults.wrap_batches(logged_batches(b.loader, samples, start, b.accumulation, sized),
+                                  rank=c.rank, start_step=start, accumulation=b.accumulation)
+    if any(p.micro_batch != t.micro_batch_size for p in phases):  # the loader's batches cut to each phase's
+        batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
+                            t.global_batch_size // c.world)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
                                 ema=b.ema)
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
-                world=c.world, flops=flops, detector=_straggler_detector(t, c, clock),
+                world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say),
+                detector=_straggler_detector(t, c, clock),
                 evaluator=evaluator if evaluator.enabled else None, ema=b.ema, say=c.say, logged=status)
     return Job(loop, status, samples)
 
 
-def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[tuple[float, float], dict]:
-    """(training FLOPs per image: model, hardware) and what W&B records of the run: the resolved
-    config, the layout, the FLOPs and, on GPUs, the performance model's prediction, said in a line."""
+def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[float, float]], dict]:
+    """(training FLOPs per image, model and hardware, at each resolution the run trains at) and what
+    W&B records of the run: the resolved config, the layout, the FLOPs and, on GPUs, the performance
+    model's prediction, said in a line. The FLOPs count the tokens patch dropout keeps."""
     m, t = cfg.model, cfg.train
-    fwd = analytic_flops(m.name, b.img, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
-                         breakdown=True, reg_tokens=m.reg_tokens, class_token=m.class_token)
     depth = len(b.engine.module.blocks)  # t.activation_checkpointing: blocks recomputed (decide_levers)
-    flops = train_flops_per_image(fwd["total"], fwd["blocks"] * t.activation_checkpointing / depth)
+    flops, fwd = {}, {}
+    for img in {b.img} | {p.img_size for p in resolution_phases(t, b.img)}:
+        fwd[img] = analytic_flops(m.name, img, m.num_classes, m.global_pool, m.representation_size,
+                                  qk_norm=m.qk_norm, breakdown=True, reg_tokens=m.reg_tokens,
+                                  class_token=m.class_token, patch_drop_rate=m.patch_drop_rate)
+        flops[img] = train_flops_per_image(fwd[img]["total"], fwd[img]["blocks"] * t.activation_checkpointing / depth)
     run_config = {**c.tree, "world_size": c.world, "zero_stage": cfg.zero.stage,
                   "checkpointed_blocks": t.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size,
-                  "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd["total"] / 1e9,
-                  "train_flops_per_image": flops[0], "gradient_accumulation": b.accumulation}
+                  "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd[b.img]["total"] / 1e9,
+                  "train_flops_per_image": flops[b.img][0], "gradient_accumulation": b.accumulation}
     predicted = _prediction(cfg, c.world)
     if predicted:
         run_config["predicted"] = predicted

@@ -47,22 +47,26 @@ def train_loop(lp: Loop) -> dict:
     dtype, window = compute_dtype(t.precision), Window(device)
     history, step, stopped = [], lp.start_step, False
     while step < t.steps:
-        clock.begin_step(step + 1, startup=step == lp.start_step)
+        phase = lp.phases(step + 1)  # its first step: the engine takes its micro batch, the loader its size
+        clock.begin_step(step + 1, startup=step == lp.start_step or step + 1 == phase.first)
         with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
-            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema))
+            window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema),
+                       lp.flops[phase.img_size], phase.img_size)
         clock.end_step()
         step += 1
         if step == lp.start_step + 1:  # start-up is over: step-time bounds from here on
             lp.startup.done()
             set_collective_timeout(t.pg_timeout_s)
             lp.say(f"step {step} done; a line every {t.log_every_steps} steps")
-        sync = (step % t.log_every_steps == 0 or lp.checkpointer.due(step) or step % t.sync_every_steps == 0)
+        ends = step == phase.last  # a window holds one resolution phase's steps
+        sync = (step % t.log_every_steps == 0 or lp.checkpointer.due(step) or step % t.sync_every_steps == 0
+                or (ends and step < t.steps))
         if sync:  # before the log and any checkpoint of these steps
             guard.verdict()
 
         clock.beat("log")
-        if step % t.log_every_steps == 0 or step == t.steps:
-            metrics, phases = window_metrics(engine, window, clock, step=step, world=lp.world, flops=lp.flops,
+        if step % t.log_every_steps == 0 or step == t.steps or ends:
+            metrics, phases = window_metrics(engine, window, clock, step=step, world=lp.world,
                                              global_batch=t.global_batch_size, nonfinite_skipped=guard.total,
                                              loader=lp.loader)
             straggling, line = gather_and_judge(lp.detector, phases, device)

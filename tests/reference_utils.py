@@ -1,7 +1,8 @@
 """Plain-PyTorch references shared by the tests that check a training step of ours against one:
 the relative error of a whole update, the samples a run recorded read back by key from the tar
 shards (with the deterministic crop those runs configure), and the fine-tune recipe of the ViT
-paper written with torch's own optimizer, clipping and scheduler on timm's model."""
+paper written with torch's own optimizer, clipping and scheduler on timm's model; and big_vision's
+fixed position embedding (not installed), re-implemented from its code."""
 from __future__ import annotations
 
 import io
@@ -10,6 +11,7 @@ import tarfile
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -244,3 +246,16 @@ def deit_finetune_reference(backbone: dict, name: str, img_size: int, num_classe
         ema.update(model, step=t)
     return before, {n: p.detach() for n, p in model.named_parameters()}, \
         {n: p.detach() for n, p in ema.module.named_parameters()}
+
+
+def big_vision_posemb_sincos_2d(h: int, w: int, width: int, temperature: float = 10_000.0) -> np.ndarray:
+    """big_vision's ``posemb_sincos_2d`` (``big_vision/models/vit.py``), line for line in numpy
+    (jnp -> np): what its ViT adds at the input's own patch grid."""
+    y, x = np.mgrid[:h, :w]
+    assert width % 4 == 0
+    omega = np.arange(width // 4) / (width // 4 - 1)
+    omega = 1.0 / (temperature ** omega)
+    y = np.einsum("m,d->md", y.flatten(), omega)
+    x = np.einsum("m,d->md", x.flatten(), omega)
+    pe = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
+    return pe[None, :, :]

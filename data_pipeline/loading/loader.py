@@ -48,6 +48,12 @@ Evaluation stream (``train=False``): resize + center crop, one pass in manifest 
 exactly once over all ranks, no shuffle, no drop. Ranks may yield *different* batch counts and
 short last batches (one per worker): reduce metrics with sums after the loop, not per step.
 
+Resolution (``train.resolution_schedule``): ``loader.set_img_size(px)`` crops at ``px`` from the next
+iterator on; that iterator starts where the last yielded batch left off, by the exact-resume path,
+so the samples and their augmentation draws are those of the old size (``step_batches.py`` restarts
+the iteration where a step's size changes). The plan, the state and the sample log do not depend on
+the size.
+
 Exclusion (``data.exclude_keys: FILE``, e.g. vit-audit's exclude.txt): samples whose ``__key__`` is
 listed are dropped before decoding and counted as ``excluded``; like bad samples they leave the
 slot short, so it refills its batches from a further pass (``repeated_for_balance``).
@@ -74,6 +80,7 @@ an outage, not bad data), whichever worker met it.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Sequence
 
@@ -141,10 +148,8 @@ class ShardLoader:
                                  worker_decoder, RemotePolicy.of(data_cfg))
         if decode_device != "worker":
             check_device(decode_device)
-        # every batch is finished here: normalised and mixed (and with cpu/cuda/dali, decoded first)
-        self._decoder = BatchDecoder(SampleTransform(data_cfg.augment, img_size, plan.train), data_cfg.augment,
-                                     device if decode_device == "worker" else decode_device,
-                                     data_cfg.max_image_pixels, self.num_classes, threads=max(1, data_cfg.workers))
+        self._device = device if decode_device == "worker" else decode_device
+        self._decoder = self._make_decoder(img_size)
         readers = f"{data_cfg.workers} data worker(s)" if data_cfg.workers else "this process (data.workers=0)"
         if decode_device == "worker":
             self.decode_path = f"data.decode_device=worker: JPEGs decoded by {readers}: {self.worker_decoder}"
@@ -163,6 +168,26 @@ class ShardLoader:
         self.last_shards: list[str] = []  # ... and its shard's name
         self.last_epoch: int = epoch  # ... and the epoch it belongs to
         self._reset_epoch(epoch)
+
+    def _make_decoder(self, img_size: int) -> BatchDecoder:
+        """Where every batch is finished: normalised and mixed (and with cpu/cuda/dali, decoded first)."""
+        cfg = self.cfg
+        return BatchDecoder(SampleTransform(cfg.augment, img_size, self.plan.train), cfg.augment, self._device,
+                            cfg.max_image_pixels, self.num_classes, threads=max(1, cfg.workers))
+
+    @property
+    def img_size(self) -> int:
+        return self.settings.img_size
+
+    def set_img_size(self, img_size: int) -> None:
+        """Crop at ``img_size`` px from the next iterator on (``train.resolution_schedule``). The
+        position, the samples and each sample's augmentation draws stay; only the output size
+        changes. An iterator already started keeps its size; the next one starts where the last
+        yielded batch left off, by the exact-resume path (workers restart and read the tar members
+        up to there without decoding them: about what a resume costs, once per switch)."""
+        if img_size != self.settings.img_size:
+            self.settings = dataclasses.replace(self.settings, img_size=int(img_size))
+            self._decoder = self._make_decoder(int(img_size))
 
     def _reset_epoch(self, epoch: int, rest: RestEpoch | None = None) -> None:
         self._epoch, self._batch, self._rest = epoch, 0, rest

@@ -69,9 +69,12 @@ class SampleLog:
             self._file = None
 
 
-def logged_batches(loader, samples: Optional[SampleLog], start_step: int, accumulation: int) -> Iterator:
-    """The loader's batches; with ``data.record_samples`` each batch's keys are logged at its step."""
-    for i, batch in enumerate(loader):
+def logged_batches(loader, samples: Optional[SampleLog], start_step: int, accumulation: int,
+                   batches: Optional[Iterator] = None) -> Iterator:
+    """The loader's batches (``batches``: a stream of them, e.g. resized by step, which the loader's
+    ``last_keys`` follow); with ``data.record_samples`` each batch's keys are logged at its step
+    (``accumulation``: loader batches per step)."""
+    for i, batch in enumerate(loader if batches is None else batches):
         if samples is not None:
             samples.write(start_step + 1 + i // accumulation, loader.last_epoch, loader.last_keys)
         yield batch

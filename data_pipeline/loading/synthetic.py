@@ -34,19 +34,31 @@ class SyntheticLoader:
         self.num_classes, self.rank, self.batches = num_classes, rank, 0
         self.last_keys: list[str] = []
         self.last_epoch = 0
-        device = torch.device(device or "cpu")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-        aug = data_cfg.augment
-        mean = torch.tensor(aug.mean, dtype=torch.float32).view(1, 3, 1, 1)
-        std = torch.tensor(aug.std, dtype=torch.float32).view(1, 3, 1, 1)
-        self._pool = []
+        self._make = dict(cfg=data_cfg, batch_size=batch_size, seed=seed, device=torch.device(device or "cpu"))
+        self.img_size = img_size
+        self._pool = self._draw(img_size)
+
+    def _draw(self, img_size: int) -> list:
+        """The batches handed out in turn at ``img_size`` px, drawn afresh from (seed, rank)."""
+        cfg, batch_size, device = self._make["cfg"], self._make["batch_size"], self._make["device"]
+        g = torch.Generator().manual_seed(self._make["seed"] * 1_000_003 + self.rank)
+        mean = torch.tensor(cfg.augment.mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(cfg.augment.std, dtype=torch.float32).view(1, 3, 1, 1)
+        pool = []
         for _ in range(POOL):
             pixels = torch.randint(0, 256, (batch_size, 3, img_size, img_size), generator=g, dtype=torch.uint8)
             images = (pixels.float() / 255.0 - mean) / std
-            labels = torch.randint(0, num_classes, (batch_size,), generator=g)
-            if data_cfg.multi_label:
-                labels = torch.nn.functional.one_hot(labels, num_classes).float()
-            self._pool.append((images.to(device), labels.to(device)))
+            labels = torch.randint(0, self.num_classes, (batch_size,), generator=g)
+            if cfg.multi_label:
+                labels = torch.nn.functional.one_hot(labels, self.num_classes).float()
+            pool.append((images.to(device), labels.to(device)))
+        return pool
+
+    def set_img_size(self, img_size: int) -> None:
+        """Batches at ``img_size`` px from the next iterator on (``train.resolution_schedule``); the
+        position is kept."""
+        if img_size != self.img_size:
+            self.img_size, self._pool = img_size, self._draw(img_size)
 
     @property
     def counters(self) -> dict:

@@ -12,6 +12,13 @@ pre-training bands and textures at other angles and periods, so what the model l
 but no class is shared (linear probe on those features: 99% against 87% from a random init and
 17% chance). ``demo`` splits ``train``/``val``, ``demo-transfer`` splits ``train``/``test``.
 
+The ``shapes-train`` / ``shapes-val`` splits are the harder set: the 10 pre-training shapes with
+their textures, each image's hue drawn from a band three classes wide around its class's own
+(``SHAPES_HUE_JITTER``), so colour narrows an image down to about three classes and shape and
+texture must tell the rest. Texture periods are 4-12 px on 64-96 px canvases, so that cue thins
+out when images are scaled down: what a resolution schedule trades (``benchmarks/
+tokens_to_accuracy.py``).
+
 Every image is a pure function of (split, seed, index): generation is parallel, order-free and
 fast (about 1 ms per image on one core, JPEG encoding included).
 
@@ -82,12 +89,15 @@ TRANSFER_CLASSES = ["semicircle", "frame", "target", "tshape", "bars", "star8"]
 HUES = {**{c: 36.0 * i for i, c in enumerate(PRETRAIN_CLASSES)},
         **{c: 18.0 + 60.0 * i for i, c in enumerate(TRANSFER_CLASSES)}}
 HUE_JITTER = 8.0
+SHAPES_HUE_JITTER = 54.0  # the shapes-* splits: +-1.5 class bands
 
 SPLITS = {  # split -> (classes, default size, seed salt)
     "train": (PRETRAIN_CLASSES, 4096, 11),
     "val": (PRETRAIN_CLASSES, 1024, 12),
     "transfer-train": (TRANSFER_CLASSES, 1200, 13),
     "transfer-test": (TRANSFER_CLASSES, 600, 14),
+    "shapes-train": (PRETRAIN_CLASSES, 4096, 15),  # colour a weak cue: shape and texture decide
+    "shapes-val": (PRETRAIN_CLASSES, 1024, 16),
 }
 
 
@@ -170,7 +180,9 @@ class DemoItem:
         classes, _, salt = SPLITS[self.split]
         rng = np.random.default_rng([salt, self.seed, self.index])
         shape = classes[self.labels[0]]
-        return draw(shape, HUES[shape], rng)
+        hue = HUES[shape] + (rng.uniform(-SHAPES_HUE_JITTER, SHAPES_HUE_JITTER) if self.split.startswith("shapes-")
+                             else 0.0)
+        return draw(shape, hue % 360, rng)
 
 
 def demo_items(split: str, n: int | None = None, seed: int = 0):

@@ -4,6 +4,9 @@
                     [--global-batch GB] [--zero S] [--checkpointing] [--network PRESET] [--json]
     vit-launch plan --config FILE --world-size W --gpu GPU [a.b=c ...]
     vit-launch plan ... --search
+
+With ``--config``, a run on fewer tokens (``train.resolution_schedule``, ``model.patch_drop_rate``)
+is also priced phase by phase against every step at the model's resolution with every token.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import json
 from dataclasses import replace
 
 from pretrain.config import ConfigError
-from pretrain.perf import advice, hardware, inputs, perfmodel
+from pretrain.perf import advice, hardware, inputs, memory, perfmodel
 
 SUMMARY = ("predict images/s, MFU, memory and the bottleneck of a layout from the performance model "
            "(--search ranks layouts)")
@@ -93,9 +96,10 @@ def check_arguments(args) -> None:
         raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
 
 
-def layout(args) -> perfmodel.Layout:
-    """The layout the options describe (``check_arguments`` first); an impossible one is a
-    ``ConfigError`` in the flags' names."""
+def layout(args) -> tuple[perfmodel.Layout, list]:
+    """The layout the options describe (``check_arguments`` first) and, with ``--config``, the run's
+    resolution phases (``pretrain.config.phases``; one without a schedule, none without a config);
+    an impossible layout is a ``ConfigError`` in the flags' names."""
     try:
         return _layout(args)
     except ConfigError:
@@ -107,9 +111,11 @@ def layout(args) -> perfmodel.Layout:
         raise ConfigError(msg) from None
 
 
-def _layout(args) -> perfmodel.Layout:
-    from pretrain.config import check_world_size, load_config
+def _layout(args) -> tuple[perfmodel.Layout, list]:
+    from pretrain.config import check_world_size, image_size, load_config
+    from pretrain.config.phases import resolution_phases
 
+    phases = []
     nodes, gpus_per_node = _nodes(args)
     if args.config:
         cfg = load_config(args.config, args.overrides)
@@ -117,6 +123,8 @@ def _layout(args) -> perfmodel.Layout:
             check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
         lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=gpus_per_node, gpu=args.gpu,
                                            network=args.network)
+        if cfg.train.resolution_schedule or cfg.model.patch_drop_rate:
+            phases = resolution_phases(cfg.train, image_size(cfg.model))
     else:
         net = args.network or hardware.default_network(args.gpu)
         lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=nodes, gpus_per_node=gpus_per_node, network=net)
@@ -146,7 +154,9 @@ def _layout(args) -> perfmodel.Layout:
         lay.accumulation
     except ValueError as e:
         raise ConfigError(f"--global-batch / --micro-batch: {e}") from None
-    return lay
+    if args.micro_batch is not None or args.img_size is not None:  # the flags describe one fixed layout
+        phases = []
+    return lay, phases
 
 
 def _nodes(args) -> tuple[int, int]:
@@ -225,6 +235,37 @@ def describe(p: perfmodel.Prediction) -> str:
     ])
 
 
+def token_table(price: perfmodel.TokenPrice) -> str:
+    """A run on fewer tokens, phase by phase, and what it saves against every step at the model's
+    resolution with every token."""
+    fixed = price.fixed.layout
+    world = fixed["nodes"] * fixed["gpus_per_node"]
+    lines = [f"  fewer tokens    {price.steps:,} steps, the global batch the same in every phase:",
+             f"    {'steps':>19}  {'px':>4}  {'micro':>5}  {'tokens':>6}  {'img/s':>10}  {'MFU':>6}  {'step ms':>8}  "
+             f"{'hours':>8}  {'GPU-h':>9}  {'GB/GPU':>6}"]
+    for r in price.phases:
+        p = r.prediction
+        lay = p.layout
+        full = memory.analytic_shape(lay["model"], img_size=r.img_size, reg_tokens=lay["reg_tokens"],
+                                     class_token=lay["class_token"])
+        shape = memory.trained_shape(full, None, lay["patch_drop_rate"])
+        steps = f"{r.first:,}-{r.last:,}"  # tokens: the patch tokens the blocks see, the prefix not counted
+        lines.append(f"    {steps:>19}  {r.img_size:>4}  {r.micro_batch:>5}  {shape.seq_len - shape.prefix_tokens:>6}  "
+                     f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.step_seconds * 1e3:>8,.1f}  "
+                     f"{r.seconds / 3600:>8,.1f}  {r.seconds * world / 3600:>9,.0f}  "
+                     f"{p.memory_gb_per_gpu['total']:>6.1f}")
+    biggest = max(price.phases, key=lambda r: r.prediction.memory_gb_per_gpu["total"])
+    lines += [f"    whole run: {price.seconds / 3600:,.1f} h ({price.seconds * world / 3600:,.0f} GPU-hours), "
+              f"{price.flops:.3g} FLOPs; every step at {fixed['img_size']} px with every token: "
+              f"{price.fixed_seconds / 3600:,.1f} h, {price.fixed_flops:.3g} FLOPs -> "
+              f"{price.seconds / price.fixed_seconds:.2f}x the time, "
+              f"{price.flops / price.fixed_flops:.2f}x the compute",
+              f"    memory: the largest phase ({biggest.img_size} px, micro {biggest.micro_batch}) "
+              f"{biggest.prediction.memory_gb_per_gpu['total']:.1f} GB per GPU -> "
+              + ("fits" if price.fits else "does NOT fit")]
+    return "\n".join(lines)
+
+
 def table(rows: list[perfmodel.Prediction]) -> str:
     head = (f"{'rank':>4}  {'zero':>4}  {'micro':>5}  {'ckpt':>4}  {'hpz':>3}  {'qwZ':>3}  {'img/s':>10}  "
             f"{'MFU':>6}  {'GB/GPU':>6}  bottleneck")
@@ -240,7 +281,7 @@ def table(rows: list[perfmodel.Prediction]) -> str:
 
 
 def command(args) -> int:
-    lay = layout(args)
+    lay, phases = layout(args)
     if args.search:
         rows = advice.search(lay)
         if not rows:
@@ -249,11 +290,15 @@ def command(args) -> int:
         print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else table(rows))
         return 0
     p = perfmodel.predict(lay)
+    tokens = perfmodel.price_tokens(lay, phases) if phases else None
     if args.json:
-        print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay))}, indent=1))
+        print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay)),
+                          **({"tokens": tokens.as_dict()} if tokens else {})}, indent=1))
         return 0
     print(describe(p))
     gains = advice.lever_gains(lay)
     if gains:
         print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))
+    if tokens:
+        print(token_table(tokens))
     return 0

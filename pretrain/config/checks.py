@@ -10,6 +10,7 @@ from typing import Optional
 from data_pipeline.config import check_data
 from data_pipeline.errors import ConfigError
 from pretrain.checkpointing.config import check_checkpoint
+from pretrain.config.phases import check_schedule
 from pretrain.config.schema import Config, ModelConfig, TrainConfig
 from pretrain.distributed.config import check_zero
 from pretrain.evaluation.config import check_eval, check_validation
@@ -37,7 +38,8 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("model.img_size", f"patch size {patch} of {m.name} does not divide image size {img}")
     if m.num_classes < 0:
         fail("model.num_classes", f"must be >= 0, got {m.num_classes}")
-    for key, val in (("model.drop_rate", m.drop_rate), ("model.drop_path_rate", m.drop_path_rate)):
+    for key, val in (("model.drop_rate", m.drop_rate), ("model.drop_path_rate", m.drop_path_rate),
+                     ("model.patch_drop_rate", m.patch_drop_rate)):
         if not 0.0 <= val < 1.0:
             fail(key, f"must be in [0, 1), got {val}")
     if m.init_values is not None and not m.init_values > 0:
@@ -58,10 +60,14 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
     if t.global_batch_size <= 0:
         fail("train.global_batch_size", f"must be positive, got {t.global_batch_size}")
+    check_schedule(t, patch, fail)
     if t.micro_batch_size > 0 and t.global_batch_size > 0:
         try:  # one rank here; the launch checks the real world size with the same function
             check_world_size(t, 1)
         except ConfigError as e:
+            key = "train.resolution_schedule"
+            if str(e).startswith(key):
+                fail(key, str(e).removeprefix(key).lstrip())
             fail("train.global_batch_size", str(e))
     if t.hang_timeout_s < 0:
         fail("train.hang_timeout_s", f"must be >= 0 (0 disables the watchdog), got {t.hang_timeout_s}")
@@ -112,7 +118,16 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:
     """Gradient-accumulation steps for this world size (the global batch is kept: accumulation
-    adapts), or a ConfigError naming the batch keys and the nearest settings that work."""
+    adapts), or a ConfigError naming the batch keys and the nearest settings that work; the micro
+    batch of each ``train.resolution_schedule`` phase must divide the global batch the same way."""
+    g = train.global_batch_size
+    for i, e in enumerate(train.resolution_schedule):
+        micro = int(e[2]) if len(e) > 2 else None
+        if micro and g % (micro * world_size):
+            fits = [m for m in range(micro, 0, -1) if g % (m * world_size) == 0][:1]
+            raise ConfigError(f"train.resolution_schedule entry {i}: micro batch {micro} x world size {world_size} = "
+                              f"{micro * world_size} does not divide train.global_batch_size={g}"
+                              + (f"; e.g. micro batch {fits[0]}" if fits else ""))
     per_step = train.micro_batch_size * world_size
     if train.global_batch_size % per_step:
         g = train.global_batch_size

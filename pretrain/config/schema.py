@@ -36,6 +36,12 @@ class ModelConfig:
     """Dropout."""
     drop_path_rate: float = 0.0
     """Stochastic depth."""
+    patch_drop_rate: float = 0.0
+    """Patch dropout in training (timm's `patch_drop_rate`, FLIP): each image keeps a random
+    `max(1, int(patches x (1 - rate)))` of its patch tokens, the [class] token always; none in
+    evaluation. The blocks run on the kept tokens only (at 0.5 a step costs about half), and the
+    logged FLOPs and MFU count those tokens. The mask is drawn from the rank's own generator, which
+    checkpoints keep (exact resume); no parameters, so exports are unchanged. 0 = off."""
     representation_size: Optional[int] = None
     """Width of the tanh pre-logits layer of the paper's pre-training head; null: none."""
     global_pool: Literal["token", "avg", "map"] = "token"
@@ -186,6 +192,18 @@ class TrainConfig:
     between blocks too; a minute or more of compile; ZeRO 0-2, ZeRO-3 compiles `blocks`), `false`
     none; `true` means `blocks`. Both work with activation checkpointing; what each gains:
     pretrain/perf/PERFORMANCE.md."""
+    resolution_schedule: list[list[float]] = field(default_factory=list)
+    """Train most steps on fewer tokens: `[[fraction, px], ...]` or `[[fraction, px, micro batch],
+    ...]`, each entry the fraction of `train.steps` at which a resolution starts (the first at 0.0),
+    e.g. `[[0.0, 128, 256], [0.6, 192, 128], [0.9, 224]]`; empty: every step at `model.img_size`.
+    Every rank switches at the same step boundary: the loader crops at the new size and the model
+    resamples its position embedding to the new grid in the forward (the parameter stays at
+    `model.img_size`, as timm's `dynamic_img_size`; exports unchanged). The optional micro batch keeps
+    the global batch (fewer accumulation steps where the images are small; without it
+    `train.micro_batch_size`). Resume and elastic resume work across a switch; the data plan and
+    sample accounting are those of the fixed run; in-training evaluation runs at `model.img_size`.
+    Metrics log `img_size` and count FLOPs at each step's resolution. What it saves:
+    `vit-launch plan --config FILE` (pretrain/perf/PERFORMANCE.md)."""
     straggler_factor: float = 1.5
     """A rank whose own work (batch reading and forward; where collectives block the host, the CPU,
     also backward and step less the time spent in collectives), summed over the last

@@ -21,6 +21,9 @@ What lives here and why:
 - ``around_zero3_fetch``: ZeRO-3 fetches a module's parameters in a forward pre-hook that it
   registers on every module outside its leaf modules when the engine is built; hooks of ours before
   and after it time the wait (the straggler clock's ``gather`` phase).
+- ``set_micro_batch``: DeepSpeed's public setters change the micro batch and the accumulation, but
+  its accumulation boundary is ``engine.micro_steps`` (a private counter) modulo the accumulation,
+  which must be realigned when the accumulation changes between steps (``train.resolution_schedule``).
 - ``launcher_node``: the per-node launcher (``deepspeed.launcher.launch``) knows which hostfile
   entry its node is (``--world_info``, ``--node_rank``) but tells its ranks only the node's index
   (``CROSS_RANK``); the name is read from the launcher's own arguments.
@@ -209,6 +212,22 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
     timer.daemon = True
     timer.start()
     return timer
+
+
+def set_micro_batch(engine, micro_batch: int) -> int:
+    """The engine's micro batch set to ``micro_batch`` with its global batch kept, between optimizer
+    steps: the accumulation becomes ``global / (micro x data-parallel ranks)``, which also scales each
+    micro-batch's loss in ``engine.backward``. DeepSpeed's boundary test is ``(micro_steps + 1) %
+    accumulation == 0`` on a counter that only that test reads (a resumed engine restarts it at 0), so
+    the counter moves up to the next multiple of the new accumulation and the next boundary falls on
+    the step's last micro-batch. Returns the accumulation."""
+    if micro_batch != engine.train_micro_batch_size_per_gpu():
+        global_batch = engine.train_batch_size()
+        engine.set_train_micro_batch_size(micro_batch)
+        engine.set_train_batch_size(global_batch)
+    gas = engine.gradient_accumulation_steps()
+    engine.micro_steps = -(-engine.micro_steps // gas) * gas
+    return gas
 
 
 def around_zero3_fetch(module, before: Callable[[], None], after: Callable[[], None]) -> int:

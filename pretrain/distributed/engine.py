@@ -20,7 +20,7 @@ from pretrain.distributed.lamb import Lamb, ShardLayout
 from pretrain.distributed.layer_decay import layer_decay_groups
 
 # the Transformer block's class, as DeepSpeed's ``leaf_module.classes`` names it (module.qualname)
-LEAF_BLOCK_CLASS = "pretrain.models.vit.Block"
+LEAF_BLOCK_CLASS = "pretrain.models.layers.Block"
 
 
 def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, world_size: int,

@@ -63,7 +63,7 @@ from pretrain.evaluation.figures import (
     draw_rollout,
 )
 from pretrain.evaluation.images import PROG, ImageSource
-from pretrain.models.vit import Attention
+from pretrain.models.layers import Attention
 
 NUM_COMPONENTS = 28  # Figure 7 left shows 28 components
 

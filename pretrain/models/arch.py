@@ -83,6 +83,12 @@ def model_defaults(name: str) -> dict:
 
 
 
+def patch_keep(tokens: int, rate: float) -> int:
+    """Patch tokens an image keeps in training under patch dropout at ``rate`` (timm's
+    ``PatchDropout``: ``max(1, int(L * (1 - rate)))``); all of them at rate 0."""
+    return tokens if not rate else max(1, int(tokens * (1.0 - rate)))
+
+
 def _stem_macs(h: int, w: int, layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int, int]:
     """Multiply-adds of the hybrid's ResNet (convs + GroupNorms); returns (macs, h, w) out."""
     ceil = lambda a, s: -(-a // s)  # noqa: E731  TF 'SAME' output size
@@ -136,10 +142,12 @@ def map_head_macs(d: int, hidden: int, patches: int) -> int:
 
 def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
                    representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False,
-                   reg_tokens: int = 0, class_token: bool = True):
+                   reg_tokens: int = 0, class_token: bool = True, patch_drop_rate: float = 0.0):
     """The same count as :func:`forward_flops`, from the architecture alone (no tensors). Register
     tokens and the [class] token lengthen the sequence of every block; ``map`` pooling adds
-    :func:`map_head_macs` (in ``head``)."""
+    :func:`map_head_macs` (in ``head``). ``patch_drop_rate``: a training forward's, the blocks, the
+    final norm and the MAP head on the patch tokens patch dropout keeps (:func:`patch_keep`; the
+    prefix tokens all kept); the patch embedding still sees every patch."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
     h, w = (img, img) if isinstance(img, int) else img
@@ -151,7 +159,8 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     else:
         gh, gw = h // p, w // p
         embed = gh * gw * 3 * p * p * d
-    n = gh * gw + prefix_tokens(reg_tokens, class_token)
+    kept = patch_keep(gh * gw, patch_drop_rate)
+    n = kept + prefix_tokens(reg_tokens, class_token)
     hidden = a["mlp_hidden"]  # 4 d, except g/14 and G/14
     per_block = (
         (4 if qk_norm else 2) * 5 * n * d  # two LayerNorms (+ the queries' and keys' with qk_norm)
@@ -162,7 +171,7 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     )
     blocks = depth * per_block
     final_norm = 5 * d if global_pool == "avg" else 5 * n * d  # after pooling (fc_norm), else on every token
-    pool = map_head_macs(d, hidden, gh * gw) if global_pool == "map" else 0
+    pool = map_head_macs(d, hidden, kept) if global_pool == "map" else 0
     feat = d
     head = 0
     if representation_size:

@@ -5,7 +5,10 @@ encoder blocks (LN -> MSA -> residual, LN -> MLP(GELU) -> residual), final Layer
 tanh pre-logits layer, linear head (zero-initialised). Today's options, each under timm's name:
 register tokens (``reg_tokens``, Darcet et al. 2024), no [class] token (``class_token=False``),
 big_vision's fixed 2-D sin-cos position embedding (``pos_embed='sincos2d'``) and multi-head
-attention pooling (``global_pool='map'``, ``pretrain.models.pooling``).
+attention pooling (``global_pool='map'``, ``pretrain.models.pooling``). Fewer tokens for the same
+model: patch dropout in training (``patch_drop_rate``) and any input size a multiple of the patch,
+the position embeddings then resampled (or, sin-cos, computed) for its grid in the forward
+(``pretrain.models.tokens``). The encoder block and its pieces live in ``pretrain.models.layers``.
 
 Parameter names and shapes equal timm's model of the same name (``strict=True`` both ways) as
 long as ``representation_size`` is None: timm 1.x dropped the pre-logits layer, ours keeps it as
@@ -27,19 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Iterable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.models.arch import variant
 from pretrain.models.hybrid import ResNetStem
 from pretrain.models.init import fill, init_generator
+from pretrain.models.layers import Block, LayerScale, Mlp
 from pretrain.models.pooling import AttentionPool, sincos_pos_embed
+from pretrain.models.tokens import HybridEmbed, PatchDropout, PatchEmbed, Size, resize_pos_embed
 
-_Size = Union[int, tuple[int, int]]
 # Called around the initialisation of each module's own parameters; the default does nothing.
 # A caller whose parameters are partitioned (ZeRO-3) passes a gather that makes them whole.
 Gather = Callable[[list[nn.Parameter]], ContextManager]
@@ -49,139 +52,11 @@ def _no_gather(params: Iterable[nn.Parameter]) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def _pair(x: _Size) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
-
-
-# ------------------------------------------------------------------------------------- layers
-class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample (Huang et al. 2016)."""
-
-    def __init__(self, p: float = 0.0):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
-            return x
-        keep = 1.0 - self.p
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * mask / keep
-
-
-class PatchEmbed(nn.Module):
-    """Image -> (B, N, D) tokens with one strided convolution (a linear map of each patch)."""
-
-    def __init__(self, img_size: _Size, patch_size: int, in_chans: int, embed_dim: int):
-        super().__init__()
-        self.img_size = _pair(img_size)
-        self.patch_size = (patch_size, patch_size)
-        self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
-class HybridEmbed(nn.Module):
-    """Section 3.1 hybrid: a CNN feature map is the patch grid (patch size 1 on the feature map)."""
-
-    def __init__(self, backbone: nn.Module, img_size: _Size, embed_dim: int):
-        super().__init__()
-        self.backbone = backbone
-        self.img_size = _pair(img_size)
-        s = backbone.stride
-        self.patch_size = (s, s)
-        self.grid_size = (self.img_size[0] // s, self.img_size[1] // s)
-        self.proj = nn.Conv2d(backbone.out_channels, embed_dim, kernel_size=1, stride=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.backbone(x)).flatten(2).transpose(1, 2)
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention. ``qk_norm``: LayerNorm over each head's queries and keys before
-    the dot product (Dehghani et al. 2023, ViT-22B), which keeps attention logits from growing
-    without bound at large width; adds 4 * head_dim parameters."""
-
-    def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 qk_norm: bool = False, norm_layer: Optional[Callable[[int], nn.Module]] = None):
-        super().__init__()
-        assert dim % num_heads == 0, f"embed dim {dim} not divisible by {num_heads} heads"
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, dim * 3)
-        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
-        self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        # Fused kernel (flash / memory-efficient) on GPUs; the math path on CPU.
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        x = x.transpose(1, 2).reshape(B, N, C)
-        return self.proj_drop(self.proj(x))
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, drop: float = 0.0):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
-
-
-class LayerScale(nn.Module):
-    """Per-channel scale of a residual branch, initialised small (CaiT, Touvron et al. 2021):
-    each block starts close to the identity, which steadies very deep models."""
-
-    def __init__(self, dim: int, init_values: float):
-        super().__init__()
-        self.init_values = init_values
-        self.gamma = nn.Parameter(torch.full((dim,), init_values))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
-
-
-class Block(nn.Module):
-    """Pre-norm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)); with ``init_values`` each
-    branch is scaled by a LayerScale (``ls1`` / ``ls2``, absent when it is None or 0, as timm)."""
-
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, drop: float, attn_drop: float,
-                 drop_path: float, norm_layer: Callable[[int], nn.Module], qk_norm: bool = False,
-                 init_values: Optional[float] = None):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, qk_norm=qk_norm,
-                              norm_layer=norm_layer)
-        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path)
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
-        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-
-
 # -------------------------------------------------------------------------------------- model
 class VisionTransformer(nn.Module):
     def __init__(
         self,
-        img_size: _Size = 224,
+        img_size: Size = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -192,6 +67,7 @@ class VisionTransformer(nn.Module):
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        patch_drop_rate: float = 0.0,
         representation_size: Optional[int] = None,
         global_pool: str = "token",
         backbone: Optional[nn.Module] = None,
@@ -207,10 +83,12 @@ class VisionTransformer(nn.Module):
         after pooling as ``fc_norm``) or ``map`` (``AttentionPool`` over the patch tokens).
         ``reg_tokens``: register tokens after the [class] token, in the sequence but in no pooling.
         ``class_token=False``: none (then ``avg`` or ``map``). ``pos_embed``: ``learned`` or
-        ``sincos2d`` (fixed). ``defer_init``: leave the weights as the layers' constructors made
-        them; the caller runs ``init_weights(gather, generator)`` later (ZeRO-3 builds partitioned
-        parameters first). ``init_seed``: the initialisation's seed (None: one drawn from torch's
-        global CPU generator, so ``torch.manual_seed`` still decides it)."""
+        ``sincos2d`` (fixed). ``patch_drop_rate``: the share of patch tokens dropped in training
+        (:class:`PatchDropout`; no parameters; the prefix tokens always kept). ``defer_init``: leave
+        the weights as the layers' constructors made them; the caller runs ``init_weights(gather,
+        generator)`` later (ZeRO-3 builds partitioned parameters first). ``init_seed``: the
+        initialisation's seed (None: one drawn from torch's global CPU generator, so
+        ``torch.manual_seed`` still decides it)."""
         super().__init__()
         if global_pool not in ("token", "avg", "map"):
             raise ValueError(f"global_pool must be 'token', 'avg' or 'map', got {global_pool!r}")
@@ -243,6 +121,8 @@ class VisionTransformer(nn.Module):
         else:  # a function of the grid: set by init_weights, never trained
             self.register_buffer("pos_embed", pe)
         self.pos_drop = nn.Dropout(drop_rate)
+        # no module at all without patch dropout: under ZeRO-3 each module costs a hook pair per forward
+        self.patch_drop = PatchDropout(patch_drop_rate, self.num_prefix_tokens) if patch_drop_rate else None
 
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         self.blocks = nn.Sequential(*[
@@ -351,16 +231,35 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, prefix + H*W, D) tokens after the final norm: [class], registers, then the patches."""
-        x = self.patch_embed(x)
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The prefix tokens ([class], registers) prepended and the position embeddings added to the
+        patch tokens of a ``grid``. A grid other than the model's (``train.resolution_schedule``)
+        gets the learned embeddings' patch part resampled to it in the forward, the prefix rows kept,
+        as timm's ``dynamic_img_size`` does: the parameter keeps the model's grid (exports
+        unchanged), its gradient flows back through the bicubic interpolation, which costs one small
+        (D, H, W) resample per forward. The sin-cos table is a function of the grid: it is computed
+        for the new grid instead (big_vision's), on the CPU and copied over, (H*W, D) per forward."""
+        pos = self.pos_embed
+        if tuple(grid) != tuple(self.grid_size):
+            if self.pos_embed_type == "sincos2d":
+                pos = sincos_pos_embed(grid, self.embed_dim, self.num_prefix_tokens).to(x.device)
+            else:
+                pos = resize_pos_embed(pos, grid, self.grid_size, self.num_prefix_tokens)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
         # the sin-cos buffer stays fp32 where DeepSpeed's bf16 / fp16 mode casts only parameters: add
         # it in the tokens' dtype, as big_vision does, not promote the stream to fp32 (a no-op when
         # learned: the parameter already has the tokens' dtype)
-        x = self.pos_drop(x + self.pos_embed.to(x.dtype))
+        return self.pos_drop(x + pos.to(x.dtype))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, prefix + kept patches, D) tokens after the final norm: [class], registers, then the
+        patches (all of them, or in training the ones patch dropout keeps)."""
+        grid = self.patch_embed.grid_of(x.shape[-2], x.shape[-1])
+        x = self._pos_embed(self.patch_embed(x), grid)
+        if self.patch_drop is not None:
+            x = self.patch_drop(x)
         if self.grad_checkpointing and torch.is_grad_enabled():
             for i, blk in enumerate(self.blocks):
                 # non-reentrant: works with ZeRO-3's parameter hooks, unused inputs and torch.compile
@@ -418,16 +317,17 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
         fill(m.latent, lambda t: nn.init.uniform_(t, -bound, bound, generator=g))
 
 
-def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size] = None,
-                 drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[Size] = None,
+                 drop_rate: float = 0.0, drop_path_rate: float = 0.0, patch_drop_rate: float = 0.0,
                  representation_size: Optional[int] = None, global_pool: str = "token",
                  qk_norm: bool = False, init_values: Optional[float] = None, reg_tokens: int = 0,
                  class_token: bool = True, pos_embed: str = "learned", defer_init: bool = False,
                  init_seed: Optional[int] = None, **kwargs) -> VisionTransformer:
     """Build a registered variant. ``with torch.device('meta'):`` builds it without memory.
-    ``qk_norm`` / ``init_values`` / ``reg_tokens`` / ``class_token`` / ``global_pool``: timm's
-    options of the same names (QK LayerNorm, LayerScale, registers, [class] token, pooling);
-    ``pos_embed``: ``learned`` or big_vision's fixed ``sincos2d``.
+    ``qk_norm`` / ``init_values`` / ``reg_tokens`` / ``class_token`` / ``global_pool`` /
+    ``patch_drop_rate``: timm's options of the same names (QK LayerNorm, LayerScale, registers,
+    [class] token, pooling, patch dropout in training); ``pos_embed``: ``learned`` or big_vision's
+    fixed ``sincos2d``.
     ``defer_init``: skip the initialisation; call ``model.init_weights(gather, generator)``
     afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``)."""
     v = variant(name)
@@ -439,31 +339,5 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[_Size
         num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
         reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed, defer_init=defer_init,
         init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
-        representation_size=representation_size, global_pool=global_pool, backbone=backbone, **kwargs)
-
-
-# ------------------------------------------------------------------------ position embeddings
-def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int],
-                     old_grid: Optional[tuple[int, int]] = None, num_prefix_tokens: int = 1) -> torch.Tensor:
-    """Resize (1, prefix + H*W, D) position embeddings to a new patch grid by 2-D bicubic
-    interpolation of the grid part; the prefix tokens' embeddings ([class] and registers,
-    ``num_prefix_tokens`` of them) are kept unchanged (as in the paper's fine-tuning at higher
-    resolution). Non-square grids work when ``old_grid`` is given;
-    without it the old grid is taken as square."""
-    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
-    n_old = grid.shape[1]
-    if old_grid is None:
-        side = int(math.isqrt(n_old))
-        if side * side != n_old:
-            raise ValueError(f"position embedding has {n_old} grid tokens, not a square; pass old_grid")
-        old_grid = (side, side)
-    if old_grid[0] * old_grid[1] != n_old:
-        raise ValueError(f"old_grid {old_grid} does not match {n_old} grid tokens")
-    if tuple(old_grid) == tuple(new_grid):
-        return posemb
-    dim = grid.shape[-1]
-    orig_dtype = grid.dtype
-    grid = grid.reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=True)
-    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(orig_dtype)
-    return torch.cat([prefix, grid], dim=1)
+        patch_drop_rate=patch_drop_rate, representation_size=representation_size, global_pool=global_pool,
+        backbone=backbone, **kwargs)

@@ -51,12 +51,14 @@ def _count_input(model: torch.nn.Module, img_size) -> torch.Tensor:
     return torch.zeros(1, 3, h, w, device=p.device, dtype=p.dtype)
 
 
-def forward_flops(model: VisionTransformer, img_size=None, by_module: bool = False):
+def forward_flops(model: VisionTransformer, img_size=None, by_module: bool = False, train: bool = False):
     """Forward multiply-adds of one image, counted by fvcore with attention included.
 
     A model built on the meta device is materialised (uninitialised) on a copy first, so the
     largest variants can be counted without initialising their weights.
-    ``by_module=True`` returns fvcore's per-module dict instead of the total.
+    ``by_module=True`` returns fvcore's per-module dict instead of the total. ``img_size``: another
+    resolution than the model's is counted as training runs it (position embeddings resampled).
+    ``train=True``: a training forward (patch dropout on; the tokens it keeps are counted).
     """
     from fvcore.nn import FlopCountAnalysis
 
@@ -64,7 +66,7 @@ def forward_flops(model: VisionTransformer, img_size=None, by_module: bool = Fal
     if next(model.parameters()).is_meta:
         model = copy.deepcopy(model).to_empty(device="cpu")
     was_training = model.training
-    model.eval()
+    model.train(train)
     try:
         fca = FlopCountAnalysis(model, (_count_input(model, img_size),))
         fca.set_op_handle("aten::scaled_dot_product_attention", _sdpa_flop_jit)

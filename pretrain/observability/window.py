@@ -11,21 +11,33 @@ from pretrain.observability.metrics import peak_memory_gb, throughput
 
 
 class Window:
-    """What a logging window sums on the device between sync points: losses, images."""
+    """What a logging window sums between sync points: losses (on the device), images, and the
+    training FLOPs of those images at their own step's resolution and token count."""
 
     def __init__(self, device):
         self.loss = torch.zeros(2, device=device)  # (sum of kept losses, their count)
         self.images = 0
+        self.flops = [0.0, 0.0]  # (model, hardware) FLOPs of this rank's images
+        self.img_size = 0  # the resolution of the window's last step
 
-    def add(self, loss: torch.Tensor, images: int) -> None:
+    def add(self, loss: torch.Tensor, images: int, flops: tuple[float, float] = (0.0, 0.0), img_size: int = 0) -> None:
+        """One step: its loss sums, its images, their (model, hardware) training FLOPs per image."""
         self.loss += loss
         self.images += images
+        self.flops = [self.flops[0] + images * flops[0], self.flops[1] + images * flops[1]]
+        self.img_size = img_size
+
+    def flops_per_image(self) -> tuple[float, float]:
+        """(model, hardware) training FLOPs per image, averaged over the window's images."""
+        n = max(1, self.images)
+        return self.flops[0] / n, self.flops[1] / n
 
 
 def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world: int, global_batch: int,
-                   flops: tuple[float, float], nonfinite_skipped: int, loader) -> tuple[dict, dict]:
+                   nonfinite_skipped: int, loader) -> tuple[dict, dict]:
     """The log step's metrics (a sync point: the device finishes the window, then the clock is
-    read) and this rank's phase seconds of the window."""
+    read) and this rank's phase seconds of the window. TFLOP/s and MFU count each image at its
+    step's resolution and the tokens patch dropout kept (``Window.add``)."""
     elapsed, phases = clock.close_window()
     dist.all_reduce(window.loss)
     total, count = window.loss.tolist()
@@ -34,8 +46,8 @@ def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world
     metrics = {"loss": total / count if count else None, "lr": max(engine.get_lr()),
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": step * global_batch,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
-               "nonfinite_skipped": nonfinite_skipped,
-               **throughput(window.images * world, elapsed, world, *flops, peak_tflops()),
+               "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,
+               **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),
                **{f"phase_share/{p}": phases[p] / elapsed for p in PHASES},  # rank 0's step-time breakdown
                **{f"data/{k}": v for k, v in sum_counters(loader.counters).items()}}
     metrics.update(loss_scaling(engine))

@@ -90,12 +90,12 @@ def partitioned(layout) -> list[int]:
             if n > layout.persistence_threshold]
 
 
-# modules of pretrain.models.vit's Block (itself, norms, attention and MLP with their linears, dropouts,
+# modules of pretrain.models.layers' Block (itself, norms, attention and MLP with their linears, dropouts,
 # identities, drop paths) and of the rest of a patch-embedding ViT (the model, patch embedding with
 # its conv, position dropout, the blocks' Sequential, final norm, pre-logits and pooling identities,
-# head dropout, head), and of the MAP head (the pool, its query, key + value and output linears,
-# norm, MLP with its linears, GELU and dropouts); tests/integration/test_perfmodel.py counts them
-# on the built models
+# head dropout, head; patch dropout when on), and of the MAP head (the pool, its query, key + value
+# and output linears, norm, MLP with its linears, GELU and dropouts); tests/integration/test_perfmodel.py
+# counts them on the built models
 BLOCK_MODULES, OTHER_MODULES, MAP_MODULES = 19, 10, 11
 
 
@@ -103,8 +103,9 @@ def zero3_hooked(layout) -> int:
     """Modules DeepSpeed hooks under ZeRO-3: every module, or with ``leaf_blocks`` each block as one
     module and nothing inside it. A hybrid's ResNet stem is counted as one module (its layers are not)."""
     depth = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes).depth
+    patch_drop = 1 if layout.patch_drop_rate else 0  # PatchDropout: a module only when on
     pool = MAP_MODULES if layout.global_pool == "map" else 0
-    return OTHER_MODULES + pool + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
+    return OTHER_MODULES + patch_drop + pool + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
 
 
 def released_numel(layout, tensors: list[int]) -> int:

@@ -61,7 +61,10 @@ checkpointing (``model.set_grad_checkpointing``: each block recomputed in backwa
 block's input stays (``2 s b h`` per block, the paper's "full recomputation") plus one block's
 full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
 logits. The formula is checked against the bytes autograd actually saves in
-``tests/unit/test_launch_memory.py``.
+``tests/unit/test_launch_memory.py``. A step that trains on fewer tokens keeps fewer: ``s`` is the
+kept patch tokens plus the prefix tokens under ``model.patch_drop_rate`` (the image batch is still whole), and under
+``train.resolution_schedule`` each phase has its own ``s``, image size and micro batch; the phase
+with the most activations is the one the estimate (and ``auto`` checkpointing) must fit.
 
 Host memory while the model is built (``host_build``, per rank, CPU RAM): without ZeRO-3 every
 rank builds and initialises the whole fp32 model on the CPU before DeepSpeed moves it (4 B/param;
@@ -74,6 +77,7 @@ each hold at most one whole layer (fp32) beyond the rank's 1/N share (which is a
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GB = 2 ** 30
@@ -97,6 +101,37 @@ class ModelShape:
     qk_norm: bool = False
     layer_scale: bool = False
     prefix_tokens: int = 1  # [class] and register tokens: seq_len less the patches
+    stride: int = 16  # input pixels per token, per side
+    stem: bool = False  # a hybrid's ResNet stem ('SAME' padding keeps partial positions)
+
+    def patches(self, img_size: int) -> int:
+        """Patch tokens of an ``img_size`` input."""
+        side = -(-img_size // self.stride) if self.stem else img_size // self.stride
+        return side * side
+
+
+def trained_shape(shape: ModelShape, img_size: int | None = None, patch_drop_rate: float = 0.0) -> ModelShape:
+    """``shape`` (the model's) as a training step sees it at ``img_size`` px (None: the model's):
+    that resolution's patch grid less what patch dropout drops (``arch.patch_keep``), plus every
+    prefix token ([class], registers: patch dropout keeps them), in the blocks; the parameters stay
+    the model's."""
+    from pretrain.models.arch import patch_keep
+
+    img = img_size or shape.img_size
+    kept = patch_keep(shape.patches(img), patch_drop_rate)
+    return dataclasses.replace(shape, img_size=img, seq_len=kept + shape.prefix_tokens)
+
+
+def training_shapes(cfg, shape: ModelShape) -> list[tuple[ModelShape, int]]:
+    """(shape as trained, micro batch) of each ``train.resolution_schedule`` phase (one without a
+    schedule), with ``model.patch_drop_rate`` applied: what the activations of each phase are sized by."""
+    from pretrain.config.phases import resolution_phases
+
+    rate = getattr(cfg.model, "patch_drop_rate", 0.0)
+    t = cfg.train
+    if not getattr(t, "resolution_schedule", None):
+        return [(trained_shape(shape, None, rate), t.micro_batch_size)]
+    return [(trained_shape(shape, p.img_size, rate), p.micro_batch) for p in resolution_phases(t, shape.img_size)]
 
 
 def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, representation_size=None,
@@ -114,7 +149,8 @@ def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, represe
                       seq_len=seq_len(name, img, reg_tokens, class_token), width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
                       mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale,
-                      prefix_tokens=prefix_tokens(reg_tokens, class_token))
+                      prefix_tokens=prefix_tokens(reg_tokens, class_token), stride=d["stride"],
+                      stem=bool(d["stem_layers"]))
 
 
 def weight_bytes(precision: str) -> int:
@@ -243,6 +279,7 @@ class MemoryEstimate:
     activations_other: float  # with no block checkpointed (with every block when some are), for advice
     checkpointing: int  # blocks checkpointed
     host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
+    largest: tuple[int, int] = (0, 0)  # (px, micro batch) of the phase with the most activations
 
     @property
     def total(self) -> float:
@@ -272,13 +309,15 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
     # `auto` without a device to fit (pretrain.perf.levers.resolve decides it against one): none
     n = checkpoint_count(t.activation_checkpointing, shape.depth) or 0
-    act = activation_bytes(shape, t.micro_batch_size, checkpointing=n, **kw)
-    other = activation_bytes(shape, t.micro_batch_size, checkpointing=0 if n else shape.depth, **kw)
+    # the phase of train.resolution_schedule that holds the most activations decides (one without)
+    act, trained, micro = max(((activation_bytes(s, b, checkpointing=n, **kw), s, b)
+                               for s, b in training_shapes(cfg, shape)), key=lambda e: e[0])
+    other = activation_bytes(trained, micro, checkpointing=0 if n else shape.depth, **kw)
     buffers = zero_buffer_bytes(_sized_buckets(cfg, world, shape), shape, t.precision,
                                 leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=n,
-                          host_build=host_build_bytes(shape, cfg.zero.stage))
+                          host_build=host_build_bytes(shape, cfg.zero.stage), largest=(trained.img_size, micro))
 
 
 def _sized_buckets(cfg, world: int, shape: ModelShape):

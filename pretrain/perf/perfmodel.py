@@ -43,6 +43,12 @@ input
     (CPU workers, or workers reading + the GPU's JPEG decoder), from measured rates; a layout whose
     GPUs would consume more is input-bound and runs at the loaders' rate.
 
+fewer tokens
+    ``model.patch_drop_rate``: the blocks (their GEMMs, attention and element-wise work) run on the
+    kept tokens, the patch embedding on every patch. ``train.resolution_schedule``:
+    :func:`price_tokens` predicts each phase at its resolution and micro batch and sums its steps,
+    against every step at the model's resolution with every token (what ``vit-launch plan`` shows).
+
 ZeRO++ (Wang et al. 2023): ``quantized_weights`` (qwZ) sends the forward all-gather in int8 (half
 of bf16); ``hpz_partition_size`` (hpZ) keeps a secondary copy of the weights partitioned inside
 groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays inside a node;
@@ -94,6 +100,7 @@ class Layout:
     reduce_dtype: str = "fp32"
     checkpointing: Union[bool, int] = False  # True: every block recomputed; an int: that many (the first ones)
     compile: Union[bool, str] = False  # "blocks" (True), "model" or off (train.compile)
+    patch_drop_rate: float = 0.0  # model.patch_drop_rate: the blocks run on the kept tokens
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
     optimizer: str = "adamw"
     ema: bool = False  # train.ema_decay > 0: the weights' average updated after each step
@@ -185,8 +192,10 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     g = gpu_of(layout)
     a = arch.model_defaults(layout.model)
     img = layout.img_size or a["img_size"]
-    parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True, **layout.arch)
-    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
+    parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True,
+                                patch_drop_rate=layout.patch_drop_rate, **layout.arch)
+    full = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
+    shape = memory.trained_shape(full, None, layout.patch_drop_rate)  # the blocks' tokens
     d, s, depth = shape.width, shape.seq_len, shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again
     mode = compile_mode(layout.compile)
@@ -201,7 +210,7 @@ def compute_seconds(layout: Layout, images: int) -> dict[str, float]:
     rows = images * s
     t_blocks = (n * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, True))
                 + (depth - n) * sum(gemm(*mnk) for mnk in kernels.block_gemms(rows, d, mlp, False)))
-    patches = s - shape.prefix_tokens
+    patches = full.seq_len - full.prefix_tokens  # the patch embedding sees every patch
     t_other = 2 * gemm(images * patches, d, parts["embed"] / (patches * d))  # patch embedding: forward, weights
     c = layout.num_classes
     t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
@@ -372,7 +381,7 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
     zero = NS(stage=layout.zero, contiguous_gradients=True, overlap_comm=layout.overlap_comm,
               reduce_bucket_size=layout.reduce_bucket_size, stage3_prefetch_bucket_size=layout.prefetch_bucket_size,
               offload_optimizer=False, offload_params=False, leaf_blocks=layout.leaf_blocks)
-    cfg = NS(zero=zero, model=NS(drop_rate=0.0),
+    cfg = NS(zero=zero, model=NS(drop_rate=0.0, patch_drop_rate=layout.patch_drop_rate),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
                       activation_checkpointing=layout.checkpointing, compile=layout.compile,
@@ -398,7 +407,8 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,
               reg_tokens=m.reg_tokens, class_token=m.class_token, global_pool=m.global_pool, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
-              compile=t.compile, optimizer=cfg.optim.name, ema=t.ema_decay > 0, overlap_comm=z.overlap_comm,
+              compile=t.compile, patch_drop_rate=m.patch_drop_rate, optimizer=cfg.optim.name, ema=t.ema_decay > 0,
+              overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,
               persistence_threshold=z.stage3_param_persistence_threshold, leaf_blocks=z.leaf_blocks,
@@ -407,6 +417,59 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               decode="synthetic" if cfg.data.synthetic else inputs.CONFIG_PATHS[cfg.data.decode_device])
     kw.update(overrides)
     return Layout(**kw)
+
+
+# ------------------------------------------------------------------------- fewer tokens
+@dataclass
+class PhasePrice:
+    """One ``train.resolution_schedule`` phase priced: its steps at its predicted step time."""
+    first: int
+    last: int
+    img_size: int
+    micro_batch: int
+    prediction: Prediction
+    seconds: float  # wall seconds of the phase's steps
+    flops: float  # model FLOPs of the phase's images (all GPUs)
+
+
+@dataclass
+class TokenPrice:
+    """A run that trains on fewer tokens (a resolution schedule, patch dropout) against the same run
+    with every step at the model's resolution and every token (``fixed``)."""
+    phases: list
+    fixed: Prediction
+    steps: int
+    seconds: float
+    flops: float
+    fixed_seconds: float
+    fixed_flops: float
+    fits: bool  # every phase fits the GPU's memory (the largest phase decides)
+
+    def as_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k not in ("phases", "fixed")},
+                "phases": [{k: v for k, v in asdict(p).items() if k != "prediction"}
+                           | {"images_per_second": p.prediction.images_per_second, "mfu": p.prediction.mfu,
+                              "memory_gb_per_gpu": p.prediction.memory_gb_per_gpu["total"]} for p in self.phases],
+                "fixed_images_per_second": self.fixed.images_per_second}
+
+
+def price_tokens(layout: Layout, phases: list) -> TokenPrice:
+    """``layout`` (at the model's resolution and base micro batch) trained in ``phases``
+    (``pretrain.config.phases.Phase``: steps, px, micro batch; the global batch kept), each phase
+    predicted at its own resolution, micro batch and kept tokens, against every step at the
+    model's resolution with every token: time and model FLOPs of the whole run."""
+    global_batch = layout.global_batch or layout.micro_batch * layout.world
+    rows = []
+    for p in phases:
+        pred = predict(replace(layout, img_size=p.img_size, micro_batch=p.micro_batch))
+        images = p.steps * global_batch
+        rows.append(PhasePrice(p.first, p.last, p.img_size, p.micro_batch, pred, p.steps * pred.step_seconds,
+                               images * pred.train_flops_per_image))
+    fixed = predict(replace(layout, patch_drop_rate=0.0))
+    steps = sum(p.steps for p in phases)
+    return TokenPrice(rows, fixed, steps, sum(r.seconds for r in rows), sum(r.flops for r in rows),
+                      steps * fixed.step_seconds, steps * global_batch * fixed.train_flops_per_image,
+                      all(r.prediction.fits for r in rows))
 
 
 def summary_line(p: Prediction) -> str:

@@ -28,9 +28,9 @@ def build_model(cfg: Config) -> torch.nn.Module:
     nothing."""
     m = cfg.model
     kw = dict(num_classes=m.num_classes, img_size=m.img_size, drop_rate=m.drop_rate,
-              drop_path_rate=m.drop_path_rate, representation_size=m.representation_size,
-              global_pool=m.global_pool, qk_norm=m.qk_norm, init_values=m.init_values, reg_tokens=m.reg_tokens,
-              class_token=m.class_token, pos_embed=m.pos_embed)
+              drop_path_rate=m.drop_path_rate, patch_drop_rate=m.patch_drop_rate,
+              representation_size=m.representation_size, global_pool=m.global_pool, qk_norm=m.qk_norm,
+              init_values=m.init_values, reg_tokens=m.reg_tokens, class_token=m.class_token, pos_embed=m.pos_embed)
     if cfg.zero.stage != 3:
         return create_model(m.name, init_seed=cfg.train.seed, **kw)
     import deepspeed

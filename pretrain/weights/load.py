@@ -17,7 +17,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from pretrain.models.vit import resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
 from pretrain.weights import hf
 
 Source = Union[str, Path, Mapping[str, torch.Tensor]]

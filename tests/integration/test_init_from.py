@@ -5,7 +5,8 @@ import pytest
 import torch
 from dist_utils import train_single
 
-from pretrain.models.vit import create_model, resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
+from pretrain.models.vit import create_model
 from pretrain.weights import hf
 from pretrain.weights.export import load_run_weights, write_safetensors
 

@@ -42,17 +42,25 @@ def test_parameter_counts_match_the_built_model(name):
         assert sorted(arch.param_tensors(name, 64, 10)) == built
         # the modules DeepSpeed's ZeRO-3 hooks: all of them, or none inside a leaf block
         for leaf in (False, True):
-            lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=leaf)
-            inside = {id(x) for blk in m.blocks for x in blk.modules() if x is not blk}
-            hooked = sum(1 for x in m.modules() if not (leaf and id(x) in inside))
-            assert collectives.zero3_hooked(lay) == hooked, (name, leaf)
-        # with registers and the MAP head: their tensors, the pool's modules
+            for rate in (0.0, 0.5):  # model.patch_drop_rate: its module exists only when on
+                with torch.device("meta"):
+                    m = create_model(name, num_classes=10, img_size=64, patch_drop_rate=rate)
+                lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=leaf,
+                             patch_drop_rate=rate)
+                inside = {id(x) for blk in m.blocks for x in blk.modules() if x is not blk}
+                hooked = sum(1 for x in m.modules() if not (leaf and id(x) in inside))
+                assert collectives.zero3_hooked(lay) == hooked, (name, leaf, rate)
+        # with registers and the MAP head: their tensors, the pool's modules (and patch dropout's when on)
         opts = dict(reg_tokens=4, global_pool="map")
         with torch.device("meta"):
             m = create_model(name, num_classes=10, img_size=64, **opts)
         assert sorted(arch.param_tensors(name, 64, 10, **opts)) == sorted(p.numel() for p in m.parameters())
-        lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=False, **opts)
-        assert collectives.zero3_hooked(lay) == sum(1 for _ in m.modules())
+        for rate in (0.0, 0.5):
+            with torch.device("meta"):
+                m = create_model(name, num_classes=10, img_size=64, patch_drop_rate=rate, **opts)
+            lay = Layout(name, "h100-sxm", micro_batch=1, img_size=64, num_classes=10, zero=3, leaf_blocks=False,
+                         patch_drop_rate=rate, **opts)
+            assert collectives.zero3_hooked(lay) == sum(1 for _ in m.modules()), rate
 
 
 def test_published_runs_within_stated_tolerance():

@@ -18,7 +18,8 @@ def test_vit_train_gpu_smoke(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "vit_train_gpu.json").read_text())
     rows = {row["lever"]: row for row in result["rows"]}
-    assert set(rows) == {"shipped", "no-ckpt", "plain"} and all(row["status"] == "ok" for row in rows.values()), rows
+    assert set(rows) == {"shipped", "no-ckpt", "schedule", "plain"}, rows
+    assert all(row["status"] == "ok" for row in rows.values()), rows
     assert rows["shipped"]["checkpointed_blocks"] == 12  # train.activation_checkpointing=true: every block
     assert rows["no-ckpt"]["checkpointed_blocks"] == 0  # auto on a CPU: none
     assert rows["no-ckpt"]["reduce_bucket_size"] < 5_000_000 <= rows["shipped"]["reduce_bucket_size"]
@@ -27,4 +28,13 @@ def test_vit_train_gpu_smoke(tmp_path):
     # each vit-train row's own metrics, copied beside the JSON, hold the windows it was measured on
     metrics = [json.loads(x) for x in (tmp_path / "tiny_cpu-shipped-metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "images_per_sec" in m] == [2, 4]
-    assert r.stdout.strip().splitlines()[-len(rows) - 2].startswith("| model | lever |")  # the table, printed last
+    # train.resolution_schedule's row: each phase's windows apart, read back by the img_size they logged
+    phases = rows["schedule"]["phases"]
+    assert set(phases) == {"32", "48", "64"} and all(p["windows"] >= 1 and p["images_per_sec"] > 0
+                                                   for p in phases.values()), phases
+    metrics = [json.loads(x) for x in (tmp_path / "tiny_cpu-schedule-metrics.jsonl").read_text().splitlines()]
+    assert [m["img_size"] for m in metrics if "images_per_sec" in m] == [32, 48, 64]
+    # the table, printed last, then the schedule row's phases (a blank line, its title, a blank line, a table)
+    lines = r.stdout.strip().splitlines()
+    assert lines[-len(rows) - 2 - (5 + len(phases))].startswith("| model | lever |")
+    assert lines[-len(phases) - 2].startswith("| px | micro |")

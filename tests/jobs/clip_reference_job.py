@@ -21,11 +21,20 @@ blocks compiled by inductor, as training does), ``leaf_blocks`` (zero.leaf_block
 how many modules DeepSpeed made ZeRO-3 leaves) and ``ema`` / ``ema_warmup`` (train.ema_decay /
 train.ema_warmup: rank 0 also writes how far our EMA is from timm's ``ModelEmaV3`` stepped on the
 reference and from the decay applied by plain arithmetic to the weights our run had after each
-step, and how the module computes with the EMA swapped in and after it is swapped out). Every case
-starts from the same weights (``bf16_start``: rounded to bf16 first); the batches of step t are the
-same on every rank and in the reference. ``arch`` (model.reg_tokens, class_token, global_pool,
-pos_embed): the reference is timm's model with the same options holding the same weights, its
-``pos_embed`` frozen for ``sincos2d``.
+step, and how the module computes with the EMA swapped in and after it is swapped out), ``phases``
+(train.resolution_schedule: per step ``[px, gas]``, the engine switched to that micro batch between
+steps as training switches it) and ``patch_drop`` (model.patch_drop_rate). Every case starts from
+the same weights (``bf16_start``: rounded to bf16 first); the batches of step t are the same on
+every rank and in the reference. ``arch`` (model.reg_tokens, class_token, global_pool, pos_embed):
+the reference is timm's model with the same options holding the same weights, its ``pos_embed``
+frozen for ``sincos2d``.
+
+With ``phases`` or ``patch_drop`` the reference model is timm's too (``dynamic_img_size``, its own
+``PatchDropout`` keeping the prefix tokens) holding the same weights. Patch dropout draws each
+image's kept tokens from the generator of the process that runs the forward: both sides seed it
+alike before each micro-batch of each rank, and the reference sums the micro-batches' gradients as
+our ranks split them. (A ``sincos2d`` table at another size is not timm's: timm resamples it, ours
+computes it for the new grid; tests/unit/test_fewer_tokens.py checks that one against big_vision's.)
 
 The reference is written from the algorithm, not from our code (here and in tests/reference_utils.py,
 which the whole-path tests share): the mean loss over the whole
@@ -52,6 +61,7 @@ import torch.nn.functional as F
 from deepspeed.utils import z3_leaf_module
 
 from pretrain.config.schema import OptimConfig, TrainConfig
+from pretrain.distributed import ds_compat
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.ema import WeightEma, read_full, write_pieces
 from pretrain.distributed.engine import initialize
@@ -76,7 +86,7 @@ DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, mome
                 schedule="constant", warmup=0, min_ratio=0.0, smoothing=0.0, multi_label=False,
                 offload_params=False, reduce="fp32", compile=False, leaf_blocks=True, layer_decay=1.0, loss="ce",
                 threshold=None, mixed=False, ema=0.0, ema_warmup=False, eps=EPS,
-                bf16_start=False, lr=None, arch={})
+                bf16_start=False, lr=None, arch={}, phases=None, patch_drop=0.0)
 
 
 def base_model(arch: dict | None = None) -> torch.nn.Module:
@@ -86,12 +96,27 @@ def base_model(arch: dict | None = None) -> torch.nn.Module:
     return model
 
 
-def batch(step: int, world: int, multi_label: bool = False, mixed: bool = False):
+def model_options(case: dict) -> dict:
+    """The model's options of a case: its ``arch`` and, with ``patch_drop``, model.patch_drop_rate."""
+    return {**case["arch"], **({"patch_drop_rate": case["patch_drop"]} if case["patch_drop"] else {})}
+
+
+def phase(case: dict, step: int) -> tuple[int, int]:
+    """(px, micro-batches per step) of ``step``."""
+    return tuple(case["phases"][step]) if case["phases"] else (IMG, case["gas"])
+
+
+def mask_seed(step: int, rank: int, micro: int) -> int:
+    """The generator's seed before the forward of one micro-batch of one rank (patch dropout)."""
+    return 10_000 + 100 * step + 10 * rank + micro
+
+
+def batch(step: int, world: int, multi_label: bool = False, mixed: bool = False, img: int = IMG):
     """The global batch of ``step``: images (scaled so that gradients are large enough to clip) and
     labels (class indices, multi-hot rows with about 3 of 10 classes on, or ``mixed``: each one-hot
     row mixed 0.7 : 0.3 with the batch's reversed, as Mixup does)."""
     g = torch.Generator().manual_seed(100 + step)
-    images = torch.randn(MICRO * world, 3, IMG, IMG, generator=g) * 3
+    images = torch.randn(MICRO * world, 3, img, img, generator=g) * 3
     if multi_label:
         return images, (torch.rand(MICRO * world, CLASSES, generator=g) < 0.3).float()
     labels = torch.randint(0, CLASSES, (MICRO * world,), generator=g)
@@ -116,17 +141,20 @@ def reference_loss(logits: torch.Tensor, targets: torch.Tensor, case: dict) -> t
     return ((1 - case["smoothing"]) * nll - case["smoothing"] * logp.mean(1)).mean()
 
 
-def reference_model(base: torch.nn.Module, arch: dict) -> torch.nn.Module:
-    """The plain-PyTorch model a case's reference trains: a copy of ours, or with ``arch`` timm's
-    model of those options holding our weights (a fixed sin-cos embedding frozen there)."""
-    if not arch:
+def reference_model(base: torch.nn.Module, case: dict) -> torch.nn.Module:
+    """The plain-PyTorch model a case's reference trains: a copy of ours, or timm's model of the
+    case's options holding our weights: ``arch``'s (a fixed sin-cos embedding frozen there),
+    ``dynamic_img_size`` with ``phases`` (another size: the embedding's patch grid resampled),
+    timm's ``PatchDropout`` with ``patch_drop``."""
+    if not (case["arch"] or case["phases"] or case["patch_drop"]):
         return copy.deepcopy(base)
     import timm
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES,
-                              **{k: v for k, v in arch.items() if k != "pos_embed"})
+                              dynamic_img_size=bool(case["phases"]), patch_drop_rate=case["patch_drop"],
+                              **{k: v for k, v in case["arch"].items() if k != "pos_embed"})
     model.load_state_dict(base.state_dict(), strict=True)
-    if arch.get("pos_embed") == "sincos2d":
+    if case["arch"].get("pos_embed") == "sincos2d":
         model.pos_embed.requires_grad_(False)
     return model
 
@@ -158,11 +186,17 @@ def reference(model: torch.nn.Module, case: dict, world: int, split: bool = Fals
 
     opt = reference_optimizer(model, case)  # clipped by train_reference, as DeepSpeed clips ours
     sched = reference_schedule(opt, case["warmup"], case["steps"], case["schedule"], case["min_ratio"])
-    batches = [batch(step, world, case["multi_label"], case["mixed"]) for step in range(case["steps"])]
+    batches = [batch(step, world, case["multi_label"], case["mixed"], phase(case, step)[0])
+               for step in range(case["steps"])]
     ema = ModelEmaV3(model, decay=case["ema"], use_warmup=case["ema_warmup"]) if case["ema"] else None
-    norms = train_reference(model, opt, sched, batches, clip=case["clip"], split=MICRO // case["gas"] if split else 0,
-                            loss=lambda logits, targets: reference_loss(logits, targets, case),
-                            after_step=(lambda step: ema.update(model, step=step)) if ema else None)
+    after_step = (lambda step: ema.update(model, step=step)) if ema else None
+    if case["patch_drop"]:
+        norms = masked_reference(model, opt, sched, batches, case, world, reverse=split, after_step=after_step)
+    else:
+        norms = train_reference(model, opt, sched, batches, clip=case["clip"],
+                                split=MICRO // case["gas"] if split else 0,
+                                loss=lambda logits, targets: reference_loss(logits, targets, case),
+                                after_step=after_step)
     return norms[0], ema
 
 
@@ -200,6 +234,29 @@ def ema_checks(engine, ema: WeightEma, case: dict, rank: int, world: int) -> dic
             "after": after, "precision": case["precision"]}
 
 
+def masked_reference(model, opt, sched, batches, case: dict, world: int, reverse: bool,
+                     after_step=None) -> list[float]:
+    """Plain PyTorch with patch dropout: each step's gradient summed over the micro-batches our ranks
+    take, each forward after the seed our side sets (``reverse``: summed in the other order, the
+    reference's own noise), then ``after_step(step)`` (counted from 1). Every step's gradient norm."""
+    norms = []
+    for step, (images, targets) in enumerate(batches):
+        per = MICRO // phase(case, step)[1]
+        chunks = [(r, m) for r in range(world) for m in range(MICRO // per)]
+        opt.zero_grad()
+        for r, m in reversed(chunks) if reverse else chunks:
+            lo = r * MICRO + m * per
+            torch.manual_seed(mask_seed(step, r, m))
+            (reference_loss(model(images[lo:lo + per]), targets[lo:lo + per], case) * (per / len(images))).backward()
+        clip = case["clip"] if case["clip"] > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+        if after_step is not None:
+            after_step(step + 1)
+    return norms
+
+
 def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     """Our engine: each rank its micro-batches of every step, DeepSpeed reduces, clips and steps."""
     lr = case["lr"] or LR[case["optim"]]
@@ -208,7 +265,7 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
                         warmup_steps=case["warmup"], schedule=case["schedule"],
                         min_lr=case["min_ratio"] * lr, layer_decay=case["layer_decay"],
                         loss=case["loss"], bce_target_threshold=case["threshold"])
-    gas = case["gas"]
+    gas = phase(case, 0)[1]
     train = TrainConfig(steps=case["steps"], global_batch_size=MICRO * world, micro_batch_size=MICRO // gas,
                         precision=case["precision"], activation_checkpointing=case["ckpt"], reduce_dtype=case["reduce"],
                         compile=case["compile"])
@@ -218,12 +275,18 @@ def ours(model: torch.nn.Module, case: dict, rank: int, world: int):
     ema = WeightEma(engine, case["ema"], case["ema_warmup"]) if case["ema"] else None
     twin = SameGradients(start, case) if case["optim"] == "lamb" else None
     dtype = compute_dtype(case["precision"])
-    per, per_step = MICRO // gas, []
+    per_step = []
     for step in range(case["steps"]):
-        images, labels = batch(step, world, case["multi_label"], case["mixed"])
+        img, gas = phase(case, step)
+        per = MICRO // gas
+        if case["phases"]:  # between optimizer steps, as pretrain.distributed.phases switches it
+            assert ds_compat.set_micro_batch(engine, per) == gas
+        images, labels = batch(step, world, case["multi_label"], case["mixed"], img)
         mine = images[rank * MICRO:(rank + 1) * MICRO], labels[rank * MICRO:(rank + 1) * MICRO]
         for m in range(gas):
             x, y = mine[0][m * per:(m + 1) * per], mine[1][m * per:(m + 1) * per]
+            if case["patch_drop"]:
+                torch.manual_seed(mask_seed(step, rank, m))
             engine.backward(classification_loss(engine(x.to(dtype)), y, multi_label=case["multi_label"],
                                                 smoothing=case["smoothing"], loss=optim.loss,
                                                 target_threshold=optim.bce_target_threshold))
@@ -247,7 +310,7 @@ class SameGradients:
     must do with the same parameters and gradients, whatever ZeRO spreads over the ranks."""
 
     def __init__(self, start: dict, case: dict):
-        self.model = base_model(case["arch"])
+        self.model = base_model(model_options(case))
         self.model.load_state_dict(start)
         self.opt = reference_optimizer(self.model, case, max_grad_norm=case["clip"] or None)
         self.sched = reference_schedule(self.opt, case["warmup"], case["steps"], case["schedule"], case["min_ratio"])
@@ -402,12 +465,12 @@ def main():
     results = {}
     for name, given in cases.items():
         case = {**DEFAULTS, **given}
-        base = base_model(case["arch"])
+        base = base_model(model_options(case))
         if case["bf16_start"]:  # weights bf16 holds exactly: DeepSpeed's bf16 masters start where the reference does
             with torch.no_grad():
                 for p in base.parameters():
                     p.copy_(p.to(torch.bfloat16).float())
-        ref, twin = reference_model(base, case["arch"]), reference_model(base, case["arch"])
+        ref, twin = reference_model(base, case), reference_model(base, case)
         before = {n: p.detach().clone() for n, p in ref.named_parameters()}
         norm, ref_ema = reference(ref, case, world)
         _, twin_ema = reference(twin, case, world, split=True)

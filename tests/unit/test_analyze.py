@@ -69,7 +69,7 @@ def test_hooks_are_removed_when_the_forward_fails():
     model = tiny_model(32)
     with pytest.raises(RuntimeError):
         with record_attention(model, lambda layer, p: None):
-            model(torch.randn(1, 3, 48, 40))  # wrong size: the patch grid does not fit pos_embed
+            model(torch.randn(1, 4, 32, 32))  # four channels: the patch embedding's convolution refuses them
     assert all(not m._forward_hooks for m in attention_modules(model))
 
 

@@ -1,36 +1,26 @@
 """Today's architecture options against the implementations their users know: big_vision's
-``posemb_sincos_2d`` and ``MAPHead`` (not installed: re-implemented below from
-``big_vision/models/vit.py``), timm's position-embedding resampling with register tokens, and the
-ways weights leave and re-enter (the transfer backbone, resizing, the arch read from tensors).
+``posemb_sincos_2d`` (not installed: re-implemented in tests/reference_utils.py) and ``MAPHead``
+(re-implemented below, both from ``big_vision/models/vit.py``), timm's position-embedding
+resampling with register tokens, and the ways weights leave and re-enter (the transfer backbone,
+resizing, the arch read from tensors).
 timm parity of every combination: tests/unit/test_model.py; FLOPs: tests/unit/test_flops.py."""
 import math
 
-import numpy as np
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from reference_utils import big_vision_posemb_sincos_2d
 from safetensors.torch import save_file
 
 from pretrain.models.arch import seq_len
 from pretrain.models.pooling import sincos_2d
-from pretrain.models.vit import create_model, resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
+from pretrain.models.vit import create_model
 from pretrain.weights.load import load_weights
 
 
 # --------------------------------------------------------------------------- big_vision, re-implemented
-def big_vision_posemb_sincos_2d(h: int, w: int, width: int, temperature: float = 10_000.0) -> np.ndarray:
-    """big_vision's ``posemb_sincos_2d``, line for line in numpy (jnp -> np)."""
-    y, x = np.mgrid[:h, :w]
-    assert width % 4 == 0
-    omega = np.arange(width // 4) / (width // 4 - 1)
-    omega = 1.0 / (temperature ** omega)
-    y = np.einsum("m,d->md", y.flatten(), omega)
-    x = np.einsum("m,d->md", x.flatten(), omega)
-    pe = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
-    return pe[None, :, :]
-
-
 def big_vision_map_head(x: torch.Tensor, p: dict, heads: int) -> torch.Tensor:
     """big_vision's ``MAPHead.__call__`` on flax-layout parameters (kernels in x out): the probe
     tiled over the batch, flax's ``MultiHeadDotProductAttention(probe, x)`` (per-head query / key /
@@ -138,8 +128,8 @@ def test_sincos_model_holds_it_untrained_after_its_prefix():
 # ------------------------------------------------------------------------------------------- MAP
 @pytest.mark.parametrize("d, heads, tokens", [(192, 3, 16), (64, 4, 7)])
 def test_map_head_equals_big_vision_map_head(d, heads, tokens):
+    from pretrain.models.layers import Mlp
     from pretrain.models.pooling import AttentionPool
-    from pretrain.models.vit import Mlp
 
     p = random_map_params(d, 4 * d)
     pool = AttentionPool(d, heads, Mlp(d, 4 * d), torch.nn.LayerNorm(d, eps=1e-6)).eval()

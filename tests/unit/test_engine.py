@@ -200,7 +200,7 @@ def test_zero3_leaf_modules_name_our_block_class_unless_turned_off():
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config, z3_leaf_module
 
-    from pretrain.models.vit import Block
+    from pretrain.models.layers import Block
 
     assert LEAF_BLOCK_CLASS == f"{Block.__module__}.{Block.__qualname__}"
     for over, want in ((["zero.leaf_blocks=false"], []), (["zero.leaf_blocks=false", "train.compile=true"],

@@ -46,6 +46,17 @@ def test_activation_formula_matches_autograd(img, batch, dtype, precision):
     assert est == pytest.approx(measured, rel=0.03), (est, measured)
 
 
+def test_activation_formula_with_patch_dropout_matches_autograd():
+    """The blocks keep the activations of the tokens patch dropout kept (the image batch is whole)."""
+    torch.set_num_threads(1)
+    shape = memory.model_shape(ModelConfig(name="vit_tiny_patch16_224", img_size=96, num_classes=10))
+    measured = saved_activation_bytes("vit_tiny_patch16_224", 96, 4, torch.float32, checkpointing=False,
+                                      patch_drop_rate=0.5)
+    est = memory.activation_bytes(memory.trained_shape(shape, None, 0.5), 4, precision="fp32")
+    assert est == pytest.approx(measured, rel=0.05), (est, measured)
+    assert est < 0.6 * memory.activation_bytes(shape, 4, precision="fp32")
+
+
 def test_checkpointing_keeps_only_block_inputs():
     """Forward with checkpointing saves each block's input; the estimate adds one block's full
     set for its recompute in backward, which this forward-only count does not see."""
@@ -81,7 +92,7 @@ def test_vit_huge_needs_zero3_or_checkpointing_on_80gb():
     checkpointing (s b h = 257 x 256 x 1280 per block, 32 blocks), fit with it: the case the
     pre-flight warning is for."""
     cfg = load_config("configs/vit_h14_jft.yaml", ["train.micro_batch_size=256", "train.activation_checkpointing=false",
-                                                     "model.num_classes=1000", "model.drop_rate=0.0"])
+                                                   "model.num_classes=1000", "model.drop_rate=0.0"])
     est = memory.estimate(cfg, world=16)
     assert est.params == pytest.approx(632e6, rel=0.02)  # the paper's 632M parameters (1000-class head)
     assert est.activations > 80 * memory.GB > est.total_if_checkpointing(True)

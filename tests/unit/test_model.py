@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from pretrain.models.arch import list_models, model_defaults
-from pretrain.models.vit import create_model, resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
+from pretrain.models.vit import create_model
 from pretrain.weights.load import WeightsError, load_weights
 
 SMALL_ENOUGH = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",

@@ -7,7 +7,7 @@ import torch
 from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, write_imagefolder
 
 from pretrain.config import load_config
-from pretrain.models.vit import resize_pos_embed
+from pretrain.models.tokens import resize_pos_embed
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.protocols.fewshot import fewshot_accuracy, ridge_fit, sample_shots
 from pretrain.transfer.protocols.finetune import Dist

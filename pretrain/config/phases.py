@@ -1,0 +1,87 @@
+"""``train.resolution_schedule`` as phases: which steps train at which resolution and micro batch.
+
+    train:
+      steps: 1000
+      micro_batch_size: 64
+      resolution_schedule: [[0.0, 128, 256], [0.6, 192, 128], [0.9, 224]]
+
+Each entry is ``[fraction, px]`` or ``[fraction, px, micro batch]``: the phase starts after
+``round(fraction x train.steps)`` steps (the first at 0.0) and trains at ``px`` with that micro
+batch (``train.micro_batch_size`` without a third value); the global batch is the same in every
+phase, so the accumulation steps follow. The schedule above runs steps 1-600 at 128 px, 601-900 at
+192 px and 901-1000 at 224 px. An empty schedule (the default) is one phase at the model's
+resolution. Pure arithmetic on the config (no torch): training, the checks, the memory model and
+``vit-launch plan`` read the same phases.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Steps ``first..last`` (counted from 1, both included) at ``img_size`` px, ``micro_batch`` images
+    per rank and forward."""
+    first: int
+    last: int
+    img_size: int
+    micro_batch: int
+
+    @property
+    def steps(self) -> int:
+        return self.last - self.first + 1
+
+
+def start_step(fraction: float, steps: int) -> int:
+    """Steps done before a phase that starts at ``fraction`` of ``steps`` (rounded: 0.29 x 100 is 29,
+    not the 28 that the float product's floor would give)."""
+    return round(fraction * steps)
+
+
+def resolution_phases(train, img_size: int) -> list[Phase]:
+    """The phases of ``train`` (a ``TrainConfig``) for a model at ``img_size`` px: one phase per
+    schedule entry that holds at least one step, in order; one phase at ``img_size`` and
+    ``train.micro_batch_size`` without a schedule (or with ``train.steps`` 0). Entries are assumed
+    checked (``check_schedule``)."""
+    entries = [(start_step(float(e[0]), train.steps), int(e[1]),
+                int(e[2]) if len(e) > 2 else train.micro_batch_size) for e in train.resolution_schedule]
+    if not entries or train.steps <= 0:
+        return [Phase(1, max(0, train.steps), img_size, train.micro_batch_size)]
+    ends = [start for start, _, _ in entries[1:]] + [train.steps]
+    return [Phase(start + 1, end, px, micro) for (start, px, micro), end in zip(entries, ends) if end > start]
+
+
+def phase_at(phases: list[Phase], step: int) -> Phase:
+    """The phase of ``step`` (counted from 1); the last phase past its end (a run resumed with more
+    ``train.steps`` is priced by its own config's phases)."""
+    for p in phases:
+        if step <= p.last:
+            return p
+    return phases[-1]
+
+
+def scheduled(train) -> bool:
+    """Whether ``train`` has a resolution schedule."""
+    return bool(train.resolution_schedule)
+
+
+def check_schedule(train, stride: int, fail) -> None:
+    """Each entry ``[fraction, px]`` or ``[fraction, px, micro batch]``: fractions from 0.0, rising,
+    below 1; ``px`` a positive multiple of the model's patch (or stem) ``stride``; a positive micro
+    batch. ``fail(key, message)`` raises. The micro batch against the global batch and the world
+    size: ``check_world_size``."""
+    key = "train.resolution_schedule"
+    last = None
+    for i, e in enumerate(train.resolution_schedule):
+        if len(e) not in (2, 3):
+            fail(key, f"entry {i} is {e}: expected [fraction, px] or [fraction, px, micro batch]")
+        fraction, px = e[0], e[1]
+        if i == 0 and fraction != 0:
+            fail(key, f"the first entry must start at 0.0, got {fraction}")
+        if not 0 <= fraction < 1 or (last is not None and fraction <= last):
+            fail(key, f"entry {i}: fractions of train.steps must rise from 0.0 and stay below 1, got {fraction}")
+        last = fraction
+        if px != int(px) or px <= 0 or int(px) % stride:
+            fail(key, f"entry {i}: resolution {px:g} must be a positive multiple of the model's patch size {stride}")
+        if len(e) == 3 and (e[2] != int(e[2]) or e[2] <= 0):
+            fail(key, f"entry {i}: micro batch {e[2]:g} must be a positive integer")
