@@ -19,6 +19,7 @@ from pretrain.distributed.engine import build_optimizer
 from pretrain.distributed.schedule import lr_multiplier
 
 IMAGENET_1K = 1_281_167  # ImageNet-1k train images: the epoch the step counts are made of
+IMAGENET_21K = 14_197_122  # the full ImageNet-21k release's images
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 # DeiT (facebookresearch/deit) main.py's defaults for what the DeiT III commands leave out
@@ -49,6 +50,12 @@ DEIT3 = {
         input_size=224, smoothing=0.1, warmup_epochs=5, opt="adamw", mixup=0.8, cutmix=1.0, drop_path=0.45,
         reprob=0.0, bce_loss=False, three_augment=False, aa="rand-m9-mstd0.5-inc1", unscale_lr=True,
         repeated_aug=False),
+    # "Training on ImageNet-21k"; --src (a simple random crop) has no key here: its header says so
+    "configs/deit3_l16_in21k.yaml": dict(
+        model="deit_large_patch16_LS", batch=64, gpus=8, nodes=4, lr=1e-3, epochs=240, weight_decay=0.02,
+        input_size=224, smoothing=0.1, warmup_epochs=5, opt="fusedlamb", mixup=0.0, cutmix=1.0, drop_path=0.3,
+        reprob=0.0, bce_loss=False, three_augment=True, aa=None, unscale_lr=True, repeated_aug=False, src=True,
+        images=IMAGENET_21K),
 }
 
 # big_vision configs/vit_s16_i1k.py, and the defaults it relies on: models/vit.py (dropout 0,
@@ -65,10 +72,10 @@ TIMM_RANDAUGMENT_OPS = 2  # timm's rand_augment_transform: num_layers 2 unless t
 
 def deit_translation(flags: dict) -> dict:
     """Our keys' values for a DeiT III command (``flags``) over main.py's defaults."""
-    f = {**DEIT_MAIN, **flags}
-    batch = f["batch"] * f["gpus"] * f["nodes"]
+    f = {**DEIT_MAIN, "images": IMAGENET_1K, **flags}
+    batch, epoch = f["batch"] * f["gpus"] * f["nodes"], f["images"]
     # the lr as given; no random erasing and no simple random crop (neither has a key here)
-    assert f["unscale_lr"] and f["reprob"] == 0.0 and not f["src"]
+    assert f["unscale_lr"] and f["reprob"] == 0.0
     randaug = (0, None)
     if f["aa"]:  # timm's name parts as its rand_augment_transform splits them: "m9" -> m = 9
         parts = dict(re.split(r"(\d.*)", part)[:2] for part in f["aa"].split("-")[1:])
@@ -83,11 +90,11 @@ def deit_translation(flags: dict) -> dict:
         "optim.grad_clip": FUSED_LAMB_MAX_GRAD_NORM if f["opt"] == "fusedlamb" else (f["clip_grad"] or 0.0),
         "optim.schedule": "constant" if constant else "cosine",
         "optim.min_lr": 0.0 if constant else f["min_lr"],
-        "optim.warmup_steps": round(f["warmup_epochs"] * IMAGENET_1K / batch),
+        "optim.warmup_steps": round(f["warmup_epochs"] * epoch / batch),
         "optim.loss": "bce" if f["bce_loss"] else "ce",
         "optim.bce_target_threshold": DEIT_BCE_THRESHOLD if f["bce_loss"] else None,
         "optim.label_smoothing": f["smoothing"],
-        "train.global_batch_size": batch, "train.steps": round(f["epochs"] * IMAGENET_1K / batch),
+        "train.global_batch_size": batch, "train.steps": round(f["epochs"] * epoch / batch),
         "train.ema_decay": 0.0,  # main.py's EMA is kept but never what it evaluates or releases as `model`
         "data.repeat_augment": 3 if f["repeated_aug"] else 1,  # RASampler's num_repeats
         "data.augment.three_augment": f["three_augment"],
@@ -114,6 +121,19 @@ def test_deit3_configs_hold_the_deit3_commands(config):
     want = deit_translation(DEIT3[config])
     got = {k: _value(cfg, k) for k in want}
     assert got == want, {k: (got[k], v) for k, v in want.items() if got[k] != v}
+    if DEIT3[config].get("src"):  # what the config cannot express is named in its header
+        assert "simple random crop (--src" in open(config).read()
+
+
+def test_deit3_in21k_schedule_ends_at_the_commands_size():
+    """The low-resolution phase departs from the command, which trains at 224 px throughout: the
+    last phase is the command's size, the model's own, and the header says how to restore it."""
+    cfg = load_config("configs/deit3_l16_in21k.yaml")
+    flags = DEIT3["configs/deit3_l16_in21k.yaml"]
+    phases = cfg.train.resolution_schedule
+    assert phases[0][0] == 0.0 and phases[-1][1] == flags["input_size"] == cfg.model.img_size
+    assert all(p[1] < flags["input_size"] for p in phases[:-1])
+    assert "train.resolution_schedule=[]" in open("configs/deit3_l16_in21k.yaml").read()
 
 
 def test_deit3_fine_tunes_start_from_their_pre_training():
