@@ -75,8 +75,9 @@ def main(argv=None) -> None:
     print(f"ratio = EMA update / step = {update / step:.4f}")
     if torch.cuda.is_available():
         from pretrain.perf.collectives import GB
+        from pretrain.perf.compute import EMA_BYTES_PER_PARAM, HBM_EFFICIENCY
         from pretrain.perf.hardware import gpu_key, gpu_of
-        from pretrain.perf.perfmodel import EMA_BYTES_PER_PARAM, HBM_EFFICIENCY, Layout
+        from pretrain.perf.perfmodel import Layout
 
         key = gpu_key(torch.cuda.get_device_name())
         if key:

@@ -13,7 +13,7 @@ that rank holds, named ``<parameter>@<first element>``, with every parameter's s
 metadata. Pieces are addressed by parameter and element, not by rank or partition, so a
 checkpoint loads on any world size (:meth:`WeightEma.load` fills this rank's pieces from whichever
 files hold them) and ``vit-export --ema`` assembles whole tensors from the files alone
-(:func:`read_full`). Which piece of which parameter a rank holds: ``ds_compat.master_shards``.
+(:func:`read_full`). Which piece of which parameter a rank holds: ``ds_masters.master_shards``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from pretrain.distributed import ds_compat
+from pretrain.distributed import ds_masters
 
 FILE = "ema_rank_{:05d}.safetensors"  # one per rank that holds pieces, in the checkpoint directory
 GLOB = "ema_rank_*.safetensors"
@@ -58,18 +58,18 @@ class WeightEma:
 
     def __init__(self, engine, decay: float, warmup: bool = False):
         self.engine, self.decay, self.warmup = engine, decay, warmup
-        self.values = [f.detach().clone() for f in ds_compat.master_flats(engine)]
+        self.values = [f.detach().clone() for f in ds_masters.master_flats(engine)]
 
     def update(self, step: int) -> None:
         """After optimizer step ``step``: ``ema = lerp(ema, masters, 1 - decay)``, on the device,
         no host read."""
         d = decay_at(step, self.decay, self.warmup)
-        torch._foreach_lerp_(self.values, ds_compat.master_flats(self.engine), 1.0 - d)
+        torch._foreach_lerp_(self.values, ds_masters.master_flats(self.engine), 1.0 - d)
 
     @torch.no_grad()
     def reset(self) -> None:
         """The average set to the weights (a resume from a checkpoint saved without it)."""
-        for v, f in zip(self.values, ds_compat.master_flats(self.engine)):
+        for v, f in zip(self.values, ds_masters.master_flats(self.engine)):
             v.copy_(f)
 
     @contextlib.contextmanager
@@ -77,15 +77,15 @@ class WeightEma:
         """Collective: the module computes with the average inside the block, with its own weights
         again after it (bit for bit). The masters and the average trade places one flat tensor at a
         time (one partition of extra memory) and DeepSpeed's own after-step copy
-        (``ds_compat.publish_masters``) makes the module's weights from them, both ways."""
-        flats = ds_compat.master_flats(self.engine)
+        (``ds_masters.publish_masters``) makes the module's weights from them, both ways."""
+        flats = ds_masters.master_flats(self.engine)
         _exchange(flats, self.values)
         try:
-            ds_compat.publish_masters(self.engine)
+            ds_masters.publish_masters(self.engine)
             yield
         finally:
             _exchange(flats, self.values)
-            ds_compat.publish_masters(self.engine)
+            ds_masters.publish_masters(self.engine)
 
     # ----------------------------------------------------------------------------- files
     def owns_pieces(self) -> bool:
@@ -98,7 +98,7 @@ class WeightEma:
     def pieces(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """(this rank's pieces as separate tensors on their device, the file's metadata). Copies
         made on the device: training may go on while they are written."""
-        shards = ds_compat.master_shards(self.engine)
+        shards = ds_masters.master_shards(self.engine)
         tensors, shapes = {}, {}
         for shard, values in zip(shards, self.values):
             shapes.update(zip(shard.names, shard.shapes))
@@ -128,7 +128,7 @@ class WeightEma:
                 for key in h.keys():
                     name, start = _parse(key)
                     saved.setdefault(name, []).append((h, key, start, h.get_slice(key).get_shape()[0]))
-            for shard, values in zip(ds_compat.master_shards(self.engine), self.values):
+            for shard, values in zip(ds_masters.master_shards(self.engine), self.values):
                 for name, shape in zip(shard.names, shard.shapes):
                     if list(shapes.get(name, [])) != list(shape):
                         raise ValueError(f"{ckpt}: its EMA has {name} of shape {shapes.get(name)}, the model "

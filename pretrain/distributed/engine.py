@@ -14,7 +14,7 @@ import torch
 
 from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode
 from pretrain.config.schema import OptimConfig, TrainConfig
-from pretrain.distributed import ds_compat, schedule
+from pretrain.distributed import ds_masters, schedule
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.lamb import Lamb, ShardLayout
 from pretrain.distributed.layer_decay import layer_decay_groups
@@ -361,8 +361,8 @@ def shard_lamb(engine, optimizer: torch.optim.Optimizer) -> None:
     so that its trust ratios are per whole parameter (``pretrain/distributed/lamb.py``)."""
     if not isinstance(optimizer, Lamb) or engine.zero_optimization_stage() == 0:
         return
-    device = ds_compat.collective_device(engine)
-    optimizer.shard(lambda: {s.flat: ShardLayout.of(s, device) for s in ds_compat.master_shards(engine)})
+    device = ds_masters.collective_device(engine)
+    optimizer.shard(lambda: {s.flat: ShardLayout.of(s, device) for s in ds_masters.master_shards(engine)})
 
 
 def resolved_zero(model: torch.nn.Module, train: TrainConfig, zero: ZeroConfig, world_size: int) -> ZeroConfig:

@@ -13,7 +13,7 @@ The trust ratio ``r`` is per whole parameter tensor. Under ZeRO the optimizer st
 partitions holding pieces of many parameters, a parameter's pieces spread over ranks: each rank
 sums the squares of its pieces of ``w`` and ``u`` per parameter and one all-reduce over the ZeRO
 group (two floats per parameter of the group) gives every rank the whole norms, so the update is
-timm's exactly. Which piece is where comes from ``ds_compat.master_shards`` (:meth:`Lamb.shard`);
+timm's exactly. Which piece is where comes from ``ds_masters.master_shards`` (:meth:`Lamb.shard`);
 an unknown flat tensor under sharding is an error, never a per-piece ratio. State per parameter:
 ``exp_avg``, ``exp_avg_sq`` and ``step`` (a CPU tensor, as torch's AdamW), so checkpoints and
 DeepSpeed's universal conversion treat it as Adam's. No host read of device values.
@@ -41,7 +41,7 @@ class ShardLayout:
 
     @classmethod
     def of(cls, shard, device: torch.device) -> "ShardLayout":
-        """From a ``ds_compat.MasterShard``."""
+        """From a ``ds_masters.MasterShard``."""
         index = {n: i for i, n in enumerate(shard.names)}
         lengths, ids, at = [], [], 0
         for f in sorted(shard.fragments, key=lambda f: f.offset):

@@ -275,7 +275,8 @@ def test_the_performance_model_sees_the_token_count_and_the_map_head():
     from pretrain.config import load_config
     from pretrain.models.arch import analytic_flops
     from pretrain.perf import memory
-    from pretrain.perf.perfmodel import compute_seconds, layout_from_config
+    from pretrain.perf.compute import compute_seconds
+    from pretrain.perf.perfmodel import layout_from_config
 
     for over in ([], ["model.reg_tokens=4", "model.global_pool=map"],
                  ["model.class_token=false", "model.global_pool=avg"]):
