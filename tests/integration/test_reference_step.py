@@ -53,14 +53,10 @@ CASES = {
     # (SGD: AdamW's per-element scaling turns the last-bit difference between two correct sigmoid
     # cross-entropy formulas, torch's and the reference's, into 2x the reference's own noise)
     "z1-sgd-multilabel-2steps": dict(stage=1, momentum=0.9, steps=2, multi_label=True, clip=1.0, wd=0.05),
-    # train.compile: inductor's blocks as ZeRO-3 leaf modules, recomputed by activation checkpointing;
-    # with zero.leaf_blocks=false, so the blocks are leaves because train.compile names them in the config.
+    # train.compile: model, the whole module compiled by inductor (ZeRO 0-2), with checkpointing of the
+    # first 5 of the 12 blocks (train.activation_checkpointing: N); at ZeRO-2 and compile: blocks at ZeRO-3
+    # (the blocks as leaf modules, recomputed by checkpointing), with the fewer-tokens cases below
     # (SGD: under AdamW, compiled plain PyTorch is itself 1.2e-4 from eager, 3.5x the noise measure above)
-    "z3-compile-ckpt-sgd-momentum-2steps": dict(compile=True, ckpt=True, momentum=0.9, steps=2, clip=1.0, wd=0.05,
-                                                leaf_blocks=False),
-    # train.compile: model, the whole module compiled by inductor (ZeRO 0-2), without and with
-    # checkpointing of the first 5 of the 12 blocks (train.activation_checkpointing: N)
-    "z2-compile-model-sgd-momentum-2steps": dict(stage=2, compile="model", momentum=0.9, steps=2, clip=1.0, wd=0.05),
     "z1-compile-model-ckpt5-sgd-momentum-2steps": dict(stage=1, compile="model", ckpt=5, momentum=0.9, steps=2,
                                                        clip=1.0, wd=0.05),
     # fewer tokens, against timm's model (dynamic_img_size, PatchDropout): train.resolution_schedule's steps
@@ -76,9 +72,10 @@ CASES = {
                                                                phases=[[48, 2]], patch_drop=0.5),
     "z3-bf16-autocast-schedule-patchdrop0.5-sgd-2steps": dict(stage=3, precision="bf16-autocast", steps=2, clip=1.0,
                                                               phases=[[16, 1], [32, 2]], patch_drop=0.5),
+    # (with zero.leaf_blocks=false: the blocks are leaves because train.compile names them in the config)
     "z3-compile-ckpt-schedule-patchdrop0.5-sgd-momentum-2steps": dict(compile=True, ckpt=True, momentum=0.9, steps=2,
                                                                       clip=1.0, wd=0.05, phases=[[16, 2], [48, 1]],
-                                                                      patch_drop=0.5),
+                                                                      patch_drop=0.5, leaf_blocks=False),
     "z2-compile-model-schedule-16px-micro2-patchdrop0.5-sgd": dict(stage=2, compile="model", clip=1.0,
                                                                    phases=[[16, 2]], patch_drop=0.5),
     # registers and MAP at every ZeRO stage (ZeRO-3 partitions reg_token and attn_pool.*) against timm's
