@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not cluster and not gpu" -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -m "not cluster and not gpu" -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # the checks only a GPU can make (bf16 fused attention, NCCL, nvJPEG); a CPU machine leaves them out
 test-gpu: $(STAMP)

@@ -37,7 +37,7 @@ setup(
         # data.decode_device: dali (the DALI build for torch's CUDA 13; its CPU operators need no GPU).
         # ~230 MB to download, ~520 MB installed: in `test` so that CI runs its CPU tests.
         "dali": ["nvidia-dali-cuda130>=2.4"],
-        "test": ["nvidia-nvimgcodec-cu13>=0.9", "nvidia-dali-cuda130>=2.4", "pytest>=8.0", "pytest-xdist>=3.5",
+        "test": ["nvidia-nvimgcodec-cu13>=0.9", "nvidia-dali-cuda130>=2.4", "pytest>=8.0", "pytest-xdist>=3.6",
                  "ruff>=0.6", "timm>=1.0", "scikit-image>=0.22", "transformers>=4.40",
                  "boto3>=1.28.57", "moto[server]>=5.0",  # moto: the S3 API server of tests/s3_server.py
                  "scikit-learn>=1.3"],  # the linear probe's reference (LogisticRegression)

@@ -85,8 +85,15 @@ def _no_shm_left():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests are a tier of their own (`make test-gpu`), like `cluster`: selected where CUDA is
+    """tests/integration (real jobs, tens of seconds a file) first, the quick unit tests after:
+    `make test` hands whole files to two workers in this order (pytest-xdist's loadfile with
+    --no-loadscope-reorder), so the many short tests fill the end of the run instead of one worker
+    waiting while the other runs a long job alone (xdist's own order, by tests per file, puts the
+    one-test jobs last).
+
+    `gpu` tests are a tier of their own (`make test-gpu`), like `cluster`: selected where CUDA is
     present, deselected (not skipped) elsewhere, so a CPU run reports only tests that ran."""
+    items.sort(key=lambda item: item.path.parent.name != "integration")  # stable: files keep their order
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if "gpu" in item.keywords]
