@@ -74,7 +74,8 @@ def deit_translation(flags: dict) -> dict:
     """Our keys' values for a DeiT III command (``flags``) over main.py's defaults."""
     f = {**DEIT_MAIN, "images": IMAGENET_1K, **flags}
     batch, epoch = f["batch"] * f["gpus"] * f["nodes"], f["images"]
-    # the lr as given; no random erasing and no simple random crop (neither has a key here)
+    # the lr as given; no random erasing (no key here); a simple random crop (--src, no key either) is
+    # named in the config's header (test_deit3_configs_hold_the_deit3_commands)
     assert f["unscale_lr"] and f["reprob"] == 0.0
     randaug = (0, None)
     if f["aa"]:  # timm's name parts as its rand_augment_transform splits them: "m9" -> m = 9
