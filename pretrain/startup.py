@@ -249,9 +249,10 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     if samples is not None and c.rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
         for old in range(c.world, r.saved_ranks):  # logs are cut back to the step too
             SampleLog(c.layout.samples, old).open(start).close()
-    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=t.micro_batch_size, seed=t.seed, rank=c.rank,
-                               world=c.world, img_size=b.img, num_classes=cfg.model.num_classes,
-                               dtype=compute_dtype(t.precision), device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
+    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=cfg.validation.batch_size or t.micro_batch_size,
+                               seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
+                               num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
+                               device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
     status = RunStatus(c.layout.status if c.rank == 0 else None)
     status(start)
     clock = StepClock(b.engine.device, c.dog)

@@ -224,6 +224,11 @@ class ValidationConfig:
     fewshot_suites: list[str] = field(default_factory=list)
     """Few-shot probes while pre-training: vit-transfer suite names, `NAME` or `NAME:PATH` (e.g.
     `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`)."""
+    batch_size: int = 0
+    """Images per evaluation forward on each rank, for validation, few-shot and kNN alike; 0 = the
+    training micro batch (which always fits: an evaluation keeps no activations for a backward).
+    Larger evaluation batches take fewer forwards, and under ZeRO-3 fewer parameter gathers, for
+    the same figures."""
     knn_suites: list[str] = field(default_factory=list)
     """kNN probes while pre-training (DINOv2's weighted vote of the whole train split on the test
     split), suites named as `validation.fewshot_suites`. Their images are read at every
@@ -253,6 +258,7 @@ def check_validation(val: ValidationConfig, fail: Callable[[str, str], None]) ->
             fail(f"validation.{key}", msg)
 
     need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
+    need(val.batch_size >= 0, "batch_size", f"must be >= 0 (0: the training micro batch), got {val.batch_size}")
     for key in ("fewshot_suites", "knn_suites"):
         for spec in getattr(val, key):
             name = spec.partition(":")[0]
