@@ -470,16 +470,19 @@ def main():
             with torch.no_grad():
                 for p in base.parameters():
                     p.copy_(p.to(torch.bfloat16).float())
-        ref, twin = reference_model(base, case), reference_model(base, case)
-        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        norm, ref_ema = reference(ref, case, world)
-        _, twin_ema = reference(twin, case, world, split=True)
+        if rank == 0:  # the references are plain PyTorch on the whole global batch: rank 0 alone needs them
+            ref, twin = reference_model(base, case), reference_model(base, case)
+            before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+            norm, ref_ema = reference(ref, case, world)
+            _, twin_ema = reference(twin, case, world, split=True)
         start, end, leaves, extra = ours(base, case, rank, world)
+        if rank != 0:
+            continue
         twin_weights = {n: p.detach() for n, p in twin.named_parameters()}
         results[name] = {**compare(start, end, ref, before), "reference_grad_norm": norm, "leaf_modules": leaves,
                          "reference_noise": compare(before, twin_weights, ref, before)["relative_error"],
                          "masters_start_offset": start_offset(start, before, ref)}
-        if extra.get("ema") is not None and rank == 0:
+        if extra.get("ema") is not None:
             results[name].update(ema_results(extra, ref_ema.module, twin_ema.module, before, start))
         if "same_gradients_error" in extra:
             results[name]["same_gradients_error"] = extra["same_gradients_error"]
