@@ -228,7 +228,7 @@ class ValidationConfig:
     """Images per evaluation forward on each rank, for validation, few-shot and kNN alike; 0 = the
     training micro batch (which always fits: an evaluation keeps no activations for a backward).
     Larger evaluation batches take fewer forwards, and under ZeRO-3 fewer parameter gathers, for
-    the same figures."""
+    the same figures up to rounding."""
     knn_suites: list[str] = field(default_factory=list)
     """kNN probes while pre-training (DINOv2's weighted vote of the whole train split on the test
     split), suites named as `validation.fewshot_suites`. Their images are read at every

@@ -19,7 +19,7 @@ def val(tmp_path_factory):
 
 def six_steps(tiny_run, val, *extra, **kw):
     """A tiny run of 6 steps, a line each, validating on ``val`` in evaluation batches of 32 (4 x the
-    micro batch; the 38 and 37 validation samples of two ranks still end in a short batch)."""
+    micro batch; 75 validation samples, on one rank or two, still end in a short batch)."""
     return tiny_run(f"data.val_shards={val}", "train.steps=6", "train.log_every_steps=1",
                     "checkpoint.every_steps=100", "validation.batch_size=32", *extra, **kw)
 
