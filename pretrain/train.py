@@ -23,7 +23,7 @@ from pretrain.checkpointing.checkpointer import CheckpointWriteError
 from pretrain.checkpointing.rundir import RunDir
 from pretrain.config import Config, cli_errors, load_config
 from pretrain.distributed.precision import compute_dtype
-from pretrain.distributed.process import set_collective_timeout
+from pretrain.distributed.process import process_group_ends, set_collective_timeout
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
 from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, FailureRecord, say_goodbye
@@ -161,11 +161,9 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
     record = FailureRecord(user_errors=USER_ERRORS)  # its folder once the config is read
-    with cli_errors("vit-train", *USER_ERRORS, voice=record.voice):  # one line per job, not one per rank
+    with process_group_ends(), cli_errors("vit-train", *USER_ERRORS, voice=record.voice):  # one line per job
         cfg = load_config(args.config, args.overrides)
         code = EXIT_INTERRUPTED if run(cfg, record)["preempted"] else EXIT_OK
-    if dist.is_initialized():
-        dist.destroy_process_group()
     raise SystemExit(code)
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
+import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterable, Iterator, Optional
 
@@ -62,6 +66,49 @@ def init_distributed(timeout_s: Optional[float] = None) -> tuple[int, int, int]:
     deepspeed.init_distributed(verbose=False, **kwargs)
     ds_compat.release_shm_buffers()
     return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+END_BOUND_S = 10.0  # how long a command's end waits for its process group to close
+
+
+@contextmanager
+def process_group_ends(bound_s: float = END_BOUND_S):
+    """A command's body (``vit-train``, ``vit-transfer``): the process group started inside is
+    destroyed on the way out, whether it succeeded, failed or exits with a user error's code,
+    while the interpreter is still whole. Otherwise a gloo worker thread may free a finished
+    collective's tensors after the interpreter began finalizing, and the process aborts
+    ("terminate called without an active exception", SIGABRT) with its exit code lost: 2 for a
+    user's mistake becomes -6.
+
+    Destroying waits for this rank's collectives in flight; after a failure one may wait on a peer
+    that never comes. Past ``bound_s`` the process ends at once with the code it was leaving with
+    (a failure's traceback printed first)."""
+    try:
+        yield
+    except SystemExit as e:
+        _end_process_group(bound_s, e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+        raise
+    except BaseException as e:
+        _end_process_group(bound_s, 1, e)
+        raise
+    else:
+        _end_process_group(bound_s, 0)
+
+
+def _end_process_group(bound_s: float, code: int, err: Optional[BaseException] = None) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    ender = threading.Thread(target=dist.destroy_process_group, name="vitscale-pg-end", daemon=True)
+    ender.start()
+    ender.join(bound_s)
+    if ender.is_alive():  # a collective of ours waits on a peer: leave now, with our code
+        if err is not None:
+            traceback.print_exception(err)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def set_collective_timeout(timeout_s: float) -> None:

@@ -137,8 +137,9 @@ def run_watch(args, cfg, user_arch: dict) -> list[dict]:
 def main(argv=None) -> None:
     args = parser().parse_intermixed_args(argv)  # overrides may sit between flags
     from data_pipeline.errors import DataError
+    from pretrain.distributed.process import process_group_ends
 
-    with cli_errors(PROG, TransferError, DataError, ConfigError):
+    with process_group_ends(), cli_errors(PROG, TransferError, DataError, ConfigError):
         # the flags are overrides of the eval section: validated once, with the rest, by the schema
         flags = [f"eval.{k}={json.dumps(v)}" for k, v in (("suite", args.suite), ("protocol", args.protocol),
                                                ("recipe", args.recipe), ("data_root", args.data_root))
