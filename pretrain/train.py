@@ -9,6 +9,11 @@ run resumes from the newest complete checkpoint.
 """
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # the program (-m pretrain.train, the deepspeed runner's --module)
+    gc.disable()  # while importing; main() turns it back on (pretrain/perf/collector.py)
+
 import argparse
 import time
 from functools import partial
@@ -26,6 +31,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import process_group_ends, set_collective_timeout
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
+from pretrain.perf.collector import after_imports
 from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, FailureRecord, say_goodbye
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import gather_and_judge
@@ -160,6 +166,7 @@ def main(argv=None) -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)
+    after_imports()
     record = FailureRecord(user_errors=USER_ERRORS)  # its folder once the config is read
     with process_group_ends(), cli_errors("vit-train", *USER_ERRORS, voice=record.voice):  # one line per job
         cfg = load_config(args.config, args.overrides)

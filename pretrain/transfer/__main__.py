@@ -1,5 +1,8 @@
 """``python -m pretrain.transfer`` = ``vit-transfer``."""
-from pretrain.transfer.cli import main
+import gc
 
 if __name__ == "__main__":
+    gc.disable()  # while importing; main() turns it back on (pretrain/perf/collector.py)
+    from pretrain.transfer.cli import main
+
     main()

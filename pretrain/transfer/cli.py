@@ -26,6 +26,7 @@ from typing import Optional
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors
 from pretrain.config import load_config
+from pretrain.perf.collector import after_imports
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.protocols.finetune import Dist
@@ -136,6 +137,7 @@ def run_watch(args, cfg, user_arch: dict) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parser().parse_intermixed_args(argv)  # overrides may sit between flags
+    after_imports()
     from data_pipeline.errors import DataError
     from pretrain.distributed.process import process_group_ends
 

@@ -69,6 +69,7 @@ from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import init_distributed
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
+from pretrain.perf.collector import after_imports
 from tests.reference_utils import (
     decay_groups,
     deit_finetune_reference,
@@ -458,6 +459,7 @@ def deit_case(spec: dict, task, stage: int, rank: int, world: int) -> dict:
 
 
 def main():
+    after_imports()  # as vit-train: DeepSpeed's gc.collect calls per engine walk only what is newer
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     out, cases = args[0], json.loads(args[1])
     rank, _, world = init_distributed()
