@@ -1,6 +1,6 @@
 """Evaluation while pre-training (validation.every_steps): validation metrics over every val sample once,
-few-shot and kNN probes on the held-out demo shapes, the same on the weights' EMA (train.ema_decay), and
-training bit-identical with evaluation on or off."""
+few-shot and kNN probes on the held-out demo shapes (from shards, as ``make demo`` evaluates), the same
+on the weights' EMA (train.ema_decay), and training bit-identical with evaluation on or off."""
 import json
 
 import pytest
@@ -17,6 +17,18 @@ def val(tmp_path_factory):
     return root / "manifest.json"
 
 
+@pytest.fixture(scope="module")
+def held_out(val):
+    """``demo:ROOT``: the held-out shapes' probe data in shards under ROOT, 10 train and 5 test images
+    of each of the 6 shapes (a probe's cost is its images, four passes per evaluation with an EMA)."""
+    from data_pipeline.shards.writer import write_demo_shards
+
+    root = val.parent.parent
+    write_demo_shards(root / "transfer-train", "transfer-train", n=60, shard_size=32)
+    write_demo_shards(root / "transfer-test", "transfer-test", n=30, shard_size=32)
+    return f"demo:{root}"
+
+
 def six_steps(tiny_run, val, *extra, **kw):
     """A tiny run of 6 steps, a line each, validating on ``val`` in evaluation batches of 32 (4 x the
     micro batch; 75 validation samples, on one rank or two, still end in a short batch)."""
@@ -30,11 +42,11 @@ def records(job):
     return [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run, val):
+def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run, val, held_out):
     # with an EMA: its evaluation swaps it into the module and back, which training must not notice either
-    on = records(six_steps(tiny_run, val, "validation.every_steps=3", "validation.fewshot_suites=[demo]",
+    on = records(six_steps(tiny_run, val, "validation.every_steps=3", f"validation.fewshot_suites=[{held_out}]",
                            "validation.fewshot_shots=[1,5]", "validation.fewshot_seeds=2",
-                           "validation.knn_suites=[demo]", "validation.knn_k=[5,20]", "train.ema_decay=0.5",
+                           f"validation.knn_suites=[{held_out}]", "validation.knn_k=[5,20]", "train.ema_decay=0.5",
                            name="on"))
     off = records(six_steps(tiny_run, val, "train.ema_decay=0.5", name="off"))
     evals = [r for r in on if "eval/loss" in r]
@@ -54,10 +66,11 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run,
     assert train_on == train_off and len(train_on) == 6
 
 
-def test_two_ranks_zero3_evaluate_every_val_sample_once(tiny_run, val):
-    job = six_steps(tiny_run, val, "zero.stage=3", "validation.every_steps=3", "validation.fewshot_suites=[demo]",
-                    "validation.fewshot_shots=[1]", "validation.fewshot_seeds=1", "validation.knn_suites=[demo]",
-                    "validation.knn_k=[10]", "train.ema_decay=0.5", via="deepspeed", ranks=2)
+def test_two_ranks_zero3_evaluate_every_val_sample_once(tiny_run, val, held_out):
+    job = six_steps(tiny_run, val, "zero.stage=3", "validation.every_steps=3",
+                    f"validation.fewshot_suites=[{held_out}]", "validation.fewshot_shots=[1]",
+                    "validation.fewshot_seeds=1", f"validation.knn_suites=[{held_out}]", "validation.knn_k=[10]",
+                    "train.ema_decay=0.5", via="deepspeed", ranks=2)
     evals = [x for x in records(job) if "eval/loss" in x]
     assert [x["step"] for x in evals] == [3, 6]
     assert all(x["eval/samples"] == 75 and "eval/fewshot/demo/1shot" in x and "eval/knn/demo/10nn" in x
