@@ -29,6 +29,7 @@ from pretrain.distributed import ema as weight_ema
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.engine import initialize
 from pretrain.models.vit import VisionTransformer
+from pretrain.perf.collector import after_imports
 
 SAVE_AT, TOTAL, GLOBAL_BATCH, CLASSES = 4, 8, 8, 7
 EMA_DECAY, LAYER_DECAY = 0.8, 0.7
@@ -209,6 +210,7 @@ def fail_phase(engine, ema, case_dir: Path, rank: int, world: int) -> dict:
 def main():
     import torch.distributed as dist
 
+    after_imports()  # as vit-train: each case's gc.collect walks only what is newer than the imports
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     root, jobs = Path(args[0]), args[1:]
     from pretrain.distributed.process import init_distributed
