@@ -10,7 +10,10 @@ from pretrain.checkpointing import checkpoint
 from pretrain.config import from_dict
 from pretrain.distributed.engine import initialize
 from pretrain.distributed.process import init_distributed
+from pretrain.perf.collector import after_imports
 from pretrain.weights.init_from import build_model
+
+after_imports()  # as vit-train: DeepSpeed's gc.collect calls walk only what is newer than the imports
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
 run_dir, out = Path(args[0]), Path(args[1])

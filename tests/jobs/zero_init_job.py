@@ -17,7 +17,10 @@ from pretrain.config import Config
 from pretrain.distributed.engine import initialize, param_groups
 from pretrain.distributed.process import init_distributed
 from pretrain.models.vit import create_model
+from pretrain.perf.collector import after_imports
 from pretrain.weights.init_from import build_model, num_params
+
+after_imports()  # as vit-train: DeepSpeed's gc.collect calls walk only what is newer than the imports
 
 
 def rss_kb(field: str) -> int:
