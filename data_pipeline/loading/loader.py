@@ -97,7 +97,7 @@ from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.remainder import RestEpoch, rest_epoch
 from data_pipeline.loading.stream import Settings, SlotStream, Start
 from data_pipeline.loading.transforms import SampleTransform
-from data_pipeline.loading.workers import worker_init
+from data_pipeline.loading.workers import share_temp_dir, worker_init
 from data_pipeline.shards import crop_decode
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import resolve_shards
@@ -222,6 +222,8 @@ class ShardLoader:
         # a worker has at most prefetch_factor batches out, plus the one being finished and, on a
         # GPU, the one issued ahead: with that many buffers it reuses one on every batch
         buffers = BatchBuffers(workers, self.cfg.prefetch_factor + 2) if workers > 0 else None
+        if workers > 0:
+            share_temp_dir()
         stream = SlotStream(self.plan, self.rank, self.settings, start, self.num_classes, buffers)
         # Batches come back in the DataLoader's default strict order (worker 0, 1, 2, ...): the
         # resume rotation in stream.py relies on it.

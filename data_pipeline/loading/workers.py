@@ -8,7 +8,10 @@ batches) and checkpoint. They must never outlive or block their rank, though:
   killed with ``kill -9`` takes its workers with it;
 * on exit (normal, by exception, or ``SystemExit``) the rank SIGKILLs its workers first
   (``stop_workers``, also registered with ``atexit``): Python's multiprocessing would otherwise send
-  them SIGTERM, which they ignore, and join them forever.
+  them SIGTERM, which they ignore, and join them forever;
+* a SIGKILLed worker cannot remove its own files, so the rank makes multiprocessing's temporary
+  folder before it starts them (``share_temp_dir``): forked workers then put their sockets (torch
+  passes tensors' file descriptors through one) in the rank's folder, which the rank removes at exit.
 """
 from __future__ import annotations
 
@@ -40,6 +43,14 @@ def worker_init(worker_id: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the rank died before the request took effect
         os._exit(1)
+
+
+def share_temp_dir() -> None:
+    """Make this process's multiprocessing temporary folder now, before its workers are forked (they
+    inherit it instead of each making one that its SIGKILL would leave in the system's temp folder)."""
+    from multiprocessing import util
+
+    util.get_temp_dir()
 
 
 def stop_workers(timeout_s: float = 5.0) -> int:

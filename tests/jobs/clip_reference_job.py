@@ -51,6 +51,7 @@ big_vision and timm, nor on register tokens or the MAP probe; with ``layer_decay
 import copy
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -231,8 +232,12 @@ def ema_checks(engine, ema: WeightEma, case: dict, rank: int, world: int) -> dic
             during = engine(x).float()
         after = engine(x).float()
     engine.train()
-    return {"ema": read_full(folder[0]) if rank == 0 else None, "x": x.float(), "before": before, "during": during,
-            "after": after, "precision": case["precision"]}
+    whole = None
+    if rank == 0:
+        whole = read_full(folder[0])
+        shutil.rmtree(folder[0])
+    return {"ema": whole, "x": x.float(), "before": before, "during": during, "after": after,
+            "precision": case["precision"]}
 
 
 def masked_reference(model, opt, sched, batches, case: dict, world: int, reverse: bool,

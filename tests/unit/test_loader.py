@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -350,3 +353,26 @@ def test_elastic_resume_with_repeats_reads_each_copy_once(uneven_ids):
     plain = build_loader(_cfg(uneven_ids, workers=0), rank=0, world_size=3, batch_size=4, seed=3, img_size=16)
     plain.resume(states1)  # at the epoch's end: another repeat count goes on
     assert plain.epoch == 1 and plain.plan.repeats == 1
+
+
+WORKERS_THEN_EXIT = """
+import sys
+from data_pipeline.loading.loader import build_loader
+from pretrain.config import DataConfig
+cfg = DataConfig(train_shards=sys.argv[1], val_shards=sys.argv[1], workers=2, shuffle_buffer=20)
+it = iter(build_loader(cfg, batch_size=6, seed=3, img_size=16))
+for _ in range(4):
+    next(it)
+"""
+
+
+def test_a_rank_with_workers_leaves_nothing_in_the_temp_folder(balanced_ids, tmp_path):
+    """The rank SIGKILLs its workers at exit; the sockets they made to pass tensors go with the rank's
+    own temporary folder, not one per worker left behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    r = subprocess.run([sys.executable, "-c", WORKERS_THEN_EXIT, str(balanced_ids)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in tmp.iterdir()) == []
