@@ -1,7 +1,10 @@
 """Shared pytest setup. Everything runs on CPU; checks that need a GPU carry the `gpu` marker and
 are collected only where CUDA is present (`make test-gpu`; CI never has one)."""
+import getpass
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,33 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: real sshd/pdsh/SLURM daemons (make test-cluster; not in make test)")
     config.addinivalue_line("markers", "slow: runs that start training processes (deepspeed runner or python -m "
                             "pretrain.train); `pytest -m \"not slow\"` is the quick inner loop, `make test` runs all")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_temp_folder(tmp_path_factory):
+    """Every process the tests start, and the tests themselves, make their temporary files in a
+    folder of this test session, removed when it ends: a job killed on purpose cannot clean up
+    (W&B's media folders, multiprocessing's socket folders), and would leave them in the system's
+    temp folder run after run. torch.compile's cache, pytest's own folders and this process's
+    multiprocessing folder stay where they always are."""
+    import multiprocessing.util
+
+    tmp_path_factory.getbasetemp()
+    multiprocessing.util.get_temp_dir()  # removed by this process at its exit, after this fixture
+    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    before = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    folder = tempfile.mkdtemp(prefix="vitscale-tests-")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,13 +368,13 @@ for _ in range(4):
 """
 
 
-def test_a_rank_with_workers_leaves_nothing_in_the_temp_folder(balanced_ids, tmp_path):
+def test_a_rank_with_workers_leaves_nothing_in_the_temp_folder(balanced_ids):
     """The rank SIGKILLs its workers at exit; the sockets they made to pass tensors go with the rank's
     own temporary folder, not one per worker left behind."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp())  # short: a socket's path must fit in 108 bytes
     env = dict(os.environ, TMPDIR=str(tmp))
     r = subprocess.run([sys.executable, "-c", WORKERS_THEN_EXIT, str(balanced_ids)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in tmp.iterdir()) == []
+    tmp.rmdir()

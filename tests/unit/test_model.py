@@ -264,7 +264,7 @@ def test_a_torch_saved_state_dict_with_an_object_says_how_to_convert_it_safely(t
     assert "Re-running" not in line and "(which runs that code)" in line and "safetensors.torch.save_file" in line
 
 
-def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks():
+def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks(tmp_path):
     """A pre-trained state dict with timm's q_norm / ls gammas builds its transfer backbone with
     the same options (read from the tensors); toggling either key is a resume-blocking change,
     while older runs' configs (without the keys) still resume."""
@@ -273,7 +273,7 @@ def test_qk_norm_and_layerscale_travel_to_transfer_and_resume_checks():
 
     src = create_model("vit_tiny_patch16_224", img_size=32, num_classes=4, qk_norm=True, init_values=1e-5)
     torch.nn.init.normal_(src.blocks[1].ls2.gamma)
-    path = __import__("tempfile").mkdtemp() + "/w.safetensors"
+    path = str(tmp_path / "w.safetensors")
     save_file(src.state_dict(), path)
     m = build_backbone(load_pretrained(path), img_size=32)
     assert torch.equal(m.blocks[1].ls2.gamma, src.blocks[1].ls2.gamma)
