@@ -42,6 +42,7 @@ def _private_temp_folder(tmp_path_factory):
     inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     before = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
     folder = tempfile.mkdtemp(prefix="vitscale-tests-")
+    os.chmod(folder, 0o1777)  # as /tmp: daemons of the cluster tests run as their own users (munge)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
     os.environ["TMPDIR"] = folder
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
