@@ -16,6 +16,8 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	@echo "make install: installing vitscale with its test extras (torch, DeepSpeed, ...; about 3 min the first time)"
 	$(PY) -m pip install --progress-bar on -e '.[test]'
+	@echo "make install: building DeepSpeed's CPU communication op (without a GPU; once, under a minute)"
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	@touch $(STAMP)
 	@echo "make install: done; $(VENV) is ready"
 

@@ -181,7 +181,7 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
     """Start a timer that, ``after_s`` seconds from now, says in one line if this process's main
     thread is waiting for the lock of a JIT build of a compiled op. DeepSpeed's CPU shm op is built
     by torch's ``cpp_extension.load`` on first use, under a lock on the build folder; a second
-    process waits on it silently while the first builds (about 1.5 minutes): torch 2.14 holds an
+    process waits on it silently while the first builds (about 20 s on two cores): torch 2.14 holds an
     OS file lock (``filelock``, released if the builder dies), older torch a lock file
     (``FileBaton``: a build killed mid-way leaves it, and every later run waits forever).
     Returns the timer; ``cancel()`` it once the wait is over."""
@@ -196,7 +196,7 @@ def report_build_lock_wait(after_s: float = 10.0, prog: str = "vit-train"):
             path = getattr(lock, "lock_file_path", None) or getattr(lock, "lock_file", None)
             if frame.f_code.co_name in ("wait", "acquire", "_poll_until_acquired") and isinstance(path, str):
                 print(f"{prog}: waiting {after_s:g}+ s for the lock {path} of a compiled op's build: normal on "
-                      "a first start, another process is building DeepSpeed's op (about 1.5 min, once per "
+                      "a first start, another process is building DeepSpeed's op (under a minute, once per "
                       "TORCH_EXTENSIONS_DIR). Only if no build runs for long (torch < 2.14 leaves the file "
                       "after a killed build): remove it", file=sys.stderr, flush=True)
                 return

@@ -23,3 +23,6 @@ def test_make_install_says_each_stage_and_shows_pips_progress(tmp_path):
     assert "creating" in r.stdout and len(said) >= 3, lines  # the venv, then each stage
     assert any(i < pip[0] and "installing vitscale" in lines[i] for i in said), lines
     assert "done" in lines[said[-1]] and said[-1] > pip[0], lines
+    # DeepSpeed's CPU op is built by the install, not by the first training job
+    build = [i for i, ln in enumerate(lines) if "build_shm_op()" in ln]
+    assert len(build) == 1 and pip[0] < build[0] < said[-1], lines
