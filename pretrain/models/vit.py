@@ -329,14 +329,18 @@ def create_model(name: str, *, num_classes: int = 1000, img_size: Optional[Size]
     [class] token, pooling, patch dropout in training); ``pos_embed``: ``learned`` or big_vision's
     fixed ``sincos2d``.
     ``defer_init``: skip the initialisation; call ``model.init_weights(gather, generator)``
-    afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``)."""
+    afterwards. ``init_seed``: the initialisation's own seed (``VisionTransformer``).
+    The variant's shape (``patch_size``, ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio``)
+    yields to a keyword of the same name, as in ``timm.create_model``."""
     v = variant(name)
     img_size = img_size or v.img_size
     backbone = ResNetStem(v.stem_layers, in_chans=kwargs.get("in_chans", 3), defer_init=True) \
         if v.stem_layers else None
+    shape = dict(patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth, num_heads=v.num_heads,
+                 mlp_ratio=v.mlp_ratio)
+    shape.update((k, kwargs.pop(k)) for k in list(shape) if k in kwargs)
     return VisionTransformer(
-        img_size=img_size, patch_size=v.patch_size, embed_dim=v.embed_dim, depth=v.depth,
-        num_heads=v.num_heads, mlp_ratio=v.mlp_ratio, qk_norm=qk_norm, init_values=init_values,
+        img_size=img_size, **shape, qk_norm=qk_norm, init_values=init_values,
         reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed, defer_init=defer_init,
         init_seed=init_seed, num_classes=num_classes, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
         patch_drop_rate=patch_drop_rate, representation_size=representation_size, global_pool=global_pool,

@@ -25,9 +25,9 @@ step, and how the module computes with the EMA swapped in and after it is swappe
 (train.resolution_schedule: per step ``[px, gas]``, the engine switched to that micro batch between
 steps as training switches it) and ``patch_drop`` (model.patch_drop_rate). Every case starts from
 the same weights (``bf16_start``: rounded to bf16 first); the batches of step t are the same on
-every rank and in the reference. ``arch`` (model.reg_tokens, class_token, global_pool, pos_embed):
-the reference is timm's model with the same options holding the same weights, its ``pos_embed``
-frozen for ``sincos2d``.
+every rank and in the reference. ``arch`` (model.reg_tokens, class_token, global_pool, pos_embed;
+``depth``, the variant's overridden as timm's ``create_model`` allows): the reference is timm's
+model with the same options holding the same weights, its ``pos_embed`` frozen for ``sincos2d``.
 
 With ``phases`` or ``patch_drop`` the reference model is timm's too (``dynamic_img_size``, its own
 ``PatchDropout`` keeping the prefix tokens) holding the same weights. Patch dropout draws each

@@ -82,6 +82,8 @@ PARITY = [("vit_tiny_patch16_224", dict(img_size=64)),
           # registers, no [class] token, MAP, the fixed sin-cos embedding (timm holds it as a learned one)
           ("vit_tiny_patch16_224", dict(img_size=32, reg_tokens=4, global_pool="map")),
           ("vit_tiny_patch16_224", dict(img_size=48, reg_tokens=1)),
+          # the variant's shape overridden by keyword, as timm's create_model allows
+          ("vit_small_patch16_224", dict(img_size=32, depth=3, num_heads=4, mlp_ratio=2.0)),
           ("vit_small_patch16_224", dict(img_size=32, class_token=False, global_pool="avg", pos_embed="sincos2d")),
           ("vit_tiny_patch16_224", dict(img_size=32, class_token=False, reg_tokens=2, global_pool="map",
                                         pos_embed="sincos2d", qk_norm=True)),
