@@ -14,7 +14,7 @@ import torch
 
 from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode
 from pretrain.config.schema import OptimConfig, TrainConfig
-from pretrain.distributed import ds_masters, schedule
+from pretrain.distributed import ds_compat, ds_masters, schedule
 from pretrain.distributed.config import ZeroConfig
 from pretrain.distributed.lamb import Lamb, ShardLayout
 from pretrain.distributed.layer_decay import layer_decay_groups
@@ -335,6 +335,7 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
     memory), except on a CPU, where it checkpoints nothing."""
     import deepspeed
 
+    ds_compat.import_muon_uncompiled()
     zero = resolved_zero(model, train, zero, world_size)
     n = checkpoint_count(train.activation_checkpointing, len(getattr(model, "blocks", ())))
     if n is None:
