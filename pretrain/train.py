@@ -42,6 +42,17 @@ USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's on
 
 
 # ----------------------------------------------------------------------------------------- loop
+def evaluate(lp: Loop, step: int) -> None:
+    """The evaluation of ``step`` when one is due: its own data and RNG, its time not in img/s."""
+    if lp.evaluator is None or not lp.evaluator.due(step, lp.cfg.train.steps):
+        return
+    lp.clock.beat("eval", slow=True)
+    results = lp.evaluator(lp.engine, step)
+    lp.logger.log(step, results)
+    lp.clock.exclude(lp.evaluator.last_seconds)
+    lp.say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
+
+
 def train_loop(lp: Loop) -> dict:
     """Steps until ``train.steps`` or an agreed stop. Between sync points (log and checkpoint steps,
     every ``train.sync_every_steps``) nothing is read on the host."""
@@ -84,13 +95,7 @@ def train_loop(lp: Loop) -> dict:
             history.append(metrics["loss"])
             window = Window(device)
 
-        if lp.evaluator is not None and lp.evaluator.due(step, t.steps):  # own data and RNG, not in img/s
-            clock.beat("eval", slow=True)
-            results = lp.evaluator(engine, step)
-            lp.logger.log(step, results)
-            clock.exclude(lp.evaluator.last_seconds)
-            lp.say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
-
+        evaluate(lp, step)
         clock.beat("stop")
         stopped = sync and lp.stop.agreed(device)  # a signal stops every rank within train.sync_every_steps
         clock.beat("checkpoint", slow=True)
