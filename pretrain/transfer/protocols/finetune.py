@@ -125,8 +125,10 @@ class _DeepSpeed:
     def __init__(self, model, opt, sched, *, lr: float, recipe: Recipe, ev, zero, precision: str, world: int):
         import deepspeed
 
+        from pretrain.distributed import ds_compat
         from pretrain.distributed.engine import deepspeed_config, resolved_zero
 
+        ds_compat.import_muon_uncompiled()
         optim = OptimConfig(name=recipe.optimizer, lr=lr, momentum=MOMENTUM, betas=list(BETAS), eps=EPS,
                             weight_decay=recipe.weight_decay, grad_clip=recipe.grad_clip)
         train = TrainConfig(steps=ev.steps, global_batch_size=ev.batch_size, micro_batch_size=ev.batch_size // world,
