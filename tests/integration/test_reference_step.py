@@ -57,8 +57,8 @@ CASES = {
     # first 2 of its blocks (train.activation_checkpointing: N); at ZeRO-2 and compile: blocks at ZeRO-3
     # (the blocks as leaf modules, recomputed by checkpointing), with the fewer-tokens cases below
     # (SGD: under AdamW, compiled plain PyTorch is itself 1.2e-4 from eager, 3.5x the noise measure above).
-    # Four blocks, not the variant's twelve: inductor's work grows with the unrolled graph (the two cases
-    # cost 146 CPU-s on an empty compile cache at depth 12, 69 at depth 4)
+    # Four blocks, not the variant's twelve: inductor's work grows with the unrolled graph (what that
+    # costs: tests/CONTRIBUTING.md)
     "z1-compile-model-ckpt2-sgd-momentum-2steps": dict(stage=1, compile="model", ckpt=2, momentum=0.9, steps=2,
                                                        clip=1.0, wd=0.05, arch=dict(depth=4)),
     # fewer tokens, against timm's model (dynamic_img_size, PatchDropout): train.resolution_schedule's steps
