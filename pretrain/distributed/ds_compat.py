@@ -29,9 +29,9 @@ What lives here and why:
   (``CROSS_RANK``); the name is read from the launcher's own arguments.
 - ``import_muon_uncompiled``: DeepSpeed's ZeRO optimizer check and its ZeRO-1/2/3 and bf16 optimizers
   import its Muon module, which wraps its functions in ``torch.compile`` at import and so loads
-  inductor's compiler: about 0.9 CPU-seconds of each rank's start-up (a 2-rank tiny job measured
-  11 CPU-s before, 9 after) for an optimizer vitscale does not offer. Imported first with dynamo
-  off for that one import (vit-train's and vit-transfer's engines), its functions stay eager.
+  inductor's compiler: about 0.9 CPU-seconds of each rank's start-up, for an optimizer vitscale
+  does not offer. Imported first with dynamo off for that one import (vit-train's and
+  vit-transfer's engines), its functions stay eager.
 - The fp32 master weights inside DeepSpeed's optimizers (EMA, LAMB) are read in the sibling
   ``pretrain/distributed/ds_masters.py``, written for the same releases.
 """
