@@ -74,10 +74,12 @@ CASES = {
                                                                phases=[[48, 2]], patch_drop=0.5),
     "z3-bf16-autocast-schedule-patchdrop0.5-sgd-2steps": dict(stage=3, precision="bf16-autocast", steps=2, clip=1.0,
                                                               phases=[[16, 1], [32, 2]], patch_drop=0.5),
-    # (with zero.leaf_blocks=false: the blocks are leaves because train.compile names them in the config)
+    # (with zero.leaf_blocks=false: the blocks are leaves because train.compile names them in the config;
+    # four blocks, as the whole-model cases above)
     "z3-compile-ckpt-schedule-patchdrop0.5-sgd-momentum-2steps": dict(compile=True, ckpt=True, momentum=0.9, steps=2,
                                                                       clip=1.0, wd=0.05, phases=[[16, 2], [48, 1]],
-                                                                      patch_drop=0.5, leaf_blocks=False),
+                                                                      patch_drop=0.5, leaf_blocks=False,
+                                                                      arch=dict(depth=4)),
     "z2-compile-model-schedule-16px-micro2-patchdrop0.5-sgd": dict(stage=2, compile="model", clip=1.0,
                                                                    phases=[[16, 2]], patch_drop=0.5,
                                                                    arch=dict(depth=4)),
@@ -191,11 +193,12 @@ def test_lamb_equals_timm_lamb_on_the_run_s_own_gradients(steps, case):
 
 
 def test_zero3_leaf_modules_are_the_blocks_unless_turned_off(steps):
-    """DeepSpeed made exactly the 12 Transformer blocks ZeRO-3 leaves (zero.leaf_blocks, the default;
-    train.compile too), none with zero.leaf_blocks=false, and no module at other stages."""
+    """DeepSpeed made exactly the Transformer blocks (12, or the case's depth) ZeRO-3 leaves
+    (zero.leaf_blocks, the default; train.compile too), none with zero.leaf_blocks=false, and no
+    module at other stages."""
     for name, case in CASES.items():
-        stage = case.get("stage", 3)
-        want = 12 if stage == 3 and (case.get("leaf_blocks", True) or case.get("compile")) else 0
+        stage, blocks = case.get("stage", 3), case.get("arch", {}).get("depth", 12)
+        want = blocks if stage == 3 and (case.get("leaf_blocks", True) or case.get("compile")) else 0
         assert steps[name]["leaf_modules"] == want, (name, steps[name])
 
 
