@@ -15,7 +15,9 @@ from torch import nn
 
 
 class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample (Huang et al. 2016)."""
+    """Stochastic depth: drop the whole residual branch per sample (Huang et al. 2016). The
+    per-image mask is scaled, then multiplies the branch once (timm's ``drop_path``: the same
+    numbers, one pass over the activations forward and one backward)."""
 
     def __init__(self, p: float = 0.0):
         super().__init__()
@@ -26,7 +28,7 @@ class DropPath(nn.Module):
             return x
         keep = 1.0 - self.p
         mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * mask / keep
+        return x * mask.div_(keep)
 
 
 class Attention(nn.Module):

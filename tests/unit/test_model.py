@@ -113,6 +113,29 @@ def test_timm_parity_both_ways(name, kw):
         torch.testing.assert_close(ours2(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_timm_parity_in_training_with_dropout_and_stochastic_depth():
+    """A training forward and backward draw the same masks in the same order as timm's and scale
+    them the same way: equal outputs and gradients under one seed."""
+    kw = dict(img_size=32, num_classes=10, drop_rate=0.2, drop_path_rate=0.5)
+    torch.manual_seed(0)
+    # our drop_rate is timm's three dropout rates together (the ViT paper's one "dropout")
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, pos_drop_rate=0.2, proj_drop_rate=0.2,
+                            **kw).train()
+    sd = {k: torch.randn_like(v) * 0.05 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(sd)
+    ours = create_model("vit_tiny_patch16_224", **kw).train()
+    ours.load_state_dict(sd, strict=True)
+    x = torch.randn(4, 3, 32, 32)
+    outs = []
+    for m in (ours, ref):
+        torch.manual_seed(1)
+        out = m(x)
+        out.pow(2).sum().backward()
+        outs.append((out.detach(), m.blocks[5].mlp.fc1.weight.grad))
+    assert (outs[0][0] == 0).sum() < outs[0][0].numel()  # not every path dropped
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["vit_giant_patch14_224", "vit_gigantic_patch14_224", "vit_huge_patch14_224"])
 @pytest.mark.parametrize("opts", [{}, dict(qk_norm=True, init_values=1e-5)], ids=["plain", "qknorm-ls"])
 def test_timm_names_and_shapes_past_vit_h(name, opts):
