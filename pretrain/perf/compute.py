@@ -15,7 +15,8 @@ models (ViT-B) reach a lower MFU than wide ones and why the gap grows on GPUs wh
 their bandwidth (H100 against A100). ``torch.compile`` fuses element-wise chains: half that
 traffic and half those kernels. ``train.precision=bf16-autocast`` keeps the LayerNorms and
 residual adds on an fp32 stream and casts every weight to bf16 in each forward (6 B/param of
-traffic per micro-step). The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
+traffic per micro-step). ``model.drop_rate`` and ``model.drop_path_rate`` add their masks' and
+products' traffic and, eager, their kernels. The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
 a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
 models wait for kernel launches. Under ZeRO-3 the host's module hooks
 (``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work beyond them
@@ -48,6 +49,9 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 COMPILED_TRAFFIC = {"blocks": 0.5, "model": 0.45}
 # the weights' EMA (train.ema_decay) after the step: read master and average, write the average
 EMA_BYTES_PER_PARAM = 12
+# model.drop_rate compiled: the draw and the product fuse into the neighbouring kernel; what is left
+# is the one-byte mask, written forward and read backward (eager: ``_regulariser_bytes``)
+DROPOUT_COMPILED_BYTES = 1
 
 
 def _elementwise_elems(d: int, m: int, heads: int, s: int, fused_attention: bool) -> float:
@@ -58,6 +62,23 @@ def _elementwise_elems(d: int, m: int, heads: int, s: int, fused_attention: bool
     attention kernel the scores are written, softmaxed (read, write) and read again by the
     product with V: 4 heads s per token."""
     return 18 * d + 2 * m + (0 if fused_attention else 4 * heads * s)
+
+
+def _regulariser_bytes(layout, e: int, d: int, mlp: int, tokens: int, depth: int, recomputed: int,
+                       drop_path_blocks: int, compiled: bool) -> float:
+    """HBM bytes of ``model.drop_rate``'s dropout (three sites a block: 2 d + MLP width elements per
+    token; forward, backward, the recomputed blocks' forward) and, eager, of stochastic depth (two
+    residual branches of d per token and block: the product read and written forward and
+    backward; compiled it fuses into the residual add). Eager, CUDA's fused dropout reads the
+    input and writes the output and a one-byte mask, its backward reads the gradient and the mask
+    and writes the gradient: ``2 e + 1`` bytes per element each way."""
+    out = 0.0
+    if layout.drop_rate > 0:
+        per = DROPOUT_COMPILED_BYTES if compiled else 2 * e + 1
+        out += per * (2 * d + mlp) * tokens * (2 * depth + recomputed)
+    if drop_path_blocks and not compiled:
+        out += 2 * d * 2 * e * tokens * (2 * drop_path_blocks + max(0, recomputed - (depth - drop_path_blocks)))
+    return out
 
 
 def compute_seconds(layout, images: int) -> dict[str, float]:
@@ -93,7 +114,9 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     t_other += gemm(images, c, d) + gemm(images, d, c) + gemm(c, d, images)  # head: forward, both gradients
     # fused attention: 2 s^2 d multiply-adds per image and block forward, twice that backward
     attn_flops = 2.0 * 2 * s * s * d * images * (3 * depth + n)
-    n_kernels = kernels.kernels_per_micro_step(depth, n, mode, layout.precision == "bf16-autocast")
+    drop_path_blocks = depth - 1 if layout.drop_path_rate > 0 else 0  # the first block's rate is 0
+    n_kernels = kernels.kernels_per_micro_step(depth, n, mode, layout.precision == "bf16-autocast",
+                                               dropout=layout.drop_rate > 0, drop_path_blocks=drop_path_blocks)
     fixed = kernels.GEMM_FIXED_S if g.sms else 0.0
     t_attn = attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
     t_mm = t_blocks + t_other + t_attn
@@ -105,6 +128,7 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     elem_bytes = token_bytes * s * depth * images * passes * COMPILED_TRAFFIC.get(mode, 1.0)
     if layout.precision == "bf16-autocast":  # each weight cast to bf16 per forward (and recompute): read 4, write 2 B
         elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (1 + n / depth)
+    elem_bytes += _regulariser_bytes(layout, e, d, mlp, s * images, depth, n, drop_path_blocks, bool(mode))
     gaps = (n_kernels["elementwise"] + n_kernels["accumulate"]) * (kernels.KERNEL_GAP_SECONDS if g.sms else 0.0)
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem

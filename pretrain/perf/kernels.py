@@ -71,6 +71,14 @@ AUTOCAST_CASTS = {"block": 23, "recompute": 10, "other": 3}
 # work outside the blocks the same way and the block boundaries' residual add into the next norm.
 COMPILED_ELEMENTWISE = 8
 COMPILED_MODEL_OTHER_ELEMENTWISE = 6
+# model.drop_rate, eager: each nn.Dropout is one kernel forward (CUDA's fused native_dropout writes
+# the output and its mask) and one backward; three in a block (after the attention projection, the
+# GELU and fc2), two outside it (after the position embedding, before the head). model.drop_path_rate,
+# eager: each residual branch's per-image mask (bernoulli, scaled in place) and the product forward,
+# the product backward. Compiled, both fuse into their neighbours' kernels.
+DROPOUT_SITES = {"block": 3, "other": 2}
+DROPOUT_KERNELS = {"forward": 1, "backward": 1}
+DROP_PATH_KERNELS = {"forward": 3, "backward": 1}  # per residual branch, two a block
 
 # --- host cost of issuing kernels
 # Eager PyTorch, per kernel with the view ops around it: about 5-7 us for an autograd op from Python
@@ -118,11 +126,13 @@ def recomputed_blocks(depth: int, checkpointing) -> int:
     return depth if checkpointing is True else max(0, min(int(checkpointing or 0), depth))
 
 
-def kernels_per_micro_step(depth: int, checkpointing=False, compile=False, autocast: bool = False) -> dict[str, int]:
+def kernels_per_micro_step(depth: int, checkpointing=False, compile=False, autocast: bool = False,
+                           dropout: bool = False, drop_path_blocks: int = 0) -> dict[str, int]:
     """Kernels one GPU issues per micro-step, by kind, and their ``total``. ``checkpointing``: the
     blocks recomputed (``True`` all); ``compile``: ``"blocks"`` (or ``True``), ``"model"`` or off;
     ``autocast``: ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away
-    when compiled)."""
+    when compiled); ``dropout`` (``model.drop_rate > 0``) and ``drop_path_blocks`` (the blocks whose
+    stochastic depth rate is above 0), in the element-wise count when eager."""
     n = recomputed_blocks(depth, checkpointing)
     mode = "blocks" if compile is True else (compile or "")
     out = {}
@@ -137,7 +147,25 @@ def kernels_per_micro_step(depth: int, checkpointing=False, compile=False, autoc
             plain, extra = plain + AUTOCAST_CASTS["block"], extra + AUTOCAST_CASTS["recompute"]
             other += AUTOCAST_CASTS["other"]
         out[kind] = depth * plain + n * extra + other
+        if kind == "elementwise" and not mode:
+            out[kind] += dropout_kernels(depth, n, dropout, drop_path_blocks)
     out["total"] = sum(out.values())
+    return out
+
+
+def dropout_kernels(depth: int, recomputed: int, dropout: bool, drop_path_blocks: int) -> int:
+    """Eager kernels of ``model.drop_rate`` (its sites in every block and outside them; the
+    ``recomputed`` blocks' forward again) and of stochastic depth in the last ``drop_path_blocks``
+    blocks (its rate rises from 0 at the first block; checkpointing recomputes the first blocks)."""
+    out = 0
+    if dropout:
+        sites = depth * DROPOUT_SITES["block"] + DROPOUT_SITES["other"]
+        out += sites * (DROPOUT_KERNELS["forward"] + DROPOUT_KERNELS["backward"])
+        out += recomputed * DROPOUT_SITES["block"] * DROPOUT_KERNELS["forward"]
+    if drop_path_blocks:
+        again = max(0, recomputed - (depth - drop_path_blocks))
+        out += 2 * drop_path_blocks * (DROP_PATH_KERNELS["forward"] + DROP_PATH_KERNELS["backward"])
+        out += 2 * again * DROP_PATH_KERNELS["forward"]
     return out
 
 

@@ -71,6 +71,8 @@ class Layout:
     checkpointing: Union[bool, int] = False  # True: every block recomputed; an int: that many (the first ones)
     compile: Union[bool, str] = False  # "blocks" (True), "model" or off (train.compile)
     patch_drop_rate: float = 0.0  # model.patch_drop_rate: the blocks run on the kept tokens
+    drop_rate: float = 0.0  # model.drop_rate: dropout's element-wise work (and, eager, kernels)
+    drop_path_rate: float = 0.0  # model.drop_path_rate: stochastic depth's, eager
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient)
     optimizer: str = "adamw"
     ema: bool = False  # train.ema_decay > 0: the weights' average updated after each step
@@ -271,7 +273,7 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
     zero = NS(stage=layout.zero, contiguous_gradients=True, overlap_comm=layout.overlap_comm,
               reduce_bucket_size=layout.reduce_bucket_size, stage3_prefetch_bucket_size=layout.prefetch_bucket_size,
               offload_optimizer=False, offload_params=False, leaf_blocks=layout.leaf_blocks)
-    cfg = NS(zero=zero, model=NS(drop_rate=0.0, patch_drop_rate=layout.patch_drop_rate),
+    cfg = NS(zero=zero, model=NS(drop_rate=layout.drop_rate, patch_drop_rate=layout.patch_drop_rate),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
                       activation_checkpointing=layout.checkpointing, compile=layout.compile,
@@ -297,7 +299,8 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,
               reg_tokens=m.reg_tokens, class_token=m.class_token, global_pool=m.global_pool, zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
-              compile=t.compile, patch_drop_rate=m.patch_drop_rate, optimizer=cfg.optim.name, ema=t.ema_decay > 0,
+              compile=t.compile, patch_drop_rate=m.patch_drop_rate, drop_rate=m.drop_rate,
+              drop_path_rate=m.drop_path_rate, optimizer=cfg.optim.name, ema=t.ema_decay > 0,
               overlap_comm=z.overlap_comm,
               reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
               prefetch_bucket_size=z.stage3_prefetch_bucket_size,

@@ -61,7 +61,7 @@ def test_a_narrow_model_at_small_micro_batches_waits_for_kernel_launches():
     assert predict(Layout(model="vit_tiny_patch16_224", gpu="h100-sxm", micro_batch=256)).launch_seconds == 0
 
 
-def _kernels_of_a_training_step(checkpointing: bool, autocast: bool) -> collections.Counter:
+def _kernels_of_a_training_step(checkpointing: bool, autocast: bool, **model_kw) -> collections.Counter:
     """Kernels (aten ops that are not views) of one forward + backward of our ViT-Ti/16, read with a
     dispatch mode on CPU: the second step, when every parameter's gradient is accumulated."""
     import torch
@@ -81,7 +81,7 @@ def _kernels_of_a_training_step(checkpointing: bool, autocast: bool) -> collecti
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10)
+    model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, **model_kw)
     model.set_grad_checkpointing(checkpointing)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
 
@@ -104,6 +104,25 @@ def test_kernel_counts_are_those_our_model_issues(checkpointing, autocast):
     gemms = ops["mm"] + ops["addmm"] + ops["convolution"] + ops["convolution_backward"]
     attention = sum(v for k, v in ops.items() if "scaled_dot_product" in k)
     assert (gemms, attention) == (want["gemm"], want["attention"]), (sorted(ops.items()), want)
+
+
+def test_dropout_and_stochastic_depth_kernels_are_those_our_model_issues():
+    """Eager, without checkpointing. Stochastic depth: the mask's draw and scaling and the product
+    forward, the product backward, in each block after the first (its rate rises from 0), as on
+    CPU. Dropout: CPU decomposes each forward into a draw, a scaling and a product (CUDA's fused
+    native_dropout is one kernel) and the backward into one product: one kernel forward and one
+    backward per site on the GPU, i.e. one per product counted here."""
+    base = _kernels_of_a_training_step(False, False)
+    path = _kernels_of_a_training_step(False, False, drop_path_rate=0.1)
+    extra = {k: path[k] - base[k] for k in path if path[k] != base[k] and k != "new_empty"}  # an allocation
+    assert sum(extra.values()) == kernels.dropout_kernels(12, 0, False, 11), extra
+    drop = _kernels_of_a_training_step(False, False, drop_rate=0.1)
+    assert drop["bernoulli_"] == 12 * kernels.DROPOUT_SITES["block"] + kernels.DROPOUT_SITES["other"]
+    assert drop["mul"] - base["mul"] == kernels.dropout_kernels(12, 0, True, 0)
+    eager = kernels.kernels_per_micro_step(12, dropout=True, drop_path_blocks=11)
+    assert eager["total"] - kernels.kernels_per_micro_step(12)["total"] == kernels.dropout_kernels(12, 0, True, 11)
+    assert kernels.kernels_per_micro_step(12, compile="model", dropout=True, drop_path_blocks=11) == \
+        kernels.kernels_per_micro_step(12, compile="model")  # fused into their neighbours
 
 
 # XLA's default matmul table, measured bf16 GEMMs on H100 (openxla/xla,
