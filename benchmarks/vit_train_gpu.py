@@ -18,8 +18,12 @@ made on the GPU: the step without the input pipeline) and one lever changed from
                       the loader restarts and compile traces the new shape), beside the plan's
                       prediction for that phase (``pretrain.perf.perfmodel.price_tokens``)
   ViT-B/16, ViT-H/14  the best L/16 levers (H/14 at ZeRO-2: one GPU needs no ZeRO-3)
-  plain     the best plain PyTorch step of L/16 on the same batch sizes (``torch.compile`` of the
-            model, bf16 autocast, fused AdamW): the reference vit-train's MFU is held against
+  plain     the best plain PyTorch step of the same L/16 job at micro 128: the config's model (its
+            classes, its dropout), its loss and targets, ``torch.compile`` of the model, bf16
+            autocast, fused AdamW; no DeepSpeed, no loop, no guard: the reference vit-train's MFU
+            is held against
+  no-dropout  the micro 128 row with ``model.drop_rate=0``: what the recipe's dropout (0.1 in the
+            ViT paper's ImageNet-21k recipe) costs the step, apart from what the engine costs
 
 Every run accumulates ``ACCUMULATION`` micro-batches per optimizer step (on a cluster the optimizer
 step is a 1/N shard; on one GPU it is the whole model, so some accumulation keeps it from being a
@@ -89,7 +93,7 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
                 # two steps a phase: one window each, within the smoke's budget on 2 cores
                 Row("tiny_cpu", "schedule", toy + ("train.resolution_schedule=[[0,32,8],[0.34,48],[0.67,64]]",),
                     "32 px (micro 8) / 48 / 64 px", steps=6),
-                Row("vit_tiny_patch16_224", "plain", (4, 64), PLAIN)]
+                Row("tiny_cpu", "plain", toy, PLAIN)]
         # inductor's C++ build takes minutes on 2 cores: the smoke leaves train.compile to
         # tests/integration/test_compile.py and traces the plain reference with aot_eager
         return rows, {"steps": 4, "log_every": 2, "budget_s": 600.0, "row_min_s": 60.0}
@@ -102,8 +106,10 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
                            "zero.reduce_bucket_size=500000000"), "no checkpointing, eager"),
         Row(L, "model", best, "no checkpointing (auto), compile model, auto buckets"),
         Row(L, "micro128", best + ("train.micro_batch_size=128",), "... and micro batch 128"),
+        Row(L, "plain", ("train.micro_batch_size=128",), PLAIN),
+        Row(L, "no-dropout", best + ("train.micro_batch_size=128", "model.drop_rate=0.0"),
+            "... and no dropout (model.drop_rate=0)"),
         Row(L, "schedule", best + (SCHEDULE,), "compile model, 128 px (micro 128) / 192 / 224 px", steps=24),
-        Row("vit_large_patch16_224", "plain", (128, 224), PLAIN),
         Row(B, "model", best, "auto checkpointing, compile model, auto buckets"),
         Row(H, "model", best + ("zero.stage=2", "train.micro_batch_size=32"),
             "ZeRO-2, micro 32, auto checkpointing, compile model, auto buckets"),
@@ -241,18 +247,19 @@ def child_env() -> dict:
 
 def plain_row(row: Row, settings: dict, out_dir: Path, smoke: bool, timeout_s: float) -> dict:
     """The plain reference in a process of its own (``--plain``), its JSON read back."""
-    name, micro, img = row.model, *row.overrides
+    name = row.model
     res = out_dir / f"plain-{name}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--output", str(out_dir), "--plain", f"{name},{micro},{img}",
-           "--steps", str(settings["steps"])] + (["--smoke"] if smoke else [])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--output", str(out_dir), "--plain", name,
+           "--steps", str(settings["steps"])] + [f"--plain-override={o}" for o in row.overrides] + (
+        ["--smoke"] if smoke else [])
     t0 = time.perf_counter()
     try:
         with open(out_dir / f"plain-{name}.log", "w") as fh:
             subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
         out = json.loads(res.read_text()) if res.exists() else {
-            "model": SHORT.get(name, name), "lever": "plain", "levers": PLAIN, "status": "error", "error": "no result"}
+            "model": name, "lever": "plain", "levers": PLAIN, "status": "error", "error": "no result"}
     except subprocess.TimeoutExpired:
-        out = {"model": SHORT.get(name, name), "lever": "plain", "levers": PLAIN, "status": "error",
+        out = {"model": name, "lever": "plain", "levers": PLAIN, "status": "error",
                "error": f"past its {timeout_s:.0f} s"}
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -263,34 +270,44 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}"
 
 
-def plain_step_row(name: str, micro: int, img: int, steps: int, smoke: bool) -> dict:
-    """The best plain PyTorch step of the same model and batch: our model class (timm's layout),
-    ``torch.compile`` of the whole model, bf16 autocast, fused AdamW, ``ACCUMULATION`` micro-batches
-    per step. No DeepSpeed, no loader, no guard."""
-    from pretrain.model import create_model
+def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dict:
+    """The best plain PyTorch step of the same job: the config's model as vit-train builds it (its
+    classes, dropout, stochastic depth), its loss on the synthetic loader's kind of targets, at its
+    micro batch and resolution; ``torch.compile`` of the whole model, bf16 autocast, fused AdamW,
+    ``ACCUMULATION`` micro-batches per step. No DeepSpeed, no loader, no guard."""
+    from pretrain.config import image_size, load_config
     from pretrain.models.arch import analytic_flops
+    from pretrain.models.losses import classification_loss
     from pretrain.observability.clock import synced_now
     from pretrain.observability.flops import peak_tflops
+    from pretrain.weights.init_from import build_model
 
-    out = {"model": SHORT.get(name, name), "lever": "plain", "path": "plain PyTorch", "levers": PLAIN,
-           "micro_batch": micro,
-           "accumulation": ACCUMULATION}
+    cfg = load_config(ROOT / "configs" / f"{config}.yaml", list(overrides))
+    m, micro, img = cfg.model, cfg.train.micro_batch_size, image_size(cfg.model)
+    out = {"model": SHORT.get(m.name, m.name), "config": f"configs/{config}.yaml", "lever": "plain",
+           "path": "plain PyTorch", "levers": PLAIN, "overrides": list(overrides), "micro_batch": micro,
+           "accumulation": ACCUMULATION, "drop_rate": m.drop_rate, "num_classes": m.num_classes,
+           "multi_label": cfg.data.multi_label}
     t0 = time.perf_counter()
     try:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda" if cuda else "cpu")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        model = create_model(name, img_size=img, num_classes=1000).to(device)
+        model = build_model(cfg).to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
         model.compile(backend="inductor" if cuda or not smoke else "aot_eager")
         x = torch.randn(micro, 3, img, img, device=device)
-        y = torch.randint(0, 1000, (micro,), device=device)
+        y = torch.randint(0, m.num_classes, (micro,), device=device)
+        if cfg.data.multi_label:  # as data.synthetic makes them: one class on per image
+            y = torch.nn.functional.one_hot(y, m.num_classes).float()
 
         def step():
             for _ in range(ACCUMULATION):
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                    loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                    logits = model(x)
+                loss = classification_loss(logits, y, multi_label=cfg.data.multi_label,
+                                           smoothing=cfg.optim.label_smoothing, loss=cfg.optim.loss)
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -303,7 +320,9 @@ def plain_step_row(name: str, micro: int, img: int, steps: int, smoke: bool) -> 
             step()
             times.append(synced_now(device) - t)
         ips = micro * ACCUMULATION / statistics.median(times)
-        flops = 6.0 * analytic_flops(name, img, 1000) * ips
+        macs = analytic_flops(m.name, img, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
+                              reg_tokens=m.reg_tokens, class_token=m.class_token, patch_drop_rate=m.patch_drop_rate)
+        flops = 6.0 * macs * ips
         peak = peak_tflops()
         out.update(status="ok", img_per_s=ips, tflops=flops / 1e12, mfu=flops / (peak * 1e12) if peak else None,
                    peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None)
@@ -360,15 +379,15 @@ def main(argv=None) -> int:
     ap.add_argument("--predict-only", metavar="DEVICE_NAME",
                     help="print the rows with the plan's predictions for that CUDA device name (e.g. 'NVIDIA H100 "
                          "80GB HBM3', 80 GiB assumed) and run nothing")
-    ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # NAME,MICRO,IMG: the reference's own process
+    ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # CONFIG: the reference's own process
+    ap.add_argument("--plain-override", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=16, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.plain:
-        name, micro, img = args.plain.split(",")
-        r = plain_step_row(name, int(micro), int(img), args.steps, args.smoke)
-        (out / f"plain-{name}.json").write_text(json.dumps(r) + "\n")
+        r = plain_step_row(args.plain, args.plain_override, args.steps, args.smoke)
+        (out / f"plain-{args.plain}.json").write_text(json.dumps(r) + "\n")
         return 0
     rows, settings = plan_rows(args.smoke)
     if args.predict_only:
