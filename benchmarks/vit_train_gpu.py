@@ -24,6 +24,10 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             is held against
   no-dropout  the micro 128 row with ``model.drop_rate=0``: what the recipe's dropout (0.1 in the
             ViT paper's ImageNet-21k recipe) costs the step, apart from what the engine costs
+  no-overlap  the model row (micro 64) with ``zero.overlap_comm: false``: with overlap DeepSpeed's
+            ZeRO-2 synchronises the device at the end of every micro-step's backward
+            (``independent_gradient_partition_epilogue``), and a whole-model compile returns every
+            gradient at the end of its backward, so there is nothing to overlap on one GPU
 
 Every run accumulates ``ACCUMULATION`` micro-batches per optimizer step (on a cluster the optimizer
 step is a 1/N shard; on one GPU it is the whole model, so some accumulation keeps it from being a
@@ -109,6 +113,7 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(L, "plain", ("train.micro_batch_size=128",), PLAIN),
         Row(L, "no-dropout", best + ("train.micro_batch_size=128", "model.drop_rate=0.0"),
             "... and no dropout (model.drop_rate=0)"),
+        Row(L, "no-overlap", best + ("zero.overlap_comm=false",), "the model row without zero.overlap_comm"),
         Row(L, "schedule", best + (SCHEDULE,), "compile model, 128 px (micro 128) / 192 / 224 px", steps=24),
         Row(B, "model", best, "auto checkpointing, compile model, auto buckets"),
         Row(H, "model", best + ("zero.stage=2", "train.micro_batch_size=32"),
