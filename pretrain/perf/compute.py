@@ -16,9 +16,10 @@ their bandwidth (H100 against A100). ``torch.compile`` fuses element-wise chains
 traffic and half those kernels. ``train.precision=bf16-autocast`` keeps the LayerNorms and
 residual adds on an fp32 stream and casts every weight to bf16 in each forward (6 B/param of
 traffic per micro-step). ``model.drop_rate`` and ``model.drop_path_rate`` add their masks' and
-products' traffic and, eager, their kernels. The host issues every kernel (``pretrain.perf.kernels.host_seconds``);
-a micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
-models wait for kernel launches. Under ZeRO-3 the host's module hooks
+products' traffic and, eager, their kernels. The host issues every kernel
+(``pretrain.perf.kernels.host_seconds``) and runs DeepSpeed's ZeRO-1/2 gradient handling, per
+parameter tensor (``engine_hook_seconds``); a micro-step takes the longer of the GPU's time and
+the host's, so small micro-batches of narrow models wait for kernel launches. Under ZeRO-3 the host's module hooks
 (``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work beyond them
 (``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay
 ``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward. The optimizer step
@@ -133,6 +134,7 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem
     host = kernels.host_seconds(n_kernels["total"], depth, n, mode)
+    host += kernels.engine_hook_seconds(n_kernels["accumulate"], layout.precision, layout.zero)  # one per tensor
     hooks = work = 0.0
     if layout.zero == 3:  # paced with the GPU, so added to the step, not hidden under it
         modules = zero3_hooked(replace(layout, leaf_blocks=layout.leaf_blocks or bool(mode)))

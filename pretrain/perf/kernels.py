@@ -89,6 +89,13 @@ HOST_SECONDS_PER_KERNEL = 8e-6
 # a compiled region's call beyond its kernels: guards, device guard, AOTAutograd's wrapper (44 us for
 # a one-kernel graph in tritonbench#1017 less that kernel's launch); once forward, once backward
 COMPILED_CALL_HOST_SECONDS = 37e-6
+# DeepSpeed's own host work per parameter tensor and micro-step beyond autograd's accumulation, by
+# (train.precision, ZeRO stage): ZeRO-2's gradient hook copies each gradient into its bucket and
+# books it; bf16 ZeRO-1 is the BF16_Optimizer, which accumulates at its step; bf16-autocast ZeRO-1's
+# optimizer hooks each gradient too. benchmarks/engine_host.py measures 28-31, 2-3 and 11-18 us on a
+# 2-vCPU machine that issues a kernel in 14 us; scaled here to the 8 us of a GPU machine's host.
+ENGINE_HOOK_SECONDS = {("bf16", 1): 1.5e-6, ("bf16", 2): 17e-6, ("bf16-autocast", 1): 8e-6,
+                       ("bf16-autocast", 2): 16e-6, ("fp32", 1): 8e-6, ("fp32", 2): 17e-6}
 # what every other kernel costs the GPU beyond its work when issued back to back: the launch latency
 # between kernels (NVIDIA's "Getting Started with CUDA Graphs": a 2.9 us kernel takes 3.8 us per
 # launch in a stream)
@@ -176,6 +183,13 @@ def host_seconds(kernels: int, depth: int, checkpointing=False, compile=False) -
     mode = "blocks" if compile is True else (compile or "")
     calls = 2 if mode == "model" else 2 * depth + recomputed_blocks(depth, checkpointing) if mode else 0
     return kernels * HOST_SECONDS_PER_KERNEL + calls * COMPILED_CALL_HOST_SECONDS
+
+
+def engine_hook_seconds(tensors: int, precision: str, stage: int) -> float:
+    """Host seconds DeepSpeed's ZeRO-1/2 gradient handling adds to one micro-step of ``tensors``
+    parameter tensors (:data:`ENGINE_HOOK_SECONDS`; none at ZeRO-0, ZeRO-3 has its own term)."""
+    key = (precision if precision in ("bf16", "bf16-autocast") else "fp32", stage)
+    return tensors * ENGINE_HOOK_SECONDS.get(key, 0.0)
 
 
 # --- ZeRO-3 (module docstring), fitted on the H200 rows: per hooked module, the mean of the

@@ -125,6 +125,23 @@ def test_dropout_and_stochastic_depth_kernels_are_those_our_model_issues():
         kernels.kernels_per_micro_step(12, compile="model")  # fused into their neighbours
 
 
+def test_zero2_gradient_hooks_cost_the_host_once_per_parameter_tensor():
+    """DeepSpeed's ZeRO-2 hook per parameter tensor (benchmarks/engine_host.py) is host time: it
+    lengthens a micro-step only where the host is the bound (a narrow model, one image)."""
+    from pretrain.models.vit import create_model
+    from pretrain.perf.compute import compute_seconds
+
+    tensors = kernels.kernels_per_micro_step(12)["accumulate"]
+    assert tensors == sum(1 for _ in create_model("vit_tiny_patch16_224").parameters())
+    tiny = Layout("vit_tiny_patch16_224", "h100-sxm", gpus_per_node=1, micro_batch=1, zero=1)
+    one, two = compute_seconds(tiny, 1), compute_seconds(replace(tiny, zero=2), 1)
+    hook = kernels.ENGINE_HOOK_SECONDS
+    assert two["host"] - one["host"] == pytest.approx(tensors * (hook[("bf16", 2)] - hook[("bf16", 1)]))
+    assert two["total"] > one["total"] and two["host"] > two["gpu"]
+    large = Layout("vit_large_patch16_224", "h100-sxm", gpus_per_node=1, micro_batch=64, zero=1)
+    assert compute_seconds(replace(large, zero=2), 64)["total"] == compute_seconds(large, 64)["total"]
+
+
 # XLA's default matmul table, measured bf16 GEMMs on H100 (openxla/xla,
 # xla/service/gpu/model/matmul_interpolator_data.h, sm_90, batch 1): (m, n, k) -> TFLOP/s
 XLA_H100 = {(256, 256, 512): 11.46, (512, 512, 512): 40.72, (1024, 1024, 512): 145.57, (256, 4096, 1024): 225.20,
