@@ -22,6 +22,9 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             classes, its dropout), its loss and targets, ``torch.compile`` of the model, bf16
             autocast, fused AdamW; no DeepSpeed, no loop, no guard: the reference vit-train's MFU
             is held against
+            One more step of it runs under ``torch.profiler``: the attention backend
+            ``F.scaled_dot_product_attention`` chose (flash, cuDNN, memory-efficient) and the
+            ops with the most device time
   no-dropout  the micro 128 row with ``model.drop_rate=0``: what the recipe's dropout (0.1 in the
             ViT paper's ImageNet-21k recipe) costs the step, apart from what the engine costs
   no-overlap  the model row (micro 64) with ``zero.overlap_comm: false``: with overlap DeepSpeed's
@@ -325,6 +328,7 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
             step()
             times.append(synced_now(device) - t)
         ips = micro * ACCUMULATION / statistics.median(times)
+        out["profile"] = profile_step(step, cuda)
         macs = analytic_flops(m.name, img, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
                               reg_tokens=m.reg_tokens, class_token=m.class_token, patch_drop_rate=m.patch_drop_rate)
         flops = 6.0 * macs * ips
@@ -336,6 +340,25 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
         out.update(status="error", error=error_text(e))
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def profile_step(step, cuda: bool, top: int = 12) -> dict:
+    """One more step under ``torch.profiler``: which attention kernel ``F.scaled_dot_product_attention``
+    dispatched to (its ``aten::_scaled_dot_product_*`` op names the backend: flash, cuDNN, memory-
+    efficient, math), and the ``top`` ops by their own device time (CPU time on a CPU), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(avg, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
+    return {"attention": sorted({e.key for e in avg if e.key.startswith("aten::_scaled_dot_product_")}),
+            "time": "device" if cuda else "cpu",
+            "top": [{"name": e.key[:100], "calls": e.count, "ms": getattr(e, key, 0.0) / 1e3} for e in rows]}
 
 
 def table(rows: list[dict]) -> str:
@@ -354,6 +377,11 @@ def table(rows: list[dict]) -> str:
                      f"{f(r.get('peak_gb'), '.1f')} | "
                      f"{f(r.get('predicted_img_per_s'), ',.0f')} | {f(r.get('predicted_mfu'), '.1%')} | "
                      f"{f(r.get('seconds'), '.0f')} |")
+    for r in rows:
+        if r.get("status") == "ok" and r.get("profile"):
+            top = ", ".join(f"{t['name']} {t['ms']:.1f} ms" for t in r["profile"]["top"][:4])
+            lines += ["", f"{r['model']} {r['lever']}, one step profiled: attention "
+                      f"{', '.join(r['profile']['attention']) or 'none seen'}; most {r['profile']['time']} time: {top}"]
     for r in rows:
         if r.get("status") == "ok" and r.get("phases"):
             lines += ["", f"{r['model']} {r['lever']}, per resolution phase (its windows after the first):", "",

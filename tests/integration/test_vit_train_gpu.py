@@ -25,6 +25,11 @@ def test_vit_train_gpu_smoke(tmp_path):
     assert rows["no-ckpt"]["reduce_bucket_size"] < 5_000_000 <= rows["shipped"]["reduce_bucket_size"]
     for row in rows.values():
         assert row["img_per_s"] > 0 and row["path"] in ("vit-train", "plain PyTorch"), row
+    # the plain reference is the same job as the rows (the config's model and loss), one step of it profiled
+    plain = rows["plain"]
+    assert plain["config"] == "configs/tiny_cpu.yaml" and plain["micro_batch"] == rows["shipped"]["micro_batch"]
+    assert any(a.startswith("aten::_scaled_dot_product_") for a in plain["profile"]["attention"]), plain
+    assert plain["profile"]["top"] and all(t["ms"] >= 0 for t in plain["profile"]["top"])
     # each vit-train row's own metrics, copied beside the JSON, hold the windows it was measured on
     metrics = [json.loads(x) for x in (tmp_path / "tiny_cpu-shipped-metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "images_per_sec" in m] == [2, 4]
@@ -36,5 +41,6 @@ def test_vit_train_gpu_smoke(tmp_path):
     assert [m["img_size"] for m in metrics if "images_per_sec" in m] == [32, 48, 64]
     # the table, printed last, then the schedule row's phases (a blank line, its title, a blank line, a table)
     lines = r.stdout.strip().splitlines()
-    assert lines[-len(rows) - 2 - (5 + len(phases))].startswith("| model | lever |")
+    assert lines[-len(rows) - 2 - (5 + len(phases)) - 2].startswith("| model | lever |")
+    assert lines[-(5 + len(phases)) - 1].startswith("ViT-Ti/16 plain, one step profiled: attention aten::")
     assert lines[-len(phases) - 2].startswith("| px | micro |")
