@@ -19,9 +19,9 @@ traffic per micro-step). ``model.drop_rate`` and ``model.drop_path_rate`` add th
 products' traffic and, eager, their kernels. The host issues every kernel
 (``pretrain.perf.kernels.host_seconds``) and runs DeepSpeed's ZeRO-1/2 gradient handling, per
 parameter tensor (``engine_hook_seconds``); a micro-step takes the longer of the GPU's time and
-the host's, so small micro-batches of narrow models wait for kernel launches. Under ZeRO-3 the host's module hooks
-(``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work beyond them
-(``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay
+the host's, so small micro-batches of narrow models wait for kernel launches. Under ZeRO-3 the
+host's module hooks (``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work
+beyond them (``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay
 ``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward. The optimizer step
 reads and writes its fp32 states once per step (memory bound).
 
