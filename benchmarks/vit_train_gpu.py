@@ -284,10 +284,9 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
     micro batch and resolution; ``torch.compile`` of the whole model, bf16 autocast, fused AdamW,
     ``ACCUMULATION`` micro-batches per step. No DeepSpeed, no loader, no guard."""
     from pretrain.config import image_size, load_config
-    from pretrain.models.arch import analytic_flops
     from pretrain.models.losses import classification_loss
     from pretrain.observability.clock import synced_now
-    from pretrain.observability.flops import peak_tflops
+    from pretrain.observability.flops import config_macs, peak_tflops, train_flops_per_image
     from pretrain.weights.init_from import build_model
 
     cfg = load_config(ROOT / "configs" / f"{config}.yaml", list(overrides))
@@ -329,9 +328,7 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
             times.append(synced_now(device) - t)
         ips = micro * ACCUMULATION / statistics.median(times)
         out["profile"] = profile_step(step, cuda)
-        macs = analytic_flops(m.name, img, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
-                              reg_tokens=m.reg_tokens, class_token=m.class_token, patch_drop_rate=m.patch_drop_rate)
-        flops = 6.0 * macs * ips
+        flops = train_flops_per_image(config_macs(m, img))[0] * ips
         peak = peak_tflops()
         out.update(status="ok", img_per_s=ips, tflops=flops / 1e12, mfu=flops / (peak * 1e12) if peak else None,
                    peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None)

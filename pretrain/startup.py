@@ -35,9 +35,9 @@ from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
 from pretrain.evaluation.in_training import InTrainingEval
-from pretrain.models.arch import analytic_flops, patch_keep
+from pretrain.models.arch import patch_keep
 from pretrain.observability.clock import StepClock
-from pretrain.observability.flops import train_flops_per_image
+from pretrain.observability.flops import config_macs, train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
 from pretrain.observability.progress import StartupLines
 from pretrain.perf import levers
@@ -288,9 +288,7 @@ def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[fl
     depth = len(b.engine.module.blocks)  # t.activation_checkpointing: blocks recomputed (decide_levers)
     flops, fwd = {}, {}
     for img in {b.img} | {p.img_size for p in resolution_phases(t, b.img)}:
-        fwd[img] = analytic_flops(m.name, img, m.num_classes, m.global_pool, m.representation_size,
-                                  qk_norm=m.qk_norm, breakdown=True, reg_tokens=m.reg_tokens,
-                                  class_token=m.class_token, patch_drop_rate=m.patch_drop_rate)
+        fwd[img] = config_macs(m, img, breakdown=True)
         flops[img] = train_flops_per_image(fwd[img]["total"], fwd[img]["blocks"] * t.activation_checkpointing / depth)
     run_config = {**c.tree, "world_size": c.world, "zero_stage": cfg.zero.stage,
                   "checkpointed_blocks": t.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size,
