@@ -114,10 +114,10 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(L, "model", best, "no checkpointing (auto), compile model, auto buckets"),
         # the model row's graph again (inductor's cache): the cheapest row after it
         Row(L, "no-overlap", best + ("zero.overlap_comm=false",), "the model row without zero.overlap_comm"),
-        Row(L, "micro128", best + ("train.micro_batch_size=128",), "... and micro batch 128"),
+        Row(L, "micro128", best + ("train.micro_batch_size=128",), "the model row at micro batch 128"),
         Row(L, "plain", ("train.micro_batch_size=128",), PLAIN),
         Row(L, "no-dropout", best + ("train.micro_batch_size=128", "model.drop_rate=0.0"),
-            "... and no dropout (model.drop_rate=0)"),
+            "the micro128 row without dropout (model.drop_rate=0)"),
         Row(B, "model", best, "auto checkpointing, compile model, auto buckets"),
         Row(H, "model", best + ("zero.stage=2", "train.micro_batch_size=32"),
             "ZeRO-2, micro 32, auto checkpointing, compile model, auto buckets"),
