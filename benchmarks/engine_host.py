@@ -41,19 +41,16 @@ PHASES = ("forward", "backward", "step")
 
 def measure(name: str, args) -> dict:
     """In this process: the engine ``name`` and the plain step, interleaved; ms per micro-step."""
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(args.port)), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                 ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    import deepspeed
     import torch
     import torch.nn.functional as F
 
     from pretrain.config.schema import OptimConfig, TrainConfig
     from pretrain.distributed.config import ZeroConfig
     from pretrain.distributed.engine import initialize
+    from pretrain.distributed.process import init_distributed
     from pretrain.models.vit import create_model
 
-    deepspeed.init_distributed("gloo")
+    init_distributed()  # a world of one on a free port, the accelerator's backend (gloo on a CPU)
     torch.set_num_threads(1)
     precision, stage, overlap = ENGINES[name]
     micro, acc = args.micro, args.accumulation
@@ -71,34 +68,32 @@ def measure(name: str, args) -> dict:
     x, y = torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,))
     x_engine = x.to(torch.bfloat16) if precision == "bf16" else x
 
-    def plain_step(t: list) -> None:
-        for i in range(acc):
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(plain(x).float(), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            if i == acc - 1:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
-            for j, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
-                t[j] += d
+    def plain_forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(plain(x).float(), y)
 
-    def engine_step(t: list) -> None:
-        for _ in range(acc):
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(engine(x_engine).float(), y)
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            t2 = time.perf_counter()
-            engine.step()
-            t3 = time.perf_counter()
-            for j, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
-                t[j] += d
+    def plain_step(i: int) -> None:
+        if i == acc - 1:  # autograd accumulated the micro-batches' gradients
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    runs = {"plain": plain_step, "engine": engine_step}
+    def timed(forward, backward, step):
+        def one_step(t: list) -> None:  # the optimizer step's micro-batches, seconds added by phase
+            for i in range(acc):
+                t0 = time.perf_counter()
+                loss = forward()
+                t1 = time.perf_counter()
+                backward(loss)
+                t2 = time.perf_counter()
+                step(i)
+                t3 = time.perf_counter()
+                for j, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                    t[j] += d
+        return one_step
+
+    runs = {"plain": timed(plain_forward, lambda loss: loss.backward(), plain_step),
+            "engine": timed(lambda: F.cross_entropy(engine(x_engine).float(), y), engine.backward,
+                            lambda i: engine.step())}
     for f in runs.values():  # warm-up: first-call allocations, DeepSpeed's buffers
         for _ in range(2):
             f([0.0, 0.0, 0.0])
@@ -120,7 +115,6 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--accumulation", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--port", type=int, default=29671)
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # one engine, in this process: prints its JSON
     args = ap.parse_args()
     if args.engine:
@@ -129,8 +123,7 @@ def main() -> None:
     rows = {}
     for name in ENGINES:
         cmd = [sys.executable, __file__, "--engine", name, "--model", args.model, "--width", str(args.width),
-               "--micro", str(args.micro), "--accumulation", str(args.accumulation), "--rounds", str(args.rounds),
-               "--port", str(args.port)]
+               "--micro", str(args.micro), "--accumulation", str(args.accumulation), "--rounds", str(args.rounds)]
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         line = [x for x in r.stdout.splitlines() if x.startswith("ENGINE_HOST ")]
