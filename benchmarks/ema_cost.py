@@ -15,7 +15,6 @@ model's prediction of the update (``EMA_BYTES_PER_PARAM`` at the device's memory
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,10 +31,6 @@ def main(argv=None) -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16-autocast"])
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29617"), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                 ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    import deepspeed
     import torch
 
     from pretrain.config.schema import OptimConfig, TrainConfig
@@ -43,10 +38,11 @@ def main(argv=None) -> None:
     from pretrain.distributed.ema import WeightEma
     from pretrain.distributed.engine import initialize
     from pretrain.distributed.precision import compute_dtype
+    from pretrain.distributed.process import init_distributed
     from pretrain.models.vit import create_model
     from pretrain.observability.clock import synced_now
 
-    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    init_distributed()  # a world of one on a free port, the accelerator's backend
     model = create_model(args.model, img_size=args.img, num_classes=1000, init_seed=0)
     params = sum(p.numel() for p in model.parameters())
     train = TrainConfig(steps=10 ** 6, global_batch_size=args.micro, micro_batch_size=args.micro,

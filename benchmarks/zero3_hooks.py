@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -105,19 +104,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29613"), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                 ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    import deepspeed
     import torch
 
     from pretrain.distributed.config import ZeroConfig
+    from pretrain.distributed.process import init_distributed
     from pretrain.models.arch import param_count
     from pretrain.perf import kernels
     from pretrain.perf.collectives import partitioned, zero3_hooked
     from pretrain.perf.perfmodel import Layout
 
-    deepspeed.init_distributed("gloo")
+    init_distributed()  # a world of one on a free port, the accelerator's backend
     torch.set_num_threads(1)
     threshold = ZeroConfig().stage3_param_persistence_threshold
     rows = []  # (model, engine, modules, tensors, parameter bytes, extra seconds, zero1 seconds)
