@@ -25,7 +25,16 @@ from data_pipeline.loading.synthetic import SyntheticLoader
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import Checkpointer
 from pretrain.checkpointing.rundir import RunDir, step_of
-from pretrain.config import Config, ConfigError, check_world_size, compile_mode, image_size, save_config, to_dict
+from pretrain.config import (
+    Config,
+    ConfigError,
+    check_world_size,
+    checkpoint_count,
+    compile_mode,
+    image_size,
+    save_config,
+    to_dict,
+)
 from pretrain.config.phases import Phase, phase_at, resolution_phases
 from pretrain.config.schema import TrainConfig
 from pretrain.distributed import ds_compat
@@ -285,11 +294,13 @@ def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[fl
     W&B records of the run: the resolved config, the layout, the FLOPs and, on GPUs, the performance
     model's prediction, said in a line. The FLOPs count the tokens patch dropout keeps."""
     m, t = cfg.model, cfg.train
-    depth = len(b.engine.module.blocks)  # t.activation_checkpointing: blocks recomputed (decide_levers)
+    depth = len(b.engine.module.blocks)
+    # blocks whose matmuls the backward repeats (decided by levers.resolve; selective repeats none)
+    recomputed = checkpoint_count(t.activation_checkpointing, depth)
     flops, fwd = {}, {}
     for img in {b.img} | {p.img_size for p in resolution_phases(t, b.img)}:
         fwd[img] = config_macs(m, img, breakdown=True)
-        flops[img] = train_flops_per_image(fwd[img]["total"], fwd[img]["blocks"] * t.activation_checkpointing / depth)
+        flops[img] = train_flops_per_image(fwd[img]["total"], fwd[img]["blocks"] * recomputed / depth)
     run_config = {**c.tree, "world_size": c.world, "zero_stage": cfg.zero.stage,
                   "checkpointed_blocks": t.activation_checkpointing, "reduce_bucket_size": cfg.zero.reduce_bucket_size,
                   "global_batch_size": t.global_batch_size, "model_gflops_fwd": fwd[b.img]["total"] / 1e9,

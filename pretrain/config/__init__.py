@@ -8,10 +8,16 @@ public API is the names below; ``vit-config`` is ``cli.py``.
 """
 from data_pipeline.config import AugmentConfig, DataConfig
 from data_pipeline.errors import ConfigError, cli_errors
-from pretrain.config.checks import check_world_size, checkpoint_count, compile_mode, image_size
+from pretrain.config.checks import (
+    check_world_size,
+    checkpoint_count,
+    compile_mode,
+    image_size,
+    selective_checkpointing,
+)
 from pretrain.config.load import from_dict, load_config, raw_tree, save_config, to_dict
 from pretrain.config.schema import Config
 
 __all__ = ["Config", "ConfigError", "cli_errors", "load_config", "raw_tree", "to_dict", "from_dict",
-           "save_config", "image_size", "check_world_size", "checkpoint_count", "compile_mode", "DataConfig",
-           "AugmentConfig"]
+           "save_config", "image_size", "check_world_size", "checkpoint_count", "selective_checkpointing",
+           "compile_mode", "DataConfig", "AugmentConfig"]

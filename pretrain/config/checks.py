@@ -150,14 +150,23 @@ def image_size(model: ModelConfig) -> int:
 
 
 def checkpoint_count(value, depth: int) -> Optional[int]:
-    """Blocks checkpointed for a ``train.activation_checkpointing`` value: ``true`` all, ``false``
-    none, ``N`` the first ``N`` (at most ``depth``); None for ``auto``, which
+    """Blocks whose forward the backward runs again whole for a ``train.activation_checkpointing``
+    value: ``true`` all, ``false`` none, ``N`` the first ``N`` (at most ``depth``), ``selective``
+    none (no matmul is repeated: ``selective_checkpointing``); None for ``auto``, which
     ``pretrain.perf.levers.resolve`` decides from the memory model."""
     if value == "auto":
         return None
+    if value == "selective":
+        return 0
     if isinstance(value, bool):
         return depth if value else 0
     return max(0, min(int(value), depth))
+
+
+def selective_checkpointing(value) -> bool:
+    """``train.activation_checkpointing: selective``: every block checkpointed op by op
+    (``pretrain.models.recompute``)."""
+    return value == "selective"
 
 
 def compile_mode(value) -> str:

@@ -160,12 +160,15 @@ class TrainConfig:
     names the phase and the rank ends (a guard process: DeepSpeed's CPU shm set-up spins in C++
     for a dead peer's buffer file, where no Python thread can run); larger than any step-time
     bound; 0 = off."""
-    activation_checkpointing: Union[bool, int, Literal["auto"]] = "auto"
+    activation_checkpointing: Union[bool, int, Literal["auto", "selective"]] = "auto"
     """Recompute blocks in the backward instead of keeping their activations: `true` every block,
     `false` none, `N` the first N blocks (the rest keep theirs), `auto` the fewest blocks with which
     the run fits the device's memory by the memory model (`pretrain/perf/memory.py`; none on a CPU).
     Each checkpointed block costs its forward again (about a third more compute for that block).
-    Start-up, `vit-launch check` and `vit-launch plan` say what `auto` chose and what it costs."""
+    `selective`: every block op by op, keeping its matmul and attention outputs and recomputing
+    only the element-wise work between them (`pretrain/models/recompute.py`): about two thirds of
+    a block's activations kept, no matmul repeated. Start-up, `vit-launch check` and `vit-launch
+    plan` say what `auto` chose and what each choice costs."""
     log_every_steps: int = 10
     """Steps per logging window (metrics.jsonl, W&B, the progress line)."""
     max_nonfinite_steps: int = 5

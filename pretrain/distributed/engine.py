@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode
+from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode, selective_checkpointing
 from pretrain.config.schema import OptimConfig, TrainConfig
 from pretrain.distributed import ds_compat, ds_masters, schedule
 from pretrain.distributed.config import ZeroConfig
@@ -57,11 +57,12 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
                  stage3_module_granularity_threshold=0,
                  leaf_module={"classes": [LEAF_BLOCK_CLASS] if zero.leaf_blocks or compiled else [],
                               "names": [], "name_suffixes": []})
-        if compiled:
+        if compiled or selective_checkpointing(train.activation_checkpointing):
             # zero.Init swaps F.linear for an autograd.Function whose backward reads each weight's
             # ZeRO status: traced by dynamo, that guards on every Linear and can exhaust its
             # recompile limit. Compiled blocks are ZeRO-3 leaf modules (leaf_module above), their
-            # weights gathered around the whole block, so the plain F.linear serves.
+            # weights gathered around the whole block, so the plain F.linear serves. Op-level
+            # checkpointing cannot have it either (plain_linear_for_selective).
             z["memory_efficient_linear"] = False
         # ZeRO++ (Wang et al. 2023), DeepSpeed's own key names; qwZ/qgZ quantize with CUDA kernels
         z.update(zero_hpz_partition_size=zero.hpz_partition_size, zero_quantized_weights=zero.quantized_weights,
@@ -307,6 +308,19 @@ def check_zeropp_device(zero: ZeroConfig, cuda: bool) -> None:
                           f"set zero.{keys[0]}=false on CPU")
 
 
+def plain_linear_for_selective(checkpointing) -> None:
+    """Op-level checkpointing (``pretrain.models.recompute``) keeps each matmul's output for the
+    backward; DeepSpeed's ZeRO-3 memory-efficient ``F.linear`` adds the bias into that output in
+    place, through an ``_unsafe_view`` that the cache's mutation check does not see, so the
+    recompute would add the bias a second time. The DeepSpeed config turns it off under
+    ``selective`` (``deepspeed_config``); one that an earlier ZeRO-3 engine of this process
+    installed (it "persists unless manually reset", DeepSpeed says) is put back to torch's own."""
+    import torch.nn.functional as F
+
+    if selective_checkpointing(checkpointing) and F.linear is not torch._C._nn.linear:
+        F.linear = torch._C._nn.linear
+
+
 def compile_model(model: torch.nn.Module, mode: str, zero_stage: int, backend: str = "inductor") -> str:
     """``train.compile`` applied to ``model`` in place, before ``deepspeed.initialize``; returns what
     was compiled. ``model``: ``nn.Module.compile`` of the whole module (parameter names, state dict
@@ -345,7 +359,10 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
         n = 0
     ds_cfg = deepspeed_config(optim, train, zero, world_size, extra)
     check_zeropp_device(zero, torch.cuda.is_available())
-    if n:
+    if selective_checkpointing(train.activation_checkpointing):
+        plain_linear_for_selective(train.activation_checkpointing)
+        model.set_grad_checkpointing("selective")
+    elif n:
         model.set_grad_checkpointing(n)
     compile_model(model, compile_mode(train.compile), zero.stage)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)

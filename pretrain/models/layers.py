@@ -12,6 +12,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.models.recompute import selective_context
 
 
 class DropPath(nn.Module):
@@ -88,7 +91,11 @@ class LayerScale(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)); with ``init_values`` each
-    branch is scaled by a LayerScale (``ls1`` / ``ls2``, absent when it is None or 0, as timm)."""
+    branch is scaled by a LayerScale (``ls1`` / ``ls2``, absent when it is None or 0, as timm).
+    ``checkpoint_ops``: the forward checkpointed op by op (``pretrain.models.recompute``), inside
+    the block's own ``forward``: a compiled block (``train.compile: blocks``) traces the checkpoint
+    and its policy with it (around a compiled call, the policy's dispatch mode would run the block
+    eagerly)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, drop: float, attn_drop: float,
                  drop_path: float, norm_layer: Callable[[int], nn.Module], qk_norm: bool = False,
@@ -103,7 +110,13 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
+        self.checkpoint_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_ops and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=selective_context)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

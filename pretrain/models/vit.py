@@ -21,7 +21,8 @@ values, while here it has no gradient, no weight decay and no optimizer state.
 
 This module knows nothing of distribution: it imports no deepspeed, builds wherever the default
 device is (its initialisation skips meta tensors), and activation checkpointing is a plain
-per-block switch (``set_grad_checkpointing``). Initial weights come from one CPU generator
+per-block switch (``set_grad_checkpointing``: whole blocks, or op-level,
+``pretrain.models.recompute``). Initial weights come from one CPU generator
 (``init_seed``), drawn parameter by parameter in a fixed order and copied to wherever the
 parameters live, so one seed gives the same weights on CPU or GPU, plain or ZeRO-3-partitioned,
 on any world size.
@@ -107,6 +108,7 @@ class VisionTransformer(nn.Module):
         self.pos_embed_type = pos_embed
         self.num_prefix_tokens = int(class_token) + reg_tokens  # timm's: the tokens before the patches
         self.grad_checkpointing = 0  # blocks recomputed in the backward (set_grad_checkpointing)
+        self.selective_checkpointing = False  # every block op by op (set_grad_checkpointing)
 
         if backbone is None:
             self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
@@ -215,9 +217,17 @@ class VisionTransformer(nn.Module):
         """Recompute blocks in the backward pass instead of keeping their activations: ``True``
         every block, ``False`` none, an int ``N`` the first ``N`` (the earliest blocks' activations
         live longest). Each costs its forward again (about 1/3 more compute for that block), and
-        keeps only its input. Results equal the non-checkpointed model."""
+        keeps only its input. ``"selective"``: every block op by op, keeping its matmul and
+        attention outputs and recomputing only the element-wise work between them
+        (``pretrain.models.recompute``). Results equal the non-checkpointed model."""
         depth = len(self.blocks)
-        self.grad_checkpointing = depth if enable is True else max(0, min(int(enable), depth))
+        self.selective_checkpointing = enable == "selective"
+        for blk in self.blocks:  # inside each block's forward, so that train.compile's blocks include it
+            blk.checkpoint_ops = self.selective_checkpointing
+        if self.selective_checkpointing:
+            self.grad_checkpointing = 0
+        else:
+            self.grad_checkpointing = depth if enable is True else max(0, min(int(enable), depth))
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """A new zero-initialised head (transfer): the pooling's norm layer is kept as is."""

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from pretrain.config import checkpoint_count
+from pretrain.config import checkpoint_count, selective_checkpointing
 from pretrain.perf import buckets, memory
 
 # the memory model's estimate against the device: what is left for the allocator's fragmentation
@@ -76,6 +76,8 @@ def resolve(cfg, world: int, *, gpus_per_node: int = 8, gpu: Optional[str] = Non
                                gpus_per_node=gpus_per_node, gpu=gpu, network=network)
     cfg = dataclasses.replace(cfg, zero=zero)
     n = checkpoint_count(cfg.train.activation_checkpointing, shape.depth)
+    if selective_checkpointing(cfg.train.activation_checkpointing):  # nothing to decide: kept as the word
+        return cfg, Choices(0, shape.depth, zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, tuple(lines))
     if n is None:
         n = fewest_checkpointed(cfg, world, shape, memory_bytes) if memory_bytes else 0
         where = f"{memory_bytes / 2 ** 30:.0f} GiB" if memory_bytes else "no device memory limit (CPU)"

@@ -1,7 +1,7 @@
 """``train.compile``: regional compilation of each Transformer block's forward (inductor; on CPU it
 needs a C++ compiler). Five steps compiled and eager give the same losses (1e-4 relative), with
-ZeRO 0 and 3 (each block a leaf module, named in DeepSpeed's config), both with activation
-checkpointing on, and dynamo never hits its recompile limit (it did under ZeRO-3 while its
+ZeRO 0 (op-level checkpointing) and 3 (each block a leaf module, named in DeepSpeed's config;
+whole blocks checkpointed), and dynamo never hits its recompile limit (it did under ZeRO-3 while its
 per-Linear hooks were traced). ZeRO 1-2 compile the blocks exactly as ZeRO 0 does (``compile_blocks``
 is the same at every stage; only stage 3's config differs); the GPU suite's smoke test compiles them
 without checkpointing."""
@@ -17,9 +17,10 @@ def losses(job):
 
 
 CKPT = ("train.activation_checkpointing=true",)
+SELECTIVE = ("train.activation_checkpointing=selective",)  # checkpointed op by op inside each compiled block
 
 
-@pytest.mark.parametrize("stage, extra", [(0, CKPT), (3, CKPT)])
+@pytest.mark.parametrize("stage, extra", [(0, SELECTIVE), (3, CKPT)])
 def test_compiled_blocks_match_eager(tiny_run, stage, extra):
     five = ("train.steps=5", "train.log_every_steps=1", f"zero.stage={stage}", *extra)
     eager = losses(tiny_run(*five, name="eager"))
@@ -58,3 +59,59 @@ def test_zero3_compiled_keeps_the_plain_linear():
 
     assert zero_section("train.compile=true")["memory_efficient_linear"] is False
     assert "memory_efficient_linear" not in zero_section()  # DeepSpeed's default otherwise
+
+
+@pytest.mark.parametrize("mode", ["blocks", "model"])
+def test_selective_checkpointing_is_traced_inside_the_compiled_code(mode):
+    """Op-level checkpointing lives in each block's forward, so a compiled block (or the whole
+    compiled model) holds the checkpoint and its policy in its graph: a checkpoint around a
+    compiled call would run the block eagerly under the policy's dispatch mode."""
+    import torch
+
+    from pretrain.distributed.engine import compile_model
+    from pretrain.models.vit import create_model
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = create_model("vit_tiny_patch16_224", num_classes=10, img_size=32, depth=2).train()
+    model.set_grad_checkpointing("selective")
+    compile_model(model, mode, 1, backend=capture)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    tagged = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"
+              and getattr(n.target, "__name__", "") == "tag_activation_checkpoint"]
+    assert len(graphs) == 1 and len(tagged) == (1 if mode == "blocks" else 2), [g.graph for g in graphs]
+
+
+def test_compiled_model_with_selective_checkpointing_equals_eager():
+    """The whole model compiled by inductor, checkpointed op by op, with dropout and stochastic
+    depth: the step of the same compiled model without checkpointing (fp32, 1e-5; inductor draws
+    its own random numbers, so the eager model's masks differ), and without dropout the step of
+    the eager model."""
+    import torch
+
+    from pretrain.distributed.engine import compile_model
+    from pretrain.models.vit import create_model
+
+    def step(ckpt, mode, drop=0.1):
+        torch.manual_seed(0)
+        m = create_model("vit_tiny_patch16_224", num_classes=10, img_size=32, depth=2, drop_rate=drop,
+                         drop_path_rate=2 * drop).train()
+        torch.nn.init.normal_(m.head.weight, std=0.02)
+        m.set_grad_checkpointing(ckpt)
+        compile_model(m, mode, 1)
+        torch.manual_seed(1)
+        loss = torch.nn.functional.cross_entropy(m(torch.randn(4, 3, 32, 32)), torch.tensor([0, 1, 2, 3]))
+        loss.backward()
+        return loss.detach(), [p.grad for p in m.parameters()]
+
+    torch._dynamo.reset()
+    for (l0, g0), (l1, g1) in ((step(False, "model"), step("selective", "model")),
+                               (step(False, "", drop=0.0), step("selective", "model", drop=0.0))):
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -129,6 +129,15 @@ CASES = {
                                                                       arch=dict(REG_MAP, class_token=False,
                                                                                 pos_embed="sincos2d"),
                                                                       patch_drop=0.5),
+    # op-level checkpointing (train.activation_checkpointing: selective) under ZeRO-3's hooks: around each
+    # leaf block, and on every Linear and LayerNorm inside the checkpointed region; at ZeRO-2 with
+    # accumulation. (SGD: the cases run in one process, and under AdamW the key bias's gradient, zero but
+    # for rounding, takes a full-sized update whose sign the process's earlier cases can flip: 1.4e-4.)
+    "z3-selective-sgd-momentum-accumulate2-2steps": dict(ckpt="selective", momentum=0.9, steps=2, gas=2, clip=1.0,
+                                                         wd=0.05),
+    "z3-per-module-hooks-selective-sgd": dict(ckpt="selective", clip=1.0, leaf_blocks=False),
+    "z2-selective-sgd-momentum-accumulate2-2steps": dict(stage=2, ckpt="selective", momentum=0.9, steps=2, gas=2,
+                                                         clip=1.0, wd=0.05),
 }
 EMA_CASES = sorted(name for name, case in CASES.items() if case.get("ema"))
 # bf16: DeepSpeed runs the whole model in bf16 (8 significant bits: 2**-8 = 3.9e-3 per rounding),

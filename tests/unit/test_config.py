@@ -70,6 +70,23 @@ def test_overrides_parse_yaml_scalars(tmp_path):
     assert parse_override("a.b=1") == (["a", "b"], 1)
 
 
+def test_selective_checkpointing_is_a_word_that_stays_a_word():
+    """``selective`` is kept through the levers' resolution (no block count to decide) and repeats
+    no block's matmuls; a misspelling is one line naming the key and the words it takes."""
+    from pretrain.config import checkpoint_count, selective_checkpointing
+    from pretrain.perf import levers
+
+    c = load_config(REPO / "configs/tiny_cpu.yaml", ["train.activation_checkpointing=selective"])
+    resolved, choices = levers.resolve(c, 2, memory_bytes=80e9)
+    assert resolved.train.activation_checkpointing == "selective" and choices.checkpoint_blocks == 0
+    assert levers.resolve(resolved, 2)[0] == resolved  # idempotent
+    assert selective_checkpointing("selective") and checkpoint_count("selective", 12) == 0
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/tiny_cpu.yaml", ["train.activation_checkpointing=selectve"])
+    assert "train.activation_checkpointing" in str(e.value) and "'selective'" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_yaml_floats_as_users_write_them_in_files_and_overrides(tmp_path):
     """YAML 1.1 reads ``1e-3`` (no dot) and ``1E5``, ``1.5e3`` (no exponent sign) as strings; the
     config reads them as the floats the docs and every user write, in a file as on the command line."""

@@ -378,3 +378,44 @@ def test_the_deepspeed_section_merges_and_contradictions_are_one_line():
         check_with_deepspeed(deepspeed_config(c.optim, c.train, c.zero, 2, {"zero_optimization": {"stag3": 1}}))
     msg = str(e.value)
     assert msg.startswith("deepspeed: DeepSpeed refuses the merged config:") and "stag3" in msg and "\n" not in msg, msg
+
+
+def test_selective_checkpointing_keeps_torch_s_own_linear():
+    """DeepSpeed's ZeRO-3 memory-efficient F.linear adds the bias into the matmul's output in place,
+    the output op-level checkpointing keeps: with it the recompute adds the bias twice and the
+    gradients are not the model's. The ZeRO-3 config turns it off under `selective`, and one an
+    earlier engine of the process left installed is put back before the engine is built."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from pretrain.distributed.engine import plain_linear_for_selective
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch16_224", num_classes=4, img_size=32, depth=2)
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.5)  # every layer with a gradient
+        for blk in model.blocks:  # biases away from their zero start (a second step's)
+            for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2):
+                lin.bias.normal_(0, 0.1)
+    x = torch.randn(2, 3, 32, 32)
+
+    def grads(ckpt):
+        model.zero_grad()
+        model.set_grad_checkpointing(ckpt)
+        model(x).square().sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    plain = grads(False)
+    own = F.linear
+    try:
+        F.linear = zero3_linear_wrap
+        assert not torch.allclose(grads("selective"), plain, rtol=1e-3)  # the hazard
+        plain_linear_for_selective(True)  # whole blocks: nothing cached, left alone
+        assert F.linear is zero3_linear_wrap
+        plain_linear_for_selective("selective")
+        assert F.linear is torch._C._nn.linear
+        torch.testing.assert_close(grads("selective"), plain, rtol=1e-6, atol=1e-7)
+    finally:
+        F.linear = own
+    c = cfg("zero.stage=3", "train.activation_checkpointing=selective")
+    assert deepspeed_config(c.optim, c.train, c.zero, 1)["zero_optimization"]["memory_efficient_linear"] is False

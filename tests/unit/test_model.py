@@ -181,24 +181,32 @@ def test_representation_size_adds_tanh_pre_logits():
     assert feats.shape == (2, 48) and feats.abs().max() <= 1.0  # tanh range
 
 
-def test_grad_checkpointing_same_loss_and_grads():
+@pytest.mark.parametrize("ckpt", [True, 5, "selective"])
+def test_grad_checkpointing_same_loss_and_grads(ckpt):
+    """Whole blocks (all, the first 5) or op by op, with dropout and stochastic depth: the masks
+    are drawn again from the saved random state, so the step is the one without checkpointing."""
     torch.manual_seed(0)
-    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=4)
+    m = create_model("vit_tiny_patch16_224", img_size=32, num_classes=4, drop_rate=0.1, drop_path_rate=0.2)
     torch.nn.init.normal_(m.head.weight, std=0.02)  # non-zero head so every gradient is non-trivial
     x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 3])
 
     def loss_and_grads(ckpt):
         m.zero_grad()
         m.set_grad_checkpointing(ckpt)
+        torch.manual_seed(1)
         loss = torch.nn.functional.cross_entropy(m(x), y)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
     l0, g0 = loss_and_grads(False)
-    l1, g1 = loss_and_grads(True)
+    l1, g1 = loss_and_grads(ckpt)
     assert torch.equal(l0, l1)
     for n in g0:
         torch.testing.assert_close(g0[n], g1[n], rtol=1e-6, atol=1e-7, msg=n)
+    assert m.selective_checkpointing == (ckpt == "selective")
+    assert all(b.checkpoint_ops == (ckpt == "selective") for b in m.blocks)
+    m.set_grad_checkpointing(False)  # back off: no block checkpoints any more
+    assert not m.grad_checkpointing and not any(b.checkpoint_ops for b in m.blocks)
 
 
 def test_pos_embed_resize_keeps_class_token_and_interpolates():

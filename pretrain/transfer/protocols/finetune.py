@@ -122,17 +122,19 @@ class _Plain:
 class _DeepSpeed:
     """The same step through a DeepSpeed engine (ZeRO stage from the run's config)."""
 
-    def __init__(self, model, opt, sched, *, lr: float, recipe: Recipe, ev, zero, precision: str, world: int):
+    def __init__(self, model, opt, sched, *, lr: float, recipe: Recipe, ev, zero, precision: str, world: int,
+                 checkpointing=False):
         import deepspeed
 
         from pretrain.distributed import ds_compat
-        from pretrain.distributed.engine import deepspeed_config, resolved_zero
+        from pretrain.distributed.engine import deepspeed_config, plain_linear_for_selective, resolved_zero
 
         ds_compat.import_muon_uncompiled()
         optim = OptimConfig(name=recipe.optimizer, lr=lr, momentum=MOMENTUM, betas=list(BETAS), eps=EPS,
                             weight_decay=recipe.weight_decay, grad_clip=recipe.grad_clip)
         train = TrainConfig(steps=ev.steps, global_batch_size=ev.batch_size, micro_batch_size=ev.batch_size // world,
-                            precision=precision)
+                            precision=precision, activation_checkpointing=checkpointing)
+        plain_linear_for_selective(checkpointing)
         zero = resolved_zero(model, train, zero, world)
         ds_cfg = deepspeed_config(optim, train, zero, world)  # clipping is DeepSpeed's here
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
@@ -222,7 +224,7 @@ class Finetune:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier("cosine", ev.warmup_steps, ev.steps, min_ratio))
         if self.dist.deepspeed:
             runner = _DeepSpeed(model, opt, sched, lr=lr, recipe=recipe, ev=ev, zero=self.zero,
-                                precision=self.precision, world=self.dist.world)
+                                precision=self.precision, world=self.dist.world, checkpointing=self.grad_ckpt)
         else:
             runner = _Plain(model, opt, sched, recipe.grad_clip, self.device, self.precision, recipe.label_smoothing)
         if recipe.ema_decay > 0:
