@@ -334,8 +334,10 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     cfg, _ = levers.resolve(cfg, world, memory_bytes=budget)
     est = memory.estimate(cfg, world, shape)
     s, t = est.states, cfg.train
-    n = t.activation_checkpointing
-    ckpt = f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else "")
+    selective = t.activation_checkpointing == "selective"
+    n = shape.depth if selective else t.activation_checkpointing
+    ckpt = ("every block op by op (selective)" if selective
+            else f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else ""))
     other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
     micro = (f"micro batch {t.micro_batch_size}" if not t.resolution_schedule
              else f"its largest phase: {est.largest[0]} px, micro batch {est.largest[1]}")
@@ -350,16 +352,25 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     if est.total <= budget:
         found = [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB; {host}")]
         need = levers.fewest_checkpointed(cfg, world, shape, budget)
-        if written != "auto" and n > need:
+        if selective and need == 0:
+            found.append(Finding(WARN, "memory", f"train.activation_checkpointing=selective recomputes every "
+                                                 f"block's element-wise work but the run fits {gpu_memory_gb:g} GB "
+                                                 f"without checkpointing; set train.activation_checkpointing=auto "
+                                                 f"(none here)"))
+        elif written != "auto" and not selective and n > need:
             found.append(Finding(WARN, "memory", f"train.activation_checkpointing={str(written).lower()} recomputes "
                                                  f"{n} of {shape.depth} blocks but {need} would fit "
                                                  f"{gpu_memory_gb:g} GB: each recomputed block costs its forward "
                                                  f"again; set train.activation_checkpointing=auto ({need} here)"))
         return found
     fixes = []
-    if n < shape.depth and est.total_if_checkpointing(True) <= budget:
-        fixes.append(f"train.activation_checkpointing=true ({_gb(est.total_if_checkpointing(True))})")
-    mb = memory.largest_micro_batch(cfg, world, budget, shape, n)
+    if not selective and n < shape.depth:
+        op_level = memory.estimate(_with_checkpointing(cfg, "selective"), world, shape).total
+        if op_level <= budget:  # no matmul repeated: cheaper than recomputing whole blocks
+            fixes.append(f"train.activation_checkpointing=selective ({_gb(op_level)})")
+        if est.total_if_checkpointing(True) <= budget:
+            fixes.append(f"train.activation_checkpointing=true ({_gb(est.total_if_checkpointing(True))})")
+    mb = memory.largest_micro_batch(cfg, world, budget, shape, t.activation_checkpointing)
     mb = max((m for m in range(1, mb + 1) if t.global_batch_size % (m * world) == 0), default=0)
     if mb:
         fixes.append(f"train.micro_batch_size={mb} (more accumulation steps, same global batch)")
@@ -378,6 +389,12 @@ def _with(cfg: Config, stage: int) -> Config:
     import dataclasses
 
     return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
+
+
+def _with_checkpointing(cfg: Config, value) -> Config:
+    import dataclasses
+
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=value))
 
 
 # ----------------------------------------------------------------------------------------- all

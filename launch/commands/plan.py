@@ -36,9 +36,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--global-batch", type=int, help="images per optimizer step (default: micro x world)")
     ap.add_argument("--img-size", type=int, help="input resolution (default: the model's)")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 1)")
-    ap.add_argument("--checkpointing", nargs="?", const="true", metavar="N|auto",
-                    help="activation checkpointing: every block (no value), the first N blocks, or auto (the "
-                         "fewest that fit the GPU's memory)")
+    ap.add_argument("--checkpointing", nargs="?", const="true", metavar="N|auto|selective",
+                    help="activation checkpointing: every block (no value), the first N blocks, auto (the "
+                         "fewest that fit the GPU's memory) or selective (every block op by op: matmul "
+                         "outputs kept, element-wise work recomputed)")
     ap.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
                     help="torch.compile: each block (no value, or blocks) or the whole model")
     ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], help="gradient reduction dtype (default fp32)")
@@ -178,18 +179,19 @@ def _nodes(args) -> tuple[int, int]:
 
 
 def _checkpointing(value: str, lay: perfmodel.Layout):
-    """``--checkpointing``'s value as the layout's block count (``auto``: the fewest that fit)."""
+    """``--checkpointing``'s value as the layout's block count (``auto``: the fewest that fit), or
+    ``"selective"``."""
     from pretrain.config import ConfigError
     from pretrain.perf import memory
 
     depth = memory.analytic_shape(lay.model, img_size=lay.img_size, num_classes=lay.num_classes).depth
-    if value == "true":
-        return True
+    if value in ("true", "selective"):
+        return True if value == "true" else value
     if value == "auto":
         return next((n for n in range(depth + 1) if perfmodel.predict(replace(lay, checkpointing=n)).fits), depth)
     if not value.isdigit() or int(value) > depth:
         raise ConfigError(f"--checkpointing {value}: expected a block count 0..{depth}, "
-                          "'auto' or no value (every block)")
+                          "'auto', 'selective' or no value (every block)")
     return int(value)
 
 
@@ -200,7 +202,9 @@ def lever_words(lay: dict) -> str:
     depth = memory.analytic_shape(lay["model"], img_size=lay["img_size"], num_classes=lay["num_classes"]).depth
     n = kernels.recomputed_blocks(depth, lay["checkpointing"])
     mode = "blocks" if lay["compile"] is True else (lay["compile"] or "")
-    return (f"checkpointing {n} of {depth} blocks, " + (f"compile {mode}" if mode else "eager")
+    ckpt = ("checkpointing every block op by op (selective)" if lay["checkpointing"] == "selective"
+            else f"checkpointing {n} of {depth} blocks")
+    return (f"{ckpt}, " + (f"compile {mode}" if mode else "eager")
             + (f", reduction buckets of {lay['reduce_bucket_size'] / 1e6:g}M elements" if lay["zero"] else ""))
 
 
@@ -266,6 +270,10 @@ def token_table(price: perfmodel.TokenPrice) -> str:
     return "\n".join(lines)
 
 
+def _ckpt_word(value) -> str:
+    return "sel" if value == "selective" else "on" if value else "off"
+
+
 def table(rows: list[perfmodel.Prediction]) -> str:
     head = (f"{'rank':>4}  {'zero':>4}  {'micro':>5}  {'ckpt':>4}  {'hpz':>3}  {'qwZ':>3}  {'img/s':>10}  "
             f"{'MFU':>6}  {'GB/GPU':>6}  bottleneck")
@@ -273,7 +281,7 @@ def table(rows: list[perfmodel.Prediction]) -> str:
     for i, p in enumerate(rows, 1):
         lay = p.layout
         lines.append(f"{i:>4}  {lay['zero']:>4}  {lay['micro_batch']:>5}  "
-                     f"{'on' if lay['checkpointing'] else 'off':>4}  "
+                     f"{_ckpt_word(lay['checkpointing']):>4}  "
                      f"{lay['hpz_partition_size']:>3}  {'on' if lay['quantized_weights'] else 'off':>3}  "
                      f"{p.images_per_second:>10,.0f}  {p.mfu:>6.1%}  {p.memory_gb_per_gpu['total']:>6.1f}  "
                      f"{p.bottleneck}")

@@ -12,7 +12,7 @@ from pretrain.perf.perfmodel import Layout, Prediction, predict
 
 def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 3)) -> list[Prediction]:
     """Layouts that fit, best predicted throughput first: ZeRO stage x micro batch x activation
-    checkpointing x ZeRO++ (hpZ within a node, qwZ; stage 3 only). The global batch stays
+    checkpointing (none, op-level, every block) x ZeRO++ (hpZ within a node, qwZ; stage 3 only). The global batch stays
     ``base.global_batch`` (when given), so micro batches that do not divide it are skipped."""
     out = []
     for stage in stages:
@@ -21,7 +21,7 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
             pp += ([(base.gpus_per_node, False), (1, True), (base.gpus_per_node, True)] if base.nodes > 1
                    else [(1, True)])
         for mb in micro_batches:
-            for ckpt in (False, True):
+            for ckpt in (False, "selective", True):
                 for hpz, qw in pp:
                     lay = replace(base, zero=stage, micro_batch=mb, checkpointing=ckpt, hpz_partition_size=hpz,
                                   quantized_weights=qw, quantized_gradients=base.quantized_gradients and stage == 3)
@@ -40,17 +40,17 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
 def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     """Each speed lever turned the other way from ``layout``, with its predicted img/s relative to
     ``layout``'s (1.10: 10 % faster), best first; alternatives that do not fit are left out.
-    The levers: activation checkpointing (none, every block), ``train.compile`` (off, blocks,
+    The levers: activation checkpointing (none, every block, op-level), ``train.compile`` (off, blocks,
     model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
     batch (half and double, the global batch kept)."""
     base = predict(layout).images_per_second
     shape = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes,
                                   **layout.arch)
     depth = shape.depth
-    n = kernels.recomputed_blocks(depth, layout.checkpointing)
+    now = "selective" if layout.checkpointing == "selective" else kernels.recomputed_blocks(depth, layout.checkpointing)
     mode = compile_mode(layout.compile)
     trials = [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))
-              for v, c in (("false", 0), ("true", depth)) if c != n]
+              for v, c in (("false", 0), ("true", depth), ("selective", "selective")) if c != now]
     trials += [(f"train.compile={v}", replace(layout, compile=c))
                for v, c in (("false", ""), ("blocks", "blocks"), ("model", "model")) if c != mode]
     params = shape.params

@@ -3,9 +3,10 @@ micro-batch and its optimizer step, in seconds.
 
 Matmul work: every GEMM of the micro-step (each linear's forward, input gradient and weight
 gradient, the patch embedding and the head; the blocks' forward again with activation
-checkpointing) at the rate its shape reaches (``pretrain.perf.kernels.gemm_seconds``: a fixed
-cost per call, wave quantization over the GPU's SMs, a fixed prologue/epilogue per tile, fitted
-to XLA's measured H100 GEMMs), and the fused attention kernels at the plain rate. The rate's
+checkpointing, none under op-level checkpointing) at the rate its shape reaches
+(``pretrain.perf.kernels.gemm_seconds``: a fixed cost per call, wave quantization over the GPU's
+SMs, a fixed prologue/epilogue per tile, fitted to XLA's measured H100 GEMMs), and the fused
+attention kernels at the plain rate. The rate's
 asymptote is ``peak x efficiency``, ``efficiency`` the one calibrated constant per GPU type
 (``pretrain.perf.hardware.GPUS``, each naming its calibration point or the GPU it borrows from;
 ``pretrain.perf.published`` solves it). Element-wise work (LayerNorms, GELU over the MLP width,
@@ -22,7 +23,10 @@ parameter tensor (``engine_hook_seconds``); a micro-step takes the longer of the
 the host's, so small micro-batches of narrow models wait for kernel launches. Under ZeRO-3 the
 host's module hooks (``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work
 beyond them (``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay
-``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward. The optimizer step
+``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward (its matmuls:
+``train.activation_checkpointing: selective`` recomputes only element-wise work, which moves
+bytes, so its HFU is its MFU and its cost is one more forward pass of element-wise traffic and
+kernels in every block). The optimizer step
 reads and writes its fp32 states once per step (memory bound).
 
 ``layout`` is a ``pretrain.perf.perfmodel.Layout``; pure arithmetic, no torch import.
@@ -97,6 +101,7 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     shape = memory.trained_shape(full, None, layout.patch_drop_rate)  # the blocks' tokens
     d, s, depth = shape.width, shape.seq_len, shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again
+    again = kernels.forward_again_blocks(depth, layout.checkpointing)  # ... its element-wise work
     mode = compile_mode(layout.compile)
     model_flops = 6.0 * parts["total"] * images
     recompute = 2.0 * parts["blocks"] * images * n / depth
@@ -116,20 +121,21 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     # fused attention: 2 s^2 d multiply-adds per image and block forward, twice that backward
     attn_flops = 2.0 * 2 * s * s * d * images * (3 * depth + n)
     drop_path_blocks = depth - 1 if layout.drop_path_rate > 0 else 0  # the first block's rate is 0
-    n_kernels = kernels.kernels_per_micro_step(depth, n, mode, layout.precision == "bf16-autocast",
+    ckpt = layout.checkpointing if layout.checkpointing == "selective" else n
+    n_kernels = kernels.kernels_per_micro_step(depth, ckpt, mode, layout.precision == "bf16-autocast",
                                                dropout=layout.drop_rate > 0, drop_path_blocks=drop_path_blocks)
     fixed = kernels.GEMM_FIXED_S if g.sms else 0.0
     t_attn = attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
     t_mm = t_blocks + t_other + t_attn
     e = memory.activation_dtype_bytes(layout.precision)
     token_bytes = _elementwise_elems(d, mlp, shape.heads, s, layout.fused_attention) * e
-    passes = 3 + n / depth  # backward's element-wise traffic ~ twice the forward's; the recompute once more
+    passes = 3 + again / depth  # backward's element-wise traffic ~ twice the forward's; the recompute once more
     if layout.precision == "bf16-autocast":  # LayerNorms (4 d) and residual adds (6 d) on the fp32 stream
         token_bytes += 10 * d * 2
     elem_bytes = token_bytes * s * depth * images * passes * COMPILED_TRAFFIC.get(mode, 1.0)
     if layout.precision == "bf16-autocast":  # each weight cast to bf16 per forward (and recompute): read 4, write 2 B
-        elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (1 + n / depth)
-    elem_bytes += _regulariser_bytes(layout, e, d, mlp, s * images, depth, n, drop_path_blocks, bool(mode))
+        elem_bytes += 6 * shape.params * (images / layout.micro_batch) * (1 + again / depth)
+    elem_bytes += _regulariser_bytes(layout, e, d, mlp, s * images, depth, again, drop_path_blocks, bool(mode))
     gaps = (n_kernels["elementwise"] + n_kernels["accumulate"]) * (kernels.KERNEL_GAP_SECONDS if g.sms else 0.0)
     t_mem = elem_bytes / (g.hbm_gbs * GB * HBM_EFFICIENCY) + gaps
     gpu = t_mm + t_mem
@@ -138,7 +144,8 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     hooks = work = 0.0
     if layout.zero == 3:  # paced with the GPU, so added to the step, not hidden under it
         modules = zero3_hooked(replace(layout, leaf_blocks=layout.leaf_blocks or bool(mode)))
-        hooks = kernels.zero3_hook_seconds(modules, n / depth)
+        # selective: the recompute calls a leaf block's inner forward (no hooks), or every module's
+        hooks = kernels.zero3_hook_seconds(modules, (n if layout.leaf_blocks or mode else again) / depth)
         work = kernels.zero3_work_seconds(gpu, shape.params)
     return {"matmul": t_mm, "elementwise": t_mem, "gpu": gpu, "host": host, "launch_wait": max(0.0, host - gpu),
             "zero3_hooks": hooks, "zero3_work": work, "total": max(gpu, host) + hooks + work,

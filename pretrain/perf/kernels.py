@@ -57,8 +57,10 @@ CUBLAS_EFFICIENCY = 0.970  # the fit's asymptote: large GEMMs, cuBLAS alone, of 
 # DeepSpeed's gradient hooks copy each gradient into its buffer every micro-step).
 BLOCK_KERNELS = {"gemm": 12, "attention": 2, "elementwise": 16, "accumulate": 12}
 # activation checkpointing re-runs a block's forward up to the last tensor the backward needs
-# (torch.utils.checkpoint stops early): qkv, proj, fc1, attention, both LayerNorms, GELU, one add
+# (torch.utils.checkpoint stops early): qkv, proj, fc1, attention, both LayerNorms, GELU, one add;
+# op-level (train.activation_checkpointing: selective, in every block) the element-wise ones alone
 RECOMPUTE_KERNELS = {"gemm": 3, "attention": 1, "elementwise": 4}
+SELECTIVE_RECOMPUTE_KINDS = ("elementwise",)
 # outside the blocks: patch embedding forward + weight gradient, position add, class token, final
 # LayerNorm, head (3 GEMMs), loss forward/backward, and their parameters' gradient accumulations
 OTHER_KERNELS = {"gemm": 5, "attention": 0, "elementwise": 13, "accumulate": 8}
@@ -130,22 +132,35 @@ def block_gemms(rows: int, width: int, mlp: int, recompute: bool = False) -> lis
 
 
 def recomputed_blocks(depth: int, checkpointing) -> int:
-    """Blocks recomputed in the backward: ``checkpointing`` as a block count (``True`` all of them)."""
+    """Blocks whose forward is recomputed whole in the backward: ``checkpointing`` as a block count
+    (``True`` all of them; ``"selective"`` none: no matmul or attention runs again)."""
+    if checkpointing == "selective":
+        return 0
     return depth if checkpointing is True else max(0, min(int(checkpointing or 0), depth))
+
+
+def forward_again_blocks(depth: int, checkpointing) -> int:
+    """Blocks whose forward's element-wise work (norms, GELU, dropout, adds) runs again in the
+    backward: the recomputed blocks, or every block under ``"selective"``."""
+    return depth if checkpointing == "selective" else recomputed_blocks(depth, checkpointing)
 
 
 def kernels_per_micro_step(depth: int, checkpointing=False, compile=False, autocast: bool = False,
                            dropout: bool = False, drop_path_blocks: int = 0) -> dict[str, int]:
     """Kernels one GPU issues per micro-step, by kind, and their ``total``. ``checkpointing``: the
-    blocks recomputed (``True`` all); ``compile``: ``"blocks"`` (or ``True``), ``"model"`` or off;
-    ``autocast``: ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away
-    when compiled); ``dropout`` (``model.drop_rate > 0``) and ``drop_path_blocks`` (the blocks whose
+    blocks recomputed (``True`` all; ``"selective"``: every block's element-wise kernels alone);
+    ``compile``: ``"blocks"`` (or ``True``), ``"model"`` or off; ``autocast``:
+    ``train.precision=bf16-autocast``'s casts, in the element-wise count (fused away when
+    compiled); ``dropout`` (``model.drop_rate > 0``) and ``drop_path_blocks`` (the blocks whose
     stochastic depth rate is above 0), in the element-wise count when eager."""
-    n = recomputed_blocks(depth, checkpointing)
+    n = forward_again_blocks(depth, checkpointing)
+    selective = checkpointing == "selective"
     mode = "blocks" if compile is True else (compile or "")
     out = {}
     for kind in ("gemm", "attention", "elementwise", "accumulate"):
         plain, extra = BLOCK_KERNELS[kind], RECOMPUTE_KERNELS.get(kind, 0)
+        if selective and kind not in SELECTIVE_RECOMPUTE_KINDS:
+            extra = 0
         other = OTHER_KERNELS[kind]
         if kind == "elementwise" and mode:
             plain, extra = COMPILED_ELEMENTWISE, RECOMPUTE_KERNELS[kind] // 2

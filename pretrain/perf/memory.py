@@ -59,9 +59,11 @@ a scaled mask in the activation dtype, twice that in bf16). fp32 training double
 term. With activation
 checkpointing (``model.set_grad_checkpointing``: each block recomputed in backward) only each
 block's input stays (``2 s b h`` per block, the paper's "full recomputation") plus one block's
-full set while it is recomputed. Outside the blocks: the image batch, the final norm and the
-logits. The formula is checked against the bytes autograd actually saves in
-``tests/unit/test_launch_memory.py``. A step that trains on fewer tokens keeps fewer: ``s`` is the
+full set while it is recomputed; op by op (``selective``, ``selective_block_bytes``) each block
+keeps its input and its linears' and attention's outputs, ``22 s b h + 4 a s b``, and the bf16
+weight copies of ``bf16-autocast`` are recomputed with the rest. Outside the blocks: the image
+batch, the final norm and the logits. The formula is checked against the bytes autograd actually
+saves in ``tests/unit/test_launch_memory.py``. A step that trains on fewer tokens keeps fewer: ``s`` is the
 kept patch tokens plus the prefix tokens under ``model.patch_drop_rate`` (the image batch is still whole), and under
 ``train.resolution_schedule`` each phase has its own ``s``, image size and micro batch; the phase
 with the most activations is the one the estimate (and ``auto`` checkpointing) must fit.
@@ -248,12 +250,25 @@ def block_activation_bytes(s: int, b: int, h: int, a: int, *, precision: str = "
     return acts + masks + attn
 
 
+def selective_block_bytes(s: int, b: int, h: int, a: int, *, precision: str = "bf16",
+                          fused_attention: bool = True, mlp_hidden: int = 0) -> float:
+    """What one block keeps under op-level checkpointing (``pretrain.models.recompute``): its input
+    (the module's dtype), the outputs of its four linears (q k v 3h, the projection h, fc1 the MLP
+    width, fc2 h) and, with a fused attention kernel, the attention output and its fp32
+    log-sum-exp; the LayerNorms, GELU, dropout masks, LayerScale and QK-norm outputs are
+    recomputed. bf16: ``22 s b h + 4 a s b`` against the whole block's ``32 s b h + 4 a s b``."""
+    e = activation_dtype_bytes(precision)
+    kept = weight_bytes(precision) * s * b * h + e * s * b * (5 * h + (mlp_hidden or 4 * h))
+    return kept + (e * s * b * h + 4 * a * s * b if fused_attention else 0)
+
+
 def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "bf16", checkpointing=False,
                      dropout: bool = False, fused_attention: bool = True) -> float:
     """Activation memory of one micro-batch's forward, held until its backward. ``checkpointing``:
     the blocks checkpointed (``true`` all, ``false`` none, or a count: the first ``N``), each of
-    which keeps only its input; one block's full set exists while it is recomputed."""
-    from pretrain.config import checkpoint_count
+    which keeps only its input, or ``"selective"`` (every block keeps ``selective_block_bytes``);
+    one block's full set exists while it is recomputed."""
+    from pretrain.config import checkpoint_count, selective_checkpointing
 
     s, b, h, L = shape.seq_len, micro_batch, shape.width, shape.depth
     n = checkpoint_count(checkpointing, L) or 0
@@ -262,11 +277,17 @@ def activation_bytes(shape: ModelShape, micro_batch: int, *, precision: str = "b
     block = block_activation_bytes(s, b, h, shape.heads, precision=precision, dropout=dropout,
                                    fused_attention=fused_attention, mlp_hidden=shape.mlp_hidden,
                                    qk_norm=shape.qk_norm, layer_scale=shape.layer_scale)
-    blocks = n * stream * s * b * h + (L - n) * block + (block if n else 0)
+    if selective_checkpointing(checkpointing):
+        kept = selective_block_bytes(s, b, h, shape.heads, precision=precision, fused_attention=fused_attention,
+                                     mlp_hidden=shape.mlp_hidden)
+        n, blocks = L, (L - 1) * kept + block  # (n: the weight copies below are recomputed too)
+    else:
+        blocks = n * stream * s * b * h + (L - n) * block + (block if n else 0)
     # image batch (patch-embedding input, the module's dtype) + final norm input + head input and fp32 logits
     outside = 3 * shape.img_size ** 2 * b * stream + stream * s * b * h + e * b * h + 4 * b * shape.num_classes
     if precision == "bf16-autocast":  # bf16 weight copies kept for the backward (module docstring)
-        outside += 2 * shape.params * ((L - n) + (1 if n else 0)) / L
+        rest = shape.params - L * shape.block_params  # patch embedding, head: kept whatever is checkpointed
+        outside += 2 * rest + 2 * shape.block_params * ((L - n) + (1 if n else 0))
     return blocks + outside
 
 
@@ -277,7 +298,7 @@ class MemoryEstimate:
     buffers: float
     activations: float  # as configured (with or without checkpointing)
     activations_other: float  # with no block checkpointed (with every block when some are), for advice
-    checkpointing: int  # blocks checkpointed
+    checkpointing: int | str  # blocks checkpointed, or "selective"
     host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
     largest: tuple[int, int] = (0, 0)  # (px, micro batch) of the phase with the most activations
 
@@ -304,11 +325,13 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
                                optimizer=cfg.optim.name, offload_optimizer=cfg.zero.offload_optimizer,
                                offload_params=cfg.zero.offload_params, ema=getattr(t, "ema_decay", 0) > 0)
-    from pretrain.config import checkpoint_count
+    from pretrain.config import checkpoint_count, selective_checkpointing
 
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
     # `auto` without a device to fit (pretrain.perf.levers.resolve decides it against one): none
     n = checkpoint_count(t.activation_checkpointing, shape.depth) or 0
+    if selective_checkpointing(t.activation_checkpointing):
+        n = "selective"
     # the phase of train.resolution_schedule that holds the most activations decides (one without)
     act, trained, micro = max(((activation_bytes(s, b, checkpointing=n, **kw), s, b)
                                for s, b in training_shapes(cfg, shape)), key=lambda e: e[0])

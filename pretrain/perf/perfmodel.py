@@ -68,7 +68,8 @@ class Layout:
     zero: int = 1
     precision: str = "bf16"
     reduce_dtype: str = "fp32"
-    checkpointing: Union[bool, int] = False  # True: every block recomputed; an int: that many (the first ones)
+    # True: every block recomputed; an int: that many (the first ones); "selective": op by op
+    checkpointing: Union[bool, int, str] = False
     compile: Union[bool, str] = False  # "blocks" (True), "model" or off (train.compile)
     patch_drop_rate: float = 0.0  # model.patch_drop_rate: the blocks run on the kept tokens
     drop_rate: float = 0.0  # model.drop_rate: dropout's element-wise work (and, eager, kernels)

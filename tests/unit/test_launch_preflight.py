@@ -161,7 +161,12 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, id_dir, tmp_path
     cfg = levers.resolve(cfg, 16)[0]  # its buckets, as training decides them
     (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
     assert f.level == "warning"
-    assert "set train.activation_checkpointing=true" in f.message and "train.micro_batch_size=" in f.message
+    assert "train.activation_checkpointing=true" in f.message and "train.micro_batch_size=" in f.message
+    # op by op fits too, and repeats no matmul: the first fix named
+    op_level = memory.estimate(preflight._with_checkpointing(cfg, "selective"), 16, model_shape(cfg.model)).total
+    assert f"set train.activation_checkpointing=selective ({preflight._gb(op_level)}) or " \
+           f"train.activation_checkpointing=true" in f.message
+    assert memory.estimate(cfg, 16, model_shape(cfg.model)).total > 80 * memory.GB > op_level
     # the build's host memory: one layer under ZeRO-3 (zero.Init), the whole fp32 model otherwise
     est = memory.estimate(cfg, 16, model_shape(cfg.model))
     assert f"building the model takes {preflight._gb(est.host_build)} host memory per rank (one fp32 layer" in f.message
@@ -244,3 +249,7 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     assert ok.level == "ok" and "checkpointing 24 of 24 blocks" in ok.message
     assert warn.level == "warning" and "recomputes 24 of 24 blocks but 0 would fit 80 GB" in warn.message
     assert "train.activation_checkpointing=auto (0 here)" in warn.message
+    ok, warn = preflight.check_memory(preflight._with_checkpointing(cfg, "selective"), 64, 80, model_shape(cfg.model))
+    assert ok.level == "ok" and "checkpointing every block op by op (selective)" in ok.message
+    assert warn.level == "warning" and "selective recomputes every block's element-wise work but the run fits " \
+                                       "80 GB without checkpointing" in warn.message

@@ -96,7 +96,8 @@ def _kernels_of_a_training_step(checkpointing: bool, autocast: bool, **model_kw)
     return c.ops
 
 
-@pytest.mark.parametrize("checkpointing, autocast", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("checkpointing, autocast", [(False, False), (True, False), (False, True), (True, True),
+                                                     ("selective", False), ("selective", True)])
 def test_kernel_counts_are_those_our_model_issues(checkpointing, autocast):
     ops = _kernels_of_a_training_step(checkpointing, autocast)
     want = kernels.kernels_per_micro_step(12, checkpointing, autocast=autocast)
@@ -123,6 +124,19 @@ def test_dropout_and_stochastic_depth_kernels_are_those_our_model_issues():
     assert eager["total"] - kernels.kernels_per_micro_step(12)["total"] == kernels.dropout_kernels(12, 0, True, 11)
     assert kernels.kernels_per_micro_step(12, compile="model", dropout=True, drop_path_blocks=11) == \
         kernels.kernels_per_micro_step(12, compile="model")  # fused into their neighbours
+
+
+def test_selective_checkpointing_sits_between_none_and_whole_blocks():
+    """Op by op, ViT-L/16 keeps about 70 % of its activations and repeats no matmul: faster than
+    recomputing whole blocks, slower than none (its element-wise work runs again), MFU = HFU."""
+    base = Layout("vit_large_patch16_224", "h100-sxm", gpus_per_node=1, micro_batch=128, num_classes=21843)
+    none, op_level, whole = (predict(replace(base, checkpointing=c)) for c in (False, "selective", True))
+    assert whole.images_per_second < op_level.images_per_second < none.images_per_second
+    assert op_level.hfu == pytest.approx(op_level.mfu) and whole.hfu > whole.mfu
+    acts = [p.memory_gb_per_gpu["activations"] for p in (whole, op_level, none)]
+    assert acts[0] < acts[1] < acts[2] and acts[1] / acts[2] == pytest.approx(0.7, abs=0.05)
+    assert op_level.elementwise_seconds > none.elementwise_seconds
+    assert op_level.kernels_per_step - none.kernels_per_step == 24 * kernels.RECOMPUTE_KERNELS["elementwise"]
 
 
 def test_zero2_gradient_hooks_cost_the_host_once_per_parameter_tensor():
