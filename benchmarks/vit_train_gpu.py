@@ -27,6 +27,9 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             ops with the most device time
   no-dropout  the micro 128 row with ``model.drop_rate=0``: what the recipe's dropout (0.1 in the
             ViT paper's ImageNet-21k recipe) costs the step, apart from what the engine costs
+  selective  the micro 128 row with ``train.activation_checkpointing: selective``: what op-level
+            checkpointing costs in time and saves in peak memory (last: a lever for runs that do
+            not fit, not for this one)
   no-overlap  the model row (micro 64) with ``zero.overlap_comm: false``: with overlap DeepSpeed's
             ZeRO-2 synchronises the device at the end of every micro-step's backward
             (``independent_gradient_partition_epilogue``), and a whole-model compile returns every
@@ -124,6 +127,8 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(L, "schedule", best + (SCHEDULE,), "compile model, 128 px (micro 128) / 192 / 224 px", steps=24),
         Row(L, "blocks", ("train.activation_checkpointing=false", "train.compile=blocks",
                           "zero.reduce_bucket_size=auto"), "no checkpointing, compile blocks"),
+        Row(L, "selective", best + ("train.micro_batch_size=128", "train.activation_checkpointing=selective"),
+            "the micro128 row checkpointed op by op"),
     ]
     # a row starts only with row_min_s of the budget left, and is cut at the budget's end: the whole
     # script ends within budget_s of its start
