@@ -166,8 +166,8 @@ class TrainConfig:
     the run fits the device's memory by the memory model (`pretrain/perf/memory.py`; none on a CPU).
     Each checkpointed block costs its forward again (about a third more compute for that block).
     `selective`: every block op by op, keeping its matmul and attention outputs and recomputing
-    only the element-wise work between them (`pretrain/models/recompute.py`): about two thirds of
-    a block's activations kept, no matmul repeated. Start-up, `vit-launch check` and `vit-launch
+    only the element-wise work between them (`pretrain/models/recompute.py`): about 70 % of a
+    block's activations kept, no matmul repeated. Start-up, `vit-launch check` and `vit-launch
     plan` say what `auto` chose and what each choice costs."""
     log_every_steps: int = 10
     """Steps per logging window (metrics.jsonl, W&B, the progress line)."""

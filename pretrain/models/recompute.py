@@ -6,13 +6,13 @@ four linears) and of the fused attention kernel are kept from the forward, every
 (the LayerNorms, the head split and merge, GELU, dropout, stochastic depth, LayerScale, the
 residual adds) is recomputed in the backward from the block's input and those outputs. The
 backward thus repeats no matmul and no attention, only element-wise work (memory bound, a few
-kernels), and a block keeps about two thirds of its activations (ViT-L/16 in bf16: its input,
+kernels), and a block keeps about 70 % of its activations (ViT-L/16 in bf16: its input,
 q k v, the attention output and log-sum-exp, the projection, fc1 and fc2 outputs, ``22 s b h``
 bytes against ``32 s b h``; ``pretrain.perf.memory``). It is torchtitan's op-level selective
 checkpointing with every matmul kept (torchtitan recomputes every second one to save more); dropout
 masks are recomputed from the same random state (``preserve_rng_state``, checkpoint's default), so
-results equal the model without checkpointing bit for bit, eager and under ``torch.compile``, whose
-partitioner takes the same policy.
+the step equals the one without checkpointing: bit for bit eager, and under ``torch.compile``
+(whose partitioner takes the same policy) the compiled model's step to float rounding.
 """
 from __future__ import annotations
 
