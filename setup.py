@@ -45,9 +45,9 @@ setup(
     entry_points={
         "console_scripts": [
             "vit-shards=data_pipeline.shards.cli:main",
-            "vit-train=pretrain.train:main",
+            "vit-train=pretrain.train:command",
             "vit-export=pretrain.weights.export:main",
-            "vit-transfer=pretrain.transfer.cli:main",
+            "vit-transfer=pretrain.transfer.cli:command",
             "vit-launch=launch.cli:main",
             "vit-flops=pretrain.observability.flops:main",
             "vit-config=pretrain.config.cli:main",

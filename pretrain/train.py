@@ -28,7 +28,7 @@ from pretrain.checkpointing.checkpointer import CheckpointWriteError
 from pretrain.checkpointing.rundir import RunDir
 from pretrain.config import Config, cli_errors, load_config
 from pretrain.distributed.precision import compute_dtype
-from pretrain.distributed.process import process_group_ends, set_collective_timeout
+from pretrain.distributed.process import process_group_ends, program, set_collective_timeout
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.collector import after_imports
@@ -179,5 +179,11 @@ def main(argv=None) -> None:
     raise SystemExit(code)
 
 
+def command() -> None:
+    """``vit-train`` and ``-m pretrain.train``: ``main`` as the whole process, which ends with the
+    run's code and without the interpreter's finalization (``process.program``)."""
+    program(main)
+
+
 if __name__ == "__main__":
-    main()
+    command()

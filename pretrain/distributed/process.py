@@ -14,7 +14,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 
 def free_port() -> int:
@@ -69,6 +69,53 @@ def init_distributed(timeout_s: Optional[float] = None) -> tuple[int, int, int]:
 
 
 END_BOUND_S = 10.0  # how long a command's end waits for its process group to close
+
+
+def program(main: Callable[[], object]):
+    """Run ``main`` as the whole process (a command's ``__main__`` and console script; tests call
+    ``main`` itself) and end it with the code ``main`` ended with (``end_process``)."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):  # as the interpreter does: the message on stderr, code 1
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:  # noqa: BLE001 (reported as the interpreter would: its except hook)
+        sys.excepthook(type(e), e, e.__traceback__)  # torch.distributed's prefixes each line with the rank
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+    end_process(code)
+
+
+def end_process(code: int):
+    """End this process as the interpreter would, short of its finalization: wait for its
+    non-daemon threads (``threading``'s own shutdown: a thread pool's exit hooks, then the joins),
+    run the exit handlers (W&B's, multiprocessing's workers, logging), flush stdout and stderr and
+    leave with ``code``. What is skipped is the teardown of C and C++ state after that (module
+    objects, static destructors, ``atexit`` handlers registered in C), where a library's worker
+    thread still joinable at destruction ends the process with "terminate called without an
+    active exception" (SIGABRT: exit 250 under the deepspeed runner) after a run that finished
+    and said so; its code would be lost."""
+    import atexit
+    import gc
+    import io
+
+    for step in (getattr(threading, "_shutdown", None), atexit._run_exitfuncs):
+        try:
+            if step is not None:
+                step()
+        except BaseException:  # noqa: BLE001 (still leave, with the code the command chose)
+            traceback.print_exc()
+    # every file still open is flushed, as finalization would when it destroys it (type, not
+    # isinstance: some of torch's deprecated aliases warn when their class is asked)
+    for obj in [*gc.get_objects(), sys.stdout, sys.stderr]:
+        if issubclass(type(obj), io.IOBase):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):  # a closed pipe, a file on a full disk: nothing more to do
+                pass
+    os._exit(code)
 
 
 @contextmanager

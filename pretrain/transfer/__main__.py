@@ -3,6 +3,6 @@ import gc
 
 if __name__ == "__main__":
     gc.disable()  # while importing; main() turns it back on (pretrain/perf/collector.py)
-    from pretrain.transfer.cli import main
+    from pretrain.transfer.cli import command
 
-    main()
+    command()

@@ -155,5 +155,13 @@ def main(argv=None) -> None:
             run_once(args, cfg, user_arch, setup_distributed(cfg.eval.protocol))
 
 
+def command() -> None:
+    """``vit-transfer`` and ``-m pretrain.transfer``: ``main`` as the whole process, which ends with
+    its code and without the interpreter's finalization (``pretrain.distributed.process.program``)."""
+    from pretrain.distributed.process import program
+
+    program(main)
+
+
 if __name__ == "__main__":
-    main()
+    command()

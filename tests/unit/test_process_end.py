@@ -57,3 +57,53 @@ def test_a_collective_waiting_on_a_peer_does_not_hold_the_exit(tmp_path):
     finally:
         peer.kill()
         peer.wait()
+
+
+ENDS = textwrap.dedent("""
+    import atexit, ctypes, sys, threading, time
+    from pathlib import Path
+    from pretrain.distributed.process import program
+    out = Path(sys.argv[1])
+    libc = ctypes.CDLL(None)
+    # C-level teardown that aborts, registered as a C++ static's destructor is (__cxa_atexit), as
+    # one that finds a library's worker thread still joinable does
+    libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+    log = open(out / "open.txt", "w")  # never closed: finalization would flush it
+
+    def main():
+        def late():
+            time.sleep(0.3)
+            (out / "thread.txt").write_text("done")
+        threading.Thread(target=late).start()  # non-daemon: the process waits for it
+        atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
+        log.write("buffered")
+        print("said", flush=False)
+        raise SystemExit(int(sys.argv[2]))
+
+    if sys.argv[3] == "program":
+        program(main)
+    main()
+""")
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_command_ends_with_its_code_past_a_teardown_that_aborts(tmp_path, code):
+    """``program``: the command's threads finished, its exit handlers run, its open files and
+    stdout flushed, and its code kept; the C-level teardown after that (here an abort registered
+    with libc's atexit, as a C++ static's destructor is) never runs. Without it, the same process
+    dies of that abort (SIGABRT) after doing all of the rest."""
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS)
+
+    def run(how):
+        for name in ("thread.txt", "atexit.txt", "open.txt"):
+            (tmp_path / name).unlink(missing_ok=True)
+        return subprocess.run([sys.executable, str(script), str(tmp_path), str(code), how], capture_output=True,
+                              text=True, timeout=60)
+
+    for how, want in (("program", code), ("plain", -6)):
+        r = run(how)
+        assert r.returncode == want, (how, r.returncode, r.stderr[-2000:])
+        assert r.stdout == "said\n"
+        assert (tmp_path / "thread.txt").read_text() == "done" and (tmp_path / "atexit.txt").read_text() == "ran"
+        assert (tmp_path / "open.txt").read_text() == "buffered"
