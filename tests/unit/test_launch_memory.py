@@ -10,14 +10,19 @@ from pretrain.models.vit import create_model
 from pretrain.perf import memory
 
 
+def training_model(name, img, dtype, checkpointing, **kw):
+    """The model in training mode with its checkpointing, and its weights' storages (not counted)."""
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=10, img_size=img, **kw).to(dtype).train()
+    model.set_grad_checkpointing(checkpointing)
+    return model, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
 def saved_activation_bytes(name, img, batch, dtype, checkpointing, autocast=False, **kw):
     """Bytes of the distinct tensors autograd saves in one training forward (weights excluded):
     exactly what stays alive until backward. ``autocast``: the forward under torch.autocast(bf16),
     whose bf16 weight copies are not the weights and count."""
-    torch.manual_seed(0)
-    model = create_model(name, num_classes=10, img_size=img, **kw).to(dtype).train()
-    model.set_grad_checkpointing(checkpointing)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    model, weights = training_model(name, img, dtype, checkpointing, **kw)
     seen = {}
 
     def pack(t):
@@ -78,10 +83,7 @@ def kept_activation_bytes(name, img, batch, dtype, checkpointing, autocast=False
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    torch.manual_seed(0)
-    model = create_model(name, num_classes=10, img_size=img, **kw).to(dtype).train()
-    model.set_grad_checkpointing(checkpointing)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    model, weights = training_model(name, img, dtype, checkpointing, **kw)
     made = {}
 
     def note(t):
