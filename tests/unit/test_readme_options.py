@@ -36,6 +36,7 @@ class _Caught(Exception):
 def parser_of(target: str) -> argparse.ArgumentParser:
     """The parser ``module:function`` builds (``main`` by default), without running the command."""
     module, _, fn = target.partition(":")
+    fn = "main" if fn == "command" else fn  # a command runs main as its whole process: main's parser
     real = argparse.ArgumentParser.parse_known_args
 
     def catch(self, *a, **k):
