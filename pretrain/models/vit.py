@@ -108,7 +108,6 @@ class VisionTransformer(nn.Module):
         self.pos_embed_type = pos_embed
         self.num_prefix_tokens = int(class_token) + reg_tokens  # timm's: the tokens before the patches
         self.grad_checkpointing = 0  # blocks recomputed in the backward (set_grad_checkpointing)
-        self.selective_checkpointing = False  # every block op by op (set_grad_checkpointing)
 
         if backbone is None:
             self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
@@ -221,10 +220,10 @@ class VisionTransformer(nn.Module):
         attention outputs and recomputing only the element-wise work between them
         (``pretrain.models.recompute``). Results equal the non-checkpointed model."""
         depth = len(self.blocks)
-        self.selective_checkpointing = enable == "selective"
+        selective = enable == "selective"
         for blk in self.blocks:  # inside each block's forward, so that train.compile's blocks include it
-            blk.checkpoint_ops = self.selective_checkpointing
-        if self.selective_checkpointing:
+            blk.checkpoint_ops = selective
+        if selective:
             self.grad_checkpointing = 0
         else:
             self.grad_checkpointing = depth if enable is True else max(0, min(int(enable), depth))
