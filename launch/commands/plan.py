@@ -185,8 +185,10 @@ def _checkpointing(value: str, lay: perfmodel.Layout):
     from pretrain.perf import memory
 
     depth = memory.analytic_shape(lay.model, img_size=lay.img_size, num_classes=lay.num_classes).depth
-    if value in ("true", "selective"):
-        return True if value == "true" else value
+    if value == "true":
+        return True
+    if value == "selective":
+        return value
     if value == "auto":
         return next((n for n in range(depth + 1) if perfmodel.predict(replace(lay, checkpointing=n)).fits), depth)
     if not value.isdigit() or int(value) > depth:

@@ -12,8 +12,9 @@ from pretrain.perf.perfmodel import Layout, Prediction, predict
 
 def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 3)) -> list[Prediction]:
     """Layouts that fit, best predicted throughput first: ZeRO stage x micro batch x activation
-    checkpointing (none, op-level, every block) x ZeRO++ (hpZ within a node, qwZ; stage 3 only). The global batch stays
-    ``base.global_batch`` (when given), so micro batches that do not divide it are skipped."""
+    checkpointing (none, op-level, every block) x ZeRO++ (hpZ within a node, qwZ; stage 3 only).
+    The global batch stays ``base.global_batch`` (when given), so micro batches that do not divide
+    it are skipped."""
     out = []
     for stage in stages:
         pp = [(1, False)]
@@ -40,8 +41,8 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
 def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     """Each speed lever turned the other way from ``layout``, with its predicted img/s relative to
     ``layout``'s (1.10: 10 % faster), best first; alternatives that do not fit are left out.
-    The levers: activation checkpointing (none, every block, op-level), ``train.compile`` (off, blocks,
-    model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
+    The levers: activation checkpointing (none, every block, op-level), ``train.compile`` (off,
+    blocks, model), the reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro
     batch (half and double, the global batch kept)."""
     base = predict(layout).images_per_second
     shape = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes,

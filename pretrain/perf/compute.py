@@ -6,28 +6,27 @@ gradient, the patch embedding and the head; the blocks' forward again with activ
 checkpointing, none under op-level checkpointing) at the rate its shape reaches
 (``pretrain.perf.kernels.gemm_seconds``: a fixed cost per call, wave quantization over the GPU's
 SMs, a fixed prologue/epilogue per tile, fitted to XLA's measured H100 GEMMs), and the fused
-attention kernels at the plain rate. The rate's
-asymptote is ``peak x efficiency``, ``efficiency`` the one calibrated constant per GPU type
-(``pretrain.perf.hardware.GPUS``, each naming its calibration point or the GPU it borrows from;
-``pretrain.perf.published`` solves it). Element-wise work (LayerNorms, GELU over the MLP width,
-residual adds, softmax without a fused attention kernel) moves bytes, not flops: it is priced at
-:data:`HBM_EFFICIENCY` of the memory bandwidth plus each kernel's launch gap, which is why narrow
-models (ViT-B) reach a lower MFU than wide ones and why the gap grows on GPUs whose flops outgrew
-their bandwidth (H100 against A100). ``torch.compile`` fuses element-wise chains: half that
-traffic and half those kernels. ``train.precision=bf16-autocast`` keeps the LayerNorms and
-residual adds on an fp32 stream and casts every weight to bf16 in each forward (6 B/param of
-traffic per micro-step). ``model.drop_rate`` and ``model.drop_path_rate`` add their masks' and
-products' traffic and, eager, their kernels. The host issues every kernel
-(``pretrain.perf.kernels.host_seconds``) and runs DeepSpeed's ZeRO-1/2 gradient handling, per
-parameter tensor (``engine_hook_seconds``); a micro-step takes the longer of the GPU's time and
-the host's, so small micro-batches of narrow models wait for kernel launches. Under ZeRO-3 the
-host's module hooks (``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work
-beyond them (``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay
-``analytic_flops`` x 2 x 3; hardware FLOPs (HFU) add the recomputed forward (its matmuls:
-``train.activation_checkpointing: selective`` recomputes only element-wise work, which moves
-bytes, so its HFU is its MFU and its cost is one more forward pass of element-wise traffic and
-kernels in every block). The optimizer step
-reads and writes its fp32 states once per step (memory bound).
+attention kernels at the plain rate. The rate's asymptote is ``peak x efficiency``, ``efficiency``
+the one calibrated constant per GPU type (``pretrain.perf.hardware.GPUS``, each naming its
+calibration point or the GPU it borrows from; ``pretrain.perf.published`` solves it). Element-wise
+work (LayerNorms, GELU over the MLP width, residual adds, softmax without a fused attention kernel)
+moves bytes, not flops: it is priced at :data:`HBM_EFFICIENCY` of the memory bandwidth plus each
+kernel's launch gap, which is why narrow models (ViT-B) reach a lower MFU than wide ones and why
+the gap grows on GPUs whose flops outgrew their bandwidth (H100 against A100). ``torch.compile``
+fuses element-wise chains: half that traffic and half those kernels.
+``train.precision=bf16-autocast`` keeps the LayerNorms and residual adds on an fp32 stream and
+casts every weight to bf16 in each forward (6 B/param of traffic per micro-step).
+``model.drop_rate`` and ``model.drop_path_rate`` add their masks' and products' traffic and, eager,
+their kernels. The host issues every kernel (``pretrain.perf.kernels.host_seconds``) and runs
+DeepSpeed's ZeRO-1/2 gradient handling, per parameter tensor (``engine_hook_seconds``); a
+micro-step takes the longer of the GPU's time and the host's, so small micro-batches of narrow
+models wait for kernel launches. Under ZeRO-3 the host's module hooks
+(``pretrain.perf.kernels.zero3_hook_seconds``) and ZeRO-3's measured work beyond them
+(``zero3_work_seconds``) add to the micro-step. Model FLOPs (MFU) stay ``analytic_flops`` x 2 x 3;
+hardware FLOPs (HFU) add the recomputed forward (its matmuls: ``train.activation_checkpointing:
+selective`` recomputes only element-wise work, which moves bytes, so its HFU is its MFU and its
+cost is one more forward pass of element-wise traffic and kernels in every block). The optimizer
+step reads and writes its fp32 states once per step (memory bound).
 
 ``layout`` is a ``pretrain.perf.perfmodel.Layout``; pure arithmetic, no torch import.
 """
@@ -121,8 +120,7 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     # fused attention: 2 s^2 d multiply-adds per image and block forward, twice that backward
     attn_flops = 2.0 * 2 * s * s * d * images * (3 * depth + n)
     drop_path_blocks = depth - 1 if layout.drop_path_rate > 0 else 0  # the first block's rate is 0
-    ckpt = layout.checkpointing if layout.checkpointing == "selective" else n
-    n_kernels = kernels.kernels_per_micro_step(depth, ckpt, mode, layout.precision == "bf16-autocast",
+    n_kernels = kernels.kernels_per_micro_step(depth, layout.checkpointing, mode, layout.precision == "bf16-autocast",
                                                dropout=layout.drop_rate > 0, drop_path_blocks=drop_path_blocks)
     fixed = kernels.GEMM_FIXED_S if g.sms else 0.0
     t_attn = attn_flops / (peak * g.efficiency) + n_kernels["attention"] * fixed
