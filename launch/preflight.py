@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import unwritable
-from pretrain.config import Config, ConfigError, check_world_size, image_size
+from pretrain.config import Config, ConfigError, check_world_size, image_size, selective_checkpointing
 from pretrain.perf import memory
 
 OK, WARN, FAIL = "ok", "warning", "error"
@@ -334,7 +334,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     cfg, _ = levers.resolve(cfg, world, memory_bytes=budget)
     est = memory.estimate(cfg, world, shape)
     s, t = est.states, cfg.train
-    selective = t.activation_checkpointing == "selective"
+    selective = selective_checkpointing(t.activation_checkpointing)
     n = shape.depth if selective else t.activation_checkpointing
     ckpt = ("every block op by op (selective)" if selective
             else f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else ""))
@@ -365,7 +365,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         return found
     fixes = []
     if not selective and n < shape.depth:
-        op_level = memory.estimate(_with_checkpointing(cfg, "selective"), world, shape).total
+        op_level = memory.estimate(levers.with_checkpointing(cfg, "selective"), world, shape).total
         if op_level <= budget:  # no matmul repeated: cheaper than recomputing whole blocks
             fixes.append(f"train.activation_checkpointing=selective ({_gb(op_level)})")
         if est.total_if_checkpointing(True) <= budget:
@@ -389,12 +389,6 @@ def _with(cfg: Config, stage: int) -> Config:
     import dataclasses
 
     return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
-
-
-def _with_checkpointing(cfg: Config, value) -> Config:
-    import dataclasses
-
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=value))
 
 
 # ----------------------------------------------------------------------------------------- all

@@ -36,12 +36,16 @@ class Choices:
     lines: tuple[str, ...] = ()
 
 
+def with_checkpointing(cfg, value):
+    """``cfg`` with ``train.activation_checkpointing`` set to ``value``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=value))
+
+
 def fewest_checkpointed(cfg, world: int, shape: memory.ModelShape, memory_bytes: float) -> int:
     """The fewest checkpointed blocks (first blocks first) whose estimate fits ``memory_bytes``;
     all of them when even that does not fit (the check then says it does not)."""
     for n in range(shape.depth + 1):
-        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=n))
-        if memory.estimate(trial, world, shape).total <= memory_bytes * MEMORY_HEADROOM:
+        if memory.estimate(with_checkpointing(cfg, n), world, shape).total <= memory_bytes * MEMORY_HEADROOM:
             return n
     return shape.depth
 
@@ -75,12 +79,12 @@ def resolve(cfg, world: int, *, gpus_per_node: int = 8, gpu: Optional[str] = Non
     zero, lines = resolve_zero(cfg.zero, cfg.train, shape.params, shape.block_params, world,
                                gpus_per_node=gpus_per_node, gpu=gpu, network=network)
     cfg = dataclasses.replace(cfg, zero=zero)
-    n = checkpoint_count(cfg.train.activation_checkpointing, shape.depth)
     if selective_checkpointing(cfg.train.activation_checkpointing):  # nothing to decide: kept as the word
         return cfg, Choices(0, shape.depth, zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, tuple(lines))
+    n = checkpoint_count(cfg.train.activation_checkpointing, shape.depth)
     if n is None:
         n = fewest_checkpointed(cfg, world, shape, memory_bytes) if memory_bytes else 0
         where = f"{memory_bytes / 2 ** 30:.0f} GiB" if memory_bytes else "no device memory limit (CPU)"
         lines.append(f"train.activation_checkpointing=auto: {n} of {shape.depth} blocks checkpointed ({where})")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=n))
-    return cfg, Choices(n, shape.depth, zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, tuple(lines))
+    return with_checkpointing(cfg, n), Choices(n, shape.depth, zero.reduce_bucket_size,
+                                               zero.stage3_prefetch_bucket_size, tuple(lines))

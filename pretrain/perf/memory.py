@@ -329,9 +329,8 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
 
     kw = dict(precision=t.precision, dropout=cfg.model.drop_rate > 0)
     # `auto` without a device to fit (pretrain.perf.levers.resolve decides it against one): none
-    n = checkpoint_count(t.activation_checkpointing, shape.depth) or 0
-    if selective_checkpointing(t.activation_checkpointing):
-        n = "selective"
+    ckpt = t.activation_checkpointing
+    n = ckpt if selective_checkpointing(ckpt) else checkpoint_count(ckpt, shape.depth) or 0
     # the phase of train.resolution_schedule that holds the most activations decides (one without)
     act, trained, micro = max(((activation_bytes(s, b, checkpointing=n, **kw), s, b)
                                for s, b in training_shapes(cfg, shape)), key=lambda e: e[0])

@@ -163,7 +163,7 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, id_dir, tmp_path
     assert f.level == "warning"
     assert "train.activation_checkpointing=true" in f.message and "train.micro_batch_size=" in f.message
     # op by op fits too, and repeats no matmul: the first fix named
-    op_level = memory.estimate(preflight._with_checkpointing(cfg, "selective"), 16, model_shape(cfg.model)).total
+    op_level = memory.estimate(levers.with_checkpointing(cfg, "selective"), 16, model_shape(cfg.model)).total
     assert f"set train.activation_checkpointing=selective ({preflight._gb(op_level)}) or " \
            f"train.activation_checkpointing=true" in f.message
     assert memory.estimate(cfg, 16, model_shape(cfg.model)).total > 80 * memory.GB > op_level
@@ -249,7 +249,7 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     assert ok.level == "ok" and "checkpointing 24 of 24 blocks" in ok.message
     assert warn.level == "warning" and "recomputes 24 of 24 blocks but 0 would fit 80 GB" in warn.message
     assert "train.activation_checkpointing=auto (0 here)" in warn.message
-    ok, warn = preflight.check_memory(preflight._with_checkpointing(cfg, "selective"), 64, 80, model_shape(cfg.model))
+    ok, warn = preflight.check_memory(levers.with_checkpointing(cfg, "selective"), 64, 80, model_shape(cfg.model))
     assert ok.level == "ok" and "checkpointing every block op by op (selective)" in ok.message
     assert warn.level == "warning" and "selective recomputes every block's element-wise work but the run fits " \
                                        "80 GB without checkpointing" in warn.message
