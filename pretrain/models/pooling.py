@@ -15,6 +15,8 @@ sin and cos of the column, then of the row, at frequencies ``10000 ** -(i / (D/4
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,19 +47,22 @@ class AttentionPool(nn.Module):
         return x[:, 0]
 
 
-def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) -> torch.Tensor:
+def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0,
+              device: Optional[torch.device] = None) -> torch.Tensor:
     """(H*W, dim) fixed position embedding of an H x W patch grid, row-major as the patches are
-    flattened; computed in float64, returned as float32."""
+    flattened; computed in float64 on ``device`` (the host by default), returned as float32."""
     if dim % 4:
         raise ValueError(f"the sin-cos position embedding needs a width divisible by 4, got {dim}")
     h, w = grid
-    y, x = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
-    omega = 1.0 / temperature ** (torch.arange(dim // 4, dtype=torch.float64) / max(1, dim // 4 - 1))
+    f64 = dict(dtype=torch.float64, device=device)
+    y, x = torch.meshgrid(torch.arange(h, **f64), torch.arange(w, **f64), indexing="ij")
+    omega = 1.0 / temperature ** (torch.arange(dim // 4, **f64) / max(1, dim // 4 - 1))
     y, x = y.flatten()[:, None] * omega, x.flatten()[:, None] * omega
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1).float()
 
 
-def sincos_pos_embed(grid: tuple[int, int], dim: int, prefix: int) -> torch.Tensor:
+def sincos_pos_embed(grid: tuple[int, int], dim: int, prefix: int,
+                     device: Optional[torch.device] = None) -> torch.Tensor:
     """(1, prefix + H*W, dim): :func:`sincos_2d` after ``prefix`` zero rows, the layout of timm's
     ``pos_embed`` for a model whose [class] and register tokens get no position (big_vision's)."""
-    return torch.cat([torch.zeros(prefix, dim), sincos_2d(grid, dim)])[None]
+    return torch.cat([torch.zeros(prefix, dim, device=device), sincos_2d(grid, dim, device=device)])[None]

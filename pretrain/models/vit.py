@@ -247,11 +247,12 @@ class VisionTransformer(nn.Module):
         as timm's ``dynamic_img_size`` does: the parameter keeps the model's grid (exports
         unchanged), its gradient flows back through the bicubic interpolation, which costs one small
         (D, H, W) resample per forward. The sin-cos table is a function of the grid: it is computed
-        for the new grid instead (big_vision's), on the CPU and copied over, (H*W, D) per forward."""
+        for the new grid instead (big_vision's), (H*W, D) per forward, on the tokens' device: a
+        table made on the host would be copied over, and on a GPU that copy waits for the stream."""
         pos = self.pos_embed
         if tuple(grid) != tuple(self.grid_size):
             if self.pos_embed_type == "sincos2d":
-                pos = sincos_pos_embed(grid, self.embed_dim, self.num_prefix_tokens).to(x.device)
+                pos = sincos_pos_embed(grid, self.embed_dim, self.num_prefix_tokens, device=x.device)
             else:
                 pos = resize_pos_embed(pos, grid, self.grid_size, self.num_prefix_tokens)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]

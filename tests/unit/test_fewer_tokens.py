@@ -9,6 +9,8 @@ import pytest
 import timm
 import torch
 from reference_utils import big_vision_posemb_sincos_2d
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from data_pipeline.loading.loader import build_loader
 from data_pipeline.loading.step_batches import regrouped, sized_batches
@@ -125,6 +127,34 @@ def test_prefix_tokens_with_patch_dropout_and_another_size_are_timms(arch):
         torch.testing.assert_close(ours.eval()(x), ref.eval()(x), rtol=1e-5, atol=1e-5)
     assert ours.pos_embed.shape == (1, n + 16, 192)
 
+
+
+class _HostTensors(TorchDispatchMode):
+    """The ops that see a tensor on the host (inputs or outputs), in dispatch order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_flatten((args, kwargs, out))[0]):
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "sincos2d"])
+def test_a_training_step_at_another_size_makes_nothing_on_the_host(pos_embed):
+    """A step at another size than the model's (the resampled or recomputed position embedding,
+    patch dropout's draw, dropout, stochastic depth), forward and backward, makes every tensor on
+    the model's device: on a GPU a table made on the host is copied over, and that copy waits for
+    the stream every step. The model and input on the meta device, every op's tensors looked at."""
+    model = create_model(NAME, img_size=64, num_classes=10, pos_embed=pos_embed, patch_drop_rate=0.5,
+                         drop_rate=0.1, drop_path_rate=0.1, reg_tokens=2).to("meta").train()
+    with _HostTensors() as seen:
+        loss = model(torch.empty(2, 3, 48, 48, device="meta")).sum()
+        loss.backward()
+    assert loss.device.type == "meta" and seen.ops == [], seen.ops[:10]
 
 @pytest.mark.parametrize("arch", [dict(), dict(reg_tokens=2, class_token=False, global_pool="map")])
 def test_a_sincos_table_at_another_size_is_big_visions_for_that_grid(arch):
