@@ -48,6 +48,7 @@ from pretrain.models.arch import patch_keep
 from pretrain.observability.clock import StepClock
 from pretrain.observability.flops import config_macs, train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
+from pretrain.observability.profile import StepProfiler
 from pretrain.observability.progress import StartupLines
 from pretrain.perf import levers
 from pretrain.perf.hardware import gpu_key
@@ -78,6 +79,7 @@ class Loop:
     detector: Optional[StragglerDetector] = None
     evaluator: Optional[InTrainingEval] = None
     ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
+    profiler: Optional[StepProfiler] = None  # logging.profile: the steps recorded with torch.profiler
     say: Callable[[str], None] = lambda msg: None
     logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
@@ -285,7 +287,11 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
                 world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say),
                 detector=_straggler_detector(t, c, clock),
-                evaluator=evaluator if evaluator.enabled else None, ema=b.ema, say=c.say, logged=status)
+                evaluator=evaluator if evaluator.enabled else None, ema=b.ema,
+                profiler=StepProfiler.of(cfg.logging.profile, rank=c.rank, world=c.world, start_step=start,
+                                         steps=t.steps, root=c.layout.root, device=b.engine.device, say=c.say,
+                                         beat=lambda: clock.beat("profile", slow=True)),
+                say=c.say, logged=status)
     return Job(loop, status, samples)
 
 

@@ -63,14 +63,19 @@ def train_loop(lp: Loop) -> dict:
                       loss=o.loss, target_threshold=o.bce_target_threshold)
     dtype, window = compute_dtype(t.precision), Window(device)
     history, step, stopped = [], lp.start_step, False
+    prof, window_first = lp.profiler, step + 1
     while step < t.steps:
         phase = lp.phases(step + 1)  # its first step: the engine takes its micro batch, the loader its size
+        if prof is not None:  # logging.profile: its own seconds are not the window's
+            clock.exclude(prof.before(step + 1))
         clock.begin_step(step + 1, startup=step == lp.start_step or step + 1 == phase.first)
         with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
             window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema),
                        lp.flops[phase.img_size], phase.img_size)
         clock.end_step()
         step += 1
+        if prof is not None:
+            clock.exclude(prof.after(step))
         if step == lp.start_step + 1:  # start-up is over: step-time bounds from here on
             lp.startup.done()
             set_collective_timeout(t.pg_timeout_s)
@@ -86,6 +91,8 @@ def train_loop(lp: Loop) -> dict:
             metrics, phases = window_metrics(engine, window, clock, step=step, world=lp.world,
                                              global_batch=t.global_batch_size, nonfinite_skipped=guard.total,
                                              loader=lp.loader)
+            if prof is not None and prof.window_steps(window_first, step):  # slowed by the profiler
+                metrics["profiled_steps"] = prof.window_steps(window_first, step)
             straggling, line = gather_and_judge(lp.detector, phases, device)
             lp.logger.log(step, {**metrics, **straggling})
             lp.logger.print(step, metrics)
@@ -93,7 +100,7 @@ def train_loop(lp: Loop) -> dict:
             if line:
                 lp.say(f"straggler: {line}")
             history.append(metrics["loss"])
-            window = Window(device)
+            window, window_first = Window(device), step + 1
 
         evaluate(lp, step)
         clock.beat("stop")

@@ -12,6 +12,8 @@
         hostfile.used          the hostfile `vit-launch run` last started the job with (a comment
                                line for each node it left out, and why)
         samples/rank-<R>.tsv   with data.record_samples: step<TAB>epoch<TAB>key per consumed sample
+        profile/steps-S-E/     with logging.profile: rank-<R>.json.gz (the Chrome trace of steps S-E),
+                               rank-<R>.txt (op table), rank-<R>.json (summary)
         checkpoints/           (or checkpoint.dir)
             latest             tag of the newest complete checkpoint, for DeepSpeed's own tools
                                (zero_to_fp32.py); our readers list the COMPLETE markers instead

@@ -43,7 +43,9 @@ def assert_ok(r):
 @pytest.mark.parametrize("stage, steps, extra", [
     (1, 12, ["train.precision=bf16"]),  # bf16 matmuls are slow on CPUs without bf16 units: 12 steps
     (2, 20, ["train.precision=fp32"]),  # bf16 at ZeRO-2: test_reduce_dtype, test_host_sync
-    (3, 20, ["train.activation_checkpointing=true", "train.precision=fp32"]),  # fp32: export compared tightly
+    # fp32: export compared tightly; steps 7-8 profiled on both ranks
+    (3, 20, ["train.activation_checkpointing=true", "train.precision=fp32", "logging.profile.start_step=7",
+             "logging.profile.steps=2", "logging.profile.ranks=[]"]),
 ])
 def test_zero_stage_trains_and_reduces_loss(tiny_run, tmp_path, stage, steps, extra):
     every = steps // 4
@@ -62,8 +64,30 @@ def test_zero_stage_trains_and_reduces_loss(tiny_run, tmp_path, stage, steps, ex
     if stage == 3:
         assert m[steps]["hw_tflops_per_device"] > m[steps]["tflops_per_device"]  # recompute counted as HFU only
         check_zero3_export(run.run_dir, tmp_path)
+        check_profile(run.run_dir, m)
     if stage == 1:
         check_bf16_optimizer_export(run.run_dir, tmp_path)
+
+
+def check_profile(run, m):
+    """logging.profile steps 7-8 on every rank: each rank's trace holds those two steps, marked, and
+    ZeRO-3's parameter gathers and gradient reduce-scatters among its ops; its summary counts them;
+    the one window holding them says so."""
+    import gzip
+
+    assert {s for s, r in m.items() if "profiled_steps" in r} == {10} and m[10]["profiled_steps"] == 2, m
+    for rank in (0, 1):
+        folder = run / "profile" / "steps-7-8"
+        with gzip.open(folder / f"rank-{rank}.json.gz", "rt") as f:
+            events = json.load(f)["traceEvents"]
+        marks = sorted(e["name"] for e in events if e.get("cat") == "user_annotation" and "vit-train" in e["name"])
+        assert marks == ["vit-train step 7", "vit-train step 8"], marks
+        ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+        assert {"aten::mm", "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"} <= ops, sorted(ops)[:50]
+        summary = json.loads((folder / f"rank-{rank}.json").read_text())
+        assert summary["rank"] == rank and summary["steps"] == 2 and 0 < summary["busy_share"] <= 1, summary
+        assert summary["top"] and all(not t["name"].startswith("vit-train") for t in summary["top"]), summary
+        assert (folder / f"rank-{rank}.txt").read_text().count("aten::mm") >= 1
 
 
 def check_bf16_optimizer_export(run, tmp_path):
