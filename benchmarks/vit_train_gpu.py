@@ -10,7 +10,9 @@ made on the GPU: the step without the input pipeline) and one lever changed from
   ViT-L/16  shipped   the shipped config as it was: every block checkpointed, eager, 5e8 buckets
             no-ckpt   no activation checkpointing (what ``auto`` chooses for L/16 on 80 GB)
             model     ``train.compile: model`` with ``auto`` buckets
-            micro     the same at a larger micro batch
+            micro128  the same at micro batch 128; its step 14 recorded by ``logging.profile`` (that
+                      window left out of its img/s): the device's busy share and top ops on
+                      vit-train's own path, beside the plain step's
             blocks    ``train.compile: blocks`` instead (for the comparison)
             schedule  the best levers on fewer tokens: ``train.resolution_schedule`` 128 px (micro 128),
                       192 px, 224 px, a third of the steps each; img/s per phase, each phase's windows
@@ -22,9 +24,9 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             classes, its dropout), its loss and targets, ``torch.compile`` of the model, bf16
             autocast, fused AdamW; no DeepSpeed, no loop, no guard: the reference vit-train's MFU
             is held against
-            One more step of it runs under ``torch.profiler``: the attention backend
-            ``F.scaled_dot_product_attention`` chose (flash, cuDNN, memory-efficient) and the
-            ops with the most device time
+            One more step of it runs under ``torch.profiler``: the device's busy share, the
+            attention backend ``F.scaled_dot_product_attention`` chose (flash, cuDNN, memory-
+            efficient) and the ops with the most device time
   no-dropout  the micro 128 row with ``model.drop_rate=0``: what the recipe's dropout (0.1 in the
             ViT paper's ImageNet-21k recipe) costs the step, apart from what the engine costs
   selective  the micro 128 row with ``train.activation_checkpointing: selective``: what op-level
@@ -85,6 +87,7 @@ class Row:
     overrides: tuple  # dotted overrides (the plain row: micro batch, image size)
     levers: str  # in words, for the table
     steps: int = 0  # the row's own step count (0: the run settings')
+    profile_step: int = 0  # a step recorded by logging.profile (its window left out of the img/s)
 
 
 # ViT-L/16's schedule row: three phases of 8 steps (two logging windows each), the first at micro 128
@@ -99,7 +102,8 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         rows = [Row("tiny_cpu", "shipped", toy + ("train.activation_checkpointing=true", "train.compile=false",
                                                   "zero.reduce_bucket_size=500000000"), "checkpoint all, eager"),
                 Row("tiny_cpu", "no-ckpt", toy + ("train.activation_checkpointing=auto",
-                                                  "zero.reduce_bucket_size=auto"), "auto checkpointing, auto buckets"),
+                                                  "zero.reduce_bucket_size=auto"), "auto checkpointing, auto buckets",
+                    profile_step=3),
                 # two steps a phase: one window each, within the smoke's budget on 2 cores
                 Row("tiny_cpu", "schedule", toy + ("train.resolution_schedule=[[0,32,8],[0.34,48],[0.67,64]]",),
                     "32 px (micro 8) / 48 / 64 px", steps=6),
@@ -117,7 +121,9 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(L, "model", best, "no checkpointing (auto), compile model, auto buckets"),
         # the model row's graph again (inductor's cache): the cheapest row after it
         Row(L, "no-overlap", best + ("zero.overlap_comm=false",), "the model row without zero.overlap_comm"),
-        Row(L, "micro128", best + ("train.micro_batch_size=128",), "the model row at micro batch 128"),
+        # one step of the last window under the profiler: where vit-train's step loses to the plain one
+        Row(L, "micro128", best + ("train.micro_batch_size=128",), "the model row at micro batch 128",
+            profile_step=14),
         Row(L, "plain", ("train.micro_batch_size=128",), PLAIN),
         Row(L, "no-dropout", best + ("train.micro_batch_size=128", "model.drop_rate=0.0"),
             "the micro128 row without dropout (model.drop_rate=0)"),
@@ -146,7 +152,7 @@ def row_overrides(row: Row, run_dir: Path, ckpt_dir: Path, settings: dict) -> li
         f"train.log_every_steps={settings['log_every']}", f"train.sync_every_steps={settings['log_every']}",
         f"train.global_batch_size={micro * ACCUMULATION}", f"train.output_dir={run_dir}", f"checkpoint.dir={ckpt_dir}",
         "checkpoint.every_steps=100000", "logging.wandb.mode=disabled", "validation.every_steps=0",
-        "optim.warmup_steps=1"]
+        "optim.warmup_steps=1"] + ([f"logging.profile.start_step={row.profile_step}"] if row.profile_step else [])
 
 
 def device() -> tuple[str | None, float | None]:
@@ -180,7 +186,8 @@ def predicted(cfg, device_name: str | None, memory_bytes: float | None) -> dict:
 
 def measured(metrics_file: Path) -> dict:
     lines = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
-    windows = [m for m in lines if "images_per_sec" in m][1:] or [m for m in lines if "images_per_sec" in m]
+    timed = [m for m in lines if "images_per_sec" in m and "profiled_steps" not in m]  # not slowed by the profiler
+    windows = timed[1:] or timed
     med = lambda k: statistics.median(w[k] for w in windows) if windows and k in windows[0] else None  # noqa: E731
     out = {"img_per_s": med("images_per_sec"), "mfu": med("mfu"), "hfu": med("hfu"),
            "tflops": med("tflops_per_device"), "peak_gb": max((w["peak_memory_gb"] for w in windows), default=None),
@@ -236,6 +243,9 @@ def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, 
         if metrics.exists():  # what the run measured, also when it failed later (the final save, say)
             out.update(**measured(metrics))
             shutil.copy(metrics, out_dir / f"{row.model}-{row.lever}-metrics.jsonl")
+        summary = run_dir / "profile" / f"steps-{row.profile_step}-{row.profile_step}" / "rank-0.json"
+        if row.profile_step and summary.exists():  # logging.profile's summary of the step
+            out["profile"] = json.loads(summary.read_text())
         if proc.returncode != 0:
             tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
             out.update(status="error", error=f"exit {proc.returncode}: {tail[0][:300]}")
@@ -345,26 +355,30 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
     return out
 
 
-def profile_step(step, cuda: bool, top: int = 12) -> dict:
-    """One more step under ``torch.profiler``: which attention kernel ``F.scaled_dot_product_attention``
-    dispatched to (its ``aten::_scaled_dot_product_*`` op names the backend: flash, cuDNN, memory-
-    efficient, math), and the ``top`` ops by their own device time (CPU time on a CPU), in ms."""
+def profile_step(step, cuda: bool) -> dict:
+    """One more step under ``torch.profiler``, summarised as vit-train's ``logging.profile`` does
+    (``pretrain.observability.profile.summarize``): the share of the step the device was busy, which
+    attention kernel ``F.scaled_dot_product_attention`` dispatched to (flash, cuDNN, memory-
+    efficient, math), and the ops with the most device time (CPU time on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from pretrain.observability.profile import STEP_MARK, summarize
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        step()
+        with torch.autograd.profiler.record_function(f"{STEP_MARK}1"):
+            step()
         if cuda:
             torch.cuda.synchronize()
-    avg = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = sorted(avg, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
-    return {"attention": sorted({e.key for e in avg if e.key.startswith("aten::_scaled_dot_product_")}),
-            "time": "device" if cuda else "cpu",
-            "top": [{"name": e.key[:100], "calls": e.count, "ms": getattr(e, key, 0.0) / 1e3} for e in rows]}
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return summarize(json.loads(trace.read_text()), prof.key_averages(), "cuda" if cuda else "cpu")
 
 
 def table(rows: list[dict]) -> str:
+    from pretrain.observability.profile import summary_line
+
     def f(v, spec):
         return format(v, spec) if isinstance(v, (int, float)) else "-"
 
@@ -382,9 +396,8 @@ def table(rows: list[dict]) -> str:
                      f"{f(r.get('seconds'), '.0f')} |")
     for r in rows:
         if r.get("status") == "ok" and r.get("profile"):
-            top = ", ".join(f"{t['name']} {t['ms']:.1f} ms" for t in r["profile"]["top"][:4])
             lines += ["", f"{r['model']} {r['lever']}, one step profiled: attention "
-                      f"{', '.join(r['profile']['attention']) or 'none seen'}; most {r['profile']['time']} time: {top}"]
+                      f"{', '.join(r['profile']['attention']) or 'none seen'}; {summary_line(r['profile'])}"]
     for r in rows:
         if r.get("status") == "ok" and r.get("phases"):
             lines += ["", f"{r['model']} {r['lever']}, per resolution phase (its windows after the first):", "",

@@ -28,8 +28,15 @@ def test_vit_train_gpu_smoke(tmp_path):
     # the plain reference is the same job as the rows (the config's model and loss), one step of it profiled
     plain = rows["plain"]
     assert plain["config"] == "configs/tiny_cpu.yaml" and plain["micro_batch"] == rows["shipped"]["micro_batch"]
-    assert any(a.startswith("aten::_scaled_dot_product_") for a in plain["profile"]["attention"]), plain
-    assert plain["profile"]["top"] and all(t["ms"] >= 0 for t in plain["profile"]["top"])
+    # the plain step and one vit-train step (logging.profile) profiled alike, the profiled window left out
+    for row in (plain, rows["no-ckpt"]):
+        p = row["profile"]
+        assert any(a.startswith("aten::_scaled_dot_product_") for a in p["attention"]), row
+        assert p["steps"] == 1 and 0 < p["busy_share"] <= 1 and p["ms_per_step"] > 0, p
+        assert p["top"] and all(t["ms_per_step"] > 0 for t in p["top"]), p
+    metrics = [json.loads(x) for x in (tmp_path / "tiny_cpu-no-ckpt-metrics.jsonl").read_text().splitlines()]
+    assert [m.get("profiled_steps") for m in metrics if "images_per_sec" in m] == [None, 1]
+    assert rows["no-ckpt"]["windows"] == 1 and rows["shipped"]["windows"] == 1
     # each vit-train row's own metrics, copied beside the JSON, hold the windows it was measured on
     metrics = [json.loads(x) for x in (tmp_path / "tiny_cpu-shipped-metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "images_per_sec" in m] == [2, 4]
@@ -41,6 +48,7 @@ def test_vit_train_gpu_smoke(tmp_path):
     assert [m["img_size"] for m in metrics if "images_per_sec" in m] == [32, 48, 64]
     # the table, printed last, then the schedule row's phases (a blank line, its title, a blank line, a table)
     lines = r.stdout.strip().splitlines()
-    assert lines[-len(rows) - 2 - (5 + len(phases)) - 2].startswith("| model | lever |")
+    assert lines[-len(rows) - 2 - (5 + len(phases)) - 4].startswith("| model | lever |")
+    assert lines[-(5 + len(phases)) - 3].startswith("ViT-Ti/16 no-ckpt, one step profiled: attention aten::")
     assert lines[-(5 + len(phases)) - 1].startswith("ViT-Ti/16 plain, one step profiled: attention aten::")
     assert lines[-len(phases) - 2].startswith("| px | micro |")
