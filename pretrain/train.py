@@ -91,9 +91,10 @@ def train_loop(lp: Loop) -> dict:
             metrics, phases = window_metrics(engine, window, clock, step=step, world=lp.world,
                                              global_batch=t.global_batch_size, nonfinite_skipped=guard.total,
                                              loader=lp.loader)
-            if prof is not None and prof.window_steps(window_first, step):  # slowed by the profiler
-                metrics["profiled_steps"] = prof.window_steps(window_first, step)
-            straggling, line = gather_and_judge(lp.detector, phases, device)
+            profiled = prof.window_steps(window_first, step) if prof is not None else 0
+            if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler
+                metrics["profiled_steps"] = profiled
+            straggling, line = gather_and_judge(None if profiled else lp.detector, phases, device)
             lp.logger.log(step, {**metrics, **straggling})
             lp.logger.print(step, metrics)
             lp.logged(step)

@@ -19,7 +19,8 @@ and one line on the rank's stderr. The busy share is what tells a step the GPU w
 not queueing work fast enough, a transfer, a sync) from one it spends computing.
 
 The profiler slows the steps it records: the logging window that holds any of them carries
-``profiled_steps`` in its metrics (``metrics.jsonl``, W&B), and the seconds spent starting the
+``profiled_steps`` in its metrics (``metrics.jsonl``, W&B) and is no evidence for the straggler
+check (every rank knows which windows from the config), and the seconds spent starting the
 profiler and writing its files are left out of the window's clock.
 """
 from __future__ import annotations
