@@ -328,3 +328,25 @@ def test_zero3_pays_its_host_hooks_per_module_and_leaf_blocks_pay_fewer(capsys):
 def test_input_advice_suggests_more_workers_only_when_each_rank_can_have_one():
     assert "more loader workers" not in inputs.advice("cpu", 256, idle_cores=5, gpus_per_node=8)  # 0 per rank
     assert "16 cores per node are idle, 2 more per rank" in inputs.advice("cpu", 256, idle_cores=16, gpus_per_node=8)
+
+
+def test_the_plan_s_levers_include_the_zero_stage_as_training_would_run_it():
+    """`vit-launch plan`'s "other levers" turn the ZeRO stage too: ViT-H/14 on 256 H100s at ZeRO-3
+    (micro 16) is told ZeRO-2 (which fits) is over 3x faster. A whole-model compile is priced as
+    training runs it at ZeRO-3 (its blocks compiled) and not offered there, and ZeRO++ belongs to
+    ZeRO-3 alone."""
+    from pretrain.perf.advice import lever_gains
+
+    h14 = Layout("vit_huge_patch14_224", "h100-sxm", nodes=32, micro_batch=16, global_batch=4096,
+                 num_classes=18291, zero=3, hpz_partition_size=8)
+    base = predict(h14).images_per_second
+    gains = dict(lever_gains(h14))
+    two = replace(h14, zero=2, hpz_partition_size=1)
+    assert gains["zero.stage=2"] == pytest.approx(predict(two).images_per_second / base) and gains["zero.stage=2"] > 3
+    assert "train.compile=model" not in gains and "train.compile=blocks" in gains
+    l16 = Layout("vit_large_patch16_224", "h100-sxm", nodes=8, micro_batch=64, global_batch=4096, zero=2,
+                 compile="model")
+    gains = dict(lever_gains(l16))
+    three = predict(replace(l16, zero=3, compile="blocks")).images_per_second / predict(l16).images_per_second
+    assert gains["zero.stage=3"] == pytest.approx(three) and gains["zero.stage=3"] < 1
+    assert "zero.stage=1" in gains and "zero.stage=2" not in gains
