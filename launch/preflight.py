@@ -325,8 +325,9 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
 # --------------------------------------------------------------------------------------- memory
 def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.ModelShape) -> list[Finding]:
     """The estimate against ``gpu_memory_gb``, the config's ``auto`` levers decided as training
-    decides them; a warning where it does not fit, and where the config checkpoints more blocks than
-    memory needs (each recomputed block costs its forward again)."""
+    decides them; a warning where it does not fit, where the config checkpoints more blocks than
+    memory needs (each recomputed block costs its forward again), and where it runs ZeRO-3 although
+    ZeRO-2 fits (ZeRO-3 gathers the weights again in every micro-step)."""
     from pretrain.perf import levers
 
     budget = gpu_memory_gb * memory.GB
@@ -362,6 +363,15 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
                                                  f"{n} of {shape.depth} blocks but {need} would fit "
                                                  f"{gpu_memory_gb:g} GB: each recomputed block costs its forward "
                                                  f"again; set train.activation_checkpointing=auto ({need} here)"))
+        if cfg.zero.stage == 3:
+            z2 = memory.estimate(_with(cfg, stage=2), world, shape)
+            if z2.total <= budget:
+                found.append(Finding(WARN, "memory", f"zero.stage=3 gathers each block's weights again in every "
+                                                     f"micro-step's forward and backward, but ZeRO-2 fits "
+                                                     f"{gpu_memory_gb:g} GB ({_gb(z2.total)} per GPU; building the "
+                                                     f"model then takes {_gb(z2.host_build)} host memory per rank): "
+                                                     f"set zero.stage=2 unless that host memory is short "
+                                                     f"(vit-launch plan prices both)"))
         return found
     fixes = []
     if not selective and n < shape.depth:

@@ -239,9 +239,16 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     big = ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
            "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"]
     cfg = load_config(CONFIG, big)
-    (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
+    f, zero3 = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
     n = int(f.message.split("checkpointing ")[1].split(" of 32 blocks (auto)")[0])
     assert f.level == "ok" and 0 < n < 32, f.message  # some blocks, not all: the estimate fits 80 GB
+    # ZeRO-2 with those blocks checkpointed fits too: ZeRO-3's gathers in every micro-step are a warning
+    assert zero3.level == "warning" and "zero.stage=3 gathers each block's weights again" in zero3.message
+    assert "but ZeRO-2 fits 80 GB (" in zero3.message and "set zero.stage=2 unless" in zero3.message
+    g14 = load_config(CONFIG, ["model.name=vit_gigantic_patch14_224", "model.img_size=224", "train.micro_batch_size=8",
+                               "train.global_batch_size=64", "train.precision=bf16", "zero.stage=3"])
+    (f,) = preflight.check_memory(g14, 8, 12, model_shape(g14.model))  # only ZeRO-3 fits 12 GB: no warning
+    assert f.level == "ok", f.message
     cfg = load_config(CONFIG, ["model.name=vit_large_patch16_224", "model.img_size=224", "train.micro_batch_size=64",
                                "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=2",
                                "train.activation_checkpointing=true"])
