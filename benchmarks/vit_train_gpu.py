@@ -19,7 +19,7 @@ made on the GPU: the step without the input pipeline) and one lever changed from
                       read from its metrics.jsonl by ``img_size`` (the first of each phase left out:
                       the loader restarts and compile traces the new shape), beside the plan's
                       prediction for that phase (``pretrain.perf.perfmodel.price_tokens``)
-  ViT-B/16, ViT-H/14  the best L/16 levers (H/14 at ZeRO-2: one GPU needs no ZeRO-3)
+  ViT-B/16, ViT-H/14  the best L/16 levers (H/14 at its config's ZeRO-2, micro 32)
   plain     the best plain PyTorch step of the same L/16 job at micro 128: the config's model (its
             classes, its dropout), its loss and targets, ``torch.compile`` of the model, bf16
             autocast, fused AdamW; no DeepSpeed, no loop, no guard: the reference vit-train's MFU
@@ -128,7 +128,7 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(L, "no-dropout", best + ("train.micro_batch_size=128", "model.drop_rate=0.0"),
             "the micro128 row without dropout (model.drop_rate=0)"),
         Row(B, "model", best, "auto checkpointing, compile model, auto buckets"),
-        Row(H, "model", best + ("zero.stage=2", "train.micro_batch_size=32"),
+        Row(H, "model", best + ("train.micro_batch_size=32",),
             "ZeRO-2, micro 32, auto checkpointing, compile model, auto buckets"),
         Row(L, "schedule", best + (SCHEDULE,), "compile model, 128 px (micro 128) / 192 / 224 px", steps=24),
         Row(L, "blocks", ("train.activation_checkpointing=false", "train.compile=blocks",
