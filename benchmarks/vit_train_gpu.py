@@ -37,6 +37,10 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             (``independent_gradient_partition_epilogue``), and a whole-model compile returns every
             gradient at the end of its backward, so there is nothing to overlap on one GPU
 
+Each row's process runs under ``TORCH_LOGS=recompiles,graph_breaks``: its recompiles, graph breaks and
+whether a function hit dynamo's recompile limit (eager from there on) are counted from its log into
+the row and said under the table (the compiled rows' speed depends on them: the ``blocks`` row, say).
+
 Every run accumulates ``ACCUMULATION`` micro-batches per optimizer step (on a cluster the optimizer
 step is a 1/N shard; on one GPU it is the whole model, so some accumulation keeps it from being a
 larger share of the step than it is in a job). Throughput is the median of the logging windows
@@ -54,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -246,6 +251,7 @@ def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, 
         summary = run_dir / "profile" / f"steps-{row.profile_step}-{row.profile_step}" / "rank-0.json"
         if row.profile_step and summary.exists():  # logging.profile's summary of the step
             out["profile"] = json.loads(summary.read_text())
+        out["compile"] = compile_events(log.read_text(errors="replace"))
         if proc.returncode != 0:
             tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
             out.update(status="error", error=f"exit {proc.returncode}: {tail[0][:300]}")
@@ -262,8 +268,26 @@ def run_row(row: Row, settings: dict, scratch: Path, out_dir: Path, dev: tuple, 
     return out
 
 
+# torch.compile's own account of each row in its log: a recompile or a graph break in the step costs what
+# compiling was to save, and past the recompile limit a function runs eagerly (dynamo's messages)
+COMPILE_LOGS = "recompiles,graph_breaks"
+
+
+def compile_events(log: str) -> dict:
+    """Dynamo's recompiles and graph breaks in a log written under ``TORCH_LOGS=COMPILE_LOGS``,
+    whether a function hit the recompile limit, and the first few messages (their reasons follow
+    them in the log)."""
+    lines = log.splitlines()
+    recompiles = [ln for ln in lines if "Recompiling function" in ln]
+    breaks = [ln for ln in lines if re.search(r"Graph break (\(user stack suppressed[^)]*\) )?in user code at", ln)]
+    return {"recompiles": len(recompiles), "graph_breaks": len(breaks),
+            "recompile_limit_hit": any("recompile_limit" in ln or "cache_size_limit" in ln for ln in lines),
+            "first": [re.sub(r"^.*?\[__\w+\] ", "", ln)[:200] for ln in (recompiles + breaks)[:3]]}
+
+
 def child_env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_LOGS", COMPILE_LOGS)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):  # each row is a world of one of its own
         env.pop(k, None)
     return env
@@ -282,6 +306,7 @@ def plain_row(row: Row, settings: dict, out_dir: Path, smoke: bool, timeout_s: f
             subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
         out = json.loads(res.read_text()) if res.exists() else {
             "model": name, "lever": "plain", "levers": PLAIN, "status": "error", "error": "no result"}
+        out["compile"] = compile_events((out_dir / f"plain-{name}.log").read_text(errors="replace"))
     except subprocess.TimeoutExpired:
         out = {"model": name, "lever": "plain", "levers": PLAIN, "status": "error",
                "error": f"past its {timeout_s:.0f} s"}
@@ -398,6 +423,13 @@ def table(rows: list[dict]) -> str:
         if r.get("status") == "ok" and r.get("profile"):
             lines += ["", f"{r['model']} {r['lever']}, one step profiled: attention "
                       f"{', '.join(r['profile']['attention']) or 'none seen'}; {summary_line(r['profile'])}"]
+    for r in rows:
+        c = r.get("compile") or {}
+        if c.get("recompiles") or c.get("graph_breaks") or c.get("recompile_limit_hit"):
+            lines += ["", f"{r['model']} {r['lever']}: torch.compile recompiled {c['recompiles']} time(s), broke the "
+                      f"graph {c['graph_breaks']} time(s)" + ("; the recompile limit was hit (eager from there)"
+                                                               if c["recompile_limit_hit"] else "")
+                      + "; first: " + " | ".join(c["first"])]
     for r in rows:
         if r.get("status") == "ok" and r.get("phases"):
             lines += ["", f"{r['model']} {r['lever']}, per resolution phase (its windows after the first):", "",
