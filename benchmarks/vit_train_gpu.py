@@ -280,9 +280,11 @@ def compile_events(log: str) -> dict:
     lines = log.splitlines()
     recompiles = [ln for ln in lines if "Recompiling function" in ln]
     breaks = [ln for ln in lines if re.search(r"Graph break (\(user stack suppressed[^)]*\) )?in user code at", ln)]
+    events = set(recompiles + breaks)
+    said = [ln for ln in lines if ln in events]  # in the log's order
     return {"recompiles": len(recompiles), "graph_breaks": len(breaks),
             "recompile_limit_hit": any("recompile_limit" in ln or "cache_size_limit" in ln for ln in lines),
-            "first": [re.sub(r"^.*?\[__\w+\] ", "", ln)[:200] for ln in (recompiles + breaks)[:3]]}
+            "first": [re.sub(r"^.*?\[__\w+\] ", "", ln)[:200] for ln in said[:3]]}
 
 
 def child_env() -> dict:
