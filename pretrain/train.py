@@ -111,6 +111,8 @@ def train_loop(lp: Loop) -> dict:
         if stopped:
             break
     clock.beat("end", slow=True)
+    if prof is not None:  # stopped with logging.profile's steps still ahead: what was recorded
+        prof.close(step)
     lp.checkpointer.close()
     lp.startup.done()  # a run resumed at its last step takes no step
     guard.close()

@@ -100,16 +100,20 @@ def summary_line(s: dict) -> str:
 
 
 class StepProfiler:
-    """``before(step)`` ahead of each step, ``after(step)`` once it is done; both do nothing outside
-    the recorded steps and on ranks that do not record. Each returns the seconds the profiler itself
-    took (starting, stopping, writing), which the caller leaves out of the window's clock."""
+    """``before(step)`` ahead of each step, ``after(step)`` once it is done, ``close(step)`` when the
+    loop ends; all do nothing outside the recorded steps and on ranks that do not record. A run that
+    resumes inside the configured steps records those it takes; one that stops inside them writes
+    what it recorded at ``close``. Each returns the seconds the profiler itself took (starting,
+    stopping, writing), which the caller leaves out of the window's clock."""
 
     def __init__(self, cfg: ProfileConfig, rank: int, root: Path, device, records: bool = True,
-                 beat: Callable[[], None] = lambda: None):
+                 beat: Callable[[], None] = lambda: None, run_steps: Optional[int] = None):
         self.cfg, self.rank, self.device, self.records, self.beat = cfg, rank, torch.device(device), records, beat
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
-        self.folder = root / "profile" / f"steps-{self.first}-{self.last}"
-        self.prof, self.mark = None, None
+        if run_steps is not None:
+            self.last = min(self.last, run_steps)
+        self.root = root / "profile"
+        self.prof, self.mark, self.started = None, None, 0
 
     @classmethod
     def of(cls, cfg: ProfileConfig, *, rank: int, world: int, start_step: int, steps: int, root: Path, device,
@@ -128,7 +132,7 @@ class StepProfiler:
             say(f"logging.profile.start_step={cfg.start_step}: outside the steps this run takes "
                 f"({start_step + 1}-{steps}): nothing is profiled")
             return None
-        return cls(cfg, rank, root, device, records=rank in ranks, beat=beat)
+        return cls(cfg, rank, root, device, records=rank in ranks, beat=beat, run_steps=steps)
 
     def window_steps(self, first: int, last: int) -> int:
         """How many of the window's steps ``first``..``last`` the job records."""
@@ -138,11 +142,11 @@ class StepProfiler:
         if not self.records or not self.first <= step <= self.last:
             return 0.0
         t = time.perf_counter()
-        if step == self.first:
+        if self.prof is None:  # the first recorded step this run takes
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.prof = profile(activities=acts)
+            self.prof, self.started = profile(activities=acts), step
             synced_now(self.device)  # the previous steps' work done: none of it in the trace
             self.prof.start()
         self.mark = torch.autograd.profiler.record_function(f"{STEP_MARK}{step}")
@@ -154,21 +158,31 @@ class StepProfiler:
             return 0.0
         self.mark.__exit__(None, None, None)
         self.mark = None
-        if step < self.last:
-            return 0.0
+        return self._write(step) if step >= self.last else 0.0
+
+    def close(self, step: int) -> float:
+        """The loop ended (a stop agreed between ranks) with steps still to record: what was recorded,
+        written."""
+        if self.mark is not None:
+            self.mark.__exit__(None, None, None)
+            self.mark = None
+        return self._write(step) if self.prof is not None else 0.0
+
+    def _write(self, step: int) -> float:
         synced_now(self.device)  # every kernel of the last step in the trace
         t = time.perf_counter()
         self.beat()
         self.prof.stop()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        trace = self.folder / f"rank-{self.rank}.json.gz"
+        folder = self.root / f"steps-{self.started}-{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        trace = folder / f"rank-{self.rank}.json.gz"
         self.prof.export_chrome_trace(str(trace))
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        (self.folder / f"rank-{self.rank}.txt").write_text(self.prof.key_averages().table(sort_by=key, row_limit=40))
+        (folder / f"rank-{self.rank}.txt").write_text(self.prof.key_averages().table(sort_by=key, row_limit=40))
         with gzip.open(trace, "rt") as f:
             s = summarize(json.load(f), self.prof.key_averages(), self.device.type)
-        (self.folder / f"rank-{self.rank}.json").write_text(json.dumps({"rank": self.rank, **s}, indent=1) + "\n")
-        print(f"vit-train: rank {self.rank} profiled steps {self.first}-{self.last}: {summary_line(s)}; "
+        (folder / f"rank-{self.rank}.json").write_text(json.dumps({"rank": self.rank, **s}, indent=1) + "\n")
+        print(f"vit-train: rank {self.rank} profiled steps {self.started}-{step}: {summary_line(s)}; "
               f"trace {trace}", file=sys.stderr, flush=True)
         self.prof = None
         return time.perf_counter() - t

@@ -2,10 +2,13 @@
 share from its kernels and copies, not the annotation spans that cover a whole step), who records,
 and one line for a config that records nothing. A real run's traces: ZeRO-3 on two ranks in
 tests/integration/test_distributed.py."""
+import gzip
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from pretrain.config import ConfigError, load_config
 from pretrain.observability.config import ProfileConfig
@@ -107,3 +110,43 @@ def test_bad_profile_values_are_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml", [override])
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def recorded(p: StepProfiler, steps, stop_at=None) -> None:
+    """Steps of a matmul under ``p`` as the loop runs them (before, the step, after; close at the end)."""
+    x = torch.randn(16, 16)
+    for step in steps:
+        p.before(step)
+        x = torch.tanh(x @ x)
+        p.after(step)
+        if step == stop_at:
+            break
+    p.close(step)
+
+
+def marks(folder) -> list[str]:
+    with gzip.open(folder / "rank-0.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((e["name"] for e in events if e.get("cat") == "user_annotation"), key=lambda n: int(n.split()[-1]))
+
+
+@pytest.mark.parametrize("start, stop_at, configured, run_steps, folder, want", [
+    (0, None, (5, 3), 20, "steps-5-7", [5, 6, 7]),  # as configured
+    (5, None, (5, 4), 20, "steps-6-8", [6, 7, 8]),  # resumed after step 5: the rest of them
+    (0, 6, (5, 4), 20, "steps-5-6", [5, 6]),  # stopped after step 6: what it recorded
+    (0, None, (18, 5), 20, "steps-18-20", [18, 19, 20]),  # the run ends at step 20
+])
+def test_the_steps_a_run_takes_are_recorded_and_written(tmp_path, capsys, start, stop_at, configured, run_steps,
+                                                        folder, want):
+    """torch's profiler around a real (CPU) step: the trace holds exactly the steps this run takes of
+    the configured ones, each marked, in ``profile/steps-FIRST-LAST``, and one line says so."""
+    cfg = ProfileConfig(start_step=configured[0], steps=configured[1])
+    p = StepProfiler.of(cfg, rank=0, world=1, start_step=start, steps=run_steps, root=tmp_path, device="cpu",
+                        say=print)
+    recorded(p, range(start + 1, run_steps + 1), stop_at)
+    assert [d.name for d in (tmp_path / "profile").iterdir()] == [folder]
+    assert marks(tmp_path / "profile" / folder) == [f"vit-train step {n}" for n in want]
+    summary = json.loads((tmp_path / "profile" / folder / "rank-0.json").read_text())
+    assert summary["steps"] == len(want) and summary["top"] and 0 < summary["busy_share"] <= 1, summary
+    err = capsys.readouterr().err
+    assert f"vit-train: rank 0 profiled steps {want[0]}-{want[-1]}: " in err and "in torch ops" in err
