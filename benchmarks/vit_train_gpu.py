@@ -13,7 +13,8 @@ made on the GPU: the step without the input pipeline) and one lever changed from
             micro128  the same at micro batch 128; its step 14 recorded by ``logging.profile`` (that
                       window left out of its img/s): the device's busy share and top ops on
                       vit-train's own path, beside the plain step's
-            blocks    ``train.compile: blocks`` instead (for the comparison)
+            blocks    ``train.compile: blocks`` instead (for the comparison), its step 14 profiled as
+                      micro128's
             schedule  the best levers on fewer tokens: ``train.resolution_schedule`` 128 px (micro 128),
                       192 px, 224 px, a third of the steps each; img/s per phase, each phase's windows
                       read from its metrics.jsonl by ``img_size`` (the first of each phase left out:
@@ -136,8 +137,9 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(H, "model", best + ("train.micro_batch_size=32",),
             "ZeRO-2, micro 32, auto checkpointing, compile model, auto buckets"),
         Row(L, "schedule", best + (SCHEDULE,), "compile model, 128 px (micro 128) / 192 / 224 px", steps=24),
+        # profiled too: compiled blocks measured slower than eager through the engine, 1.20x faster plain
         Row(L, "blocks", ("train.activation_checkpointing=false", "train.compile=blocks",
-                          "zero.reduce_bucket_size=auto"), "no checkpointing, compile blocks"),
+                          "zero.reduce_bucket_size=auto"), "no checkpointing, compile blocks", profile_step=14),
         Row(L, "selective", best + ("train.micro_batch_size=128", "train.activation_checkpointing=selective"),
             "the micro128 row checkpointed op by op"),
     ]
