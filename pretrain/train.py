@@ -93,7 +93,7 @@ def train_loop(lp: Loop) -> dict:
                                              loader=lp.loader)
             profiled = prof.window_steps(window_first, step) if prof is not None else 0
             if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler
-                metrics["profiled_steps"] = profiled
+                metrics.update(profiled_steps=profiled, **prof.metrics())
             straggling, line = gather_and_judge(None if profiled else lp.detector, phases, device)
             lp.logger.log(step, {**metrics, **straggling})
             lp.logger.print(step, metrics)

@@ -19,7 +19,8 @@ and one line on the rank's stderr. The busy share is what tells a step the GPU w
 not queueing work fast enough, a transfer, a sync) from one it spends computing.
 
 The profiler slows the steps it records: the logging window that holds any of them carries
-``profiled_steps`` in its metrics (``metrics.jsonl``, W&B) and is no evidence for the straggler
+``profiled_steps`` in its metrics (``metrics.jsonl``, W&B; with rank 0's ``profile/ms_per_step`` and
+``profile/busy_share`` where rank 0 records) and is no evidence for the straggler
 check (every rank knows which windows from the config), and the seconds spent starting the
 profiler and writing its files are left out of the window's clock.
 """
@@ -114,6 +115,7 @@ class StepProfiler:
             self.last = min(self.last, run_steps)
         self.root = root / "profile"
         self.prof, self.mark, self.started = None, None, 0
+        self.written: Optional[dict] = None  # the last summary, until the window's metrics take it
 
     @classmethod
     def of(cls, cfg: ProfileConfig, *, rank: int, world: int, start_step: int, steps: int, root: Path, device,
@@ -137,6 +139,11 @@ class StepProfiler:
     def window_steps(self, first: int, last: int) -> int:
         """How many of the window's steps ``first``..``last`` the job records."""
         return profiled_steps(self.cfg, first, last)
+
+    def metrics(self) -> dict:
+        """This rank's summary written since the last call, as window metrics (``profile/*``)."""
+        s, self.written = self.written, None
+        return {} if s is None else {"profile/ms_per_step": s["ms_per_step"], "profile/busy_share": s["busy_share"]}
 
     def before(self, step: int) -> float:
         if not self.records or not self.first <= step <= self.last:
@@ -184,5 +191,5 @@ class StepProfiler:
         (folder / f"rank-{self.rank}.json").write_text(json.dumps({"rank": self.rank, **s}, indent=1) + "\n")
         print(f"vit-train: rank {self.rank} profiled steps {self.started}-{step}: {summary_line(s)}; "
               f"trace {trace}", file=sys.stderr, flush=True)
-        self.prof = None
+        self.prof, self.written = None, s
         return time.perf_counter() - t

@@ -88,6 +88,9 @@ def check_profile(run, m):
         assert {"aten::mm", "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"} <= ops, sorted(ops)[:50]
         summary = json.loads((folder / f"rank-{rank}.json").read_text())
         assert summary["rank"] == rank and summary["steps"] == 2 and 0 < summary["busy_share"] <= 1, summary
+        if rank == 0:  # rank 0's summary in the window's metrics too
+            assert m[10]["profile/busy_share"] == summary["busy_share"], m[10]
+            assert m[10]["profile/ms_per_step"] == summary["ms_per_step"], m[10]
         assert summary["top"] and all(not t["name"].startswith("vit-train") for t in summary["top"]), summary
         assert (folder / f"rank-{rank}.txt").read_text().count("aten::mm") >= 1
 
