@@ -301,14 +301,31 @@ def command(args) -> int:
         return 0
     p = perfmodel.predict(lay)
     tokens = perfmodel.price_tokens(lay, phases) if phases else None
+    run = run_cost(args, p) if args.config and not tokens else None  # (a schedule's table prices its run)
     if args.json:
         print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay)),
-                          **({"tokens": tokens.as_dict()} if tokens else {})}, indent=1))
+                          **({"tokens": tokens.as_dict()} if tokens else {}), **({"run": run} if run else {})},
+                         indent=1))
         return 0
     print(describe(p))
+    if run:
+        print(f"  run             {run['steps']:,} steps x {run['global_batch']:,} images (the config's): "
+              f"{run['hours']:,.1f} h on {run['gpus']:,} GPUs, {run['gpu_hours']:,.0f} GPU-hours")
     gains = advice.lever_gains(lay)
     if gains:
         print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))
     if tokens:
         print(token_table(tokens))
     return 0
+
+
+def run_cost(args, p: perfmodel.Prediction) -> dict:
+    """The config's whole run (``train.steps`` x its global batch: the images it trains on, whatever
+    --micro-batch or --global-batch say) at the predicted img/s: hours and GPU-hours."""
+    from pretrain.config import load_config
+
+    t = load_config(args.config, args.overrides).train
+    seconds = t.steps * t.global_batch_size / p.images_per_second
+    gpus = p.layout["nodes"] * p.layout["gpus_per_node"]
+    return {"steps": t.steps, "global_batch": t.global_batch_size, "gpus": gpus, "hours": seconds / 3600,
+            "gpu_hours": seconds * gpus / 3600}

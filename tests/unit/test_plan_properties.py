@@ -350,3 +350,29 @@ def test_the_plan_s_levers_include_the_zero_stage_as_training_would_run_it():
     three = predict(replace(l16, zero=3, compile="blocks")).images_per_second / predict(l16).images_per_second
     assert gains["zero.stage=3"] == pytest.approx(three) and gains["zero.stage=3"] < 1
     assert "zero.stage=1" in gains and "zero.stage=2" not in gains
+
+
+def test_a_config_s_plan_says_what_its_whole_run_costs(capsys):
+    """With --config, `vit-launch plan` prices the whole run: train.steps x the config's global
+    batch (the images it trains on, whatever --micro-batch says) at the predicted img/s, in hours
+    and GPU-hours; a model without a config has no run to price."""
+    import json
+
+    from pretrain.config import load_config
+
+    t = load_config("configs/vit_h14_jft.yaml").train
+    hours = {}
+    for extra in ([], ["--micro-batch", "8"]):
+        assert main_rc(["plan", "--config", "configs/vit_h14_jft.yaml", "--world-size", "256", "--gpu", "h100-sxm",
+                        "--json", *extra]) == 0
+        got = json.loads(capsys.readouterr().out)
+        hours[len(extra)] = h = t.steps * t.global_batch_size / got["images_per_second"] / 3600
+        assert got["run"]["hours"] == pytest.approx(h) and got["run"]["gpu_hours"] == pytest.approx(256 * h)
+        assert got["run"]["steps"] == t.steps == 1_035_644 and got["run"]["global_batch"] == 4096
+    assert hours[2] > hours[0]  # micro 8 is slower (the plan's search ranks it below 16): the same images take longer
+    assert main_rc(["plan", "--config", "configs/vit_h14_jft.yaml", "--world-size", "256", "--gpu", "h100-sxm"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  run ")]
+    assert line == [f"  run             1,035,644 steps x 4,096 images (the config's): {hours[0]:,.1f} h on 256 GPUs, "
+                    f"{256 * hours[0]:,.0f} GPU-hours"], line
+    assert main_rc(["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm"]) == 0
+    assert "  run " not in capsys.readouterr().out
