@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from typing import Optional
 
 from pretrain.config import ConfigError
 from pretrain.perf import advice, hardware, inputs, memory, perfmodel
@@ -97,10 +98,11 @@ def check_arguments(args) -> None:
         raise ConfigError(f"--model {args.model!r} is not registered; known: {', '.join(list_models())}")
 
 
-def layout(args) -> tuple[perfmodel.Layout, list]:
+def layout(args) -> tuple[perfmodel.Layout, list, Optional[tuple[int, int]]]:
     """The layout the options describe (``check_arguments`` first) and, with ``--config``, the run's
-    resolution phases (``pretrain.config.phases``; one without a schedule, none without a config);
-    an impossible layout is a ``ConfigError`` in the flags' names."""
+    resolution phases (``pretrain.config.phases``; one without a schedule, none without a config)
+    and its length (``train.steps``, the global batch); an impossible layout is a ``ConfigError`` in
+    the flags' names."""
     try:
         return _layout(args)
     except ConfigError:
@@ -112,11 +114,11 @@ def layout(args) -> tuple[perfmodel.Layout, list]:
         raise ConfigError(msg) from None
 
 
-def _layout(args) -> tuple[perfmodel.Layout, list]:
+def _layout(args) -> tuple[perfmodel.Layout, list, Optional[tuple[int, int]]]:
     from pretrain.config import check_world_size, image_size, load_config
     from pretrain.config.phases import resolution_phases
 
-    phases = []
+    phases, length = [], None
     nodes, gpus_per_node = _nodes(args)
     if args.config:
         cfg = load_config(args.config, args.overrides)
@@ -124,6 +126,7 @@ def _layout(args) -> tuple[perfmodel.Layout, list]:
             check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
         lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=gpus_per_node, gpu=args.gpu,
                                            network=args.network)
+        length = cfg.train.steps, cfg.train.global_batch_size
         if cfg.train.resolution_schedule or cfg.model.patch_drop_rate:
             phases = resolution_phases(cfg.train, image_size(cfg.model))
     else:
@@ -157,7 +160,7 @@ def _layout(args) -> tuple[perfmodel.Layout, list]:
         raise ConfigError(f"--global-batch / --micro-batch: {e}") from None
     if args.micro_batch is not None or args.img_size is not None:  # the flags describe one fixed layout
         phases = []
-    return lay, phases
+    return lay, phases, length
 
 
 def _nodes(args) -> tuple[int, int]:
@@ -291,7 +294,7 @@ def table(rows: list[perfmodel.Prediction]) -> str:
 
 
 def command(args) -> int:
-    lay, phases = layout(args)
+    lay, phases, length = layout(args)
     if args.search:
         rows = advice.search(lay)
         if not rows:
@@ -301,7 +304,7 @@ def command(args) -> int:
         return 0
     p = perfmodel.predict(lay)
     tokens = perfmodel.price_tokens(lay, phases) if phases else None
-    run = run_cost(args, p) if args.config and not tokens else None  # (a schedule's table prices its run)
+    run = run_cost(*length, p) if length and not tokens else None  # (a schedule's table prices its run)
     if args.json:
         print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay)),
                           **({"tokens": tokens.as_dict()} if tokens else {}), **({"run": run} if run else {})},
@@ -319,13 +322,10 @@ def command(args) -> int:
     return 0
 
 
-def run_cost(args, p: perfmodel.Prediction) -> dict:
+def run_cost(steps: int, global_batch: int, p: perfmodel.Prediction) -> dict:
     """The config's whole run (``train.steps`` x its global batch: the images it trains on, whatever
     --micro-batch or --global-batch say) at the predicted img/s: hours and GPU-hours."""
-    from pretrain.config import load_config
-
-    t = load_config(args.config, args.overrides).train
-    seconds = t.steps * t.global_batch_size / p.images_per_second
+    seconds = steps * global_batch / p.images_per_second
     gpus = p.layout["nodes"] * p.layout["gpus_per_node"]
-    return {"steps": t.steps, "global_batch": t.global_batch_size, "gpus": gpus, "hours": seconds / 3600,
+    return {"steps": steps, "global_batch": global_batch, "gpus": gpus, "hours": seconds / 3600,
             "gpu_hours": seconds * gpus / 3600}

@@ -185,9 +185,10 @@ class StepProfiler:
         trace = folder / f"rank-{self.rank}.json.gz"
         self.prof.export_chrome_trace(str(trace))
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        (folder / f"rank-{self.rank}.txt").write_text(self.prof.key_averages().table(sort_by=key, row_limit=40))
+        averages = self.prof.key_averages()
+        (folder / f"rank-{self.rank}.txt").write_text(averages.table(sort_by=key, row_limit=40))
         with gzip.open(trace, "rt") as f:
-            s = summarize(json.load(f), self.prof.key_averages(), self.device.type)
+            s = summarize(json.load(f), averages, self.device.type)
         (folder / f"rank-{self.rank}.json").write_text(json.dumps({"rank": self.rank, **s}, indent=1) + "\n")
         print(f"vit-train: rank {self.rank} profiled steps {self.started}-{step}: {summary_line(s)}; "
               f"trace {trace}", file=sys.stderr, flush=True)
