@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from pretrain.observability.clock import synced_now
+from pretrain.observability.clock import device_sync
 from pretrain.observability.config import ProfileConfig
 
 TOP = 12  # ops in the summary
@@ -154,7 +154,7 @@ class StepProfiler:
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.prof, self.started = profile(activities=acts), step
-            synced_now(self.device)  # the previous steps' work done: none of it in the trace
+            device_sync(self.device)  # the previous steps' work done: none of it in the trace
             self.prof.start()
         self.mark = torch.autograd.profiler.record_function(f"{STEP_MARK}{step}")
         self.mark.__enter__()
@@ -176,7 +176,7 @@ class StepProfiler:
         return self._write(step) if self.prof is not None else 0.0
 
     def _write(self, step: int) -> float:
-        synced_now(self.device)  # every kernel of the last step in the trace
+        device_sync(self.device)  # every kernel of the last step in the trace
         t = time.perf_counter()
         self.beat()
         self.prof.stop()
