@@ -102,7 +102,8 @@ def summary_line(s: dict) -> str:
 
 class StepProfiler:
     """``before(step)`` ahead of each step, ``after(step)`` once it is done, ``close(step)`` when the
-    loop ends; all do nothing outside the recorded steps and on ranks that do not record. A run that
+    loop ends; all do nothing outside the recorded steps and on ranks that do not record. A profiler
+    that cannot start, or a trace that cannot be written, is one line and the run goes on. A run that
     resumes inside the configured steps records those it takes; one that stops inside them writes
     what it recorded at ``close``. Each returns the seconds the profiler itself took (starting,
     stopping, writing), which the caller leaves out of the window's clock."""
@@ -153,9 +154,13 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.prof, self.started = profile(activities=acts), step
             device_sync(self.device)  # the previous steps' work done: none of it in the trace
-            self.prof.start()
+            try:
+                self.prof, self.started = profile(activities=acts), step
+                self.prof.start()
+            except Exception as e:  # noqa: BLE001  (a diagnostic never ends the run)
+                self._given_up(f"could not start at step {step}", e)
+                return time.perf_counter() - t
         self.mark = torch.autograd.profiler.record_function(f"{STEP_MARK}{step}")
         self.mark.__enter__()
         return time.perf_counter() - t
@@ -179,6 +184,21 @@ class StepProfiler:
         device_sync(self.device)  # every kernel of the last step in the trace
         t = time.perf_counter()
         self.beat()
+        try:
+            self._export(step)
+        except Exception as e:  # noqa: BLE001  (a diagnostic never ends the run)
+            self._given_up(f"steps {self.started}-{step}", e)
+        self.prof = None
+        return time.perf_counter() - t
+
+    def _given_up(self, what: str, e: Exception) -> None:
+        """One line, and no more recording on this rank: the run goes on."""
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"vit-train: rank {self.rank}: logging.profile {what}: {type(e).__name__}: {first}; training goes "
+              f"on without it", file=sys.stderr, flush=True)
+        self.records, self.prof = False, None
+
+    def _export(self, step: int) -> None:
         self.prof.stop()
         folder = self.root / f"steps-{self.started}-{step}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -192,5 +212,4 @@ class StepProfiler:
         (folder / f"rank-{self.rank}.json").write_text(json.dumps({"rank": self.rank, **s}, indent=1) + "\n")
         print(f"vit-train: rank {self.rank} profiled steps {self.started}-{step}: {summary_line(s)}; "
               f"trace {trace}", file=sys.stderr, flush=True)
-        self.prof, self.written = None, s
-        return time.perf_counter() - t
+        self.written = s

@@ -150,3 +150,17 @@ def test_the_steps_a_run_takes_are_recorded_and_written(tmp_path, capsys, start,
     assert summary["steps"] == len(want) and summary["top"] and 0 < summary["busy_share"] <= 1, summary
     err = capsys.readouterr().err
     assert f"vit-train: rank 0 profiled steps {want[0]}-{want[-1]}: " in err and "in torch ops" in err
+
+
+def test_a_trace_that_cannot_be_written_is_one_line_and_the_run_goes_on(tmp_path, capsys):
+    """A file where the profile folder belongs (a real OSError from the write): one line naming the
+    steps and the error, nothing raised, and the steps after it run unrecorded."""
+    (tmp_path / "profile").write_text("not a folder")
+    p = StepProfiler.of(ProfileConfig(start_step=2, steps=2), rank=0, world=1, start_step=0, steps=5,
+                        root=tmp_path, device="cpu", say=print)
+    recorded(p, range(1, 6))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vit-train: rank 0: logging.profile steps 2-3: NotADirectoryError: ")
+    assert err[0].endswith("; training goes on without it") and str(tmp_path / "profile") in err[0]
+    assert p.prof is None and not p.records and p.metrics() == {}
+    assert (tmp_path / "profile").read_text() == "not a folder"
