@@ -391,7 +391,7 @@ def profile_step(step, cuda: bool) -> dict:
     efficient, math), and the ops with the most device time (CPU time on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pretrain.observability.profile import STEP_MARK, summarize
+    from pretrain.observability.profile import STEP_MARK, exported_summary
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
@@ -400,9 +400,7 @@ def profile_step(step, cuda: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        return summarize(json.loads(trace.read_text()), prof.key_averages(), "cuda" if cuda else "cpu")
+        return exported_summary(prof, Path(d) / "trace.json", prof.key_averages(), "cuda" if cuda else "cpu")
 
 
 def table(rows: list[dict]) -> str:

@@ -84,7 +84,7 @@ def summarize(trace: dict, averages, device_type: str, top: int = TOP) -> dict:
     t0 = min(float(e["ts"]) for e in marks)
     t1 = max([float(e["ts"]) + float(e["dur"]) for e in marks] + [b for _, b in work])
     steps = len(marks)
-    key = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    key = time_key(device_type)
     ranked = sorted((e for e in averages if getattr(e, key, 0.0) > 0 and not e.key.startswith(STEP_MARK)),
                     key=lambda e: getattr(e, key), reverse=True)
     return {"steps": steps, "time": "device" if device_type == "cuda" else "cpu",
@@ -92,6 +92,19 @@ def summarize(trace: dict, averages, device_type: str, top: int = TOP) -> dict:
             "attention": sorted({e.key for e in averages if e.key.startswith("aten::_scaled_dot_product_")}),
             "top": [{"name": e.key[:100], "calls": e.count, "ms_per_step": getattr(e, key) / 1e3 / steps}
                     for e in ranked[:top]]}
+
+
+def time_key(device_type: str) -> str:
+    """The field of torch's op averages that holds an op's own time on ``device_type``."""
+    return "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+
+
+def exported_summary(prof, trace: Path, averages, device_type: str) -> dict:
+    """``prof``'s Chrome trace written to ``trace`` (gzipped where it ends in ``.gz``), read back and
+    :func:`summarize`d with ``averages`` (``prof.key_averages()``)."""
+    prof.export_chrome_trace(str(trace))
+    with (gzip.open if trace.suffix == ".gz" else open)(trace, "rt") as f:
+        return summarize(json.load(f), averages, device_type)
 
 
 def summary_line(s: dict) -> str:
@@ -203,12 +216,9 @@ class StepProfiler:
         folder = self.root / f"steps-{self.started}-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         trace = folder / f"rank-{self.rank}.json.gz"
-        self.prof.export_chrome_trace(str(trace))
-        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         averages = self.prof.key_averages()
-        (folder / f"rank-{self.rank}.txt").write_text(averages.table(sort_by=key, row_limit=40))
-        with gzip.open(trace, "rt") as f:
-            s = summarize(json.load(f), averages, self.device.type)
+        s = exported_summary(self.prof, trace, averages, self.device.type)
+        (folder / f"rank-{self.rank}.txt").write_text(averages.table(sort_by=time_key(self.device.type), row_limit=40))
         (folder / f"rank-{self.rank}.json").write_text(json.dumps({"rank": self.rank, **s}, indent=1) + "\n")
         print(f"vit-train: rank {self.rank} profiled steps {self.started}-{step}: {summary_line(s)}; "
               f"trace {trace}", file=sys.stderr, flush=True)
