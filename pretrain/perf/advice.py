@@ -41,30 +41,40 @@ def search(base: Layout, micro_batches=(8, 16, 32, 64, 128, 256), stages=(1, 2, 
 def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     """Each speed lever turned the other way from ``layout``, with its predicted img/s relative to
     ``layout``'s (1.10: 10 % faster), best first; alternatives that do not fit are left out.
-    The levers: the ZeRO stage (1-3; ZeRO-3 compiles blocks where the layout compiles the model, and
-    ZeRO++ is ZeRO-3's alone), activation checkpointing (none, every block, op-level),
-    ``train.compile`` (off, blocks, model), the reduction bucket (DeepSpeed's 5e8 against the one
-    ``auto`` picks) and the micro batch (half and double, the global batch kept)."""
+    The levers: the ZeRO stage (1-3; ZeRO++ is ZeRO-3's alone; ZeRO-3 compiles blocks where the
+    layout compiles, and a compile leaving ZeRO-3 is the whole model's), activation checkpointing
+    (none, every block, op-level), ``train.compile`` (off and model; at ZeRO-3 off and blocks), the
+    reduction bucket (DeepSpeed's 5e8 against the one ``auto`` picks) and the micro batch (half and
+    double, the global batch kept).
+
+    ``train.compile=blocks`` is not offered at ZeRO 0-2: the model prices it close to ``model``
+    (fused element-wise work, and gradients ready block by block for the reduction to overlap), but
+    through vit-train on one H200 it measured 0.80x ``model`` and 0.96x eager
+    (``benchmarks/results/vit-train-h200.md``), for a reason the model does not hold."""
     base = predict(layout).images_per_second
     shape = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes,
                                   **layout.arch)
     depth = shape.depth
     now = "selective" if layout.checkpointing == "selective" else kernels.recomputed_blocks(depth, layout.checkpointing)
     mode = compile_mode(layout.compile)
+    if mode == "model" and layout.zero == 3:
+        mode = "blocks"  # what training compiles there
     trials = []
     for stage in (1, 2, 3):
         if stage == layout.zero:
             continue
+        text, other = f"zero.stage={stage}", {}
         if stage == 3:
-            other = dict(compile="blocks") if mode == "model" else {}
+            other = dict(compile="blocks") if mode else {}
         else:
             other = dict(hpz_partition_size=1, quantized_weights=False, quantized_gradients=False)
-        trials.append((f"zero.stage={stage}", replace(layout, zero=stage, **other)))
+            if mode == "blocks":  # off ZeRO-3 the compile offered is the whole model's
+                text, other["compile"] = f"{text} train.compile=model", "model"
+        trials.append((text, replace(layout, zero=stage, **other)))
     trials += [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))
                for v, c in (("false", 0), ("true", depth), ("selective", "selective")) if c != now]
-    trials += [(f"train.compile={v}", replace(layout, compile=c))  # (ZeRO-3 compiles blocks for `model`)
-               for v, c in (("false", ""), ("blocks", "blocks"), ("model", "model"))
-               if c != mode and not (c == "model" and layout.zero == 3)]
+    compiles = (("false", ""), ("blocks", "blocks")) if layout.zero == 3 else (("false", ""), ("model", "model"))
+    trials += [(f"train.compile={v}", replace(layout, compile=c)) for v, c in compiles if c != mode]
     params = shape.params
     auto = buckets.auto_bucket(params, 2 if layout.reduce_dtype == "bf16" else 4, layout.world,
                                gpus_per_node=layout.gpus_per_node, gpu=layout.gpu, network=layout.network)

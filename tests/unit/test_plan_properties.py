@@ -352,6 +352,37 @@ def test_the_plan_s_levers_include_the_zero_stage_as_training_would_run_it():
     assert "zero.stage=1" in gains and "zero.stage=2" not in gains
 
 
+def test_the_plan_does_not_advise_compiling_blocks_where_the_whole_model_compiles():
+    """At ZeRO 0-2 the model prices `train.compile=blocks` above the whole model's compile for ViT-L/16
+    on 64 H100s (its gradients reach the reduction block by block), where vit-train measured it at
+    0.80x `model` and below eager on one H200: the levers offer `model` and off there, never
+    `blocks`, also to a layout that compiles blocks; leaving ZeRO-3 a blocks compile becomes the whole
+    model's, and at ZeRO-3 `blocks` is the compile offered."""
+    from pretrain.perf.advice import lever_gains
+
+    from pretrain.config import load_config
+    from pretrain.perf.perfmodel import layout_from_config
+
+    l16 = layout_from_config(load_config("configs/vit_l16_in21k.yaml"), nodes=8, gpus_per_node=8,
+                             gpu="h100-sxm")
+    assert (l16.zero, l16.compile) == (2, "model")
+    assert predict(replace(l16, compile="blocks")).images_per_second > predict(l16).images_per_second
+    gains = dict(lever_gains(l16))
+    assert "train.compile=false" in gains and not any("compile=blocks" in k for k in gains)
+    blocks = replace(l16, compile="blocks")
+    gains = dict(lever_gains(blocks))
+    model = predict(l16).images_per_second / predict(blocks).images_per_second
+    assert gains["train.compile=model"] == pytest.approx(model)
+    eager = replace(l16, compile="")
+    assert "train.compile=model" in dict(lever_gains(eager)) and "train.compile=blocks" not in dict(lever_gains(eager))
+    z3 = replace(l16, zero=3, compile="blocks")
+    gains = dict(lever_gains(z3))
+    two = predict(replace(l16, compile="model")).images_per_second / predict(z3).images_per_second
+    assert gains["zero.stage=2 train.compile=model"] == pytest.approx(two)
+    assert "train.compile=false" in gains and "train.compile=model" not in gains
+    assert "train.compile=blocks" in dict(lever_gains(replace(z3, compile="")))
+
+
 def test_a_config_s_plan_says_what_its_whole_run_costs(capsys):
     """With --config, `vit-launch plan` prices the whole run: train.steps x the config's global
     batch (the images it trains on, whatever --micro-batch says) at the predicted img/s, in hours
