@@ -358,9 +358,8 @@ def test_the_plan_does_not_advise_compiling_blocks_where_the_whole_model_compile
     0.80x `model` and below eager on one H200: the levers offer `model` and off there, never
     `blocks`, also to a layout that compiles blocks; leaving ZeRO-3 a blocks compile becomes the whole
     model's, and at ZeRO-3 `blocks` is the compile offered."""
-    from pretrain.perf.advice import lever_gains
-
     from pretrain.config import load_config
+    from pretrain.perf.advice import lever_gains
     from pretrain.perf.perfmodel import layout_from_config
 
     l16 = layout_from_config(load_config("configs/vit_l16_in21k.yaml"), nodes=8, gpus_per_node=8,
