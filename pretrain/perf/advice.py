@@ -49,8 +49,8 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
 
     ``train.compile=blocks`` is not offered at ZeRO 0-2: the model prices it close to ``model``
     (fused element-wise work, and gradients ready block by block for the reduction to overlap), but
-    through vit-train on one H200 it measured 0.80x ``model`` and 0.96x eager
-    (``benchmarks/results/vit-train-h200.md``), for a reason the model does not hold."""
+    through vit-train on one H200 it measured 0.80x ``model`` (both with ``auto`` buckets) and below
+    eager (``benchmarks/results/vit-train-h200.md``), for a reason the model does not hold."""
     base = predict(layout).images_per_second
     shape = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes,
                                   **layout.arch)
