@@ -54,6 +54,44 @@ def test_vit_train_gpu_smoke(tmp_path):
     assert lines[-len(phases) - 2].startswith("| px | micro |")
 
 
+def load_bench(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vit_train_gpu", REPO / "benchmarks" / "vit_train_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_gpu_rows_resolve_as_the_gpu_would_and_differ_as_they_say(monkeypatch, tmp_path):
+    """The rows a GPU run measures (not the smoke's), resolved here as each row's process would on an
+    H200: every override is a key the schema knows, every row gets the plan's prediction, the blocks
+    row differs from the eager no-ckpt row in train.compile alone, and the profiled steps lie in the
+    last window (the first, with compile and warm-up, is never timed)."""
+    from pretrain.config import load_config
+
+    bench = load_bench(monkeypatch)
+    rows, settings = bench.plan_rows(False)
+    resolved = {}
+    for row in rows:
+        if row.lever == "plain":
+            continue
+        cfg = load_config(bench.ROOT / "configs" / f"{row.model}.yaml",
+                          bench.row_overrides(row, tmp_path / "run", tmp_path / "ckpt", settings))
+        got = bench.predicted(cfg, "NVIDIA H200", 141 * 2 ** 30)
+        assert got["predicted_img_per_s"] > 0, (row, got)
+        resolved[(row.model, row.lever)] = cfg, got
+    (eager, e), (blocks, b) = resolved[("vit_l16_in21k", "no-ckpt")], resolved[("vit_l16_in21k", "blocks")]
+    assert (eager.train.compile, blocks.train.compile) == (False, "blocks")
+    assert b["reduce_bucket_size"] == e["reduce_bucket_size"] and b["checkpointed_blocks"] == e["checkpointed_blocks"]
+    assert (eager.train.micro_batch_size, eager.zero.stage) == (blocks.train.micro_batch_size, blocks.zero.stage)
+    profiled = {row.lever: row.profile_step for row in rows if row.profile_step}
+    assert {"model", "micro128", "blocks"} <= set(profiled), profiled
+    last_window = settings["steps"] - settings["log_every"]
+    assert all(last_window < s <= settings["steps"] for s in profiled.values()), profiled
+
+
 DYNAMO = r"""
 import sys, torch
 torch._dynamo.config.recompile_limit = 2
@@ -89,12 +127,7 @@ def test_compile_events_are_read_from_torch_s_own_log(monkeypatch):
     """Each row's log is written under the benchmark's TORCH_LOGS; what it counts there, on the
     messages this torch writes: nothing for a function that compiles once, then a graph break and
     recompiles up to the recompile limit."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vit_train_gpu", REPO / "benchmarks" / "vit_train_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_bench(monkeypatch)
     r = subprocess.run([sys.executable, "-c", DYNAMO], env={**job_env(), "TORCH_LOGS": bench.COMPILE_LOGS},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
