@@ -68,7 +68,7 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
             other = dict(compile="blocks") if mode else {}
         else:
             other = dict(hpz_partition_size=1, quantized_weights=False, quantized_gradients=False)
-            if mode == "blocks":  # off ZeRO-3 the compile offered is the whole model's
+            if mode == "blocks" and layout.zero == 3:  # off ZeRO-3 the compile offered is the whole model's
                 text, other["compile"] = f"{text} train.compile=model", "model"
         trials.append((text, replace(layout, zero=stage, **other)))
     trials += [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))

@@ -372,6 +372,8 @@ def test_the_plan_does_not_advise_compiling_blocks_where_the_whole_model_compile
     gains = dict(lever_gains(blocks))
     model = predict(l16).images_per_second / predict(blocks).images_per_second
     assert gains["train.compile=model"] == pytest.approx(model)
+    one = predict(replace(blocks, zero=1)).images_per_second / predict(blocks).images_per_second
+    assert gains["zero.stage=1"] == pytest.approx(one)  # the stage alone: not ZeRO-3's way out
     eager = replace(l16, compile="")
     assert "train.compile=model" in dict(lever_gains(eager)) and "train.compile=blocks" not in dict(lever_gains(eager))
     z3 = replace(l16, zero=3, compile="blocks")
