@@ -205,7 +205,7 @@ def build_engine(cfg: Config, c: Connected) -> Built:
             f"{patch_keep(grid, cfg.model.patch_drop_rate)} of its {grid} patch tokens at {img} px")
     say(f"DeepSpeed init: ZeRO-{cfg.zero.stage}, {t.precision}, {num_params(model) / 1e6:.1f}M parameters")
     if compile_mode(t.compile):
-        what = "the whole model" if compile_mode(t.compile) == "model" and cfg.zero.stage < 3 else "each block"
+        what = "the whole model" if compile_mode(t.compile, cfg.zero.stage) == "model" else "each block"
         say(f"train.compile={t.compile}: torch.compile of {what}, traced in the first step")
     c.startup.phase("DeepSpeed initialize")
     engine, ds_cfg = initialize(model, cfg.optim, t, cfg.zero, c.world, cfg.deepspeed)

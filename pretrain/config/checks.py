@@ -169,8 +169,12 @@ def selective_checkpointing(value) -> bool:
     return value == "selective"
 
 
-def compile_mode(value) -> str:
-    """``train.compile`` as one word: ``""`` (off), ``"blocks"`` (``true`` too) or ``"model"``."""
+def compile_mode(value, zero_stage: int = 0) -> str:
+    """``train.compile`` as one word: ``""`` (off), ``"blocks"`` (``true`` too) or ``"model"``; with
+    ``zero_stage``, what training compiles: at ZeRO-3 ``model`` compiles the blocks (their module
+    hooks would split a whole-model graph at every gathered module)."""
     if value is True:
+        return "blocks"
+    if value == "model" and zero_stage == 3:
         return "blocks"
     return value or ""

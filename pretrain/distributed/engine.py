@@ -321,7 +321,7 @@ def plain_linear_for_selective(checkpointing) -> None:
         F.linear = torch._C._nn.linear
 
 
-def compile_model(model: torch.nn.Module, mode: str, zero_stage: int, backend: str = "inductor") -> str:
+def compile_model(model: torch.nn.Module, mode, zero_stage: int, backend: str = "inductor") -> str:
     """``train.compile`` applied to ``model`` in place, before ``deepspeed.initialize``; returns what
     was compiled. ``model``: ``nn.Module.compile`` of the whole module (parameter names, state dict
     and exports unchanged; the LayerNorms, GELU, residual adds and casts between and inside the
@@ -332,10 +332,11 @@ def compile_model(model: torch.nn.Module, mode: str, zero_stage: int, backend: s
     (each a ZeRO-3 leaf module: ``deepspeed_config``). The whole-model graph produces all
     gradients at the end of its backward, so ZeRO-2's reduction buckets can start only then
     (``pretrain.perf`` prices that)."""
-    if mode == "model" and zero_stage < 3:
+    mode = compile_mode(mode, zero_stage)
+    if mode == "model":
         model.compile(backend=backend)
         return "model"
-    if mode in ("blocks", "model"):
+    if mode == "blocks":
         return f"{compile_blocks(model, backend)} blocks"
     return ""
 
@@ -364,7 +365,7 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, train: TrainConfig, z
         model.set_grad_checkpointing("selective")
     elif n:
         model.set_grad_checkpointing(n)
-    compile_model(model, compile_mode(train.compile), zero.stage)
+    compile_model(model, train.compile, zero.stage)
     optimizer = build_optimizer(model, optim, zero.offload_optimizer)
     factor = schedule.lr_multiplier(optim.schedule, optim.warmup_steps, train.steps, optim.min_lr / optim.lr)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -56,9 +56,7 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
                                   **layout.arch)
     depth = shape.depth
     now = "selective" if layout.checkpointing == "selective" else kernels.recomputed_blocks(depth, layout.checkpointing)
-    mode = compile_mode(layout.compile)
-    if mode == "model" and layout.zero == 3:
-        mode = "blocks"  # what training compiles there
+    written, mode = compile_mode(layout.compile), compile_mode(layout.compile, layout.zero)
     trials = []
     for stage in (1, 2, 3):
         if stage == layout.zero:
@@ -69,7 +67,8 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
         else:
             other = dict(hpz_partition_size=1, quantized_weights=False, quantized_gradients=False)
             if mode == "blocks" and layout.zero == 3:  # off ZeRO-3 the compile offered is the whole model's
-                text, other["compile"] = f"{text} train.compile=model", "model"
+                other["compile"] = "model"
+                text += "" if written == "model" else " train.compile=model"
         trials.append((text, replace(layout, zero=stage, **other)))
     trials += [(f"train.activation_checkpointing={v}", replace(layout, checkpointing=c))
                for v, c in (("false", 0), ("true", depth), ("selective", "selective")) if c != now]

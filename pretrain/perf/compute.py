@@ -101,7 +101,7 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     d, s, depth = shape.width, shape.seq_len, shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again
     again = kernels.forward_again_blocks(depth, layout.checkpointing)  # ... its element-wise work
-    mode = compile_mode(layout.compile)
+    mode = compile_mode(layout.compile, layout.zero)
     model_flops = 6.0 * parts["total"] * images
     recompute = 2.0 * parts["blocks"] * images * n / depth
     mlp = shape.mlp_hidden or 4 * d

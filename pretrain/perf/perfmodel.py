@@ -194,7 +194,7 @@ def predict(layout: Layout) -> Prediction:
     backward_share = 2 / 3 + kernels.recomputed_blocks(depth, layout.checkpointing) / depth / 4
     hide = {"backward": micro["total"] * backward_share * (k if layout.zero in (2, 3) else 1),
             "forward": micro["total"] * (1 - backward_share) * k}
-    if compile_mode(layout.compile) == "model" and layout.zero < 3:
+    if compile_mode(layout.compile, layout.zero) == "model":
         # one compiled backward graph returns every gradient at its end: no bucket is ready before
         hide["backward"] = 0.0
     for c in colls:

@@ -382,6 +382,8 @@ def test_the_plan_does_not_advise_compiling_blocks_where_the_whole_model_compile
     assert gains["zero.stage=2 train.compile=model"] == pytest.approx(two)
     assert "train.compile=false" in gains and "train.compile=model" not in gains
     assert "train.compile=blocks" in dict(lever_gains(replace(z3, compile="")))
+    gains = dict(lever_gains(replace(z3, compile="model")))  # ZeRO-3 runs it as blocks; ZeRO-2 as written
+    assert gains["zero.stage=2"] == pytest.approx(two) and "train.compile=blocks" not in gains
 
 
 def test_a_config_s_plan_says_what_its_whole_run_costs(capsys):
