@@ -15,7 +15,7 @@ import json
 from dataclasses import replace
 from typing import Optional
 
-from pretrain.config import ConfigError
+from pretrain.config import ConfigError, compile_mode
 from pretrain.perf import advice, hardware, inputs, memory, perfmodel
 
 SUMMARY = ("predict images/s, MFU, memory and the bottleneck of a layout from the performance model "
@@ -206,7 +206,7 @@ def lever_words(lay: dict) -> str:
 
     depth = memory.analytic_shape(lay["model"], img_size=lay["img_size"], num_classes=lay["num_classes"]).depth
     n = kernels.recomputed_blocks(depth, lay["checkpointing"])
-    mode = "blocks" if lay["compile"] is True else (lay["compile"] or "")
+    mode = compile_mode(lay["compile"], lay["zero"])  # what training compiles (ZeRO-3: the blocks)
     ckpt = ("checkpointing every block op by op (selective)" if lay["checkpointing"] == "selective"
             else f"checkpointing {n} of {depth} blocks")
     return (f"{ckpt}, " + (f"compile {mode}" if mode else "eager")

@@ -144,7 +144,7 @@ class StepProfiler:
         if not any(r < world for r in ranks):
             say(f"logging.profile.ranks={cfg.ranks}: no such rank in a world of {world}: nothing is profiled")
             return None
-        if cfg.start_step + cfg.steps - 1 <= start_step or cfg.start_step > steps:
+        if not profiled_steps(cfg, start_step + 1, steps):
             say(f"logging.profile.start_step={cfg.start_step}: outside the steps this run takes "
                 f"({start_step + 1}-{steps}): nothing is profiled")
             return None

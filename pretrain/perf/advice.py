@@ -62,9 +62,7 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
         if stage == layout.zero:
             continue
         text, other = f"zero.stage={stage}", {}
-        if stage == 3:
-            other = dict(compile="blocks") if mode else {}
-        else:
+        if stage < 3:  # (ZeRO-3 compiles blocks where the layout compiles: compile_mode, as predict asks it)
             other = dict(hpz_partition_size=1, quantized_weights=False, quantized_gradients=False)
             if mode == "blocks" and layout.zero == 3:  # off ZeRO-3 the compile offered is the whole model's
                 other["compile"] = "model"
