@@ -138,8 +138,9 @@ def plan_rows(smoke: bool) -> tuple[list[Row], dict]:
         Row(L, "no-dropout", best + ("train.micro_batch_size=128", "model.drop_rate=0.0"),
             "the micro128 row without dropout (model.drop_rate=0)"),
         # profiled too: compiled blocks measured slower than eager through the engine, 1.20x faster plain.
-        # Ahead of B/16 and H/14, which the rows above do not depend on: at the row times recorded in
-        # benchmarks/results/vit-train-h200.json (30-100 s a row, most of it compile) the rows up to here
+        # After the rows that part vit-train's step from the plain one, ahead of B/16 and H/14, which no
+        # L/16 row depends on: at the row times in benchmarks/results/vit-train-h200.json (30-100 s a
+        # row, most of it compile; no-overlap reuses the model row's compiled graph) the rows up to here
         # take about 470 s of the 500 on one H200; what is left is run with --only
         Row(L, "blocks", ("train.activation_checkpointing=false", "train.compile=blocks",
                           "zero.reduce_bucket_size=500000000"), "the no-ckpt row with compile blocks",
