@@ -338,9 +338,10 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
     micro batch and resolution; ``torch.compile`` of the whole model, bf16 autocast, fused AdamW,
     ``ACCUMULATION`` micro-batches per step. No DeepSpeed, no loader, no guard."""
     from pretrain.config import image_size, load_config
+    from pretrain.models.arch import config_macs
     from pretrain.models.losses import classification_loss
     from pretrain.observability.clock import synced_now
-    from pretrain.observability.flops import config_macs, peak_tflops, train_flops_per_image
+    from pretrain.observability.flops import peak_tflops, train_flops_per_image
     from pretrain.weights.init_from import build_model
 
     cfg = load_config(ROOT / "configs" / f"{config}.yaml", list(overrides))

@@ -44,9 +44,9 @@ from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
 from pretrain.evaluation.in_training import InTrainingEval
-from pretrain.models.arch import patch_keep
+from pretrain.models.arch import config_macs, patch_keep
 from pretrain.observability.clock import StepClock
-from pretrain.observability.flops import config_macs, train_flops_per_image
+from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
 from pretrain.observability.profile import StepProfiler
 from pretrain.observability.progress import StartupLines

@@ -186,6 +186,14 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
 
 
 
+def config_macs(m, img_size: int, breakdown: bool = False):
+    """:func:`analytic_flops` of a ``model:`` config section (``pretrain.config.schema.ModelConfig``)
+    at ``img_size`` px, as a training forward runs it (the tokens patch dropout keeps)."""
+    return analytic_flops(m.name, img_size, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
+                          breakdown=breakdown, reg_tokens=m.reg_tokens, class_token=m.class_token,
+                          patch_drop_rate=m.patch_drop_rate)
+
+
 def _stem_params(layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int]:
     """(parameters, largest module's own parameters) of the hybrid's ResNet: bias-free
     weight-standardised convs, each followed by a GroupNorm (weight + bias)."""

@@ -77,14 +77,6 @@ def forward_flops(model: VisionTransformer, img_size=None, by_module: bool = Fal
 
 
 # -------------------------------------------------------------------------------- training/MFU
-def config_macs(m, img_size: int, breakdown: bool = False):
-    """:func:`analytic_flops` of a ``model:`` config section (``pretrain.config.schema.ModelConfig``)
-    at ``img_size`` px, as a training forward runs it (the tokens patch dropout keeps)."""
-    return analytic_flops(m.name, img_size, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
-                          breakdown=breakdown, reg_tokens=m.reg_tokens, class_token=m.class_token,
-                          patch_drop_rate=m.patch_drop_rate)
-
-
 def train_flops_per_image(forward_macs: float, recompute_macs: float = 0.0) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) for one image's forward + backward.
 
