@@ -338,7 +338,8 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     selective = selective_checkpointing(t.activation_checkpointing)
     n = shape.depth if selective else t.activation_checkpointing
     ckpt = ("every block op by op (selective)" if selective
-            else f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else ""))
+            else f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else "")
+            + (f", their forward again: +{levers.recompute_share(cfg.model, n):.1%} FLOPs" if n else ""))
     other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
     micro = (f"micro batch {t.micro_batch_size}" if not t.resolution_schedule
              else f"its largest phase: {est.largest[0]} px, micro batch {est.largest[1]}")

@@ -19,7 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from pretrain.config import checkpoint_count, selective_checkpointing
+from pretrain.config import checkpoint_count, image_size, selective_checkpointing
+from pretrain.models import arch
 from pretrain.perf import buckets, memory
 
 # the memory model's estimate against the device: what is left for the allocator's fragmentation
@@ -39,6 +40,14 @@ class Choices:
 def with_checkpointing(cfg, value):
     """``cfg`` with ``train.activation_checkpointing`` set to ``value``."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=value))
+
+
+def recompute_share(model_cfg, blocks: int) -> float:
+    """What checkpointing ``blocks`` Transformer blocks adds to a step's compute, as a share of the
+    step's model FLOPs: each of them runs its forward again in the backward (a forward is a third of
+    a forward and backward), so HFU / MFU - 1. At the model's own resolution."""
+    macs = arch.config_macs(model_cfg, image_size(model_cfg), breakdown=True)
+    return blocks / arch.model_defaults(model_cfg.name)["depth"] * macs["blocks"] / (3 * macs["total"])
 
 
 def fewest_checkpointed(cfg, world: int, shape: memory.ModelShape, memory_bytes: float) -> int:
@@ -85,6 +94,8 @@ def resolve(cfg, world: int, *, gpus_per_node: int = 8, gpu: Optional[str] = Non
     if n is None:
         n = fewest_checkpointed(cfg, world, shape, memory_bytes) if memory_bytes else 0
         where = f"{memory_bytes / 2 ** 30:.0f} GiB" if memory_bytes else "no device memory limit (CPU)"
-        lines.append(f"train.activation_checkpointing=auto: {n} of {shape.depth} blocks checkpointed ({where})")
+        cost = (f": their forward runs again in the backward, +{recompute_share(cfg.model, n):.1%} of the step's "
+                f"FLOPs" if n else "")
+        lines.append(f"train.activation_checkpointing=auto: {n} of {shape.depth} blocks checkpointed ({where}){cost}")
     return with_checkpointing(cfg, n), Choices(n, shape.depth, zero.reduce_bucket_size,
                                                zero.stage3_prefetch_bucket_size, tuple(lines))

@@ -12,6 +12,8 @@ from dist_utils import REPO
 from launch import preflight
 from launch.cli import main
 from pretrain.config import load_config
+from pretrain.models.arch import config_macs
+from pretrain.observability.flops import train_flops_per_image
 from pretrain.perf import levers, memory
 from pretrain.perf.memory import checkpoint_bytes, model_shape
 
@@ -233,15 +235,30 @@ def test_counting_reads_headers_only_and_samples_many_shards(capsys, shard_kit, 
             and len(preflight.spread(100, 64)) == 64)
 
 
+def recomputed_share(cfg, blocks: int, depth: int) -> float:
+    """HFU / MFU - 1 as training counts them (``train_flops_per_image`` over the analytic MACs)."""
+    macs = config_macs(cfg.model, cfg.model.img_size, breakdown=True)
+    model, hardware = train_flops_per_image(macs["total"], macs["blocks"] * blocks / depth)
+    return hardware / model - 1
+
+
 def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning():
-    """`auto` (the default) checkpoints the fewest blocks that fit, and the check says how many; an
-    explicit `true` that memory does not need is a warning naming what `auto` would do."""
+    """`auto` (the default) checkpoints the fewest blocks that fit, and the check and the start-up
+    line say how many and what they cost; an explicit `true` that memory does not need is a warning
+    naming what `auto` would do."""
     big = ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
            "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"]
     cfg = load_config(CONFIG, big)
     f, zero3 = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
     n = int(f.message.split("checkpointing ")[1].split(" of 32 blocks (auto)")[0])
     assert f.level == "ok" and 0 < n < 32, f.message  # some blocks, not all: the estimate fits 80 GB
+    # and what they cost: their forward again, the share of the step's FLOPs that HFU adds to MFU
+    # (training's own count: observability.flops.train_flops_per_image over the analytic MACs)
+    share = recomputed_share(cfg, n, 32)
+    assert 0.01 < share < 1 / 3 and f", their forward again: +{share:.1%} FLOPs;" in f.message, f.message
+    start = [ln for ln in levers.resolve(cfg, 16, memory_bytes=80 * memory.GB)[1].lines if "checkpointing" in ln]
+    assert start == [f"train.activation_checkpointing=auto: {n} of 32 blocks checkpointed (80 GiB): their forward "
+                     f"runs again in the backward, +{share:.1%} of the step's FLOPs"], start
     # ZeRO-2 with those blocks checkpointed fits too: ZeRO-3's gathers in every micro-step are a warning
     assert zero3.level == "warning" and "zero.stage=3 gathers each block's weights again" in zero3.message
     assert "but ZeRO-2 fits 80 GB (" in zero3.message and "set zero.stage=2 unless" in zero3.message
@@ -253,7 +270,9 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
                                "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=2",
                                "train.activation_checkpointing=true"])
     ok, warn = preflight.check_memory(cfg, 64, 80, model_shape(cfg.model))
-    assert ok.level == "ok" and "checkpointing 24 of 24 blocks" in ok.message
+    every = recomputed_share(cfg, 24, 24)  # a third of the blocks' share of the step
+    assert ok.level == "ok" and f"checkpointing 24 of 24 blocks, their forward again: +{every:.1%} FLOPs;" in ok.message
+    assert 0.32 < every < 1 / 3, every
     assert warn.level == "warning" and "recomputes 24 of 24 blocks but 0 would fit 80 GB" in warn.message
     assert "train.activation_checkpointing=auto (0 here)" in warn.message
     ok, warn = preflight.check_memory(levers.with_checkpointing(cfg, "selective"), 64, 80, model_shape(cfg.model))
