@@ -200,20 +200,32 @@ def _checkpointing(value: str, lay: perfmodel.Layout):
     return int(value)
 
 
-def lever_words(lay: dict) -> str:
-    """The layout's speed levers in words: checkpointed blocks, compile, reduction buckets."""
+def checkpointing_cost(lay: perfmodel.Layout, p: perfmodel.Prediction) -> Optional[float]:
+    """What the layout's activation checkpointing adds to its step time: its predicted step against
+    the same layout's without checkpointing, whether or not that one fits (None: no checkpointing)."""
+    if not lay.checkpointing:
+        return None
+    return p.step_seconds / perfmodel.predict(replace(lay, checkpointing=0)).step_seconds - 1
+
+
+def lever_words(lay: dict, cost: Optional[float] = None) -> str:
+    """The layout's speed levers in words: checkpointed blocks (and ``cost``, what they add to the
+    step time), compile, reduction buckets."""
     from pretrain.perf import kernels, memory
 
     depth = memory.analytic_shape(lay["model"], img_size=lay["img_size"], num_classes=lay["num_classes"]).depth
     n = kernels.recomputed_blocks(depth, lay["checkpointing"])
     mode = compile_mode(lay["compile"], lay["zero"])  # what training compiles (ZeRO-3: the blocks)
-    ckpt = ("checkpointing every block op by op (selective)" if lay["checkpointing"] == "selective"
-            else f"checkpointing {n} of {depth} blocks")
+    added = "" if cost is None else f"{cost:+.0%} step time"
+    ckpt = (f"checkpointing every block op by op (selective{', ' + added if added else ''})"
+            if lay["checkpointing"] == "selective"
+            else f"checkpointing {n} of {depth} blocks" + (f" ({added})" if added else ""))
     return (f"{ckpt}, " + (f"compile {mode}" if mode else "eager")
             + (f", reduction buckets of {lay['reduce_bucket_size'] / 1e6:g}M elements" if lay["zero"] else ""))
 
 
-def describe(p: perfmodel.Prediction) -> str:
+def describe(p: perfmodel.Prediction, checkpointing: Optional[float] = None) -> str:
+    """The prediction in lines; ``checkpointing``: what the layout's checkpointing adds to its step."""
     lay = p.layout
     mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb_per_gpu.items() if k != "total")
     comm = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.comm_bytes_per_gpu.items()) or "none"
@@ -224,7 +236,7 @@ def describe(p: perfmodel.Prediction) -> str:
         f"reduce {lay['reduce_dtype']}"
         + ("" if lay["zero"] != 3
            else ", leaf blocks" if lay["leaf_blocks"] or lay["compile"] else ", per-module hooks"),
-        f"  levers          {lever_words(lay)}",
+        f"  levers          {lever_words(lay, checkpointing)}",
         f"  images/s        {p.images_per_second:,.0f}  ({p.images_per_second_per_gpu:,.1f} per GPU)",
         f"  MFU             {p.mfu:.1%}  (hardware {p.hfu:.1%})",
         f"  step            {p.step_seconds * 1e3:,.1f} ms: compute {p.compute_seconds * 1e3:,.1f} "
@@ -303,14 +315,15 @@ def command(args) -> int:
         print(json.dumps([p.as_dict() for p in rows], indent=1) if args.json else table(rows))
         return 0
     p = perfmodel.predict(lay)
+    cost = checkpointing_cost(lay, p)
     tokens = perfmodel.price_tokens(lay, phases) if phases else None
     run = run_cost(*length, p) if length and not tokens else None  # (a schedule's table prices its run)
     if args.json:
-        print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay)),
+        print(json.dumps({**p.as_dict(), "levers": dict(advice.lever_gains(lay)), "checkpointing_cost": cost,
                           **({"tokens": tokens.as_dict()} if tokens else {}), **({"run": run} if run else {})},
                          indent=1))
         return 0
-    print(describe(p))
+    print(describe(p, cost))
     if run:
         print(f"  run             {run['steps']:,} steps x {run['global_batch']:,} images (the config's): "
               f"{run['hours']:,.1f} h on {run['gpus']:,} GPUs, {run['gpu_hours']:,.0f} GPU-hours")

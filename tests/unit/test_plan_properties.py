@@ -4,6 +4,7 @@ their references (our model's own kernels, XLA's measured H100 GEMMs), and impos
 in one line (exit 2) naming the flag."""
 import collections
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
@@ -211,6 +212,28 @@ def test_search_lists_images_per_second_best_first(capsys):
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
     ips = [float(r[6].replace(",", "")) for r in rows]
     assert len(ips) > 5 and ips == sorted(ips, reverse=True)
+
+
+@pytest.mark.parametrize("ckpt", ["true", "selective", "false"])
+def test_the_levers_line_says_what_the_checkpointing_adds_to_the_step(ckpt, capsys):
+    """The shipped L/16 config on 64 H100s with every block checkpointed, op by op, or none: the
+    levers line prices the recompute as the step against the same layout without checkpointing,
+    the inverse of the `false` lever's gain below it (none when nothing is recomputed)."""
+    assert main_rc(["plan", "--config", "configs/vit_l16_in21k.yaml", "--world-size", "64", "--gpu", "h100-sxm",
+                    f"train.activation_checkpointing={ckpt}"]) == 0
+    out = capsys.readouterr().out
+    levers = next(ln for ln in out.splitlines() if ln.lstrip().startswith("levers"))
+    gains = dict(g.rsplit(" ", 1) for g in out.split("other levers")[1].strip().split("; "))
+    if ckpt == "false":
+        assert "step time" not in levers and "train.activation_checkpointing=false" not in gains, out
+        return
+    cost = levers.split(" step time")[0].rsplit("+", 1)[1]
+    assert gains["train.activation_checkpointing=false"] == f"+{cost}", (levers, gains)
+    assert int(cost.rstrip("%")) >= (20 if ckpt == "true" else 1), levers
+    assert main_rc(["plan", "--config", "configs/vit_l16_in21k.yaml", "--world-size", "64", "--gpu", "h100-sxm",
+                    f"train.activation_checkpointing={ckpt}", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert f"+{got['checkpointing_cost']:.0%}" == f"+{cost}"
 
 
 def main_rc(argv) -> int:
