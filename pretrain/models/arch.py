@@ -184,8 +184,6 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     return total
 
 
-
-
 def config_macs(m, img_size: int, breakdown: bool = False):
     """:func:`analytic_flops` of a ``model:`` config section (``pretrain.config.schema.ModelConfig``)
     at ``img_size`` px, as a training forward runs it (the tokens patch dropout keeps)."""
