@@ -75,6 +75,15 @@ def test_checkpointing_keeps_only_block_inputs():
     assert memory.activation_bytes(shape, 2, checkpointing=True) < memory.activation_bytes(shape, 2) / 4
 
 
+def held_storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s memory; 0 for a tensor that holds none (the fake and functional tensors
+    a compile earlier in the same process can leave behind, whose storage has no address)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def kept_activation_bytes(name, img, batch, dtype, checkpointing, autocast=False, **kw):
     """Bytes of the distinct non-weight tensors made in one training forward (and its input) that
     are still alive after it, the output aside: what the backward will use. Op-level checkpointing
@@ -103,7 +112,7 @@ def kept_activation_bytes(name, img, batch, dtype, checkpointing, autocast=False
         y = model(x)
     gc.collect()
     # (type, not isinstance: a deprecated torch.distributed alias warns when its class is asked)
-    alive = {t.untyped_storage().data_ptr() for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
+    alive = {held_storage(t) for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
     alive.discard(y.untyped_storage().data_ptr())
     return sum(n for ptr, n in made.items() if ptr in alive and ptr not in weights)
 
