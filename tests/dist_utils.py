@@ -134,12 +134,14 @@ def wandb_history(run: Path, until_key: str, timeout: float = 30) -> dict:
 
 
 TINY_CONFIG = "configs/tiny_cpu.yaml"
+TINY_MODEL = "test_vit"  # timm's test model: a tenth of ViT-Ti's CPU per step
 
 
 @dataclass
 class TinyRun:
-    """One tiny training job on demo shards (``configs/tiny_cpu.yaml``): steps of 16 images as two
-    micro-batches of 8, no data workers, W&B off; ``extra`` overrides come last and win.
+    """One tiny training job on demo shards (``configs/tiny_cpu.yaml`` with ``TINY_MODEL``): steps
+    of 16 images as two micro-batches of 8, no data workers, W&B off; ``extra`` overrides come last
+    and win.
 
     ``via`` says how it starts: ``python`` (``python -m pretrain.train``, one process),
     ``deepspeed`` (the deepspeed runner with ``ranks`` local ranks) or ``launch`` (``vit-launch run
@@ -152,7 +154,8 @@ class TinyRun:
     launch_args: tuple[str, ...] = ()
 
     def overrides(self) -> list[str]:
-        return [f"data.train_shards={self.shards}", f"train.output_dir={self.run_dir}", "train.global_batch_size=16",
+        return [f"model.name={TINY_MODEL}", f"data.train_shards={self.shards}", f"train.output_dir={self.run_dir}",
+                "train.global_batch_size=16",
                 "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *self.extra]
 
     def args(self) -> list[str]:

@@ -74,8 +74,8 @@ def read_back(shards: Path, keys: list[str], img_size: int) -> tuple[torch.Tenso
     return torch.stack(images), torch.tensor(labels)
 
 
-def timm_start(path: Path, img_size: int = 64, num_classes: int = 10, **arch) -> dict:
-    """A known start for a whole-path run: timm's ViT-Tiny/16 (``arch``: timm's ``reg_tokens``,
+def timm_start(path: Path, name: str, img_size: int = 64, num_classes: int = 10, **arch) -> dict:
+    """A known start for a whole-path run: timm's model ``name`` (``arch``: timm's ``reg_tokens``,
     ``global_pool``, ...) with every weight moved by N(0, 0.02) (no zero head: every layer moves at
     the first step), written to ``path`` for ``model.init_from``. Returns its state dict."""
     import timm
@@ -83,19 +83,19 @@ def timm_start(path: Path, img_size: int = 64, num_classes: int = 10, **arch) ->
     from pretrain.weights.export import write_safetensors
 
     torch.manual_seed(3)
-    start = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes, **arch)
+    start = timm.create_model(name, img_size=img_size, num_classes=num_classes, **arch)
     with torch.no_grad():
         for p in start.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    write_safetensors(start.state_dict(), path, {"model.name": "vit_tiny_patch16_224"})
+    write_safetensors(start.state_dict(), path, {"model.name": name})
     return start.state_dict()
 
 
-def timm_model(state: dict, img_size: int = 64, num_classes: int = 10, **arch) -> torch.nn.Module:
-    """timm's ViT-Tiny/16 holding ``state`` (``arch``: timm's options, as :func:`timm_start`)."""
+def timm_model(state: dict, name: str, img_size: int = 64, num_classes: int = 10, **arch) -> torch.nn.Module:
+    """timm's model ``name`` holding ``state`` (``arch``: timm's options, as :func:`timm_start`)."""
     import timm
 
-    model = timm.create_model("vit_tiny_patch16_224", img_size=img_size, num_classes=num_classes, **arch)
+    model = timm.create_model(name, img_size=img_size, num_classes=num_classes, **arch)
     model.load_state_dict(state)
     return model
 

@@ -27,7 +27,8 @@ class ModelConfig:
     """timm name: `vit_{tiny,small,base,large}_patch16_224`, `vit_base_patch32_224`,
     `vit_large_patch32_224`, `vit_huge_patch14_224`, `vit_giant_patch14_224` (g/14, 1.0 B),
     `vit_gigantic_patch14_224` (G/14, 1.8 B), `vit_{base,large}_patch16_384`, hybrid
-    `vit_base_r50_s16_224`."""
+    `vit_base_r50_s16_224`; `test_vit` (timm's test model, 0.3 M parameters: for checking the
+    machinery on a CPU)."""
     num_classes: int = 1000
     """Classes of the head; must match the shards' class list."""
     img_size: Optional[int] = None

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import (
+    TINY_MODEL,
     deepspeed_cmd,
     group_alive,
     kill_group,
@@ -122,14 +123,14 @@ def check_zero3_export(run, tmp_path):
     out = tmp_path / "w.safetensors"
     info = export(run, out)
     assert info["step"] == 20
-    model = create_model("vit_tiny_patch16_224", img_size=64, num_classes=10).eval()
+    model = create_model(TINY_MODEL, img_size=64, num_classes=10).eval()
     load_weights(model, out)
     x = torch.load(live)["x"]
     with torch.no_grad():
         ours = model(x)
     torch.testing.assert_close(ours, torch.load(live)["logits"], rtol=1e-4, atol=1e-4)
     import timm
-    ref = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10).eval()
+    ref = timm.create_model(TINY_MODEL, img_size=64, num_classes=10).eval()
     from safetensors.torch import load_file
     ref.load_state_dict(load_file(str(out)), strict=True)
     with torch.no_grad():
@@ -197,7 +198,7 @@ def test_exact_resume_after_kills_across_resolution_phases_and_wandb_run(tiny_ru
     from pretrain.models.arch import analytic_flops
 
     for s, px in ((4, 32), (6, 48), (8, 64)):
-        flops = 6 * analytic_flops("vit_tiny_patch16_224", px, 10, patch_drop_rate=0.5)
+        flops = 6 * analytic_flops(TINY_MODEL, px, 10, patch_drop_rate=0.5)
         assert mb[s]["tflops_per_device"] == pytest.approx(flops * mb[s]["images_per_sec_per_device"] / 1e12)
 
     # the W&B offline runs: one run id across restarts, holding the logged keys

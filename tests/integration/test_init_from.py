@@ -3,7 +3,7 @@ the format most pre-trained ViTs come in), position embeddings resized, a new he
 number of classes; bad sources are one line naming the key."""
 import pytest
 import torch
-from dist_utils import train_single
+from dist_utils import TINY_MODEL, train_single
 
 from pretrain.models.tokens import resize_pos_embed
 from pretrain.models.vit import create_model
@@ -16,13 +16,13 @@ STILL = ["train.steps=1", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    """A ViT-Ti/16 at 32 px with 7 classes, written as a transformers folder."""
+    """The tiny jobs' model at 32 px with 7 classes, written as a transformers folder."""
     root = tmp_path_factory.mktemp("hf")
-    src = create_model("vit_tiny_patch16_224", img_size=32, num_classes=7, init_seed=5)
+    src = create_model(TINY_MODEL, img_size=32, num_classes=7, init_seed=5)
     with torch.no_grad():
         for p in src.parameters():
             p.add_(torch.randn_like(p) * 0.02)  # no zero heads or unit norms left from the init
-    model = {"name": "vit_tiny_patch16_224", "img_size": 32, "num_classes": 7}
+    model = {"name": TINY_MODEL, "img_size": 32, "num_classes": 7}
     hf.write_folder(root / "src", src.state_dict(), hf.hf_config(model, hf.labels_for(7, None)),
                     hf.preprocessor_config(32, (0.5,) * 3, (0.5,) * 3), "# card\n", write_safetensors)
     return root / "src", src.state_dict()

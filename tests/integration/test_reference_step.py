@@ -4,7 +4,7 @@ default that changes under us fails here, not in a run. All cases run in one 2-r
 import json
 
 import pytest
-from dist_utils import deepspeed_cmd, run_job
+from dist_utils import TINY_MODEL, deepspeed_cmd, run_job
 from reference_utils import (
     FIXED_CROP,
     FP32_BOUND,
@@ -279,7 +279,7 @@ def test_a_training_run_step_equals_plain_pytorch_on_the_batch_read_back_by_key(
     from pretrain.weights.export import load_run_weights
 
     init = tmp_path / "start.safetensors"
-    start = timm_start(init)
+    start = timm_start(init, TINY_MODEL)
     lr = 0.1
     job = tiny_run(f"model.init_from={init}", "train.steps=1", "optim.name=sgd", f"optim.lr={lr}", "optim.momentum=0.0",
                    "optim.weight_decay=0.0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant",
@@ -291,7 +291,7 @@ def test_a_training_run_step_equals_plain_pytorch_on_the_batch_read_back_by_key(
     assert len(keys) == 32 == len(set(keys))
 
     images, labels = read_back(shards, keys, 64)
-    ref = timm_model(start)
+    ref = timm_model(start, TINY_MODEL)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     loss = F.cross_entropy(ref(images), labels)
     loss.backward()

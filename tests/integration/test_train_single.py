@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from dist_utils import job_env, metrics, train_single
+from dist_utils import TINY_MODEL, job_env, metrics, train_single
 
 
 def train(shards, run_dir, *extra, fault=None, timeout=240):
@@ -32,8 +32,8 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     step, the checkpoint and the export command."""
     r = train(shards, tmp_path / "run", "train.steps=2", "train.log_every_steps=5", "zero.stage=1")
     assert r.returncode == 0, r.stderr[-3000:]
-    phases = ["vit-train: building vit_tiny_patch16_224 (64 px) on 1 rank(s) [",
-              "vit-train: DeepSpeed init: ZeRO-1, fp32, 5.5M parameters [",
+    phases = [f"vit-train: building {TINY_MODEL} (64 px) on 1 rank(s) [",
+              "vit-train: DeepSpeed init: ZeRO-1, fp32, 0.3M parameters [",
               "vit-train: data.decode_device=worker: JPEGs decoded by this process (data.workers=0): ",
               "vit-train: waiting for the first batch (data.workers=0) [",
               "vit-train: step 1 done; a line every 5 steps ["]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import REPO, job_env, metrics, train_single
+from dist_utils import REPO, TINY_MODEL, job_env, metrics, train_single
 
 from pretrain.checkpointing import rundir
 
@@ -143,7 +143,7 @@ def test_resume_with_another_model_names_the_keys(shards, trained):
     assert "Traceback" not in r.stderr and "size mismatch" not in r.stderr
     line = last_line(r)
     assert line.startswith(f"vit-train: error: {before} was saved with other settings "
-                           "(model.name=vit_tiny_patch16_224->vit_small_patch16_224, optim.name=adamw->sgd)"), line
+                           f"(model.name={TINY_MODEL}->vit_small_patch16_224, optim.name=adamw->sgd)"), line
     assert "another train.output_dir" in line
     # nothing lost: the checkpoint is still the newest, intact, and the run's config is untouched
     assert rundir.latest_complete(trained / "checkpoints") == before and rundir.verify(before) is None
