@@ -57,7 +57,7 @@ CASES = {
     # first 2 of its blocks (train.activation_checkpointing: N); at ZeRO-2 and compile: blocks at ZeRO-3
     # (the blocks as leaf modules, recomputed by checkpointing), with the fewer-tokens cases below
     # (SGD: under AdamW, compiled plain PyTorch is itself 1.2e-4 from eager, 3.5x the noise measure above).
-    # Four blocks, not the variant's twelve: inductor's work grows with the unrolled graph (what that
+    # Four blocks, not the model's six: inductor's work grows with the unrolled graph (what that
     # costs: tests/CONTRIBUTING.md)
     "z1-compile-model-ckpt2-sgd-momentum-2steps": dict(stage=1, compile="model", ckpt=2, momentum=0.9, steps=2,
                                                        clip=1.0, wd=0.05, arch=dict(depth=4)),
@@ -206,7 +206,7 @@ def test_zero3_leaf_modules_are_the_blocks_unless_turned_off(steps):
     (zero.leaf_blocks, the default; train.compile too), none with zero.leaf_blocks=false, and no
     module at other stages."""
     for name, case in CASES.items():
-        stage, blocks = case.get("stage", 3), case.get("arch", {}).get("depth", 12)
+        stage, blocks = case.get("stage", 3), case.get("arch", {}).get("depth", 6)  # test_vit: six blocks
         want = blocks if stage == 3 and (case.get("leaf_blocks", True) or case.get("compile")) else 0
         assert steps[name]["leaf_modules"] == want, (name, steps[name])
 

@@ -82,6 +82,8 @@ from tests.reference_utils import (
 )
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
+MODEL = "test_vit"  # timm's test model: its steps cost little, and timm builds the same
+FINETUNED = "vit_tiny_patch16_224"  # the fine-tune cases' checkpoint (tests/transfer_fixtures.py's tiny_model)
 LR = {"sgd": 0.1, "adamw": 1e-3, "lamb": 5e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
 DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, momentum=0.0, wd=0.0, precision="fp32",
@@ -92,7 +94,7 @@ DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, mome
 
 
 def base_model(arch: dict | None = None) -> torch.nn.Module:
-    model = create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES, init_seed=0, **(arch or {}))
+    model = create_model(MODEL, img_size=IMG, num_classes=CLASSES, init_seed=0, **(arch or {}))
     with torch.no_grad():  # a head that is not zero, so every layer has a gradient at the first step
         model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     return model
@@ -152,7 +154,7 @@ def reference_model(base: torch.nn.Module, case: dict) -> torch.nn.Module:
         return copy.deepcopy(base)
     import timm
 
-    model = timm.create_model("vit_tiny_patch16_224", img_size=IMG, num_classes=CLASSES,
+    model = timm.create_model(MODEL, img_size=IMG, num_classes=CLASSES,
                               dynamic_img_size=bool(case["phases"]), patch_drop_rate=case["patch_drop"],
                               **{k: v for k, v in case["arch"].items() if k != "pos_embed"})
     model.load_state_dict(base.state_dict(), strict=True)
@@ -168,7 +170,7 @@ def reference_optimizer(model: torch.nn.Module, case: dict, max_grad_norm=None):
 
     lr = case["lr"] or LR[case["optim"]]
     if case["layer_decay"] != 1.0:
-        groups = timm_layer_decay_groups(model, "vit_tiny_patch16_224", case["wd"], case["layer_decay"], lr,
+        groups = timm_layer_decay_groups(model, MODEL, case["wd"], case["layer_decay"], lr,
                                          img_size=IMG, num_classes=CLASSES)
     else:
         groups = decay_groups(model, case["wd"])
@@ -422,7 +424,7 @@ def finetune_cases(spec: dict, rank: int, world: int) -> dict:
         shares = [task.trainval.batches(protocol.view_of(task), batch_size=spec["batch"] // world, train=True,
                                         seed=cfg.eval.seed, rank=r, world=world) for r in range(world)]
         batches = ((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])) for parts in zip(*shares))
-        before, ref, norms = finetune_reference(load_file(spec["checkpoint"]), "vit_tiny_patch16_224", 32,
+        before, ref, norms = finetune_reference(load_file(spec["checkpoint"]), FINETUNED, 32,
                                                 task.num_classes, batches, steps=spec["steps"], lr=spec["lr"],
                                                 warmup=spec["warmup"], clip=protocol.recipe.grad_clip)
         out[f"finetune-z{stage}"] = {"relative_error": update_error(before, got, ref)[0], "grad_norms": norms}
@@ -455,7 +457,7 @@ def deit_case(spec: dict, task, stage: int, rank: int, world: int) -> dict:
                                     seed=cfg.eval.seed, rank=q, world=world) for q in range(world)]
     batches = ((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])) for parts in zip(*shares))
     before, ref, ref_ema = deit_finetune_reference(
-        load_file(spec["checkpoint"]), "vit_tiny_patch16_224", 32, task.num_classes, batches, steps=spec["steps"],
+        load_file(spec["checkpoint"]), FINETUNED, 32, task.num_classes, batches, steps=spec["steps"],
         lr=d["lr"], warmup=spec["warmup"], min_lr=d["min_lr"], weight_decay=r.weight_decay,
         layer_decay=r.layer_decay, smoothing=r.label_smoothing, ema_decay=d["ema"])
     return {"relative_error": update_error(before, got, ref)[0],
