@@ -69,8 +69,9 @@ def resolve_zero(zero, train, params: int, block_params: int, world: int, *, gpu
         reduce = buckets.auto_bucket(params, buckets.grad_bytes(train), world, gpus_per_node=gpus_per_node, gpu=gpu,
                                      network=network)
         if zero.stage >= 1:
-            lines.append(f"zero.reduce_bucket_size=auto: {reduce / 1e6:g}M elements "
-                         f"({-(-params // reduce)} buckets of {params / 1e6:.0f}M parameters)")
+            n = -(-params // reduce)
+            lines.append(f"zero.reduce_bucket_size=auto: {reduce / 1e6:g}M elements ({n} bucket{'s' * (n != 1)} "
+                         f"over the model's {params / 1e6:.3g}M parameters)")
     prefetch = zero.stage3_prefetch_bucket_size
     if prefetch == "auto":
         prefetch = buckets.auto_prefetch(block_params)

@@ -86,6 +86,23 @@ def test_selective_checkpointing_is_a_word_that_stays_a_word():
     assert "\n" not in str(e.value)
 
 
+def test_the_auto_bucket_line_counts_the_buckets_over_the_whole_model():
+    """The start-up line of ``zero.reduce_bucket_size: auto`` says how many buckets the model's
+    gradients make and how many parameters they hold in all, for a model of any size."""
+    import re
+
+    from pretrain.perf import levers
+
+    def line(name, world):
+        c = load_config(REPO / "configs/tiny_cpu.yaml", [f"model.name={name}", "zero.reduce_bucket_size=auto"])
+        lines = levers.resolve(c, world, gpu="h100-sxm")[1].lines
+        return next(x for x in lines if x.startswith("zero.reduce_bucket_size=auto: "))
+
+    assert line("test_vit", 1).endswith(" elements (1 bucket over the model's 0.302M parameters)"), line("test_vit", 1)
+    big = re.search(r" elements \((\d+) buckets over the model's 303M parameters\)$", line("vit_large_patch16_224", 64))
+    assert big and int(big.group(1)) > 1, line("vit_large_patch16_224", 64)
+
+
 def test_yaml_floats_as_users_write_them_in_files_and_overrides(tmp_path):
     """YAML 1.1 reads ``1e-3`` (no dot) and ``1E5``, ``1.5e3`` (no exponent sign) as strings; the
     config reads them as the floats the docs and every user write, in a file as on the command line."""
