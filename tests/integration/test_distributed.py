@@ -42,7 +42,7 @@ def assert_ok(r):
 
 
 @pytest.mark.parametrize("stage, steps, extra", [
-    (1, 12, ["train.precision=bf16"]),  # bf16 matmuls are slow on CPUs without bf16 units: 12 steps
+    (1, 20, ["train.precision=bf16"]),  # (12 steps leave test_vit's loss 0.32 lower: too close to the bound)
     (2, 20, ["train.precision=fp32"]),  # bf16 at ZeRO-2: test_reduce_dtype, test_host_sync
     # fp32: export compared tightly; steps 7-8 profiled on both ranks
     (3, 20, ["train.activation_checkpointing=true", "train.precision=fp32", "logging.profile.start_step=7",
