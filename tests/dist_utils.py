@@ -155,8 +155,8 @@ class TinyRun:
 
     def overrides(self) -> list[str]:
         return [f"model.name={TINY_MODEL}", f"data.train_shards={self.shards}", f"train.output_dir={self.run_dir}",
-                "train.global_batch_size=16",
-                "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled", *self.extra]
+                "train.global_batch_size=16", "train.micro_batch_size=8", "data.workers=0",
+                "logging.wandb.mode=disabled", *self.extra]
 
     def args(self) -> list[str]:
         """vit-train's arguments: the config and the overrides."""

@@ -71,6 +71,7 @@ from pretrain.distributed.process import init_distributed
 from pretrain.models.losses import classification_loss
 from pretrain.models.vit import create_model
 from pretrain.perf.collector import after_imports
+from tests.dist_utils import TINY_MODEL
 from tests.reference_utils import (
     decay_groups,
     deit_finetune_reference,
@@ -82,7 +83,7 @@ from tests.reference_utils import (
 )
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
-MODEL = "test_vit"  # timm's test model: its steps cost little, and timm builds the same
+MODEL = TINY_MODEL  # timm's test_vit: its steps cost little, and timm builds the same model
 FINETUNED = "vit_tiny_patch16_224"  # the fine-tune cases' checkpoint (tests/transfer_fixtures.py's tiny_model)
 LR = {"sgd": 0.1, "adamw": 1e-3, "lamb": 5e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
