@@ -83,7 +83,6 @@ from tests.reference_utils import (
 )
 
 MICRO, IMG, CLASSES = 4, 32, 10  # MICRO: images per rank per step, whatever the accumulation
-MODEL = TINY_MODEL  # timm's test_vit: its steps cost little, and timm builds the same model
 FINETUNED = "vit_tiny_patch16_224"  # the fine-tune cases' checkpoint (tests/transfer_fixtures.py's tiny_model)
 LR = {"sgd": 0.1, "adamw": 1e-3, "lamb": 5e-3}
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -95,7 +94,7 @@ DEFAULTS = dict(stage=3, optim="sgd", steps=1, gas=1, ckpt=False, clip=0.0, mome
 
 
 def base_model(arch: dict | None = None) -> torch.nn.Module:
-    model = create_model(MODEL, img_size=IMG, num_classes=CLASSES, init_seed=0, **(arch or {}))
+    model = create_model(TINY_MODEL, img_size=IMG, num_classes=CLASSES, init_seed=0, **(arch or {}))
     with torch.no_grad():  # a head that is not zero, so every layer has a gradient at the first step
         model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     return model
@@ -155,7 +154,7 @@ def reference_model(base: torch.nn.Module, case: dict) -> torch.nn.Module:
         return copy.deepcopy(base)
     import timm
 
-    model = timm.create_model(MODEL, img_size=IMG, num_classes=CLASSES,
+    model = timm.create_model(TINY_MODEL, img_size=IMG, num_classes=CLASSES,
                               dynamic_img_size=bool(case["phases"]), patch_drop_rate=case["patch_drop"],
                               **{k: v for k, v in case["arch"].items() if k != "pos_embed"})
     model.load_state_dict(base.state_dict(), strict=True)
@@ -171,7 +170,7 @@ def reference_optimizer(model: torch.nn.Module, case: dict, max_grad_norm=None):
 
     lr = case["lr"] or LR[case["optim"]]
     if case["layer_decay"] != 1.0:
-        groups = timm_layer_decay_groups(model, MODEL, case["wd"], case["layer_decay"], lr,
+        groups = timm_layer_decay_groups(model, TINY_MODEL, case["wd"], case["layer_decay"], lr,
                                          img_size=IMG, num_classes=CLASSES)
     else:
         groups = decay_groups(model, case["wd"])
