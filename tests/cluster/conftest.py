@@ -383,9 +383,12 @@ PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 # ------------------------------------------------------------------------------ training runs
 def ds_env_file(path: Path, **extra) -> Path:
     """The runner forwards only PYTHON*/NCCL*/UCX*/MV2* variables over pdsh; the rest go through
-    DS_ENV_FILE (one KEY=VALUE a line)."""
+    DS_ENV_FILE (one KEY=VALUE a line). TMPDIR among them: the ranks' temporary files (W&B's media
+    folders, which a killed rank leaves behind) go to the test session's folder, as those of every
+    process started here do, and torch.compile's cache stays where the session put it."""
     env = {"PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}", "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **extra}
+           "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+           **{k: os.environ[k] for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR") if k in os.environ}, **extra}
     path.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     return path
 
