@@ -278,7 +278,8 @@ def token_table(price: perfmodel.TokenPrice) -> str:
     biggest = max(price.phases, key=lambda r: r.prediction.memory_gb_per_gpu["total"])
     lines += [f"    whole run: {price.seconds / 3600:,.1f} h ({price.seconds * world / 3600:,.0f} GPU-hours), "
               f"{price.flops:.3g} FLOPs; every step at {fixed['img_size']} px with every token: "
-              f"{price.fixed_seconds / 3600:,.1f} h, {price.fixed_flops:.3g} FLOPs -> "
+              f"{price.fixed_seconds / 3600:,.1f} h ({price.fixed_seconds * world / 3600:,.0f} GPU-hours), "
+              f"{price.fixed_flops:.3g} FLOPs -> "
               f"{price.seconds / price.fixed_seconds:.2f}x the time, "
               f"{price.flops / price.fixed_flops:.2f}x the compute",
               f"    memory: the largest phase ({biggest.img_size} px, micro {biggest.micro_batch}) "
