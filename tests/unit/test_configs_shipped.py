@@ -7,7 +7,10 @@ fake manifest (the real data lives on the cluster): its tars hold headers only, 
 the documented layout needs, so the shard checks pass and what is tested is the config's batch
 arithmetic and memory estimate. The disk is the cluster's too: the free-space figure is stood in.
 """
+import contextlib
 import io
+import itertools
+import json
 import re
 import shlex
 import tarfile
@@ -151,3 +154,86 @@ def test_config_s_layout_is_the_plan_s_best_on_its_hardware(config, gpu):
     ours, best = predict(layout), search(layout)[0]
     assert ours.fits and ours.images_per_second >= 0.95 * best.images_per_second, (config, best.layout)
     assert f"ZeRO-{cfg.zero.stage}" in h["Hardware"], (config, h["Hardware"])
+
+
+# ------------------------------------------------------------------- the plan's figures in headers
+def _plan(config: str, world: int, gpu: str, *overrides: str) -> dict:
+    """``vit-launch plan --config C --world-size W --gpu G --json`` as a user runs it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        main(["plan", "--config", config, "--world-size", str(world), "--gpu", gpu, "--json", *overrides])
+    assert e.value.code == 0, (config, overrides)
+    return json.loads(out.getvalue())
+
+
+def _comment(config: str) -> str:
+    """The leading comment block as one line of prose (``#`` and line breaks gone)."""
+    lines = itertools.takewhile(lambda ln: ln.startswith("#"), (REPO / config).read_text().splitlines())
+    return re.sub(r"\s+", " ", " ".join(ln[1:] for ln in lines))
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _same(claim: str, value: float) -> bool:
+    """The claim is the value as the plan prints it: rounded to the claim's own digits."""
+    digits = len(claim.split(".")[1]) if "." in claim else 0
+    return f"{value:,.{digits}f}" == claim
+
+
+HEADER_FIGURES = [  # what a header may quote of the plan, each tied to the plan's JSON
+    (r"predicts ([\d,]+) img/s", lambda p, m: p["images_per_second"]),
+    (r"\(([\d.]+) ms a step", lambda p, m: p["step_seconds"] * 1e3),
+    (r"about (\d+) h for the", lambda p, m: p["run"]["hours"]),
+    (r"about (\d+) min for the", lambda p, m: p["run"]["hours"] * 60),
+    (r"about ([\d.]+) GB per GPU", lambda p, m: max([p["memory_gb_per_gpu"]["total"]] + [
+        r["memory_gb_per_gpu"] for r in p.get("tokens", {}).get("phases", [])])),
+    (r"([\d.]+) h against [\d.]+ h", lambda p, m: p["tokens"]["seconds"] / 3600),
+    (r"[\d.]+ h against ([\d.]+) h", lambda p, m: p["tokens"]["fixed_seconds"] / 3600),
+    (r"([\d,]+) against [\d,]+ GPU-hours", lambda p, m: p["tokens"]["seconds"] * p["run_gpus"] / 3600),
+    (r"[\d,]+ against ([\d,]+) GPU-hours", lambda p, m: p["tokens"]["fixed_seconds"] * p["run_gpus"] / 3600),
+    (r"([\d.]+)x the time", lambda p, m: p["tokens"]["seconds"] / p["tokens"]["fixed_seconds"]),
+    (r"([\d.]+)x the (?:training )?FLOPs", lambda p, m: p["tokens"]["flops"] / p["tokens"]["fixed_flops"]),
+    (r"([\d.]+) % MFU at (\d+) px", lambda p, m: 100 * next(
+        r["mfu"] for r in p["tokens"]["phases"] if r["img_size"] == int(m.group(2)))),
+]
+# "puts ZeRO-2 at 60,342 img/s (23.9 % MFU, 4,999 GPU-hours for the run) and ZeRO-3 at ...": the
+# config at each stage it names
+STAGE_FIGURES = re.compile(r"ZeRO-(\d) at ([\d,]+) img/s \(([\d.]+) % MFU, ([\d,]+) GPU-hours")
+
+
+@pytest.mark.parametrize("config", sorted({c for c, _ in ON_GPUS}))
+def test_header_figures_are_the_plan_s(config):
+    """What a header quotes of ``vit-launch plan`` (img/s, step time, run time, memory, a schedule's
+    saving, MFU per phase, one stage against another) is what the plan prints today for the
+    header's world size and GPU (the last ``--gpu`` named before the figure; H100 otherwise): the
+    model behind them moves, and a header that kept an old figure told users 5 GB per GPU where the
+    plan said 14. Every GPU header quotes some, and its memory."""
+    check = shlex.split(header(config)["Check"])
+    text, world = _comment(config), int(check[check.index("--world-size") + 1])
+    plans: dict = {}
+
+    def plan_at(pos: int, *overrides: str) -> dict:
+        gpus = [m for m in re.finditer(r"--gpu ([\w-]+)", text) if m.start() < pos]
+        key = (gpus[-1].group(1) if gpus else "h100-sxm", *overrides)
+        if key not in plans:
+            plans[key] = {**_plan(config, world, *key), "run_gpus": world}
+        return plans[key]
+
+    checked, wrong = [], []
+    for pattern, figure in HEADER_FIGURES:
+        for m in re.finditer(pattern, text):
+            value = figure(plan_at(m.start()), m)
+            checked.append(m.group(0))
+            if not _same(m.group(1), value):
+                wrong.append(f"{m.group(0)!r}: the plan says {value:,.4g}")
+    for m in STAGE_FIGURES.finditer(text):
+        p = plan_at(m.start(), f"zero.stage={m.group(1)}")
+        checked.append(m.group(0))
+        for claim, value in zip(m.groups()[1:], (p["images_per_second"], 100 * p["mfu"], p["run"]["gpu_hours"])):
+            if not _same(claim, value):
+                wrong.append(f"{m.group(0)!r}: {claim} where the plan says {value:,.4g}")
+    assert not wrong, (config, wrong)
+    assert any("GB per GPU" in c for c in checked), (config, "no memory figure", checked)
+    assert len(checked) >= 2, (config, checked)
