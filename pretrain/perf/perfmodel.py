@@ -46,7 +46,7 @@ from typing import Optional, Union
 from pretrain.config import compile_mode
 from pretrain.models import arch
 from pretrain.perf import inputs, kernels, memory
-from pretrain.perf.collectives import GB, collective_seconds, collectives, partitioned, released_numel
+from pretrain.perf.collectives import collective_seconds, collectives, partitioned, released_numel
 from pretrain.perf.compute import compute_seconds, optimizer_seconds
 from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu_of
 
@@ -165,7 +165,7 @@ class Prediction:
     exposed_comm_seconds: float
     comm_bytes_per_gpu: dict  # kind -> bytes each GPU sends per step (bus volume)
     collective_calls: dict  # kind -> calls per step
-    memory_gb_per_gpu: dict  # part -> GB
+    memory_gb_per_gpu: dict  # part -> GB of 2**30 bytes
     fits: bool
     bottleneck: str
     train_flops_per_image: float
@@ -223,15 +223,18 @@ def predict(layout: Layout) -> Prediction:
     hfu = micro["hardware_flops"] / b * ips / layout.world / (g.peak_tflops * 1e12)
 
     est = _memory(layout, shape, img)
-    mem = {"weights": est.states["weights"] / GB, "gradients": est.states["gradients"] / GB,
-           "optimizer": est.states["optimizer"] / GB, "buffers": est.buffers / GB,
-           "activations": est.activations / GB, "runtime": memory.RUNTIME_OVERHEAD_BYTES / GB}
+    # memory in GB of 2**30 bytes, as `vit-launch check`, torch.cuda and a GPU's own "80 GB" count it
+    # (the bytes on links, GB of 1e9, are the collectives' unit)
+    gib = memory.GB
+    mem = {"weights": est.states["weights"] / gib, "gradients": est.states["gradients"] / gib,
+           "optimizer": est.states["optimizer"] / gib, "buffers": est.buffers / gib,
+           "activations": est.activations / gib, "runtime": memory.RUNTIME_OVERHEAD_BYTES / gib}
     if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
         tensors = partitioned(layout)
         kept = sum(tensors) - released_numel(layout, tensors)
-        mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / GB
+        mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / gib
     if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
-        mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / GB
+        mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / gib
     mem["total"] = sum(mem.values())
     fits = mem["total"] <= g.memory_gb * 0.95 if g.memory_gb else True
 
@@ -294,7 +297,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
     network = network or default_network(gpu)
     memory_gb = overrides.get("memory_gb") or GPUS[gpu].memory_gb if gpu in GPUS else overrides.get("memory_gb")
     cfg, _ = levers.resolve(cfg, nodes * gpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu, network=network,
-                            memory_bytes=memory_gb * 1e9 if memory_gb else None)
+                            memory_bytes=memory_gb * memory.GB if memory_gb else None)
     t, z, m = cfg.train, cfg.zero, cfg.model
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,

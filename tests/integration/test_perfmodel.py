@@ -114,7 +114,7 @@ def test_reduce_dtype_and_zeropp_are_priced():
     hpz = replace(base, hpz_partition_size=8)
     b2 = kinds(hpz)["weights released after the forward, backward (hpZ secondary)"]
     assert b2.ranks == 8 and not b2.crosses_nodes and bwd.crosses_nodes
-    assert predict(hpz).memory_gb_per_gpu["hpz_secondary"] == pytest.approx(2 * params / 8 / 1e9)
+    assert predict(hpz).memory_gb_per_gpu["hpz_secondary"] == pytest.approx(2 * params / 8 / 2 ** 30)
     assert predict(hpz).exposed_comm_seconds <= p.exposed_comm_seconds
     qg = kinds(replace(base, quantized_gradients=True))["gradients, int4 (qgZ)"]
     assert qg.kind == "all_to_all"
