@@ -172,10 +172,6 @@ def _comment(config: str) -> str:
     return re.sub(r"\s+", " ", " ".join(ln[1:] for ln in lines))
 
 
-def _num(text: str) -> float:
-    return float(text.replace(",", ""))
-
-
 def _same(claim: str, value: float) -> bool:
     """The claim is the value as the plan prints it: rounded to the claim's own digits."""
     digits = len(claim.split(".")[1]) if "." in claim else 0
@@ -208,8 +204,8 @@ def test_header_figures_are_the_plan_s(config):
     """What a header quotes of ``vit-launch plan`` (img/s, step time, run time, memory, a schedule's
     saving, MFU per phase, one stage against another) is what the plan prints today for the
     header's world size and GPU (the last ``--gpu`` named before the figure; H100 otherwise): the
-    model behind them moves, and a header that kept an old figure told users 5 GB per GPU where the
-    plan said 14. Every GPU header quotes some, and its memory."""
+    model behind them moves (vit_l16_in21k once said 5 GB per GPU, from when it checkpointed every
+    block, where the plan said 13). Every GPU header quotes some, and its memory."""
     check = shlex.split(header(config)["Check"])
     text, world = _comment(config), int(check[check.index("--world-size") + 1])
     plans: dict = {}
