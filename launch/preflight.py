@@ -331,6 +331,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     from pretrain.perf import levers
 
     budget = gpu_memory_gb * memory.GB
+    usable = budget * memory.MEMORY_HEADROOM
     written = cfg.train.activation_checkpointing
     cfg, _ = levers.resolve(cfg, world, memory_bytes=budget)
     est = memory.estimate(cfg, world, shape)
@@ -351,7 +352,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         detail += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
     how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
     host = f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
-    if est.total <= budget:
+    if est.total <= usable:
         found = [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB; {host}")]
         need = levers.fewest_checkpointed(cfg, world, shape, budget)
         if selective and need == 0:
@@ -366,7 +367,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
                                                  f"again; set train.activation_checkpointing=auto ({need} here)"))
         if cfg.zero.stage == 3:
             z2 = memory.estimate(_with(cfg, stage=2), world, shape)
-            if z2.total <= budget:
+            if z2.total <= usable:
                 found.append(Finding(WARN, "memory", f"zero.stage=3 gathers each block's weights again in every "
                                                      f"micro-step's forward and backward, but ZeRO-2 fits "
                                                      f"{gpu_memory_gb:g} GB ({_gb(z2.total)} per GPU; building the "
@@ -377,22 +378,23 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     fixes = []
     if not selective and n < shape.depth:
         op_level = memory.estimate(levers.with_checkpointing(cfg, "selective"), world, shape).total
-        if op_level <= budget:  # no matmul repeated: cheaper than recomputing whole blocks
+        if op_level <= usable:  # no matmul repeated: cheaper than recomputing whole blocks
             fixes.append(f"train.activation_checkpointing=selective ({_gb(op_level)})")
-        if est.total_if_checkpointing(True) <= budget:
+        if est.total_if_checkpointing(True) <= usable:
             fixes.append(f"train.activation_checkpointing=true ({_gb(est.total_if_checkpointing(True))})")
-    mb = memory.largest_micro_batch(cfg, world, budget, shape, t.activation_checkpointing)
+    mb = memory.largest_micro_batch(cfg, world, usable, shape, t.activation_checkpointing)
     mb = max((m for m in range(1, mb + 1) if t.global_batch_size % (m * world) == 0), default=0)
     if mb:
         fixes.append(f"train.micro_batch_size={mb} (more accumulation steps, same global batch)")
     if cfg.zero.stage < 3:
         z3 = memory.estimate(_with(cfg, stage=3), world, shape)
-        if z3.total <= budget:
+        if z3.total <= usable:
             fixes.append(f"zero.stage=3 ({_gb(z3.total)})")
     if cfg.zero.stage in (1, 2) and est.buffers > memory.GB:
         fixes.append("a smaller zero.reduce_bucket_size")
     advice = "set " + " or ".join(fixes) if fixes else "use more ranks with zero.stage=3 or a smaller model"
-    return [Finding(WARN, "memory", f"estimated {detail} exceeds {gpu_memory_gb:g} GB (--gpu-memory-gb): "
+    return [Finding(WARN, "memory", f"estimated {detail} exceeds {_gb(usable)}, {memory.MEMORY_HEADROOM * 100:g} % of "
+                                    f"{gpu_memory_gb:g} GB (--gpu-memory-gb; the rest is the allocator's margin): "
                                     f"{advice}; {host}")]
 
 

@@ -23,9 +23,6 @@ from pretrain.config import checkpoint_count, image_size, selective_checkpointin
 from pretrain.models import arch
 from pretrain.perf import buckets, memory
 
-# the memory model's estimate against the device: what is left for the allocator's fragmentation
-MEMORY_HEADROOM = 0.95
-
 
 @dataclass(frozen=True)
 class Choices:
@@ -54,7 +51,7 @@ def fewest_checkpointed(cfg, world: int, shape: memory.ModelShape, memory_bytes:
     """The fewest checkpointed blocks (first blocks first) whose estimate fits ``memory_bytes``;
     all of them when even that does not fit (the check then says it does not)."""
     for n in range(shape.depth + 1):
-        if memory.estimate(with_checkpointing(cfg, n), world, shape).total <= memory_bytes * MEMORY_HEADROOM:
+        if memory.estimate(with_checkpointing(cfg, n), world, shape).total <= memory_bytes * memory.MEMORY_HEADROOM:
             return n
     return shape.depth
 

@@ -86,6 +86,9 @@ GB = 2 ** 30
 # CUDA context, cuBLAS / NCCL workspaces and allocator fragmentation: not in any formula above;
 # about 0.5-1.5 GB in practice, so the estimate carries 1 GB for it.
 RUNTIME_OVERHEAD_BYTES = 1 * GB
+# the share of a device's memory an estimate may fill (`auto` checkpointing, `vit-launch plan` and
+# `vit-launch check` alike): the rest is the allocator's margin for what the estimate misses
+MEMORY_HEADROOM = 0.95
 
 
 @dataclass(frozen=True)

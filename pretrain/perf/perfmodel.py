@@ -236,7 +236,7 @@ def predict(layout: Layout) -> Prediction:
     if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
         mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / gib
     mem["total"] = sum(mem.values())
-    fits = mem["total"] <= g.memory_gb * 0.95 if g.memory_gb else True
+    fits = mem["total"] <= g.memory_gb * memory.MEMORY_HEADROOM if g.memory_gb else True
 
     by_kind: dict[str, float] = {}
     calls: dict[str, int] = {}

@@ -194,4 +194,4 @@ def test_memory_over_the_device_warns_and_still_writes(tmp_path, capsys):
     o, err = capsys.readouterr()
     assert e.value.code == 0 and out.exists()
     (line,) = err.strip().splitlines()
-    assert line.startswith("vit-launch slurm: warning: memory: estimated") and "exceeds 16 GB" in line
+    assert line.startswith("vit-launch slurm: warning: memory: estimated") and "exceeds 15.2 GB, 95 % of 16 GB" in line

@@ -156,7 +156,8 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, id_dir, tmp_path
                                         "train.precision=bf16", "zero.reduce_bucket_size=10000000"))
     assert code == 0  # an estimate warns; it does not block the launch
     (line,) = [x for x in err if "memory" in x]
-    assert line.startswith("vit-launch: warning: memory: estimated") and "exceeds 1 GB (--gpu-memory-gb)" in line
+    assert line.startswith("vit-launch: warning: memory: estimated")
+    assert "exceeds 0.95 GB, 95 % of 1 GB (--gpu-memory-gb; the rest is the allocator's margin)" in line
     cfg = load_config(CONFIG, ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
                                "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3",
                                "train.activation_checkpointing=false"])
@@ -249,7 +250,7 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     big = ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
            "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"]
     cfg = load_config(CONFIG, big)
-    f, zero3 = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
+    (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))  # ZeRO-2 at those blocks: over 95 %
     n = int(f.message.split("checkpointing ")[1].split(" of 32 blocks (auto)")[0])
     assert f.level == "ok" and 0 < n < 32, f.message  # some blocks, not all: the estimate fits 80 GB
     # and what they cost: their forward again, the share of the step's FLOPs that HFU adds to MFU
@@ -259,8 +260,12 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     start = [ln for ln in levers.resolve(cfg, 16, memory_bytes=80 * memory.GB)[1].lines if "checkpointing" in ln]
     assert start == [f"train.activation_checkpointing=auto: {n} of 32 blocks checkpointed (80 GiB): their forward "
                      f"runs again in the backward, +{share:.1%} of the step's FLOPs"], start
-    # ZeRO-2 with those blocks checkpointed fits too: ZeRO-3's gathers in every micro-step are a warning
-    assert zero3.level == "warning" and "zero.stage=3 gathers each block's weights again" in zero3.message
+    # where ZeRO-2 fits too, ZeRO-3's gathers in every micro-step are a warning
+    l16 = load_config(CONFIG, ["model.name=vit_large_patch16_224", "model.img_size=224", "train.micro_batch_size=64",
+                               "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"])
+    ok, zero3 = preflight.check_memory(l16, 64, 80, model_shape(l16.model))
+    assert ok.level == "ok" and zero3.level == "warning", (ok.message, zero3.message)
+    assert "zero.stage=3 gathers each block's weights again" in zero3.message
     assert "but ZeRO-2 fits 80 GB (" in zero3.message and "set zero.stage=2 unless" in zero3.message
     g14 = load_config(CONFIG, ["model.name=vit_gigantic_patch14_224", "model.img_size=224", "train.micro_batch_size=8",
                                "train.global_batch_size=64", "train.precision=bf16", "zero.stage=3"])
