@@ -9,7 +9,6 @@ arithmetic and memory estimate. The disk is the cluster's too: the free-space fi
 """
 import contextlib
 import io
-import itertools
 import json
 import re
 import shlex
@@ -42,6 +41,12 @@ def header(config: str) -> dict[str, str]:
         elif key and line[1:].strip():
             fields[key] += " " + line[1:].strip()
     return fields
+
+
+def documented_world(config: str) -> int:
+    """The world size of the header's ``# Check:`` command."""
+    argv = shlex.split(header(config)["Check"])
+    return int(argv[argv.index("--world-size") + 1])
 
 
 def fake_shards(root: Path, classes: int, samples: int, multi_label: bool, n_shards: int = 8) -> Path:
@@ -146,8 +151,7 @@ def test_config_s_layout_is_the_plan_s_best_on_its_hardware(config, gpu):
     from pretrain.perf.perfmodel import layout_from_config, predict
 
     h = header(config)
-    argv = shlex.split(h["Check"])
-    world = int(argv[argv.index("--world-size") + 1])
+    world = documented_world(config)
     per_node = min(8, world)
     cfg, _ = levers.resolve(load_config(config), world, gpus_per_node=per_node, gpu=gpu, memory_bytes=80 * 2 ** 30)
     layout = layout_from_config(cfg, nodes=world // per_node, gpus_per_node=per_node, gpu=gpu)
@@ -166,10 +170,8 @@ def _plan(config: str, world: int, gpu: str, *overrides: str) -> dict:
     return json.loads(out.getvalue())
 
 
-def _comment(config: str) -> str:
-    """The leading comment block as one line of prose (``#`` and line breaks gone)."""
-    lines = itertools.takewhile(lambda ln: ln.startswith("#"), (REPO / config).read_text().splitlines())
-    return re.sub(r"\s+", " ", " ".join(ln[1:] for ln in lines))
+def _gpus(plan: dict) -> int:
+    return plan["layout"]["nodes"] * plan["layout"]["gpus_per_node"]
 
 
 def _same(claim: str, value: float) -> bool:
@@ -187,8 +189,8 @@ HEADER_FIGURES = [  # what a header may quote of the plan, each tied to the plan
         r["memory_gb_per_gpu"] for r in p.get("tokens", {}).get("phases", [])])),
     (r"([\d.]+) h against [\d.]+ h", lambda p, m: p["tokens"]["seconds"] / 3600),
     (r"[\d.]+ h against ([\d.]+) h", lambda p, m: p["tokens"]["fixed_seconds"] / 3600),
-    (r"([\d,]+) against [\d,]+ GPU-hours", lambda p, m: p["tokens"]["seconds"] * p["run_gpus"] / 3600),
-    (r"[\d,]+ against ([\d,]+) GPU-hours", lambda p, m: p["tokens"]["fixed_seconds"] * p["run_gpus"] / 3600),
+    (r"([\d,]+) against [\d,]+ GPU-hours", lambda p, m: p["tokens"]["seconds"] * _gpus(p) / 3600),
+    (r"[\d,]+ against ([\d,]+) GPU-hours", lambda p, m: p["tokens"]["fixed_seconds"] * _gpus(p) / 3600),
     (r"([\d.]+)x the time", lambda p, m: p["tokens"]["seconds"] / p["tokens"]["fixed_seconds"]),
     (r"([\d.]+)x the (?:training )?FLOPs", lambda p, m: p["tokens"]["flops"] / p["tokens"]["fixed_flops"]),
     (r"([\d.]+) % MFU at (\d+) px", lambda p, m: 100 * next(
@@ -206,15 +208,14 @@ def test_header_figures_are_the_plan_s(config):
     header's world size and GPU (the last ``--gpu`` named before the figure; H100 otherwise): the
     model behind them moves (vit_l16_in21k once said 5 GB per GPU, from when it checkpointed every
     block, where the plan said 13). Every GPU header quotes some, and its memory."""
-    check = shlex.split(header(config)["Check"])
-    text, world = _comment(config), int(check[check.index("--world-size") + 1])
+    text, world = " ".join(header(config).values()), documented_world(config)  # the header's fields, in order
     plans: dict = {}
 
     def plan_at(pos: int, *overrides: str) -> dict:
         gpus = [m for m in re.finditer(r"--gpu ([\w-]+)", text) if m.start() < pos]
         key = (gpus[-1].group(1) if gpus else "h100-sxm", *overrides)
         if key not in plans:
-            plans[key] = {**_plan(config, world, *key), "run_gpus": world}
+            plans[key] = _plan(config, world, *key)
         return plans[key]
 
     checked, wrong = [], []
