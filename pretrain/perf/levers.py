@@ -91,7 +91,7 @@ def resolve(cfg, world: int, *, gpus_per_node: int = 8, gpu: Optional[str] = Non
     n = checkpoint_count(cfg.train.activation_checkpointing, shape.depth)
     if n is None:
         n = fewest_checkpointed(cfg, world, shape, memory_bytes) if memory_bytes else 0
-        where = f"{memory_bytes / 2 ** 30:.0f} GiB" if memory_bytes else "no device memory limit (CPU)"
+        where = f"{memory_bytes / memory.GB:.0f} GB" if memory_bytes else "no device memory limit (CPU)"
         cost = (f": their forward runs again in the backward, +{recompute_share(cfg.model, n):.1%} of the step's "
                 f"FLOPs" if n else "")
         lines.append(f"train.activation_checkpointing=auto: {n} of {shape.depth} blocks checkpointed ({where}){cost}")

@@ -258,7 +258,7 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     share = recomputed_share(cfg, n, 32)
     assert 0.01 < share < 1 / 3 and f", their forward again: +{share:.1%} FLOPs;" in f.message, f.message
     start = [ln for ln in levers.resolve(cfg, 16, memory_bytes=80 * memory.GB)[1].lines if "checkpointing" in ln]
-    assert start == [f"train.activation_checkpointing=auto: {n} of 32 blocks checkpointed (80 GiB): their forward "
+    assert start == [f"train.activation_checkpointing=auto: {n} of 32 blocks checkpointed (80 GB): their forward "
                      f"runs again in the backward, +{share:.1%} of the step's FLOPs"], start
     # where ZeRO-2 fits too, ZeRO-3's gathers in every micro-step are a warning
     l16 = load_config(CONFIG, ["model.name=vit_large_patch16_224", "model.img_size=224", "train.micro_batch_size=64",
