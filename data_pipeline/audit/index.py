@@ -166,15 +166,6 @@ def confirm(eval_img: Image.Image, train_img: Image.Image, *, min_score: float =
     return best
 
 
-def align_score(eval_img: Image.Image, train_img: Image.Image) -> tuple[float, bool]:
-    """How well ``train_img`` matches a slightly cropped box of ``eval_img`` or of its mirror
-    image: (score, mirrored), the first check of :func:`confirm` alone. See :func:`_align`."""
-    ref = _highpass32(_grey_small(train_img))
-    g = _grey_small(eval_img)
-    direct, mirrored = _align(g, ref)[0], _align(_mirror(g), ref)[0]
-    return (mirrored, True) if mirrored > direct else (direct, False)  # a tie is not a mirror copy
-
-
 def _align(g: Image.Image, ref: np.ndarray) -> tuple[float, tuple]:
     """(score, box): 1 = same pixels up to brightness / contrast: NCC of high-passed thumbnails,
     best box among the probes, then refined by coordinate search in 2% and 1% steps (boxes at

@@ -216,11 +216,6 @@ class Plan:
         """Every slot's pieces: what all workers of all ranks compute between them (timed by the CLI)."""
         return [self.slot_pieces(epoch, s) for s in range(self.slots)]
 
-    def batches_per_slot(self) -> int:
-        """Batches every worker yields at least per epoch (workers differ by at most one). Kept for
-        callers of the shard-level plan; ``epoch_batches`` is the exact per-rank count."""
-        return self.epoch_batches() // self.workers
-
     def eval_batches(self, epoch: int, slot: int) -> int:
         lo, hi = (slot * self.total // self.slots, (slot + 1) * self.total // self.slots)
         return math.ceil((hi - lo) / self.batch_size)

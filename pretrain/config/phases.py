@@ -60,11 +60,6 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
     return phases[-1]
 
 
-def scheduled(train) -> bool:
-    """Whether ``train`` has a resolution schedule."""
-    return bool(train.resolution_schedule)
-
-
 def check_schedule(train, stride: int, fail) -> None:
     """Each entry ``[fraction, px]`` or ``[fraction, px, micro batch]``: fractions from 0.0, rising,
     below 1; ``px`` a positive multiple of the model's patch (or stem) ``stride``; a positive micro

@@ -49,11 +49,6 @@ def compute_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
-def autocast_dtype(precision: str) -> Optional[torch.dtype]:
-    """The dtype DeepSpeed's forward autocasts to (``torch_autocast``); None without autocast."""
-    return torch.bfloat16 if precision == "bf16-autocast" else None
-
-
 def plain_autocast_dtype(device: torch.device, precision: str) -> Optional[torch.dtype]:
     """The autocast dtype of plain (non-DeepSpeed) code on ``device``: only on GPUs, where it is
     native and roughly halves the time of a pass (on CPU such passes stay fp32). Both bf16 modes

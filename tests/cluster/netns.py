@@ -127,10 +127,6 @@ class Link:
             self.run(side, "tc", "qdisc", "replace", "dev", self.dev[side], "root", "tbf", "rate", rate,
                      "burst", burst, "latency", latency)
 
-    def unshape(self) -> None:
-        for side in "ab":
-            self.run(side, "tc", "qdisc", "del", "dev", self.dev[side], "root", check=False)
-
     def qdisc(self, side: str) -> str:
         return self.run(side, "tc", "qdisc", "show", "dev", self.dev[side]).stdout
 
