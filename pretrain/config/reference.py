@@ -72,11 +72,12 @@ def yaml_key(path: str) -> str:
     return YAML_KEYS.get(path, path)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested dict as {"a.b.c": value}: the dotted keys overrides and the reference use."""
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -88,7 +89,7 @@ def _cell(text: str) -> str:
 
 def reference_table() -> str:
     """The Markdown table (key, default, meaning) of every key of the default resolved config."""
-    defaults = _flatten(to_dict(load_config(None)))
+    defaults = flatten(to_dict(load_config(None)))
     docs = field_docs()
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for path, doc in docs.items():

@@ -6,19 +6,9 @@ import sys
 from pathlib import Path
 
 from pretrain.config import load_config, to_dict
-from pretrain.config.reference import field_docs, reference, yaml_key
+from pretrain.config.reference import field_docs, flatten, reference, yaml_key
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def test_the_committed_reference_is_the_generated_one():
