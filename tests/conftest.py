@@ -26,6 +26,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: real sshd/pdsh/SLURM daemons (make test-cluster; not in make test)")
     config.addinivalue_line("markers", "slow: runs that start training processes (deepspeed runner or python -m "
                             "pretrain.train); `pytest -m \"not slow\"` is the quick inner loop, `make test` runs all")
+    # as data_pipeline/loading/cuda_streams.py does for training: pytest resets warning filters per
+    # test, and torchvision's deprecation of its codecs would otherwise be reported once per decode
+    config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding capabilities of "
+                            "TorchVision are deprecated:DeprecationWarning")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -179,7 +179,7 @@ def test_evaluation_of_a_training_batch_reports_the_training_loss(one_rank_group
     engine = type("Engine", (), {"device": torch.device("cpu"), "__call__": lambda self, t: model(t)})()
     with torch.no_grad():
         got = ev._validation(engine)
-    assert got["loss"] == pytest.approx(float(train_loss), rel=1e-6)
+    assert got["loss"] == pytest.approx(train_loss.item(), rel=1e-6)
 
 
 def test_loss_sum_over_batches_equals_the_mean():
