@@ -134,8 +134,8 @@ def check_world_size(train: TrainConfig, world_size: int) -> int:
         micro = [m for m in range(train.micro_batch_size, 0, -1) if g % (m * world_size) == 0][:1]
         near = sorted({round(g / per_step) * per_step, max(1, g // per_step) * per_step,
                        (g // per_step + 1) * per_step})
-        hint = (f"; e.g. train.micro_batch_size={micro[0]}" if micro else "") + \
-               f" or train.global_batch_size={' / '.join(str(n) for n in near if n > 0)}"
+        hint = "; e.g. " + " or ".join([f"train.micro_batch_size={m}" for m in micro]
+                                       + [f"train.global_batch_size={' / '.join(str(n) for n in near if n > 0)}"])
         raise ConfigError(
             f"train.global_batch_size={g} is not divisible by "
             f"train.micro_batch_size x world size = {train.micro_batch_size} x {world_size} = {per_step}{hint}")

@@ -1,4 +1,5 @@
 """Config loading: inheritance, overrides, validation errors through the CLI (exit 2, one line)."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,14 @@ def test_world_size_divisibility():
     assert check_world_size(c.train, 2) == 1 and check_world_size(c.train, 1) == 2
     with pytest.raises(ConfigError, match="micro_batch_size x world size = 32 x 3"):
         check_world_size(c.train, 3)
+    # the settings that work, as one suggestion: a micro batch where one divides, else a global batch
+    t = dataclasses.replace(c.train, global_batch_size=96, micro_batch_size=32)
+    with pytest.raises(ConfigError,
+                       match=r"= 64; e\.g\. train\.micro_batch_size=24 or train\.global_batch_size=64 / 128$"):
+        check_world_size(t, 2)
+    t = dataclasses.replace(c.train, global_batch_size=4096, micro_batch_size=64)
+    with pytest.raises(ConfigError, match=r"= 448; e\.g\. train\.global_batch_size=4032 / 4480$"):
+        check_world_size(t, 7)
 
 
 def test_evaluation_while_training_has_its_own_section(tmp_path):
