@@ -11,7 +11,6 @@ interruption resumes: finished shards are kept and training continues from its l
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -20,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from data_pipeline.errors import Parser
 from launch.runner import LaunchSpec, deepspeed_command
 from pretrain.distributed.precision import default_precision
 
@@ -153,7 +153,7 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="vit-demo", description=__doc__.splitlines()[0])
+    ap = Parser(prog="vit-demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="demo_out", help="where shards, run and results go")
     ap.add_argument("--steps", type=int, default=200, help="pre-training optimizer steps")
     ap.add_argument("--ranks", type=int, default=2, help="local ranks (processes)")

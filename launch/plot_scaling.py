@@ -14,14 +14,13 @@ scaling (fixed global batch), since both are measured in images/s.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from data_pipeline.errors import ConfigError, cli_errors
+from data_pipeline.errors import ConfigError, Parser, cli_errors
 from data_pipeline.files import check_output_file
 
 
@@ -145,7 +144,7 @@ def plot(rows: list[dict], output: str | Path, title: str = "") -> Path:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="plot_scaling", description=__doc__.splitlines()[0])
+    ap = Parser(prog="plot_scaling", description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.output_dir of each run")
     ap.add_argument("--output", default="scaling.png", help="PNG to write (default: scaling.png)")
     ap.add_argument("--title", default="", help="figure title")

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataError, Parser
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
@@ -176,7 +176,7 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="vit-train", description=__doc__.splitlines()[0])
+    ap = Parser(prog="vit-train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML experiment file")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")

@@ -41,7 +41,6 @@ What the load relies on (DeepSpeed internals, kept in ``pretrain/distributed/ds_
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -50,6 +49,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.errors import Parser
 from pretrain.distributed import ds_compat
 
 UNIVERSAL = "universal"          # subdirectory (and DeepSpeed tag) of the universal copy
@@ -187,7 +187,7 @@ def _fix_zero3_universal_load(engine, universal: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="vit-elastic", description="Write the universal copy of a checkpoint "
+    ap = Parser(prog="vit-elastic", description="Write the universal copy of a checkpoint "
                                  "(done automatically on a resume with another world size)")
     ap.add_argument("checkpoint", help="one checkpoint directory, e.g. runs/x/checkpoints/step_00001000")
     ap.add_argument("--workers", type=int, default=None, help="converter processes (default: cores / 2, <= 8)")

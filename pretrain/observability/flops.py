@@ -12,13 +12,13 @@ forward in backward: that work is *hardware* FLOPs (HFU), not model FLOPs (MFU).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 from typing import Optional
 
 import torch
 
+from data_pipeline.errors import Parser
 from pretrain.models.arch import analytic_flops, list_models, model_defaults
 from pretrain.models.vit import VisionTransformer, create_model
 
@@ -108,7 +108,7 @@ def mfu(flops_per_image: float, images_per_sec_per_device: float, peak: Optional
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="vit-flops", description="Forward GFLOPs (multiply-adds) of a ViT variant")
+    ap = Parser(prog="vit-flops", description="Forward GFLOPs (multiply-adds) of a ViT variant")
     ap.add_argument("model", choices=list_models())
     ap.add_argument("--img-size", type=int, default=None)
     ap.add_argument("--num-classes", type=int, default=1000)
