@@ -212,12 +212,10 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
         sizes = _manifest_bytes(shardset.manifests, RemotePolicy.of(d))
     except (DataError, OSError) as e:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
-    where = shardset.manifests[0] + (f" (+{len(shardset.manifests) - 1} more)" if len(shardset.manifests) > 1 else "")
+    where = shardset.where
     out: list[Finding] = []
-    if shardset.num_classes != cfg.model.num_classes:  # train.py would stop here after building the model
-        out.append(Finding(FAIL, "shards", f"model.num_classes={cfg.model.num_classes} but {where} lists "
-                                           f"{shardset.num_classes} classes; "
-                                           f"set model.num_classes={shardset.num_classes}"))
+    if classes := shardset.classes_problem(cfg.model.num_classes):  # vit-train stops on it too, before the model
+        out.append(Finding(FAIL, "shards", classes))
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]

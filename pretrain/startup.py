@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from data_pipeline.loading.loader import build_loader
+from data_pipeline.loading.loader import build_loader, plan_loader
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
 from data_pipeline.loading.step_batches import regrouped, sized_batches
 from data_pipeline.loading.synthetic import SyntheticLoader
@@ -191,6 +191,11 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     fresh start), DeepSpeed around it, then the loader on the engine's device."""
     t, say = cfg.train, c.say
     img = image_size(cfg.model)
+    plan = None
+    if not cfg.data.synthetic:  # the shards' manifests and classes, before building anything
+        plan = plan_loader(cfg.data, world_size=c.world, batch_size=t.micro_batch_size, seed=t.seed)
+        if classes := plan.shardset.classes_problem(cfg.model.num_classes):
+            raise ConfigError(classes)
     say(f"building {cfg.model.name} ({img} px) on {c.world} rank(s)")
     for line in c.levers:
         say(line)
@@ -216,11 +221,8 @@ def build_engine(cfg: Config, c: Connected) -> Built:
                                  num_classes=cfg.model.num_classes, device=engine.device)
     else:
         loader = build_loader(cfg.data, rank=c.rank, world_size=c.world, batch_size=t.micro_batch_size,
-                              seed=t.seed, img_size=img, train=True, device=engine.device)
+                              seed=t.seed, img_size=img, train=True, device=engine.device, plan=plan)
     say(loader.decode_path)  # who decodes the JPEGs, and with what
-    if loader.num_classes != cfg.model.num_classes:
-        raise ConfigError(f"model.num_classes={cfg.model.num_classes} but the shards have "
-                          f"{loader.num_classes} classes; set model.num_classes={loader.num_classes}")
     return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming, ema)
 
 

@@ -106,16 +106,11 @@ from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
 __all__ = ["build_loader", "ShardLoader", "DataError", "TooManyCorruptSamples"]
 
 
-def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: int, seed: int = 0,
-                 img_size: int | None = None, train: bool = True, epoch: int = 0,
-                 device=None) -> "ShardLoader":
-    """Build the loader for ``data_cfg`` (a ``data_pipeline.config.DataConfig``). Reads only manifests;
-    raises ``DataError`` for a missing/inconsistent manifest, no matching shards, remote URLs
-    without ``data.allow_remote``, or a layout that cannot give every reader slot a batch.
-    ``device`` (a ``torch.device`` or its name; None: the CPU): where ``data.decode_device: worker``
-    batches are normalised and mixed and so where they arrive, the training device."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
+def plan_loader(data_cfg, *, world_size: int = 1, batch_size: int, seed: int = 0, train: bool = True) -> Plan:
+    """The sample plan of ``data_cfg``'s training (``train``) or validation shards on this layout.
+    Reads only manifests; raises ``DataError`` for a missing/inconsistent manifest, no matching
+    shards, remote URLs without ``data.allow_remote``, or a layout that cannot give every reader
+    slot a batch: what a run can check before it builds anything."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     key = "data.train_shards" if train else "data.val_shards"
@@ -124,6 +119,20 @@ def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: in
     plan = Plan(shardset, world_size, max(1, data_cfg.workers), batch_size, seed, train,
                 data_cfg.repeat_augment if train else 1)
     plan.check()
+    return plan
+
+
+def build_loader(data_cfg, *, rank: int = 0, world_size: int = 1, batch_size: int, seed: int = 0,
+                 img_size: int | None = None, train: bool = True, epoch: int = 0,
+                 device=None, plan: Plan | None = None) -> "ShardLoader":
+    """Build the loader for ``data_cfg`` (a ``data_pipeline.config.DataConfig``) on ``plan``
+    (None: :func:`plan_loader`'s for these arguments, with its errors). ``device`` (a
+    ``torch.device`` or its name; None: the CPU): where ``data.decode_device: worker`` batches are
+    normalised and mixed and so where they arrive, the training device."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    if plan is None:
+        plan = plan_loader(data_cfg, world_size=world_size, batch_size=batch_size, seed=seed, train=train)
     size = img_size or data_cfg.img_size or 224
     return ShardLoader(data_cfg, plan, rank, size, epoch, torch.device(device or "cpu"))
 

@@ -61,6 +61,20 @@ class ShardSet:
     def total(self) -> int:
         return sum(s.samples for s in self.shards)
 
+    @property
+    def where(self) -> str:
+        """The manifest(s) it was read from, for a line: the first, and how many more."""
+        more = len(self.manifests) - 1
+        return self.manifests[0] + (f" (+{more} more)" if more else "")
+
+    def classes_problem(self, num_classes: int) -> Optional[str]:
+        """The line for a model of ``num_classes`` (``model.num_classes``) on these shards, or None
+        where they agree."""
+        if num_classes == self.num_classes:
+            return None
+        return (f"model.num_classes={num_classes} but {self.where} lists {self.num_classes} classes; "
+                f"set model.num_classes={self.num_classes}")
+
     def fingerprint(self) -> str:
         """Short hash of names and counts: a stored data position only applies to the same data."""
         text = "|".join(f"{s.index}:{s.name}:{s.samples}" for s in self.shards)

@@ -96,7 +96,7 @@ def test_a_crash_before_the_first_checkpoint_then_a_fresh_start_logs_each_step_o
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("model.num_classes=7", "model.num_classes=7 but the shards have 10 classes"),
+    ("model.num_classes=7", "manifest.json lists 10 classes; set model.num_classes=10"),
     ("data.train_shards=/nonexistent/manifest.json", "/nonexistent"),
     ("train.micro_batch_size=5", "train.global_batch_size"),
     ("deepspeed.gradient_clipping=0.5", "deepspeed.gradient_clipping=0.5 contradicts 1.0, which vitscale sets from "
@@ -108,6 +108,8 @@ def test_user_errors_are_one_line(shards, tmp_path, override, needle):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("vit-train: error:") and needle in last, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+    if override.startswith(("model.num_classes", "data.")):  # the shards are read before the model is built
+        assert "building " not in r.stderr and "DeepSpeed init" not in r.stderr, r.stderr[-2000:]
 
 
 def test_the_deepspeed_section_reaches_deepspeed(shards, tmp_path):
