@@ -122,8 +122,15 @@ def _layout(args) -> tuple[perfmodel.Layout, list, Optional[tuple[int, int]]]:
     nodes, gpus_per_node = _nodes(args)
     if args.config:
         cfg = load_config(args.config, args.overrides)
-        if args.world_size and args.micro_batch is None and args.global_batch is None:
-            check_world_size(cfg.train, args.world_size)  # the config's batch on this world: says what to change
+        if args.micro_batch is None and args.global_batch is None:  # the config's batch on this world
+            world = nodes * gpus_per_node
+            try:
+                check_world_size(cfg.train, world)  # says what to change, in the config's keys
+            except ConfigError as e:
+                if args.world_size or args.nodes:
+                    raise
+                raise ConfigError(f"{e} (world size {world}: one node of --gpus-per-node {gpus_per_node}; "
+                                  "give --world-size or --nodes)") from None
         lay = perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=gpus_per_node, gpu=args.gpu,
                                            network=args.network)
         length = cfg.train.steps, cfg.train.global_batch_size

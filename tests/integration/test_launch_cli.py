@@ -134,6 +134,10 @@ def test_argument_values_are_checked_before_any_work(capsys, argv, needle):
      "--world-size 2 is 1 node(s) of 2 GPUs, not --nodes 4: give one of the two"),
     (["--model", "vit_base_patch16_224", "--world-size", "32", "--nodes", "2"],
      "--world-size 32 is 4 node(s) of 8 GPUs, not --nodes 2"),
+    # the config's batch on the default world (one node of 8): in the config's keys, and where 8 came from
+    (["--config", CONFIG], "train.global_batch_size=64 is not divisible by train.micro_batch_size x world size = "
+                           "32 x 8 = 256; e.g. train.micro_batch_size=8 or train.global_batch_size=256 (world size "
+                           "8: one node of --gpus-per-node 8; give --world-size or --nodes)"),
 ])
 def test_plan_refuses_a_layout_it_would_have_read_otherwise(capsys, argv, needle):
     """`plan --img-size 0` meant the default and 100 px was priced on a patch-16 model; `--world-size`
