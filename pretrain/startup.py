@@ -187,12 +187,14 @@ def connect(cfg: Config, record: FailureRecord) -> Connected:
 
 
 def build_engine(cfg: Config, c: Connected) -> Built:
-    """The model (seeded by ``train.seed`` alike on every rank; ``model.init_from``'s weights on a
-    fresh start), DeepSpeed around it, then the loader on the engine's device."""
+    """The shards' plan first (their manifests only: a data mistake is said before anything is
+    built), the model (seeded by ``train.seed`` alike on every rank; ``model.init_from``'s weights
+    on a fresh start), DeepSpeed around it, then the loader on the engine's device."""
     t, say = cfg.train, c.say
     img = image_size(cfg.model)
     plan = None
     if not cfg.data.synthetic:  # the shards' manifests and classes, before building anything
+        c.startup.phase("the shards' manifests (data.train_shards)")
         plan = plan_loader(cfg.data, world_size=c.world, batch_size=t.micro_batch_size, seed=t.seed)
         if classes := plan.shardset.classes_problem(cfg.model.num_classes):
             raise ConfigError(classes)
