@@ -57,7 +57,9 @@ class DataConfig:
     """Brace pattern (`dir/train-{000000..000999}.tar`), a folder, a list of URLs, or a
     `manifest.json`."""
     val_shards: Union[str, list[str], None] = None
-    """The same, for evaluation streams."""
+    """The same, for the evaluation while training (`validation.every_steps`): labels of the training
+    head, so their manifest lists the training shards' classes in the same order (checked at start-up
+    and by `vit-launch check`)."""
     synthetic: bool = False
     """Train on random batches made on the training device instead of shards (no files read, the
     loss learns nothing): measures the training step without the input pipeline

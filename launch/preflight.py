@@ -216,6 +216,14 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     out: list[Finding] = []
     if classes := shardset.classes_problem(cfg.model.num_classes):  # vit-train stops on it too, before the model
         out.append(Finding(FAIL, "shards", classes))
+    if d.val_shards and cfg.validation.every_steps > 0:  # the in-training validation's labels are the training's
+        try:
+            val = resolve_shards(d.val_shards, allow_remote=d.allow_remote, key="data.val_shards")
+        except (DataError, OSError) as e:
+            out.append(Finding(FAIL, "shards", str(e).splitlines()[0]))
+        else:
+            if labels := val.labels_problem(shardset):
+                out.append(Finding(FAIL, "shards", labels))
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from data_pipeline.loading.loader import build_loader, plan_loader
+from data_pipeline.loading.plan import Plan
 from data_pipeline.loading.sample_log import SampleLog, logged_batches
 from data_pipeline.loading.step_batches import regrouped, sized_batches
 from data_pipeline.loading.synthetic import SyntheticLoader
@@ -110,6 +111,7 @@ class Built:
     img: int
     resuming: bool  # a complete checkpoint waits to be loaded
     ema: Optional[WeightEma] = None  # the weights' moving average (train.ema_decay), on the masters' partitions
+    val_plan: Optional[Plan] = None  # data.val_shards' plan, read with the training shards' (None: no validation)
 
 
 @dataclass
@@ -192,12 +194,7 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     on a fresh start), DeepSpeed around it, then the loader on the engine's device."""
     t, say = cfg.train, c.say
     img = image_size(cfg.model)
-    plan = None
-    if not cfg.data.synthetic:  # the shards' manifests and classes, before building anything
-        c.startup.phase("the shards' manifests (data.train_shards)")
-        plan = plan_loader(cfg.data, world_size=c.world, batch_size=t.micro_batch_size, seed=t.seed)
-        if classes := plan.shardset.classes_problem(cfg.model.num_classes):
-            raise ConfigError(classes)
+    plan, val_plan = shard_plans(cfg, c)
     say(f"building {cfg.model.name} ({img} px) on {c.world} rank(s)")
     for line in c.levers:
         say(line)
@@ -225,7 +222,32 @@ def build_engine(cfg: Config, c: Connected) -> Built:
         loader = build_loader(cfg.data, rank=c.rank, world_size=c.world, batch_size=t.micro_batch_size,
                               seed=t.seed, img_size=img, train=True, device=engine.device, plan=plan)
     say(loader.decode_path)  # who decodes the JPEGs, and with what
-    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming, ema)
+    return Built(engine, loader, ds_cfg["gradient_accumulation_steps"], img, resuming, ema, val_plan)
+
+
+def shard_plans(cfg: Config, c: Connected) -> tuple[Optional[Plan], Optional[Plan]]:
+    """The training shards' plan (None: ``data.synthetic``) and the validation shards' (None: no
+    in-training validation on shards), from their manifests alone, with their classes checked against
+    the model's and each other's: a data mistake said before anything is built."""
+    t, plan, val_plan = cfg.train, None, None
+    c.startup.phase("the shards' manifests (data.train_shards, data.val_shards)")
+    if not cfg.data.synthetic:
+        plan = plan_loader(cfg.data, world_size=c.world, batch_size=t.micro_batch_size, seed=t.seed)
+        if classes := plan.shardset.classes_problem(cfg.model.num_classes):
+            raise ConfigError(classes)
+    if cfg.validation.every_steps > 0 and cfg.data.val_shards:
+        val_plan = plan_loader(cfg.data, world_size=c.world, batch_size=validation_batch(cfg), seed=t.seed,
+                               train=False)
+        problem = (val_plan.shardset.labels_problem(plan.shardset) if plan else
+                   val_plan.shardset.classes_problem(cfg.model.num_classes))
+        if problem:
+            raise ConfigError(problem)
+    return plan, val_plan
+
+
+def validation_batch(cfg: Config) -> int:
+    """Images per forward of the in-training evaluation."""
+    return cfg.validation.batch_size or cfg.train.micro_batch_size
 
 
 def restore(cfg: Config, c: Connected, b: Built) -> Restored:
@@ -264,7 +286,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     if samples is not None and c.rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
         for old in range(c.world, r.saved_ranks):  # logs are cut back to the step too
             SampleLog(c.layout.samples, old).open(start).close()
-    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=cfg.validation.batch_size or t.micro_batch_size,
+    evaluator = InTrainingEval(cfg.validation, cfg.data, batch=validation_batch(cfg), val_plan=b.val_plan,
                                seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
                                num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
                                device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)

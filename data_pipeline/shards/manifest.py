@@ -75,6 +75,28 @@ class ShardSet:
         return (f"model.num_classes={num_classes} but {self.where} lists {self.num_classes} classes; "
                 f"set model.num_classes={self.num_classes}")
 
+    def labels_problem(self, train: "ShardSet", key: str = "data.val_shards") -> Optional[str]:
+        """The line for shards read with ``train``'s labels (validation shards: a label is an index
+        into the model's head) whose class list is not ``train``'s, or None where it is: another
+        list, or the same classes in another order, would score every sample against another class."""
+        if self.classes == train.classes and self.multi_label == train.multi_label:
+            return None
+        if self.multi_label != train.multi_label:
+            kind = {True: "multi-label", False: "single-label"}
+            return (f"{key}: {self.where} is {kind[self.multi_label]} but {train.where} is "
+                    f"{kind[train.multi_label]}; write both from one kind of source")
+        if sorted(self.classes) == sorted(train.classes):
+            i = next(i for i, (a, b) in enumerate(zip(self.classes, train.classes)) if a != b)
+            what = (f"lists the classes of {train.where} in another order (label {i}: {self.classes[i]!r} "
+                    f"here, {train.classes[i]!r} there)")
+        else:
+            only = sorted(set(self.classes) ^ set(train.classes))[0]
+            side = self.where if only in self.classes else train.where
+            what = (f"lists {self.num_classes} classes against the {train.num_classes} of {train.where} "
+                    f"(e.g. {only!r} only in {side})")
+        return (f"{key}: {self.where} {what}; write both from sources with the same class folders "
+                "(vit-shards --allow-empty-classes keeps a folder without images)")
+
     def fingerprint(self) -> str:
         """Short hash of names and counts: a stored data position only applies to the same data."""
         text = "|".join(f"{s.index}:{s.name}:{s.samples}" for s in self.shards)

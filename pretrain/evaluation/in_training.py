@@ -90,10 +90,11 @@ class InTrainingEval:
     """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
     ``batch``: images per forward; ``seed``: the validation loader's; ``device``: where its batches
     are normalised (the training device); ``loss``: ``optim.loss``; ``ema``: the weights' moving
-    average (``pretrain.distributed.ema.WeightEma``), evaluated too."""
+    average (``pretrain.distributed.ema.WeightEma``), evaluated too; ``val_plan``: the val shards'
+    plan when start-up has read it (``data_pipeline.loading.loader.plan_loader``)."""
 
     def __init__(self, val, data, *, batch: int, seed: int, rank: int, world: int, img_size: int,
-                 num_classes: int, dtype: torch.dtype, device=None, loss: str = "ce", ema=None):
+                 num_classes: int, dtype: torch.dtype, device=None, loss: str = "ce", ema=None, val_plan=None):
         self.ev, self.data, self.rank, self.world = val, data, rank, world
         self.loss, self.ema = loss, ema
         self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
@@ -106,7 +107,7 @@ class InTrainingEval:
             from data_pipeline.loading.loader import build_loader
 
             self.val = build_loader(data, rank=rank, world_size=world, batch_size=self.batch, seed=self.seed,
-                                    img_size=img_size, train=False, device=device)
+                                    img_size=img_size, train=False, device=device, plan=val_plan)
 
     @property
     def enabled(self) -> bool:

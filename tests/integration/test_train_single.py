@@ -112,6 +112,20 @@ def test_user_errors_are_one_line(shards, tmp_path, override, needle):
         assert "building " not in r.stderr and "DeepSpeed init" not in r.stderr, r.stderr[-2000:]
 
 
+def test_validation_shards_of_other_classes_are_one_line_before_the_model(shards, tmp_path, shard_kit):
+    """Validation labels index the training head: val shards written with another class list would score
+    every sample against another class; vit-train says so, from the manifests, before it builds anything."""
+    sample = ("000000", {"jpg": shard_kit.image_bytes(), "cls": b"0"})
+    val = shard_kit.make_shards(tmp_path / "val", [[sample]], ["a", "b"], prefix="val")
+    r = train(shards, tmp_path / "run", "train.steps=2", f"data.val_shards={val}/manifest.json",
+              "validation.every_steps=1")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vit-train: error: data.val_shards: {val}/manifest.json lists 2 classes against the "
+                           f"10 of {shards}"), r.stderr[-2000:]
+    assert "building " not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_the_deepspeed_section_reaches_deepspeed(shards, tmp_path):
     """A key of ``deepspeed:`` that no section of ours covers is in the config DeepSpeed runs with:
     its flops profiler reports at step 1."""

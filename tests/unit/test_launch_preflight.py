@@ -105,6 +105,40 @@ def test_batch_arithmetic(capsys, id_dir, tmp_path):
     assert "set train.global_batch_size=12" in line
 
 
+def test_validation_shards_must_carry_the_training_labels(capsys, id_dir, tmp_path, shard_kit):
+    """data.val_shards is read with the training head's labels: the same class list, in the same order."""
+    val = ["validation.every_steps=2"]
+    same = shard_kit.id_shards(tmp_path / "same", [12] * 8)  # s0 ... s95, as the training shards
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--world-size", "2", *val,
+                                        f"data.val_shards={same}/manifest.json"))
+    assert code == 0 and not [x for x in err if "shards" in x], (out, err)
+    classes = [f"s{i}" for i in range(96)]
+    swapped = shard_kit.make_shards(tmp_path / "swapped", [[("000000", {"jpg": shard_kit.image_bytes(), "cls": b"0"})]],
+                                    classes[1::-1] + classes[2:], prefix="val")
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "2", *val,
+                                  f"data.val_shards={swapped}/manifest.json"), "shards")
+    assert (f"data.val_shards: {swapped}/manifest.json lists the classes of {id_dir}/manifest.json in another "
+            "order (label 0: 's1' here, 's0' there)") in line
+    fewer = shard_kit.id_shards(tmp_path / "fewer", [12])
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "2", *val,
+                                  f"data.val_shards={fewer}/manifest.json"), "shards")
+    assert f"lists 12 classes against the 96 of {id_dir}/manifest.json (e.g. 's12' only in {id_dir}" in line
+    # without validation while training the val shards are not read
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--world-size", "2",
+                                        f"data.val_shards={fewer}/manifest.json"))
+    assert code == 0, (out, err)
+
+
+def test_labels_of_a_multi_label_set_are_not_a_single_label_set_s():
+    from data_pipeline.shards.manifest import ShardSet
+
+    train = ShardSet((), ("a", "b"), False, ("t/manifest.json",))
+    assert train.labels_problem(train) is None
+    multi = ShardSet((), ("a", "b"), True, ("v/manifest.json", "w/manifest.json"))
+    assert multi.labels_problem(train) == ("data.val_shards: v/manifest.json (+1 more) is multi-label but "
+                                           "t/manifest.json is single-label; write both from one kind of source")
+
+
 def test_run_dir_not_writable(capsys, id_dir, tmp_path):
     (tmp_path / "afile").write_text("x")
     line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "1", f"train.output_dir={tmp_path}/afile/run"),
