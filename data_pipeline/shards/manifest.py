@@ -76,9 +76,10 @@ class ShardSet:
                 f"set model.num_classes={self.num_classes}")
 
     def labels_problem(self, train: "ShardSet", key: str = "data.val_shards") -> Optional[str]:
-        """The line for shards read with ``train``'s labels (validation shards: a label is an index
-        into the model's head) whose class list is not ``train``'s, or None where it is: another
-        list, or the same classes in another order, would score every sample against another class."""
+        """The line for shards read with ``train``'s labels (validation shards, whose labels index the
+        training head; a transfer suite's test split) whose class list is not ``train``'s, or None
+        where it is: another list, or the same classes in another order, would score samples against
+        other classes."""
         if self.classes == train.classes and self.multi_label == train.multi_label:
             return None
         if self.multi_label != train.multi_label:

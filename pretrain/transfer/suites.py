@@ -259,8 +259,8 @@ def shards(root: str, data_cfg) -> Task:
     name = last_part(root)
     train = ShardSplit(f"{name}/train", train_m, data_cfg)
     test = ShardSplit(f"{name}/test", test_m, data_cfg)
-    if tuple(test.shardset.classes) != tuple(train.shardset.classes):
-        raise TransferError(f"{test_m}: classes differ from those of {train_m}")
+    if labels := test.shardset.labels_problem(train.shardset, key="--suite shards"):
+        raise TransferError(labels)
     val, trainval = None, train  # a slice of a stream is not addressable: only a val/ split
     if has_val:
         val = ShardSplit(f"{name}/val", val_m, data_cfg)

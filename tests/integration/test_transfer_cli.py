@@ -137,7 +137,7 @@ def _error(capsys, argv) -> str:
     return err[0]
 
 
-def test_user_mistakes_are_one_line_errors(tmp_path, colours, capsys):
+def test_user_mistakes_are_one_line_errors(tmp_path, colours, capsys, shard_kit):
     ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
     vt = tmp_path / "vtab"
@@ -158,6 +158,13 @@ def test_user_mistakes_are_one_line_errors(tmp_path, colours, capsys):
     (d / "test.txt").unlink()
     assert "eurosat/test.txt: split file not found" in _error(capsys, vtab)
     assert "--suite: invalid choice" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "imagenet"])
+    one = [[("000000", {"jpg": shard_kit.image_bytes(), "cls": b"0"})]]
+    shard_kit.make_shards(tmp_path / "own" / "train", one, ["a", "b", "c"])
+    shard_kit.make_shards(tmp_path / "own" / "test", one, ["a", "c", "b"], prefix="test")
+    own = tmp_path / "own"
+    assert (f"--suite shards: {own}/test/manifest.json lists the classes of {own}/train/manifest.json "
+            "in another order (label 1: 'c' here, 'b' there)") in _error(
+        capsys, ["--checkpoint", str(ckpt), "--suite", "shards", "--data-root", str(tmp_path / "own"), *base])
     bigger = save_safetensors(tiny_model(32), tmp_path / "b.safetensors")
     assert "shape mismatch" in _error(capsys, ["--checkpoint", str(bigger), "--suite", "imagefolder", "--data-root",
                                                str(colours), "model.name=vit_small_patch16_224", *base])
