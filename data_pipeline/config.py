@@ -155,6 +155,20 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     a = data.augment
     if len(a.crop_scale) != 2 or not 0 < a.crop_scale[0] <= a.crop_scale[1] <= 1:
         fail("data.augment.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {a.crop_scale}")
+    if len(a.crop_ratio) != 2 or not 0 < a.crop_ratio[0] <= a.crop_ratio[1]:
+        fail("data.augment.crop_ratio", f"must be [min, max] aspect ratios with 0 < min <= max, got {a.crop_ratio}")
+    if not 0 <= a.hflip <= 1:
+        fail("data.augment.hflip", f"must be a probability in [0, 1], got {a.hflip}")
+    if a.randaugment_ops < 0:
+        fail("data.augment.randaugment_ops", f"must be >= 0 (0: no RandAugment), got {a.randaugment_ops}")
+    if not 0 <= a.randaugment_magnitude <= 30:
+        fail("data.augment.randaugment_magnitude", f"must be in 0-30 (torchvision's 31 bins; a 0-10 level L is "
+             f"3L), got {a.randaugment_magnitude}")
+    for key in ("mixup_alpha", "cutmix_alpha"):
+        if getattr(a, key) < 0:
+            fail(f"data.augment.{key}", f"must be >= 0 (0: off), got {getattr(a, key)}")
+    if not 0 < a.eval_crop_pct <= 1:
+        fail("data.augment.eval_crop_pct", f"must be in (0, 1] (1: the whole image resized), got {a.eval_crop_pct}")
     if a.three_augment and a.randaugment_ops > 0:
         fail("data.augment.three_augment", f"replaces RandAugment (DeiT III): set data.augment.randaugment_ops=0, "
              f"got {a.randaugment_ops}")

@@ -88,6 +88,8 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
     o = cfg.optim
     if o.lr <= 0:
         fail("optim.lr", f"must be positive, got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        fail("optim.min_lr", f"must be in [0, optim.lr={o.lr:g}] (the rate the decay ends at), got {o.min_lr:g}")
     if o.warmup_steps < 0:
         fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):

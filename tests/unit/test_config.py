@@ -108,14 +108,16 @@ def test_yaml_floats_as_users_write_them_in_files_and_overrides(tmp_path):
     """YAML 1.1 reads ``1e-3`` (no dot) and ``1E5``, ``1.5e3`` (no exponent sign) as strings; the
     config reads them as the floats the docs and every user write, in a file as on the command line."""
     f = write(tmp_path / "f.yaml", f"base: {REPO / 'configs/tiny_cpu.yaml'}\n"
-              "optim: {lr: 1e-3, min_lr: -2e-4, eps: 1E-8, weight_decay: .5, betas: [9e-1, 1.5e-1]}\n"
+              "optim: {lr: 1e-3, min_lr: 2e-4, eps: 1E-8, weight_decay: .5, betas: [9e-1, 1.5e-1]}\n"
               "train: {steps: 1E3}\n")
     c = load_config(f)
-    assert (c.optim.lr, c.optim.min_lr, c.optim.eps, c.optim.weight_decay) == (1e-3, -2e-4, 1e-8, 0.5)
+    assert (c.optim.lr, c.optim.min_lr, c.optim.eps, c.optim.weight_decay) == (1e-3, 2e-4, 1e-8, 0.5)
     assert c.optim.betas == [0.9, 0.15] and c.train.steps == 1000 and isinstance(c.train.steps, int)
-    o = load_config(REPO / "configs/tiny_cpu.yaml", ["optim.lr=1e-3", "optim.eps=1E-8", "optim.min_lr=-2e-4",
+    o = load_config(REPO / "configs/tiny_cpu.yaml", ["optim.lr=1e-3", "optim.eps=1E-8", "optim.min_lr=2e-4",
                                                       "optim.weight_decay=.5"])
-    assert (o.optim.lr, o.optim.eps, o.optim.min_lr, o.optim.weight_decay) == (1e-3, 1e-8, -2e-4, 0.5)
+    assert (o.optim.lr, o.optim.eps, o.optim.min_lr, o.optim.weight_decay) == (1e-3, 1e-8, 2e-4, 0.5)
+    with pytest.raises(ConfigError, match=r"optim\.min_lr: .*got -0\.0002$"):  # a signed one is a number too
+        load_config(REPO / "configs/tiny_cpu.yaml", ["optim.min_lr=-2e-4"])
     r = run_cli("--config", str(f))
     assert r.returncode == 0 and "lr: 0.001" in r.stdout, r.stderr
     assert parse_override("data.train_shards=x1e3") == (["data", "train_shards"], "x1e3")  # not a number
@@ -160,6 +162,16 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
     ("optim: {lr: .nan}\n", "optim.lr: expected a finite number, got nan"),
     ("optim: {weight_decay: .inf}\n", "optim.weight_decay: expected a finite number"),
     ("train: {hang_timeout_s: -.inf}\n", "train.hang_timeout_s: expected a finite number"),
+    # values the loader's workers or the schedule would only meet in the run
+    ("optim: {lr: 0.001, min_lr: 0.01}\n", "optim.min_lr: must be in [0, optim.lr=0.001]"),
+    ("data: {augment: {mixup_alpha: -0.2}}\n", "data.augment.mixup_alpha: must be >= 0 (0: off), got -0.2"),
+    ("data: {augment: {cutmix_alpha: -1.0}}\n", "data.augment.cutmix_alpha: must be >= 0"),
+    ("data: {augment: {randaugment_ops: 2, randaugment_magnitude: 40}}\n",
+     "data.augment.randaugment_magnitude: must be in 0-30"),
+    ("data: {augment: {randaugment_ops: -1}}\n", "data.augment.randaugment_ops: must be >= 0"),
+    ("data: {augment: {hflip: 1.5}}\n", "data.augment.hflip: must be a probability in [0, 1], got 1.5"),
+    ("data: {augment: {crop_ratio: [1.5, 0.5]}}\n", "data.augment.crop_ratio: must be [min, max]"),
+    ("data: {augment: {eval_crop_pct: 0}}\n", "data.augment.eval_crop_pct: must be in (0, 1]"),
 ])
 def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     bad = write(tmp_path / "bad.yaml", text)
