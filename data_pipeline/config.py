@@ -135,6 +135,12 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     """Impossible values of the section; ``fail(key, message)`` raises the error naming the file."""
     if data.workers < 0:
         fail("data.workers", f"must be >= 0, got {data.workers}")
+    if data.shuffle_buffer < 0:
+        fail("data.shuffle_buffer", f"must be >= 0 samples, got {data.shuffle_buffer}")
+    if data.prefetch_factor < 1:
+        fail("data.prefetch_factor", f"must be >= 1 batch per worker, got {data.prefetch_factor}")
+    if data.max_image_pixels <= 0:
+        fail("data.max_image_pixels", f"must be a positive number of pixels, got {data.max_image_pixels}")
     if not 0.0 <= data.max_corrupt_rate <= 1.0:
         fail("data.max_corrupt_rate", f"must be in [0, 1], got {data.max_corrupt_rate}")
     for key in ("remote_retry_s", "remote_timeout_s"):

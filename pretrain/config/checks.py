@@ -56,6 +56,11 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
     t = cfg.train
     if t.steps < 0:
         fail("train.steps", f"must be >= 0, got {t.steps}")
+    if t.seed < 0:
+        fail("train.seed", f"must be >= 0 (numpy's generators take no negative seed), got {t.seed}")
+    if t.max_nonfinite_steps < 1:
+        fail("train.max_nonfinite_steps", f"must be >= 1 (the run stops at that many in a row), got "
+             f"{t.max_nonfinite_steps}")
     if t.micro_batch_size <= 0:
         fail("train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
     if t.global_batch_size <= 0:
@@ -88,6 +93,10 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
     o = cfg.optim
     if o.lr <= 0:
         fail("optim.lr", f"must be positive, got {o.lr}")
+    if not o.eps > 0:
+        fail("optim.eps", f"must be > 0, got {o.eps:g}")
+    if not 0 <= o.momentum < 1:
+        fail("optim.momentum", f"must be in [0, 1), got {o.momentum:g}")
     if not 0 <= o.min_lr <= o.lr:
         fail("optim.min_lr", f"must be in [0, optim.lr={o.lr:g}] (the rate the decay ends at), got {o.min_lr:g}")
     if o.warmup_steps < 0:

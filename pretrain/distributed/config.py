@@ -64,6 +64,11 @@ def check_zero(zero: ZeroConfig, fail: Callable[[str, str], None]) -> None:
     """Impossible values of the section; ``fail(key, message)`` raises the error naming the file."""
     if zero.stage not in (0, 1, 2, 3):
         fail("zero.stage", f"must be 0, 1, 2 or 3, got {zero.stage}")
+    if zero.allgather_bucket_size < 1:
+        fail("zero.allgather_bucket_size", f"must be a positive number of elements, got {zero.allgather_bucket_size}")
+    if zero.stage3_param_persistence_threshold < 0:
+        fail("zero.stage3_param_persistence_threshold", f"must be >= 0 elements, got "
+             f"{zero.stage3_param_persistence_threshold}")
     if zero.hpz_partition_size < 1:
         fail("zero.hpz_partition_size", f"must be >= 1, got {zero.hpz_partition_size}")
     for key in ("hpz_partition_size", "quantized_weights", "quantized_gradients"):

@@ -56,6 +56,8 @@ def _check_fewshot(cfg: Any, section: str, fail: Callable[[str, str], None]) -> 
         fail(f"{section}.fewshot_l2", f"must be > 0, got {cfg.fewshot_l2}")
     if not 0 < cfg.minival_fraction < 1:
         fail(f"{section}.minival_fraction", f"must be in (0, 1), got {cfg.minival_fraction}")
+    if cfg.seed < 0:
+        fail(f"{section}.seed", f"must be >= 0 (numpy's generators take no negative seed), got {cfg.seed}")
 
 
 def _check_knn(cfg: Any, section: str, fail: Callable[[str, str], None]) -> None:

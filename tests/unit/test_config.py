@@ -162,16 +162,6 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
     ("optim: {lr: .nan}\n", "optim.lr: expected a finite number, got nan"),
     ("optim: {weight_decay: .inf}\n", "optim.weight_decay: expected a finite number"),
     ("train: {hang_timeout_s: -.inf}\n", "train.hang_timeout_s: expected a finite number"),
-    # values the loader's workers or the schedule would only meet in the run
-    ("optim: {lr: 0.001, min_lr: 0.01}\n", "optim.min_lr: must be in [0, optim.lr=0.001]"),
-    ("data: {augment: {mixup_alpha: -0.2}}\n", "data.augment.mixup_alpha: must be >= 0 (0: off), got -0.2"),
-    ("data: {augment: {cutmix_alpha: -1.0}}\n", "data.augment.cutmix_alpha: must be >= 0"),
-    ("data: {augment: {randaugment_ops: 2, randaugment_magnitude: 40}}\n",
-     "data.augment.randaugment_magnitude: must be in 0-30"),
-    ("data: {augment: {randaugment_ops: -1}}\n", "data.augment.randaugment_ops: must be >= 0"),
-    ("data: {augment: {hflip: 1.5}}\n", "data.augment.hflip: must be a probability in [0, 1], got 1.5"),
-    ("data: {augment: {crop_ratio: [1.5, 0.5]}}\n", "data.augment.crop_ratio: must be [min, max]"),
-    ("data: {augment: {eval_crop_pct: 0}}\n", "data.augment.eval_crop_pct: must be in (0, 1]"),
 ])
 def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     bad = write(tmp_path / "bad.yaml", text)
@@ -180,6 +170,35 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr  # one line, no traceback
     assert needle in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # values that the data workers, the optimizer, DeepSpeed or numpy would meet only in the run
+    (["optim.lr=0.001", "optim.min_lr=0.01"], "optim.min_lr: must be in [0, optim.lr=0.001]"),
+    (["optim.eps=0"], "optim.eps: must be > 0"),
+    (["optim.momentum=1.0"], "optim.momentum: must be in [0, 1)"),
+    (["data.augment.mixup_alpha=-0.2"], "data.augment.mixup_alpha: must be >= 0 (0: off), got -0.2"),
+    (["data.augment.cutmix_alpha=-1.0"], "data.augment.cutmix_alpha: must be >= 0"),
+    (["data.augment.randaugment_ops=2", "data.augment.randaugment_magnitude=40"],
+     "data.augment.randaugment_magnitude: must be in 0-30"),
+    (["data.augment.randaugment_ops=-1"], "data.augment.randaugment_ops: must be >= 0"),
+    (["data.augment.hflip=1.5"], "data.augment.hflip: must be a probability in [0, 1], got 1.5"),
+    (["data.augment.crop_ratio=[1.5,0.5]"], "data.augment.crop_ratio: must be [min, max]"),
+    (["data.augment.eval_crop_pct=0"], "data.augment.eval_crop_pct: must be in (0, 1]"),
+    (["data.shuffle_buffer=-1"], "data.shuffle_buffer: must be >= 0"),
+    (["data.prefetch_factor=0"], "data.prefetch_factor: must be >= 1"),
+    (["data.max_image_pixels=0"], "data.max_image_pixels: must be a positive number of pixels"),
+    (["train.seed=-1"], "train.seed: must be >= 0"),
+    (["eval.seed=-3"], "eval.seed: must be >= 0"),
+    (["validation.seed=-3"], "validation.seed: must be >= 0"),
+    (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps: must be >= 1"),
+    (["zero.allgather_bucket_size=0"], "zero.allgather_bucket_size: must be a positive number of elements"),
+    (["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold: must be >= 0"),
+])
+def test_values_the_run_would_meet_late_are_refused_at_load(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/tiny_cpu.yaml", overrides)
+    assert needle in str(e.value), e.value
 
 
 def test_cli_unknown_key_missing_file_bad_yaml_bad_override(tmp_path):
