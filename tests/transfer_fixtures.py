@@ -131,14 +131,14 @@ def exported_metadata(model_section: dict, step: int, grid: tuple, run_id: str =
             "grid_size": f"{grid[0]}x{grid[1]}", "step": str(step), "wandb_run_id": run_id}
 
 
-def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc") -> Path:
+def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc", overrides=()) -> Path:
     """A run directory in the layout ``pretrain.checkpointing.checkpoint`` writes at ZeRO stage 0: per step a
     DeepSpeed module file, run.json and the COMPLETE marker; ``latest`` names the newest.
-    ``steps``: {step: complete?}."""
+    ``steps``: {step: complete?}; ``overrides``: more keys of the run's config."""
     from pretrain.config import load_config, to_dict
 
     cfg = load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=10",
-                             "zero.stage=0", f"train.steps={final}", f"train.output_dir={run}"])
+                             "zero.stage=0", f"train.steps={final}", f"train.output_dir={run}", *overrides])
     ck = run / "checkpoints"
     for step, complete in steps.items():
         d = ck / f"step_{step:08d}"

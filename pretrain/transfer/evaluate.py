@@ -67,7 +67,8 @@ def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.dev
                             "use eval.pool=model (its own pooling) or avg")
     if ev.protocol == "head":
         return OwnHead(build_classifier(pre, img_size=img_size), view_of, batch_size=ev.batch_size, device=device,
-                       workers=ev.workers, real_labels=ev.real_labels, log=log)
+                       workers=ev.workers, real_labels=ev.real_labels, log=log, head_classes=pre.classes,
+                       source=pre.source)
     model = build_backbone(pre, img_size=img_size)
     cache = FeatureCache(model, batch_size=ev.batch_size, pool=ev.pool, device=device, workers=ev.workers, log=log)
     if ev.protocol == "linear":

@@ -57,6 +57,7 @@ class Task:
     group: Optional[str] = None  # VTAB group
     resize: str = "squash"  # View.resize for this task's images
     augment: bool = True  # default of eval.train_augment for fine-tuning
+    class_names: Optional[tuple[str, ...]] = None  # label i's name, where the set names its classes (--protocol head)
 
 
 def _need_dir(path: Path, what: str) -> Path:
@@ -211,13 +212,14 @@ def labelled_folder(root: str) -> Task:
         index = [int(c) for c in src.classes] if numbered else list(range(len(src.classes)))
         paths, labels = [it.path for it in src.items], [index[it.labels[0]] for it in src.items]
         num_classes = max(index) + 1
+        names = None if numbered else tuple(src.classes)
     else:
         paths = sorted(str(f) for f in base.iterdir() if f.is_file() and f.name.lower().endswith(IMG_EXTENSIONS))
         if not paths:
             raise TransferError(f"{base}: no images and no class folders")
-        labels, num_classes = [-1] * len(paths), 0
+        labels, num_classes, names = [-1] * len(paths), 0, None
     split = FileImages(base.name, paths, labels)
-    return Task(base.name, num_classes, split, None, split, split, resize="crop", augment=False)
+    return Task(base.name, num_classes, split, None, split, split, resize="crop", augment=False, class_names=names)
 
 
 def labelled_shards(root: str, data_cfg) -> Task:
@@ -226,7 +228,8 @@ def labelled_shards(root: str, data_cfg) -> Task:
     if where.endswith(MANIFEST_NAME):
         where = where[:-len(MANIFEST_NAME)].rstrip("/")
     split = ShardSplit(last_part(where) or "shards", root, data_cfg)
-    return Task(split.name, split.num_classes, split, None, split, split, resize="crop", augment=False)
+    return Task(split.name, split.num_classes, split, None, split, split, resize="crop", augment=False,
+                class_names=tuple(split.shardset.classes))
 
 
 # ------------------------------------------------------------------------------------- shards

@@ -207,12 +207,23 @@ def timm_call(info: dict, out: Path, pcfg: dict) -> str:
     return f"timm.create_model({', '.join(args)}, pretrained_cfg_overlay=dict({', '.join(overlay)}))"
 
 
-def _class_names(info: dict) -> tuple[Optional[list[str]], Optional[str]]:
+def class_names(info: dict) -> tuple[Optional[list[str]], Optional[str]]:
     """(class names, data set name): a converted folder's labels, else the run's shard manifest."""
     if info.get("labels") and all(info["labels"]):
         return info["labels"], None
     data = (info.get("config") or {}).get("data")
     return hf.shard_source(from_dict(info["config"]).data) if data else (None, None)
+
+
+def head_class_names(info: dict) -> Optional[tuple[str, ...]]:
+    """The name of each of the head's outputs, in order, where the weights' source says them (a
+    converted folder's labels, else the run's shard manifest), else None; transformers'
+    placeholders ``LABEL_i`` are not names."""
+    names, _ = class_names(info)
+    n = (info.get("model") or {}).get("num_classes")
+    if not names or len(names) != n or all(x == f"LABEL_{i}" for i, x in enumerate(names)):
+        return None
+    return tuple(names)
 
 
 def _run_root(info: dict, given: Path) -> Optional[Path]:
@@ -244,7 +255,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
         info = run_info(ckpt)
         hf.check_expressible(info["model"])  # before consolidating (minutes for a large ZeRO-3 run)
         sd = consolidate(ckpt, ema)
-    classes, dataset = _class_names(info)
+    classes, dataset = class_names(info)
     labels = hf.labels_for(int(info["model"].get("num_classes", 0)), classes)
     prep = preprocessing(info)
     card = hf.model_card(info["config"], info["step"], labels, dataset, _run_root(info, Path(run_dir)),
@@ -265,7 +276,7 @@ def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None, ema
         raise ExportError(f"{out} is a folder; name the file, e.g. {out / 'model.safetensors'}")
     check_writable(out.parent, "output folder")  # before consolidating (minutes for a large ZeRO-3 run)
     sd, info = load_run_weights(run_dir, step, ema)
-    classes, _ = _class_names(info)
+    classes, _ = class_names(info)
     pcfg = timm_pretrained_cfg(info, classes if classes and len(classes) == info["model"].get("num_classes") else None)
     meta = {"format": "pt", "model_name": info["model"]["name"], "model": json.dumps(info["model"]),
             "grid_size": "x".join(map(str, info["grid_size"])), "img_size": str(info["img_size"]),

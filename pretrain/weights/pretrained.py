@@ -48,6 +48,7 @@ class Pretrained:
     source: str
     kind: str  # "run", "safetensors" or "state_dict"
     run_dir: Optional[str] = None
+    classes: Optional[tuple[str, ...]] = None  # the head's class names in output order, where the source says them
 
     @property
     def img_size(self) -> int:
@@ -123,13 +124,16 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
     """Read a checkpoint of any accepted kind. ``user_arch``: model keys the user set explicitly;
     they win over metadata and inference."""
     p = Path(path)
-    grid = step = run_id = run_dir = None
+    grid = step = run_id = run_dir = classes = None
     arch: dict = {}
     if p.is_dir():
         sd, info = _read_run_dir(p)
         kind, arch = "run", {k: info["model"][k] for k in ARCH_KEYS if k in info.get("model", {})}
         grid = tuple(info["grid_size"]) if info.get("grid_size") else None
         step, run_id, run_dir = info.get("step"), info.get("wandb_run_id"), info.get("run_dir")
+        from pretrain.weights.export import head_class_names
+
+        classes = head_class_names(info)
     elif not p.exists():
         raise CheckpointError(f"{p}: checkpoint not found")
     else:
@@ -142,6 +146,7 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
             raise CheckpointError(f"{p}: not a readable checkpoint ({type(e).__name__}: {first})") from None
         kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
         arch, grid, step, run_id = _meta_arch(meta, str(p))
+        classes = _meta_classes(meta)
     if not sd:
         raise CheckpointError(f"{p}: checkpoint holds no tensors")
     full = {**infer_arch(sd), **arch, **(user_arch or {})}
@@ -152,7 +157,17 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         raise CheckpointError(f"{p}: unknown model {full['name']!r}; known: {', '.join(list_models())}")
     for k, v in ARCH_DEFAULTS.items():
         full.setdefault(k, v)
-    return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir)
+    return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir, classes)
+
+
+def _meta_classes(meta: dict[str, str]) -> Optional[tuple[str, ...]]:
+    """The head's class names a ``vit-export`` file records (its ``pretrained_cfg``'s
+    ``label_names``, timm's key), or None."""
+    try:
+        names = json.loads(meta.get("pretrained_cfg") or "{}").get("label_names")
+    except (ValueError, AttributeError):
+        return None
+    return tuple(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) and names else None
 
 
 def _pretrained_model(pre: Pretrained, *, img_size: int, num_classes: int, representation_size: Optional[int],

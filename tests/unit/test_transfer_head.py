@@ -134,6 +134,36 @@ def test_a_flat_folder_is_scored_by_real_alone(checkpoints, v2_folder, tmp_path)
                             [task], [], log=lambda m: None)
 
 
+def test_a_set_of_other_classes_than_the_head_s_is_one_line(tmp_path, shard_kit):
+    """The head's class names come with the weights (the run's shard manifest, the export's
+    pretrained_cfg, a transformers folder's id2label): a folder whose sorted class folders are not
+    those, in that order (here three of the ten), would score label i against another class's output."""
+    from pretrain.transfer.errors import TransferError
+    from pretrain.weights.export import export, export_to
+
+    names = [f"n{i:02d}" for i in range(10)]
+    shards = shard_kit.make_shards(tmp_path / "shards", [[("000000", {"jpg": shard_kit.image_bytes(), "cls": b"0"})]],
+                                   names)
+    run = write_run_dir(tmp_path / "run", tiny_model(32, seed=4), {7: True}, final=7,
+                        overrides=[f"data.train_shards={shards / 'manifest.json'}"])
+    export(run, tmp_path / "m.safetensors")
+    export_to(run, tmp_path / "hf", fmt="hf")
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(names):
+        save_png(colour_image(i % 4, rng, 32), tmp_path / "whole" / n / f"{i}.png")
+    for i, n in enumerate(["n00", "n02", "n05"]):
+        save_png(colour_image(i, rng, 32), tmp_path / "part" / n / f"{i}.png")
+    for source in (run, tmp_path / "m.safetensors", tmp_path / "hf"):
+        pre = load_pretrained(source)
+        assert pre.classes == tuple(names), source
+        doc = evaluate_checkpoint(_cfg(), pre, [labelled_folder(str(tmp_path / "whole"))], [], log=lambda m: None)
+        assert doc["tasks"]["whole"]["details"]["labelled"] == 10
+        with pytest.raises(TransferError, match=r"^part: label 1 is 'n02' here, output 1 of .*'s head is 'n01'; "):
+            evaluate_checkpoint(_cfg(), pre, [labelled_folder(str(tmp_path / "part"))], [], log=lambda m: None)
+    # a head whose names nobody recorded is scored as before: by index
+    assert load_pretrained(write_run_dir(tmp_path / "bare", tiny_model(32), {7: True}, final=7)).classes is None
+
+
 def test_a_checkpoint_without_a_head_is_one_line(tmp_path):
     from transfer_fixtures import save_safetensors
 

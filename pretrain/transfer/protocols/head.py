@@ -93,6 +93,17 @@ def predict(model: torch.nn.Module, split, view, *, batch_size: int, device: tor
     return torch.cat(tops), torch.cat(labels).long()
 
 
+def class_mismatch(names: Optional[tuple[str, ...]], head: Optional[tuple[str, ...]], whose: str) -> Optional[str]:
+    """Where the evaluated set's class list ``names`` (label i's name) is not ``head``'s (output i's
+    name), in words; None where they agree or either is unknown."""
+    if not names or not head or tuple(names) == tuple(head):
+        return None
+    for i, (a, b) in enumerate(zip(names, head)):
+        if a != b:
+            return f"label {i} is {a!r} here, output {i} of {whose} is {b!r}"
+    return f"{len(names)} classes here, {len(head)} outputs of {whose}"
+
+
 class OwnHead:
     """The protocol: ``model`` is the checkpoint's classifier (``build_classifier``)."""
 
@@ -100,8 +111,10 @@ class OwnHead:
     trains = False  # nothing is fitted: the task's "train" count is 0
 
     def __init__(self, model: torch.nn.Module, view_of: Callable, *, batch_size: int, device: torch.device,
-                 workers: int = 0, real_labels: Optional[str] = None, log: Callable[[str], None] = lambda m: None):
+                 workers: int = 0, real_labels: Optional[str] = None, log: Callable[[str], None] = lambda m: None,
+                 head_classes: Optional[tuple[str, ...]] = None, source: str = "the checkpoint"):
         self.model, self.view_of, self.batch_size, self.device = model, view_of, batch_size, device
+        self.head_classes, self.source = head_classes, source
         self.workers = workers
         self.real_path = real_labels
         self.real = read_real_labels(real_labels) if real_labels else None
@@ -116,6 +129,9 @@ class OwnHead:
 
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
         classes = self.model.num_classes
+        if problem := class_mismatch(task.class_names, self.head_classes, f"{self.source}'s head"):
+            raise TransferError(f"{evaluate.name}: {problem}; --protocol head scores label i against output i: "
+                                "evaluate a set of the training classes, every one, in their order")
         real = real_for(evaluate, self.real, self.real_path) if self.real is not None else None
         self.log(f"  {task.name} head: {len(evaluate)} images of {evaluate.name} through the checkpoint's "
                  f"{classes}-class head ...")
