@@ -343,12 +343,16 @@ class ShardLoader:
             self._end_epoch()
 
     def _check_same_data(self, state: LoaderState) -> None:
-        now = {"seed": self.plan.seed, "data": self.plan.shardset.fingerprint()}
-        for k, new in now.items():
-            old = getattr(state, k)
-            if old != new:
-                raise DataError(f"data loader state was saved with {k}={old}, now {new}: a data position only "
-                                f"applies to the same data and seed")
+        """A data position applies only to the shards and seed it was saved with."""
+        if state.seed != self.plan.seed:
+            raise DataError(f"the checkpoint's data position was saved with train.seed={state.seed}, now "
+                            f"{self.plan.seed}: resume with train.seed={state.seed}")
+        now = self.plan.shardset.fingerprint()
+        if state.data != now:
+            raise DataError(f"the checkpoint's data position is for other shards than {self.plan.shardset.where} "
+                            f"(their names and sample counts: {state.data} saved, {now} now): resume on the shards "
+                            "it was saved with, or start a new run in another train.output_dir from its weights "
+                            "(model.init_from=CHECKPOINT)")
 
     def _check_same_repeats(self, states: Sequence[LoaderState]) -> None:
         """``data.repeat_augment`` lays out the epoch's pool (``plan.py``): a position inside an

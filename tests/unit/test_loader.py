@@ -293,8 +293,12 @@ def test_elastic_states_must_be_complete_and_agree(uneven_ids):
         loader.resume(states[1:])
     with pytest.raises(DataError, match="disagree on batch"):
         loader.resume([states[0], dataclasses.replace(states[1], batch=7)])
-    with pytest.raises(DataError, match="saved with seed=3, now 4"):
+    with pytest.raises(DataError, match="saved with train.seed=3, now 4: resume with train.seed=3"):
         build_loader(_cfg(uneven_ids), batch_size=4, seed=4, img_size=16).resume(states)
+    fewer = _cfg(f"{uneven_ids}/train-{{000000..000002}}.tar")  # three of the shards: another data position
+    with pytest.raises(DataError, match=rf"is for other shards than {uneven_ids}/manifest.json \(their names and "
+                                        r"sample counts: \w+ saved, \w+ now\): resume on the shards"):
+        build_loader(fewer, batch_size=4, seed=3, img_size=16).resume(states)
 
 
 # ------------------------------------------------------------------ repeated augmentation
