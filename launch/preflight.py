@@ -207,6 +207,9 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     from data_pipeline.storage.urls import is_remote, is_s3
 
     d = cfg.data
+    if d.synthetic:  # vit-train reads no training shards
+        return [Finding(OK, "shards", "none read: data.synthetic=true trains on random batches made on the "
+                                      "training device")] + check_val_shards(cfg, None)
     try:
         shardset = resolve_shards(d.train_shards, allow_remote=d.allow_remote, key="data.train_shards")
         sizes = _manifest_bytes(shardset.manifests, RemotePolicy.of(d))
@@ -216,14 +219,7 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
     out: list[Finding] = []
     if classes := shardset.classes_problem(cfg.model.num_classes):  # vit-train stops on it too, before the model
         out.append(Finding(FAIL, "shards", classes))
-    if d.val_shards and cfg.validation.every_steps > 0:  # the in-training validation's labels are the training's
-        try:
-            val = resolve_shards(d.val_shards, allow_remote=d.allow_remote, key="data.val_shards")
-        except (DataError, OSError) as e:
-            out.append(Finding(FAIL, "shards", str(e).splitlines()[0]))
-        else:
-            if labels := val.labels_problem(shardset):
-                out.append(Finding(FAIL, "shards", labels))
+    out += check_val_shards(cfg, shardset)
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)
     local = [s for s in shardset.shards if not is_remote(s.url)]
@@ -281,6 +277,23 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
                                      f"about {steps} step(s) per epoch"))
     out.append(Finding(OK, "plan", line))
     return out
+
+
+def check_val_shards(cfg: Config, train) -> list[Finding]:
+    """``data.val_shards`` of the in-training validation: readable, with the labels of ``train``
+    (the training shards' ShardSet; None: ``data.synthetic``, against ``model.num_classes``)."""
+    from data_pipeline.errors import DataError
+    from data_pipeline.shards.manifest import resolve_shards
+
+    d = cfg.data
+    if not (d.val_shards and cfg.validation.every_steps > 0):
+        return []
+    try:
+        val = resolve_shards(d.val_shards, allow_remote=d.allow_remote, key="data.val_shards")
+    except (DataError, OSError) as e:
+        return [Finding(FAIL, "shards", str(e).splitlines()[0])]
+    problem = val.labels_problem(train) if train is not None else val.classes_problem(cfg.model.num_classes)
+    return [Finding(FAIL, "shards", problem)] if problem else []
 
 
 # -------------------------------------------------------------------------------------- run dir

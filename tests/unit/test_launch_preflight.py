@@ -129,6 +129,14 @@ def test_validation_shards_must_carry_the_training_labels(capsys, id_dir, tmp_pa
     assert code == 0, (out, err)
 
 
+def test_a_synthetic_run_reads_no_shards(capsys, tmp_path):
+    """data.synthetic trains on random batches made on the device: no training shards to find."""
+    code, out, err = check(capsys, ["--config", CONFIG, "--world-size", "2", "data.synthetic=true",
+                                    "data.train_shards=/nonexistent/manifest.json", f"train.output_dir={tmp_path}/run",
+                                    "train.micro_batch_size=4", "train.global_batch_size=8"])
+    assert code == 0 and "  ok  shards: none read: data.synthetic=true" in out, (out, err)
+
+
 def test_labels_of_a_multi_label_set_are_not_a_single_label_set_s():
     from data_pipeline.shards.manifest import ShardSet
 
