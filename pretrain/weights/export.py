@@ -31,7 +31,7 @@ from data_pipeline.errors import DataError, Parser, cli_errors
 from data_pipeline.storage.s3 import S3Prefix
 from data_pipeline.storage.urls import is_s3
 from pretrain.checkpointing import rundir
-from pretrain.config import AugmentConfig, from_dict, image_size
+from pretrain.config import AugmentConfig, ConfigError, from_dict, image_size
 from pretrain.distributed import ema as weight_ema
 from pretrain.models.arch import model_defaults, prefix_tokens
 from pretrain.models.pooling import sincos_pos_embed
@@ -218,8 +218,12 @@ def class_names(info: dict) -> tuple[Optional[list[str]], Optional[str]]:
 def head_class_names(info: dict) -> Optional[tuple[str, ...]]:
     """The name of each of the head's outputs, in order, where the weights' source says them (a
     converted folder's labels, else the run's shard manifest), else None; transformers'
-    placeholders ``LABEL_i`` are not names."""
-    names, _ = class_names(info)
+    placeholders ``LABEL_i`` are not names. Best effort, as the names are only a check: a run's
+    config this release cannot read gives None."""
+    try:
+        names, _ = class_names(info)
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return None
     n = (info.get("model") or {}).get("num_classes")
     if not names or len(names) != n or all(x == f"LABEL_{i}" for i, x in enumerate(names)):
         return None
