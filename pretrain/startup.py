@@ -202,7 +202,8 @@ def build_engine(cfg: Config, c: Connected) -> Built:
     torch.manual_seed(t.seed)  # anything drawn before the per-rank streams below is the same on every rank
     model = build_model(cfg)
     resuming = cfg.checkpoint.resume and checkpoint.latest_complete(c.layout.checkpoints) is not None
-    masters = load_init_weights(model, cfg, say) if cfg.model.init_from and not resuming else {}
+    masters = (load_init_weights(model, cfg, say, plan.shardset.classes if plan else None)
+               if cfg.model.init_from and not resuming else {})
     if cfg.model.patch_drop_rate:
         grid = model.grid_size[0] * model.grid_size[1]
         say(f"model.patch_drop_rate={cfg.model.patch_drop_rate:g}: in training each image keeps "

@@ -3,7 +3,7 @@ alike, or from existing weights (``model.init_from``)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,11 +45,15 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
-def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], None]) -> dict:
+def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], None],
+                      classes: Optional[tuple[str, ...]] = None) -> dict:
     """``model.init_from``: existing weights into the freshly built model, read by the loader
     ``vit-transfer`` uses (run directories, safetensors / timm files, transformers ViT folders).
     Position embeddings are resized to ``model.img_size``; head and pre-logits layer are loaded
-    when their shapes fit, else keep their initialisation (the new task's classes). Under ZeRO-3
+    when their shapes fit, else keep their initialisation (the new task's classes). Where both the
+    file and the training shards name their classes (``classes``: the shards' in label order), a head
+    of the same classes in another order has its rows put in the shards' order, and a head of other
+    classes is new too. Under ZeRO-3
     the parameters are gathered, rank 0 loads, and the partitions are updated from it.
 
     Returns what :func:`set_masters` needs after ``deepspeed.initialize``: where the module is
@@ -70,6 +74,9 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
     shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
     drop = tuple(f"{k.rsplit('.', 1)[0]}." for k in ("head.weight", "pre_logits.fc.weight")
                  if k in pre.state_dict and tuple(pre.state_dict[k].shape) != shapes.get(k))
+    state, why = head_for_classes(pre.state_dict, pre.classes, classes) if "head." not in drop else (pre.state_dict, "")
+    if state is None:  # the same number of outputs for other classes
+        state, drop = pre.state_dict, drop + ("head.",)
     gather = contextlib.nullcontext()
     if cfg.zero.stage == 3:
         import deepspeed
@@ -79,17 +86,33 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
     with gather:
         if loads:
             try:
-                report = load_weights(model, pre.state_dict, strict=True, exclude=drop, old_grid=pre.grid)
+                report = load_weights(model, state, strict=True, exclude=drop, old_grid=pre.grid)
             except WeightsError as e:
                 raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
             say(f"initialised from {pre.source} ({pre.kind}" + (f", step {pre.step}" if pre.step else "") + ")"
                 + (f"; {', '.join(report.resized)}" if report.resized else "")
                 + (f"; new {' and '.join(d.rstrip('.') for d in drop)} for {cfg.model.num_classes} classes"
-                   if drop else ""))
+                   if drop else "") + (f" ({why})" if why else ""))
     if compute_dtype(cfg.train.precision) == torch.float32 or not loads:
         return {}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     return {n: v.detach().float() for n, v in report.values.items() if n in trainable}
+
+
+def head_for_classes(state: dict, names: Optional[tuple[str, ...]],
+                     classes: Optional[tuple[str, ...]]) -> tuple[Optional[dict], str]:
+    """``state`` with its head's rows in the order of ``classes`` (the training shards' names in
+    label order) where its own ``names`` are the same classes in another order; None where they are
+    other classes; ``state`` itself where they agree or either is unknown. With what was done, in
+    words."""
+    if not names or not classes or tuple(names) == tuple(classes) or "head.weight" not in state:
+        return state, ""
+    if sorted(names) != sorted(classes):
+        return None, "its classes are not the shards'"
+    where = {n: i for i, n in enumerate(names)}
+    order = torch.tensor([where[c] for c in classes])
+    rows = {k: state[k][order] for k in ("head.weight", "head.bias") if k in state}
+    return {**state, **rows}, "its head's rows put in the shards' class order"
 
 
 def set_masters(engine, values: dict) -> None:

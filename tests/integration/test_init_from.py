@@ -58,6 +58,36 @@ def test_pretraining_starts_from_a_transformers_folder(tiny_run, hf_folder, prec
         assert "resuming from step 1" in r.stderr and "initialised from" not in r.stderr
 
 
+def test_a_head_of_named_classes_follows_the_shards_class_order(shards, tmp_path):
+    """A file whose head names its classes (a transformers folder's id2label) and shards that name
+    theirs: the same classes in another order load with the head's rows in the shards' order (row i
+    is then the shards' label i); other classes of the same count get a new head, as another count
+    does."""
+    import json
+    from pathlib import Path
+
+    classes = json.loads(Path(shards).read_text())["classes"]
+    src = create_model(TINY_MODEL, img_size=32, num_classes=10, init_seed=5)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = {"name": TINY_MODEL, "img_size": 32, "num_classes": 10}
+    for name, labels in (("reversed", classes[::-1]), ("other", [f"x{i}" for i in range(10)])):
+        hf.write_folder(tmp_path / name, src.state_dict(), hf.hf_config(model, hf.labels_for(10, labels)),
+                        hf.preprocessor_config(32, (0.5,) * 3, (0.5,) * 3), "# card\n", write_safetensors)
+    r = train_single(shards, tmp_path / "run", f"model.init_from={tmp_path / 'reversed'}", *STILL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(its head's rows put in the shards' class order)" in r.stderr and "new head" not in r.stderr
+    got, _ = load_run_weights(tmp_path / "run")
+    for k in ("head.weight", "head.bias"):
+        assert torch.equal(got[k], src.state_dict()[k].flip(0)), k
+    r = train_single(shards, tmp_path / "run2", f"model.init_from={tmp_path / 'other'}", *STILL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "new head for 10 classes (its classes are not the shards')" in r.stderr
+    got, _ = load_run_weights(tmp_path / "run2")
+    assert not torch.equal(got["head.weight"], src.state_dict()["head.weight"])
+
+
 @pytest.mark.parametrize("source, words", [("missing.safetensors", "not found"), ("base", "does not fit")])
 def test_bad_sources_are_one_line(shards, tmp_path, source, words):
     if source == "base":
