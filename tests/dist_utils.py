@@ -19,6 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def console_scripts() -> dict[str, str]:
+    """The commands setup.py installs: ``{name: "module:function"}``."""
+    import re
+
+    return dict(re.findall(r'"(vit-[a-z-]+)=([\w.]+:\w+)"', (REPO / "setup.py").read_text()))
+
+
 def job_env(**extra) -> dict:
     env = dict(os.environ)
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

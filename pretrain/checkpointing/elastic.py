@@ -188,7 +188,7 @@ def _fix_zero3_universal_load(engine, universal: Path) -> None:
 
 def main(argv=None) -> None:
     ap = Parser(prog="vit-elastic", description="Write the universal copy of a checkpoint "
-                                 "(done automatically on a resume with another world size)")
+                "(done automatically on a resume with another world size)")
     ap.add_argument("checkpoint", help="one checkpoint directory, e.g. runs/x/checkpoints/step_00001000")
     ap.add_argument("--workers", type=int, default=None, help="converter processes (default: cores / 2, <= 8)")
     args = ap.parse_args(argv)

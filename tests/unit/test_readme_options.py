@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from dist_utils import console_scripts
 
 REPO = Path(__file__).resolve().parents[2]
 # the README and the guides beside the code: every *.md under the three packages
@@ -55,11 +56,6 @@ def parser_of(target: str) -> argparse.ArgumentParser:
 def options(parser: argparse.ArgumentParser) -> set[str]:
     return {o for a in parser._actions if a.help != argparse.SUPPRESS
             for o in a.option_strings if o.startswith("--") and o != "--help"}
-
-
-def console_scripts() -> dict[str, str]:
-    text = (REPO / "setup.py").read_text()
-    return dict(re.findall(r'"(vit-[a-z-]+)=([\w.]+:\w+)"', text))
 
 
 def commands() -> dict[str, set[str]]:

@@ -2,34 +2,18 @@
 one line naming itself and exit 2, before any work: argparse's usage block is left to ``--help``
 (``data_pipeline.errors.Parser``). The console scripts are read from setup.py, so a new one is
 held to it too."""
-import ast
 import importlib
-from pathlib import Path
 
 import pytest
+from dist_utils import console_scripts
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def console_scripts() -> dict[str, str]:
-    """``{name: "module"}`` of setup.py's console_scripts."""
-    tree = ast.parse((REPO / "setup.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Dict):
-            for k, v in zip(node.keys, node.values):
-                if isinstance(k, ast.Constant) and k.value == "console_scripts":
-                    pairs = [e.value.split("=") for e in v.elts]
-                    return {name: target.split(":")[0] for name, target in pairs}
-    raise AssertionError("setup.py has no console_scripts")
-
-
-# commands run as modules, beside the console scripts: (module, what it calls itself)
+# commands run as modules, beside the console scripts: {what each calls itself: its module}
 MODULES = {"vit-elastic": "pretrain.checkpointing.elastic", "vit-demo": "launch.demo",
            "plot_scaling": "launch.plot_scaling", "python -m data_pipeline.loading.plan": "data_pipeline.loading.plan"}
 
 
 @pytest.mark.parametrize("name,module,argv", [
-    *[(n, m, ["--no-such-option"]) for n, m in console_scripts().items()],
+    *[(n, target.partition(":")[0], ["--no-such-option"]) for n, target in console_scripts().items()],
     *[(n, m, ["--no-such-option"]) for n, m in MODULES.items()],
     ("vit-launch plan", "launch.cli", ["plan", "--no-such-option"]),
 ])
