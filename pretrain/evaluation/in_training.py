@@ -27,6 +27,7 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -43,6 +44,10 @@ def parse_suite(spec: str) -> tuple[str, Optional[str]]:
     return name, (path or None)
 
 
+def _say(line: str) -> None:
+    print(f"vit-train: {line}", file=sys.stderr, flush=True)
+
+
 class _Fewshot:
     """One few-shot suite: this rank's share of train / test images, decoded once."""
 
@@ -50,7 +55,7 @@ class _Fewshot:
         from pretrain.transfer.data import View
         from pretrain.transfer.protocols.fewshot import sample_shots
 
-        self.name, self.num_classes = name, task.num_classes
+        self.name, self.num_classes, self.said = name, task.num_classes, False
         view = View(img_size=img_size, resize=task.resize)
         train = task.trainval
         labels = getattr(train, "labels", None)
@@ -77,7 +82,7 @@ class _Knn:
     def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int):
         from pretrain.transfer.data import View
 
-        self.name, self.num_classes = name, task.num_classes
+        self.name, self.num_classes, self.said = name, task.num_classes, False
         self.view, self.rank, self.world, self.batch = View(img_size=img_size, resize=task.resize), rank, world, batch
         self.splits = {"train": task.trainval, "test": task.test}
 
@@ -218,7 +223,7 @@ class InTrainingEval:
         return torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
 
     def _fewshot(self, engine) -> dict:
-        from pretrain.transfer.protocols.fewshot import fewshot_accuracy
+        from pretrain.transfer.protocols.fewshot import fewshot_accuracy, short_classes, short_note
 
         out = {}
         for s in self._suites():
@@ -226,6 +231,10 @@ class InTrainingEval:
             Xte, yte = self._features(engine, zip(*s.parts["test"]))
             if self.rank != 0:
                 continue
+            short = short_classes(ytr.numpy(), s.num_classes, list(self.ev.fewshot_shots))
+            if short and not s.said:
+                _say(f"in-training few-shot {s.name}: {short_note(short)}")
+            s.said = True
             acc = fewshot_accuracy(Xtr, ytr, Xte, yte, s.num_classes, list(self.ev.fewshot_shots),
                                    self.ev.fewshot_seeds, self.ev.fewshot_l2)
             for k, per_seed in acc.items():
@@ -242,6 +251,11 @@ class InTrainingEval:
             Xte, yte = self._features(engine, s.batches("test"))
             if self.rank != 0:
                 continue
+            over = [k for k in self.ev.knn_k if k > len(ytr)]
+            if over and not s.said:
+                _say(f"in-training kNN {s.name}: k={'/'.join(map(str, over))} asks for more neighbours than the "
+                     f"{len(ytr)} training images: those k use all of them")
+            s.said = True
             scores = knn_scores(Xtr, ytr, Xte, list(self.ev.knn_k), self.ev.knn_temperature, s.num_classes)
             for k, sc in scores.items():
                 out[f"knn/{s.name}/{k}nn"] = topk_accuracy(sc, yte, 1)

@@ -106,10 +106,13 @@ def headline_k(doc: dict) -> Optional[int]:
 def _details(d: dict) -> str:
     """The Details cell: every shot count (few-shot), every k (kNN), top-5 and ReaL (head), the
     trained weights' accuracy beside the EMA's (fine-tune)."""
-    if "shots" in d:  # few-shot: every shot count, mean over seeds
-        return " / ".join(f"{k}-shot {_pct(v['mean'])}" for k, v in d["shots"].items())
-    if "k" in d and isinstance(d["k"], dict):  # kNN: top-1 of every k
-        return " / ".join(f"{k}-NN {_pct(v['top1'])}" for k, v in d["k"].items())
+    if "shots" in d:  # few-shot: every shot count, mean over seeds (and where a class had fewer)
+        return " / ".join(f"{k}-shot {_pct(v['mean'])}"
+                          + (f" (a class had {v['fewest_of_a_class']})" if "fewest_of_a_class" in v else "")
+                          for k, v in d["shots"].items())
+    if "k" in d and isinstance(d["k"], dict):  # kNN: top-1 of every k (and where fewer neighbours existed)
+        return " / ".join(f"{k}-NN {_pct(v['top1'])}" + (f" ({v['neighbours']} exist)" if "neighbours" in v else "")
+                          for k, v in d["k"].items())
     parts = []
     if "top5" in d:
         parts.append(f"top-5 {_pct(d['top5'])}")

@@ -36,18 +36,23 @@ def six_steps(tiny_run, val, *extra, **kw):
                     "checkpoint.every_steps=100", "validation.batch_size=32", *extra, **kw)
 
 
-def records(job):
+def records(job, stderr: list | None = None):
+    """The run's metrics records; its stderr lines appended to ``stderr`` when given."""
     r = job.run(timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
+    if stderr is not None:
+        stderr += r.stderr.splitlines()
     return [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run, val, held_out):
-    # with an EMA: its evaluation swaps it into the module and back, which training must not notice either
+    # with an EMA: its evaluation swaps it into the module and back, which training must not notice either;
+    # 12-shot and 100-NN ask for more than the probe's 10 training images a shape, 60 in all
+    err: list[str] = []
     on = records(six_steps(tiny_run, val, "validation.every_steps=3", f"validation.fewshot_suites=[{held_out}]",
-                           "validation.fewshot_shots=[1,5]", "validation.fewshot_seeds=2",
-                           f"validation.knn_suites=[{held_out}]", "validation.knn_k=[5,20]", "train.ema_decay=0.5",
-                           name="on"))
+                           "validation.fewshot_shots=[1,5,12]", "validation.fewshot_seeds=2",
+                           f"validation.knn_suites=[{held_out}]", "validation.knn_k=[5,20,100]", "train.ema_decay=0.5",
+                           name="on"), err)
     off = records(six_steps(tiny_run, val, "train.ema_decay=0.5", name="off"))
     evals = [r for r in on if "eval/loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
@@ -60,6 +65,12 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run,
         assert r["eval/ema/samples"] == 75 and 0.0 <= r["eval/ema/top1"] <= r["eval/ema/top5"] <= 1.0
         assert 0.0 <= r["eval/ema/fewshot/demo/5shot"] <= 1.0
         assert r["eval/ema/loss"] != r["eval/loss"]  # another model: the average of six steps' weights
+        assert 0.0 <= r["eval/fewshot/demo/12shot"] <= 1.0 and 0.0 <= r["eval/knn/demo/100nn"] <= 1.0
+    # what those two numbers are is said once, at the first evaluation
+    short = [x for x in err if "in-training few-shot demo:" in x or "in-training kNN demo:" in x]
+    assert len(short) == 2, err[-40:]
+    assert "12-shot asks for more examples than class 0 has (10)" in short[0] and "down to 10" in short[0]
+    assert "k=100 asks for more neighbours than the 60 training images" in short[1]
     # training did not notice: the same losses, bit for bit, with and without evaluation
     train_on = [(r["step"], r["loss"]) for r in on if "loss" in r]
     train_off = [(r["step"], r["loss"]) for r in off if "loss" in r]

@@ -9,7 +9,7 @@ from transfer_fixtures import exported_metadata, save_safetensors, tiny_model, w
 from pretrain.config import load_config
 from pretrain.models.tokens import resize_pos_embed
 from pretrain.transfer.evaluate import evaluate_checkpoint
-from pretrain.transfer.protocols.fewshot import fewshot_accuracy, ridge_fit, sample_shots
+from pretrain.transfer.protocols.fewshot import fewshot_accuracy, ridge_fit, sample_shots, short_classes
 from pretrain.transfer.protocols.finetune import Dist
 from pretrain.transfer.protocols.linear import fit_logistic
 from pretrain.transfer.suites import imagefolder
@@ -56,6 +56,9 @@ def test_shot_sampling_is_per_class_and_seeded():
     assert len(set(idx.tolist())) == len(idx)
     assert np.array_equal(idx, sample_shots(labels, 3, 5, seed=0))
     assert not np.array_equal(idx, sample_shots(labels, 3, 5, seed=1))
+    # which shot counts that makes hold fewer of a class than their name says, and the fewest
+    assert short_classes(labels, 3, [1, 3, 5, 10]) == {5: (3, 2), 10: (3, 2)}
+    assert short_classes(labels, 4, [1]) == {1: (0, 3)}  # a class with no example at all
 
 
 def test_logistic_probe_equals_scikit_learn():
@@ -120,6 +123,28 @@ def test_frozen_feature_protocols_end_to_end(tiny_ckpt, colour_task, protocol):
     if protocol == "knn":  # 48 training images: 20-NN is the headline, every k reported with its top-5
         assert set(r["details"]["k"]) == {"1", "5", "20"} and r["details"]["headline_k"] == 20
         assert r["accuracy"] == r["details"]["k"]["20"]["top1"] <= r["details"]["k"]["20"]["top5"]
+
+
+def test_probes_asking_for_more_than_the_train_split_holds_say_so(tiny_ckpt, colour_task):
+    """50-shot of classes with 12 training images, and 500-NN of 48 training images: the numbers
+    are what there is (big_vision's sampling; every image a neighbour), and the log, the result's
+    details and its table say how many that was."""
+    from pretrain.transfer.results import markdown
+
+    for protocol, asked in (("fewshot", "eval.fewshot_shots=[5,50]"), ("knn", "eval.knn_k=[5,500]")):
+        lines: list[str] = []
+        cfg = load_config(None, ["eval.workers=0", "eval.batch_size=16", f"eval.protocol={protocol}", asked])
+        doc = evaluate_checkpoint(cfg, load_pretrained(tiny_ckpt), [colour_task], [], log=lines.append)
+        d = doc["tasks"]["colours"]["details"]
+        table = markdown(doc)
+        if protocol == "fewshot":
+            assert d["shots"]["50"]["fewest_of_a_class"] == 12 and "fewest_of_a_class" not in d["shots"]["5"]
+            assert "colours fewshot: 50-shot asks for more examples than class 0 has (12)" in "\n".join(lines)
+            assert "/ 50-shot " in table and " (a class had 12) |" in table
+        else:
+            assert d["k"]["500"]["neighbours"] == 48 and "neighbours" not in d["k"]["5"]
+            assert "colours knn: k=500 asks for more neighbours than the 48 training images" in "\n".join(lines)
+            assert " (48 exist) |" in table
 
 
 def test_finetune_end_to_end_at_a_higher_resolution(tiny_ckpt, colour_task):

@@ -46,6 +46,22 @@ def sample_shots(labels: np.ndarray, num_classes: int, shots: int, seed: int) ->
     return np.concatenate([idx[:shots] for idx in per_class]).astype(np.int64)
 
 
+def short_classes(labels: np.ndarray, num_classes: int, shots: list[int]) -> dict[int, tuple[int, int]]:
+    """``{k: (fewest examples of a class, that class)}`` for each shot count ``k`` some class has
+    fewer than: those counts draw every example such a class has (big_vision's sampling), so a
+    "k-shot" number holds fewer examples of it than its name says."""
+    counts = np.bincount(labels, minlength=num_classes)[:num_classes]
+    c = int(counts.argmin())
+    return {k: (int(counts[c]), c) for k in shots if k > counts[c]}
+
+
+def short_note(short: dict[int, tuple[int, int]]) -> str:
+    """One line for ``short_classes``' answer."""
+    (n, c), ks = next(iter(short.values())), "/".join(str(k) for k in sorted(short))
+    return (f"{ks}-shot asks for more examples than class {c} has ({n}): there a class with fewer "
+            f"gives every example it has, down to {n} (big_vision's sampling)")
+
+
 def fewshot_accuracy(Xtr, ytr, Xte, yte, num_classes: int, shots: list[int], seeds: int,
                      l2: float) -> dict[int, list[float]]:
     """{shots: [test top-1 per seed]}."""
@@ -77,8 +93,13 @@ class FewShot(FrozenFeatureProtocol):
 
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
         Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
+        short = short_classes(yf.numpy(), task.num_classes, self.shots)
+        if short:
+            self.features.log(f"  {task.name} fewshot: {short_note(short)}")
         acc = fewshot_accuracy(Xf, yf, Xe, ye, task.num_classes, self.shots, self.seeds, setting["l2"])
         k = headline(self.shots)
         details = {"headline_shots": k, "seeds": self.seeds,
-                   "shots": {str(s): {"mean": float(np.mean(v)), "per_seed": v} for s, v in acc.items()}}
+                   "shots": {str(s): {"mean": float(np.mean(v)), "per_seed": v,
+                                      **({"fewest_of_a_class": short[s][0]} if s in short else {})}
+                             for s, v in acc.items()}}
         return float(np.mean(acc[k])), details
