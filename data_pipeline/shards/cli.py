@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from data_pipeline.errors import DataError, Parser, cli_errors
 from data_pipeline.shards.exclude import read_exclusion
@@ -98,6 +99,19 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+def output_inside_source(source: str, output: str) -> str | None:
+    """The problem with writing an image folder's shards into that folder, or None: the writer's
+    next run over it would take the shards' folder for a class (or its only class)."""
+    kind, _, path = source.partition(":")
+    if kind != "imagefolder" or not path or "://" in output:
+        return None
+    src, out = Path(path).resolve(), Path(output).resolve()
+    if out != src and src not in out.parents:
+        return None
+    return (f"--output {output} is inside --source {source}: a later run over that folder would take the "
+            "shards' folder for a class; write them outside the image folder")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
@@ -105,6 +119,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     with cli_errors("vit-shards"):
+        problem = output_inside_source(args.source, args.output)
+        if problem:
+            raise DataError(problem)
         try:
             source = open_source(args.source, args.split, allow_empty_classes=args.allow_empty_classes)
             split = args.split if not args.source.startswith("demo-transfer") else f"transfer-{args.split}"

@@ -175,6 +175,19 @@ def test_empty_class_folder_is_an_error_unless_allowed(tmp_path, capsys):
     assert sorted(int(c) for _, _, c in _read_stock(out)) == [0, 2]
 
 
+def test_shards_written_into_the_image_folder_are_refused(tmp_path, capsys):
+    """Inside --source, the next run over the folder would read the shards' folder as a class."""
+    root = tmp_path / "images"
+    (root / "cat").mkdir(parents=True)
+    (root / "cat" / "a.png").write_bytes(_solid(20, 20, (200, 10, 10), "PNG"))
+    for out in (root / "shards", root, root / "cat" / "shards"):
+        err = _fails_one_line(["--source", f"imagefolder:{root}", "--output", str(out), "--quiet"], capsys)
+        assert f"--output {out} is inside --source imagefolder:{root}" in err, err
+        assert not (out / "manifest.json").exists() and not (root / "shards").exists()
+    assert main(["--source", f"imagefolder:{root}", "--output", str(tmp_path / "images-shards"),
+                 "--quiet"]) == 0  # beside it: a name that starts like the folder's is not inside it
+
+
 def test_unreadable_files_are_named_capped_and_survive_resume(tmp_path, capsys, monkeypatch):
     from data_pipeline.shards import writer as ws
 
