@@ -71,7 +71,9 @@ class DataConfig:
     shuffle_buffer: int = 2000
     """Samples per shuffle buffer (per worker)."""
     multi_label: bool = False
-    """Sigmoid targets from `<key>.json` labels (ImageNet-21k / JFT style)."""
+    """Sigmoid targets from `<key>.json` labels (ImageNet-21k / JFT style). Multi-label shards need it
+    (they keep each sample's first label as `.cls` too, which alone would train: refused at start-up);
+    on single-label shards it trains sigmoid targets of one class (big_vision's ImageNet-21k recipe)."""
     allow_remote: bool = False
     """Permit `pipe:`, `http(s)://`, `s3://`, `gs://` shard URLs (`s3://`: boto3's AWS_* chain)."""
     remote_retry_s: float = 120.0

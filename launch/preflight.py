@@ -217,7 +217,7 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
     where = shardset.where
     out: list[Finding] = []
-    if classes := shardset.classes_problem(cfg.model.num_classes):  # vit-train stops on it too, before the model
+    if classes := shardset.config_problem(cfg.model.num_classes, d.multi_label):  # vit-train stops on it too
         out.append(Finding(FAIL, "shards", classes))
     out += check_val_shards(cfg, shardset)
 
@@ -292,7 +292,8 @@ def check_val_shards(cfg: Config, train) -> list[Finding]:
         val = resolve_shards(d.val_shards, allow_remote=d.allow_remote, key="data.val_shards")
     except (DataError, OSError) as e:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
-    problem = val.labels_problem(train) if train is not None else val.classes_problem(cfg.model.num_classes)
+    problem = (val.labels_problem(train) if train is not None
+               else val.config_problem(cfg.model.num_classes, d.multi_label))
     return [Finding(FAIL, "shards", problem)] if problem else []
 
 

@@ -234,13 +234,13 @@ def shard_plans(cfg: Config, c: Connected) -> tuple[Optional[Plan], Optional[Pla
     c.startup.phase("the shards' manifests (data.train_shards, data.val_shards)")
     if not cfg.data.synthetic:
         plan = plan_loader(cfg.data, world_size=c.world, batch_size=t.micro_batch_size, seed=t.seed)
-        if classes := plan.shardset.classes_problem(cfg.model.num_classes):
-            raise ConfigError(classes)
+        if problem := plan.shardset.config_problem(cfg.model.num_classes, cfg.data.multi_label):
+            raise ConfigError(problem)
     if cfg.validation.every_steps > 0 and cfg.data.val_shards:
         val_plan = plan_loader(cfg.data, world_size=c.world, batch_size=validation_batch(cfg), seed=t.seed,
                                train=False)
         problem = (val_plan.shardset.labels_problem(plan.shardset) if plan else
-                   val_plan.shardset.classes_problem(cfg.model.num_classes))
+                   val_plan.shardset.config_problem(cfg.model.num_classes, cfg.data.multi_label))
         if problem:
             raise ConfigError(problem)
     return plan, val_plan

@@ -67,13 +67,18 @@ class ShardSet:
         more = len(self.manifests) - 1
         return self.manifests[0] + (f" (+{more} more)" if more else "")
 
-    def classes_problem(self, num_classes: int) -> Optional[str]:
-        """The line for a model of ``num_classes`` (``model.num_classes``) on these shards, or None
-        where they agree."""
-        if num_classes == self.num_classes:
-            return None
-        return (f"model.num_classes={num_classes} but {self.where} lists {self.num_classes} classes; "
-                f"set model.num_classes={self.num_classes}")
+    def config_problem(self, num_classes: int, multi_label: bool) -> Optional[str]:
+        """The line for a model of ``num_classes`` (``model.num_classes``) trained on these shards with
+        ``data.multi_label=multi_label``, or None where they agree. Single-label shards read as
+        multi-label are sigmoid targets of one class (big_vision's ImageNet-21k); multi-label ones
+        read as single-label would train on each sample's first label alone."""
+        if num_classes != self.num_classes:
+            return (f"model.num_classes={num_classes} but {self.where} lists {self.num_classes} classes; "
+                    f"set model.num_classes={self.num_classes}")
+        if self.multi_label and not multi_label:
+            return (f"data.multi_label=false but {self.where} holds multi-label samples, of which it would "
+                    "train on each one's first label alone; set data.multi_label=true")
+        return None
 
     def labels_problem(self, train: "ShardSet", key: str = "data.val_shards") -> Optional[str]:
         """The line for shards read with ``train``'s labels (validation shards, whose labels index the

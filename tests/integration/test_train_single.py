@@ -126,6 +126,20 @@ def test_validation_shards_of_other_classes_are_one_line_before_the_model(shards
     assert "building " not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_multi_label_shards_read_single_label_are_one_line_before_the_model(tmp_path, shard_kit):
+    """Multi-label shards also hold each sample's first label as .cls: with data.multi_label=false
+    (the default) the run would train on it alone, without a word."""
+    samples = [(f"{i:06d}", {"jpg": shard_kit.image_bytes(), "cls": b"0", "json": b'{"labels": [0, 2]}'})
+               for i in range(16)]
+    multi = shard_kit.make_shards(tmp_path / "multi", [samples], [f"c{i}" for i in range(10)], multi_label=True)
+    r = train(multi, tmp_path / "run", "train.steps=2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (f"vit-train: error: data.multi_label=false but {multi}/manifest.json holds multi-label samples, "
+                    "of which it would train on each one's first label alone; set data.multi_label=true"), last
+    assert "building " not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_the_deepspeed_section_reaches_deepspeed(shards, tmp_path):
     """A key of ``deepspeed:`` that no section of ours covers is in the config DeepSpeed runs with:
     its flops profiler reports at step 1."""

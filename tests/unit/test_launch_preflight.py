@@ -9,6 +9,7 @@ import pytest
 import torch
 from dist_utils import REPO
 
+from data_pipeline.shards.manifest import ShardSet
 from launch import preflight
 from launch.cli import main
 from pretrain.config import load_config
@@ -99,6 +100,25 @@ def test_classes_must_match_the_model(capsys, id_dir, tmp_path):
     assert "model.num_classes=10 but" in line and "set model.num_classes=96" in line
 
 
+def test_multi_label_shards_need_data_multi_label(capsys, tmp_path, shard_kit):
+    """Multi-label shards (a filelist with several labels a line) keep each sample's first label in .cls
+    too: read single-label, the run would train on it alone. Single-label shards read as multi-label are
+    sigmoid targets of one class (big_vision's ImageNet-21k recipe): allowed."""
+    samples = [(f"{i:06d}", {"jpg": shard_kit.image_bytes(), "cls": b"0", "json": b'{"labels": [0, 2]}'})
+               for i in range(16)]
+    multi = shard_kit.make_shards(tmp_path / "multi", [samples[:8], samples[8:]], ["a", "b", "c"], multi_label=True)
+    argv = ["--config", CONFIG, f"data.train_shards={multi}/manifest.json", f"train.output_dir={tmp_path / 'run'}",
+            "model.num_classes=3", "train.micro_batch_size=4", "train.global_batch_size=8", "data.workers=1",
+            "--world-size", "2"]
+    line = the_error(capsys, argv, "shards")
+    assert line.endswith(f"shards: data.multi_label=false but {multi}/manifest.json holds multi-label samples, of "
+                         "which it would train on each one's first label alone; set data.multi_label=true"), line
+    code, out, err = check(capsys, argv + ["data.multi_label=true"])
+    assert code == 0, (out, err)
+    single = ShardSet((), ("a", "b"), False, ("t/manifest.json",))
+    assert single.config_problem(2, multi_label=True) is None and single.config_problem(2, False) is None
+
+
 def test_batch_arithmetic(capsys, id_dir, tmp_path):
     line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "3"), "batch")
     assert "train.global_batch_size=8 is not divisible by train.micro_batch_size x world size = 4 x 3 = 12" in line
@@ -138,8 +158,6 @@ def test_a_synthetic_run_reads_no_shards(capsys, tmp_path):
 
 
 def test_labels_of_a_multi_label_set_are_not_a_single_label_set_s():
-    from data_pipeline.shards.manifest import ShardSet
-
     train = ShardSet((), ("a", "b"), False, ("t/manifest.json",))
     assert train.labels_problem(train) is None
     multi = ShardSet((), ("a", "b"), True, ("v/manifest.json", "w/manifest.json"))
