@@ -217,8 +217,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
     where = shardset.where
     out: list[Finding] = []
-    if classes := shardset.config_problem(cfg.model.num_classes, d.multi_label):  # vit-train stops on it too
-        out.append(Finding(FAIL, "shards", classes))
+    if problem := shardset.config_problem(cfg.model.num_classes, d.multi_label):  # vit-train stops on it too
+        out.append(Finding(FAIL, "shards", problem))
     out += check_val_shards(cfg, shardset)
 
     # -- manifest against the tars: existence, byte size, header (never the whole file)

@@ -231,10 +231,10 @@ class InTrainingEval:
             Xte, yte = self._features(engine, zip(*s.parts["test"]))
             if self.rank != 0:
                 continue
-            short = short_classes(ytr.numpy(), s.num_classes, list(self.ev.fewshot_shots))
-            if short and not s.said:
-                _say(f"in-training few-shot {s.name}: {short_note(short)}")
-            s.said = True
+            if not s.said:  # what the numbers below are, once
+                s.said = True
+                if short := short_classes(ytr.numpy(), s.num_classes, list(self.ev.fewshot_shots)):
+                    _say(f"in-training few-shot {s.name}: {short_note(short)}")
             acc = fewshot_accuracy(Xtr, ytr, Xte, yte, s.num_classes, list(self.ev.fewshot_shots),
                                    self.ev.fewshot_seeds, self.ev.fewshot_l2)
             for k, per_seed in acc.items():
@@ -251,11 +251,11 @@ class InTrainingEval:
             Xte, yte = self._features(engine, s.batches("test"))
             if self.rank != 0:
                 continue
-            over = [k for k in self.ev.knn_k if k > len(ytr)]
-            if over and not s.said:
-                _say(f"in-training kNN {s.name}: k={'/'.join(map(str, over))} asks for more neighbours than the "
-                     f"{len(ytr)} training images: those k use all of them")
-            s.said = True
+            if not s.said:
+                s.said = True
+                if over := [k for k in self.ev.knn_k if k > len(ytr)]:
+                    _say(f"in-training kNN {s.name}: k={'/'.join(map(str, over))} asks for more neighbours than "
+                         f"the {len(ytr)} training images: those k use all of them")
             scores = knn_scores(Xtr, ytr, Xte, list(self.ev.knn_k), self.ev.knn_temperature, s.num_classes)
             for k, sc in scores.items():
                 out[f"knn/{s.name}/{k}nn"] = topk_accuracy(sc, yte, 1)

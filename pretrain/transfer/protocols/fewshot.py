@@ -58,8 +58,8 @@ def short_classes(labels: np.ndarray, num_classes: int, shots: list[int]) -> dic
 def short_note(short: dict[int, tuple[int, int]]) -> str:
     """One line for ``short_classes``' answer."""
     (n, c), ks = next(iter(short.values())), "/".join(str(k) for k in sorted(short))
-    return (f"{ks}-shot asks for more examples than class {c} has ({n}): there a class with fewer "
-            f"gives every example it has, down to {n} (big_vision's sampling)")
+    return (f"{ks}-shot asks for more examples than class {c} has ({n}): classes with fewer give all "
+            f"they have, {n} at the least (big_vision's sampling)")
 
 
 def fewshot_accuracy(Xtr, ytr, Xte, yte, num_classes: int, shots: list[int], seeds: int,
