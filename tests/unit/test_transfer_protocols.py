@@ -141,6 +141,13 @@ def test_probes_asking_for_more_than_the_train_split_holds_say_so(tiny_ckpt, col
             assert d["shots"]["50"]["fewest_of_a_class"] == 12 and "fewest_of_a_class" not in d["shots"]["5"]
             assert "colours fewshot: 50-shot asks for more examples than class 0 has (12)" in "\n".join(lines)
             assert "/ 50-shot " in table and " (a class had 12) |" in table
+            # a sweep fits train (trainval less its minival) once per l2, then trainval: each line once
+            lines.clear()
+            cfg = load_config(None, ["eval.workers=0", "eval.batch_size=16", "eval.protocol=fewshot", asked,
+                                     "eval.sweep=true", "eval.sweep_fewshot_l2=[1.0,1024.0]"])
+            evaluate_checkpoint(cfg, load_pretrained(tiny_ckpt), [colour_task], [], log=lines.append)
+            said = [x for x in lines if "50-shot asks for more examples" in x]
+            assert len(said) == 2 and "(12)" in said[1] and "(12)" not in said[0], said
         else:
             assert d["k"]["500"]["neighbours"] == 48 and "neighbours" not in d["k"]["5"]
             assert "colours knn: k=500 asks for more neighbours than the 48 training images" in "\n".join(lines)

@@ -96,6 +96,13 @@ class FrozenFeatureProtocol:
 
     def __init__(self, features: FeatureCache, view_of, l2: float, grid: list[float]):
         self.features, self.view_of, self.l2, self.sweep_grid = features, view_of, l2, grid
+        self._said: set[str] = set()
+
+    def say_once(self, line: str) -> None:
+        """Log ``line`` the first time only: a sweep fits the same split once per setting."""
+        if line not in self._said:
+            self._said.add(line)
+            self.features.log(line)
 
     def grid(self, sweep: bool) -> list[dict]:
         return [{"l2": v} for v in self.sweep_grid] if sweep else [{"l2": self.l2}]

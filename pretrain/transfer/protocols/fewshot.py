@@ -95,7 +95,7 @@ class FewShot(FrozenFeatureProtocol):
         Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
         short = short_classes(yf.numpy(), task.num_classes, self.shots)
         if short:
-            self.features.log(f"  {task.name} fewshot: {short_note(short)}")
+            self.say_once(f"  {task.name} fewshot: {short_note(short)}")
         acc = fewshot_accuracy(Xf, yf, Xe, ye, task.num_classes, self.shots, self.seeds, setting["l2"])
         k = headline(self.shots)
         details = {"headline_shots": k, "seeds": self.seeds,

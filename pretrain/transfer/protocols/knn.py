@@ -77,8 +77,8 @@ class KNN(FrozenFeatureProtocol):
         self.features.log(f"  {task.name} knn: {len(ye)} test images against {len(yf)} of {fit.name} ...")
         over = [k for k in self.ks if k > len(yf)]
         if over:  # DINOv2's topk would refuse; every training image is a neighbour instead
-            self.features.log(f"  {task.name} knn: k={'/'.join(map(str, over))} asks for more neighbours than the "
-                              f"{len(yf)} training images: those k use all of them")
+            self.say_once(f"  {task.name} knn: k={'/'.join(map(str, over))} asks for more neighbours than the "
+                          f"{len(yf)} training images: those k use all of them")
         scores = knn_scores(Xf, yf, Xe, self.ks, self.temperature, task.num_classes, device=self.features.device)
         per_k = {str(k): {"top1": topk_accuracy(s, ye, 1), "top5": topk_accuracy(s, ye, 5),
                           **({"neighbours": len(yf)} if k > len(yf) else {})} for k, s in scores.items()}
