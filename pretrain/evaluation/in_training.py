@@ -242,7 +242,7 @@ class InTrainingEval:
         return out
 
     def _knn(self, engine) -> dict:
-        from pretrain.transfer.protocols.knn import knn_scores, topk_accuracy
+        from pretrain.transfer.protocols.knn import knn_scores, short_note, topk_accuracy
 
         self._suites()
         out = {}
@@ -253,9 +253,8 @@ class InTrainingEval:
                 continue
             if not s.said:
                 s.said = True
-                if over := [k for k in self.ev.knn_k if k > len(ytr)]:
-                    _say(f"in-training kNN {s.name}: k={'/'.join(map(str, over))} asks for more neighbours than "
-                         f"the {len(ytr)} training images: those k use all of them")
+                if short := short_note(list(self.ev.knn_k), len(ytr)):
+                    _say(f"in-training kNN {s.name}: {short}")
             scores = knn_scores(Xtr, ytr, Xte, list(self.ev.knn_k), self.ev.knn_temperature, s.num_classes)
             for k, sc in scores.items():
                 out[f"knn/{s.name}/{k}nn"] = topk_accuracy(sc, yte, 1)

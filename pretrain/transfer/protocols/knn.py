@@ -26,6 +26,16 @@ def headline(ks: list[int]) -> int:
     return HEADLINE_K if HEADLINE_K in ks else max(ks)
 
 
+def short_note(ks: list[int], n_train: int) -> str | None:
+    """The line for the ``ks`` above the ``n_train`` training images (DINOv2's topk would refuse;
+    every training image is a neighbour instead), or None where there are none."""
+    over = [k for k in ks if k > n_train]
+    if not over:
+        return None
+    return (f"k={'/'.join(map(str, over))} asks for more neighbours than the {n_train} training images: "
+            "those k use all of them")
+
+
 @torch.no_grad()
 def knn_scores(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, ks: list[int], temperature: float,
                num_classes: int, *, chunk: int = 256, device: torch.device | None = None) -> dict[int, torch.Tensor]:
@@ -75,10 +85,8 @@ class KNN(FrozenFeatureProtocol):
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
         Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
         self.features.log(f"  {task.name} knn: {len(ye)} test images against {len(yf)} of {fit.name} ...")
-        over = [k for k in self.ks if k > len(yf)]
-        if over:  # DINOv2's topk would refuse; every training image is a neighbour instead
-            self.say_once(f"  {task.name} knn: k={'/'.join(map(str, over))} asks for more neighbours than the "
-                          f"{len(yf)} training images: those k use all of them")
+        if short := short_note(self.ks, len(yf)):
+            self.say_once(f"  {task.name} knn: {short}")
         scores = knn_scores(Xf, yf, Xe, self.ks, self.temperature, task.num_classes, device=self.features.device)
         per_k = {str(k): {"top1": topk_accuracy(s, ye, 1), "top5": topk_accuracy(s, ye, 5),
                           **({"neighbours": len(yf)} if k > len(yf) else {})} for k, s in scores.items()}
