@@ -71,8 +71,8 @@ def imagefolder(path: str) -> Iterator[EvalImage]:
     """ROOT/train, ROOT/test [ROOT/val] class folders: set ``imagefolder/<ROOT name>``, the split
     is the first folder of the ID (the path relative to ROOT)."""
     root = Path(path)
-    task = suites.imagefolder(path, minival_fraction=0.02, seed=0)
-    for images in (task.trainval, task.test):
+    _classes, train, val, test = suites.imagefolder_splits(path)
+    for images in (s for s in (train, val, test) if s is not None):
         for files, i in _files(images):
             rel = os.path.relpath(files.paths[i], root)
             yield EvalImage(f"imagefolder/{root.name}", Path(rel).parts[0], rel, lambda f=files, i=i: f.image(i))

@@ -183,18 +183,26 @@ def _folder(root: Path, classes: Optional[list[str]] = None) -> tuple[list[str],
                                [remap[it.labels[0]] for it in src.items])
 
 
-def imagefolder(root: str, minival_fraction: float, seed: int) -> Task:
+def imagefolder_splits(root: str) -> tuple[list[str], FileImages, Optional[FileImages], FileImages]:
+    """(classes, train, val or None, test) of ROOT/train, [ROOT/val,] ROOT/test: the folders as
+    they are, with no validation split held out of train."""
     base = _need_dir(Path(root), "ImageFolder root")
     _need_dir(base / "train", "train/ folder (ImageFolder suite: ROOT/train/<class>/...)")
     _need_dir(base / "test", "test/ folder (ImageFolder suite: ROOT/test/<class>/...)")
     classes, train = _folder(base / "train")
     _, test = _folder(base / "test", classes)
-    if (base / "val").is_dir():
-        _, val = _folder(base / "val", classes)
-        fit, trainval = train, Concat(f"{base.name}/trainval", [train, val])
+    val = _folder(base / "val", classes)[1] if (base / "val").is_dir() else None
+    return classes, train, val, test
+
+
+def imagefolder(root: str, minival_fraction: float, seed: int) -> Task:
+    classes, train, val, test = imagefolder_splits(root)
+    name = Path(root).name
+    if val is not None:
+        fit, trainval = train, Concat(f"{name}/trainval", [train, val])
     else:
         (fit, val), trainval = holdout(train, minival_fraction, seed), train
-    return Task(base.name, len(classes), fit, val, trainval, test, resize="crop", augment=True)
+    return Task(name, len(classes), fit, val, trainval, test, resize="crop", augment=True)
 
 
 def labelled_folder(root: str) -> Task:

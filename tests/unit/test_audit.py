@@ -208,6 +208,26 @@ def test_confirmation_rejects_unrelated_candidates(world, audited):
     assert r.candidates > 3 * len(got), r.candidates
 
 
+def test_every_image_of_a_folder_is_read_however_few(tmp_path):
+    """An ImageFolder set is read as it is: one training image (too few for the transfer suite's
+    held-out validation split, which the audit does not use) is audited, and so is a val/ folder."""
+    def put(rel, shade):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), (shade,) * 3).save(tmp_path / rel)
+
+    def read():
+        return [(e.set, e.split, e.id, e.load().getpixel((0, 0))[0])
+                for e in vit_audit.read_eval(f"imagefolder:{tmp_path}")]
+
+    for rel, shade in (("train/a/x.png", 10), ("test/a/t.png", 200), ("test/a/u.png", 250)):
+        put(rel, shade)
+    name = f"imagefolder/{tmp_path.name}"
+    test = [(name, "test", "test/a/t.png", 200), (name, "test", "test/a/u.png", 250)]
+    assert read() == [(name, "train", "train/a/x.png", 10), *test]
+    put("val/a/v.png", 90)
+    assert read() == [(name, "train", "train/a/x.png", 10), (name, "val", "val/a/v.png", 90), *test]
+
+
 def test_counts_per_set_and_split(world, audited):
     _, doc = audited  # the 3 exact copies of training-split tiles, and the symmetric scenes' mirrored halves
     c = doc["counts"]
