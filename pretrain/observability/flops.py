@@ -114,11 +114,18 @@ def main(argv=None) -> None:
     ap.add_argument("--num-classes", type=int, default=1000)
     ap.add_argument("--fvcore", action="store_true", help="also count with fvcore (builds the model)")
     args = ap.parse_args(argv)
-    an = analytic_flops(args.model, args.img_size, args.num_classes)
-    print(f"{args.model} @ {args.img_size or model_defaults(args.model)['img_size']}: analytic {an / 1e9:.2f} GFLOPs")
+    img, stride = model_defaults(args.model)["img_size"], model_defaults(args.model)["stride"]
+    if args.img_size is not None:  # as training's model.img_size: a positive multiple of the patch
+        if args.img_size <= 0 or args.img_size % stride:
+            ap.error(f"--img-size {args.img_size}: {args.model} takes a positive multiple of its patch size {stride}")
+        img = args.img_size
+    if args.num_classes < 0:
+        ap.error(f"--num-classes {args.num_classes}: must be >= 0 (0: no head)")
+    an = analytic_flops(args.model, img, args.num_classes)
+    print(f"{args.model} @ {img}: analytic {an / 1e9:.2f} GFLOPs")
     if args.fvcore:
         with torch.device("meta"):
-            m = create_model(args.model, img_size=args.img_size, num_classes=args.num_classes)
+            m = create_model(args.model, img_size=img, num_classes=args.num_classes)
         print(f"fvcore {forward_flops(m) / 1e9:.2f} GFLOPs")
 
 

@@ -95,3 +95,21 @@ def test_training_flops_and_mfu_arithmetic():
     # 400 img/s/GPU of ViT-L/16 on an H100: 6 * 61.6e9 * 400 / 989.4e12 = 14.9 %
     assert mfu(model_f, 400, 989.4) == pytest.approx(6 * fwd * 400 / 989.4e12)
     assert mfu(model_f, 400, None) is None
+
+
+def test_vit_flops_counts_the_size_asked_and_refuses_one_training_would(capsys):
+    """``vit-flops --img-size`` as training's ``model.img_size``: a positive multiple of the patch
+    (an image of 200 px would be counted as 192 by the patch embedding's floor), never 0 read as
+    "the default"; a head of fewer than 0 classes is refused too."""
+    from pretrain.observability.flops import main
+
+    main(["vit_base_patch16_384", "--img-size", "224"])
+    b16 = analytic_flops("vit_base_patch16_224") / 1e9
+    assert capsys.readouterr().out == f"vit_base_patch16_384 @ 224: analytic {b16:.2f} GFLOPs\n"
+    multiple = "vit_base_patch16_224 takes a positive multiple of its patch size 16"
+    for argv, said in ((["--img-size", "200"], f"--img-size 200: {multiple}"),
+                       (["--img-size", "0"], f"--img-size 0: {multiple}"),
+                       (["--num-classes", "-3"], "--num-classes -3: must be >= 0 (0: no head)")):
+        with pytest.raises(SystemExit) as e:
+            main(["vit_base_patch16_224", *argv])
+        assert e.value.code == 2 and capsys.readouterr().err == f"vit-flops: error: {said}\n"
