@@ -44,10 +44,10 @@ def main(argv=None) -> None:
         return
     if not args.config:
         ap.error("the following arguments are required: --config (or give --reference)")
-    if args.deepspeed and not args.world_size:
-        ap.error("--deepspeed needs --world-size N: the ranks set the gradient accumulation")
     if args.world_size is not None and args.world_size < 1:
         ap.error(f"--world-size {args.world_size}: must be >= 1")
+    if args.deepspeed and args.world_size is None:
+        ap.error("--deepspeed needs --world-size N: the ranks set the gradient accumulation")
     with cli_errors("vit-config"):
         cfg = load_config(args.config, args.overrides)
     if args.deepspeed:

@@ -319,12 +319,14 @@ def test_eval_and_validation_share_the_fewshot_settings():
             load_config("configs/tiny_cpu.yaml", [f"{section}.minival_fraction=1.5"])
 
 
-def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
+def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path, capsys):
     """``--deepspeed --world-size N``: the JSON a run hands DeepSpeed, read back by DeepSpeed's own
     parser (here a world of one); the world size sets the accumulation; without it, one line."""
     import json
 
     from deepspeed.runtime.config import DeepSpeedConfig
+
+    from pretrain.config import cli as config_cli
 
     tiny = str(REPO / "configs/tiny_cpu.yaml")
     out = tmp_path / "ds.json"
@@ -350,3 +352,8 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path):
         "vit-config: error: deepspeed: DeepSpeed refuses the merged config:"), r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "3")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "3" in r.stderr, r.stderr
+    for ranks in ("0", "-2"):  # a world given but below one is named as given, not taken for none
+        with pytest.raises(SystemExit) as e:
+            config_cli.main(["--config", tiny, "--deepspeed", "--world-size", ranks])
+        said = f"vit-config: error: --world-size {ranks}: must be >= 1\n"
+        assert (e.value.code, capsys.readouterr().err) == (2, said)
