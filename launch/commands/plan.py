@@ -84,6 +84,9 @@ FLAGS = {"decode_rate": "--decode-rate", "cpu_cores": "--cpu-cores", "stored_sid
 def check_arguments(args) -> None:
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
+        if value is not None and value < 1:  # before a world is divided by them (the layout's own wording)
+            raise ConfigError(f"{flag} {value} (must be >= 1)")
     if args.img_size is not None and args.img_size <= 0:
         raise ConfigError(f"--img-size {args.img_size}: must be a positive number of pixels")
     if args.config:

@@ -199,6 +199,21 @@ def test_impossible_layouts_are_one_line_and_exit_2(args, says, capsys):
     assert e.value.code == 2 and says in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "0"], "--nodes 0 (must be >= 1)"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0 (must be >= 1)"),
+    (["--world-size", "8", "--gpus-per-node", "0"], "--gpus-per-node 0 (must be >= 1)"),
+    (["--world-size", "8", "--search", "--top", "-1"], "--top -1 (must be >= 1)"),
+])
+def test_a_config_layout_below_one_node_or_gpu_is_one_line(args, says, capsys):
+    """With --config the world is divided by the nodes and GPUs given before any layout is built:
+    a count below one is the flag's line, as without a config, not a ZeroDivisionError; a --top
+    below one would have dropped rows from the ranking's end."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", "configs/vit_b16_in1k.yaml", "--gpu", "h100-sxm", *args])
+    assert (e.value.code, capsys.readouterr().err) == (2, f"vit-launch: error: {says}\n")
+
+
 def test_a_config_batch_that_does_not_fit_the_world_says_what_to_change(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--config", "configs/vit_l16_in21k.yaml", "--world-size", "128", "--gpu", "h100-sxm"])
