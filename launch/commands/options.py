@@ -10,10 +10,21 @@ from launch.runner import LaunchSpec
 PROG = "vit-launch"
 
 
+def _device_gb(text: str) -> float:
+    """``--gpu-memory-gb``: a memory, more than none (an estimate checked against 0 GB warns of nothing real)."""
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = float("nan")
+    if not gb > 0:  # nan too
+        raise argparse.ArgumentTypeError(f"must be a number of GB above 0, got {text!r}")
+    return gb
+
+
 def config_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", required=True, help="YAML experiment file")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
-    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+    ap.add_argument("--gpu-memory-gb", type=_device_gb, default=80.0,
                     help="device memory the estimate is checked against (default 80)")
 
 

@@ -239,6 +239,15 @@ def test_memory_over_the_device_is_a_warning_with_fixes(capsys, id_dir, tmp_path
     assert whole > 50 * est.host_build
 
 
+@pytest.mark.parametrize("gb", ["0", "-5", "nan", "eighty"])
+def test_a_device_memory_of_none_is_refused_not_warned_against(capsys, tmp_path, gb):
+    """``--gpu-memory-gb 0`` warned that 1 GB "exceeds 0.00 GB": every estimate checked against it is
+    meaningless, so the option itself is the one line, before any check runs."""
+    code, out, err = check(capsys, ["--config", CONFIG, "--gpu-memory-gb", gb, f"train.output_dir={tmp_path}"])
+    assert (code, out, err) == (2, "", [f"vit-launch check: error: argument --gpu-memory-gb: must be a number "
+                                        f"of GB above 0, got {gb!r}"])
+
+
 def test_launch_stops_before_the_runner_when_a_check_fails(capsys, id_dir, tmp_path):
     os.remove(id_dir / "train-000000.tar")
     with pytest.raises(SystemExit) as e:
