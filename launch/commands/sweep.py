@@ -9,6 +9,7 @@ import sys
 from launch import plot_scaling, sweep
 from launch.commands.options import PROG, config_arguments, preflight
 from launch.hostfile import LaunchError
+from launch.runner import LaunchSpec, check_spec
 from pretrain.config import load_config
 
 SUMMARY = "run the same short job at several world sizes and plot the scaling curve"
@@ -35,6 +36,8 @@ def check_arguments(args) -> None:
     sweep.parse_world_sizes(args.world_sizes)
     if args.steps <= 0:
         raise LaunchError(f"--steps must be positive, got {args.steps}")
+    # as `run` says them: a 0 ranks per node would otherwise be read as "the default"
+    check_spec(LaunchSpec(config=args.config, gpus_per_node=args.gpus_per_node, master_port=args.master_port))
 
 
 def command(args) -> int:

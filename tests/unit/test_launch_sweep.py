@@ -62,6 +62,17 @@ def test_strong_scaling_that_cannot_divide_is_a_one_line_error(capsys, tmp_path)
             "train.micro_batch_size x world size = 32 x 4") in err[0]
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--gpus-per-node", "0"], "--gpus-per-node must be a positive number, got 0"),
+    (["--master-port", "70000"], "--master-port must be in 1-65535, got 70000"),
+])
+def test_rank_options_out_of_range_are_refused_as_run_refuses_them(capsys, argv, said):
+    """A sweep's --gpus-per-node 0 was read as "the default" (this machine's GPUs) and planned."""
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--config", CONFIG, "--world-sizes", "1,2", "--dry-run", *argv])
+    assert (e.value.code, capsys.readouterr().err) == (2, f"vit-launch: error: {said}\n")
+
+
 def test_multi_node_sizes_use_whole_nodes_of_the_hostfile(capsys, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("n0 slots=8\nn1 slots=8\n")
