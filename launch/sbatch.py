@@ -5,9 +5,33 @@ from __future__ import annotations
 import re
 import shlex
 
+from launch.hostfile import LaunchError
+
 # SLURM's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|"
                         r"\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}|\d+-\d{1,2}:\d{1,2}:\d{1,2})$")
+
+
+def time_seconds(value: str) -> int:
+    """A ``SLURM_TIME`` in seconds: minutes alone, ``M:S`` and ``H:M:S`` without days, and after
+    ``D-`` hours, ``H:M`` or ``H:M:S``."""
+    days, _, rest = value.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60
+    h, m, sec = ([0] + parts)[-3:]
+    return (h * 60 + m) * 60 + sec
+
+
+def header_word(flag: str, value: str) -> str:
+    """``value`` as an ``#SBATCH --flag=value`` line takes it: sbatch splits those lines at spaces
+    (``--job-name=a b`` names the job ``a``), so a value with a space or a quote is refused."""
+    if any(c.isspace() or c in "'\"" for c in value):
+        raise LaunchError(f"{flag} {value!r}: SLURM names here take no spaces or quotes")
+    return value
 
 
 def shell_word(word: str) -> str:

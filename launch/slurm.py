@@ -44,6 +44,7 @@ a job array whose task I runs ``vit-shards ... --part I/N`` and ``shards.merge.s
 """
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from typing import Optional
 
 from launch.hostfile import LaunchError
 from launch.runner import STORE_ENV, TRAIN_MODULE, deepspeed_executable
-from launch.sbatch import SLURM_TIME, bash_array, shell_word
+from launch.sbatch import SLURM_TIME, bash_array, header_word, shell_word, time_seconds
 
 
 @dataclass
@@ -98,6 +99,15 @@ def validate(job: SlurmJob) -> None:
         raise LaunchError(f"--cpus-per-node {job.cpus_per_node} is fewer than the {job.ranks} rank(s) per node")
     if job.signal_grace <= 0:
         raise LaunchError(f"--signal-grace must be a positive number of seconds, got {job.signal_grace}")
+    if job.requeue and job.time is not None and time_seconds(job.time) <= job.signal_grace:
+        # SLURM would signal at the start: the job checkpoints, exits 75 and is requeued, over and over
+        raise LaunchError(f"--time {job.time} is no longer than --signal-grace {job.signal_grace} s: with --requeue "
+                          "the job would be told to stop as it starts; give a longer --time or a shorter grace")
+    if job.master_port is not None and not 1 <= job.master_port <= 65535:
+        raise LaunchError(f"--master-port must be in 1-65535, got {job.master_port}")
+    for flag, v in (("--job-name", job.job_name), ("--partition", job.partition), ("--account", job.account)):
+        if v is not None:
+            header_word(flag, v)
 
 
 def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
@@ -155,13 +165,14 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
     validate(job)
     cwd = (cwd or Path.cwd()).absolute()
     config = str(Path(job.config).absolute())
-    name = job.job_name or f"vitscale-{Path(job.config).stem}"
+    stem = re.sub(r"[\s'\"]", "_", Path(job.config).stem)  # one word of an #SBATCH line
+    name = job.job_name or f"vitscale-{stem}"
     log_dir = (cwd / job.log_dir).absolute()
     logs = shlex.quote(str(log_dir))  # absolute: the runner resolves DS_ENV_FILE from ~
     check = [sys.executable, "-m", "launch", "check", "--config", config, "--hostfile", '"$HOSTFILE"',
              "--gpus-per-node", str(job.ranks), "--gpu-memory-gb", f"{job.gpu_memory_gb:g}", *job.overrides]
     overrides = " ".join(shlex.quote(o) for o in job.overrides) or "(none)"
-    port = str(job.master_port) if job.master_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    port = str(job.master_port) if job.master_port is not None else "$((20000 + SLURM_JOB_ID % 20000))"
     what = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.ranks} CPU rank(s), no GPU"
     if job.launcher == "srun":
         # `vit-launch run` has no --no_ssh / --node_rank: srun starts the deepspeed runner itself

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch.hostfile import LaunchError
-from launch.sbatch import SLURM_TIME, bash_array
+from launch.sbatch import SLURM_TIME, bash_array, header_word
 
 
 @dataclass
@@ -48,6 +48,9 @@ def render_shards(job: ShardsJob, output: str = "shards.sbatch", cwd: Optional[P
         raise LaunchError(f"--max-running must be a positive number, got {job.max_running}")
     if job.cpus_per_task is not None and job.cpus_per_task <= 0:
         raise LaunchError(f"--cpus-per-node must be a positive number, got {job.cpus_per_task}")
+    for flag, v in (("--job-name", job.job_name), ("--partition", job.partition), ("--account", job.account)):
+        if v is not None:
+            header_word(flag, v)
     args = ws.parse_args(job.shard_args)
     if args.part is not None:
         raise LaunchError("the vit-shards options name --part; the job array gives each task its own part")

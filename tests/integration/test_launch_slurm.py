@@ -148,12 +148,38 @@ def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, cap
     (["--gpus-per-node", "4", "--ranks-per-node", "2"], "one rank per GPU"),
     (["--gpus-per-node", "0", "--ranks-per-node", "4", "--cpus-per-node", "2"], "fewer than the 4 rank(s)"),
     (["--gpus-per-node", "0", "--requeue", "--signal-grace", "0"], "--signal-grace must be a positive"),
+    # a limit inside the grace: signalled at the start, requeued, signalled again, without end
+    (["--gpus-per-node", "0", "--requeue", "--time", "0:01:00"], "--time 0:01:00 is no longer than --signal-grace 120"),
+    (["--gpus-per-node", "0", "--requeue", "--time", "1-0", "--signal-grace", "86400"], "--time 1-0 is no longer"),
+    (["--gpus-per-node", "0", "--master-port", "0"], "--master-port must be in 1-65535, got 0"),
+    (["--gpus-per-node", "0", "--job-name", "my run"], "--job-name 'my run': SLURM names here take no spaces"),
+    (["--gpus-per-node", "0", "--partition", "gpu a100"], "--partition 'gpu a100': SLURM names here take no spaces"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         main(["slurm", "--config", CONFIG, "--nodes", "1", "--output", str(tmp_path / "j.sbatch"), *args])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_time_limits_in_every_slurm_format_are_read_as_seconds():
+    """sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, and days-hours[:minutes[:seconds]]."""
+    from launch.sbatch import SLURM_TIME, time_seconds
+
+    for text, seconds in (("90", 5400), ("5:30", 330), ("4:00:00", 14400), ("1-2", 93600), ("1-2:30", 95400),
+                          ("2-00:00:00", 172800), ("0:02:01", 121)):
+        assert SLURM_TIME.match(text) and time_seconds(text) == seconds, text
+
+
+def test_a_config_name_with_a_space_is_one_word_of_the_job_name(tmp_path, capsys):
+    config = tmp_path / "my run's.yaml"
+    config.write_text(open(CONFIG).read())
+    out = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as e:
+        main(["slurm", "--config", str(config), "--nodes", "1", "--gpus-per-node", "0", "--output", str(out),
+              "--log-dir", str(tmp_path / "logs")])
+    assert e.value.code == 0, capsys.readouterr().err
+    assert "#SBATCH --job-name=vitscale-my_run_s" in out.read_text().splitlines()
 
 
 def test_srun_script_starts_one_runner_per_node_without_ssh(tmp_path, capsys):
