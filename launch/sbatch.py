@@ -27,11 +27,22 @@ def time_seconds(value: str) -> int:
 
 
 def header_word(flag: str, value: str) -> str:
-    """``value`` as an ``#SBATCH --flag=value`` line takes it: sbatch splits those lines at spaces
-    (``--job-name=a b`` names the job ``a``), so a value with a space or a quote is refused."""
-    if any(c.isspace() or c in "'\"" for c in value):
-        raise LaunchError(f"{flag} {value!r}: SLURM names here take no spaces or quotes")
+    """``value`` as an ``#SBATCH --flag=value`` line takes it. sbatch reads those lines with its own
+    rules: an unquoted space ends the word, ``#`` starts a comment, quotes and ``\\`` are taken out
+    (``--job-name=my run`` names the job ``my``), so a value holding any of them is refused."""
+    if any(c.isspace() or c in "'\"#\\" for c in value):
+        raise LaunchError(f"{flag} {value!r}: a name in an #SBATCH line takes no spaces, quotes, # or \\")
     return value
+
+
+def header_path(path) -> str:
+    """A path as one word of an ``#SBATCH`` line: in double quotes (``\\`` before a quote or a
+    backslash inside) when it holds what sbatch would split or cut there -- a folder such as
+    ``~/My Projects`` is a common place for a checkout."""
+    text = str(path)
+    if not any(c.isspace() or c in "'\"#\\" for c in text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def shell_word(word: str) -> str:

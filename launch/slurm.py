@@ -53,7 +53,7 @@ from typing import Optional
 
 from launch.hostfile import LaunchError
 from launch.runner import STORE_ENV, TRAIN_MODULE, deepspeed_executable
-from launch.sbatch import SLURM_TIME, bash_array, header_word, shell_word, time_seconds
+from launch.sbatch import SLURM_TIME, bash_array, header_path, header_word, shell_word, time_seconds
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
     if job.gpus_per_node:
         h += [f"# older SLURM without --gpus-per-node: use #SBATCH --gres=gpu:{job.gpus_per_node} instead",
               f"#SBATCH --gpus-per-node={job.gpus_per_node}", "#SBATCH --exclusive"]
-    h.append(f"#SBATCH --output={log_dir}/%x-%j.out")
+    h.append(f"#SBATCH --output={header_path(f'{log_dir}/%x-%j.out')}")
     if job.cpus_per_node:
         h.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
     for flag, v in (("partition", job.partition), ("time", job.time), ("account", job.account)):
@@ -165,7 +165,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
     validate(job)
     cwd = (cwd or Path.cwd()).absolute()
     config = str(Path(job.config).absolute())
-    stem = re.sub(r"[\s'\"]", "_", Path(job.config).stem)  # one word of an #SBATCH line
+    stem = re.sub(r"[\s'\"#\\]", "_", Path(job.config).stem)  # one word of an #SBATCH line
     name = job.job_name or f"vitscale-{stem}"
     log_dir = (cwd / job.log_dir).absolute()
     logs = shlex.quote(str(log_dir))  # absolute: the runner resolves DS_ENV_FILE from ~

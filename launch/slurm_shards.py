@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch.hostfile import LaunchError
-from launch.sbatch import SLURM_TIME, bash_array, header_word
+from launch.sbatch import SLURM_TIME, bash_array, header_path, header_word
 
 
 @dataclass
@@ -58,7 +58,8 @@ def render_shards(job: ShardsJob, output: str = "shards.sbatch", cwd: Optional[P
     if job.cpus_per_task and "--workers" not in words:
         words += ["--workers", str(job.cpus_per_task)]
     cwd = (cwd or Path.cwd()).absolute()
-    logs = shlex.quote(str((cwd / job.log_dir).absolute()))
+    log_dir = (cwd / job.log_dir).absolute()
+    logs = shlex.quote(str(log_dir))
     out_dir = shlex.quote(str((cwd / args.output).absolute()))
     merge = merge_script_path(output)
     head = ["#SBATCH --ntasks=1"]
@@ -70,7 +71,7 @@ def render_shards(job: ShardsJob, output: str = "shards.sbatch", cwd: Optional[P
     throttle = f"%{job.max_running}" if job.max_running else ""
     py = shlex.quote(sys.executable)
     n = job.parts
-    submit = f"sbatch --dependency=afterok:$(sbatch --parsable {output}) {merge}"
+    submit = f"sbatch --dependency=afterok:$(sbatch --parsable {shlex.quote(str(output))}) {shlex.quote(str(merge))}"
     array = f"""#!/bin/bash
 # vit-shards in {n} parts as a SLURM job array (task I writes part I/{n}), written by `vit-launch slurm --shards`.
 #   vit-shards options: {" ".join(shlex.quote(w) for w in words)}
@@ -81,7 +82,7 @@ def render_shards(job: ShardsJob, output: str = "shards.sbatch", cwd: Optional[P
 #SBATCH --job-name={job.job_name}
 #SBATCH --array=1-{n}{throttle}
 {chr(10).join(head)}
-#SBATCH --output={(cwd / job.log_dir).absolute()}/%x-%A_%a.out
+#SBATCH --output={header_path(f"{log_dir}/%x-%A_%a.out")}
 
 set -euo pipefail
 cd {shlex.quote(str(cwd))}
@@ -95,7 +96,7 @@ exec {py} -m data_pipeline.write_shards "${{SHARDS[@]}}" --part "$SLURM_ARRAY_TA
 #   {submit}
 #SBATCH --job-name={job.job_name}-merge
 {chr(10).join(h for h in head if "cpus-per-task" not in h)}
-#SBATCH --output={(cwd / job.log_dir).absolute()}/%x-%j.out
+#SBATCH --output={header_path(f"{log_dir}/%x-%j.out")}
 
 set -euo pipefail
 cd {shlex.quote(str(cwd))}
@@ -153,5 +154,6 @@ def shards_main(argv) -> None:
     with cli_errors(ap.prog, DataError, LaunchError, OSError):
         array, merge = write_shards_job(job, args.output)
     print(f"wrote {array} ({job.parts} array tasks) and {merge}; logs in {Path(job.log_dir).absolute()}; "
-          f"submit with: sbatch --dependency=afterok:$(sbatch --parsable {array}) {merge}")
+          f"submit with: sbatch --dependency=afterok:$(sbatch --parsable {shlex.quote(str(array))}) "
+          f"{shlex.quote(str(merge))}")
     raise SystemExit(0)

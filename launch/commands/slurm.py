@@ -4,6 +4,7 @@ pre-training job (``launch/slurm.py``) and create its log folder. With ``--shard
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -91,5 +92,6 @@ def command(args) -> int:
     out = write(job, args.output)
     what = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.ranks} CPU rank(s)"
     print(f"wrote {out}: {job.nodes} node(s) x {what}, launcher {job.launcher}"
-          f"{', --requeue' if job.requeue else ''}; logs in {Path(job.log_dir).absolute()}; submit with: sbatch {out}")
+          f"{', --requeue' if job.requeue else ''}; logs in {Path(job.log_dir).absolute()}; "
+          f"submit with: sbatch {shlex.quote(str(out))}")
     return 0

@@ -55,7 +55,8 @@ def test_job_array_parts_then_dependent_merge_equal_one_process(slurm, tmp_path)
     finish, the merge never starts (its dependency cannot be met). Then, as the script's header
     says, part 2 alone is submitted again with the merge after it: part 1's and 3's files are not
     touched, and the merged shards equal one process's."""
-    out, logs, script = tmp_path / "shards", tmp_path / "logs", tmp_path / "shards.sbatch"
+    # a log folder with a space: sbatch reads the quoted #SBATCH --output line by its own rules
+    out, logs, script = tmp_path / "shards", tmp_path / "job logs", tmp_path / "shards.sbatch"
     r = subprocess.run([sys.executable, "-m", "launch", "slurm", "--shards", "--parts", "3", "--cpus-per-node", "1",
                         "--job-name", "shards-test", "--log-dir", str(logs), "--output", str(script), "--",
                         *SHARDS, "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)

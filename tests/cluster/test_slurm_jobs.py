@@ -27,7 +27,7 @@ pytestmark = pytest.mark.cluster
 
 def write_script(tmp_path, manifest, run_dir, *extra_cli, overrides=()):
     out = tmp_path / "job.sbatch"
-    logs = tmp_path / "logs"  # does not exist yet: `vit-launch slurm` must create it
+    logs = tmp_path / "job logs"  # not there yet (`vit-launch slurm` makes it); its space, quoted for sbatch
     r = subprocess.run([sys.executable, "-m", "launch", "slurm", "--config", "configs/tiny_cpu.yaml", "--nodes", "1",
                         "--gpus-per-node", "0", "--ranks-per-node", "2", "--cpus-per-node", str(os.cpu_count()),
                         "--log-dir", str(logs), "--output", str(out), *extra_cli,

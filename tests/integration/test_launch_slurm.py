@@ -152,8 +152,9 @@ def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, cap
     (["--gpus-per-node", "0", "--requeue", "--time", "0:01:00"], "--time 0:01:00 is no longer than --signal-grace 120"),
     (["--gpus-per-node", "0", "--requeue", "--time", "1-0", "--signal-grace", "86400"], "--time 1-0 is no longer"),
     (["--gpus-per-node", "0", "--master-port", "0"], "--master-port must be in 1-65535, got 0"),
-    (["--gpus-per-node", "0", "--job-name", "my run"], "--job-name 'my run': SLURM names here take no spaces"),
-    (["--gpus-per-node", "0", "--partition", "gpu a100"], "--partition 'gpu a100': SLURM names here take no spaces"),
+    (["--gpus-per-node", "0", "--job-name", "my run"], "--job-name 'my run': a name in an #SBATCH line takes no"),
+    (["--gpus-per-node", "0", "--partition", "gpu a100"], "--partition 'gpu a100': a name in an #SBATCH line"),
+    (["--gpus-per-node", "0", "--account", "lab#2"], "--account 'lab#2': a name in an #SBATCH line"),
 ])
 def test_bad_options_are_one_line(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -171,15 +172,23 @@ def test_time_limits_in_every_slurm_format_are_read_as_seconds():
         assert SLURM_TIME.match(text) and time_seconds(text) == seconds, text
 
 
-def test_a_config_name_with_a_space_is_one_word_of_the_job_name(tmp_path, capsys):
-    config = tmp_path / "my run's.yaml"
+def test_names_and_folders_with_spaces_are_one_word_of_their_sbatch_lines(tmp_path, capsys):
+    """sbatch ends an #SBATCH word at an unquoted space and cuts the line at #: the default job name
+    has them replaced, the log folder is quoted (sbatch takes the quotes out; real jobs with such a
+    folder run in tests/cluster), and the printed submit command is one shell word."""
+    config = tmp_path / "my run's#2.yaml"
     config.write_text(open(CONFIG).read())
-    out = tmp_path / "job.sbatch"
+    out = tmp_path / "my jobs" / "job.sbatch"
+    out.parent.mkdir()
     with pytest.raises(SystemExit) as e:
         main(["slurm", "--config", str(config), "--nodes", "1", "--gpus-per-node", "0", "--output", str(out),
-              "--log-dir", str(tmp_path / "logs")])
+              "--log-dir", str(tmp_path / "job logs")])
     assert e.value.code == 0, capsys.readouterr().err
-    assert "#SBATCH --job-name=vitscale-my_run_s" in out.read_text().splitlines()
+    lines = out.read_text().splitlines()
+    assert "#SBATCH --job-name=vitscale-my_run_s_2" in lines
+    assert f'#SBATCH --output="{tmp_path}/job logs/%x-%j.out"' in lines
+    assert capsys.readouterr().out.rstrip().endswith(f"submit with: sbatch {shlex.quote(str(out))}")
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
 
 
 def test_srun_script_starts_one_runner_per_node_without_ssh(tmp_path, capsys):
