@@ -195,9 +195,13 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
         need(ev.steps > 0, "steps", f"must be positive, got {ev.steps}")
         need(0 <= ev.warmup_steps < ev.steps, "warmup_steps",
              f"must be in [0, eval.steps={ev.steps}), got {ev.warmup_steps}")
-        need((ev.lr is None or ev.lr > 0) and all(v > 0 for v in ev.sweep_lr or ()), "lr",
-             "learning rates must be positive")
-        need(ev.sweep_lr is None or len(ev.sweep_lr) > 0, "sweep_lr", "must list at least one learning rate")
+        need(ev.lr is None or ev.lr > 0, "lr", f"must be positive, got {ev.lr}")
+        need(ev.sweep_lr is None or (len(ev.sweep_lr) > 0 and all(v > 0 for v in ev.sweep_lr)), "sweep_lr",
+             f"must list positive learning rates, got {ev.sweep_lr}")
+        for name, peak in (("eval.lr", ev.lr), ("the least of eval.sweep_lr", min(ev.sweep_lr or (), default=None))):
+            # the cosine decays from the peak to min_lr, as optim.min_lr's
+            if ev.min_lr is not None and peak is not None:
+                need(ev.min_lr <= peak, "min_lr", f"must be in [0, {name}={peak:g}], got {ev.min_lr:g}")
         for key in ("min_lr", "grad_clip", "weight_decay", "label_smoothing", "mixup_alpha", "cutmix_alpha",
                     "drop_path_rate"):
             need(getattr(ev, key) is None or getattr(ev, key) >= 0, key, f"must be >= 0, got {getattr(ev, key)}")
@@ -210,10 +214,17 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
         need(ev.ema_decay is None or 0 <= ev.ema_decay < 1, "ema_decay",
              f"must be in [0, 1) (0: no EMA), got {ev.ema_decay}")
     _check_knn(ev, "eval", fail)
-    need(ev.linear_l2 >= 0 and all(v >= 0 for v in ev.sweep_linear_l2), "linear_l2", "must be >= 0")
-    need(ev.fewshot_l2 > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "fewshot_l2", "must be > 0")
+    need(ev.linear_l2 >= 0, "linear_l2", f"must be >= 0, got {ev.linear_l2}")
+    need(ev.fewshot_l2 > 0, "fewshot_l2", f"must be > 0, got {ev.fewshot_l2}")
+    # the grids a sweep searches: at least one value each, as their single keys
+    need(len(ev.sweep_linear_l2) > 0 and all(v >= 0 for v in ev.sweep_linear_l2), "sweep_linear_l2",
+         f"must list L2 penalties >= 0, got {ev.sweep_linear_l2}")
+    need(len(ev.sweep_fewshot_l2) > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "sweep_fewshot_l2",
+         f"must list ridge penalties > 0, got {ev.sweep_fewshot_l2}")
     _check_fewshot(ev, "eval", fail)
     need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
+    need(ev.watch_idle_timeout_s is None or ev.watch_idle_timeout_s >= 0, "watch_idle_timeout_s",
+         f"must be >= 0 (0: evaluate what is there, then stop) or null, got {ev.watch_idle_timeout_s}")
 
 
 @dataclass

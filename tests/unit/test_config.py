@@ -194,6 +194,16 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps: must be >= 1"),
     (["zero.allgather_bucket_size=0"], "zero.allgather_bucket_size: must be a positive number of elements"),
     (["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold: must be >= 0"),
+    # a fine-tune's schedule and every sweep grid, each named by its own key
+    (["eval.protocol=finetune", "eval.lr=0.1", "eval.min_lr=0.5"], "eval.min_lr: must be in [0, eval.lr=0.1], got 0.5"),
+    (["eval.protocol=finetune", "eval.sweep_lr=[0.1,1]", "eval.min_lr=0.5"],
+     "eval.min_lr: must be in [0, the least of eval.sweep_lr=0.1], got 0.5"),
+    (["eval.protocol=finetune", "eval.sweep_lr=[0.1,-1]"], "eval.sweep_lr: must list positive learning rates"),
+    (["eval.sweep_linear_l2=[]"], "eval.sweep_linear_l2: must list L2 penalties >= 0, got []"),
+    (["eval.sweep_linear_l2=[-1]"], "eval.sweep_linear_l2: must list L2 penalties >= 0, got [-1.0]"),
+    (["eval.sweep_fewshot_l2=[]"], "eval.sweep_fewshot_l2: must list ridge penalties > 0, got []"),
+    (["eval.sweep_fewshot_l2=[0]"], "command line: eval.sweep_fewshot_l2: must list ridge penalties > 0"),
+    (["eval.watch_idle_timeout_s=-1"], "eval.watch_idle_timeout_s: must be >= 0 (0: evaluate what is there"),
 ])
 def test_values_the_run_would_meet_late_are_refused_at_load(overrides, needle):
     with pytest.raises(ConfigError) as e:
