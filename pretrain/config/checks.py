@@ -30,7 +30,7 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         close = difflib.get_close_matches(m.name, list_models(), n=1, cutoff=0.4)
         fail("model.name", f"unknown model {m.name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
     d = model_defaults(m.name)
-    img = m.img_size or d["img_size"]
+    img = d["img_size"] if m.img_size is None else m.img_size  # 0 is not "the name's": it is refused
     if img <= 0:
         fail("model.img_size", f"must be positive, got {img}")
     patch = d["stride"]
@@ -38,6 +38,9 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("model.img_size", f"patch size {patch} of {m.name} does not divide image size {img}")
     if m.num_classes < 0:
         fail("model.num_classes", f"must be >= 0, got {m.num_classes}")
+    if m.representation_size is not None and m.representation_size <= 0:
+        fail("model.representation_size", f"must be a positive width or null (no pre-logits layer), "
+             f"got {m.representation_size}")
     for key, val in (("model.drop_rate", m.drop_rate), ("model.drop_path_rate", m.drop_path_rate),
                      ("model.patch_drop_rate", m.patch_drop_rate)):
         if not 0.0 <= val < 1.0:
