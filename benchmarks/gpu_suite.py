@@ -7,7 +7,7 @@
 Sections, each with its own time budget (a measurement stops early when its budget is spent; the
 whole suite is planned to end within 9 minutes on one H100):
 
-  peak    the device's measured bf16 matmul TFLOP/s beside the data-sheet peak (pretrain.observability.flops)
+  peak    the device's measured bf16 matmul TFLOP/s beside the data-sheet peak (pretrain.perf.hardware)
   model   for ViT-B/16, L/16, H/14 at 224 px, bf16 autocast, one batch per model: timm's model,
           ours eager, ours with each block compiled, ours with activation checkpointing. The four
           share the batch and alternate step by step in one process (clock, heat and other load
@@ -27,7 +27,7 @@ whole suite is planned to end within 9 minutes on one H100):
           without DALI (carried in parts: ``make device-kit-nvidia``) records why instead
 
 A row that fails (out of memory, a compile error) records its error and the suite goes on. MFU is
-against the data-sheet peak when the device is in pretrain.observability.flops' table, else against the measured
+against the data-sheet peak when the device is in pretrain.perf.hardware's table, else against the measured
 matmul peak (``peak_source`` says which). Outputs: ``suite.json`` and ``suite.md`` (the tables for
 benchmarks/results/gpu-suite-<gpu>.md) in ``--output``.
 

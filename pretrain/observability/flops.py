@@ -1,4 +1,4 @@
-"""FLOP accounting: fvcore counts, an analytic formula that agrees with them, peak table, MFU.
+"""FLOP accounting: fvcore counts, an analytic formula that agrees with them, the device's peak, MFU.
 
 Convention (fvcore's, and the one papers quote for ViT "GFLOPs"): one multiply-add = one flop.
 fvcore skips ``aten::scaled_dot_product_attention``; we add a handle so attention is counted
@@ -21,17 +21,6 @@ import torch
 from data_pipeline.errors import Parser
 from pretrain.models.arch import analytic_flops, list_models, model_defaults
 from pretrain.models.vit import VisionTransformer, create_model
-
-# Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, without sparsity).
-PEAK_BF16_TFLOPS = {
-    "A100": 312.0,
-    "H100 PCIe": 756.0,
-    "H100 NVL": 835.0,
-    "H100": 989.4,  # SXM
-    "H200": 989.4,
-    "GH200": 989.4,
-    "B200": 2250.0,
-}
 
 
 def _sdpa_flop_jit(inputs, outputs) -> int:
@@ -88,16 +77,17 @@ def train_flops_per_image(forward_macs: float, recompute_macs: float = 0.0) -> t
 
 
 def peak_tflops(device_name: Optional[str] = None) -> Optional[float]:
-    """Dense bf16 peak for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'); None if unknown."""
+    """Dense bf16 peak for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), from the performance
+    model's GPU table (``pretrain.perf.hardware``), so measured and predicted MFU divide by the same
+    peak; None for a device not in it."""
+    from pretrain.perf.hardware import GPUS, gpu_key
+
     if device_name is None:
         if not torch.cuda.is_available():
             return None
         device_name = torch.cuda.get_device_name()
-    # longest key first so 'H100 PCIe' wins over 'H100'
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if all(part in device_name for part in key.split()):
-            return PEAK_BF16_TFLOPS[key]
-    return None
+    key = gpu_key(device_name)
+    return GPUS[key].peak_tflops if key else None
 
 
 def mfu(flops_per_image: float, images_per_sec_per_device: float, peak: Optional[float]) -> Optional[float]:

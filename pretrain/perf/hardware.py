@@ -24,6 +24,10 @@ GPUS: dict[str, GPU] = {
     "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.564, "borrowed from a100-80gb (same SMs and clocks)", sms=108),
     "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.564, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s", sms=108),
     "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.385, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s", sms=132),
+    # the PCIe cards: lower clocks and power, GPUs joined by PCIe Gen5 x16 (NVLink bridges pair them at most)
+    "h100-pcie": GPU(756.0, 80, 2000, 512, 0.385, "borrowed from h100-sxm (Hopper SMs)", sms=114),
+    "h100-nvl": GPU(835.0, 94, 3900, 512, 0.385, "borrowed from h100-sxm (Hopper SMs)", sms=132),
+    "h200-nvl": GPU(835.0, 141, 4800, 512, 0.385, "borrowed from h100-sxm (Hopper SMs)", sms=132),
     "h200": GPU(989.4, 141, 4800, 3600, 0.385, "borrowed from h100-sxm (same Hopper SMs)", sms=132),
     "b200": GPU(2250.0, 180, 8000, 7200, 0.385, "borrowed from h100-sxm (no published ViT point)", sms=148),
     "l40s": GPU(362.0, 48, 864, 256, 0.564, "borrowed from a100-80gb (no published ViT point)", sms=142),
@@ -82,7 +86,8 @@ def ring_link(world: int, gpus_per_node: int, gpu: Optional[str], network: Optio
 
 
 # CUDA device names (torch.cuda.get_device_name) -> GPUS keys, most specific first
-DEVICE_NAMES = [("A100", "40GB", "a100-40gb"), ("A100", "", "a100-80gb"), ("H100", "", "h100-sxm"),
+DEVICE_NAMES = [("A100", "40GB", "a100-40gb"), ("A100", "", "a100-80gb"), ("H100", "PCIe", "h100-pcie"),
+                ("H100", "NVL", "h100-nvl"), ("H100", "", "h100-sxm"), ("H200", "NVL", "h200-nvl"),
                 ("H200", "", "h200"), ("B200", "", "b200"), ("L40S", "", "l40s"), ("3090", "", "rtx3090"),
                 ("4090", "", "rtx4090")]
 

@@ -269,6 +269,9 @@ def test_training_records_the_prediction_for_known_gpus():
     assert gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
     assert gpu_key("NVIDIA A100-SXM4-80GB") == "a100-80gb"
     assert gpu_key("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    # the PCIe cards are their own types: a lower peak and no NVLink ring, not an SXM's
+    assert (gpu_key("NVIDIA H100 PCIe"), gpu_key("NVIDIA H100 NVL"), gpu_key("NVIDIA H200 NVL")) == (
+        "h100-pcie", "h100-nvl", "h200-nvl")
     assert gpu_key("NVIDIA GeForce RTX 4090") == "rtx4090"
     assert gpu_key("cpu") is None
     cfg = load_config("configs/vit_l16_in21k.yaml")

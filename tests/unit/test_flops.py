@@ -90,6 +90,8 @@ def test_training_flops_and_mfu_arithmetic():
     assert hw_ckpt == pytest.approx(6 * fwd + 2 * blocks)
     assert peak_tflops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA H100 PCIe") == pytest.approx(756.0)
+    assert peak_tflops("NVIDIA H100 NVL") == peak_tflops("NVIDIA H200 NVL") == pytest.approx(835.0)
+    assert peak_tflops("NVIDIA H200") == peak_tflops("NVIDIA GH200 480GB") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == pytest.approx(312.0)
     assert peak_tflops("Some CPU") is None
     # 400 img/s/GPU of ViT-L/16 on an H100: 6 * 61.6e9 * 400 / 989.4e12 = 14.9 %
