@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Mapping, Optional
 
 import torch
 
-from pretrain.models.arch import list_models, model_defaults
+from pretrain.models.arch import analytic_flops, list_models, model_defaults
 
 CONFIG = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -335,14 +336,46 @@ def transfer_table(docs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def compute_seen(m: dict, t: dict, img: int, step: int) -> str:
+    """The card's compute cell: 6 x the analytic forward of each image seen, at its step's resolution
+    (``train.resolution_schedule``) and on the tokens patch dropout kept (``model.patch_drop_rate``),
+    as training's logged FLOPs count them; beside it, when that differs, the same steps at ``img`` px
+    with every token."""
+    from pretrain.config.phases import resolution_phases
+
+    def macs(px: int, drop: float) -> float:
+        return analytic_flops(m["name"], px, int(m.get("num_classes", 0)), m.get("global_pool", "token"),
+                              m.get("representation_size"), qk_norm=bool(m.get("qk_norm")),
+                              reg_tokens=int(m.get("reg_tokens") or 0), class_token=m.get("class_token", True),
+                              patch_drop_rate=drop)
+
+    batch, drop = int(t["global_batch_size"]), float(m.get("patch_drop_rate") or 0.0)
+    plan = SimpleNamespace(steps=int(t.get("steps", step)), micro_batch_size=int(t.get("micro_batch_size", 1)),
+                           resolution_schedule=t.get("resolution_schedule") or [])
+    phases = resolution_phases(plan, img)
+    done = 0.0
+    for i, p in enumerate(phases):  # steps past the last phase (a resumed, longer run) train at its resolution
+        last = step if i == len(phases) - 1 else min(p.last, step)
+        done += 6 * macs(p.img_size, drop) * batch * max(0, last - p.first + 1)
+    full = 6 * macs(img, 0.0) * batch * step
+    fewer = []
+    if len(phases) > 1 or phases[0].img_size != img:
+        fewer.append(f"at its step's resolution ({', '.join(f'{p.img_size} px' for p in phases)})")
+    if drop:
+        fewer.append(f"on the patches dropout kept (model.patch_drop_rate {drop:g})")
+    if not fewer:
+        return f"{full / 1e18:.3g} exaFLOPs (6 x {full / 6 / batch / step / 1e9:.3g} GMACs forward per image x " \
+               "images seen; analytic)"
+    return (f"{done / 1e18:.3g} exaFLOPs (6 x the forward of each image seen, {' and '.join(fewer)}; analytic); "
+            f"{full / 1e18:.3g} at {img} px with every token")
+
+
 def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optional[str],
                run_root: Optional[Path], params: int, prep: dict) -> str:
     """README.md in the Hub's format: YAML front matter, how to load, the training summary read
     from the run directory (steps, images seen, final loss, compute, device-hours) and the
     run's transfer results when it holds any. ``cfg``: the run's whole config (a dict; only
     ``model`` for a converted folder); ``prep``: mean, std, crop_pct."""
-    from pretrain.models.arch import analytic_flops
-
     m, t, o = cfg["model"], cfg.get("train", {}), cfg.get("optim", {})
     img = m.get("img_size") or model_defaults(m["name"])["img_size"]
     front = ["---", "library_name: transformers", "pipeline_tag: image-classification",
@@ -362,12 +395,8 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
     rows = [("Model", f"{m['name']} at {img} px, {params / 1e6:.1f}M parameters")]
     if step is not None and t.get("global_batch_size"):
         images = step * int(t["global_batch_size"])
-        macs = analytic_flops(m["name"], img, int(m.get("num_classes", 0)), m.get("global_pool", "token"),
-                              m.get("representation_size"), qk_norm=bool(m.get("qk_norm")),
-                              reg_tokens=int(m.get("reg_tokens") or 0), class_token=m.get("class_token", True))
         rows += [("Steps", f"{step}"), ("Images seen", f"{images:,} ({step} x global batch {t['global_batch_size']})"),
-                 ("Compute", f"{6 * macs * images / 1e18:.3g} exaFLOPs (6 x {macs / 1e9:.3g} GMACs forward per "
-                             f"image x images seen; analytic)")]
+                 ("Compute", compute_seen(m, t, img, step))]
     loss = final_loss(run_root, step) if run_root is not None and step is not None else None
     if loss:
         rows.append(("Final training loss", f"{loss[1]:.4f} (step {loss[0]}, metrics.jsonl)"))

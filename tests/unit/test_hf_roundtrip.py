@@ -154,6 +154,25 @@ def test_run_to_hf_folder_logits_labels_card(tmp_path, manifest, capsys):
         assert needle in card, (needle, card)
 
 
+def test_card_compute_counts_each_step_at_its_resolution_and_kept_tokens():
+    """A run on fewer tokens (a resolution schedule, patch dropout) is credited the compute its steps
+    did, as training's logged FLOPs count it, and the card says what every token at full size would
+    have cost. Steps 1-5 train at 16 px, 6-10 at 32; the checkpoint is step 8."""
+    tokens = load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=3",
+                                "model.patch_drop_rate=0.5", "train.steps=10", "train.micro_batch_size=16",
+                                "train.global_batch_size=16", "train.resolution_schedule=[[0.0,16],[0.5,32]]"])
+    cfg = to_dict(tokens)
+    prep = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 0.875}
+    card = hf.model_card(cfg, 8, ["a", "b", "c"], None, None, 10 ** 6, prep)
+    gmacs = lambda px, rate: analytic_flops("vit_tiny_patch16_224", px, 3, patch_drop_rate=rate)  # noqa: E731
+    done = 6 * 16 * (5 * gmacs(16, 0.5) + 3 * gmacs(32, 0.5)) / 1e18
+    full = 6 * 16 * 8 * gmacs(32, 0.0) / 1e18
+    assert done < full / 2
+    assert (f"| Compute | {done:.3g} exaFLOPs (6 x the forward of each image seen, at its step's resolution "
+            f"(16 px, 32 px) and on the patches dropout kept (model.patch_drop_rate 0.5); analytic); {full:.3g} at "
+            f"32 px with every token |") in card, card
+
+
 def test_ours_hf_ours_bit_identical_base_shapes(tmp_path):
     """ViT-B/16 shapes at 32 px, without a checkpoint: the conversion and folder writer alone."""
     from pretrain.weights.export import write_safetensors
