@@ -29,7 +29,8 @@ def time_seconds(value: str) -> int:
 def header_word(flag: str, value: str) -> str:
     """``value`` as an ``#SBATCH --flag=value`` line takes it. sbatch reads those lines with its own
     rules: an unquoted space ends the word, ``#`` starts a comment, quotes and ``\\`` are taken out
-    (``--job-name=my run`` names the job ``my``), so a value holding any of them is refused."""
+    (``--job-name=my run`` is refused at submission: "Invalid directive found in batch script:
+    run"), so a value holding any of them is refused here, when the script is written."""
     if any(c.isspace() or c in "'\"#\\" for c in value):
         raise LaunchError(f"{flag} {value!r}: a name in an #SBATCH line takes no spaces, quotes, # or \\")
     return value
@@ -37,8 +38,8 @@ def header_word(flag: str, value: str) -> str:
 
 def header_path(path) -> str:
     """A path as one word of an ``#SBATCH`` line: in double quotes (``\\`` before a quote or a
-    backslash inside) when it holds what sbatch would split or cut there -- a folder such as
-    ``~/My Projects`` is a common place for a checkout."""
+    backslash inside) when it holds what sbatch would split or cut there. A folder such as
+    ``~/My Projects``, a common place for a checkout, left bare makes sbatch refuse the script."""
     text = str(path)
     if not any(c.isspace() or c in "'\"#\\" for c in text):
         return text
