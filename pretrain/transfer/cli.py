@@ -148,7 +148,8 @@ def main(argv=None) -> None:
                  if v is not None]
         cfg = load_config(args.config, [*args.overrides, *flags])
         user_arch = explicit_model_keys(args.config, args.overrides, cfg.model)
-        check_output(args.output)  # before the evaluation: an unwritable --output costs a second, not the run
+        # before the evaluation: an unwritable --output costs a second, not the run
+        check_output(args.output, watch=bool(args.watch))
         if args.watch:
             run_watch(args, cfg, user_arch)
         else:

@@ -53,13 +53,30 @@ def write_json(path: str | Path, obj) -> Path:
     return write_atomic(path, json.dumps(obj, indent=1))
 
 
-def check_output(path: str | Path) -> None:
-    """TransferError (one line) when ``path`` cannot be written; called before any evaluation, so
+def is_results(obj) -> bool:
+    """Whether ``obj`` (a JSON document) is one evaluation's results, as ``assemble`` makes them."""
+    return isinstance(obj, dict) and {"suite", "protocol", "tasks"} <= set(obj) and isinstance(obj["tasks"], dict)
+
+
+def check_output(path: str | Path, watch: bool = False) -> None:
+    """TransferError (one line) when ``path`` cannot be written, or holds a file that is not results
+    of ours (a checkpoint, a config: replacing it would lose it); called before any evaluation, so
     a mistake costs a second, not the evaluation. A real file is created and removed in the
-    nearest existing folder: permission bits say nothing for root, on NFS or under ``chattr +i``."""
+    nearest existing folder: permission bits say nothing for root, on NFS or under ``chattr +i``.
+    ``watch``: the file ``--watch`` continues (whose run it belongs to, its caller checks)."""
     p = Path(path)
     if p.is_dir():
         raise TransferError(f"--output {p}: is a folder; name a file, e.g. --output {p / 'results.json'}")
+    if p.is_file():
+        try:
+            doc = json.loads(p.read_bytes())
+        except (ValueError, UnicodeDecodeError, OSError):
+            doc = None
+        ours = (isinstance(doc, dict) and "watch" in doc) if watch else is_results(doc)
+        if not ours:
+            what = "--watch results" if watch else "one evaluation's results (a vit-transfer --output)"
+            raise TransferError(f"--output {p}: exists and is not {what}; it is left as it is: choose "
+                                "another --output")
     why = unwritable(p.parent)  # write_atomic creates missing folders: their nearest parent counts
     if why:
         raise TransferError(f"--output {p}: {why}; choose a writable --output")

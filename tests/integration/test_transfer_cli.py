@@ -270,6 +270,27 @@ def test_unwritable_output_is_one_line_before_any_work(tmp_path, colours, capsys
     assert "is a folder" in _error(capsys, ["--checkpoint", str(ckpt), "--suite", "demo", "--output", str(tmp_path)])
 
 
+def test_output_naming_a_file_not_results_leaves_it_and_does_no_work(tmp_path, colours, capsys, monkeypatch):
+    """``--output`` naming the checkpoint itself (or any file that is not results of ours) replaced
+    it with the results JSON; now one line before any work, the file as it was. A results file is
+    replaced as before, and --watch keeps to files of its own kind."""
+    import pretrain.transfer.cli as cli
+
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors")
+    before = ckpt.read_bytes()
+    started = []
+    monkeypatch.setattr(cli, "load_pretrained", lambda *a, **k: started.append(1))
+    for argv in (["--checkpoint", str(ckpt)], ["--watch", str(tmp_path)]):
+        line = _error(capsys, [*argv, "--suite", "demo", "--output", str(ckpt)])
+        assert line.startswith(f"vit-transfer: error: --output {ckpt}: exists and is not ") and \
+            line.endswith("it is left as it is: choose another --output"), line
+    single = tmp_path / "r.json"
+    single.write_text(json.dumps({"suite": "demo", "protocol": "knn", "tasks": {}}))
+    assert "is not --watch results" in _error(capsys, ["--watch", str(tmp_path), "--suite", "demo",
+                                                       "--output", str(single)])
+    assert ckpt.read_bytes() == before and started == []
+
+
 def test_output_that_fails_at_the_end_is_saved_in_tmpdir(tmp_path, colours, capsys, lockable, monkeypatch):
     """The folder becomes unwritable while the evaluation runs: the results go to $TMPDIR and the
     one line says where; the table is still printed."""
