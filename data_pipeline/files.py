@@ -50,12 +50,18 @@ def unwritable(folder: str | Path) -> Optional[str]:
     return None
 
 
-def check_output_file(path: str | Path) -> None:
+def check_output_file(path: str | Path, reads: Optional[dict[str, str | Path]] = None) -> None:
     """ConfigError (one line) when a command could not write its ``--output`` file ``path``: a
-    folder there, or no file can be created in its folder. Commands call it before any work."""
+    folder there, no file can be created in its folder, or it is a file the command reads
+    (``reads``: option -> path, e.g. ``{"--config": ...}``), which writing would replace. Commands
+    call it before any work."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"--output {path}: a folder, not a file; name the file to write")
+    for flag, source in (reads or {}).items():
+        if source is not None and p.exists() and Path(source).exists() and os.path.samefile(p, source):
+            raise ConfigError(f"--output {path}: is the {flag} file this command reads; writing would replace "
+                              "it: choose another --output")
     why = unwritable(p.parent)
     if why:
         raise ConfigError(f"--output {path}: {why}; choose a writable --output")

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from data_pipeline.files import check_output_file
 from launch.commands.options import config_arguments
 from launch.hostfile import LaunchError
 from launch.slurm import SlurmJob, validate, write
@@ -68,6 +69,7 @@ def check_arguments(args) -> None:
         if v is not None:
             raise LaunchError(f"{flag} belongs to a shard-writing job array: add --shards")
     validate(job_from_args(args))
+    check_output_file(args.output, {"--config": args.config})  # the script written over its own config
 
 
 def layout_ok(cfg, job: SlurmJob) -> bool:

@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.output:
         with cli_errors("vit-config"):
-            check_output_file(args.output)
+            check_output_file(args.output, {"--config": args.config})
     if args.reference:
         from pretrain.config.reference import reference
 

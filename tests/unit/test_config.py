@@ -265,6 +265,28 @@ def test_non_utf8_yaml_and_unwritable_output_are_one_line(tmp_path):
     assert e.value.code == 2
 
 
+def test_an_output_that_is_the_config_read_is_refused_and_left(tmp_path, capsys):
+    """``vit-config --output`` and ``vit-launch slurm --output`` naming the --config they read (by
+    another path too) replaced it, with the resolved tree or with the sbatch script; now one line,
+    the file as it was."""
+    from launch.cli import main as launch_main
+    from pretrain.config.cli import main as config_main
+
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text("base: " + str(REPO / "configs/tiny_cpu.yaml") + "\n# my notes\ntrain: {seed: 3}\n")
+    before = cfg.read_bytes()
+    link = tmp_path / "same.yaml"
+    link.symlink_to(cfg)
+    said = "--output {}: is the --config file this command reads; writing would replace it: choose another --output"
+    for run, prog, argv in ((config_main, "vit-config", []),
+                            (launch_main, "vit-launch", ["slurm", "--nodes", "1", "--gpus-per-node", "0"])):
+        for out in (cfg, link):
+            with pytest.raises(SystemExit) as e:
+                run([*argv, "--config", str(cfg), "--output", str(out)])
+            assert (e.value.code, capsys.readouterr().err) == (2, f"{prog}: error: {said.format(out)}\n")
+    assert cfg.read_bytes() == before
+
+
 def test_cli_prints_resolved_config():
     r = run_cli("--config", str(REPO / "configs/tiny_cpu.yaml"), "train.seed=5")
     assert r.returncode == 0, r.stderr
