@@ -301,6 +301,17 @@ def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None, ema
             "timm_call": timm_call(info, out, pcfg)}
 
 
+def check_apart(run_dir: str | Path, out: str | Path) -> None:
+    """An export never writes into what it reads: a transformers folder it converts (its
+    ``config.json`` and weights would be replaced by the export's own) or a run's checkpoints."""
+    read = Path(run_dir).resolve()
+    if not hf.is_hf_folder(run_dir):  # the checkpoints' root: the run dir may hold an export beside them
+        read = read.parent if rundir.step_of(read) is not None else rundir.checkpoint_root(read).resolve()
+    o = Path(out).resolve()
+    if o == read or read in o.parents:
+        raise ExportError(f"{out}: inside {read}, which this export reads; choose an output outside it")
+
+
 def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, fmt: str = "timm",
               ema: bool = False) -> dict:
     """``export`` (``fmt`` timm) or ``export_hf`` (hf) to a local path, or to ``s3://bucket/key``:
@@ -308,6 +319,7 @@ def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
     folder and uploaded one object per file (multipart, retried as shards are), the safetensors file
     at the URL itself, a transformers folder's files under the URL as a prefix."""
     if not is_s3(str(out)):
+        check_apart(run_dir, out)
         return (export_hf if fmt == "hf" else export)(run_dir, out, step, ema)
     url = str(out).rstrip("/")
     prefix, name = (url, "hf") if fmt == "hf" else url.rsplit("/", 1)

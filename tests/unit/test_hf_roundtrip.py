@@ -235,6 +235,14 @@ def test_hf_to_ours_to_hf(tmp_path, capsys):
     assert bb.pos_embed.shape == (1, 1 + 9, 192) and torch.equal(bb.pos_embed[:, 0], ours.pos_embed[:, 0])
     assert torch.equal(bb.head.weight, torch.zeros(3, 192))
 
+    # written into the folder it converts, the export would replace the config and weights it reads
+    files = {f.name: f.read_bytes() for f in (tmp_path / "src").iterdir()}
+    capsys.readouterr()  # transformers' own save lines
+    for out, fmt in ((tmp_path / "src", "hf"), (tmp_path / "src" / "model.safetensors", "timm")):
+        code, _, err = export(capsys, tmp_path / "src", out, "--format", fmt)
+        assert code == 2 and err == (f"vit-export: error: {out}: inside {tmp_path / 'src'}, which this export reads; "
+                                     "choose an output outside it\n"), err
+    assert {f.name: f.read_bytes() for f in (tmp_path / "src").iterdir()} == files
     code, _, err = export(capsys, tmp_path / "src", tmp_path / "back", "--format", "hf")
     assert code == 0, err
     logits, info = hf_logits(tmp_path / "back", x)
@@ -259,7 +267,10 @@ def test_unsupported_variant_is_one_line_naming_the_key(tmp_path, manifest, caps
 
 def test_timm_export_carries_pretrained_cfg(tmp_path, manifest, capsys):
     run, ours = make_run(tmp_path / "run", manifest)
-    out = tmp_path / "w.safetensors"
+    for inside in (run / "checkpoints" / "w.safetensors", run / "checkpoints" / rundir.tag_for(5) / "w.safetensors"):
+        code, _, err = export(capsys, run, inside)  # among the checkpoints it reads: refused
+        assert code == 2 and "which this export reads; choose an output outside it" in err, err
+    out = run / "w.safetensors"  # beside them, in the run directory: where a user keeps it
     code, stdout, err = export(capsys, run, out)
     assert code == 0, err
     call = stdout.strip().splitlines()[-1]
