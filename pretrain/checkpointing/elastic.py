@@ -192,6 +192,8 @@ def main(argv=None) -> None:
     ap.add_argument("checkpoint", help="one checkpoint directory, e.g. runs/x/checkpoints/step_00001000")
     ap.add_argument("--workers", type=int, default=None, help="converter processes (default: cores / 2, <= 8)")
     args = ap.parse_args(argv)
+    if args.workers is not None and args.workers < 1:  # 0 is not "the default": DeepSpeed's converter needs one
+        ap.error(f"--workers {args.workers}: must be >= 1")
     try:
         out = to_universal(args.checkpoint, workers=args.workers)
     except ElasticError as e:

@@ -163,3 +163,7 @@ def test_convert_ahead_of_time_cli_reports_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("vit-elastic: error:") and "step_00000007" in err
+    for n in ("0", "-2"):  # no converter process is not "the default number": refused as given
+        with pytest.raises(SystemExit) as e:
+            elastic.main([str(tmp_path / "step_00000007"), "--workers", n])
+        assert (e.value.code, capsys.readouterr().err) == (2, f"vit-elastic: error: --workers {n}: must be >= 1\n")
