@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -96,6 +97,9 @@ def parse_args(argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quality > 100:
         p.error(f"argument --quality: expected 1..100, got {args.quality}")
+    if not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*", args.split):  # it starts every shard's file name
+        p.error(f"argument --split: {args.split!r} is not a shard name prefix (letters, digits, '.', '_', '+', "
+                "'-'; not a path, not hidden)")
     return args
 
 

@@ -394,6 +394,10 @@ def test_interrupted_write_is_finished_by_rerun(tmp_path):
     (["--source", "demo", "--output", "X", "--quality", "101"], "--quality"),
     (["--source", "demo", "--output", "X", "--shard-size", "0"], "--shard-size"),
     (["--source", "demo"], "--output"),
+    # the split starts every shard's file name: a path there failed on the writer's temporary file
+    (["--source", "demo", "--output", "X", "--split", "x/y"], "--split: 'x/y' is not a shard name prefix"),
+    (["--source", "demo", "--output", "X", "--split", ""], "--split: '' is not a shard name prefix"),
+    (["--source", "demo", "--output", "X", "--split", ".val"], "--split: '.val' is not a shard name prefix"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, needle, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -401,6 +405,7 @@ def test_cli_errors_are_one_line_exit_2(argv, needle, tmp_path, capsys, monkeypa
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and needle in err and err.startswith("vit-shards: error:")
+    assert not (tmp_path / "X").exists()  # nothing written
 
 
 def test_python_m_entry_point(tmp_path):
