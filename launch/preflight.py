@@ -294,7 +294,25 @@ def check_val_shards(cfg: Config, train) -> list[Finding]:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
     problem = (val.labels_problem(train) if train is not None
                else val.config_problem(cfg.model.num_classes, d.multi_label))
-    return [Finding(FAIL, "shards", problem)] if problem else []
+    if problem:
+        return [Finding(FAIL, "shards", problem)]
+    shared = _same_files(val, train) if train is not None else []
+    if shared:  # allowed (a check that the model fits its data), but never by mistake
+        return [Finding(WARN, "shards", f"data.val_shards: {len(shared)} of its {len(val.shards)} shard(s) are "
+                        f"also training shards (e.g. {shared[0]}): its loss and accuracy score images the model "
+                        "trains on, not held-out ones")]
+    return []
+
+
+def _same_files(a, b) -> list[str]:
+    """The shards of ShardSet ``a`` that are shards of ``b`` too (the same file, however named)."""
+    from data_pipeline.storage.urls import is_remote
+
+    def key(url: str) -> str:
+        return url if is_remote(url) else os.path.realpath(url)
+
+    theirs = {key(s.url) for s in b.shards}
+    return [s.url for s in a.shards if key(s.url) in theirs]
 
 
 # -------------------------------------------------------------------------------------- run dir

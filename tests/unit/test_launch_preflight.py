@@ -149,6 +149,19 @@ def test_validation_shards_must_carry_the_training_labels(capsys, id_dir, tmp_pa
     assert code == 0, (out, err)
 
 
+def test_validation_on_the_training_shards_is_a_warning(capsys, id_dir, tmp_path):
+    """Validation shards that are training shards (named through another path too) score images the
+    model trains on: said, naming one, and the launch goes on (other shards with the same labels say
+    nothing: the test above)."""
+    (tmp_path / "link").symlink_to(id_dir)
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--world-size", "2", "validation.every_steps=2",
+                                        f"data.val_shards={tmp_path / 'link'}"))
+    assert code == 0 and err == [
+        f"vit-launch: warning: shards: data.val_shards: 8 of its 8 shard(s) are also training shards (e.g. "
+        f"{tmp_path / 'link' / 'train-000000.tar'}): its loss and accuracy score images the model trains on, not "
+        "held-out ones"], (out, err)
+
+
 def test_a_synthetic_run_reads_no_shards(capsys, tmp_path):
     """data.synthetic trains on random batches made on the device: no training shards to find."""
     code, out, err = check(capsys, ["--config", CONFIG, "--world-size", "2", "data.synthetic=true",
