@@ -27,6 +27,21 @@ def test_nonfinite_loss_is_skipped_and_counted(shards, tmp_path, stage):
     assert all(v["grad_norm"] is None or v["grad_norm"] == v["grad_norm"] for v in m.values())
 
 
+def test_a_checkpoint_save_is_not_in_the_next_windows_throughput(shards, tmp_path):
+    """The save of step 4 holds rank 0 for STALL_S seconds (a test fault inside the save): steps 5-8
+    took far less than that, and their window says so; the save's seconds are in the run's summary."""
+    from pretrain.resilience.faults import STALL_S
+
+    r = train(shards, tmp_path / "run", "train.steps=8", "train.log_every_steps=4", "checkpoint.every_steps=4",
+              "zero.stage=1", fault="stall_in_save:4@0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(tmp_path / "run")
+    window = 4 * m[8]["examples_seen"] / 8 / m[8]["images_per_sec"]  # seconds of steps 5-8 by the log
+    assert window < STALL_S / 2, (window, m[8])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["checkpoint_blocked_seconds"][0] >= STALL_S, summary
+
+
 def test_startup_says_what_it_is_doing(shards, tmp_path):
     """Start-up takes 10-90 s: rank 0 says each phase (stderr), and the last line gives the final
     step, the checkpoint and the export command."""
