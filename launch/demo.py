@@ -162,6 +162,10 @@ def main(argv=None) -> None:
                     help="held-out-class training images (test gets half); default: the full split")
     ap.add_argument("overrides", nargs="*", help="extra training overrides, e.g. optim.lr=3e-3")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--steps", args.steps, 1), ("--ranks", args.ranks, 1), ("--samples", args.samples, 1),
+                               ("--transfer-samples", args.transfer_samples, 2)):  # 2: the test split gets half
+        if value is not None and value < least:  # 0 is no count: not "the full split", not the runner's error
+            ap.error(f"{flag} {value}: must be >= {least}")
     out = Path(args.out)
     t0 = time.time()
     precision = default_precision()

@@ -40,3 +40,16 @@ def test_demo_end_to_end_and_resume(tmp_path):
     assert [r["step"] for r in evals if "eval/fewshot/demo/10shot" in r][-1] == 16
     png = out / "plots" / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flag, value, least", [("--steps", "0", 1), ("--ranks", "0", 1), ("--samples", "0", 1),
+                                                ("--transfer-samples", "1", 2)])
+def test_counts_below_one_are_a_usage_line_before_anything_is_written(tmp_path, capsys, flag, value, least):
+    """--samples 0 or --transfer-samples 0 meant "the whole split" (0 read as no --limit); --ranks 0
+    ended in a LaunchError traceback after the shards were written."""
+    from launch.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "demo"), flag, value])
+    assert (e.value.code, capsys.readouterr().err) == (2, f"vit-demo: error: {flag} {value}: must be >= {least}\n")
+    assert not (tmp_path / "demo").exists()
