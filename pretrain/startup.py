@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -100,6 +101,7 @@ class Connected:
     cfg: Config  # with its ``auto`` levers decided for this job and device (``decide_levers``)
     written: Config  # as written: config.yaml in the run directory
     levers: tuple[str, ...] = ()  # what ``auto`` chose, in words
+    started: float = 0.0  # time.time() as this invocation began: its device time is counted from there
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Restored:
     run_id: Optional[str] = None  # the W&B run a resumed job continues
     resumed: bool = False
     saved_ranks: int = 0  # ranks that wrote the resumed checkpoint (another world size: elastic)
+    device_seconds: float = 0.0  # devices x wall-clock of the invocations that led to that checkpoint
 
 
 @dataclass
@@ -158,6 +161,7 @@ def connect(cfg: Config, record: FailureRecord) -> Connected:
     """Join the process group and check, before anything expensive, the machine, the config and the
     run directory (writable; a checkpoint this config may resume). ``Connected.cfg`` is ``cfg`` with
     its ``auto`` levers decided: the later phases take that one."""
+    started = time.time()
     stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
     t = cfg.train
     startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
@@ -185,7 +189,7 @@ def connect(cfg: Config, record: FailureRecord) -> Connected:
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
     dog.hosts = hosts
-    return Connected(rank, world, hosts, layout, stop, startup, dog, say, tree, cfg, written, lever_lines)
+    return Connected(rank, world, hosts, layout, stop, startup, dog, say, tree, cfg, written, lever_lines, started)
 
 
 def build_engine(cfg: Config, c: Connected) -> Built:
@@ -265,7 +269,15 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     info, states = resumed
     # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)
     b.loader.resume(Checkpointer.loader_states(states, type(b.loader.state())))
-    return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states))
+    return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states),
+                    device_seconds=float(info.get("device_seconds") or 0.0))
+
+
+def device_seconds(c: Connected, r: Restored) -> float:
+    """Devices x wall-clock spent on the run up to now: the resumed checkpoint's count, and this
+    invocation's ranks since it began (start-up, saves and evaluations included; the time an
+    invocation spent past its last checkpoint before a crash is not in the checkpoint it resumes)."""
+    return r.device_seconds + (time.time() - c.started) * c.world
 
 
 def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
@@ -308,7 +320,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
-                                ema=b.ema)
+                                ema=b.ema, device_seconds=lambda: device_seconds(c, r))
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,

@@ -174,7 +174,8 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
     result.update(resumed_from=start, seconds=time.time() - t0, run_dir=str(c.layout.root),
                   checkpoint_dir=str(c.layout.checkpoints), wandb_dir=lp.logger.wandb_dir, world_size=c.world,
                   checkpoint_async=cfg.checkpoint.async_save, checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
-                  checkpoint_waited_seconds=lp.checkpointer.waited_s)
+                  checkpoint_waited_seconds=lp.checkpointer.waited_s,
+                  device_seconds=round(lp.checkpointer.device_seconds(), 3))  # the run's, every invocation
     return result
 
 

@@ -292,9 +292,16 @@ def final_loss(root: Path, step: int) -> Optional[tuple[int, float]]:
     return (done[-1]["step"], float(done[-1]["loss"])) if done else None
 
 
-def device_hours(root: Path) -> Optional[str]:
-    """Devices x wall-clock of the training loop from summary.json; says when it covers only the
-    last invocation of a resumed run."""
+def device_hours(root: Optional[Path], step: Optional[int] = None,
+                 device_seconds: Optional[float] = None) -> Optional[str]:
+    """Devices x wall-clock: the checkpoint's own count up to its step (run.json's ``device_seconds``,
+    every invocation that led to it), else the training loop of summary.json's last invocation,
+    saying when that is all it covers."""
+    if device_seconds:
+        return (f"{device_seconds / 3600:.3g} (devices x wall-clock of every invocation up to step {step}, "
+                "start-up, evaluations and saves included)")
+    if root is None:
+        return None
     try:
         s = json.loads((root / "summary.json").read_text())
         hours = float(s["seconds"]) * int(s["world_size"]) / 3600
@@ -371,11 +378,12 @@ def compute_seen(m: dict, t: dict, img: int, step: int) -> str:
 
 
 def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optional[str],
-               run_root: Optional[Path], params: int, prep: dict) -> str:
+               run_root: Optional[Path], params: int, prep: dict, device_seconds: Optional[float] = None) -> str:
     """README.md in the Hub's format: YAML front matter, how to load, the training summary read
     from the run directory (steps, images seen, final loss, compute, device-hours) and the
     run's transfer results when it holds any. ``cfg``: the run's whole config (a dict; only
-    ``model`` for a converted folder); ``prep``: mean, std, crop_pct."""
+    ``model`` for a converted folder); ``prep``: mean, std, crop_pct; ``device_seconds``: the
+    checkpoint's own (run.json), the device-hours of exactly the exported step."""
     m, t, o = cfg["model"], cfg.get("train", {}), cfg.get("optim", {})
     img = m.get("img_size") or model_defaults(m["name"])["img_size"]
     front = ["---", "library_name: transformers", "pipeline_tag: image-classification",
@@ -400,7 +408,7 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
     loss = final_loss(run_root, step) if run_root is not None and step is not None else None
     if loss:
         rows.append(("Final training loss", f"{loss[1]:.4f} (step {loss[0]}, metrics.jsonl)"))
-    hours = device_hours(run_root) if run_root is not None else None
+    hours = device_hours(run_root, step, device_seconds)
     if hours:
         rows.append(("Device-hours", hours))
     if o:

@@ -42,6 +42,36 @@ def test_a_checkpoint_save_is_not_in_the_next_windows_throughput(shards, tmp_pat
     assert summary["checkpoint_blocked_seconds"][0] >= STALL_S, summary
 
 
+def test_each_checkpoint_counts_the_device_time_of_the_invocations_before_it(shards, tmp_path):
+    """run.json's device_seconds: devices x wall-clock of every invocation up to that step, carried
+    over a resume; summary.json's the run's so far; the model card of an exported step says that
+    step's own figure, not the last invocation's."""
+    import time
+
+    from pretrain.weights import hf
+    from pretrain.weights.export import find_checkpoint, run_info
+
+    def saved(step):
+        return json.loads((tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "run.json").read_text())
+
+    t0 = time.time()
+    assert train(shards, tmp_path / "run", "train.steps=2", "checkpoint.every_steps=2").returncode == 0
+    first = time.time() - t0
+    two = saved(2)["device_seconds"]
+    assert 0 < two < first, (two, first)
+    t0 = time.time()
+    assert train(shards, tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2").returncode == 0
+    second = time.time() - t0
+    four = saved(4)["device_seconds"]
+    assert two < four < two + second and saved(2)["device_seconds"] == two, (two, four, second)
+    assert four <= json.loads((tmp_path / "run" / "summary.json").read_text())["device_seconds"] < two + second
+    info = run_info(find_checkpoint(tmp_path / "run", 2))
+    card = hf.model_card(info["config"], 2, [], None, tmp_path / "run", 1000, {"mean": (0.5,) * 3,
+                         "std": (0.5,) * 3, "crop_pct": 0.875}, device_seconds=info["device_seconds"])
+    assert (f"| Device-hours | {two / 3600:.3g} (devices x wall-clock of every invocation up to step 2, start-up, "
+            "evaluations and saves included) |") in card, card
+
+
 def test_startup_says_what_it_is_doing(shards, tmp_path):
     """Start-up takes 10-90 s: rank 0 says each phase (stderr), and the last line gives the final
     step, the checkpoint and the export command."""
