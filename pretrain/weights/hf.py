@@ -371,8 +371,8 @@ def compute_seen(m: dict, t: dict, img: int, step: int) -> str:
     if drop:
         fewer.append(f"on the patches dropout kept (model.patch_drop_rate {drop:g})")
     if not fewer:
-        return f"{full / 1e18:.3g} exaFLOPs (6 x {full / 6 / batch / step / 1e9:.3g} GMACs forward per image x " \
-               "images seen; analytic)"
+        return f"{full / 1e18:.3g} exaFLOPs (6 x {macs(img, 0.0) / 1e9:.3g} GMACs forward per image x images seen; " \
+               "analytic)"
     return (f"{done / 1e18:.3g} exaFLOPs (6 x the forward of each image seen, {' and '.join(fewer)}; analytic); "
             f"{full / 1e18:.3g} at {img} px with every token")
 
