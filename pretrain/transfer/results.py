@@ -53,6 +53,9 @@ def write_json(path: str | Path, obj) -> Path:
     return write_atomic(path, json.dumps(obj, indent=1))
 
 
+RESULTS_MAX_BYTES = 64 << 20  # larger than any results or --watch file: a file beyond it is not ours
+
+
 def is_results(obj) -> bool:
     """Whether ``obj`` (a JSON document) is one evaluation's results, as ``assemble`` makes them."""
     return isinstance(obj, dict) and {"suite", "protocol", "tasks"} <= set(obj) and isinstance(obj["tasks"], dict)
@@ -68,8 +71,8 @@ def check_output(path: str | Path, watch: bool = False) -> None:
     if p.is_dir():
         raise TransferError(f"--output {p}: is a folder; name a file, e.g. --output {p / 'results.json'}")
     if p.is_file():
-        try:
-            doc = json.loads(p.read_bytes())
+        try:  # results are kilobytes; a checkpoint named by mistake may be gigabytes: not read whole
+            doc = json.loads(p.read_bytes()) if p.stat().st_size <= RESULTS_MAX_BYTES else None
         except (ValueError, UnicodeDecodeError, OSError):
             doc = None
         ours = (isinstance(doc, dict) and "watch" in doc) if watch else is_results(doc)
