@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -52,6 +52,7 @@ from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
 from pretrain.observability.profile import StepProfiler
 from pretrain.observability.progress import StartupLines
+from pretrain.observability.window import RunTotals
 from pretrain.perf import levers
 from pretrain.perf.hardware import gpu_key
 from pretrain.perf.perfmodel import run_record
@@ -83,6 +84,7 @@ class Loop:
     ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
     profiler: Optional[StepProfiler] = None  # logging.profile: the steps recorded with torch.profiler
     say: Callable[[str], None] = lambda msg: None
+    totals: RunTotals = field(default_factory=RunTotals)  # images and model FLOPs of the run up to its step
     logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
 
@@ -124,6 +126,7 @@ class Restored:
     resumed: bool = False
     saved_ranks: int = 0  # ranks that wrote the resumed checkpoint (another world size: elastic)
     device_seconds: float = 0.0  # devices x wall-clock of the invocations that led to that checkpoint
+    totals: RunTotals = field(default_factory=RunTotals)  # its images and model FLOPs, every invocation's
 
 
 @dataclass
@@ -269,15 +272,21 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     info, states = resumed
     # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)
     b.loader.resume(Checkpointer.loader_states(states, type(b.loader.state())))
+    # a checkpoint of an older release: its images from its own global batch, its FLOPs unknown
+    saved_batch = int(((info.get("config") or {}).get("train") or {}).get("global_batch_size") or 0)
+    totals = RunTotals(int(info.get("images_seen", info["step"] * saved_batch)), info.get("model_flops"))
     return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states),
-                    device_seconds=float(info.get("device_seconds") or 0.0))
+                    device_seconds=float(info.get("device_seconds") or 0.0), totals=totals)
 
 
-def device_seconds(c: Connected, r: Restored) -> float:
-    """Devices x wall-clock spent on the run up to now: the resumed checkpoint's count, and this
+def run_totals(c: Connected, r: Restored) -> dict:
+    """What the run has done and cost up to now, as each checkpoint's ``run.json`` and
+    ``summary.json`` hold it: ``images_seen`` and ``model_flops`` (``r.totals``, which the loop
+    adds to), and ``device_seconds``, devices x wall-clock: the resumed checkpoint's count and this
     invocation's ranks since it began (start-up, saves and evaluations included; the time an
     invocation spent past its last checkpoint before a crash is not in the checkpoint it resumes)."""
-    return r.device_seconds + (time.time() - c.started) * c.world
+    return {"device_seconds": round(r.device_seconds + (time.time() - c.started) * c.world, 3),
+            "images_seen": r.totals.images, "model_flops": r.totals.model_flops}
 
 
 def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
@@ -320,11 +329,11 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
-                                ema=b.ema, device_seconds=lambda: device_seconds(c, r))
+                                ema=b.ema, totals=lambda: run_totals(c, r))
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
-                world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say),
+                world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say), totals=r.totals,
                 detector=_straggler_detector(t, c, clock),
                 evaluator=evaluator if evaluator.enabled else None, ema=b.ema,
                 profiler=StepProfiler.of(cfg.logging.profile, rank=c.rank, world=c.world, start_step=start,

@@ -72,6 +72,7 @@ def train_loop(lp: Loop) -> dict:
         with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
             window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema),
                        lp.flops[phase.img_size], phase.img_size)
+        lp.totals.add(t.global_batch_size, lp.flops[phase.img_size][0])
         clock.end_step()
         step += 1
         if prof is not None:
@@ -88,9 +89,8 @@ def train_loop(lp: Loop) -> dict:
 
         clock.beat("log")
         if step % t.log_every_steps == 0 or step == t.steps or ends:
-            metrics, phases = window_metrics(engine, window, clock, step=step, world=lp.world,
-                                             global_batch=t.global_batch_size, nonfinite_skipped=guard.total,
-                                             loader=lp.loader)
+            metrics, phases = window_metrics(engine, window, clock, world=lp.world, examples_seen=lp.totals.images,
+                                             nonfinite_skipped=guard.total, loader=lp.loader)
             profiled = prof.window_steps(window_first, step) if prof is not None else 0
             if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler
                 metrics.update(profiled_steps=profiled, **prof.metrics())
@@ -175,7 +175,7 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
                   checkpoint_dir=str(c.layout.checkpoints), wandb_dir=lp.logger.wandb_dir, world_size=c.world,
                   checkpoint_async=cfg.checkpoint.async_save, checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
                   checkpoint_waited_seconds=lp.checkpointer.waited_s,
-                  device_seconds=round(lp.checkpointer.device_seconds(), 3))  # the run's, every invocation
+                  **lp.checkpointer.totals())  # the run's so far, every invocation
     return result
 
 

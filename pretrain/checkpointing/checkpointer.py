@@ -26,11 +26,11 @@ class Checkpointer:
     before the next save, on a stop and at the end (``close``)."""
 
     def __init__(self, cfg: Config, engine, loader, ckpt_dir: Path, run_info: dict, logger,
-                 samples: Optional[SampleLog], ema=None, device_seconds: Optional[Callable[[], float]] = None):
+                 samples: Optional[SampleLog], ema=None, totals: Callable[[], dict] = dict):
         self.every, self.last, self.keep = cfg.checkpoint.every_steps, cfg.train.steps, cfg.checkpoint.keep_last
         self.engine, self.loader, self.dir, self.run_info, self.ema = engine, loader, ckpt_dir, run_info, ema
         self.logger, self.samples = logger, samples
-        self.device_seconds = device_seconds  # run.json's device_seconds: what the run cost up to its step
+        self.totals = totals  # what the run has done and cost up to now, into each run.json
         self.saver = None
         if cfg.checkpoint.async_save:
             self.saver = Saver(engine, dist.get_rank(), checkpoint.finish_async(self.keep))
@@ -57,10 +57,8 @@ class Checkpointer:
             if self.samples is not None:
                 self.samples.flush()
             t0 = time.perf_counter()
-            info = {**self.run_info, "wandb_run_id": self.logger.run_id}
-            if self.device_seconds is not None:
-                info["device_seconds"] = round(self.device_seconds(), 3)
-            state = dict(rank_state={"loader": self.loader.state().to_dict()}, run_info=info, ema=self.ema)
+            state = dict(rank_state={"loader": self.loader.state().to_dict()},
+                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id, **self.totals()}, ema=self.ema)
             if self.saver is None:
                 checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)
             else:

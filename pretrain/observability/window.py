@@ -2,12 +2,30 @@
 window at a log step (the one place the loop reads the device and the clock together)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from pretrain.observability.clock import PHASES, StepClock
 from pretrain.observability.flops import peak_tflops
 from pretrain.observability.metrics import peak_memory_gb, throughput
+
+
+@dataclass
+class RunTotals:
+    """What the run has done up to the loop's step, over every invocation (each checkpoint's
+    ``run.json`` carries them on): images of all ranks, and their model FLOPs counted as the
+    windows count them (each step at its resolution and kept tokens; None after resuming a
+    checkpoint that did not carry them)."""
+    images: int = 0
+    model_flops: Optional[float] = 0.0
+
+    def add(self, images: int, flops_per_image: float) -> None:
+        self.images += images
+        if self.model_flops is not None:
+            self.model_flops += images * flops_per_image
 
 
 class Window:
@@ -33,7 +51,7 @@ class Window:
         return self.flops[0] / n, self.flops[1] / n
 
 
-def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world: int, global_batch: int,
+def window_metrics(engine, window: Window, clock: StepClock, *, world: int, examples_seen: int,
                    nonfinite_skipped: int, loader) -> tuple[dict, dict]:
     """The log step's metrics (a sync point: the device finishes the window, then the clock is
     read) and this rank's phase seconds of the window. TFLOP/s and MFU count each image at its
@@ -44,7 +62,7 @@ def window_metrics(engine, window: Window, clock: StepClock, *, step: int, world
     gn = engine.get_global_grad_norm()
     # the largest group LR: the peak (optim.layer_decay scales the lower layers' groups down)
     metrics = {"loss": total / count if count else None, "lr": max(engine.get_lr()),
-               "grad_norm": float(gn) if gn is not None else None, "examples_seen": step * global_batch,
+               "grad_norm": float(gn) if gn is not None else None, "examples_seen": examples_seen,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,
                **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),

@@ -95,7 +95,8 @@ def run_info(ckpt: Path) -> dict:
     return {"model": run["config"]["model"], "config": run["config"], "step": run["step"],
             "wandb_run_id": run.get("wandb_run_id"), "img_size": img, "grid_size": [img // stride, img // stride],
             "checkpoint": str(ckpt), "run_dir": str(Path(cfg.train.output_dir)),
-            "device_seconds": run.get("device_seconds"), "world_size": run.get("world_size")}
+            "world_size": run.get("world_size"),
+            **{k: run.get(k) for k in ("device_seconds", "images_seen", "model_flops")}}  # what led to the step
 
 
 def _hf_folder_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -264,7 +265,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
     labels = hf.labels_for(int(info["model"].get("num_classes", 0)), classes)
     prep = preprocessing(info)
     card = hf.model_card(info["config"], info["step"], labels, dataset, _run_root(info, Path(run_dir)),
-                         sum(v.numel() for v in sd.values()), prep, device_seconds=info.get("device_seconds"))
+                         sum(v.numel() for v in sd.values()), prep,
+                         totals={k: info.get(k) for k in ("device_seconds", "images_seen", "model_flops")})
     hf.write_folder(out, sd, hf.hf_config(info["model"], labels), hf.preprocessor_config(info["img_size"], prep["mean"],
                                                                                         prep["std"]),
                     card, write_safetensors)

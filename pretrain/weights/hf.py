@@ -378,12 +378,14 @@ def compute_seen(m: dict, t: dict, img: int, step: int) -> str:
 
 
 def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optional[str],
-               run_root: Optional[Path], params: int, prep: dict, device_seconds: Optional[float] = None) -> str:
+               run_root: Optional[Path], params: int, prep: dict, totals: Optional[dict] = None) -> str:
     """README.md in the Hub's format: YAML front matter, how to load, the training summary read
     from the run directory (steps, images seen, final loss, compute, device-hours) and the
     run's transfer results when it holds any. ``cfg``: the run's whole config (a dict; only
-    ``model`` for a converted folder); ``prep``: mean, std, crop_pct; ``device_seconds``: the
-    checkpoint's own (run.json), the device-hours of exactly the exported step."""
+    ``model`` for a converted folder); ``prep``: mean, std, crop_pct; ``totals``: the checkpoint's
+    own ``device_seconds``, ``images_seen`` and ``model_flops`` (run.json): what exactly the
+    exported step cost, also where the global batch changed on a resume."""
+    totals = totals or {}
     m, t, o = cfg["model"], cfg.get("train", {}), cfg.get("optim", {})
     img = m.get("img_size") or model_defaults(m["name"])["img_size"]
     front = ["---", "library_name: transformers", "pipeline_tag: image-classification",
@@ -402,13 +404,19 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
             "and takes the centre crop.", ""]
     rows = [("Model", f"{m['name']} at {img} px, {params / 1e6:.1f}M parameters")]
     if step is not None and t.get("global_batch_size"):
-        images = step * int(t["global_batch_size"])
-        rows += [("Steps", f"{step}"), ("Images seen", f"{images:,} ({step} x global batch {t['global_batch_size']})"),
-                 ("Compute", compute_seen(m, t, img, step))]
+        images, batch = step * int(t["global_batch_size"]), t["global_batch_size"]
+        seen = f"{images:,} ({step} x global batch {batch})"
+        if totals.get("images_seen") not in (None, images):  # the global batch changed on a resume
+            seen = f"{totals['images_seen']:,} (over {step} steps; the global batch, now {batch}, changed on a resume)"
+        compute = compute_seen(m, t, img, step)
+        if totals.get("model_flops") is not None and totals.get("images_seen") != images:
+            compute = (f"{totals['model_flops'] / 1e18:.3g} exaFLOPs (the model FLOPs of every step, at its resolution "
+                       "and kept tokens, as logged)")
+        rows += [("Steps", f"{step}"), ("Images seen", seen), ("Compute", compute)]
     loss = final_loss(run_root, step) if run_root is not None and step is not None else None
     if loss:
         rows.append(("Final training loss", f"{loss[1]:.4f} (step {loss[0]}, metrics.jsonl)"))
-    hours = device_hours(run_root, step, device_seconds)
+    hours = device_hours(run_root, step, totals.get("device_seconds"))
     if hours:
         rows.append(("Device-hours", hours))
     if o:

@@ -42,10 +42,11 @@ def test_a_checkpoint_save_is_not_in_the_next_windows_throughput(shards, tmp_pat
     assert summary["checkpoint_blocked_seconds"][0] >= STALL_S, summary
 
 
-def test_each_checkpoint_counts_the_device_time_of_the_invocations_before_it(shards, tmp_path):
-    """run.json's device_seconds: devices x wall-clock of every invocation up to that step, carried
-    over a resume; summary.json's the run's so far; the model card of an exported step says that
-    step's own figure, not the last invocation's."""
+def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shards, tmp_path):
+    """run.json's device_seconds (devices x wall-clock of every invocation up to that step),
+    images_seen and model_flops, carried over resumes, one of them with another global batch;
+    summary.json's are the run's so far; the model card of an exported step says that step's own
+    figures, not the last invocation's, nor step x today's global batch."""
     import time
 
     from pretrain.weights import hf
@@ -66,10 +67,23 @@ def test_each_checkpoint_counts_the_device_time_of_the_invocations_before_it(sha
     assert two < four < two + second and saved(2)["device_seconds"] == two, (two, four, second)
     assert four <= json.loads((tmp_path / "run" / "summary.json").read_text())["device_seconds"] < two + second
     info = run_info(find_checkpoint(tmp_path / "run", 2))
-    card = hf.model_card(info["config"], 2, [], None, tmp_path / "run", 1000, {"mean": (0.5,) * 3,
-                         "std": (0.5,) * 3, "crop_pct": 0.875}, device_seconds=info["device_seconds"])
+    prep = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 0.875}
+    card = hf.model_card(info["config"], 2, [], None, tmp_path / "run", 1000, prep,
+                         totals={k: info[k] for k in ("device_seconds", "images_seen", "model_flops")})
     assert (f"| Device-hours | {two / 3600:.3g} (devices x wall-clock of every invocation up to step 2, start-up, "
             "evaluations and saves included) |") in card, card
+    # the global batch halved on a resume (steps 5-6 of 8 images): images and FLOPs of each step as it ran
+    assert train(shards, tmp_path / "run", "train.steps=6", "checkpoint.every_steps=2", "train.global_batch_size=8",
+                 "train.micro_batch_size=8").returncode == 0
+    six, m = saved(6), metrics(tmp_path / "run")
+    per_image = saved(4)["model_flops"] / saved(4)["images_seen"]
+    assert (saved(4)["images_seen"], six["images_seen"], m[6]["examples_seen"]) == (64, 80, 80)
+    assert six["model_flops"] == pytest.approx(per_image * 80)
+    info = run_info(find_checkpoint(tmp_path / "run", 6))
+    card = hf.model_card(info["config"], 6, [], None, tmp_path / "run", 1000, prep,
+                         totals={k: info[k] for k in ("device_seconds", "images_seen", "model_flops")})
+    assert "| Images seen | 80 (over 6 steps; the global batch, now 8, changed on a resume) |" in card, card
+    assert f"| Compute | {per_image * 80 / 1e18:.3g} exaFLOPs (the model FLOPs of every step" in card, card
 
 
 def test_startup_says_what_it_is_doing(shards, tmp_path):
