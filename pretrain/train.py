@@ -107,10 +107,8 @@ def train_loop(lp: Loop) -> dict:
         clock.beat("stop")
         stopped = sync and lp.stop.agreed(device)  # a signal stops every rank within train.sync_every_steps
         clock.beat("checkpoint", slow=True)
-        saves = len(lp.checkpointer.blocked_s)
-        lp.checkpointer.maybe_save(step, stopping=stopped, sync=sync)
-        if len(lp.checkpointer.blocked_s) > saves:  # the seconds a save held this thread are not the
-            clock.exclude(lp.checkpointer.blocked_s[-1])  # next window's img/s (as an evaluation's; Megatron's too)
+        # the seconds a save held this thread are not the next window's img/s (as an evaluation's; Megatron's too)
+        clock.exclude(lp.checkpointer.maybe_save(step, stopping=stopped, sync=sync))
         if stopped:
             break
     clock.beat("end", slow=True)

@@ -47,13 +47,15 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last
 
-    def maybe_save(self, step: int, stopping: bool = False, sync: bool = False) -> None:
+    def maybe_save(self, step: int, stopping: bool = False, sync: bool = False) -> float:
+        """Save when ``step`` is due (or the run stops); the seconds the save held this thread, 0 when
+        nothing was saved."""
         saving = stopping or self.due(step)
         try:
             if self.saver is not None and sync and not saving:
                 self.saver.poll()  # a sync point: complete the save in flight if every rank wrote it
             if not saving:
-                return
+                return 0.0
             if self.samples is not None:
                 self.samples.flush()
             t0 = time.perf_counter()
@@ -68,6 +70,7 @@ class Checkpointer:
                     self.saver.close()
                 self.waited_s.append(self.saver.waited_s - waited)
             self.blocked_s.append(time.perf_counter() - t0)
+            return self.blocked_s[-1]
         except (OSError, RuntimeError) as e:
             self._failed(step, e)
 
