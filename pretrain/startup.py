@@ -125,8 +125,7 @@ class Restored:
     run_id: Optional[str] = None  # the W&B run a resumed job continues
     resumed: bool = False
     saved_ranks: int = 0  # ranks that wrote the resumed checkpoint (another world size: elastic)
-    device_seconds: float = 0.0  # devices x wall-clock of the invocations that led to that checkpoint
-    totals: RunTotals = field(default_factory=RunTotals)  # its images and model FLOPs, every invocation's
+    totals: RunTotals = field(default_factory=RunTotals)  # what led to that checkpoint, every invocation's
 
 
 @dataclass
@@ -272,21 +271,8 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     info, states = resumed
     # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)
     b.loader.resume(Checkpointer.loader_states(states, type(b.loader.state())))
-    # a checkpoint of an older release: its images from its own global batch, its FLOPs unknown
-    saved_batch = int(((info.get("config") or {}).get("train") or {}).get("global_batch_size") or 0)
-    totals = RunTotals(int(info.get("images_seen", info["step"] * saved_batch)), info.get("model_flops"))
     return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states),
-                    device_seconds=float(info.get("device_seconds") or 0.0), totals=totals)
-
-
-def run_totals(c: Connected, r: Restored) -> dict:
-    """What the run has done and cost up to now, as each checkpoint's ``run.json`` and
-    ``summary.json`` hold it: ``images_seen`` and ``model_flops`` (``r.totals``, which the loop
-    adds to), and ``device_seconds``, devices x wall-clock: the resumed checkpoint's count and this
-    invocation's ranks since it began (start-up, saves and evaluations included; the time an
-    invocation spent past its last checkpoint before a crash is not in the checkpoint it resumes)."""
-    return {"device_seconds": round(r.device_seconds + (time.time() - c.started) * c.world, 3),
-            "images_seen": r.totals.images, "model_flops": r.totals.model_flops}
+                    totals=RunTotals.resumed(info))
 
 
 def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
@@ -329,7 +315,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
-                                ema=b.ema, totals=lambda: run_totals(c, r))
+                                ema=b.ema, totals=lambda: r.totals.record(c.started, c.world))
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,

@@ -2,6 +2,7 @@
 window at a log step (the one place the loop reads the device and the clock together)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,14 +19,31 @@ class RunTotals:
     """What the run has done up to the loop's step, over every invocation (each checkpoint's
     ``run.json`` carries them on): images of all ranks, and their model FLOPs counted as the
     windows count them (each step at its resolution and kept tokens; None after resuming a
-    checkpoint that did not carry them)."""
+    checkpoint that did not carry them); and the device-seconds of the invocations before this one."""
     images: int = 0
     model_flops: Optional[float] = 0.0
+    device_seconds: float = 0.0
+
+    @classmethod
+    def resumed(cls, info: dict) -> "RunTotals":
+        """The totals of a checkpoint's ``run.json``; one of an older release: its images from its own
+        global batch, its FLOPs unknown, no device time."""
+        batch = int(((info.get("config") or {}).get("train") or {}).get("global_batch_size") or 0)
+        return cls(int(info.get("images_seen", info["step"] * batch)), info.get("model_flops"),
+                   float(info.get("device_seconds") or 0.0))
 
     def add(self, images: int, flops_per_image: float) -> None:
         self.images += images
         if self.model_flops is not None:
             self.model_flops += images * flops_per_image
+
+    def record(self, started: float, world: int) -> dict:
+        """As ``run.json`` and ``summary.json`` hold them, now: ``device_seconds`` adds this
+        invocation's ``world`` ranks since ``started`` (start-up, saves and evaluations included; the
+        time an invocation spent past its last checkpoint before a crash is not in the checkpoint
+        it resumes)."""
+        return {"device_seconds": round(self.device_seconds + (time.time() - started) * world, 3),
+                "images_seen": self.images, "model_flops": self.model_flops}
 
 
 class Window:
