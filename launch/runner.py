@@ -83,8 +83,12 @@ def check_spec(spec: LaunchSpec) -> None:
     for flag, v in (("--num-nodes", spec.num_nodes), ("--gpus-per-node", spec.gpus_per_node)):
         if v is not None and v <= 0:
             raise LaunchError(f"{flag} must be a positive number, got {v}")
-    if spec.master_port is not None and not 1 <= spec.master_port <= 65535:
-        raise LaunchError(f"--master-port must be in 1-65535, got {spec.master_port}")
+    check_master_port(spec.master_port)
+
+
+def check_master_port(port: Optional[int]) -> None:
+    if port is not None and not 1 <= port <= 65535:
+        raise LaunchError(f"--master-port must be in 1-65535, got {port}")
 
 
 def plan_ranks(spec: LaunchSpec) -> tuple[Optional[list[Host]], dict[str, list[int]]]:

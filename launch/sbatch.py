@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from typing import Optional
 
 from launch.hostfile import LaunchError
 
@@ -26,14 +27,19 @@ def time_seconds(value: str) -> int:
     return (h * 60 + m) * 60 + sec
 
 
-def header_word(flag: str, value: str) -> str:
-    """``value`` as an ``#SBATCH --flag=value`` line takes it. sbatch reads those lines with its own
-    rules: an unquoted space ends the word, ``#`` starts a comment, quotes and ``\\`` are taken out
-    (``--job-name=my run`` is refused at submission: "Invalid directive found in batch script:
-    run"), so a value holding any of them is refused here, when the script is written."""
-    if any(c.isspace() or c in "'\"#\\" for c in value):
-        raise LaunchError(f"{flag} {value!r}: a name in an #SBATCH line takes no spaces, quotes, # or \\")
-    return value
+# what sbatch reads in an #SBATCH line by its own rules: an unquoted space ends the word, `#` starts a
+# comment, quotes and `\` are taken out (`--job-name=my run` is refused at submission: "Invalid
+# directive found in batch script: run")
+NOT_ONE_WORD = re.compile(r"[\s'\"#\\]")
+
+
+def check_header_names(**names: Optional[str]) -> None:
+    """``--job-name``, ``--partition``, ``--account`` (given as keywords, ``job_name=...``) as
+    ``#SBATCH`` lines take them: a value with ``NOT_ONE_WORD`` is refused when the script is written."""
+    for key, value in names.items():
+        if value is not None and NOT_ONE_WORD.search(value):
+            raise LaunchError(f"--{key.replace('_', '-')} {value!r}: a name in an #SBATCH line takes no spaces, "
+                              "quotes, # or \\")
 
 
 def header_path(path) -> str:
@@ -41,7 +47,7 @@ def header_path(path) -> str:
     backslash inside) when it holds what sbatch would split or cut there. A folder such as
     ``~/My Projects``, a common place for a checkout, left bare makes sbatch refuse the script."""
     text = str(path)
-    if not any(c.isspace() or c in "'\"#\\" for c in text):
+    if not NOT_ONE_WORD.search(text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

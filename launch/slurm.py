@@ -44,7 +44,6 @@ a job array whose task I runs ``vit-shards ... --part I/N`` and ``shards.merge.s
 """
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -52,8 +51,16 @@ from pathlib import Path
 from typing import Optional
 
 from launch.hostfile import LaunchError
-from launch.runner import STORE_ENV, TRAIN_MODULE, deepspeed_executable
-from launch.sbatch import SLURM_TIME, bash_array, header_path, header_word, shell_word, time_seconds
+from launch.runner import STORE_ENV, TRAIN_MODULE, check_master_port, deepspeed_executable
+from launch.sbatch import (
+    NOT_ONE_WORD,
+    SLURM_TIME,
+    bash_array,
+    check_header_names,
+    header_path,
+    shell_word,
+    time_seconds,
+)
 
 
 @dataclass
@@ -103,11 +110,8 @@ def validate(job: SlurmJob) -> None:
         # SLURM would signal at the start: the job checkpoints, exits 75 and is requeued, over and over
         raise LaunchError(f"--time {job.time} is no longer than --signal-grace {job.signal_grace} s: with --requeue "
                           "the job would be told to stop as it starts; give a longer --time or a shorter grace")
-    if job.master_port is not None and not 1 <= job.master_port <= 65535:
-        raise LaunchError(f"--master-port must be in 1-65535, got {job.master_port}")
-    for flag, v in (("--job-name", job.job_name), ("--partition", job.partition), ("--account", job.account)):
-        if v is not None:
-            header_word(flag, v)
+    check_master_port(job.master_port)
+    check_header_names(job_name=job.job_name, partition=job.partition, account=job.account)
 
 
 def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
@@ -165,7 +169,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
     validate(job)
     cwd = (cwd or Path.cwd()).absolute()
     config = str(Path(job.config).absolute())
-    stem = re.sub(r"[\s'\"#\\]", "_", Path(job.config).stem)  # one word of an #SBATCH line
+    stem = NOT_ONE_WORD.sub("_", Path(job.config).stem)  # one word of an #SBATCH line
     name = job.job_name or f"vitscale-{stem}"
     log_dir = (cwd / job.log_dir).absolute()
     logs = shlex.quote(str(log_dir))  # absolute: the runner resolves DS_ENV_FILE from ~

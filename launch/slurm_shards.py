@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch.hostfile import LaunchError
-from launch.sbatch import SLURM_TIME, bash_array, header_path, header_word
+from launch.sbatch import SLURM_TIME, bash_array, check_header_names, header_path
 
 
 @dataclass
@@ -48,9 +48,7 @@ def render_shards(job: ShardsJob, output: str = "shards.sbatch", cwd: Optional[P
         raise LaunchError(f"--max-running must be a positive number, got {job.max_running}")
     if job.cpus_per_task is not None and job.cpus_per_task <= 0:
         raise LaunchError(f"--cpus-per-node must be a positive number, got {job.cpus_per_task}")
-    for flag, v in (("--job-name", job.job_name), ("--partition", job.partition), ("--account", job.account)):
-        if v is not None:
-            header_word(flag, v)
+    check_header_names(job_name=job.job_name, partition=job.partition, account=job.account)
     args = ws.parse_args(job.shard_args)
     if args.part is not None:
         raise LaunchError("the vit-shards options name --part; the job array gives each task its own part")
