@@ -25,12 +25,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Mapping, Optional
 
 import torch
 
-from pretrain.models.arch import analytic_flops, list_models, model_defaults
+from pretrain.models.arch import list_models, model_defaults
 
 CONFIG = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -343,36 +342,33 @@ def transfer_table(docs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def compute_seen(m: dict, t: dict, img: int, step: int) -> str:
-    """The card's compute cell: 6 x the analytic forward of each image seen, at its step's resolution
-    (``train.resolution_schedule``) and on the tokens patch dropout kept (``model.patch_drop_rate``),
-    as training's logged FLOPs count them; beside it, when that differs, the same steps at ``img`` px
-    with every token."""
+def compute_seen(tree: dict, step: int) -> str:
+    """The card's compute cell for a run's config (``tree``, as run.json holds it): 6 x the forward
+    of each image seen, at its step's resolution (``train.resolution_schedule``) and on the tokens
+    patch dropout kept (``arch.config_macs``, as training's logged FLOPs count them); beside it,
+    when that differs, the same steps at the model's size with every token."""
+    from dataclasses import replace
+
+    from pretrain.config import from_dict, image_size
     from pretrain.config.phases import resolution_phases
+    from pretrain.models.arch import config_macs
 
-    def macs(px: int, drop: float) -> float:
-        return analytic_flops(m["name"], px, int(m.get("num_classes", 0)), m.get("global_pool", "token"),
-                              m.get("representation_size"), qk_norm=bool(m.get("qk_norm")),
-                              reg_tokens=int(m.get("reg_tokens") or 0), class_token=m.get("class_token", True),
-                              patch_drop_rate=drop)
-
-    batch, drop = int(t["global_batch_size"]), float(m.get("patch_drop_rate") or 0.0)
-    plan = SimpleNamespace(steps=int(t.get("steps", step)), micro_batch_size=int(t.get("micro_batch_size", 1)),
-                           resolution_schedule=t.get("resolution_schedule") or [])
-    phases = resolution_phases(plan, img)
+    cfg = from_dict(tree)
+    m, batch, img = cfg.model, cfg.train.global_batch_size, image_size(cfg.model)
+    phases = resolution_phases(cfg.train, img)
     done = 0.0
     for i, p in enumerate(phases):  # steps past the last phase (a resumed, longer run) train at its resolution
         last = step if i == len(phases) - 1 else min(p.last, step)
-        done += 6 * macs(p.img_size, drop) * batch * max(0, last - p.first + 1)
-    full = 6 * macs(img, 0.0) * batch * step
+        done += 6 * config_macs(m, p.img_size) * batch * max(0, last - p.first + 1)
+    per_image = config_macs(replace(m, patch_drop_rate=0.0), img)
+    full = 6 * per_image * batch * step
     fewer = []
     if len(phases) > 1 or phases[0].img_size != img:
         fewer.append(f"at its step's resolution ({', '.join(f'{p.img_size} px' for p in phases)})")
-    if drop:
-        fewer.append(f"on the patches dropout kept (model.patch_drop_rate {drop:g})")
+    if m.patch_drop_rate:
+        fewer.append(f"on the patches dropout kept (model.patch_drop_rate {m.patch_drop_rate:g})")
     if not fewer:
-        return f"{full / 1e18:.3g} exaFLOPs (6 x {macs(img, 0.0) / 1e9:.3g} GMACs forward per image x images seen; " \
-               "analytic)"
+        return f"{full / 1e18:.3g} exaFLOPs (6 x {per_image / 1e9:.3g} GMACs forward per image x images seen; analytic)"
     return (f"{done / 1e18:.3g} exaFLOPs (6 x the forward of each image seen, {' and '.join(fewer)}; analytic); "
             f"{full / 1e18:.3g} at {img} px with every token")
 
@@ -408,7 +404,7 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
         seen = f"{images:,} ({step} x global batch {batch})"
         if totals.get("images_seen") not in (None, images):  # the global batch changed on a resume
             seen = f"{totals['images_seen']:,} (over {step} steps; the global batch, now {batch}, changed on a resume)"
-        compute = compute_seen(m, t, img, step)
+        compute = compute_seen(cfg, step)
         if totals.get("model_flops") is not None and totals.get("images_seen") != images:
             compute = (f"{totals['model_flops'] / 1e18:.3g} exaFLOPs (the model FLOPs of every step, at its resolution "
                        "and kept tokens, as logged)")
