@@ -104,7 +104,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-classes", type=int, default=1000)
     ap.add_argument("--fvcore", action="store_true", help="also count with fvcore (builds the model)")
     args = ap.parse_args(argv)
-    img, stride = model_defaults(args.model)["img_size"], model_defaults(args.model)["stride"]
+    defaults = model_defaults(args.model)
+    img, stride = defaults["img_size"], defaults["stride"]
     if args.img_size is not None:  # as training's model.img_size: a positive multiple of the patch
         if args.img_size <= 0 or args.img_size % stride:
             ap.error(f"--img-size {args.img_size}: {args.model} takes a positive multiple of its patch size {stride}")

@@ -85,6 +85,10 @@ def consolidate(ckpt: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     return sd
 
 
+# what a checkpoint's run.json says the run did and cost up to its step (RunTotals.record)
+RUN_TOTALS = ("device_seconds", "images_seen", "model_flops")
+
+
 def run_info(ckpt: Path) -> dict:
     """What a checkpoint's run.json says, without reading weights: model (config section), config
     (the whole), step, wandb_run_id, img_size, grid_size, checkpoint (path), run_dir."""
@@ -95,8 +99,7 @@ def run_info(ckpt: Path) -> dict:
     return {"model": run["config"]["model"], "config": run["config"], "step": run["step"],
             "wandb_run_id": run.get("wandb_run_id"), "img_size": img, "grid_size": [img // stride, img // stride],
             "checkpoint": str(ckpt), "run_dir": str(Path(cfg.train.output_dir)),
-            "world_size": run.get("world_size"),
-            **{k: run.get(k) for k in ("device_seconds", "images_seen", "model_flops")}}  # what led to the step
+            "world_size": run.get("world_size"), **{k: run.get(k) for k in RUN_TOTALS}}
 
 
 def _hf_folder_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -266,7 +269,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
     prep = preprocessing(info)
     card = hf.model_card(info["config"], info["step"], labels, dataset, _run_root(info, Path(run_dir)),
                          sum(v.numel() for v in sd.values()), prep,
-                         totals={k: info.get(k) for k in ("device_seconds", "images_seen", "model_flops")})
+                         totals={k: info.get(k) for k in RUN_TOTALS})
     hf.write_folder(out, sd, hf.hf_config(info["model"], labels), hf.preprocessor_config(info["img_size"], prep["mean"],
                                                                                         prep["std"]),
                     card, write_safetensors)
