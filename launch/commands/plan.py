@@ -143,11 +143,11 @@ def _layout(args) -> tuple[perfmodel.Layout, list, Optional[tuple[int, int]]]:
         net = args.network or hardware.default_network(args.gpu)
         lay = perfmodel.Layout(model=args.model, gpu=args.gpu, nodes=nodes, gpus_per_node=gpus_per_node, network=net)
     if args.img_size is not None:
-        from pretrain.models.arch import model_defaults
+        from pretrain.models.arch import img_size_problem
 
-        patch = model_defaults(lay.model)["stride"]
-        if args.img_size % patch:
-            raise ConfigError(f"--img-size {args.img_size} is not a multiple of {lay.model}'s patch size {patch}")
+        problem = img_size_problem(lay.model, args.img_size)
+        if problem:
+            raise ConfigError(f"--img-size {args.img_size}: {problem}")
     kw = {k: v for k, v in dict(micro_batch=args.micro_batch, global_batch=args.global_batch, img_size=args.img_size,
                                 zero=args.zero, reduce_dtype=args.reduce_dtype, hpz_partition_size=args.hpz,
                                 network=args.network, intra_node_gbps=args.intra_node_gbps,

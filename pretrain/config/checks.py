@@ -23,7 +23,7 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
     def fail(key: str, msg: str):
         raise ConfigError(f"{origin.get(key, src)}: {key}: {msg}")
 
-    from pretrain.models.arch import list_models, model_defaults
+    from pretrain.models.arch import img_size_problem, list_models, model_defaults
 
     m = cfg.model
     if m.name not in list_models():
@@ -31,11 +31,9 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("model.name", f"unknown model {m.name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
     d = model_defaults(m.name)
     img = d["img_size"] if m.img_size is None else m.img_size  # 0 is not "the name's": it is refused
-    if img <= 0:
-        fail("model.img_size", f"must be positive, got {img}")
-    patch = d["stride"]
-    if img % patch:
-        fail("model.img_size", f"patch size {patch} of {m.name} does not divide image size {img}")
+    problem = img_size_problem(m.name, img)
+    if problem:
+        fail("model.img_size", f"{img} {problem}")
     if m.num_classes < 0:
         fail("model.num_classes", f"must be >= 0, got {m.num_classes}")
     if m.representation_size is not None and m.representation_size <= 0:
@@ -68,7 +66,7 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
     if t.global_batch_size <= 0:
         fail("train.global_batch_size", f"must be positive, got {t.global_batch_size}")
-    check_schedule(t, patch, fail)
+    check_schedule(t, m.name, fail)
     if t.micro_batch_size > 0 and t.global_batch_size > 0:
         try:  # one rank here; the launch checks the real world size with the same function
             check_world_size(t, 1)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pretrain.models.arch import img_size_problem
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -60,9 +62,9 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
     return phases[-1]
 
 
-def check_schedule(train, stride: int, fail) -> None:
+def check_schedule(train, model: str, fail) -> None:
     """Each entry ``[fraction, px]`` or ``[fraction, px, micro batch]``: fractions from 0.0, rising,
-    below 1; ``px`` a positive multiple of the model's patch (or stem) ``stride``; a positive micro
+    below 1; ``px`` an input size of ``model`` (``arch.img_size_problem``); a positive micro
     batch. ``fail(key, message)`` raises. The micro batch against the global batch and the world
     size: ``check_world_size``."""
     key = "train.resolution_schedule"
@@ -76,7 +78,8 @@ def check_schedule(train, stride: int, fail) -> None:
         if not 0 <= fraction < 1 or (last is not None and fraction <= last):
             fail(key, f"entry {i}: fractions of train.steps must rise from 0.0 and stay below 1, got {fraction}")
         last = fraction
-        if px != int(px) or px <= 0 or int(px) % stride:
-            fail(key, f"entry {i}: resolution {px:g} must be a positive multiple of the model's patch size {stride}")
+        problem = img_size_problem(model, px)
+        if problem:
+            fail(key, f"entry {i}: resolution {px:g} {problem}")
         if len(e) == 3 and (e[2] != int(e[2]) or e[2] <= 0):
             fail(key, f"entry {i}: micro batch {e[2]:g} must be a positive integer")

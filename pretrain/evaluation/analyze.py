@@ -381,12 +381,11 @@ def main(argv=None) -> None:
         check_output_dir(args.output)  # before any work: a mistake costs a second, not the analysis
         pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model))
         if args.img_size is not None:
-            from pretrain.models.arch import model_defaults
+            from pretrain.models.arch import img_size_problem
 
-            stride = model_defaults(pre.arch["name"])["stride"]
-            if args.img_size <= 0 or args.img_size % stride:
-                raise ConfigError(f"--img-size {args.img_size} is not a positive multiple of the patch size "
-                                  f"{stride} of {pre.arch['name']}")
+            problem = img_size_problem(pre.arch["name"], args.img_size)
+            if problem:
+                raise ConfigError(f"--img-size {args.img_size}: {problem}")
         doc = analyze(pre, args.images, args.output, img_size=args.img_size, augment=replace(cfg.data.augment),
                       num_images=args.num_images, rollout_images=args.rollout_images,
                       batch_size=args.batch_size, device=device)

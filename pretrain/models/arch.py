@@ -85,6 +85,15 @@ def model_defaults(name: str) -> dict:
     return d
 
 
+def img_size_problem(name: str, px) -> Optional[str]:
+    """What is wrong with ``px`` as an input size of ``name``, in words a key or flag can lead
+    (``f"{key} {px}: {problem}"``), or None: the size must be a positive multiple of the input pixels
+    per token (the patch, times a hybrid's stem stride)."""
+    stride = model_defaults(name)["stride"]
+    if px != int(px) or px <= 0 or int(px) % stride:
+        return f"must be a positive multiple of {name}'s patch size {stride}"
+    return None
+
 
 def patch_keep(tokens: int, rate: float) -> int:
     """Patch tokens an image keeps in training under patch dropout at ``rate`` (timm's

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from data_pipeline.errors import Parser
-from pretrain.models.arch import analytic_flops, list_models, model_defaults
+from pretrain.models.arch import analytic_flops, img_size_problem, list_models, model_defaults
 from pretrain.models.vit import VisionTransformer, create_model
 
 
@@ -105,10 +105,11 @@ def main(argv=None) -> None:
     ap.add_argument("--fvcore", action="store_true", help="also count with fvcore (builds the model)")
     args = ap.parse_args(argv)
     defaults = model_defaults(args.model)
-    img, stride = defaults["img_size"], defaults["stride"]
-    if args.img_size is not None:  # as training's model.img_size: a positive multiple of the patch
-        if args.img_size <= 0 or args.img_size % stride:
-            ap.error(f"--img-size {args.img_size}: {args.model} takes a positive multiple of its patch size {stride}")
+    img = defaults["img_size"]
+    if args.img_size is not None:  # as training's model.img_size
+        problem = img_size_problem(args.model, args.img_size)
+        if problem:
+            ap.error(f"--img-size {args.img_size}: {problem}")
         img = args.img_size
     if args.num_classes < 0:
         ap.error(f"--num-classes {args.num_classes}: must be >= 0 (0: no head)")

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from data_pipeline.errors import ConfigError
-from pretrain.models.arch import list_models, model_defaults
+from pretrain.models.arch import img_size_problem, list_models, model_defaults
 from pretrain.models.pooling import sincos_pos_embed
 from pretrain.models.vit import create_model
 from pretrain.weights.load import WeightsError, load_weights, prefix_rows, read_state_dict
@@ -174,9 +174,9 @@ def _pretrained_model(pre: Pretrained, *, img_size: int, num_classes: int, repre
                       drop_path_rate: float, exclude: tuple) -> torch.nn.Module:
     """The ViT of ``pre.arch`` at ``img_size`` with ``pre``'s weights, bar those under ``exclude``."""
     a = pre.arch
-    stride = model_defaults(a["name"])["stride"]
-    if img_size % stride:
-        raise CheckpointError(f"eval.img_size={img_size} is not a multiple of the patch size {stride} of {a['name']}")
+    problem = img_size_problem(a["name"], img_size)
+    if problem:
+        raise CheckpointError(f"eval.img_size {img_size}: {problem}")
     # timm's qk_norm / LayerScale options are read from the tensors (any init value: gammas load)
     qk_norm = any(k.endswith("attn.q_norm.weight") for k in pre.state_dict)
     layer_scale = any(k.endswith("ls1.gamma") for k in pre.state_dict)

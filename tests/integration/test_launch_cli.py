@@ -127,9 +127,9 @@ def test_argument_values_are_checked_before_any_work(capsys, argv, needle):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "vit_base_patch16_224", "--img-size", "100"],
-     "--img-size 100 is not a multiple of vit_base_patch16_224's patch size 16"),
+     "--img-size 100: must be a positive multiple of vit_base_patch16_224's patch size 16"),
     (["--config", CONFIG, "--img-size", "72", "--world-size", "2"],
-     "--img-size 72 is not a multiple of vit_tiny_patch16_224's patch size 16"),
+     "--img-size 72: must be a positive multiple of vit_tiny_patch16_224's patch size 16"),
     (["--config", CONFIG, "--world-size", "2", "--nodes", "4"],
      "--world-size 2 is 1 node(s) of 2 GPUs, not --nodes 4: give one of the two"),
     (["--model", "vit_base_patch16_224", "--world-size", "32", "--nodes", "2"],

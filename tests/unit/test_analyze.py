@@ -264,8 +264,8 @@ def test_one_line_errors(tmp_path, capsys, photos):
                                                "--output", out])
     assert "no such folder" in _error(capsys, ["--checkpoint", str(ckpt), "--images", str(tmp_path / "gone"),
                                                "--output", out])
-    assert "multiple of the patch size" in _error(capsys, ["--checkpoint", str(ckpt), "--images", str(photos),
-                                                           "--output", out, "--img-size", "40"])
+    assert "--img-size 40: must be a positive multiple of" in _error(
+        capsys, ["--checkpoint", str(ckpt), "--images", str(photos), "--output", out, "--img-size", "40"])
     assert "--images" in _error(capsys, ["--checkpoint", str(ckpt), "--output", out])
     assert "--device 'gpu0': not a device (cpu, cuda, cuda:N)" in _error(
         capsys, ["--checkpoint", str(ckpt), "--images", str(photos), "--output", out, "--device", "gpu0"])

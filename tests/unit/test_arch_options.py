@@ -249,7 +249,7 @@ def test_arch_read_from_tensors_builds_the_transfer_backbone(tmp_path):
     (["model.reg_tokens=-1"], "model.reg_tokens: must be >= 0"),
     (["model.global_pool=max"], "model.global_pool"),
     (["model.pos_embed=rope"], "model.pos_embed"),
-    (["model.img_size=0"], "model.img_size: must be positive, got 0"),  # not "the name's size"
+    (["model.img_size=0"], "model.img_size: 0 must be a positive multiple of"),  # not "the name's size"
     (["model.representation_size=-1"], "model.representation_size: must be a positive width or null"),
     (["model.representation_size=0"], "model.representation_size: must be a positive width or null"),
 ])

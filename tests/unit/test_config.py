@@ -151,7 +151,7 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
 @pytest.mark.parametrize("text, needle", [
     ("zero: {stage: 5}\n", "zero.stage"),
     ("train: {global_batch_size: 100, micro_batch_size: 32}\n", "train.global_batch_size"),
-    ("model: {name: vit_base_patch16_224, img_size: 100}\n", "patch size 16 of vit_base_patch16_224 does not divide"),
+    ("model: {name: vit_base_patch16_224, img_size: 100}\n", "model.img_size: 100 must be a positive multiple"),
     ("train: {steps: -1}\n", "train.steps"),
     ("validation: {batch_size: -8}\n", "validation.batch_size: must be >= 0 (0: the training micro batch), got -8"),
     ("train: {steps: ten}\n", "train.steps: expected int"),

@@ -244,7 +244,7 @@ def test_phases_by_fraction_of_the_steps():
     ("[[0.1,32]]", "the first entry must start at 0.0"),
     ("[[0,32],[0.5,48],[0.5,64]]", "must rise from 0.0"),
     ("[[0,32],[1.0,64]]", "stay below 1"),
-    ("[[0,40]]", "must be a positive multiple of the model's patch size 16"),
+    ("[[0,40]]", "resolution 40 must be a positive multiple of vit_tiny_patch16_224's patch size 16"),
     ("[[0,32,0]]", "micro batch 0 must be a positive integer"),
     ("[[0,32,48]]", "entry 0: micro batch 48 x world size 1 = 48 does not divide train.global_batch_size=64"),
     ("[[0,32,64,1]]", "expected [fraction, px] or [fraction, px, micro batch]"),

@@ -108,7 +108,7 @@ def test_vit_flops_counts_the_size_asked_and_refuses_one_training_would(capsys):
     main(["vit_base_patch16_384", "--img-size", "224"])
     b16 = analytic_flops("vit_base_patch16_224") / 1e9
     assert capsys.readouterr().out == f"vit_base_patch16_384 @ 224: analytic {b16:.2f} GFLOPs\n"
-    multiple = "vit_base_patch16_224 takes a positive multiple of its patch size 16"
+    multiple = "must be a positive multiple of vit_base_patch16_224's patch size 16"
     for argv, said in ((["--img-size", "200"], f"--img-size 200: {multiple}"),
                        (["--img-size", "0"], f"--img-size 0: {multiple}"),
                        (["--num-classes", "-3"], "--num-classes -3: must be >= 0 (0: no head)")):
