@@ -46,8 +46,17 @@ def _knn_field(name: str) -> Any:
     return _shared_field(KNN_DEFAULTS[name])
 
 
-def _check_fewshot(cfg: Any, section: str, fail: Callable[[str, str], None]) -> None:
-    """Impossible values of the shared few-shot settings of ``cfg``, named ``{section}.{key}``."""
+def _check_fewshot(cfg: Any, section: str, suites: list[str], fail: Callable[[str, str], None]) -> None:
+    """Impossible values of the shared few-shot settings of ``cfg``, named ``{section}.{key}``;
+    ``suites``: the names of the suites the section runs (``tasks`` is read by ``vtab1k`` alone)."""
+    from pretrain.transfer import vtab
+
+    for name in cfg.tasks:
+        if not vtab.known(name):
+            fail(f"{section}.tasks", f"unknown VTAB-1k task {name!r}; known: {', '.join(vtab.TASKS)}")
+    if cfg.tasks and "vtab1k" not in suites:
+        fail(f"{section}.tasks", f"{cfg.tasks} would be ignored: only suite vtab1k reads it, and {section} runs "
+                                 f"{', '.join(suites) or 'no suite'}")
     if not (cfg.fewshot_shots and all(k > 0 for k in cfg.fewshot_shots)):
         fail(f"{section}.fewshot_shots", f"must be positive shot counts, got {cfg.fewshot_shots}")
     if not cfg.fewshot_seeds > 0:
@@ -87,7 +96,8 @@ class EvalConfig:
     data_root: Optional[str] = None
     """The suite's data folder (`--data-root`)."""
     tasks: list[str] = _fewshot_field("tasks")
-    """VTAB-1k: run only these tasks (empty: all present)."""
+    """VTAB-1k: run only these tasks, by paper or folder name (empty: all present); set only with
+    `eval.suite: vtab1k`."""
     img_size: Optional[int] = None
     """Evaluation resolution; null: the checkpoint's resolution, else the position embedding is
     resized."""
@@ -221,7 +231,7 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
          f"must list L2 penalties >= 0, got {ev.sweep_linear_l2}")
     need(len(ev.sweep_fewshot_l2) > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "sweep_fewshot_l2",
          f"must list ridge penalties > 0, got {ev.sweep_fewshot_l2}")
-    _check_fewshot(ev, "eval", fail)
+    _check_fewshot(ev, "eval", [ev.suite], fail)
     need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
     need(ev.watch_idle_timeout_s is None or ev.watch_idle_timeout_s >= 0, "watch_idle_timeout_s",
          f"must be >= 0 (0: evaluate what is there, then stop) or null, got {ev.watch_idle_timeout_s}")
@@ -257,7 +267,8 @@ class ValidationConfig:
     fewshot_l2: float = _fewshot_field("fewshot_l2")
     """The probes' ridge penalty (big_vision's l2_reg = 2**10)."""
     tasks: list[str] = _fewshot_field("tasks")
-    """VTAB-1k tasks to probe (empty: all present)."""
+    """VTAB-1k tasks to probe, by paper or folder name (empty: all present); set only with a
+    `vtab1k` suite among the probes'."""
     minival_fraction: float = _fewshot_field("minival_fraction")
     """The val split cut from train where a suite has none (big_vision)."""
     seed: int = _fewshot_field("seed")
@@ -272,11 +283,13 @@ def check_validation(val: ValidationConfig, fail: Callable[[str, str], None]) ->
 
     need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
     need(val.batch_size >= 0, "batch_size", f"must be >= 0 (0: the training micro batch), got {val.batch_size}")
+    names = []
     for key in ("fewshot_suites", "knn_suites"):
         for spec in getattr(val, key):
             name = spec.partition(":")[0]
             need(name in SUITE_NEEDS_ROOT, key,
                  f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
             need(not SUITE_NEEDS_ROOT[name] or ":" in spec, key, f"{spec!r}: suite {name} needs NAME:PATH")
-    _check_fewshot(val, "validation", fail)
+            names += [name] if name not in names else []
+    _check_fewshot(val, "validation", names, fail)
     _check_knn(val, "validation", fail)

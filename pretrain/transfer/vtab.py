@@ -44,13 +44,19 @@ SPLIT_FILES = {"train": "train800.txt", "val": "val200.txt", "trainval": "train8
 
 
 def canonical(name: str) -> str:
-    """The paper's task name for a paper or folder name; ``TransferError`` for an unknown one."""
+    """The paper's task name for a paper or folder name; ``TransferError`` for an unknown one (the
+    config's check names its key first: ``known``)."""
     if name in NUM_CLASSES:
         return name
     for task, aliases in FOLDER_ALIASES.items():
         if name in aliases:
             return task
-    raise TransferError(f"eval.tasks: unknown VTAB-1k task {name!r}; known: {', '.join(TASKS)}")
+    raise TransferError(f"unknown VTAB-1k task {name!r}; known: {', '.join(TASKS)}")
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is a VTAB-1k task by its paper or folder name."""
+    return name in NUM_CLASSES or any(name in aliases for aliases in FOLDER_ALIASES.values())
 
 
 def folder_names(task: str) -> list[str]:

@@ -204,6 +204,13 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     (["eval.sweep_fewshot_l2=[]"], "eval.sweep_fewshot_l2: must list ridge penalties > 0, got []"),
     (["eval.sweep_fewshot_l2=[0]"], "command line: eval.sweep_fewshot_l2: must list ridge penalties > 0"),
     (["eval.watch_idle_timeout_s=-1"], "eval.watch_idle_timeout_s: must be >= 0 (0: evaluate what is there"),
+    # VTAB-1k task names: known ones, and a vtab1k suite to read them
+    (["eval.suite=vtab1k", "eval.tasks=[svhn,imagenet]"], "eval.tasks: unknown VTAB-1k task 'imagenet'; known: "),
+    (["eval.tasks=[svhn]"], "eval.tasks: ['svhn'] would be ignored: only suite vtab1k reads it, and eval runs cifar1"),
+    (["validation.fewshot_suites=[demo]", "validation.knn_suites=[demo,imagefolder:/f]", "validation.tasks=[dtd]"],
+     "validation.tasks: ['dtd'] would be ignored: only suite vtab1k reads it, and validation runs demo, imagefolder"),
+    (["validation.fewshot_suites=[vtab1k:/v]", "validation.tasks=[svhn,kitti,cifar10]"],
+     "validation.tasks: unknown VTAB-1k task 'cifar10'"),
 ])
 def test_values_the_run_would_meet_late_are_refused_at_load(overrides, needle):
     with pytest.raises(ConfigError) as e:
