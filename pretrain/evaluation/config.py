@@ -49,11 +49,11 @@ def _knn_field(name: str) -> Any:
 def _check_fewshot(cfg: Any, section: str, suites: list[str], fail: Callable[[str, str], None]) -> None:
     """Impossible values of the shared few-shot settings of ``cfg``, named ``{section}.{key}``;
     ``suites``: the names of the suites the section runs (``tasks`` is read by ``vtab1k`` alone)."""
-    from pretrain.transfer import vtab
+    from pretrain.transfer.vtab import canonical, unknown_task
 
     for name in cfg.tasks:
-        if not vtab.known(name):
-            fail(f"{section}.tasks", f"unknown VTAB-1k task {name!r}; known: {', '.join(vtab.TASKS)}")
+        if canonical(name) is None:
+            fail(f"{section}.tasks", unknown_task(name))
     if cfg.tasks and "vtab1k" not in suites:
         fail(f"{section}.tasks", f"{cfg.tasks} would be ignored: only suite vtab1k reads it, and {section} runs "
                                  f"{', '.join(suites) or 'no suite'}")

@@ -151,6 +151,9 @@ def vtab1k(root: str, names: list[str]) -> tuple[list[Task], list[str]]:
     """The tasks present under ``root`` (or exactly ``names``), and the VTAB tasks missing.
     A task asked for by name but absent is an error; unasked ones are only listed as missing."""
     base = _need_dir(Path(root), "VTAB-1k folder")
+    bad = [n for n in names if vtab.canonical(n) is None]
+    if bad:
+        raise TransferError(vtab.unknown_task(bad[0]))
     wanted = [vtab.canonical(n) for n in names] if names else list(vtab.TASKS)
     tasks, missing = [], []
     for t in wanted:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from pretrain.transfer.errors import TransferError
-
 GROUPS: dict[str, list[str]] = {
     "natural": ["caltech101", "cifar100", "dtd", "oxford_flowers102", "oxford_iiit_pet", "sun397", "svhn"],
     "specialized": ["patch_camelyon", "eurosat", "resisc45", "diabetic_retinopathy"],
@@ -43,20 +41,16 @@ SPLIT_FILES = {"train": "train800.txt", "val": "val200.txt", "trainval": "train8
                "test": "test.txt"}
 
 
-def canonical(name: str) -> str:
-    """The paper's task name for a paper or folder name; ``TransferError`` for an unknown one (the
-    config's check names its key first: ``known``)."""
+def canonical(name: str) -> Optional[str]:
+    """The paper's task name for a paper or folder name; None for a name of no VTAB-1k task."""
     if name in NUM_CLASSES:
         return name
-    for task, aliases in FOLDER_ALIASES.items():
-        if name in aliases:
-            return task
-    raise TransferError(f"unknown VTAB-1k task {name!r}; known: {', '.join(TASKS)}")
+    return next((task for task, aliases in FOLDER_ALIASES.items() if name in aliases), None)
 
 
-def known(name: str) -> bool:
-    """Whether ``name`` is a VTAB-1k task by its paper or folder name."""
-    return name in NUM_CLASSES or any(name in aliases for aliases in FOLDER_ALIASES.values())
+def unknown_task(name: str) -> str:
+    """The line for a name of no VTAB-1k task (after the key or file that gave it)."""
+    return f"unknown VTAB-1k task {name!r}; known: {', '.join(TASKS)}"
 
 
 def folder_names(task: str) -> list[str]:
