@@ -304,6 +304,24 @@ def check_val_shards(cfg: Config, train) -> list[Finding]:
     return []
 
 
+def check_probe_suites(cfg: Config) -> list[Finding]:
+    """The suites of the in-training few-shot and kNN probes (``validation.fewshot_suites``,
+    ``validation.knn_suites``), read as vit-train reads them at start-up: each folder, split file and
+    VTAB-1k task there, before any GPU waits on them."""
+    from pretrain.evaluation.in_training import probe_tasks
+
+    v = cfg.validation
+    specs = list(dict.fromkeys(v.fewshot_suites + v.knn_suites))
+    if not (specs and v.every_steps > 0):
+        return []
+    try:
+        tasks = probe_tasks(v, cfg.data, specs)
+    except (ConfigError, OSError) as e:
+        return [Finding(FAIL, "probes", str(e).splitlines()[0])]
+    return [Finding(OK, "probes", "; ".join(f"{label}: {t.num_classes} classes, {len(t.trainval)} train and "
+                                            f"{len(t.test)} test images" for label, t in tasks))]
+
+
 def _same_files(a, b) -> list[str]:
     """The shards of ShardSet ``a`` that are shards of ``b`` too (the same file, however named)."""
     from data_pipeline.storage.urls import is_remote
@@ -452,8 +470,8 @@ def layout_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> li
 
 def run_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> list[Finding]:
     shape = memory.model_shape(cfg.model)
-    return (check_batch(cfg, world) + check_shards(cfg, world) + check_run_dir(cfg, shape.params)
-            + check_memory(cfg, world, gpu_memory_gb, shape))
+    return (check_batch(cfg, world) + check_shards(cfg, world) + check_probe_suites(cfg)
+            + check_run_dir(cfg, shape.params) + check_memory(cfg, world, gpu_memory_gb, shape))
 
 
 def report(findings: list[Finding], prog: str, out, err) -> bool:

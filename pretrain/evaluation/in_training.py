@@ -44,6 +44,24 @@ def parse_suite(spec: str) -> tuple[str, Optional[str]]:
     return name, (path or None)
 
 
+def probe_tasks(val, data, specs: list[str]) -> list[tuple[str, object]]:
+    """``(label, task)`` of each suite spec (``NAME`` or ``NAME:PATH``) of the ``validation``
+    section ``val``, read by vit-transfer's builders (file lists, split files, labels; CIFAR-100's
+    arrays). A missing folder, file or task raises ``TransferError``, one line naming it."""
+    from types import SimpleNamespace
+
+    from pretrain.transfer.suites import SUITES
+
+    out = []
+    for spec in specs:
+        name, path = parse_suite(spec)
+        ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=val.minival_fraction,
+                             seed=val.seed, tasks=list(val.tasks))
+        tasks, _ = SUITES[name].build(ev, data)
+        out += [(name if len(tasks) == 1 else f"{name}/{task.name}", task) for task in tasks]
+    return out
+
+
 def _say(line: str) -> None:
     print(f"vit-train: {line}", file=sys.stderr, flush=True)
 
@@ -104,10 +122,13 @@ class InTrainingEval:
         self.loss, self.ema = loss, ema
         self.img_size, self.num_classes, self.dtype = img_size, num_classes, dtype
         self.batch, self.seed = batch, seed
-        self.fewshot: Optional[list[_Fewshot]] = None  # built at the first evaluation
+        self.fewshot: Optional[list[_Fewshot]] = None  # decoded at the first evaluation
         self.knn: list[_Knn] = []
         self.last_seconds = 0.0
         self.val = None
+        # the probes' suites are read now: a wrong folder or task ends start-up, not the first evaluation
+        self.tasks = ((probe_tasks(val, data, val.fewshot_suites), probe_tasks(val, data, val.knn_suites))
+                      if self.enabled else ([], []))
         if self.enabled and data.val_shards:
             from data_pipeline.loading.loader import build_loader
 
@@ -175,28 +196,13 @@ class InTrainingEval:
             return {"loss": total / n, "prec@1": hit1 / n, "samples": int(count)}
         return {"loss": total / n, "top1": hit1 / n, "top5": hit5 / n, "samples": int(count)}
 
-    def _tasks(self, specs: list[str]) -> list[tuple[str, object]]:
-        """``(label, task)`` of each suite spec (``NAME`` or ``NAME:PATH``), read by vit-transfer's builders."""
-        from types import SimpleNamespace
-
-        from pretrain.transfer.suites import SUITES
-
-        out = []
-        for spec in specs:
-            name, path = parse_suite(spec)
-            ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=self.ev.minival_fraction,
-                                 seed=self.ev.seed, tasks=list(self.ev.tasks))
-            tasks, _ = SUITES[name].build(ev, self.data)
-            out += [(name if len(tasks) == 1 else f"{name}/{task.name}", task) for task in tasks]
-        return out
-
     def _suites(self) -> list[_Fewshot]:
         if self.fewshot is None:
             self.fewshot = [_Fewshot(label, task, self.img_size, self.rank, self.world, self.batch,
                                      max(self.ev.fewshot_shots), self.ev.fewshot_seeds)
-                            for label, task in self._tasks(self.ev.fewshot_suites)]
+                            for label, task in self.tasks[0]]
             self.knn = [_Knn(label, task, self.img_size, self.rank, self.world, self.batch)
-                        for label, task in self._tasks(self.ev.knn_suites)]
+                        for label, task in self.tasks[1]]
         return self.fewshot
 
     def _features(self, engine, batches) -> tuple[torch.Tensor, torch.Tensor]:
