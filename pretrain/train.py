@@ -48,7 +48,8 @@ def evaluate(lp: Loop, step: int) -> None:
         return
     lp.clock.beat("eval", slow=True)
     results = lp.evaluator(lp.engine, step)
-    lp.logger.log(step, results)
+    # with the cost so far in its own record: W&B draws eval/* against it even off the log steps
+    lp.logger.log(step, {**results, "device_hours": lp.checkpointer.totals()["device_seconds"] / 3600})
     lp.clock.exclude(lp.evaluator.last_seconds)
     lp.say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
 
@@ -89,7 +90,7 @@ def train_loop(lp: Loop) -> dict:
 
         clock.beat("log")
         if step % t.log_every_steps == 0 or step == t.steps or ends:
-            metrics, phases = window_metrics(engine, window, clock, world=lp.world, examples_seen=lp.totals.images,
+            metrics, phases = window_metrics(engine, window, clock, world=lp.world, totals=lp.checkpointer.totals(),
                                              nonfinite_skipped=guard.total, loader=lp.loader)
             profiled = prof.window_steps(window_first, step) if prof is not None else 0
             if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler

@@ -69,18 +69,20 @@ class Window:
         return self.flops[0] / n, self.flops[1] / n
 
 
-def window_metrics(engine, window: Window, clock: StepClock, *, world: int, examples_seen: int,
+def window_metrics(engine, window: Window, clock: StepClock, *, world: int, totals: dict,
                    nonfinite_skipped: int, loader) -> tuple[dict, dict]:
     """The log step's metrics (a sync point: the device finishes the window, then the clock is
     read) and this rank's phase seconds of the window. TFLOP/s and MFU count each image at its
-    step's resolution and the tokens patch dropout kept (``Window.add``)."""
+    step's resolution and the tokens patch dropout kept (``Window.add``). ``totals``: the run's so
+    far (``RunTotals.record``), logged as ``examples_seen`` and ``device_hours``."""
     elapsed, phases = clock.close_window()
     dist.all_reduce(window.loss)
     total, count = window.loss.tolist()
     gn = engine.get_global_grad_norm()
     # the largest group LR: the peak (optim.layer_decay scales the lower layers' groups down)
     metrics = {"loss": total / count if count else None, "lr": max(engine.get_lr()),
-               "grad_norm": float(gn) if gn is not None else None, "examples_seen": examples_seen,
+               "grad_norm": float(gn) if gn is not None else None, "examples_seen": totals["images_seen"],
+               "device_hours": totals["device_seconds"] / 3600,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,
                **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),

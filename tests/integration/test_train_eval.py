@@ -56,6 +56,9 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run,
     off = records(six_steps(tiny_run, val, "train.ema_decay=0.5", name="off"))
     evals = [r for r in on if "eval/loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
+    # each evaluation's record carries the run's device-hours so far, past its step's training record's
+    hours = {r["step"]: r["device_hours"] for r in on if "loss" in r}
+    assert all(0 < hours[r["step"]] <= r["device_hours"] < hours.get(r["step"] + 1, 1e9) for r in evals), on
     for r in evals:
         assert r["eval/samples"] == 75  # every validation sample exactly once
         assert 0.0 <= r["eval/top1"] <= r["eval/top5"] <= 1.0 and r["eval/loss"] > 0

@@ -45,8 +45,9 @@ def test_a_checkpoint_save_is_not_in_the_next_windows_throughput(shards, tmp_pat
 def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shards, tmp_path):
     """run.json's device_seconds (devices x wall-clock of every invocation up to that step),
     images_seen and model_flops, carried over resumes, one of them with another global batch;
-    summary.json's are the run's so far; the model card of an exported step says that step's own
-    figures, not the last invocation's, nor step x today's global batch."""
+    summary.json's are the run's so far, the metrics' device_hours too; the model card of an
+    exported step says that step's own figures, not the last invocation's, nor step x today's
+    global batch."""
     import time
 
     from pretrain.weights import hf
@@ -79,6 +80,9 @@ def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shar
     per_image = saved(4)["model_flops"] / saved(4)["images_seen"]
     assert (saved(4)["images_seen"], six["images_seen"], m[6]["examples_seen"]) == (64, 80, 80)
     assert six["model_flops"] == pytest.approx(per_image * 80)
+    # the metrics' device-hours: the same running total, each logged just before its step's save
+    secs = {s: r["device_hours"] * 3600 for s, r in m.items() if s % 2 == 0}
+    assert secs[2] <= two < secs[4] <= four < secs[6] <= six["device_seconds"], (secs, two, four, six)
     info = run_info(find_checkpoint(tmp_path / "run", 6))
     card = hf.model_card(info["config"], 6, [], None, tmp_path / "run", 1000, prep,
                          totals={k: info[k] for k in ("device_seconds", "images_seen", "model_flops")})
