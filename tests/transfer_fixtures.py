@@ -125,10 +125,12 @@ def save_safetensors(model, path: Path, metadata: dict | None = None) -> Path:
     return path
 
 
-def exported_metadata(model_section: dict, step: int, grid: tuple, run_id: str = "") -> dict:
-    """The metadata ``vit-export`` writes."""
+def exported_metadata(model_section: dict, step: int, grid: tuple, run_id: str = "",
+                      totals: dict | None = None) -> dict:
+    """The metadata ``vit-export`` writes; ``totals``: what pre-training cost up to ``step``."""
     return {"format": "pt", "model_name": model_section["name"], "model": json.dumps(model_section),
-            "grid_size": f"{grid[0]}x{grid[1]}", "step": str(step), "wandb_run_id": run_id}
+            "grid_size": f"{grid[0]}x{grid[1]}", "step": str(step), "wandb_run_id": run_id,
+            **{k: str(v) for k, v in (totals or {}).items()}}
 
 
 def write_run_dir(run: Path, model, steps: dict, final: int, run_id: str = "run123abc", overrides=()) -> Path:

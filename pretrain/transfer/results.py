@@ -5,6 +5,7 @@ pre-training run.
 
     {"checkpoint": ..., "checkpoint_kind": "run|safetensors|state_dict", "step": 1000,
      "model": {"name": ..., "img_size": ..., "global_pool": ..., "representation_size": ...},
+     "pretraining": {"device_hours": 1.2e3, "images_seen": ..., "model_flops": ...},  # None: unknown
      "suite": "vtab1k", "protocol": "linear", "img_size": 224, "sweep": true,
      "settings": {the resolved eval section},
      "tasks": {"caltech101": {"task", "group", "accuracy", "setting", "val_accuracy", "details",
@@ -12,8 +13,12 @@ pre-training run.
      "groups": {"natural": {"mean", "tasks", "of"}, ...},      # vtab1k only
      "mean": 0.61, "missing": ["sun397", ...], "seconds": 812.0}
 
+``pretraining``: what pre-training did and cost up to the evaluated step, as the checkpoint says it
+(a run's ``run.json``, a ``vit-export`` file's metadata); each figure None where it does not.
+
 W&B: the same run id as pre-training and the checkpoint's step as ``train/step`` -- the x-axis
 ``pretrain.observability.metrics`` defines for ``transfer/*`` -- so transfer curves sit beside the loss curve;
+``train/device_hours`` rides in the same row where known, so they can be drawn against GPU-hours too;
 W&B's own step counter is left alone, so a transfer result for an older step is never dropped
 as out of order.
 """
@@ -37,6 +42,7 @@ def assemble(results: list[TaskResult], *, missing: list[str], suite: str, proto
              sweep: bool, settings: dict, seconds: float) -> dict:
     acc = {r.task: r.accuracy for r in results}
     doc = {"checkpoint": pre.source, "checkpoint_kind": pre.kind, "step": pre.step, "model": dict(pre.arch),
+           "pretraining": pretraining(pre.totals),
            "wandb_run_id": pre.wandb_run_id, "suite": suite, "protocol": protocol, "img_size": img_size,
            "sweep": sweep, "settings": settings, "tasks": {r.task: r.to_dict() for r in results}}
     if suite == "vtab1k":
@@ -46,6 +52,23 @@ def assemble(results: list[TaskResult], *, missing: list[str], suite: str, proto
         doc.update(mean=sum(acc.values()) / len(acc) if acc else None, missing=list(missing))
     doc["seconds"] = seconds
     return doc
+
+
+def pretraining(totals: Optional[dict]) -> dict:
+    """``doc["pretraining"]`` from a checkpoint's totals (``Pretrained.totals``): device-hours,
+    images and model FLOPs up to its step, each None where the checkpoint does not say it."""
+    t = totals or {}
+    secs = t.get("device_seconds")
+    return {"device_hours": None if secs is None else secs / 3600, "images_seen": t.get("images_seen"),
+            "model_flops": t.get("model_flops")}
+
+
+def _cost(doc: dict) -> str:
+    """The header's words on what pre-training cost up to the checkpoint, where it is known."""
+    p = doc.get("pretraining") or {}
+    parts = ([f"{p['device_hours']:.3g} device-hours"] if p.get("device_hours") is not None else []) + (
+        [f"{p['images_seen']:,} images"] if p.get("images_seen") is not None else [])
+    return f"; pre-training {', '.join(parts)}" if parts else ""
 
 
 def write_json(path: str | Path, obj) -> Path:
@@ -149,8 +172,8 @@ def markdown(doc: dict) -> str:
     seeds = (doc.get("settings") or {}).get("fewshot_seeds")
     nn = headline_k(doc) if doc["protocol"] == "knn" else None
     top1 = f"{k}-shot top-1 (%)" if k else f"{nn}-NN top-1 (%)" if nn else "Top-1 (%)"
-    lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}) -- {doc['suite']} / {doc['protocol']} "
-             f"at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
+    lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}{_cost(doc)}) -- {doc['suite']} / "
+             f"{doc['protocol']} at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
              + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "")
                 + " (every shot count under Details)" if k else "")
              + (f"; top-1 is {nn}-NN (every k under Details)" if nn else ""), "",
@@ -201,7 +224,9 @@ def log_wandb(doc: dict, wandb_cfg, *, run_dir: Optional[str] = None) -> Optiona
     try:
         run.define_metric("transfer/*", step_metric="train/step")
         step = doc.get("step") or 0
-        run.log({"train/step": step, **wandb_metrics(doc)})
+        hours = (doc.get("pretraining") or {}).get("device_hours")
+        run.log({"train/step": step, **({"train/device_hours": hours} if hours is not None else {}),
+                 **wandb_metrics(doc)})
         return run.dir
     finally:
         run.finish()

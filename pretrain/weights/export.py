@@ -6,7 +6,8 @@
 Works from any ZeRO stage: DeepSpeed's ``zero_to_fp32`` merges the fp32 master-weight shards of
 stages 1-3 (the exact weights the optimizer holds, also when training in bf16); stage 0 stores
 the whole module. The timm file's metadata records the model section of the config, the patch
-grid, the step, the W&B run id (so ``load_weights`` and ``vit-transfer`` need nothing else) and
+grid, the step, the W&B run id (so ``load_weights`` and ``vit-transfer`` need nothing else), what
+pre-training cost up to that step (``RUN_TOTALS``) and
 timm's ``pretrained_cfg`` (input size, mean, std, crop, interpolation, classes); the command
 prints the ``timm.create_model`` call that loads it with that preprocessing. ``--format hf``
 writes what ``ViTForImageClassification.from_pretrained`` loads (``pretrain.weights.hf``), with a model
@@ -291,7 +292,8 @@ def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None, ema
     meta = {"format": "pt", "model_name": info["model"]["name"], "model": json.dumps(info["model"]),
             "grid_size": "x".join(map(str, info["grid_size"])), "img_size": str(info["img_size"]),
             "step": "" if info["step"] is None else str(info["step"]), "wandb_run_id": info["wandb_run_id"] or "",
-            "pretrained_cfg": json.dumps(pcfg), "weights": "ema" if ema else "weights"}
+            "pretrained_cfg": json.dumps(pcfg), "weights": "ema" if ema else "weights",
+            **{k: "" if info.get(k) is None else str(info[k]) for k in RUN_TOTALS}}
     try:
         write_safetensors(sd, out, meta)
     except OSError as e:

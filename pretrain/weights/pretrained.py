@@ -2,8 +2,9 @@
 
 Accepted: (1) one of our run directories, any ZeRO stage (through ``pretrain.weights.export``'s
 ``load_run_weights``, which merges the fp32 shards); (2) an exported ``.safetensors`` file, whose
-metadata may carry ``model`` / ``config`` JSON, ``model_name``, ``grid_size`` ("HxW"), ``step``
-and ``wandb_run_id``; (3) a timm / torch state dict (``.pth``/``.bin``/``.pt``, read with
+metadata may carry ``model`` / ``config`` JSON, ``model_name``, ``grid_size`` ("HxW"), ``step``,
+``wandb_run_id`` and what pre-training cost up to that step (``device_seconds``, ``images_seen``,
+``model_flops``); (3) a timm / torch state dict (``.pth``/``.bin``/``.pt``, read with
 ``weights_only=True``). Nothing here unpickles code.
 
 The architecture comes, in increasing priority, from the tensors themselves (patch size, width,
@@ -49,6 +50,7 @@ class Pretrained:
     kind: str  # "run", "safetensors" or "state_dict"
     run_dir: Optional[str] = None
     classes: Optional[tuple[str, ...]] = None  # the head's class names in output order, where the source says them
+    totals: Optional[dict] = None  # what pre-training did and cost up to this step (export.RUN_TOTALS), where known
 
     @property
     def img_size(self) -> int:
@@ -124,16 +126,17 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
     """Read a checkpoint of any accepted kind. ``user_arch``: model keys the user set explicitly;
     they win over metadata and inference."""
     p = Path(path)
-    grid = step = run_id = run_dir = classes = None
+    grid = step = run_id = run_dir = classes = totals = None
     arch: dict = {}
     if p.is_dir():
         sd, info = _read_run_dir(p)
         kind, arch = "run", {k: info["model"][k] for k in ARCH_KEYS if k in info.get("model", {})}
         grid = tuple(info["grid_size"]) if info.get("grid_size") else None
         step, run_id, run_dir = info.get("step"), info.get("wandb_run_id"), info.get("run_dir")
-        from pretrain.weights.export import head_class_names
+        from pretrain.weights.export import RUN_TOTALS, head_class_names
 
         classes = head_class_names(info)
+        totals = {k: info.get(k) for k in RUN_TOTALS}
     elif not p.exists():
         raise CheckpointError(f"{p}: checkpoint not found")
     else:
@@ -147,6 +150,7 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         kind = "safetensors" if p.suffix == ".safetensors" else "state_dict"
         arch, grid, step, run_id = _meta_arch(meta, str(p))
         classes = _meta_classes(meta)
+        totals = _meta_totals(meta, str(p))
     if not sd:
         raise CheckpointError(f"{p}: checkpoint holds no tensors")
     full = {**infer_arch(sd), **arch, **(user_arch or {})}
@@ -157,7 +161,21 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretr
         raise CheckpointError(f"{p}: unknown model {full['name']!r}; known: {', '.join(list_models())}")
     for k, v in ARCH_DEFAULTS.items():
         full.setdefault(k, v)
-    return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir, classes)
+    return Pretrained(sd, {k: full.get(k) for k in ARCH_KEYS}, grid, step, run_id, str(p), kind, run_dir, classes,
+                      totals)
+
+
+def _meta_totals(meta: dict[str, str], where: str) -> Optional[dict]:
+    """What pre-training cost up to the exported step, as ``vit-export`` records it (an empty value:
+    unknown); None for a file without them."""
+    from pretrain.weights.export import RUN_TOTALS
+
+    if not any(k in meta for k in RUN_TOTALS):
+        return None
+    try:
+        return {k: (int if k == "images_seen" else float)(meta[k]) if meta.get(k) else None for k in RUN_TOTALS}
+    except ValueError as e:
+        raise CheckpointError(f"{where}: unreadable metadata ({e})") from None
 
 
 def _meta_classes(meta: dict[str, str]) -> Optional[tuple[str, ...]]:

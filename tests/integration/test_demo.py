@@ -33,6 +33,10 @@ def test_demo_end_to_end_and_resume(tmp_path):
     task = tr["tasks"]["demo"]
     assert tr["step"] == 16 and task["chance"] == pytest.approx(1 / task["num_classes"])
     assert task["accuracy"] > 2 * task["chance"], task  # even 16 steps of features beat chance easily
+    # what pre-training cost up to the evaluated checkpoint, as its run.json says it (both invocations')
+    saved = json.loads((out / "run" / "checkpoints" / "step_00000016" / "run.json").read_text())
+    assert tr["pretraining"] == {"device_hours": saved["device_seconds"] / 3600, "images_seen": saved["images_seen"],
+                                 "model_flops": saved["model_flops"]} and saved["images_seen"] > 0, tr["pretraining"]
     for line in ("checkpoint     ", "metrics        ", "W&B (offline)  ", "wandb sync ", "plots          "):
         assert line in text
     assert "few-shot       10-shot on the held-out shapes while training:" in text

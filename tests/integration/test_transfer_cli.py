@@ -221,14 +221,18 @@ def test_wandb_logs_into_the_pretraining_run_at_its_step(tmp_path, colours, monk
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     ckpt = save_safetensors(tiny_model(32), tmp_path / "t.safetensors", exported_metadata(
-        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=4242, grid=(2, 2), run_id="pre0train1"))
+        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=4242, grid=(2, 2), run_id="pre0train1",
+        totals={"device_seconds": 9000.0, "images_seen": 4242 * 16, "model_flops": 3.5e15}))
     main(["--checkpoint", str(ckpt), "--suite", "imagefolder", "--protocol", "fewshot", "--data-root", str(colours),
           "--output", str(tmp_path / "r.json"), "eval.wandb=true", "logging.wandb.mode=offline", *FAST])
     runs = list((tmp_path / "wandb").glob("offline-run-*-pre0train1"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
     logged = wandb_history(runs[0], "train/step")
     assert logged.get("train/step") == 4242, logged
-    acc = json.loads((tmp_path / "r.json").read_text())["tasks"]["colours"]["accuracy"]
+    assert logged.get("train/device_hours") == 2.5, logged  # in the same row: accuracy against GPU-hours
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["pretraining"] == {"device_hours": 2.5, "images_seen": 4242 * 16, "model_flops": 3.5e15}
+    acc = doc["tasks"]["colours"]["accuracy"]
     assert logged["transfer/imagefolder/fewshot/colours"] == pytest.approx(acc)
     assert "transfer/imagefolder/fewshot/colours_5shot" in logged
 

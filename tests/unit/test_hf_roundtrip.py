@@ -79,8 +79,9 @@ def manifest(tmp_path_factory):
     return d / "manifest.json"
 
 
-def make_run(root, manifest, step: int = 5, weights: bool = True, **model):
-    """A run directory as training leaves it, with random weights; returns (root, our model)."""
+def make_run(root, manifest, step: int = 5, weights: bool = True, totals: dict | None = None, **model):
+    """A run directory as training leaves it, with random weights; returns (root, our model).
+    ``totals``: what run.json says the run cost (None: a checkpoint of a release without them)."""
     model = {"name": "vit_tiny_patch16_224", "img_size": 32, "num_classes": len(CLASSES), **model}
     cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + [
         f"data.train_shards={manifest}", f"train.output_dir={root}", "zero.stage=0", "train.global_batch_size=16",
@@ -96,7 +97,7 @@ def make_run(root, manifest, step: int = 5, weights: bool = True, **model):
     if weights:
         torch.save({"module": ours.state_dict()}, ckpt / "mp_rank_00_model_states.pt")
     (ckpt / "run.json").write_text(json.dumps({"config": to_dict(cfg), "wandb_run_id": "r1", "step": step,
-                                               "world_size": 2}))
+                                               "world_size": 2, **(totals or {})}))
     (ckpt / rundir.COMPLETE).write_text(rundir.marker(step, ckpt))
     save_config(cfg, root / "config.yaml")
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.5 - 0.1 * s}) + "\n"
@@ -288,6 +289,32 @@ def test_timm_export_carries_pretrained_cfg(tmp_path, manifest, capsys):
     _, meta = read_state_dict(out)
     pcfg = json.loads(meta["pretrained_cfg"])
     assert pcfg["label_names"] == CLASSES and pcfg["num_classes"] == 6 and pcfg["input_size"] == [3, 32, 32]
+
+
+def test_the_cost_of_pretraining_travels_with_the_export_into_transfer_results(tmp_path, manifest, capsys):
+    """run.json's device-seconds, images and model FLOPs of the exported step go into the timm
+    file's metadata; vit-transfer reads them from either and its results say them (device-hours);
+    a checkpoint that never recorded them says nothing, not zero."""
+    from pretrain.transfer.results import markdown, pretraining
+    from pretrain.weights.pretrained import load_pretrained
+
+    totals = {"device_seconds": 5400.0, "images_seen": 80, "model_flops": 1.25e12}
+    run, _ = make_run(tmp_path / "run", manifest, totals=totals)
+    old, _ = make_run(tmp_path / "old", manifest)
+    for src, want in ((run, totals), (old, dict.fromkeys(totals))):
+        assert export(capsys, src, src / "w.safetensors")[0] == 0
+        _, meta = read_state_dict(src / "w.safetensors")
+        assert {k: meta[k] for k in totals} == {k: "" if v is None else str(v) for k, v in want.items()}
+        for ckpt in (src, src / "w.safetensors"):
+            assert load_pretrained(ckpt).totals == want, ckpt
+    assert pretraining(load_pretrained(run / "w.safetensors").totals) == {
+        "device_hours": 1.5, "images_seen": 80, "model_flops": 1.25e12}
+    doc = {"model": {"name": "vit_tiny_patch16_224"}, "step": 5, "checkpoint": "w.safetensors", "suite": "demo",
+           "protocol": "linear", "img_size": 32, "tasks": {}, "pretraining": pretraining(totals)}
+    assert markdown(doc).startswith("**vit_tiny_patch16_224** (step 5, w.safetensors; pre-training 1.5 "
+                                    "device-hours, 80 images) -- demo / linear at 32 px")
+    doc["pretraining"] = pretraining(load_pretrained(old).totals)
+    assert markdown(doc).startswith("**vit_tiny_patch16_224** (step 5, w.safetensors) -- demo")
 
 
 @pytest.mark.parametrize("model", [dict(reg_tokens=4, global_pool="map"),
