@@ -5,8 +5,10 @@
 Each RUN_DIR is a ``train.output_dir``: ``metrics.jsonl`` (one record per logged window) and
 ``summary.json`` (its ``world_size``; without it, world size = images_per_sec /
 images_per_sec_per_device of the records). The first logged window of every run is dropped as
-warm-up (data-loader start, allocator growth, first NCCL/gloo connections); images/s is the mean
-of the remaining windows. Several runs at one world size are averaged.
+warm-up (data-loader start, allocator growth, first NCCL/gloo connections); images/s is the
+remaining windows' images over their seconds (not the mean of their rates, which a slow window
+would sway less than it cost), and MFU and the data-wait share are weighted by those seconds
+alike. Several runs at one world size are averaged.
 
 Scaling efficiency = (images/s per rank at N) / (images/s per rank at the smallest N measured):
 1.0 is linear scaling. It reads the same for weak scaling (fixed micro batch per rank) and strong
@@ -43,6 +45,14 @@ def _mean(values) -> Optional[float]:
     return statistics.fmean(vals) if vals else None
 
 
+def _over_time(values, seconds) -> Optional[float]:
+    """The mean of per-window ``values`` weighted by each window's ``seconds`` (None where a window
+    lacks its value: a share of the time is only known for all of it)."""
+    if not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return sum(v * s for v, s in zip(values, seconds)) / sum(seconds)
+
+
 def load_run(run_dir: str | Path) -> RunStats:
     d = Path(run_dir)
     path = d / "metrics.jsonl"
@@ -66,6 +76,13 @@ def load_run(run_dir: str | Path) -> RunStats:
         raise PlotError(f"{path}: {len(recs)} logged window(s), need 2 or more (the first is warm-up); "
                         "run more steps or lower train.log_every_steps")
     used = recs[1:]
+    # each window's images (examples_seen, every rank's; else its steps: a fixed global batch) and seconds
+    images = [(r.get("examples_seen", r["step"]) - p.get("examples_seen", p["step"])) for p, r in zip(recs, used)]
+    for n, r in zip(images, used):
+        if n <= 0 or not r["images_per_sec"] > 0:
+            raise PlotError(f"{path}: the window ending at step {r['step']} holds {n} images at "
+                            f"{r['images_per_sec']} images/s; not a training window")
+    seconds = [n / r["images_per_sec"] for n, r in zip(images, used)]
     world = None
     summary = d / "summary.json"
     if summary.is_file():
@@ -76,8 +93,9 @@ def load_run(run_dir: str | Path) -> RunStats:
                  if r.get("images_per_sec_per_device") else None)
     if not world:
         raise PlotError(f"{d}: world size unknown (no summary.json and no images_per_sec_per_device)")
-    return RunStats(str(d), int(world), statistics.fmean(r["images_per_sec"] for r in used), len(used),
-                    _mean(r.get("mfu") for r in used), _mean(r.get("data_wait_share") for r in used))
+    return RunStats(str(d), int(world), sum(images) / sum(seconds), len(used),
+                    _over_time([r.get("mfu") for r in used], seconds),
+                    _over_time([r.get("data_wait_share") for r in used], seconds))
 
 
 def scaling_table(runs: list[RunStats]) -> list[dict]:

@@ -43,6 +43,22 @@ def test_table_drops_warmup_and_computes_efficiency(runs):
     assert rows[1]["images_per_sec_per_rank"] == pytest.approx(95.0)
 
 
+def test_throughput_is_the_windows_images_over_their_seconds(tmp_path):
+    """Two windows of equal images at 100 and 300 images/s took 4/300 of the time per image: 150
+    images/s, not the 200 a mean of the rates says; MFU and data wait are weighted by the seconds."""
+    logger = MetricsLogger(LoggingConfig(wandb=WandbConfig(mode="disabled")), tmp_path, rank=0, run_config={})
+    for w, (ips, wait) in enumerate([(10.0, 0.9), (100.0, 0.3), (300.0, 0.1)]):
+        images = 80 * 2
+        logger.log((w + 1) * 10, {"examples_seen": images * (w + 1), "data_wait_share": wait,
+                                  **throughput(images, images / ips, 2, 1.0e9, 1.0e9, 1.0)})
+    logger.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 2}))
+    s = load_run(tmp_path)
+    assert s.images_per_sec == pytest.approx(150.0) and s.windows == 2
+    assert s.data_wait_share == pytest.approx((0.3 * 3 + 0.1 * 1) / 4)  # the slow window is 3/4 of the time
+    assert s.mfu == pytest.approx(150.0 / 2 * 1.0e9 / 1.0e12)  # the run's FLOPs over its seconds, per device
+
+
 def test_cli_writes_png_and_prints_table(runs, tmp_path):
     out = tmp_path / "plots" / "scaling.png"
     r = subprocess.run([sys.executable, "-m", "launch.plot_scaling", *map(str, runs), "--output", str(out)],
@@ -74,7 +90,7 @@ def test_resumed_run_keeps_last_record_per_step(tmp_path):
         f.write(json.dumps({"step": 40, "images_per_sec": 130.0, "images_per_sec_per_device": 130.0}) + "\n")
         f.write('{"step": 50, "images_per')
     s = load_run(d)
-    assert s.windows == 3 and s.images_per_sec == pytest.approx((100 + 100 + 130) / 3)
+    assert s.windows == 3 and s.images_per_sec == pytest.approx(3 / (2 / 100 + 1 / 130))  # equal windows' images
 
 
 def test_unusable_run_dirs_are_one_line_errors(tmp_path):
