@@ -55,7 +55,7 @@ class AugmentConfig:
 class DataConfig:
     train_shards: Union[str, list[str], None] = None
     """Brace pattern (`dir/train-{000000..000999}.tar`), a folder, a list of URLs, or a
-    `manifest.json`."""
+    `manifest.json`; each shard named once (a set named again is refused: it would not be weighted)."""
     val_shards: Union[str, list[str], None] = None
     """The same, for the evaluation while training (`validation.every_steps`): labels of the training
     head, so their manifest lists the training shards' classes in the same order (checked at start-up

@@ -224,6 +224,12 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
     if spec is None or (isinstance(spec, (list, tuple)) and not spec):
         raise DataError(f"{key} is not set: give a manifest.json, a folder of shards or a brace pattern")
     manifests: dict[str, Optional[set]] = {}  # manifest URL -> selected names (None: all)
+    same: dict[str, str] = {}  # a manifest's key for comparison (a local path normalised) -> its URL here
+
+    def twice(what: str) -> DataError:  # read once an epoch however often named: a list cannot weight a set
+        return DataError(f"{key}: {what}; each shard is read once an epoch, so naming shards again does not "
+                         "weight them: name each once")
+
     for url in _expand(spec, key):
         if is_remote(url):
             _check_remote(url, allow_remote, key)
@@ -232,13 +238,21 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
             url, is_manifest = str(Path(local_path(url)) / MANIFEST_NAME), True
         elif not is_manifest and is_s3(url) and not url.endswith(".tar"):  # s3://bucket/prefix: a "folder"
             url, is_manifest = f"{url.rstrip('/')}/{MANIFEST_NAME}", True
+        if not is_manifest:
+            url, name = _sibling(url, _file_name(url), MANIFEST_NAME), _file_name(url)
+        url = same.setdefault(url if is_remote(url) else os.path.normpath(local_path(url)), url)
+        chosen = manifests.get(url, set())
         if is_manifest:
+            if url in manifests:  # whole twice, or whole and some of its shards
+                raise twice(f"{url} is named twice" if chosen is None
+                            else f"{url} is named whole, and its shard {sorted(chosen)[0]} on its own too")
             manifests[url] = None
+        elif chosen is None or name in chosen:
+            shard = _sibling(url, _file_name(url), name)
+            raise twice(f"{shard} is named twice" if chosen is not None
+                        else f"{shard} is named on its own, and within {url} whole too")
         else:
-            murl = _sibling(url, _file_name(url), MANIFEST_NAME)
-            chosen = manifests.setdefault(murl, set())
-            if chosen is not None:
-                chosen.add(_file_name(url))
+            manifests[url] = chosen | {name}
 
     shards: list[Shard] = []
     classes = None

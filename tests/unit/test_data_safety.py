@@ -172,6 +172,27 @@ def test_remote_urls_need_allow_remote(tmp_path, shard_kit):
     assert [y.shape[0] for _, y in _run(loader, 4)] == [5] * 4 and loader.counters["samples"] == 20
 
 
+def test_shards_named_twice_are_refused_not_read_once_in_silence(tmp_path, shard_kit):
+    """A list reads each shard once an epoch: a set named again (another spelling of its folder, one
+    of its shards beside it whole, overlapping brace patterns) would not be weighted as it reads."""
+    root = shard_kit.make_shards(tmp_path / "s", [_samples(shard_kit, 10 * k, 10) for k in range(4)], list("abcd"))
+    twice = "; each shard is read once an epoch, so naming shards again does not weight them: name each once"
+    for spec, said in (
+            ([str(root), f"{tmp_path}/s/./manifest.json"], f"{root}/manifest.json is named twice"),
+            ([str(root), f"{root}/train-000002.tar"],
+             f"{root}/train-000002.tar is named on its own, and within {root}/manifest.json whole too"),
+            ([f"{root}/train-000001.tar", f"{root}/"],
+             f"{root}/manifest.json is named whole, and its shard train-000001.tar on its own too"),
+            (f"{root}/train-{{000000..000002}}.tar,{root}/train-000002.tar".split(","),
+             f"{root}/train-000002.tar is named twice")):
+        with pytest.raises(DataError) as e:
+            build_loader(DataConfig(train_shards=spec, workers=0), batch_size=5, img_size=16)
+        assert str(e.value) == f"data.train_shards: {said}{twice}", spec
+    # each named once, by any mix of forms: every sample once an epoch
+    once = [f"{root}/train-{{000000..000001}}.tar", f"{root}/train-000003.tar"]
+    assert build_loader(DataConfig(train_shards=once, workers=0), batch_size=5, img_size=16).plan.shardset.total == 30
+
+
 def test_manifest_mistakes_are_one_line_data_errors(tmp_path, shard_kit):
     root = shard_kit.make_shards(tmp_path / "s", [_samples(shard_kit, 0, 10)], list("abcd"))
     with pytest.raises(DataError, match="data.train_shards is not set"):
