@@ -19,11 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from data_pipeline.errors import Parser
+from data_pipeline.errors import Parser, cli_errors
 from launch.runner import LaunchSpec, deepspeed_command
 from pretrain.distributed.precision import default_precision
 
 BIN = Path(sys.executable).parent
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"  # the checkout's, from any folder
 
 
 def step(msg: str) -> None:
@@ -62,7 +63,7 @@ def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision:
 
     run_dir = out / "run"
     gpus = torch.cuda.device_count()
-    spec = LaunchSpec(config="configs/tiny_cpu.yaml", gpus_per_node=min(gpus, ranks) if gpus else ranks, overrides=[
+    spec = LaunchSpec(config=str(CONFIG), gpus_per_node=min(gpus, ranks) if gpus else ranks, overrides=[
         f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
         f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
         f"checkpoint.every_steps={max(10, steps // 4)}",
@@ -166,6 +167,13 @@ def main(argv=None) -> None:
                                ("--transfer-samples", args.transfer_samples, 2)):  # 2: the test split gets half
         if value is not None and value < least:  # 0 is no count: not "the full split", not the runner's error
             ap.error(f"{flag} {value}: must be >= {least}")
+    with cli_errors("vit-demo"):  # the config and the overrides, before any shard is written
+        from pretrain.config import load_config
+
+        if not CONFIG.is_file():
+            raise FileNotFoundError(f"{CONFIG}: the demo's config is not there; vit-demo runs from a checkout "
+                                    "(make demo)")
+        load_config(CONFIG, args.overrides)
     out = Path(args.out)
     t0 = time.time()
     precision = default_precision()

@@ -5,15 +5,16 @@ import subprocess
 import sys
 
 import pytest
-from dist_utils import REPO, job_env
+from dist_utils import job_env
 
 pytestmark = pytest.mark.slow
 
 
 def demo(out, steps):
+    """From another folder than the checkout: the demo finds its own config."""
     return subprocess.run([sys.executable, "-m", "launch.demo", "--out", str(out), "--steps", str(steps),
                            "--samples", "768", "--transfer-samples", "240"],
-                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
+                          cwd=out.parent, env=job_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_demo_end_to_end_and_resume(tmp_path):
@@ -56,4 +57,18 @@ def test_counts_below_one_are_a_usage_line_before_anything_is_written(tmp_path, 
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "demo"), flag, value])
     assert (e.value.code, capsys.readouterr().err) == (2, f"vit-demo: error: {flag} {value}: must be >= {least}\n")
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("override, said", [("optim.lrr=3e-3", "command line: unknown key 'optim.lrr'"),
+                                            ("optim.lr=-1", "command line: optim.lr: ")])
+def test_a_bad_override_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch, override, said):
+    """Found by vit-train only after the shards were written and the runner started, on every rank."""
+    from launch.demo import main
+
+    monkeypatch.chdir(tmp_path)  # the config is the checkout's, wherever the demo starts
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "demo"), override])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vit-demo: error: {said}") and err.count("\n") == 1, err
     assert not (tmp_path / "demo").exists()
