@@ -122,8 +122,13 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
     every = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in every if "loss" in r]
     shots = [r for r in every if FEWSHOT_KEY in r]
-    ips = [r["images_per_sec"] for r in recs[1:]] or [recs[-1]["images_per_sec"]]
+    from launch.plot_scaling import PlotError, load_run
     from pretrain.checkpointing.rundir import latest_complete
+
+    try:  # the windows after the first (warm-up): their images over their seconds
+        ips = load_run(run_dir).images_per_sec
+    except PlotError:  # a single window: its own
+        ips = recs[-1]["images_per_sec"]
 
     ckpt = latest_complete(s["checkpoint_dir"])
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -135,7 +140,7 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
         + (f" (resumed from step {s['resumed_from']})" if s.get("resumed_from") else ""),
         f"  loss           {recs[0]['loss']:.3f} (step {recs[0]['step']}) -> "
         f"{recs[-1]['loss']:.3f} (step {recs[-1]['step']})",
-        f"  throughput     {sum(ips) / len(ips):.1f} images/s over all ranks",
+        f"  throughput     {ips:.1f} images/s over all ranks",
         (f"  few-shot       10-shot on the held-out shapes while training: {shots[0][FEWSHOT_KEY]:.1%} (step "
          f"{shots[0]['step']}) -> {shots[-1][FEWSHOT_KEY]:.1%} (step {shots[-1]['step']})") if shots else
         "  few-shot       (no evaluation logged)",
