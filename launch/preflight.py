@@ -314,12 +314,16 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
     specs = list(dict.fromkeys(v.fewshot_suites + v.knn_suites))
     if not (specs and v.every_steps > 0):
         return []
-    try:
-        tasks = probe_tasks(v, cfg.data, specs)
-    except (ConfigError, OSError) as e:
-        return [Finding(FAIL, "probes", str(e).splitlines()[0])]
-    return [Finding(OK, "probes", "; ".join(f"{label}: {t.num_classes} classes, {len(t.trainval)} train and "
-                                            f"{len(t.test)} test images" for label, t in tasks))]
+    said = []
+    for spec in specs:
+        try:
+            tasks = [t for _, t in probe_tasks(v, cfg.data, [spec])]
+        except (ConfigError, OSError) as e:
+            return [Finding(FAIL, "probes", str(e).splitlines()[0])]
+        what = f"{tasks[0].num_classes} classes" if len(tasks) == 1 else f"{len(tasks)} tasks"
+        said.append(f"{spec}: {what}, {sum(len(t.trainval) for t in tasks)} train and "
+                    f"{sum(len(t.test) for t in tasks)} test images")
+    return [Finding(OK, "probes", "; ".join(said))]
 
 
 def _same_files(a, b) -> list[str]:

@@ -43,7 +43,13 @@ def test_vit_launch_check_reads_the_probe_suites(capsys, tmp_path, shard_kit):
         main([*base, *(f"validation.{key}=[imagefolder:{folder}]" for key in ("fewshot_suites", "knn_suites"))])
     out, err = capsys.readouterr()
     assert e.value.code == 0, (out, err)
-    assert "  ok  probes: imagefolder: 4 classes, 12 train and 8 test images\n" in out  # each suite once
+    assert f"  ok  probes: imagefolder:{folder}: 4 classes, 12 train and 8 test images\n" in out  # each suite once
+    for task in ("eurosat", "dtd"):
+        write_vtab_task(tmp_path / "vtab", task, counts=(4, 4), n_test=4)
+    with pytest.raises(SystemExit) as e:
+        main([*base, f"validation.knn_suites=[vtab1k:{tmp_path}/vtab]"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and f"  ok  probes: vtab1k:{tmp_path}/vtab: 2 tasks, 16 train and 8 test images\n" in out
     with pytest.raises(SystemExit) as e:
         main([*base, f"validation.knn_suites=[imagefolder:{tmp_path}/gone]"])
     out, err = capsys.readouterr()
