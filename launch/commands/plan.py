@@ -286,7 +286,8 @@ def token_table(price: perfmodel.TokenPrice) -> str:
                      f"{r.seconds / 3600:>8,.1f}  {r.seconds * world / 3600:>9,.0f}  "
                      f"{p.memory_gb_per_gpu['total']:>6.1f}")
     biggest = max(price.phases, key=lambda r: r.prediction.memory_gb_per_gpu["total"])
-    lines += [f"    whole run: {price.seconds / 3600:,.1f} h ({price.seconds * world / 3600:,.0f} GPU-hours), "
+    lines += [f"    whole run (the steps alone): {price.seconds / 3600:,.1f} h "
+              f"({price.seconds * world / 3600:,.0f} GPU-hours), "
               f"{price.flops:.3g} FLOPs; every step at {fixed['img_size']} px with every token: "
               f"{price.fixed_seconds / 3600:,.1f} h ({price.fixed_seconds * world / 3600:,.0f} GPU-hours), "
               f"{price.fixed_flops:.3g} FLOPs -> "
@@ -337,7 +338,8 @@ def command(args) -> int:
     print(describe(p, cost))
     if run:
         print(f"  run             {run['steps']:,} steps x {run['global_batch']:,} images (the config's): "
-              f"{run['hours']:,.1f} h on {run['gpus']:,} GPUs, {run['gpu_hours']:,.0f} GPU-hours")
+              f"{run['hours']:,.1f} h on {run['gpus']:,} GPUs, {run['gpu_hours']:,.0f} GPU-hours; the steps "
+              f"alone, start-up, evaluations and checkpoint saves on top")
     gains = advice.lever_gains(lay)
     if gains:
         print("  other levers    " + "; ".join(f"{text} {ratio - 1:+.0%}" for text, ratio in gains))

@@ -445,6 +445,7 @@ def test_a_config_s_plan_says_what_its_whole_run_costs(capsys):
     assert main_rc(["plan", "--config", "configs/vit_h14_jft.yaml", "--world-size", "256", "--gpu", "h100-sxm"]) == 0
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  run ")]
     assert line == [f"  run             1,035,644 steps x 4,096 images (the config's): {hours[0]:,.1f} h on 256 GPUs, "
-                    f"{256 * hours[0]:,.0f} GPU-hours"], line
+                    f"{256 * hours[0]:,.0f} GPU-hours; the steps alone, start-up, evaluations and checkpoint "
+                    "saves on top"], line
     assert main_rc(["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm"]) == 0
     assert "  run " not in capsys.readouterr().out
