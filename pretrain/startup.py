@@ -57,7 +57,7 @@ from pretrain.perf import levers
 from pretrain.perf.hardware import gpu_key
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import FailureRecord, RunStatus, StopRequest
+from pretrain.resilience.lifecycle import FailureRecord, RunStatus, StopRequest, spent_before
 from pretrain.resilience.straggler import StragglerDetector
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
 from pretrain.weights.init_from import build_model, load_init_weights, num_params, set_masters
@@ -298,7 +298,9 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                                seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
                                num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
                                device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
-    status = RunStatus(c.layout.status if c.rank == 0 else None)
+    if c.rank == 0 and cfg.checkpoint.resume:  # before this invocation's first status replaces the last one's
+        r.totals.spent_before = spent_before(c.layout.status)
+    status = RunStatus(c.layout.status if c.rank == 0 else None, spent=lambda: r.totals.spent(c.started, c.world))
     status(start)
     clock = StepClock(b.engine.device, c.dog)
     if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work

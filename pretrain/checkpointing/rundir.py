@@ -4,7 +4,8 @@
         config.yaml            the resolved config (every key)
         metrics.jsonl          rank 0's metrics, one JSON object per log step
         summary.json           how the last invocation ended (step, losses, seconds, ...)
-        status.json            {"state": running|completed|interrupted|failed, "step", "exit_code"}
+        status.json            {"state": running|completed|interrupted|failed, "step", "exit_code",
+                               "device_seconds_spent": every invocation's, failed ones included}
         hang/rank-<R>.txt      every thread's Python stack of rank R when the hang watchdog fired
         errors/rank-<R>.txt    rank R's record when it failed: a JSON line (rank, host, time, what
                                happened, the peers that did not answer), then its traceback

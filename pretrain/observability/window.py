@@ -19,10 +19,13 @@ class RunTotals:
     """What the run has done up to the loop's step, over every invocation (each checkpoint's
     ``run.json`` carries them on): images of all ranks, and their model FLOPs counted as the
     windows count them (each step at its resolution and kept tokens; None after resuming a
-    checkpoint that did not carry them); and the device-seconds of the invocations before this one."""
+    checkpoint that did not carry them); and the device-seconds of the invocations before this one
+    that led to it. ``spent_before``: what every earlier invocation of the run spent, the work that
+    failures lost included (``status.json``'s, not the checkpoint's)."""
     images: int = 0
     model_flops: Optional[float] = 0.0
     device_seconds: float = 0.0
+    spent_before: float = 0.0
 
     @classmethod
     def resumed(cls, info: dict) -> "RunTotals":
@@ -44,6 +47,10 @@ class RunTotals:
         it resumes)."""
         return {"device_seconds": round(self.device_seconds + (time.time() - started) * world, 3),
                 "images_seen": self.images, "model_flops": self.model_flops}
+
+    def spent(self, started: float, world: int) -> float:
+        """The run's device-seconds so far, every invocation's, lost work included."""
+        return self.spent_before + (time.time() - started) * world
 
 
 class Window:

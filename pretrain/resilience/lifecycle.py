@@ -23,12 +23,14 @@ launcher: when the process that started it (the deepspeed launcher) or that laun
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 from data_pipeline.files import write_atomic, write_json
 
@@ -302,29 +304,44 @@ def read_record(path) -> Optional[dict]:
     return head if isinstance(head, dict) and isinstance(head.get("rank"), int) else None
 
 
-def write_status(path, state: str, step: int, exit_code: Optional[int] = None) -> None:
+def write_status(path, state: str, step: int, exit_code: Optional[int] = None,
+                 spent: Optional[float] = None) -> None:
     """``status.json`` for schedulers and ``vit-launch``, written atomically (best effort): ``running``
     at start and at each log step (no exit code yet), then how this invocation ended with the code
-    the process exits with (``completed`` 0, ``interrupted`` 75, ``failed`` the given code)."""
+    the process exits with (``completed`` 0, ``interrupted`` 75, ``failed`` the given code).
+    ``spent``: the run's device-seconds so far, every invocation's, work lost to failures included
+    (``device_seconds_spent``; the next invocation carries it on: ``spent_before``)."""
     doc = {"state": state, "step": step, "time": time.time()}
     if state != "running":
         doc["exit_code"] = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(
             state, 1 if exit_code is None else exit_code)
+    if spent is not None:
+        doc["device_seconds_spent"] = round(spent, 3)
     try:
         write_json(path, doc)
     except OSError:
         pass
 
 
-class RunStatus:
-    """Rank 0's ``status.json`` (``path`` None: another rank, which writes nothing)."""
+def spent_before(path) -> float:
+    """The device-seconds the run's earlier invocations spent, as the last ``status.json`` says
+    (up to its last write: the start, a log step, or how it ended); 0 without one."""
+    try:
+        return float(json.loads(Path(path).read_text()).get("device_seconds_spent") or 0.0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
 
-    def __init__(self, path):
-        self.path = path
+
+class RunStatus:
+    """Rank 0's ``status.json`` (``path`` None: another rank, which writes nothing); ``spent``: the
+    run's device-seconds so far, every invocation's (``write_status``)."""
+
+    def __init__(self, path, spent: Optional[Callable[[], float]] = None):
+        self.path, self.spent = path, spent
 
     def __call__(self, step: int, state: str = "running", exit_code: Optional[int] = None) -> None:
         if self.path is not None:
-            write_status(self.path, state, step, exit_code)
+            write_status(self.path, state, step, exit_code, self.spent() if self.spent else None)
 
 
 def goodbye_line(result: dict, checkpoint) -> str:

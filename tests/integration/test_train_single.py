@@ -45,7 +45,8 @@ def test_a_checkpoint_save_is_not_in_the_next_windows_throughput(shards, tmp_pat
 def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shards, tmp_path):
     """run.json's device_seconds (devices x wall-clock of every invocation up to that step),
     images_seen and model_flops, carried over resumes, one of them with another global batch;
-    summary.json's are the run's so far, the metrics' device_hours too; the model card of an
+    summary.json's are the run's so far, the metrics' device_hours too; summary.json's and
+    status.json's device_seconds_spent add the work a failed invocation lost; the model card of an
     exported step says that step's own figures, not the last invocation's, nor step x today's
     global batch."""
     import time
@@ -56,11 +57,13 @@ def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shar
     def saved(step):
         return json.loads((tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "run.json").read_text())
 
-    t0 = time.time()
-    assert train(shards, tmp_path / "run", "train.steps=2", "checkpoint.every_steps=2").returncode == 0
+    t0 = time.time()  # the first invocation fails in step 3, after step 2's checkpoint: its step 3 is lost
+    assert train(shards, tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2", "train.log_every_steps=2",
+                 fault="crash_in_step:3").returncode != 0
     first = time.time() - t0
     two = saved(2)["device_seconds"]
-    assert 0 < two < first, (two, first)
+    failed = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert 0 < two < failed["device_seconds_spent"] < first and failed["state"] == "failed", (two, failed, first)
     t0 = time.time()
     assert train(shards, tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2").returncode == 0
     second = time.time() - t0
@@ -83,6 +86,12 @@ def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shar
     # the metrics' device-hours: the same running total, each logged just before its step's save
     secs = {s: r["device_hours"] * 3600 for s, r in m.items() if s % 2 == 0}
     assert secs[2] <= two < secs[4] <= four < secs[6] <= six["device_seconds"], (secs, two, four, six)
+    # what the run spent: what led to its checkpoint, and the failed invocation's work past step 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    lost = summary["device_seconds_spent"] - summary["device_seconds"]
+    assert lost == pytest.approx(failed["device_seconds_spent"] - two, abs=0.05), (summary, failed, two)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "completed" and status["device_seconds_spent"] >= summary["device_seconds_spent"]
     info = run_info(find_checkpoint(tmp_path / "run", 6))
     card = hf.model_card(info["config"], 6, [], None, tmp_path / "run", 1000, prep,
                          totals={k: info[k] for k in ("device_seconds", "images_seen", "model_flops")})
