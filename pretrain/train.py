@@ -150,7 +150,10 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
     rank's record) and whatever the start-up opened is closed either way."""
     lp, start = job.loop, job.loop.start_step
     lp.clock.begin_step(start, startup=True)
-    c.say(f"waiting for the first batch (data.workers={cfg.data.workers})")
+    if start >= cfg.train.steps:  # a finished run started again, or train.steps lowered: no batch is read
+        c.say(f"the checkpoint is at step {start}, train.steps={cfg.train.steps}: no step left to train")
+    else:
+        c.say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     c.startup.phase("first step (first batch, first collectives)")
     t0 = time.time()
     failed = False

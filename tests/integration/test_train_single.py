@@ -117,6 +117,11 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     again = train(shards, tmp_path / "run", "train.steps=3", "train.log_every_steps=5", "zero.stage=1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"vit-train: resuming: verifying and loading the newest checkpoint in {ckpt.parent} [" in again.stderr
+    # started again below its checkpoint's step: said, not "waiting for the first batch"
+    past = train(shards, tmp_path / "run", "train.steps=2", "train.log_every_steps=5", "zero.stage=1")
+    assert past.returncode == 0 and "waiting for the first batch" not in past.stderr, past.stderr[-3000:]
+    assert "vit-train: the checkpoint is at step 3, train.steps=2: no step left to train [" in past.stderr
+    assert past.stderr.strip().splitlines()[-1].startswith("vit-train: done at step 3: ")
 
 
 @pytest.mark.parametrize("device, decoder", [
