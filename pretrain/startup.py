@@ -294,6 +294,8 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
     if samples is not None and c.rank == 0:  # after an elastic resume onto fewer ranks, the old ranks'
         for old in range(c.world, r.saved_ranks):  # logs are cut back to the step too
             SampleLog(c.layout.samples, old).open(start).close()
+    if cfg.validation.fewshot_suites or cfg.validation.knn_suites:  # their folders are read now (NFS: minutes)
+        c.startup.phase("the probes' suites (validation.fewshot_suites, validation.knn_suites)")
     evaluator = InTrainingEval(cfg.validation, cfg.data, batch=validation_batch(cfg), val_plan=b.val_plan,
                                seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
                                num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
