@@ -547,18 +547,27 @@ def _logged_keys(job, steps: int) -> list[str]:
 # the store is read at steps 1 and 7
 OUTAGE_RUN = ("data.allow_remote=true", "data.record_samples=true", "train.log_every_steps=1",
               "checkpoint.every_steps=2", "train.steps=12")
+# the save of step 6 holds still (faults.STALL_S) once the first shard (steps 1-6) is read: the store is
+# cut then, whatever the host's speed, and step 7 opens the next shard. A poll for a checkpoint instead
+# can miss it on a fast host: keep_last prunes it within a few steps.
+OUTAGE_STALL = {"VITSCALE_FAULT": "stall_in_save:6@0"}
+
+
+def wait_for_the_stall(job, p) -> None:
+    wait_for(lambda: (job.run_dir / "checkpoints" / ".stall_in_save.6").exists(), 300, p, "the save of step 6")
 
 
 @pytest.mark.slow
 def test_a_run_rides_out_a_45_s_stop_of_the_store(store, written, proxy, tiny_run, tmp_path):
-    """The store stops (every connection refused) once checkpoint 2 is complete and comes back 45 s
+    """The store stops (every connection refused) during the save of step 6 and comes back 45 s
     later; with data.remote_retry_s=60 the run waits at step 7 and goes on: done, a line when the
     outage started and one when it ended, the sample log that of the run from disk."""
+    from pretrain.resilience.faults import STALL_S
+
     job = tiny_run(*OUTAGE_RUN, "data.remote_retry_s=60", shards=written[1], name="rides")
     log = tmp_path / "rides.log"
-    with reaped(job.start(log)) as p:
-        wait_for(lambda: (job.run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists(), 300, p,
-                 "checkpoint 2")
+    with reaped(job.start(log, **OUTAGE_STALL)) as p:
+        wait_for_the_stall(job, p)
         cut_at = time.monotonic()
         proxy.cut(refuse_s=45.0)
         code = p.wait(240)
@@ -569,7 +578,8 @@ def test_a_run_rides_out_a_45_s_stop_of_the_store(store, written, proxy, tiny_ru
     end = [x for x in out.splitlines() if "reachable again after" in x]
     assert len(start) == len(end) == 1 and start[0].startswith(f"{written[1]}/train-"), out[-3000:]
     lasted = float(end[0].split("after ")[1].split(" s")[0])
-    assert 38.0 < lasted < 54.0 and took >= 45.0, (end, took)  # away 45 s, seen from step 7 to the next try
+    # away 45 s, seen from step 7 (after the stall) to the next try
+    assert 45.0 - STALL_S - 2.0 < lasted < 54.0 and took >= 45.0, (end, took)
     print(f"store stopped 45 s: {end[0]}; run done {took:.0f} s after the stop")
     assert _logged_keys(job, 12) == _disk_keys(job, written[0], 12 * 16)  # no sample twice, none lost
     m = metrics(job.run_dir)
@@ -579,20 +589,22 @@ def test_a_run_rides_out_a_45_s_stop_of_the_store(store, written, proxy, tiny_ru
 @pytest.mark.slow
 def test_store_gone_for_good_ends_the_run_with_exit_69_and_vit_launch_restarts_it(store, written, proxy,
                                                                                   tiny_run, tmp_path):
-    """vit-launch --max-restarts 1 over one rank: once checkpoint 2 is complete the store refuses every
-    connection; the job ends within data.remote_retry_s (+ a step and the exit) with one line naming
-    the shard and the bound and exit 69, which vit-launch restarts; the store is back by then, and the
-    job resumes from its last checkpoint and ends, its sample log that of the run from disk."""
+    """vit-launch --max-restarts 1 over one rank: from the save of step 6 on, the store refuses every
+    connection; the job ends within the stall and data.remote_retry_s (+ a step and the exit) with one
+    line naming the shard and the bound and exit 69, which vit-launch restarts; the store is back by
+    then, and the job resumes from its last checkpoint and ends, its sample log that of the run from
+    disk."""
+    from pretrain.resilience.faults import STALL_S
+
     bound = 3.0
     job = tiny_run(*OUTAGE_RUN, f"data.remote_retry_s={bound:g}", shards=written[1], name="gone", via="launch",
                    launch_args=("--max-restarts", "1", "--restart-backoff", "5"))
     log = tmp_path / "gone.log"
-    with reaped(job.start(log)) as p:
-        wait_for(lambda: (job.run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists(), 300, p,
-                 "checkpoint 2")
+    with reaped(job.start(log, **OUTAGE_STALL)) as p:
+        wait_for_the_stall(job, p)
         cut_at = time.monotonic()
         proxy.cut(refuse_s=600)  # gone for good, as far as this attempt can tell
-        wait_for(lambda: "restart 1/1 in" in log.read_text(), bound + 60, p, "the restart")
+        wait_for(lambda: "restart 1/1 in" in log.read_text(), STALL_S + bound + 60, p, "the restart")
         took = time.monotonic() - cut_at
         proxy.reset()  # the store is back before the second attempt reads it
         code = p.wait(300)
@@ -602,8 +614,9 @@ def test_store_gone_for_good_ends_the_run_with_exit_69_and_vit_launch_restarts_i
     assert len(errors) == 1 and errors[0].startswith(f"vit-train: error: {written[1]}/train-"), out[-3000:]
     assert "server unreachable" in errors[0] and f"data.remote_retry_s={bound:g}" in errors[0], errors
     assert failed[-1].startswith("vit-launch: the job failed with exit code 69;"), failed[-3:]
-    assert took < bound + 20, took  # the bound, a step, then the exit (DeepSpeed and the process)
-    print(f"store gone after checkpoint 2: exit 69 and the restart line {took:.1f} s after the cut (bound {bound:g} s)")
+    assert took < STALL_S + bound + 20, took  # the stall, the bound, a step, then the exit (DeepSpeed and the process)
+    print(f"store gone in the save of step 6: exit 69 and the restart line {took:.1f} s after the cut "
+          f"(stall {STALL_S:g} s, bound {bound:g} s)")
     assert code == 0 and "vit-launch: the job completed (exit 0)" in out, out[-3000:]
     resumed = out.split("restart 1/1 in")[1]
     assert "resuming from step 6" in resumed and "vit-train: done at step 12" in resumed, resumed[-3000:]
