@@ -178,7 +178,7 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
                   checkpoint_async=cfg.checkpoint.async_save, checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
                   checkpoint_waited_seconds=lp.checkpointer.waited_s,
                   **lp.checkpointer.totals(),  # the run's so far, every invocation that led to its checkpoint
-                  device_seconds_spent=round(lp.totals.spent(c.started, c.world), 3))  # and those that failed
+                  device_seconds_spent=round(lp.totals.spent(c.started, c.world), 3))  # and what no checkpoint kept
     return result
 
 

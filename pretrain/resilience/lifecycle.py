@@ -349,8 +349,20 @@ def goodbye_line(result: dict, checkpoint) -> str:
     if result["preempted"]:
         return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {checkpoint}; run "
                 f"the same command to resume (exit {EXIT_INTERRUPTED})")
-    return (f"vit-train: done at step {result['step']}: checkpoint {checkpoint}; export with: "
+    return (f"vit-train: done at step {result['step']}{_cost(result)}: checkpoint {checkpoint}; export with: "
             f"python -m pretrain.export {result['run_dir']} OUT.safetensors")
+
+
+def _cost(result: dict) -> str:
+    """`` after H device-hours`` (what led to the checkpoint), and the work no checkpoint kept (what
+    failures lost, and each earlier invocation's end after its last save) where it is more than 5 %
+    of that; empty without the figures."""
+    led, spent = result.get("device_seconds"), result.get("device_seconds_spent")
+    if led is None:
+        return ""
+    kept_not = spent is not None and spent > 1.05 * led
+    return f" after {led / 3600:.3g} device-hours" + (
+        f" (+{(spent - led) / 3600:.3g} spent past the checkpoints)" if kept_not else "")
 
 
 def say_goodbye(result: dict, summary, status: RunStatus, checkpoint) -> None:

@@ -112,7 +112,9 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     at = [r.stderr.find(p) for p in phases]
     assert -1 not in at and at == sorted(at), r.stderr[-3000:]
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
-    assert r.stderr.strip().splitlines()[-1] == (f"vit-train: done at step 2: checkpoint {ckpt}; export with: "
+    hours = json.loads((tmp_path / "run" / "summary.json").read_text())["device_seconds"] / 3600
+    assert r.stderr.strip().splitlines()[-1] == (f"vit-train: done at step 2 after {hours:.3g} device-hours: "
+                                                 f"checkpoint {ckpt}; export with: "
                                                  f"python -m pretrain.export {tmp_path / 'run'} OUT.safetensors")
     again = train(shards, tmp_path / "run", "train.steps=3", "train.log_every_steps=5", "zero.stage=1")
     assert again.returncode == 0, again.stderr[-3000:]
@@ -121,7 +123,7 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     past = train(shards, tmp_path / "run", "train.steps=2", "train.log_every_steps=5", "zero.stage=1")
     assert past.returncode == 0 and "waiting for the first batch" not in past.stderr, past.stderr[-3000:]
     assert "vit-train: the checkpoint is at step 3, train.steps=2: no step left to train [" in past.stderr
-    assert past.stderr.strip().splitlines()[-1].startswith("vit-train: done at step 3: ")
+    assert past.stderr.strip().splitlines()[-1].startswith("vit-train: done at step 3 after ")
 
 
 @pytest.mark.parametrize("device, decoder", [

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from launch.supervise import outcome
-from pretrain.resilience.lifecycle import RunStatus, write_status
+from pretrain.resilience.lifecycle import RunStatus, goodbye_line, spent_before, write_status
 
 
 @pytest.mark.parametrize("raw, code, says", [
@@ -35,6 +35,23 @@ def test_status_says_running_then_the_processs_own_exit_code(tmp_path):
     assert json.loads(path.read_text())["exit_code"] == 75
     RunStatus(None)(3)  # other ranks write nothing
     assert json.loads(path.read_text())["step"] == 10
+
+
+def test_the_spent_device_seconds_carry_over_and_the_last_line_says_the_cost(tmp_path):
+    """status.json's device_seconds_spent is what the next invocation starts from (0 without one, or
+    from a file of a release without it); vit-train's last line gives the device-hours that led to
+    the checkpoint, and the work no checkpoint kept where it is more than 5 % of that."""
+    path = tmp_path / "status.json"
+    assert spent_before(path) == 0.0
+    RunStatus(path, spent=lambda: 7200.0004)(5)
+    assert json.loads(path.read_text())["device_seconds_spent"] == 7200.0 and spent_before(path) == 7200.0
+    write_status(path, "failed", 6, 1)  # a status without the figure
+    assert spent_before(path) == 0.0
+    done = {"step": 12, "run_dir": "r", "preempted": False, "device_seconds": 7200.0}
+    for spent, said in ((None, ""), (7500.0, ""), (9000.0, " (+0.5 spent past the checkpoints)")):
+        line = goodbye_line({**done, "device_seconds_spent": spent}, "r/checkpoints/step_00000012")
+        assert line.startswith(f"vit-train: done at step 12 after 2 device-hours{said}: checkpoint r/"), line
+    assert goodbye_line({**done, "device_seconds": None}, "c").startswith("vit-train: done at step 12: checkpoint c;")
 
 
 def test_a_stop_request_file_asks_with_its_first_line_or_its_name_when_empty(tmp_path):
