@@ -84,7 +84,7 @@ class Loop:
     ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
     profiler: Optional[StepProfiler] = None  # logging.profile: the steps recorded with torch.profiler
     say: Callable[[str], None] = lambda msg: None
-    totals: RunTotals = field(default_factory=RunTotals)  # images and model FLOPs of the run up to its step
+    totals: RunTotals = field(default_factory=RunTotals)  # what the run did and cost up to its step
     logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
 
 
@@ -300,9 +300,9 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                                seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
                                num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
                                device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
-    if c.rank == 0 and cfg.checkpoint.resume:  # before this invocation's first status replaces the last one's
-        r.totals.spent_before = spent_before(c.layout.status)
-    status = RunStatus(c.layout.status if c.rank == 0 else None, spent=lambda: r.totals.spent(c.started, c.world))
+    # what earlier invocations spent, read before this one's first status replaces the last one's
+    r.totals.begin(c.started, c.world, spent_before(c.layout.status) if c.rank == 0 and cfg.checkpoint.resume else 0.0)
+    status = RunStatus(c.layout.status if c.rank == 0 else None, spent=r.totals.spent)
     status(start)
     clock = StepClock(b.engine.device, c.dog)
     if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
@@ -319,7 +319,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
-                                ema=b.ema, totals=lambda: r.totals.record(c.started, c.world))
+                                ema=b.ema, totals=r.totals.record)
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,

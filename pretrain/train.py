@@ -49,7 +49,7 @@ def evaluate(lp: Loop, step: int) -> None:
     lp.clock.beat("eval", slow=True)
     results = lp.evaluator(lp.engine, step)
     # with the cost so far in its own record: W&B draws eval/* against it even off the log steps
-    lp.logger.log(step, {**results, "device_hours": lp.checkpointer.totals()["device_seconds"] / 3600})
+    lp.logger.log(step, {**results, "device_hours": lp.totals.record()["device_seconds"] / 3600})
     lp.clock.exclude(lp.evaluator.last_seconds)
     lp.say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
 
@@ -90,7 +90,7 @@ def train_loop(lp: Loop) -> dict:
 
         clock.beat("log")
         if step % t.log_every_steps == 0 or step == t.steps or ends:
-            metrics, phases = window_metrics(engine, window, clock, world=lp.world, totals=lp.checkpointer.totals(),
+            metrics, phases = window_metrics(engine, window, clock, world=lp.world, totals=lp.totals.record(),
                                              nonfinite_skipped=guard.total, loader=lp.loader)
             profiled = prof.window_steps(window_first, step) if prof is not None else 0
             if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler
@@ -177,8 +177,8 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
                   checkpoint_dir=str(c.layout.checkpoints), wandb_dir=lp.logger.wandb_dir, world_size=c.world,
                   checkpoint_async=cfg.checkpoint.async_save, checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
                   checkpoint_waited_seconds=lp.checkpointer.waited_s,
-                  **lp.checkpointer.totals(),  # the run's so far, every invocation that led to its checkpoint
-                  device_seconds_spent=round(lp.totals.spent(c.started, c.world), 3))  # and what no checkpoint kept
+                  **lp.totals.record(),  # the run's so far, every invocation that led to its checkpoint
+                  device_seconds_spent=round(lp.totals.spent(), 3))  # and what no checkpoint kept
     return result
 
 

@@ -21,11 +21,14 @@ class RunTotals:
     windows count them (each step at its resolution and kept tokens; None after resuming a
     checkpoint that did not carry them); and the device-seconds of the invocations before this one
     that led to it. ``spent_before``: what every earlier invocation of the run spent, the work that
-    failures lost included (``status.json``'s, not the checkpoint's)."""
+    failures lost included (``status.json``'s, not the checkpoint's). ``started`` and ``world``:
+    this invocation's (``begin``), whose device time ``record`` and ``spent`` add."""
     images: int = 0
     model_flops: Optional[float] = 0.0
     device_seconds: float = 0.0
     spent_before: float = 0.0
+    started: float = 0.0
+    world: int = 0
 
     @classmethod
     def resumed(cls, info: dict) -> "RunTotals":
@@ -35,22 +38,29 @@ class RunTotals:
         return cls(int(info.get("images_seen", info["step"] * batch)), info.get("model_flops"),
                    float(info.get("device_seconds") or 0.0))
 
+    def begin(self, started: float, world: int, spent_before: float = 0.0) -> None:
+        """This invocation: ``time.time()`` as it began, its ranks, and what the ones before it spent."""
+        self.started, self.world, self.spent_before = started, world, spent_before
+
     def add(self, images: int, flops_per_image: float) -> None:
         self.images += images
         if self.model_flops is not None:
             self.model_flops += images * flops_per_image
 
-    def record(self, started: float, world: int) -> dict:
+    def record(self) -> dict:
         """As ``run.json`` and ``summary.json`` hold them, now: ``device_seconds`` adds this
-        invocation's ``world`` ranks since ``started`` (start-up, saves and evaluations included; the
-        time an invocation spent past its last checkpoint before a crash is not in the checkpoint
-        it resumes)."""
-        return {"device_seconds": round(self.device_seconds + (time.time() - started) * world, 3),
+        invocation's ranks since it began (start-up, saves and evaluations included; the time an
+        invocation spent past its last checkpoint before a crash is not in the checkpoint it
+        resumes)."""
+        return {"device_seconds": round(self.device_seconds + self._own(), 3),
                 "images_seen": self.images, "model_flops": self.model_flops}
 
-    def spent(self, started: float, world: int) -> float:
+    def spent(self) -> float:
         """The run's device-seconds so far, every invocation's, lost work included."""
-        return self.spent_before + (time.time() - started) * world
+        return self.spent_before + self._own()
+
+    def _own(self) -> float:
+        return (time.time() - self.started) * self.world
 
 
 class Window:
