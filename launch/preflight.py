@@ -311,15 +311,15 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
     from pretrain.evaluation.in_training import probe_tasks
 
     v = cfg.validation
-    specs = list(dict.fromkeys(v.fewshot_suites + v.knn_suites))
-    if not (specs and v.every_steps > 0):
+    if not ((v.fewshot_suites or v.knn_suites) and v.every_steps > 0):
         return []
+    try:
+        read = probe_tasks(v, cfg.data)
+    except (ConfigError, OSError) as e:
+        return [Finding(FAIL, "probes", str(e).splitlines()[0])]
     said = []
-    for spec in specs:
-        try:
-            tasks = [t for _, t in probe_tasks(v, cfg.data, [spec])]
-        except (ConfigError, OSError) as e:
-            return [Finding(FAIL, "probes", str(e).splitlines()[0])]
+    for spec, pairs in read.items():
+        tasks = [t for _, t in pairs]
         what = f"{tasks[0].num_classes} classes" if len(tasks) == 1 else f"{len(tasks)} tasks"
         said.append(f"{spec}: {what}, {sum(len(t.trainval) for t in tasks)} train and "
                     f"{sum(len(t.test) for t in tasks)} test images")

@@ -44,21 +44,22 @@ def parse_suite(spec: str) -> tuple[str, Optional[str]]:
     return name, (path or None)
 
 
-def probe_tasks(val, data, specs: list[str]) -> list[tuple[str, object]]:
-    """``(label, task)`` of each suite spec (``NAME`` or ``NAME:PATH``) of the ``validation``
-    section ``val``, read by vit-transfer's builders (file lists, split files, labels; CIFAR-100's
-    arrays). A missing folder, file or task raises ``TransferError``, one line naming it."""
+def probe_tasks(val, data) -> dict[str, list[tuple[str, object]]]:
+    """Each suite spec (``NAME`` or ``NAME:PATH``) of the ``validation`` section ``val``'s few-shot
+    and kNN probes, read once however many probes name it, -> its ``(label, task)`` pairs, read by
+    vit-transfer's builders (file lists, split files, labels; CIFAR-100's arrays). A missing folder,
+    file or task raises ``TransferError``, one line naming it."""
     from types import SimpleNamespace
 
     from pretrain.transfer.suites import SUITES
 
-    out = []
-    for spec in specs:
+    out = {}
+    for spec in dict.fromkeys(val.fewshot_suites + val.knn_suites):
         name, path = parse_suite(spec)
         ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=val.minival_fraction,
                              seed=val.seed, tasks=list(val.tasks))
         tasks, _ = SUITES[name].build(ev, data)
-        out += [(name if len(tasks) == 1 else f"{name}/{task.name}", task) for task in tasks]
+        out[spec] = [(name if len(tasks) == 1 else f"{name}/{task.name}", task) for task in tasks]
     return out
 
 
@@ -127,8 +128,9 @@ class InTrainingEval:
         self.last_seconds = 0.0
         self.val = None
         # the probes' suites are read now: a wrong folder or task ends start-up, not the first evaluation
-        self.tasks = ((probe_tasks(val, data, val.fewshot_suites), probe_tasks(val, data, val.knn_suites))
-                      if self.enabled else ([], []))
+        read = probe_tasks(val, data) if self.enabled else {}
+        self.tasks = tuple([task for spec in specs for task in read.get(spec, [])]
+                           for specs in (val.fewshot_suites, val.knn_suites))
         if self.enabled and data.val_shards:
             from data_pipeline.loading.loader import build_loader
 
