@@ -283,13 +283,12 @@ def check_validation(val: ValidationConfig, fail: Callable[[str, str], None]) ->
 
     need(val.every_steps >= 0, "every_steps", f"must be >= 0 (0: no evaluation while training), got {val.every_steps}")
     need(val.batch_size >= 0, "batch_size", f"must be >= 0 (0: the training micro batch), got {val.batch_size}")
-    names = []
     for key in ("fewshot_suites", "knn_suites"):
         for spec in getattr(val, key):
             name = spec.partition(":")[0]
             need(name in SUITE_NEEDS_ROOT, key,
                  f"unknown suite {name!r} in {spec!r}; choose one of {', '.join(SUITE_NEEDS_ROOT)}")
             need(not SUITE_NEEDS_ROOT[name] or ":" in spec, key, f"{spec!r}: suite {name} needs NAME:PATH")
-            names += [name] if name not in names else []
-    _check_fewshot(val, "validation", names, fail)
+    names = dict.fromkeys(spec.partition(":")[0] for spec in val.fewshot_suites + val.knn_suites)
+    _check_fewshot(val, "validation", list(names), fail)
     _check_knn(val, "validation", fail)
