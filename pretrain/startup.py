@@ -52,7 +52,7 @@ from pretrain.observability.flops import train_flops_per_image
 from pretrain.observability.metrics import MetricsLogger
 from pretrain.observability.profile import StepProfiler
 from pretrain.observability.progress import StartupLines
-from pretrain.observability.window import RunTotals
+from pretrain.observability.window import Forecast, RunTotals
 from pretrain.perf import levers
 from pretrain.perf.hardware import gpu_key
 from pretrain.perf.perfmodel import run_record
@@ -79,6 +79,7 @@ class Loop:
     world: int
     flops: dict[int, tuple[float, float]]  # resolution -> (model, hardware) training FLOPs per image
     phases: Callable[[int], Phase]  # a step's resolution phase (PhaseSwitch: switches the engine's micro batch)
+    forecast: Forecast  # the time the steps left will take, for the progress line
     detector: Optional[StragglerDetector] = None
     evaluator: Optional[InTrainingEval] = None
     ema: Optional[WeightEma] = None  # train.ema_decay: updated after every optimizer step
@@ -329,7 +330,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                 profiler=StepProfiler.of(cfg.logging.profile, rank=c.rank, world=c.world, start_step=start,
                                          steps=t.steps, root=c.layout.root, device=b.engine.device, say=c.say,
                                          beat=lambda: clock.beat("profile", slow=True)),
-                say=c.say, logged=status)
+                say=c.say, logged=status, forecast=Forecast(phases, flops, t.steps))
     return Job(loop, status, samples)
 
 

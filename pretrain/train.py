@@ -82,6 +82,7 @@ def train_loop(lp: Loop) -> dict:
             lp.startup.done()
             set_collective_timeout(t.pg_timeout_s)
             lp.say(f"step {step} done; a line every {t.log_every_steps} steps")
+            lp.forecast.start(step)
         ends = step == phase.last  # a window holds one resolution phase's steps
         sync = (step % t.log_every_steps == 0 or lp.checkpointer.due(step) or step % t.sync_every_steps == 0
                 or (ends and step < t.steps))
@@ -97,7 +98,7 @@ def train_loop(lp: Loop) -> dict:
                 metrics.update(profiled_steps=profiled, **prof.metrics())
             straggling, line = gather_and_judge(None if profiled else lp.detector, phases, device)
             lp.logger.log(step, {**metrics, **straggling})
-            lp.logger.print(step, metrics)
+            lp.logger.print(step, metrics, t.steps, lp.forecast.note(step, metrics["device_hours"], lp.world))
             lp.logged(step)
             if line:
                 lp.say(f"straggler: {line}")

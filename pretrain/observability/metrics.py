@@ -161,12 +161,16 @@ class MetricsLogger:
             except Exception as e:  # W&B must never stop training (its service may die on SIGTERM)
                 self._drop_wandb(e)
 
-    def print(self, step: int, metrics: dict) -> None:
+    def print(self, step: int, metrics: dict, steps: int = 0, note: str = "") -> None:
+        """The progress line: ``step 40/100 loss=... device_hours=...``, of ``steps`` when given,
+        then ``note`` (the forecast: ``window.Forecast.note``)."""
         if not self.enabled:
             return
-        keys = ("loss", "lr", "grad_norm", "images_per_sec", "tflops_per_device", "mfu", "data_wait_share")
+        keys = ("loss", "lr", "grad_norm", "images_per_sec", "tflops_per_device", "mfu", "data_wait_share",
+                "device_hours")
         parts = [f"{k}={metrics[k]:.4g}" for k in keys if k in metrics and metrics[k] is not None]
-        print(f"step {step} " + " ".join(parts), file=sys.stderr, flush=True)
+        print(f"step {step}{f'/{steps}' if steps else ''} " + " ".join(parts + ([note] if note else [])),
+              file=sys.stderr, flush=True)
 
     def _drop_wandb(self, err: Exception) -> None:
         print(f"metrics: W&B disabled for the rest of this run ({type(err).__name__}: {err}); "

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pretrain.config.phases import Phase
 from pretrain.observability.clock import PHASES, StepClock
 from pretrain.observability.flops import peak_tflops
 from pretrain.observability.metrics import peak_memory_gb, throughput
@@ -61,6 +62,61 @@ class RunTotals:
 
     def _own(self) -> float:
         return (time.time() - self.started) * self.world
+
+
+class Forecast:
+    """How long the steps left will take, at the pace of this invocation so far: the wall-clock
+    from the end of its first step (start-up not counted; evaluations and checkpoint saves are)
+    over the model FLOPs of the steps done since, times the model FLOPs of the steps left. A step
+    is weighed by its resolution phase's FLOPs per image (the global batch is the same in every
+    phase), so a later phase at more pixels counts as dearer. A larger resolution usually runs at a
+    higher MFU, so before such a phase starts the forecast runs high."""
+
+    def __init__(self, phases: list[Phase], flops: dict[int, tuple[float, float]], steps: int):
+        self.phases, self.steps = phases, steps
+        self.cost = [flops[p.img_size][0] for p in phases]  # model FLOPs per image of each phase
+        self.step0: Optional[int] = None
+        self.t0 = 0.0
+
+    def start(self, step: int, now: Optional[float] = None) -> None:
+        """``step``, this invocation's first, is done: the pace is measured from here."""
+        self.step0, self.t0 = step, time.time() if now is None else now
+
+    def seconds_left(self, step: int, now: Optional[float] = None) -> Optional[float]:
+        """Wall-clock seconds to ``train.steps`` after ``step``; None before a step past the first."""
+        if self.step0 is None or step <= self.step0:
+            return None
+        done = self._flops(self.step0, step)
+        elapsed = (time.time() if now is None else now) - self.t0
+        return elapsed * self._flops(step, self.steps) / done if done > 0 else None
+
+    def _flops(self, after: int, upto: int) -> float:
+        """The model FLOPs per image summed over steps ``after + 1 .. upto``; a step past the last
+        phase's end (``train.steps`` raised on a resume) at the last phase's."""
+        total, final = 0.0, len(self.phases) - 1
+        for i, (p, cost) in enumerate(zip(self.phases, self.cost)):
+            last = upto if i == final else min(p.last, upto)
+            total += max(0, last - max(p.first - 1, after)) * cost
+        return total
+
+    def note(self, step: int, device_hours: float, world: int, now: Optional[float] = None) -> str:
+        """``eta=3.2h (~205 device-hours in all)`` for the progress line: the time left and the
+        run's device-hours at its end at this pace, without another restart; empty when unknown."""
+        left = self.seconds_left(step, now)
+        if left is None or step >= self.steps:
+            return ""
+        return f"eta={duration(left)} (~{device_hours + left * world / 3600:.3g} device-hours in all)"
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``1.5m``, ``12m``, ``3.2h``, ``4.1d``: a forecast's precision, not a clock's."""
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    for unit, size, upto in (("m", 60, 90 * 60), ("h", 3600, 48 * 3600), ("d", 86400, float("inf"))):
+        if seconds < upto:
+            n = seconds / size
+            return f"{n:.2g}{unit}" if n < 10 else f"{n:.0f}{unit}"
+    return ""
 
 
 class Window:

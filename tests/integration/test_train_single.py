@@ -1,6 +1,7 @@
 """`python -m pretrain.train` as one process: guard rails and one-line errors."""
 
 import json
+import re
 
 import pytest
 from dist_utils import TINY_MODEL, job_env, metrics, train_single
@@ -58,9 +59,13 @@ def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shar
         return json.loads((tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "run.json").read_text())
 
     t0 = time.time()  # the first invocation fails in step 3, after step 2's checkpoint: its step 3 is lost
-    assert train(shards, tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2", "train.log_every_steps=2",
-                 fault="crash_in_step:3").returncode != 0
+    crashed = train(shards, tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2", "train.log_every_steps=2",
+                    fault="crash_in_step:3")
     first = time.time() - t0
+    assert crashed.returncode != 0
+    # the progress line: the step of how many, the cost so far, the time left and the cost at the end
+    line = next(ln for ln in crashed.stderr.splitlines() if ln.startswith("step 2/4 "))
+    assert re.search(r" device_hours=[0-9.e-]+ eta=[0-9.]+[smhd] \(~[0-9.e-]+ device-hours in all\)$", line), line
     two = saved(2)["device_seconds"]
     failed = json.loads((tmp_path / "run" / "status.json").read_text())
     assert 0 < two < failed["device_seconds_spent"] < first and failed["state"] == "failed", (two, failed, first)

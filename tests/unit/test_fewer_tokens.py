@@ -22,7 +22,7 @@ from pretrain.models.arch import analytic_flops, patch_keep
 from pretrain.models.tokens import resize_pos_embed
 from pretrain.models.vit import create_model
 from pretrain.observability.flops import forward_flops
-from pretrain.observability.window import Window
+from pretrain.observability.window import Forecast, Window, duration
 from pretrain.perf import memory, perfmodel
 
 NAME = "vit_tiny_patch16_224"
@@ -223,6 +223,26 @@ def test_a_window_counts_each_steps_flops_at_its_own_resolution():
     w.add(torch.zeros(2), 64, (1.0e9, 1.5e9), 128)
     w.add(torch.zeros(2), 64, (3.0e9, 4.0e9), 224)
     assert w.flops_per_image() == (2.0e9, 2.75e9) and w.img_size == 224
+
+
+def test_the_forecast_weighs_the_steps_left_by_their_phases_flops():
+    """Steps 1-10 at 1 FLOP, 11-20 at 4: a first step, then 4 more in 8 s (2 s per FLOP) leave
+    5 x 1 + 10 x 4 FLOPs, 90 s; counting steps alone would say 30 s."""
+    f = Forecast([Phase(1, 10, 112, 64), Phase(11, 20, 224, 64)], {112: (1.0, 1.5), 224: (4.0, 6.0)}, 20)
+    assert f.seconds_left(5, now=10.0) is None  # before the first step is done: no pace yet
+    f.start(1, now=2.0)
+    assert f.seconds_left(1, now=2.0) is None
+    assert f.seconds_left(5, now=10.0) == pytest.approx(90.0)
+    assert f.seconds_left(15, now=2.0 + 2 * (9 + 5 * 4)) == pytest.approx(2 * 5 * 4)  # in the second phase
+    assert f.seconds_left(20, now=100.0) == 0.0
+    # train.steps raised past the schedule on a resume: the steps beyond it at the last phase's cost
+    beyond = Forecast([Phase(1, 10, 112, 64)], {112: (1.0, 1.5)}, 14)
+    beyond.start(11, now=0.0)
+    assert beyond.seconds_left(12, now=3.0) == pytest.approx(6.0)
+    assert f.note(5, 1.0, world=2, now=10.0) == "eta=1.5m (~1.05 device-hours in all)"
+    assert f.note(20, 1.0, world=2, now=100.0) == ""  # done: nothing left to forecast
+    got = [duration(s) for s in (45, 90, 12 * 60, 3.2 * 3600, 30 * 3600, 4.1 * 86400)]
+    assert got == ["45s", "1.5m", "12m", "3.2h", "30h", "4.1d"]
 
 
 # ----------------------------------------------------------------------------------- the phases
