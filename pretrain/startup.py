@@ -104,7 +104,10 @@ class Connected:
     cfg: Config  # with its ``auto`` levers decided for this job and device (``decide_levers``)
     written: Config  # as written: config.yaml in the run directory
     levers: tuple[str, ...] = ()  # what ``auto`` chose, in words
-    started: float = 0.0  # time.time() as this invocation began: its device time is counted from there
+    # what the run did and cost: this invocation's device time counted from its start, the earlier
+    # invocations' carried on (status.json's spent; a resumed checkpoint's totals, from ``restore``)
+    totals: RunTotals = field(default_factory=RunTotals)
+    status: RunStatus = field(default_factory=lambda: RunStatus(None))  # rank 0's status.json
 
 
 @dataclass
@@ -126,7 +129,6 @@ class Restored:
     run_id: Optional[str] = None  # the W&B run a resumed job continues
     resumed: bool = False
     saved_ranks: int = 0  # ranks that wrote the resumed checkpoint (another world size: elastic)
-    totals: RunTotals = field(default_factory=RunTotals)  # what led to that checkpoint, every invocation's
 
 
 @dataclass
@@ -192,7 +194,11 @@ def connect(cfg: Config, record: FailureRecord) -> Connected:
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
     dog.hosts = hosts
-    return Connected(rank, world, hosts, layout, stop, startup, dog, say, tree, cfg, written, lever_lines, started)
+    totals = RunTotals()  # what earlier invocations spent, read before this one's first status replaces it
+    totals.begin(started, world, spent_before(layout.status) if rank == 0 and cfg.checkpoint.resume else 0.0)
+    status = RunStatus(layout.status if rank == 0 else None, spent=totals.spent)
+    return Connected(rank, world, hosts, layout, stop, startup, dog, say, tree, cfg, written, lever_lines, totals,
+                     status)
 
 
 def build_engine(cfg: Config, c: Connected) -> Built:
@@ -272,8 +278,8 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     info, states = resumed
     # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)
     b.loader.resume(Checkpointer.loader_states(states, type(b.loader.state())))
-    return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states),
-                    totals=RunTotals.resumed(info))
+    c.totals.carry(info)
+    return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states))
 
 
 def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
@@ -301,10 +307,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                                seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
                                num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
                                device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
-    # what earlier invocations spent, read before this one's first status replaces the last one's
-    r.totals.begin(c.started, c.world, spent_before(c.layout.status) if c.rank == 0 and cfg.checkpoint.resume else 0.0)
-    status = RunStatus(c.layout.status if c.rank == 0 else None, spent=r.totals.spent)
-    status(start)
+    c.status(start)
     clock = StepClock(b.engine.device, c.dog)
     if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
         ds_compat.around_zero3_fetch(b.engine.module, clock.gather_begin, clock.gather_end)
@@ -320,18 +323,18 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
         batches = regrouped(batches, lambda step: phase_at(phases, step).micro_batch, start,
                             t.global_batch_size // c.world)
     checkpointer = Checkpointer(cfg, b.engine, b.loader, c.layout.checkpoints, {"config": c.tree}, logger, samples,
-                                ema=b.ema, totals=r.totals.record)
+                                ema=b.ema, totals=c.totals.record)
     saver = checkpointer.saver  # an asynchronous save's faults run on its writer, behind the files
     faults.wrap_save(b.engine, rank=c.rank, step_of=step_of, defer=saver.writer.submit if saver else None)
     loop = Loop(cfg, b.engine, batches, b.loader, logger, checkpointer, clock, c.stop, c.startup, start_step=start,
-                world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say), totals=r.totals,
+                world=c.world, flops=flops, phases=PhaseSwitch(phases, b.engine, c.say), totals=c.totals,
                 detector=_straggler_detector(t, c, clock),
                 evaluator=evaluator if evaluator.enabled else None, ema=b.ema,
                 profiler=StepProfiler.of(cfg.logging.profile, rank=c.rank, world=c.world, start_step=start,
                                          steps=t.steps, root=c.layout.root, device=b.engine.device, say=c.say,
                                          beat=lambda: clock.beat("profile", slow=True)),
-                say=c.say, logged=status, forecast=Forecast(phases, flops, t.steps))
-    return Job(loop, status, samples)
+                say=c.say, logged=c.status, forecast=Forecast(phases, flops, t.steps))
+    return Job(loop, c.status, samples)
 
 
 def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[float, float]], dict]:

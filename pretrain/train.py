@@ -25,7 +25,7 @@ from data_pipeline.errors import DataError, Parser
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
-from pretrain.checkpointing.rundir import RunDir
+from pretrain.checkpointing.rundir import RunDir, step_of
 from pretrain.config import Config, cli_errors, load_config
 from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import process_group_ends, program, set_collective_timeout
@@ -137,8 +137,13 @@ def run(cfg: Config, record: Optional[FailureRecord] = None) -> dict:
 def _run(cfg: Config, record: FailureRecord) -> dict:
     c = connect(cfg, record)
     cfg = c.cfg  # its `auto` levers decided
-    b = build_engine(cfg, c)
-    job = assemble(cfg, c, b, restore(cfg, c, b))
+    try:  # minutes on a large job (DeepSpeed's set-up, a checkpoint's load): a failure in them is spent too
+        b = build_engine(cfg, c)
+        job = assemble(cfg, c, b, restore(cfg, c, b))
+    except BaseException as e:
+        newest = checkpoint.latest_complete(c.layout.checkpoints) if cfg.checkpoint.resume else None
+        _failed(c, record, e, step=step_of(newest) if newest else 0)
+        raise
     result = _train(cfg, c, job, record)
     if c.rank == 0:  # before the barrier: a launcher may kill us after it
         say_goodbye(result, c.layout.summary, job.status, checkpoint.latest_complete(result["checkpoint_dir"]))
@@ -162,11 +167,7 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
         result = train_loop(lp)
     except BaseException as e:
         failed = True
-        c.dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
-        peers = record.report(e)  # a peer's failure or who is gone, not gloo's words; now, while the others ask too
-        job.status(max(start, lp.clock.completed), "failed", record.code_of(e) if peers is None else peers)
-        if peers is not None:
-            raise SystemExit(peers) from None
+        _failed(c, record, e, step=max(start, lp.clock.completed))
         raise
     finally:
         c.startup.done()
@@ -181,6 +182,18 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
                   **lp.totals.record(),  # the run's so far, every invocation that led to its checkpoint
                   device_seconds_spent=round(lp.totals.spent(), 3))  # and what no checkpoint kept
     return result
+
+
+def _failed(c: Connected, record: FailureRecord, err: BaseException, step: int) -> None:
+    """This rank fails with ``err`` at ``step`` (in start-up: the checkpoint's it would resume): its
+    record now, while the others ask too; status.json says it, with the code the rank ends with and
+    what the run spent; a peer's failure, or who is gone, ends the rank with its code, not gloo's
+    words and a traceback."""
+    c.dog.hold_if_fired()  # a hang report in progress decides the exit (EXIT_HANG)
+    peers = record.report(err)
+    c.status(step, "failed", record.code_of(err) if peers is None else peers)
+    if peers is not None:
+        raise SystemExit(peers) from None
 
 
 def main(argv=None) -> None:

@@ -31,13 +31,12 @@ class RunTotals:
     started: float = 0.0
     world: int = 0
 
-    @classmethod
-    def resumed(cls, info: dict) -> "RunTotals":
-        """The totals of a checkpoint's ``run.json``; one of an older release: its images from its own
-        global batch, its FLOPs unknown, no device time."""
+    def carry(self, info: dict) -> None:
+        """Carry on the totals of the checkpoint resumed (its ``run.json``); one of an older release:
+        its images from its own global batch, its FLOPs unknown, no device time."""
         batch = int(((info.get("config") or {}).get("train") or {}).get("global_batch_size") or 0)
-        return cls(int(info.get("images_seen", info["step"] * batch)), info.get("model_flops"),
-                   float(info.get("device_seconds") or 0.0))
+        self.images = int(info.get("images_seen", info["step"] * batch))
+        self.model_flops, self.device_seconds = info.get("model_flops"), float(info.get("device_seconds") or 0.0)
 
     def begin(self, started: float, world: int, spent_before: float = 0.0) -> None:
         """This invocation: ``time.time()`` as it began, its ranks, and what the ones before it spent."""

@@ -102,6 +102,13 @@ def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shar
                          totals={k: info[k] for k in ("device_seconds", "images_seen", "model_flops")})
     assert "| Images seen | 80 (over 6 steps; the global batch, now 8, changed on a resume) |" in card, card
     assert f"| Compute | {per_image * 80 / 1e18:.3g} exaFLOPs (the model FLOPs of every step" in card, card
+    # an invocation that fails in start-up (its shards gone) spent its start-up too, and says so
+    (tmp_path / "gone").mkdir()
+    gone = train(shards, tmp_path / "run", "train.steps=8", f"data.train_shards={tmp_path / 'gone'}")
+    assert gone.returncode == 2 and "manifest not found (data.train_shards)" in gone.stderr, gone.stderr[-2000:]
+    after = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (after["state"], after["step"], after["exit_code"]) == ("failed", 6, 2), after
+    assert after["device_seconds_spent"] > status["device_seconds_spent"], (after, status)
 
 
 def test_startup_says_what_it_is_doing(shards, tmp_path):
