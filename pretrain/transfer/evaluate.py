@@ -93,4 +93,4 @@ def evaluate_checkpoint(cfg: Config, pre: Pretrained, tasks: list, missing: list
         f"{len(tasks)} task(s)" + (f"; missing: {', '.join(missing)}" if missing else ""))
     results = [run_task(protocol, t, sweep, log) for t in tasks]
     return assemble(results, missing=missing, suite=ev.suite, protocol=ev.protocol, pre=pre, img_size=img_size,
-                    sweep=sweep, settings=dataclasses.asdict(ev), seconds=time.time() - t0)
+                    sweep=sweep, settings=dataclasses.asdict(ev), seconds=time.time() - t0, world=dist.world)

@@ -11,10 +11,13 @@ pre-training run.
      "tasks": {"caltech101": {"task", "group", "accuracy", "setting", "val_accuracy", "details",
                               "num_classes", "chance", "num_train", "num_test", "seconds"}, ...},
      "groups": {"natural": {"mean", "tasks", "of"}, ...},      # vtab1k only
-     "mean": 0.61, "missing": ["sun397", ...], "seconds": 812.0}
+     "mean": 0.61, "missing": ["sun397", ...], "seconds": 812.0, "world_size": 1, "device_hours": 0.23}
 
 ``pretraining``: what pre-training did and cost up to the evaluated step, as the checkpoint says it
 (a run's ``run.json``, a ``vit-export`` file's metadata); each figure None where it does not.
+``seconds``, ``world_size`` and ``device_hours``: what this evaluation itself took (a fine-tune's
+devices x its wall-clock, the model's build and the data's reading included), the other part of a
+fine-tuned model's cost.
 
 W&B: the same run id as pre-training and the checkpoint's step as ``train/step`` -- the x-axis
 ``pretrain.observability.metrics`` defines for ``transfer/*`` -- so transfer curves sit beside the loss curve;
@@ -39,7 +42,7 @@ from pretrain.transfer.sweep import TaskResult
 
 
 def assemble(results: list[TaskResult], *, missing: list[str], suite: str, protocol: str, pre, img_size: int,
-             sweep: bool, settings: dict, seconds: float) -> dict:
+             sweep: bool, settings: dict, seconds: float, world: int = 1) -> dict:
     acc = {r.task: r.accuracy for r in results}
     doc = {"checkpoint": pre.source, "checkpoint_kind": pre.kind, "step": pre.step, "model": dict(pre.arch),
            "pretraining": pretraining(pre.totals),
@@ -50,7 +53,7 @@ def assemble(results: list[TaskResult], *, missing: list[str], suite: str, proto
         doc.update(groups=summary["groups"], mean=summary["mean"], missing=summary["missing"])
     else:
         doc.update(mean=sum(acc.values()) / len(acc) if acc else None, missing=list(missing))
-    doc["seconds"] = seconds
+    doc.update(seconds=seconds, world_size=world, device_hours=seconds * world / 3600)
     return doc
 
 
@@ -192,6 +195,10 @@ def markdown(doc: dict) -> str:
     if doc.get("missing"):
         lines += ["", f"Missing ({len(doc['missing'])}): {', '.join(doc['missing'])} "
                       "-- means are over the tasks present."]
+    if doc.get("device_hours") is not None:
+        n = doc.get("world_size") or 1
+        lines += ["", f"Evaluated in {doc['device_hours']:.3g} device-hours ({n} device{'s' if n > 1 else ''} x "
+                      f"{doc['seconds'] / 60:.3g} min)."]
     return "\n".join(lines)
 
 
@@ -212,6 +219,8 @@ def wandb_metrics(doc: dict) -> dict:
             m[f"{prefix}/{g}"] = s["mean"]
     if doc.get("mean") is not None:
         m[f"{prefix}/mean"] = doc["mean"]
+    if doc.get("device_hours") is not None:  # what the evaluation itself cost
+        m[f"{prefix}/device_hours"] = doc["device_hours"]
     return m
 
 

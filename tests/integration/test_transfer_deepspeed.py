@@ -23,8 +23,12 @@ def test_zero3_finetune_on_two_ranks_counts_every_test_image_once(tmp_path, reci
                               "train.precision=fp32", "zero.stage=3", "--recipe", recipe,
                               *(["eval.lr=0.001"] if recipe == "deit" else [])), timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    r = json.loads(out.read_text())["tasks"]["colours"]
+    doc = json.loads(out.read_text())
+    r = doc["tasks"]["colours"]
     assert r["num_test"] == 33 and r["details"]["batch_size"] == 16
+    # what the fine-tune itself cost: both ranks' devices over its wall-clock
+    assert doc["world_size"] == 2 and doc["device_hours"] == pytest.approx(doc["seconds"] * 2 / 3600), doc
+    assert f"Evaluated in {doc['device_hours']:.3g} device-hours (2 devices x " in p.stdout, p.stdout[-2000:]
     # every image counted once over the two ranks: accuracy is a multiple of 1/33
     assert abs(r["accuracy"] * 33 - round(r["accuracy"] * 33)) < 1e-6
     assert r["accuracy"] >= 0.75, r  # chance 0.25

@@ -137,6 +137,9 @@ def test_probes_asking_for_more_than_the_train_split_holds_say_so(tiny_ckpt, col
         doc = evaluate_checkpoint(cfg, load_pretrained(tiny_ckpt), [colour_task], [], log=lines.append)
         d = doc["tasks"]["colours"]["details"]
         table = markdown(doc)
+        assert doc["world_size"] == 1 and doc["device_hours"] == doc["seconds"] / 3600  # one process's
+        assert table.endswith(f"Evaluated in {doc['device_hours']:.3g} device-hours (1 device x "
+                              f"{doc['seconds'] / 60:.3g} min)."), table
         if protocol == "fewshot":
             assert d["shots"]["50"]["fewest_of_a_class"] == 12 and "fewest_of_a_class" not in d["shots"]["5"]
             assert "colours fewshot: 50-shot asks for more examples than class 0 has (12)" in "\n".join(lines)
