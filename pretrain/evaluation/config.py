@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
-__all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "ValidationConfig", "check_eval",
-           "check_validation"]
+__all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "SUITES_OF_TASKS", "ValidationConfig",
+           "check_eval", "check_validation"]
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
 # builders of each are pretrain/transfer/suites.py, which registers exactly these names
 SUITE_NEEDS_ROOT = {"cifar100": True, "vtab1k": True, "demo": False, "imagefolder": True, "shards": True}
+# suites of several tasks: their probes' metrics name each task (eval/fewshot/vtab1k/dtd/10shot)
+SUITES_OF_TASKS = ("vtab1k",)
 
 # The few-shot probe and its minival split, read both by vit-transfer (``eval.*``) and by the probes
 # while pre-training (``validation.*``): each setting's default is defined once, here; each section's

@@ -37,6 +37,7 @@ from pretrain.distributed import rng
 from pretrain.distributed.process import lockstep
 from pretrain.models.losses import classification_loss
 from pretrain.observability.clock import synced_now
+from pretrain.transfer.errors import TransferError
 
 
 def parse_suite(spec: str) -> tuple[str, Optional[str]]:
@@ -47,19 +48,32 @@ def parse_suite(spec: str) -> tuple[str, Optional[str]]:
 def probe_tasks(val, data) -> dict[str, list[tuple[str, object]]]:
     """Each suite spec (``NAME`` or ``NAME:PATH``) of the ``validation`` section ``val``'s few-shot
     and kNN probes, read once however many probes name it, -> its ``(label, task)`` pairs, read by
-    vit-transfer's builders (file lists, split files, labels; CIFAR-100's arrays). A missing folder,
-    file or task raises ``TransferError``, one line naming it."""
+    vit-transfer's builders (file lists, split files, labels; CIFAR-100's arrays). The label names
+    the task in the metrics (``eval/fewshot/<label>/10shot``): the suite's name, with the task's
+    (VTAB-1k's) or the folder's (two suites of one name: ``imagefolder/pets``) after it. A missing
+    folder, file or task, or two suites of one probe that would log under one label, raises
+    ``TransferError``, one line naming it."""
     from types import SimpleNamespace
 
+    from pretrain.evaluation.config import SUITES_OF_TASKS
     from pretrain.transfer.suites import SUITES
 
+    specs = list(dict.fromkeys(val.fewshot_suites + val.knn_suites))
+    names = [parse_suite(spec)[0] for spec in specs]
     out = {}
-    for spec in dict.fromkeys(val.fewshot_suites + val.knn_suites):
-        name, path = parse_suite(spec)
-        ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=val.minival_fraction,
+    for spec, name in zip(specs, names):
+        ev = SimpleNamespace(suite=name, data_root=parse_suite(spec)[1], minival_fraction=val.minival_fraction,
                              seed=val.seed, tasks=list(val.tasks))
         tasks, _ = SUITES[name].build(ev, data)
-        out[spec] = [(name if len(tasks) == 1 else f"{name}/{task.name}", task) for task in tasks]
+        own = name in SUITES_OF_TASKS or names.count(name) > 1  # the task's own name tells it apart
+        out[spec] = [(f"{name}/{task.name}" if own else name, task) for task in tasks]
+    for key in ("fewshot_suites", "knn_suites"):
+        seen: dict[str, str] = {}
+        for spec in dict.fromkeys(getattr(val, key)):
+            for label, _ in out[spec]:
+                if seen.setdefault(label, spec) != spec:
+                    raise TransferError(f"validation.{key}: {seen[label]} and {spec} would both log as {label}; "
+                                        "give their folders distinct names")
     return out
 
 

@@ -24,7 +24,7 @@ def test_the_evaluator_reads_its_suites_when_built(tmp_path):
     write_vtab_task(tmp_path / "vtab", "eurosat", counts=(4, 4), n_test=4)
     ev = evaluator(every_steps=10, fewshot_suites=[f"imagefolder:{folder}"], knn_suites=[f"vtab1k:{tmp_path}/vtab"])
     assert [(label, t.num_classes, len(t.test)) for label, t in ev.tasks[0]] == [("imagefolder", 4, 8)]
-    assert [(label, t.num_classes) for label, t in ev.tasks[1]] == [("vtab1k", 10)]
+    assert [(label, t.num_classes) for label, t in ev.tasks[1]] == [("vtab1k/eurosat", 10)]  # a VTAB task, named
     with pytest.raises(TransferError, match=f"^{tmp_path}/gone: ImageFolder root not found$"):
         evaluator(every_steps=10, knn_suites=[f"imagefolder:{tmp_path}/gone"])
     with pytest.raises(TransferError, match="VTAB-1k task 'svhn' not found"):
@@ -55,3 +55,19 @@ def test_vit_launch_check_reads_the_probe_suites(capsys, tmp_path, shard_kit):
     out, err = capsys.readouterr()
     assert e.value.code == 2 and err.strip().splitlines() == [
         f"vit-launch: error: probes: {tmp_path}/gone: ImageFolder root not found"], (out, err)
+
+
+def test_two_suites_of_one_name_log_under_their_folders_names(tmp_path):
+    """Two ImageFolder sets probed at once (pets and flowers) logged both as eval/fewshot/imagefolder/*:
+    the second overwrote the first. Each now logs under its folder's name; folders of one name are
+    one line naming both, before any step."""
+    pets = write_imagefolder(tmp_path / "pets", n_train=3, n_test=2)
+    flowers = write_imagefolder(tmp_path / "flowers", n_train=3, n_test=2)
+    ev = evaluator(every_steps=10, fewshot_suites=[f"imagefolder:{pets}", f"imagefolder:{flowers}"],
+                   knn_suites=[f"imagefolder:{pets}"])
+    assert [label for label, _ in ev.tasks[0]] == ["imagefolder/pets", "imagefolder/flowers"]
+    assert [label for label, _ in ev.tasks[1]] == ["imagefolder/pets"]
+    twin = write_imagefolder(tmp_path / "other" / "pets", n_train=3, n_test=2)
+    with pytest.raises(TransferError, match=f"^validation.fewshot_suites: imagefolder:{pets} and imagefolder:{twin} "
+                                            "would both log as imagefolder/pets; give their folders distinct names$"):
+        evaluator(every_steps=10, fewshot_suites=[f"imagefolder:{pets}", f"imagefolder:{twin}"])
