@@ -25,6 +25,7 @@ from typing import Optional
 
 from data_pipeline.files import unwritable
 from pretrain.config import Config, ConfigError, check_world_size, image_size, selective_checkpointing
+from pretrain.evaluation.config import target_metrics, target_problem
 from pretrain.perf import memory
 
 OK, WARN, FAIL = "ok", "warning", "error"
@@ -323,7 +324,13 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
         what = f"{tasks[0].num_classes} classes" if len(tasks) == 1 else f"{len(tasks)} tasks"
         said.append(f"{spec}: {what}, {sum(len(t.trainval) for t in tasks)} train and "
                     f"{sum(len(t.test) for t in tasks)} test images")
-    return [Finding(OK, "probes", "; ".join(said))]
+    found = [Finding(OK, "probes", "; ".join(said))]
+    # validation.target_metric against the names the suites, now read, log (a VTAB-1k task, a folder)
+    metrics = target_metrics(v, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
+                             ema=cfg.train.ema_decay > 0, labels={s: [x for x, _ in p] for s, p in read.items()})
+    if v.target_metric and (problem := target_problem(v, metrics)):
+        found.append(Finding(FAIL, "target", ": ".join(problem)))
+    return found
 
 
 def _same_files(a, b) -> list[str]:

@@ -45,7 +45,9 @@ from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, 
 from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
+from pretrain.evaluation.config import target_metrics, target_problem
 from pretrain.evaluation.in_training import InTrainingEval
+from pretrain.evaluation.target import Target
 from pretrain.models.arch import config_macs, patch_keep
 from pretrain.observability.clock import StepClock
 from pretrain.observability.flops import train_flops_per_image
@@ -87,6 +89,7 @@ class Loop:
     say: Callable[[str], None] = lambda msg: None
     totals: RunTotals = field(default_factory=RunTotals)  # what the run did and cost up to its step
     logged: Callable[[int], None] = lambda step: None  # after each log step (status.json)
+    target: Optional[Target] = None  # validation.target_metric: when the run reaches it
 
 
 @dataclass
@@ -307,6 +310,7 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                                seed=t.seed, rank=c.rank, world=c.world, img_size=b.img,
                                num_classes=cfg.model.num_classes, dtype=compute_dtype(t.precision),
                                device=b.engine.device, loss=cfg.optim.loss, ema=b.ema)
+    target = _target(cfg, evaluator, c.totals)
     c.status(start)
     clock = StepClock(b.engine.device, c.dog)
     if cfg.zero.stage == 3:  # the forward's waits for parameters are not the rank's own work
@@ -333,8 +337,25 @@ def assemble(cfg: Config, c: Connected, b: Built, r: Restored) -> Job:
                 profiler=StepProfiler.of(cfg.logging.profile, rank=c.rank, world=c.world, start_step=start,
                                          steps=t.steps, root=c.layout.root, device=b.engine.device, say=c.say,
                                          beat=lambda: clock.beat("profile", slow=True)),
-                say=c.say, logged=c.status, forecast=Forecast(phases, flops, t.steps))
+                say=c.say, logged=c.status, forecast=Forecast(phases, flops, t.steps), target=target)
     return Job(loop, c.status, samples)
+
+
+def _target(cfg: Config, evaluator: InTrainingEval, totals: RunTotals) -> Optional[Target]:
+    """``validation.target_metric`` against the metrics the evaluator's suites, now read, will log
+    (a VTAB-1k task or a folder's name the config alone could not tell: a ConfigError now, not a
+    target never met), with the record a resumed checkpoint carries of reaching it."""
+    v = cfg.validation
+    if not v.target_metric:
+        totals.target_reached = None  # a record of a target this run no longer has
+        return None
+    metrics = target_metrics(v, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
+                             ema=cfg.train.ema_decay > 0, labels=evaluator.labels)
+    if problem := target_problem(v, metrics):
+        raise ConfigError(": ".join(problem))
+    target = Target(v, totals.target_reached)
+    totals.target_reached = target.reached
+    return target
 
 
 def _run_config(cfg: Config, c: Connected, b: Built) -> tuple[dict[int, tuple[float, float]], dict]:

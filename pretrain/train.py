@@ -28,7 +28,8 @@ from pretrain.checkpointing.checkpointer import CheckpointWriteError
 from pretrain.checkpointing.rundir import RunDir, step_of
 from pretrain.config import Config, cli_errors, load_config
 from pretrain.distributed.precision import compute_dtype
-from pretrain.distributed.process import process_group_ends, program, set_collective_timeout
+from pretrain.distributed.process import any_rank, process_group_ends, program, set_collective_timeout
+from pretrain.evaluation.target import reached_words
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.collector import after_imports
@@ -42,16 +43,26 @@ USER_ERRORS = (DataError, NonFiniteLoss, CheckpointWriteError)  # vit-train's on
 
 
 # ----------------------------------------------------------------------------------------- loop
-def evaluate(lp: Loop, step: int) -> None:
-    """The evaluation of ``step`` when one is due: its own data and RNG, its time not in img/s."""
+def evaluate(lp: Loop, step: int) -> bool:
+    """The evaluation of ``step`` when one is due: its own data and RNG, its time not in img/s.
+    True, on every rank, when the run ends here: it reached its target (``validation.stop_at_target``)."""
     if lp.evaluator is None or not lp.evaluator.due(step, lp.cfg.train.steps):
-        return
+        return False
     lp.clock.beat("eval", slow=True)
     results = lp.evaluator(lp.engine, step)
+    totals = lp.totals.record()
     # with the cost so far in its own record: W&B draws eval/* against it even off the log steps
-    lp.logger.log(step, {**results, "device_hours": lp.totals.record()["device_seconds"] / 3600})
+    lp.logger.log(step, {**results, "device_hours": totals["device_seconds"] / 3600})
     lp.clock.exclude(lp.evaluator.last_seconds)
     lp.say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
+    if lp.target is None:
+        return False
+    reached = lp.target.check(results, step, totals)  # the metrics are rank 0's: it alone records
+    if reached is not None:
+        lp.totals.target_reached = reached
+        lp.say(f"target reached: {reached_words(reached)}"
+               + ("; the run ends here (validation.stop_at_target)" if lp.target.stop else ""))
+    return lp.target.stop and any_rank(reached is not None, lp.engine.device)
 
 
 def train_loop(lp: Loop) -> dict:
@@ -63,9 +74,9 @@ def train_loop(lp: Loop) -> dict:
     loss_of = partial(classification_loss, multi_label=lp.cfg.data.multi_label, smoothing=o.label_smoothing,
                       loss=o.loss, target_threshold=o.bce_target_threshold)
     dtype, window = compute_dtype(t.precision), Window(device)
-    history, step, stopped = [], lp.start_step, False
+    history, step, stopped, at_target = [], lp.start_step, False, False
     prof, window_first = lp.profiler, step + 1
-    while step < t.steps:
+    while step < t.steps and not ended_at_target(lp):
         phase = lp.phases(step + 1)  # its first step: the engine takes its micro batch, the loader its size
         if prof is not None:  # logging.profile: its own seconds are not the window's
             clock.exclude(prof.before(step + 1))
@@ -105,9 +116,13 @@ def train_loop(lp: Loop) -> dict:
             history.append(metrics["loss"])
             window, window_first = Window(device), step + 1
 
-        evaluate(lp, step)
+        at_target = evaluate(lp, step)
+        if at_target and not sync:  # the save below makes this step a sync point
+            guard.verdict()
+            sync = True
         clock.beat("stop")
-        stopped = sync and lp.stop.agreed(device)  # a signal stops every rank within train.sync_every_steps
+        # a signal stops every rank within train.sync_every_steps
+        stopped = at_target or (sync and lp.stop.agreed(device))
         clock.beat("checkpoint", slow=True)
         # the seconds a save held this thread are not the next window's img/s (as an evaluation's; Megatron's too)
         clock.exclude(lp.checkpointer.maybe_save(step, stopping=stopped, sync=sync))
@@ -119,8 +134,14 @@ def train_loop(lp: Loop) -> dict:
     lp.checkpointer.close()
     lp.startup.done()  # a run resumed at its last step takes no step
     guard.close()
-    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped,
-            "stop_reason": lp.stop.reason}
+    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped and not at_target,
+            "stop_reason": lp.stop.reason, "target": lp.target.words if lp.target else None}
+
+
+def ended_at_target(lp: Loop) -> bool:
+    """The run reached its target and ends there (``validation.stop_at_target``): a checkpoint of
+    it started again trains nothing."""
+    return lp.target is not None and lp.target.stop and lp.target.reached is not None
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -158,6 +179,9 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
     lp.clock.begin_step(start, startup=True)
     if start >= cfg.train.steps:  # a finished run started again, or train.steps lowered: no batch is read
         c.say(f"the checkpoint is at step {start}, train.steps={cfg.train.steps}: no step left to train")
+    elif ended_at_target(lp):
+        c.say(f"the run reached its target at step {lp.target.reached['step']} (validation.stop_at_target): "
+              "no step left to train")
     else:
         c.say(f"waiting for the first batch (data.workers={cfg.data.workers})")
     c.startup.phase("first step (first batch, first collectives)")

@@ -13,7 +13,7 @@ from pretrain.checkpointing.config import check_checkpoint
 from pretrain.config.phases import check_schedule
 from pretrain.config.schema import Config, ModelConfig, TrainConfig
 from pretrain.distributed.config import check_zero
-from pretrain.evaluation.config import check_eval, check_validation
+from pretrain.evaluation.config import check_eval, check_validation, target_metrics, target_problem
 from pretrain.observability.config import check_logging
 
 
@@ -126,6 +126,10 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
     check_logging(cfg.logging, fail)
     check_eval(cfg.eval, fail)
     check_validation(cfg.validation, fail)
+    metrics = target_metrics(cfg.validation, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
+                             ema=t.ema_decay > 0)
+    if problem := target_problem(cfg.validation, metrics):
+        fail(*problem)
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:

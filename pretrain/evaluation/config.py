@@ -7,11 +7,13 @@ few-shot and kNN probes on a transfer suite, so they share their settings, defin
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 __all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "SUITES_OF_TASKS", "ValidationConfig",
-           "check_eval", "check_validation"]
+           "check_eval",
+           "check_validation", "target_metrics", "target_problem"]
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
 # builders of each are pretrain/transfer/suites.py, which registers exactly these names
@@ -275,6 +277,63 @@ class ValidationConfig:
     """The val split cut from train where a suite has none (big_vision)."""
     seed: int = _fewshot_field("seed")
     """Seed of that split."""
+    target_metric: str = ""
+    """A metric these evaluations log, named as logged (`eval/top1`, `eval/ema/top1`, `eval/loss`,
+    `eval/fewshot/demo/10shot`, `eval/knn/vtab1k/dtd/20nn`); the first evaluation where it reaches
+    `validation.target_value` (at most, for a loss; at least, otherwise) is recorded with the step,
+    device-hours, images and model FLOPs the run took to get there (a line, `target_reached` in
+    summary.json and in each later checkpoint's run.json); empty: no target."""
+    target_value: float = 0.0
+    """The value `validation.target_metric` is to reach: an accuracy as a fraction (0.75), or a loss."""
+    stop_at_target: bool = False
+    """End the run at the evaluation that reaches the target, with a checkpoint and exit 0 (time to
+    accuracy, as MLPerf Training measures it); started again, it trains nothing."""
+
+
+def target_metrics(val: ValidationConfig, *, val_shards: bool, multi_label: bool, ema: bool,
+                   labels: Optional[dict[str, list[str]]] = None) -> list[str]:
+    """The metric names an evaluation of the ``validation`` section ``val`` logs: validation's with
+    ``data.val_shards`` (``multi_label``: precision@1 for top-k), the probes' for each suite spec, all
+    again under ``eval/ema/`` with ``train.ema_decay`` (``ema``). ``labels``: each probe spec's names as
+    start-up reads them (``in_training.probe_tasks``); None: as the config alone says them, a suite's
+    folder or task written ``<folder>`` or ``<task>`` (``target_problem`` matches them as a pattern)."""
+    if labels is None:  # as in_training.probe_tasks names them
+        specs = list(dict.fromkeys(val.fewshot_suites + val.knn_suites))
+        names = [spec.partition(":")[0] for spec in specs]
+        labels = {spec: [f"{name}/<task>" if name in SUITES_OF_TASKS else f"{name}/<folder>" if names.count(name) > 1
+                         else name] for spec, name in zip(specs, names)}
+    names = (["loss", "prec@1"] if multi_label else ["loss", "top1", "top5"]) if val_shards else []
+    if val.every_steps > 0:
+        names += [f"fewshot/{label}/{n}shot" for spec in val.fewshot_suites for label in labels.get(spec, [])
+                  for n in val.fewshot_shots]
+        names += [f"knn/{label}/{k}nn" for spec in val.knn_suites for label in labels.get(spec, []) for k in val.knn_k]
+    return [f"eval/{p}{n}" for p in ("", "ema/")[:1 + ema] for n in names]
+
+
+def target_problem(val: ValidationConfig, metrics: list[str]) -> Optional[tuple[str, str]]:
+    """(key, message) when ``validation.target_*`` asks what ``metrics`` (``target_metrics``) cannot
+    give; None when it is sound or unset."""
+    import fnmatch
+    import math
+
+    if not val.target_metric:
+        if val.stop_at_target:
+            return "validation.stop_at_target", "stops at validation.target_metric: set it too"
+        return None
+    if val.every_steps <= 0:
+        return "validation.target_metric", "is read at an evaluation: set validation.every_steps too"
+    patterns = [re.sub(r"<(task|folder)>", "*", m) for m in metrics]
+    if not any(fnmatch.fnmatchcase(val.target_metric, p) for p in patterns):
+        shown = ", ".join(metrics[:12]) + (", ..." if len(metrics) > 12 else "")
+        return "validation.target_metric", (f"{val.target_metric!r} is not a metric these evaluations log; they log "
+                                            f"{shown or 'nothing (no data.val_shards and no probe suites)'}")
+    v = val.target_value
+    if val.target_metric.endswith("/loss"):
+        if not (math.isfinite(v) and v > 0):
+            return "validation.target_value", f"a loss to reach must be positive, got {v:g}"
+    elif not 0 < v <= 1:
+        return "validation.target_value", f"an accuracy to reach is a fraction in (0, 1] (e.g. 0.75), got {v:g}"
+    return None
 
 
 def check_validation(val: ValidationConfig, fail: Callable[[str, str], None]) -> None:

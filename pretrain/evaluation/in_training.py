@@ -145,6 +145,7 @@ class InTrainingEval:
         read = probe_tasks(val, data) if self.enabled else {}
         self.tasks = tuple([task for spec in specs for task in read.get(spec, [])]
                            for specs in (val.fewshot_suites, val.knn_suites))
+        self.labels = {spec: [label for label, _ in pairs] for spec, pairs in read.items()}  # as the metrics name them
         if self.enabled and data.val_shards:
             from data_pipeline.loading.loader import build_loader
 

@@ -30,6 +30,7 @@ class RunTotals:
     spent_before: float = 0.0
     started: float = 0.0
     world: int = 0
+    target_reached: Optional[dict] = None  # when validation.target_metric was first reached (evaluation.target)
 
     def carry(self, info: dict) -> None:
         """Carry on the totals of the checkpoint resumed (its ``run.json``); one of an older release:
@@ -37,6 +38,7 @@ class RunTotals:
         batch = int(((info.get("config") or {}).get("train") or {}).get("global_batch_size") or 0)
         self.images = int(info.get("images_seen", info["step"] * batch))
         self.model_flops, self.device_seconds = info.get("model_flops"), float(info.get("device_seconds") or 0.0)
+        self.target_reached = info.get("target_reached")
 
     def begin(self, started: float, world: int, spent_before: float = 0.0) -> None:
         """This invocation: ``time.time()`` as it began, its ranks, and what the ones before it spent."""
@@ -53,7 +55,8 @@ class RunTotals:
         invocation spent past its last checkpoint before a crash is not in the checkpoint it
         resumes)."""
         return {"device_seconds": round(self.device_seconds + self._own(), 3),
-                "images_seen": self.images, "model_flops": self.model_flops}
+                "images_seen": self.images, "model_flops": self.model_flops,
+                **({"target_reached": self.target_reached} if self.target_reached is not None else {})}
 
     def spent(self) -> float:
         """The run's device-seconds so far, every invocation's, lost work included."""

@@ -349,8 +349,20 @@ def goodbye_line(result: dict, checkpoint) -> str:
     if result["preempted"]:
         return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {checkpoint}; run "
                 f"the same command to resume (exit {EXIT_INTERRUPTED})")
-    return (f"vit-train: done at step {result['step']}{_cost(result)}: checkpoint {checkpoint}; export with: "
-            f"python -m pretrain.export {result['run_dir']} OUT.safetensors")
+    return (f"vit-train: done at step {result['step']}{_cost(result)}{_target(result)}: checkpoint {checkpoint}; "
+            f"export with: python -m pretrain.export {result['run_dir']} OUT.safetensors")
+
+
+def _target(result: dict) -> str:
+    """``; eval/top1 >= 0.75 reached at step 40 after 2 device-hours`` (``validation.target_metric``),
+    or ``...not reached``; empty without a target."""
+    if not result.get("target"):
+        return ""
+    rec = result.get("target_reached")
+    if rec is None:
+        return f"; {result['target']} not reached"
+    hours = f" after {rec['device_hours']:.3g} device-hours" if rec.get("device_hours") is not None else ""
+    return f"; {result['target']} reached at step {rec['step']}{hours}"
 
 
 def _cost(result: dict) -> str:

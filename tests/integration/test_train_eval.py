@@ -92,3 +92,34 @@ def test_two_ranks_zero3_evaluate_every_val_sample_once(tiny_run, val, held_out)
     # the EMA, each rank's partition swapped into ZeRO-3's partitions: every sample once too
     assert all(x["eval/ema/samples"] == 75 and "eval/ema/fewshot/demo/1shot" in x for x in evals)
     assert all(x["eval/ema/loss"] != x["eval/loss"] for x in evals)
+
+
+def test_a_run_reaching_its_target_records_what_it_took_and_ends_there(tiny_run, val):
+    """Time to accuracy (validation.target_metric, validation.stop_at_target): the first evaluation that
+    reaches the target is recorded with its step, device-hours and images, in summary.json and the
+    checkpoint; two ranks end there together (rank 0 alone holds the metrics), off a log step, with a
+    checkpoint and exit 0; started again, the run trains nothing."""
+    job = six_steps(tiny_run, val, "validation.every_steps=3", "validation.target_metric=eval/loss",
+                    "validation.target_value=100", "validation.stop_at_target=true", "train.log_every_steps=2",
+                    via="deepspeed", ranks=2)
+    err: list[str] = []
+    recs = records(job, err)
+    assert max(r["step"] for r in recs) == 3, recs
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    reached = summary["target_reached"]
+    assert (reached["metric"], reached["value"], reached["step"], reached["images_seen"]) == ("eval/loss", 100, 3, 48)
+    evaluated = next(r for r in recs if "eval/loss" in r)
+    assert reached["measured"] == evaluated["eval/loss"] <= 100 and not summary["preempted"]
+    hours = (evaluated["device_hours"], reached["device_hours"], summary["device_seconds"] / 3600)
+    assert hours == tuple(sorted(hours)), (evaluated, summary)  # the evaluation counted, the save after it not
+    ckpt = job.run_dir / "checkpoints" / "step_00000003"
+    assert json.loads((ckpt / "run.json").read_text())["target_reached"] == reached
+    assert any(x.startswith(f"vit-train: target reached: eval/loss {reached['measured']:.4g} <= 100 at step 3 after ")
+               and "; the run ends here (validation.stop_at_target)" in x for x in err), err[-20:]
+    assert err[-1].startswith("vit-train: done at step 3 after ") and "; eval/loss <= 100 reached at step 3 " in err[-1]
+    assert json.loads((job.run_dir / "status.json").read_text())["state"] == "completed"
+    again: list[str] = []
+    assert len(records(job, again)) == len(recs)  # nothing trained, nothing logged
+    assert any("the run reached its target at step 3 (validation.stop_at_target): no step left to train" in x
+               for x in again), again[-20:]
+    assert json.loads((job.run_dir / "summary.json").read_text())["target_reached"] == reached

@@ -52,6 +52,12 @@ def test_the_spent_device_seconds_carry_over_and_the_last_line_says_the_cost(tmp
         line = goodbye_line({**done, "device_seconds_spent": spent}, "r/checkpoints/step_00000012")
         assert line.startswith(f"vit-train: done at step 12 after 2 device-hours{said}: checkpoint r/"), line
     assert goodbye_line({**done, "device_seconds": None}, "c").startswith("vit-train: done at step 12: checkpoint c;")
+    # a target (validation.target_metric): where it was reached, or that it was not
+    reached = {"step": 8, "device_hours": 1.5}
+    assert goodbye_line({**done, "target": "eval/top1 >= 0.75", "target_reached": reached}, "c").startswith(
+        "vit-train: done at step 12 after 2 device-hours; eval/top1 >= 0.75 reached at step 8 after 1.5 device-hours: ")
+    assert goodbye_line({**done, "target": "eval/loss <= 2"}, "c").startswith(
+        "vit-train: done at step 12 after 2 device-hours; eval/loss <= 2 not reached: checkpoint c;")
 
 
 def test_a_stop_request_file_asks_with_its_first_line_or_its_name_when_empty(tmp_path):

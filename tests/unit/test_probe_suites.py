@@ -50,6 +50,16 @@ def test_vit_launch_check_reads_the_probe_suites(capsys, tmp_path, shard_kit):
         main([*base, f"validation.knn_suites=[vtab1k:{tmp_path}/vtab]"])
     out, err = capsys.readouterr()
     assert e.value.code == 0 and f"  ok  probes: vtab1k:{tmp_path}/vtab: 2 tasks, 16 train and 8 test images\n" in out
+    # a target on a task the folder does not hold: any task at load, refused once the suite is read
+    with pytest.raises(SystemExit) as e:
+        main([*base, f"validation.knn_suites=[vtab1k:{tmp_path}/vtab]", "validation.target_value=0.5",
+              "validation.target_metric=eval/knn/vtab1k/svhn/20nn"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.strip().splitlines() == [
+        "vit-launch: error: target: validation.target_metric: 'eval/knn/vtab1k/svhn/20nn' is not a metric these "
+        "evaluations log; they log eval/knn/vtab1k/dtd/10nn, eval/knn/vtab1k/dtd/20nn, eval/knn/vtab1k/dtd/100nn, "
+        "eval/knn/vtab1k/dtd/200nn, eval/knn/vtab1k/eurosat/10nn, eval/knn/vtab1k/eurosat/20nn, "
+        "eval/knn/vtab1k/eurosat/100nn, eval/knn/vtab1k/eurosat/200nn"], (out, err)
     with pytest.raises(SystemExit) as e:
         main([*base, f"validation.knn_suites=[imagefolder:{tmp_path}/gone]"])
     out, err = capsys.readouterr()
@@ -71,3 +81,65 @@ def test_two_suites_of_one_name_log_under_their_folders_names(tmp_path):
     with pytest.raises(TransferError, match=f"^validation.fewshot_suites: imagefolder:{pets} and imagefolder:{twin} "
                                             "would both log as imagefolder/pets; give their folders distinct names$"):
         evaluator(every_steps=10, fewshot_suites=[f"imagefolder:{pets}", f"imagefolder:{twin}"])
+
+
+DEMO = ["validation.every_steps=5", "validation.fewshot_suites=[demo]", "validation.target_value=0.5"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["validation.stop_at_target=true"], "validation.stop_at_target: stops at validation.target_metric: set it too"),
+    (["validation.target_metric=eval/top1", "validation.target_value=0.5"],
+     "validation.target_metric: is read at an evaluation: set validation.every_steps too"),
+    (["validation.every_steps=5", "validation.target_metric=eval/top1", "validation.target_value=0.5"],
+     "'eval/top1' is not a metric these evaluations log; they log nothing (no data.val_shards and no probe suites)"),
+    ([*DEMO, "validation.target_metric=eval/fewshot/demo/3shot"], "'eval/fewshot/demo/3shot' is not a metric these "
+     "evaluations log; they log eval/fewshot/demo/1shot, eval/fewshot/demo/5shot, eval/fewshot/demo/10shot, "
+     "eval/fewshot/demo/25shot"),
+    ([*DEMO, "validation.target_metric=eval/ema/fewshot/demo/5shot"], "'eval/ema/fewshot/demo/5shot' is not a"),
+    ([*DEMO, "validation.target_metric=eval/fewshot/demo/5shot", "validation.target_value=75"],
+     "validation.target_value: an accuracy to reach is a fraction in (0, 1] (e.g. 0.75), got 75"),
+])
+def test_a_target_the_evaluations_cannot_meet_is_one_line_at_load(overrides, says):
+    from pretrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, overrides)
+    assert says in str(e.value) and "<folder>" not in str(e.value), e.value  # one demo suite: its name alone
+
+
+def test_a_target_is_read_against_the_names_the_suites_log(tmp_path):
+    """At load a VTAB-1k task is any task; once the suites are read (vit-train's start-up,
+    vit-launch check) the target must be one the folder holds."""
+    from pretrain.config import load_config
+    from pretrain.evaluation.config import target_metrics, target_problem
+
+    write_vtab_task(tmp_path / "vtab", "eurosat", counts=(4, 4), n_test=4)
+    base = ["validation.every_steps=5", f"validation.knn_suites=[vtab1k:{tmp_path}/vtab]", "train.ema_decay=0.99",
+            "validation.target_value=0.5"]
+    for task, ok in (("eurosat", True), ("dtd", False)):
+        cfg = load_config(CONFIG, [*base, f"validation.target_metric=eval/ema/knn/vtab1k/{task}/20nn"])  # both load
+        v = cfg.validation
+        ev = evaluator(every_steps=5, knn_suites=v.knn_suites)
+        metrics = target_metrics(v, val_shards=False, multi_label=False, ema=True, labels=ev.labels)
+        assert "eval/ema/knn/vtab1k/eurosat/20nn" in metrics and "eval/knn/vtab1k/eurosat/10nn" in metrics
+        assert (target_problem(v, metrics) is None) == ok, target_problem(v, metrics)
+
+
+def test_the_target_is_recorded_once_at_the_first_evaluation_that_reaches_it():
+    """At least for an accuracy, at most for a loss; later evaluations change nothing; a resumed
+    run keeps a record of its own target and drops one of another."""
+    from pretrain.evaluation.target import Target, reached_words
+
+    totals = {"device_seconds": 7200.0, "images_seen": 1024, "model_flops": 1e15}
+    acc = Target(ValidationConfig(target_metric="eval/top1", target_value=0.5))
+    assert acc.check({"eval/top1": 0.49}, 4, totals) is None and acc.check({"eval/loss": 0.1}, 5, totals) is None
+    rec = acc.check({"eval/top1": 0.5}, 6, totals)
+    assert rec == {"metric": "eval/top1", "value": 0.5, "measured": 0.5, "step": 6, "device_hours": 2.0,
+                   "images_seen": 1024, "model_flops": 1e15}
+    assert acc.check({"eval/top1": 0.9}, 8, totals) is None and acc.reached == rec  # the first time stays
+    assert reached_words(rec) == "eval/top1 0.5 >= 0.5 at step 6 after 2 device-hours (1,024 images)"
+    loss = Target(ValidationConfig(target_metric="eval/ema/loss", target_value=2.0))
+    assert loss.words == "eval/ema/loss <= 2" and loss.check({"eval/ema/loss": 2.1}, 3, totals) is None
+    assert loss.check({"eval/ema/loss": 1.9}, 6, totals)["step"] == 6
+    assert Target(ValidationConfig(target_metric="eval/top1", target_value=0.5), rec).reached == rec
+    assert Target(ValidationConfig(target_metric="eval/top1", target_value=0.6), rec).reached is None
