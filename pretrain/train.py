@@ -60,6 +60,7 @@ def evaluate(lp: Loop, step: int) -> bool:
     reached = lp.target.check(results, step, totals)  # the metrics are rank 0's: it alone records
     if reached is not None:
         lp.totals.target_reached = reached
+        lp.logger.summarize({f"target/{k}": v for k, v in reached.items()})  # a column of the W&B runs table
         lp.say(f"target reached: {reached_words(reached)}"
                + ("; the run ends here (validation.stop_at_target)" if lp.target.stop else ""))
     return lp.target.stop and any_rank(reached is not None, lp.engine.device)

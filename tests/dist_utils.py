@@ -124,16 +124,18 @@ def wandb_records(path: Path):
             yield rec
 
 
-def wandb_history(run: Path, until_key: str, timeout: float = 30) -> dict:
-    """Every history key an offline W&B run logged (nested keys joined by ``/``), read from its
-    ``.wandb`` file until ``until_key`` is there: W&B's writer process may lag ``finish()``."""
+def wandb_history(run: Path, until_key: str, timeout: float = 30, kind: str = "history") -> dict:
+    """Every history key an offline W&B run logged (nested keys joined by ``/``; ``kind="summary"``:
+    its summary's), read from its ``.wandb`` file until ``until_key`` is there: W&B's writer process
+    may lag ``finish()``."""
     logged: dict = {}
     deadline = time.time() + timeout
     while until_key not in logged and time.time() < deadline:
         try:
             for rec in wandb_records(next(run.glob("*.wandb"))):
-                if rec.WhichOneof("record_type") == "history":
-                    logged.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+                if rec.WhichOneof("record_type") == kind:
+                    items = rec.history.item if kind == "history" else rec.summary.update
+                    logged.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
         except Exception:  # a record still being written: read again
             pass
         time.sleep(0.2)

@@ -161,6 +161,16 @@ class MetricsLogger:
             except Exception as e:  # W&B must never stop training (its service may die on SIGTERM)
                 self._drop_wandb(e)
 
+    def summarize(self, values: dict) -> None:
+        """Figures of the whole run into the W&B run's summary (its runs table: one column each,
+        to sort runs by), beside the history ``log`` writes."""
+        if not self.enabled or self.wandb_run is None:
+            return
+        try:
+            self.wandb_run.summary.update(values)
+        except Exception as e:  # W&B must never stop training
+            self._drop_wandb(e)
+
     def print(self, step: int, metrics: dict, steps: int = 0, note: str = "") -> None:
         """The progress line: ``step 40/100 loss=... device_hours=...``, of ``steps`` when given,
         then ``note`` (the forecast: ``window.Forecast.note``)."""

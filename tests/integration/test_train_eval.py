@@ -4,6 +4,7 @@ on the weights' EMA (train.ema_decay), and training bit-identical with evaluatio
 import json
 
 import pytest
+from dist_utils import wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,7 @@ def test_a_run_reaching_its_target_records_what_it_took_and_ends_there(tiny_run,
     checkpoint and exit 0; started again, the run trains nothing."""
     job = six_steps(tiny_run, val, "validation.every_steps=3", "validation.target_metric=eval/loss",
                     "validation.target_value=100", "validation.stop_at_target=true", "train.log_every_steps=2",
-                    via="deepspeed", ranks=2)
+                    "logging.wandb.mode=offline", via="deepspeed", ranks=2)
     err: list[str] = []
     recs = records(job, err)
     assert max(r["step"] for r in recs) == 3, recs
@@ -118,6 +119,9 @@ def test_a_run_reaching_its_target_records_what_it_took_and_ends_there(tiny_run,
                and "; the run ends here (validation.stop_at_target)" in x for x in err), err[-20:]
     assert err[-1].startswith("vit-train: done at step 3 after ") and "; eval/loss <= 100 reached at step 3 " in err[-1]
     assert json.loads((job.run_dir / "status.json").read_text())["state"] == "completed"
+    # a column of the W&B runs table, to sort runs by what they took to get there
+    summary = wandb_history(next((job.run_dir / "wandb").glob("offline-run-*")), "target/step", kind="summary")
+    assert {k: summary.get(f"target/{k}") for k in reached} == reached, summary
     again: list[str] = []
     assert len(records(job, again)) == len(recs)  # nothing trained, nothing logged
     assert any("the run reached its target at step 3 (validation.stop_at_target): no step left to train" in x
