@@ -168,7 +168,7 @@ def test_exact_resume_after_kills_across_resolution_phases_and_wandb_run(tiny_ru
         p = interrupted.start(log, VITSCALE_FAULT="hang_in_step:8")
         try:
             wait_for(lambda: (ckpts / "step_00000006" / "COMPLETE").exists(), 240, p, "checkpoint 6")
-            wait_for(lambda: "step 7 " in log.read_text(), 120, p, "step 7")
+            wait_for(lambda: "step 7/8 " in log.read_text(), 120, p, "step 7")
         finally:
             kill_group(p, signal.SIGKILL)
             p.wait()
