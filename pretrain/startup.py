@@ -282,6 +282,10 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)
     b.loader.resume(Checkpointer.loader_states(states, type(b.loader.state())))
     c.totals.carry(info)
+    if c.totals.device_seconds is None:  # said once, where it begins: the figures are silent from here on
+        c.say(f"the checkpoint of step {info['step']} holds no device-seconds (the run went through a checkpoint "
+              "of an older release, which counted none): its device-hours stay unknown in the metrics, the "
+              "checkpoints and the last line")
     return Restored(info["step"], info.get("wandb_run_id"), resumed=True, saved_ranks=len(states))
 
 

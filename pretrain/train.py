@@ -52,7 +52,8 @@ def evaluate(lp: Loop, step: int) -> bool:
     results = lp.evaluator(lp.engine, step)
     totals = lp.totals.record()
     # with the cost so far in its own record: W&B draws eval/* against it even off the log steps
-    lp.logger.log(step, {**results, "device_hours": totals["device_seconds"] / 3600})
+    hours = {} if totals["device_seconds"] is None else {"device_hours": totals["device_seconds"] / 3600}
+    lp.logger.log(step, {**results, **hours})
     lp.clock.exclude(lp.evaluator.last_seconds)
     lp.say(f"eval at step {step}: " + " ".join(f"{k[5:]}={v:.4g}" for k, v in results.items()))
     if lp.target is None:
@@ -110,7 +111,7 @@ def train_loop(lp: Loop) -> dict:
                 metrics.update(profiled_steps=profiled, **prof.metrics())
             straggling, line = gather_and_judge(None if profiled else lp.detector, phases, device)
             lp.logger.log(step, {**metrics, **straggling})
-            lp.logger.print(step, metrics, t.steps, lp.forecast.note(step, metrics["device_hours"], lp.world))
+            lp.logger.print(step, metrics, t.steps, lp.forecast.note(step, metrics.get("device_hours"), lp.world))
             lp.logged(step)
             if line:
                 lp.say(f"straggler: {line}")

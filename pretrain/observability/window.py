@@ -19,14 +19,15 @@ from pretrain.observability.metrics import peak_memory_gb, throughput
 class RunTotals:
     """What the run has done up to the loop's step, over every invocation (each checkpoint's
     ``run.json`` carries them on): images of all ranks, and their model FLOPs counted as the
-    windows count them (each step at its resolution and kept tokens; None after resuming a
-    checkpoint that did not carry them); and the device-seconds of the invocations before this one
-    that led to it. ``spent_before``: what every earlier invocation of the run spent, the work that
+    windows count them (each step at its resolution and kept tokens); and the device-seconds of the
+    invocations before this one that led to it. FLOPs and device-seconds are None once the run
+    resumed a checkpoint that did not carry them (an older release's): a count from that resume on
+    would read as the whole run's. ``spent_before``: what every earlier invocation of the run spent, the work that
     failures lost included (``status.json``'s, not the checkpoint's). ``started`` and ``world``:
     this invocation's (``begin``), whose device time ``record`` and ``spent`` add."""
     images: int = 0
     model_flops: Optional[float] = 0.0
-    device_seconds: float = 0.0
+    device_seconds: Optional[float] = 0.0
     spent_before: float = 0.0
     started: float = 0.0
     world: int = 0
@@ -34,10 +35,11 @@ class RunTotals:
 
     def carry(self, info: dict) -> None:
         """Carry on the totals of the checkpoint resumed (its ``run.json``); one of an older release:
-        its images from its own global batch, its FLOPs unknown, no device time."""
+        its images from its own global batch, its FLOPs and device time unknown."""
         batch = int(((info.get("config") or {}).get("train") or {}).get("global_batch_size") or 0)
         self.images = int(info.get("images_seen", info["step"] * batch))
-        self.model_flops, self.device_seconds = info.get("model_flops"), float(info.get("device_seconds") or 0.0)
+        secs = info.get("device_seconds")
+        self.model_flops, self.device_seconds = info.get("model_flops"), None if secs is None else float(secs)
         self.target_reached = info.get("target_reached")
 
     def begin(self, started: float, world: int, spent_before: float = 0.0) -> None:
@@ -54,7 +56,8 @@ class RunTotals:
         invocation's ranks since it began (start-up, saves and evaluations included; the time an
         invocation spent past its last checkpoint before a crash is not in the checkpoint it
         resumes)."""
-        return {"device_seconds": round(self.device_seconds + self._own(), 3),
+        secs = None if self.device_seconds is None else round(self.device_seconds + self._own(), 3)
+        return {"device_seconds": secs,
                 "images_seen": self.images, "model_flops": self.model_flops,
                 **({"target_reached": self.target_reached} if self.target_reached is not None else {})}
 
@@ -101,13 +104,15 @@ class Forecast:
             total += max(0, last - max(p.first - 1, after)) * cost
         return total
 
-    def note(self, step: int, device_hours: float, world: int, now: Optional[float] = None) -> str:
+    def note(self, step: int, device_hours: Optional[float], world: int, now: Optional[float] = None) -> str:
         """``eta=3.2h (~205 device-hours in all)`` for the progress line: the time left and the
-        run's device-hours at its end at this pace, without another restart; empty when unknown."""
+        run's device-hours at its end at this pace, without another restart (where the hours so
+        far are known); empty when the time left is unknown."""
         left = self.seconds_left(step, now)
         if left is None or step >= self.steps:
             return ""
-        return f"eta={duration(left)} (~{device_hours + left * world / 3600:.3g} device-hours in all)"
+        total = "" if device_hours is None else f" (~{device_hours + left * world / 3600:.3g} device-hours in all)"
+        return f"eta={duration(left)}{total}"
 
 
 def duration(seconds: float) -> str:
@@ -157,12 +162,13 @@ def window_metrics(engine, window: Window, clock: StepClock, *, world: int, tota
     # the largest group LR: the peak (optim.layer_decay scales the lower layers' groups down)
     metrics = {"loss": total / count if count else None, "lr": max(engine.get_lr()),
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": totals["images_seen"],
-               "device_hours": totals["device_seconds"] / 3600,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,
                **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),
                **{f"phase_share/{p}": phases[p] / elapsed for p in PHASES},  # rank 0's step-time breakdown
                **{f"data/{k}": v for k, v in sum_counters(loader.counters).items()}}
+    if totals["device_seconds"] is not None:  # unknown past an older release's checkpoint: not logged
+        metrics["device_hours"] = totals["device_seconds"] / 3600
     metrics.update(loss_scaling(engine))
     return metrics, phases
 

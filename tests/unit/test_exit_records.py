@@ -78,3 +78,19 @@ def test_a_stop_request_file_asks_with_its_first_line_or_its_name_when_empty(tmp
     finally:
         signal.signal(signal.SIGTERM, handlers[0])
         signal.signal(signal.SIGINT, handlers[1])
+
+
+def test_a_checkpoint_of_an_older_release_leaves_the_runs_device_time_unknown():
+    """Its run.json holds no device-seconds: counting from the resume on would read as the whole
+    run's cost, on the card, in the metrics and in the last line; the figure is unknown instead."""
+    import time
+
+    from pretrain.observability.window import RunTotals
+
+    t = RunTotals()
+    t.carry({"step": 4, "config": {"train": {"global_batch_size": 16}}})
+    t.begin(time.time() - 10, 2)
+    assert (t.record()["device_seconds"], t.record()["model_flops"], t.record()["images_seen"]) == (None, None, 64)
+    assert 20 <= t.spent() < 30  # what this invocation spends is still counted in status.json
+    t.carry({"step": 4, "device_seconds": 30.0, "images_seen": 64, "model_flops": 1e12})
+    assert 50 <= t.record()["device_seconds"] < 60

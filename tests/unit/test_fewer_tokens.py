@@ -241,6 +241,7 @@ def test_the_forecast_weighs_the_steps_left_by_their_phases_flops():
     assert beyond.seconds_left(12, now=3.0) == pytest.approx(6.0)
     assert f.note(5, 1.0, world=2, now=10.0) == "eta=1.5m (~1.05 device-hours in all)"
     assert f.note(20, 1.0, world=2, now=100.0) == ""  # done: nothing left to forecast
+    assert f.note(5, None, world=2, now=10.0) == "eta=1.5m"  # the run's device-hours unknown: the time alone
     got = [duration(s) for s in (45, 90, 12 * 60, 3.2 * 3600, 30 * 3600, 4.1 * 86400)]
     assert got == ["45s", "1.5m", "12m", "3.2h", "30h", "4.1d"]
 
