@@ -41,6 +41,10 @@ def test_demo_end_to_end_and_resume(tmp_path):
     for line in ("checkpoint     ", "metrics        ", "W&B (offline)  ", "wandb sync ", "plots          "):
         assert line in text
     assert "few-shot       10-shot on the held-out shapes while training:" in text
+    # what pre-training cost, and the time to the demo's 10-shot target (not reached in 16 steps)
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert (f"  cost           {summary['device_seconds'] / 3600:.3g} device-hours of pre-training; "
+            "eval/fewshot/demo/10shot >= 0.95 not reached in 16 steps\n") in text, text
     evals = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if "eval/fewshot/demo/10shot" in r][-1] == 16
     png = out / "plots" / "training.png"
