@@ -313,7 +313,7 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
 
     v = cfg.validation
     if not ((v.fewshot_suites or v.knn_suites) and v.every_steps > 0):
-        return []
+        return _target(cfg, None)
     try:
         read = probe_tasks(v, cfg.data)
     except (ConfigError, OSError) as e:
@@ -324,13 +324,24 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
         what = f"{tasks[0].num_classes} classes" if len(tasks) == 1 else f"{len(tasks)} tasks"
         said.append(f"{spec}: {what}, {sum(len(t.trainval) for t in tasks)} train and "
                     f"{sum(len(t.test) for t in tasks)} test images")
-    found = [Finding(OK, "probes", "; ".join(said))]
-    # validation.target_metric against the names the suites, now read, log (a VTAB-1k task, a folder)
+    return [Finding(OK, "probes", "; ".join(said))] + _target(cfg, {s: [x for x, _ in p] for s, p in read.items()})
+
+
+def _target(cfg: Config, labels: Optional[dict[str, list[str]]]) -> list[Finding]:
+    """``validation.target_metric`` against the names the evaluations log (``labels``: the probe
+    suites' as read, a VTAB-1k task's or a folder's; None: no suite to read), and what the run does
+    with it."""
+    from pretrain.evaluation.target import Target
+
+    v = cfg.validation
+    if not v.target_metric:
+        return []
     metrics = target_metrics(v, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
-                             ema=cfg.train.ema_decay > 0, labels={s: [x for x, _ in p] for s, p in read.items()})
-    if v.target_metric and (problem := target_problem(v, metrics)):
-        found.append(Finding(FAIL, "target", ": ".join(problem)))
-    return found
+                             ema=cfg.train.ema_decay > 0, labels=labels)
+    if problem := target_problem(v, metrics):
+        return [Finding(FAIL, "target", ": ".join(problem))]
+    return [Finding(OK, "target", f"{Target(v).words}: the first evaluation that reaches it is recorded with its "
+                    "step, device-hours and images" + ("; the run ends there" if v.stop_at_target else ""))]
 
 
 def _same_files(a, b) -> list[str]:

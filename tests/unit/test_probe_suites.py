@@ -61,6 +61,13 @@ def test_vit_launch_check_reads_the_probe_suites(capsys, tmp_path, shard_kit):
         "eval/knn/vtab1k/dtd/200nn, eval/knn/vtab1k/eurosat/10nn, eval/knn/vtab1k/eurosat/20nn, "
         "eval/knn/vtab1k/eurosat/100nn, eval/knn/vtab1k/eurosat/200nn"], (out, err)
     with pytest.raises(SystemExit) as e:
+        main([*base, f"validation.knn_suites=[vtab1k:{tmp_path}/vtab]", "validation.target_value=0.5",
+              "validation.target_metric=eval/knn/vtab1k/eurosat/20nn", "validation.stop_at_target=true"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and ("  ok  target: eval/knn/vtab1k/eurosat/20nn >= 0.5: the first evaluation that "
+                                  "reaches it is recorded with its step, device-hours and images; the run ends "
+                                  "there\n") in out, (out, err)
+    with pytest.raises(SystemExit) as e:
         main([*base, f"validation.knn_suites=[imagefolder:{tmp_path}/gone]"])
     out, err = capsys.readouterr()
     assert e.value.code == 2 and err.strip().splitlines() == [
