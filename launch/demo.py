@@ -66,11 +66,7 @@ def pretrain(out: Path, train_manifest: Path, steps: int, ranks: int, precision:
     spec = LaunchSpec(config=str(CONFIG), gpus_per_node=min(gpus, ranks) if gpus else ranks, overrides=[
         f"data.train_shards={train_manifest}", f"train.output_dir={run_dir}", f"train.steps={steps}",
         f"train.precision={precision}", "zero.stage=2", "logging.wandb.mode=offline",
-        f"checkpoint.every_steps={max(10, steps // 4)}",
-        # few-shot probes on the held-out shapes while training: the plot shows them rise as the loss falls,
-        # and the run records what it took to reach TARGET (time to accuracy)
-        f"validation.every_steps={max(5, steps // 10)}", f"validation.fewshot_suites=[demo:{fewshot_root}]",
-        f"validation.target_metric={FEWSHOT_KEY}", f"validation.target_value={TARGET}", *extra])
+        f"checkpoint.every_steps={max(10, steps // 4)}", *probes(steps, f"demo:{fewshot_root}"), *extra])
     cmd = deepspeed_command(spec)
     # the venv first on PATH: DeepSpeed JIT-builds its CPU op with the `ninja` it finds there
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
@@ -87,6 +83,13 @@ def transfer(out: Path, run_dir: Path, shards: dict[str, Path]) -> dict:
 
 FEWSHOT_KEY = "eval/fewshot/demo/10shot"
 TARGET = 0.95  # of FEWSHOT_KEY: about 60 of the default 200 steps on 2 CPU ranks
+
+
+def probes(steps: int, suite: str) -> list[str]:
+    """Few-shot probes on the held-out shapes (``suite``) while training: the plot shows them rise as
+    the loss falls, and the run records what it took to reach TARGET (time to accuracy)."""
+    return [f"validation.every_steps={max(5, steps // 10)}", f"validation.fewshot_suites=[{suite}]",
+            f"validation.target_metric={FEWSHOT_KEY}", f"validation.target_value={TARGET}"]
 
 
 def plot(run_dir: Path, out: Path) -> Path:
@@ -195,7 +198,7 @@ def main(argv=None) -> None:
         if not CONFIG.is_file():
             raise FileNotFoundError(f"{CONFIG}: the demo's config is not there; vit-demo runs from a checkout "
                                     "(make demo)")
-        load_config(CONFIG, args.overrides)
+        load_config(CONFIG, [*probes(args.steps, "demo"), *args.overrides])  # as the run will read them
     out = Path(args.out)
     t0 = time.time()
     precision = default_precision()

@@ -321,7 +321,7 @@ def target_problem(val: ValidationConfig, metrics: list[str]) -> Optional[tuple[
             return "validation.stop_at_target", "stops at validation.target_metric: set it too"
         return None
     if val.every_steps <= 0:
-        return "validation.target_metric", "is read at an evaluation: set validation.every_steps too"
+        return "validation.target_metric", "is read at an evaluation: set validation.every_steps too, or clear this key"
     patterns = [re.sub(r"<(task|folder)>", "*", m) for m in metrics]
     if not any(fnmatch.fnmatchcase(val.target_metric, p) for p in patterns):
         shown = ", ".join(metrics[:12]) + (", ..." if len(metrics) > 12 else "")

@@ -64,8 +64,10 @@ def test_counts_below_one_are_a_usage_line_before_anything_is_written(tmp_path, 
     assert not (tmp_path / "demo").exists()
 
 
-@pytest.mark.parametrize("override, said", [("optim.lrr=3e-3", "command line: unknown key 'optim.lrr'"),
-                                            ("optim.lr=-1", "command line: optim.lr: ")])
+@pytest.mark.parametrize("override, said", [
+    ("optim.lrr=3e-3", "command line: unknown key 'optim.lrr'"), ("optim.lr=-1", "command line: optim.lr: "),
+    # read with the demo's own probes and target: evaluation off leaves its target unmet, said first
+    ("validation.every_steps=0", "command line: validation.target_metric: is read at an evaluation")])
 def test_a_bad_override_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch, override, said):
     """Found by vit-train only after the shards were written and the runner started, on every rank."""
     from launch.demo import main

@@ -96,7 +96,7 @@ DEMO = ["validation.every_steps=5", "validation.fewshot_suites=[demo]", "validat
 @pytest.mark.parametrize("overrides, says", [
     (["validation.stop_at_target=true"], "validation.stop_at_target: stops at validation.target_metric: set it too"),
     (["validation.target_metric=eval/top1", "validation.target_value=0.5"],
-     "validation.target_metric: is read at an evaluation: set validation.every_steps too"),
+     "validation.target_metric: is read at an evaluation: set validation.every_steps too, or clear this key"),
     (["validation.every_steps=5", "validation.target_metric=eval/top1", "validation.target_value=0.5"],
      "'eval/top1' is not a metric these evaluations log; they log nothing (no data.val_shards and no probe suites)"),
     ([*DEMO, "validation.target_metric=eval/fewshot/demo/3shot"], "'eval/fewshot/demo/3shot' is not a metric these "
