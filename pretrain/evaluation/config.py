@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 __all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "SUITES_OF_TASKS", "ValidationConfig",
-           "check_eval",
-           "check_validation", "target_metrics", "target_problem"]
+           "check_eval", "check_validation", "target_metrics", "target_problem"]
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
 # builders of each are pretrain/transfer/suites.py, which registers exactly these names
