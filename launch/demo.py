@@ -174,8 +174,8 @@ def _cost(s: dict) -> str:
         return total
     if rec is None:
         return f"{total}; {s['target']} not reached in {s['step']} steps"
-    at = "" if rec.get("device_hours") is None else f" after {rec['device_hours']:.3g}"
-    return f"{total}; {s['target']} reached at step {rec['step']}{at}"
+    at = "" if rec.get("device_hours") is None or hours is None else f", after {rec['device_hours']:.3g} of them"
+    return f"{total}; {s['target']} at step {rec['step']}{at}"
 
 
 def main(argv=None) -> None:
