@@ -2,6 +2,7 @@
 window at a log step (the one place the loop reads the device and the clock together)."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -22,9 +23,10 @@ class RunTotals:
     windows count them (each step at its resolution and kept tokens); and the device-seconds of the
     invocations before this one that led to it. FLOPs and device-seconds are None once the run
     resumed a checkpoint that did not carry them (an older release's): a count from that resume on
-    would read as the whole run's. ``spent_before``: what every earlier invocation of the run spent, the work that
-    failures lost included (``status.json``'s, not the checkpoint's). ``started`` and ``world``:
-    this invocation's (``begin``), whose device time ``record`` and ``spent`` add."""
+    would read as the whole run's. ``spent_before``: what every earlier invocation of the run
+    spent, the work that failures lost included (``status.json``'s, not the checkpoint's).
+    ``started`` and ``world``: this invocation's (``begin``), whose device time ``record`` and
+    ``spent`` add."""
     images: int = 0
     model_flops: Optional[float] = 0.0
     device_seconds: Optional[float] = 0.0
@@ -119,11 +121,10 @@ def duration(seconds: float) -> str:
     """``45s``, ``1.5m``, ``12m``, ``3.2h``, ``4.1d``: a forecast's precision, not a clock's."""
     if seconds < 90:
         return f"{seconds:.0f}s"
-    for unit, size, upto in (("m", 60, 90 * 60), ("h", 3600, 48 * 3600), ("d", 86400, float("inf"))):
-        if seconds < upto:
-            n = seconds / size
-            return f"{n:.2g}{unit}" if n < 10 else f"{n:.0f}{unit}"
-    return ""
+    unit, size = next((u, n) for u, n, upto in (("m", 60, 90 * 60), ("h", 3600, 48 * 3600), ("d", 86400, math.inf))
+                      if seconds < upto)
+    n = seconds / size
+    return f"{n:.2g}{unit}" if n < 10 else f"{n:.0f}{unit}"
 
 
 class Window:
