@@ -12,13 +12,25 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 __all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "SUITES_OF_TASKS", "ValidationConfig",
-           "check_eval", "check_validation", "target_metrics", "target_problem"]
+           "check_eval", "check_validation", "lower_is_better", "names_tasks", "target_metrics", "target_problem"]
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
 # builders of each are pretrain/transfer/suites.py, which registers exactly these names
 SUITE_NEEDS_ROOT = {"cifar100": True, "vtab1k": True, "demo": False, "imagefolder": True, "shards": True}
 # suites of several tasks: their probes' metrics name each task (eval/fewshot/vtab1k/dtd/10shot)
 SUITES_OF_TASKS = ("vtab1k",)
+
+
+def names_tasks(specs: list[str]) -> dict[str, bool]:
+    """Whether each probe suite spec's metrics name its task after the suite (``vtab1k/dtd``,
+    ``imagefolder/pets``): a suite of several tasks, or a suite name two specs share."""
+    names = [spec.partition(":")[0] for spec in specs]
+    return {spec: name in SUITES_OF_TASKS or names.count(name) > 1 for spec, name in zip(specs, names)}
+
+
+def lower_is_better(metric: str) -> bool:
+    """A loss is reached from above; an accuracy from below (``validation.target_metric``)."""
+    return metric.endswith("/loss")
 
 # The few-shot probe and its minival split, read both by vit-transfer (``eval.*``) and by the probes
 # while pre-training (``validation.*``): each setting's default is defined once, here; each section's
@@ -297,10 +309,10 @@ def target_metrics(val: ValidationConfig, *, val_shards: bool, multi_label: bool
     start-up reads them (``in_training.probe_tasks``); None: as the config alone says them, a suite's
     folder or task written ``<folder>`` or ``<task>`` (``target_problem`` matches them as a pattern)."""
     if labels is None:  # as in_training.probe_tasks names them
-        specs = list(dict.fromkeys(val.fewshot_suites + val.knn_suites))
-        names = [spec.partition(":")[0] for spec in specs]
-        labels = {spec: [f"{name}/<task>" if name in SUITES_OF_TASKS else f"{name}/<folder>" if names.count(name) > 1
-                         else name] for spec, name in zip(specs, names)}
+        labels = {}
+        for spec, own in names_tasks(list(dict.fromkeys(val.fewshot_suites + val.knn_suites))).items():
+            name = spec.partition(":")[0]
+            labels[spec] = [f"{name}/<{'task' if name in SUITES_OF_TASKS else 'folder'}>" if own else name]
     names = (["loss", "prec@1"] if multi_label else ["loss", "top1", "top5"]) if val_shards else []
     if val.every_steps > 0:
         names += [f"fewshot/{label}/{n}shot" for spec in val.fewshot_suites for label in labels.get(spec, [])
@@ -327,7 +339,7 @@ def target_problem(val: ValidationConfig, metrics: list[str]) -> Optional[tuple[
         return "validation.target_metric", (f"{val.target_metric!r} is not a metric these evaluations log; they log "
                                             f"{shown or 'nothing (no data.val_shards and no probe suites)'}")
     v = val.target_value
-    if val.target_metric.endswith("/loss"):
+    if lower_is_better(val.target_metric):
         if not (math.isfinite(v) and v > 0):
             return "validation.target_value", f"a loss to reach must be positive, got {v:g}"
     elif not 0 < v <= 1:

@@ -55,17 +55,15 @@ def probe_tasks(val, data) -> dict[str, list[tuple[str, object]]]:
     ``TransferError``, one line naming it."""
     from types import SimpleNamespace
 
-    from pretrain.evaluation.config import SUITES_OF_TASKS
+    from pretrain.evaluation.config import names_tasks
     from pretrain.transfer.suites import SUITES
 
-    specs = list(dict.fromkeys(val.fewshot_suites + val.knn_suites))
-    names = [parse_suite(spec)[0] for spec in specs]
     out = {}
-    for spec, name in zip(specs, names):
-        ev = SimpleNamespace(suite=name, data_root=parse_suite(spec)[1], minival_fraction=val.minival_fraction,
+    for spec, own in names_tasks(list(dict.fromkeys(val.fewshot_suites + val.knn_suites))).items():
+        name, path = parse_suite(spec)
+        ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=val.minival_fraction,
                              seed=val.seed, tasks=list(val.tasks))
         tasks, _ = SUITES[name].build(ev, data)
-        own = name in SUITES_OF_TASKS or names.count(name) > 1  # the task's own name tells it apart
         out[spec] = [(f"{name}/{task.name}" if own else name, task) for task in tasks]
     for key in ("fewshot_suites", "knn_suites"):
         seen: dict[str, str] = {}

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pretrain.evaluation.config import lower_is_better
+
+
+def relation(metric: str) -> str:
+    """``<=`` for a loss, ``>=`` for an accuracy: how ``metric`` reaches its target."""
+    return "<=" if lower_is_better(metric) else ">="
+
 
 class Target:
     """``val``: the ``validation`` section (its ``target_*`` keys set); ``reached``: the record a
@@ -25,10 +32,10 @@ class Target:
     @property
     def words(self) -> str:
         """``eval/top1 >= 0.75`` (a loss: ``<=``)."""
-        return f"{self.metric} {'<=' if self.metric.endswith('/loss') else '>='} {self.value:g}"
+        return f"{self.metric} {relation(self.metric)} {self.value:g}"
 
     def meets(self, measured: float) -> bool:
-        return measured <= self.value if self.metric.endswith("/loss") else measured >= self.value
+        return measured <= self.value if lower_is_better(self.metric) else measured >= self.value
 
     def check(self, results: dict, step: int, totals: dict) -> Optional[dict]:
         """After the evaluation of ``step`` (``results``: its metrics, rank 0's; ``totals``:
@@ -45,7 +52,7 @@ class Target:
 
 def reached_words(rec: dict) -> str:
     """``eval/top1 0.7612 >= 0.75 at step 4000 after 120 device-hours (2,560,000 images)``."""
-    rel = "<=" if rec["metric"].endswith("/loss") else ">="
     hours = f" after {rec['device_hours']:.3g} device-hours" if rec.get("device_hours") is not None else ""
     images = f" ({rec['images_seen']:,} images)" if rec.get("images_seen") is not None else ""
-    return f"{rec['metric']} {rec['measured']:.4g} {rel} {rec['value']:g} at step {rec['step']}{hours}{images}"
+    reached = f"{rec['metric']} {rec['measured']:.4g} {relation(rec['metric'])} {rec['value']:g}"
+    return f"{reached} at step {rec['step']}{hours}{images}"
