@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import unwritable
-from pretrain.config import Config, ConfigError, check_world_size, image_size, selective_checkpointing
-from pretrain.evaluation.config import target_metrics, target_problem
+from pretrain.config import Config, ConfigError, check_world_size, image_size, selective_checkpointing, target_check
 from pretrain.perf import memory
 
 OK, WARN, FAIL = "ok", "warning", "error"
@@ -336,9 +335,7 @@ def _target(cfg: Config, labels: Optional[dict[str, list[str]]]) -> list[Finding
     v = cfg.validation
     if not v.target_metric:
         return []
-    metrics = target_metrics(v, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
-                             ema=cfg.train.ema_decay > 0, labels=labels)
-    if problem := target_problem(v, metrics):
+    if problem := target_check(cfg, labels):
         return [Finding(FAIL, "target", ": ".join(problem))]
     return [Finding(OK, "target", f"{Target(v).words}: the first evaluation that reaches it is recorded with its "
                     "step, device-hours and images" + ("; the run ends there" if v.stop_at_target else ""))]

@@ -35,6 +35,7 @@ from pretrain.config import (
     compile_mode,
     image_size,
     save_config,
+    target_check,
     to_dict,
 )
 from pretrain.config.phases import Phase, phase_at, resolution_phases
@@ -45,7 +46,6 @@ from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, 
 from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
-from pretrain.evaluation.config import target_metrics, target_problem
 from pretrain.evaluation.in_training import InTrainingEval
 from pretrain.evaluation.target import Target
 from pretrain.models.arch import config_macs, patch_keep
@@ -353,9 +353,7 @@ def _target(cfg: Config, evaluator: InTrainingEval, totals: RunTotals) -> Option
     if not v.target_metric:
         totals.target_reached = None  # a record of a target this run no longer has
         return None
-    metrics = target_metrics(v, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
-                             ema=cfg.train.ema_decay > 0, labels=evaluator.labels)
-    if problem := target_problem(v, metrics):
+    if problem := target_check(cfg, evaluator.labels):
         raise ConfigError(": ".join(problem))
     target = Target(v, totals.target_reached)
     totals.target_reached = target.reached

@@ -14,10 +14,11 @@ from pretrain.config.checks import (
     compile_mode,
     image_size,
     selective_checkpointing,
+    target_check,
 )
 from pretrain.config.load import from_dict, load_config, raw_tree, save_config, to_dict
 from pretrain.config.schema import Config
 
 __all__ = ["Config", "ConfigError", "cli_errors", "load_config", "raw_tree", "to_dict", "from_dict",
            "save_config", "image_size", "check_world_size", "checkpoint_count", "selective_checkpointing",
-           "compile_mode", "DataConfig", "AugmentConfig"]
+           "compile_mode", "target_check", "DataConfig", "AugmentConfig"]

@@ -126,10 +126,17 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
     check_logging(cfg.logging, fail)
     check_eval(cfg.eval, fail)
     check_validation(cfg.validation, fail)
-    metrics = target_metrics(cfg.validation, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
-                             ema=t.ema_decay > 0)
-    if problem := target_problem(cfg.validation, metrics):
+    if problem := target_check(cfg):
         fail(*problem)
+
+
+def target_check(cfg: Config, labels: Optional[dict[str, list[str]]] = None) -> Optional[tuple[str, str]]:
+    """(key, message) when ``validation.target_*`` asks what the config's evaluations cannot log
+    (``evaluation.config.target_problem``); ``labels``: the probe suites' metric names once read
+    (``in_training.probe_tasks``: at start-up and in ``vit-launch check``), None at load."""
+    metrics = target_metrics(cfg.validation, val_shards=bool(cfg.data.val_shards), multi_label=cfg.data.multi_label,
+                             ema=cfg.train.ema_decay > 0, labels=labels)
+    return target_problem(cfg.validation, metrics)
 
 
 def check_world_size(train: TrainConfig, world_size: int) -> int:
