@@ -22,7 +22,7 @@ rank, _, world = init_distributed()
 out = {}
 for hpz in (1, 2):
     train = TrainConfig(steps=10, global_batch_size=2 * world, micro_batch_size=2, precision="bf16")
-    model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, init_seed=0)
+    model = create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, init_seed=0, depth=2)
     engine, ds_cfg = initialize(model, OptimConfig(name="adamw", lr=1e-3), train,
                                 ZeroConfig(stage=3, hpz_partition_size=hpz), world)
     gen, losses = torch.Generator().manual_seed(rank), []
