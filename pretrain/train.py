@@ -96,6 +96,8 @@ def train_loop(lp: Loop) -> dict:
             set_collective_timeout(t.pg_timeout_s)
             lp.say(f"step {step} done; a line every {t.log_every_steps} steps")
             lp.forecast.start(step)
+        elif step == phase.first:  # a new shape's first step (its loader restart, its compile): not its pace
+            lp.forecast.start(step)
         ends = step == phase.last  # a window holds one resolution phase's steps
         sync = (step % t.log_every_steps == 0 or lp.checkpointer.due(step) or step % t.sync_every_steps == 0
                 or (ends and step < t.steps))

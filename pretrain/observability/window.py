@@ -72,30 +72,39 @@ class RunTotals:
 
 
 class Forecast:
-    """How long the steps left will take, at the pace of this invocation so far: the wall-clock
-    from the end of its first step (start-up not counted; evaluations and checkpoint saves are)
-    over the model FLOPs of the steps done since, times the model FLOPs of the steps left. A step
-    is weighed by its resolution phase's FLOPs per image (the global batch is the same in every
-    phase), so a later phase at more pixels counts as dearer. A larger resolution usually runs at a
-    higher MFU, so before such a phase starts the forecast runs high."""
+    """How long the steps left will take, at the pace of the resolution phase running: the
+    wall-clock from the end of its first step in this invocation (start-up and a new shape's
+    compile not counted; evaluations and checkpoint saves are) over the model FLOPs of its steps
+    done since, times the model FLOPs of the steps left. A step is weighed by its phase's FLOPs per
+    image (the global batch is the same in every phase), so a later phase at more pixels counts as
+    dearer. A phase with no step past its first yet goes at the last pace measured: a larger
+    resolution usually runs at a higher MFU, so before such a phase has a second step the forecast
+    runs high."""
 
     def __init__(self, phases: list[Phase], flops: dict[int, tuple[float, float]], steps: int):
         self.phases, self.steps = phases, steps
         self.cost = [flops[p.img_size][0] for p in phases]  # model FLOPs per image of each phase
-        self.step0: Optional[int] = None
-        self.t0 = 0.0
+        self.marks: dict[int, tuple[int, float]] = {}  # phase -> (step, time) its pace counts from
+        self.pace: Optional[float] = None  # seconds per model FLOP per image, the last measured
 
     def start(self, step: int, now: Optional[float] = None) -> None:
-        """``step``, this invocation's first, is done: the pace is measured from here."""
-        self.step0, self.t0 = step, time.time() if now is None else now
+        """``step`` is done: this invocation's first, or a phase's first (its shape's warm-up and
+        compile): its phase's pace is measured from here. The clock is read without waiting for
+        the device (this need not be a sync point): off by the work it has queued, a step or two."""
+        self.marks.setdefault(self._phase(step), (step, time.time() if now is None else now))
 
     def seconds_left(self, step: int, now: Optional[float] = None) -> Optional[float]:
-        """Wall-clock seconds to ``train.steps`` after ``step``; None before a step past the first."""
-        if self.step0 is None or step <= self.step0:
-            return None
-        done = self._flops(self.step0, step)
-        elapsed = (time.time() if now is None else now) - self.t0
-        return elapsed * self._flops(step, self.steps) / done if done > 0 else None
+        """Wall-clock seconds to ``train.steps`` after ``step``; None before any phase has a step
+        past its first in this invocation."""
+        mark = self.marks.get(self._phase(step))
+        if mark is not None and step > mark[0]:
+            elapsed = (time.time() if now is None else now) - mark[1]
+            self.pace = elapsed / self._flops(mark[0], step)
+        return None if self.pace is None else self.pace * self._flops(step, self.steps)
+
+    def _phase(self, step: int) -> int:
+        """The index of the phase of ``step``; past the last phase's end, the last."""
+        return next((i for i, p in enumerate(self.phases) if step <= p.last), len(self.phases) - 1)
 
     def _flops(self, after: int, upto: int) -> float:
         """The model FLOPs per image summed over steps ``after + 1 .. upto``; a step past the last

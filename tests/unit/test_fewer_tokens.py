@@ -246,6 +246,26 @@ def test_the_forecast_weighs_the_steps_left_by_their_phases_flops():
     assert got == ["45s", "1.5m", "12m", "3.2h", "30h", "4.1d"]
 
 
+def test_the_forecast_goes_at_the_pace_of_the_phase_running():
+    """Steps 1-10 at 1 FLOP take 2 s per FLOP; step 11, the first at 4 FLOPs, takes 80 s (its shape
+    compiled), then the phase runs at 1 s per FLOP (a higher MFU). Until step 12 the forecast goes at
+    the first phase's pace; from then on at the second's, its first step left out: 20 s left at
+    step 15 (the pace since step 1 would say 79 s)."""
+    f = Forecast([Phase(1, 10, 112, 64), Phase(11, 20, 224, 64)], {112: (1.0, 1.5), 224: (4.0, 6.0)}, 20)
+    f.start(1, now=2.0)
+    assert f.seconds_left(10, now=20.0) == pytest.approx(2 * 10 * 4)
+    f.start(11, now=100.0)
+    assert f.seconds_left(11, now=100.0) == pytest.approx(2 * 9 * 4)  # no second step yet: the last pace
+    assert f.seconds_left(15, now=116.0) == pytest.approx(5 * 4)
+    assert f.seconds_left(20, now=136.0) == 0.0
+    f.start(11, now=500.0)  # marked once: a phase's pace counts from its first step in the invocation
+    assert f.seconds_left(15, now=116.0) == pytest.approx(5 * 4)
+    # an invocation resumed mid-phase counts from its own first step
+    resumed = Forecast([Phase(1, 10, 112, 64), Phase(11, 20, 224, 64)], {112: (1.0, 1.5), 224: (4.0, 6.0)}, 20)
+    resumed.start(6, now=0.0)
+    assert resumed.seconds_left(8, now=3.0) == pytest.approx(1.5 * (2 + 40))
+
+
 # ----------------------------------------------------------------------------------- the phases
 def test_phases_by_fraction_of_the_steps():
     t = TrainConfig(steps=1000, global_batch_size=512, micro_batch_size=64,
