@@ -95,7 +95,7 @@ class Forecast:
 
     def seconds_left(self, step: int, now: Optional[float] = None) -> Optional[float]:
         """Wall-clock seconds to ``train.steps`` after ``step``; None before any phase has a step
-        past its first in this invocation."""
+        past its first in this invocation. Keeps the pace it measures, for a next phase's first."""
         mark = self.marks.get(self._phase(step))
         if mark is not None and step > mark[0]:
             elapsed = (time.time() if now is None else now) - mark[1]
