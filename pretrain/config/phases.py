@@ -53,6 +53,14 @@ def resolution_phases(train, img_size: int) -> list[Phase]:
     return [Phase(start + 1, end, px, micro) for (start, px, micro), end in zip(entries, ends) if end > start]
 
 
+def steps_by_phase(phases: list[Phase], after: int, upto: int) -> list[tuple[Phase, int]]:
+    """How many of steps ``after + 1 .. upto`` each phase holds; the steps past the last phase's end
+    (a run resumed with more ``train.steps``) in the last, at its resolution."""
+    final = len(phases) - 1
+    return [(p, max(0, (upto if i == final else min(p.last, upto)) - max(p.first - 1, after)))
+            for i, p in enumerate(phases)]
+
+
 def phase_at(phases: list[Phase], step: int) -> Phase:
     """The phase of ``step`` (counted from 1); the last phase past its end (a run resumed with more
     ``train.steps`` is priced by its own config's phases)."""

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pretrain.config.phases import Phase
+from pretrain.config.phases import Phase, phase_at, steps_by_phase
 from pretrain.observability.clock import PHASES, StepClock
 from pretrain.observability.flops import peak_tflops
 from pretrain.observability.metrics import peak_memory_gb, throughput
@@ -83,37 +83,28 @@ class Forecast:
 
     def __init__(self, phases: list[Phase], flops: dict[int, tuple[float, float]], steps: int):
         self.phases, self.steps = phases, steps
-        self.cost = [flops[p.img_size][0] for p in phases]  # model FLOPs per image of each phase
-        self.marks: dict[int, tuple[int, float]] = {}  # phase -> (step, time) its pace counts from
+        self.cost = {p: flops[p.img_size][0] for p in phases}  # model FLOPs per image of each phase
+        self.marks: dict[Phase, tuple[int, float]] = {}  # phase -> (step, time) its pace counts from
         self.pace: Optional[float] = None  # seconds per model FLOP per image, the last measured
 
     def start(self, step: int, now: Optional[float] = None) -> None:
         """``step`` is done: this invocation's first, or a phase's first (its shape's warm-up and
         compile): its phase's pace is measured from here. The clock is read without waiting for
         the device (this need not be a sync point): off by the work it has queued, a step or two."""
-        self.marks.setdefault(self._phase(step), (step, time.time() if now is None else now))
+        self.marks.setdefault(phase_at(self.phases, step), (step, time.time() if now is None else now))
 
     def seconds_left(self, step: int, now: Optional[float] = None) -> Optional[float]:
         """Wall-clock seconds to ``train.steps`` after ``step``; None before any phase has a step
         past its first in this invocation. Keeps the pace it measures, for a next phase's first."""
-        mark = self.marks.get(self._phase(step))
+        mark = self.marks.get(phase_at(self.phases, step))
         if mark is not None and step > mark[0]:
             elapsed = (time.time() if now is None else now) - mark[1]
             self.pace = elapsed / self._flops(mark[0], step)
         return None if self.pace is None else self.pace * self._flops(step, self.steps)
 
-    def _phase(self, step: int) -> int:
-        """The index of the phase of ``step``; past the last phase's end, the last."""
-        return next((i for i, p in enumerate(self.phases) if step <= p.last), len(self.phases) - 1)
-
     def _flops(self, after: int, upto: int) -> float:
-        """The model FLOPs per image summed over steps ``after + 1 .. upto``; a step past the last
-        phase's end (``train.steps`` raised on a resume) at the last phase's."""
-        total, final = 0.0, len(self.phases) - 1
-        for i, (p, cost) in enumerate(zip(self.phases, self.cost)):
-            last = upto if i == final else min(p.last, upto)
-            total += max(0, last - max(p.first - 1, after)) * cost
-        return total
+        """The model FLOPs per image summed over steps ``after + 1 .. upto``."""
+        return sum(n * self.cost[p] for p, n in steps_by_phase(self.phases, after, upto))
 
     def note(self, step: int, device_hours: Optional[float], world: int, now: Optional[float] = None) -> str:
         """``eta=3.2h (~205 device-hours in all)`` for the progress line: the time left and the

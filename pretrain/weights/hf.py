@@ -350,16 +350,13 @@ def compute_seen(tree: dict, step: int) -> str:
     from dataclasses import replace
 
     from pretrain.config import from_dict, image_size
-    from pretrain.config.phases import resolution_phases
+    from pretrain.config.phases import resolution_phases, steps_by_phase
     from pretrain.models.arch import config_macs
 
     cfg = from_dict(tree)
     m, batch, img = cfg.model, cfg.train.global_batch_size, image_size(cfg.model)
     phases = resolution_phases(cfg.train, img)
-    done = 0.0
-    for i, p in enumerate(phases):  # steps past the last phase (a resumed, longer run) train at its resolution
-        last = step if i == len(phases) - 1 else min(p.last, step)
-        done += 6 * config_macs(m, p.img_size) * batch * max(0, last - p.first + 1)
+    done = sum(6 * config_macs(m, p.img_size) * batch * n for p, n in steps_by_phase(phases, 0, step))
     per_image = config_macs(replace(m, patch_drop_rate=0.0), img)
     full = 6 * per_image * batch * step
     fewer = []
