@@ -308,7 +308,7 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
     """The suites of the in-training few-shot and kNN probes (``validation.fewshot_suites``,
     ``validation.knn_suites``), read as vit-train reads them at start-up: each folder, split file and
     VTAB-1k task there, before any GPU waits on them."""
-    from pretrain.evaluation.in_training import probe_tasks
+    from pretrain.evaluation.in_training import probe_labels, probe_tasks
 
     v = cfg.validation
     if not ((v.fewshot_suites or v.knn_suites) and v.every_steps > 0):
@@ -323,7 +323,7 @@ def check_probe_suites(cfg: Config) -> list[Finding]:
         what = f"{tasks[0].num_classes} classes" if len(tasks) == 1 else f"{len(tasks)} tasks"
         said.append(f"{spec}: {what}, {sum(len(t.trainval) for t in tasks)} train and "
                     f"{sum(len(t.test) for t in tasks)} test images")
-    return [Finding(OK, "probes", "; ".join(said))] + _target(cfg, {s: [x for x, _ in p] for s, p in read.items()})
+    return [Finding(OK, "probes", "; ".join(said))] + _target(cfg, probe_labels(read))
 
 
 def _target(cfg: Config, labels: Optional[dict[str, list[str]]]) -> list[Finding]:

@@ -75,6 +75,11 @@ def probe_tasks(val, data) -> dict[str, list[tuple[str, object]]]:
     return out
 
 
+def probe_labels(read: dict[str, list[tuple[str, object]]]) -> dict[str, list[str]]:
+    """Each probe spec's labels as its metrics name them (``vtab1k/dtd``), from ``probe_tasks``."""
+    return {spec: [label for label, _ in pairs] for spec, pairs in read.items()}
+
+
 def _say(line: str) -> None:
     print(f"vit-train: {line}", file=sys.stderr, flush=True)
 
@@ -143,7 +148,7 @@ class InTrainingEval:
         read = probe_tasks(val, data) if self.enabled else {}
         self.tasks = tuple([task for spec in specs for task in read.get(spec, [])]
                            for specs in (val.fewshot_suites, val.knn_suites))
-        self.labels = {spec: [label for label, _ in pairs] for spec, pairs in read.items()}  # as the metrics name them
+        self.labels = probe_labels(read)
         if self.enabled and data.val_shards:
             from data_pipeline.loading.loader import build_loader
 
