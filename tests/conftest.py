@@ -19,6 +19,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 _bin = os.path.dirname(sys.executable)
 if not os.environ.get("PATH", "").startswith(_bin + os.pathsep):
     os.environ["PATH"] = _bin + os.pathsep + os.environ.get("PATH", "")
+# torch.compile builds its kernels in the compiling process: inductor's default, a pool of compile
+# workers per process, each importing torch, costs more CPU than it saves on two cores the two test
+# workers already share (on a cold cache, test_compile.py measured 204 CPU-s with the pool, 156
+# without). The kernels and their results are the same either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])  # read at its import
 
 
 def pytest_configure(config):
