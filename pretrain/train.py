@@ -138,7 +138,9 @@ def train_loop(lp: Loop) -> dict:
     lp.checkpointer.close()
     lp.startup.done()  # a run resumed at its last step takes no step
     guard.close()
-    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": stopped and not at_target,
+    # a stop seen at the last step's sync point ends a finished run: every step trained and saved
+    preempted = stopped and not at_target and step < t.steps
+    return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": preempted,
             "stop_reason": lp.stop.reason, "target": lp.target.words if lp.target else None}
 
 

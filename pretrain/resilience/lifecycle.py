@@ -3,8 +3,9 @@
 Exit codes of ``pretrain.train`` (each rank) and ``vit-launch run`` (the whole job):
 
     0   EXIT_OK           finished ``train.steps``
-    1                     a failure (exception, a dead peer, a non-finite loss streak)
-    2   EXIT_USAGE        a user mistake, said in one line (nothing to retry)
+    1                     a failure (exception, a dead peer)
+    2   EXIT_USAGE        a user mistake, said in one line (nothing to retry; a non-finite loss
+                          streak, a checkpoint that cannot be written, a data error)
     3   EXIT_HANG         the hang watchdog fired (``pretrain/resilience/watchdog.py``): stacks in <output_dir>/hang/
     69  EXIT_UNAVAILABLE  (``data_pipeline.errors``) the shard store stayed unreachable past
                           ``data.remote_retry_s``: an infrastructure failure, not a mistake;

@@ -265,6 +265,22 @@ def test_damaged_newest_checkpoint_falls_back(two_checkpoints, tiny_run, tmp_pat
     assert rundir.step_of(rundir.latest_complete(run / "checkpoints")) == 5
 
 
+def test_a_stop_asked_for_at_the_last_step_ends_a_finished_run(tiny_run):
+    """A stop request seen at the last step's sync point: every step trained and saved, so the run
+    finished (exit 0, "completed"), not a resume asked of a scheduler."""
+    job = tiny_run(*ZERO1, "train.steps=1")
+    job.run_dir.mkdir(parents=True)
+    request = job.run_dir / "stop.request"
+    request.write_text("maintenance\n")
+    later = time.time() + 3600  # newer than the job's start: it asks this job to stop
+    os.utime(request, (later, later))
+    r = job.run(300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((job.run_dir / "summary.json").read_text())["stop_reason"] == "maintenance"
+    assert json.loads((job.run_dir / "status.json").read_text())["state"] == "completed"
+    assert "vit-train: done at step 1" in r.stderr
+
+
 def test_sigterm_to_the_runner_only_leaves_no_orphans(tiny_run, tmp_path):
     """`kill RUNNER_PID`: DeepSpeed's runner dies at once and its launcher is orphaned; the ranks
     notice their runner is gone, checkpoint at the next step and exit."""
