@@ -29,8 +29,7 @@ from pretrain.checkpointing.rundir import (
     latest_complete,
     list_complete,
     marker,
-    newest_valid,
-    set_aside,
+    pick,
     step_of,
     tag_for,
 )
@@ -212,17 +211,15 @@ def _warn(msg: str) -> None:
 
 def choose(ckpt_dir: str | Path) -> Optional[Path]:
     """Collective: the newest complete checkpoint whose files verify. Rank 0 verifies, sets the
-    damaged ones aside (``damaged/``, one warning each) and tells the others."""
+    damaged ones aside (``damaged/``, one warning each; ``rundir.pick``) and tells the others."""
     import torch.distributed as dist
 
-    pick = [None]
+    chosen = [None]
     if dist.get_rank() == 0:
-        path, damaged = newest_valid(ckpt_dir, _warn)
-        for bad, _ in damaged:
-            _warn(f"moved {bad.name} to {set_aside(bad)}")
-        pick = [str(path) if path is not None else None]
-    dist.broadcast_object_list(pick, src=0)
-    return Path(pick[0]) if pick[0] is not None else None
+        path = pick(ckpt_dir, _warn)
+        chosen = [str(path) if path is not None else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0]) if chosen[0] is not None else None
 
 
 def _resume_view(config: dict) -> dict:

@@ -25,7 +25,8 @@ A checkpoint is *complete* once its ``COMPLETE`` marker exists (written by rank 
 rank finished writing); the marker records the size (and a CRC32 where cheap) of every file, so
 ``verify`` can tell a checkpoint damaged after the fact (a deleted or truncated file).
 Foreign DeepSpeed runs (tags ``global_stepN``, no markers) count the tag ``latest`` names as
-complete, since DeepSpeed writes ``latest`` last.
+complete, since DeepSpeed writes ``latest`` last; our own tags count by their marker alone
+(``latest`` still names a checkpoint while it is saved again, or after it was set aside).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from data_pipeline.files import write_atomic
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -132,8 +135,8 @@ def checkpoint_root(path: str | Path) -> Path:
 
 
 def list_complete(ckpt_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (marker present, or named by ``latest``), oldest first. Says nothing
-    about their files: see ``verify``."""
+    """Complete checkpoints (marker present; in a foreign DeepSpeed run, the ``global_step`` tag
+    ``latest`` names), oldest first. Says nothing about their files: see ``verify``."""
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
@@ -142,7 +145,7 @@ def list_complete(ckpt_dir: str | Path) -> list[Path]:
         latest = (d / LATEST).read_text().strip()
     except OSError:  # absent, or being replaced right now
         latest = ""
-    if latest and step_of(latest) is not None and (d / latest).is_dir():
+    if latest.startswith("global_step") and step_of(latest) is not None and (d / latest).is_dir():
         tags.add(latest)
     return sorted((d / t for t in tags), key=step_of)
 
@@ -223,6 +226,22 @@ def set_aside(ckpt: Path) -> Path:
         dest, n = dest_dir / f"{ckpt.name}.{n}", n + 1
     ckpt.rename(dest)
     return dest
+
+
+def pick(ckpt_dir: str | Path, warn) -> Optional[Path]:
+    """The checkpoint a resume loads: the newest complete one whose files verify. Damaged newer
+    ones are moved to ``damaged/`` (``warn`` says each), and ``latest`` then names the one picked
+    (or, with none left, is removed), as DeepSpeed's tools read it."""
+    ckpt_dir = Path(ckpt_dir)
+    path, damaged = newest_valid(ckpt_dir, warn)
+    for bad, _ in damaged:
+        warn(f"moved {bad.name} to {set_aside(bad)}")
+    if damaged:
+        if path is not None:
+            write_atomic(ckpt_dir / LATEST, path.name)
+        else:
+            (ckpt_dir / LATEST).unlink(missing_ok=True)
+    return path
 
 
 def find_checkpoint(path: str | Path, step: Optional[int] = None, warn=None) -> Path:
