@@ -372,6 +372,9 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
     need = memory.checkpoint_bytes(params, cfg.train.precision, cfg.optim.name, cfg.zero.stage, cfg.train.ema_decay > 0)
     free = shutil.disk_usage(_existing_ancestor(ckpt_dir)).free
     have = len(list_complete(ckpt_dir))
+    earlier = f"; checkpoint.resume=false: the {have} checkpoint(s) there are kept in earlier-K/" if have and \
+        not cfg.checkpoint.resume else ""
+    have = have if cfg.checkpoint.resume else 0  # a fresh start keeps them beside its own
     # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist
     later = max(1, cfg.checkpoint.keep_last + 1 - have) * need
     size = f"a checkpoint is about {_gb(need)} ({params / 1e6:.1f}M params x {need / params:.1f} B)"
@@ -394,7 +397,7 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
             return [Finding(FAIL, "resume", str(e))]
         if found is not None:
             return [Finding(OK, "run dir", f"{out_dir} writable, {_gb(free)} free; {size}; resumes from {found.name}")]
-    return [Finding(OK, "run dir", f"{out_dir} writable, {_gb(free)} free; {size}")]
+    return [Finding(OK, "run dir", f"{out_dir} writable, {_gb(free)} free; {size}{earlier}")]
 
 
 # --------------------------------------------------------------------------------------- memory

@@ -26,7 +26,7 @@ from data_pipeline.loading.step_batches import regrouped, sized_batches
 from data_pipeline.loading.synthetic import SyntheticLoader
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import Checkpointer
-from pretrain.checkpointing.rundir import RunDir, step_of
+from pretrain.checkpointing.rundir import RunDir, set_aside_earlier, step_of
 from pretrain.config import (
     Config,
     ConfigError,
@@ -269,12 +269,18 @@ def validation_batch(cfg: Config) -> int:
 
 def restore(cfg: Config, c: Connected, b: Built) -> Restored:
     """Load the newest complete checkpoint into the engine and the loader; without one, seed this
-    rank's own dropout / drop-path streams."""
+    rank's own dropout / drop-path streams. A fresh start (``checkpoint.resume: false``) first sets
+    the checkpoints already in the folder aside (``rundir.set_aside_earlier``)."""
     ckpt_dir = c.layout.checkpoints
     if b.resuming:
         c.say(f"resuming: verifying and loading the newest checkpoint in {ckpt_dir}")
     c.startup.phase("checkpoint resume (a universal-checkpoint conversion on another world size)")
     resumed = checkpoint.resume(b.engine, ckpt_dir, config=c.tree, ema=b.ema) if cfg.checkpoint.resume else None
+    if not cfg.checkpoint.resume and c.rank == 0:
+        kept = set_aside_earlier(ckpt_dir)
+        if kept is not None:
+            c.say(f"checkpoint.resume=false: the checkpoints already in {ckpt_dir} are kept in {kept}; this run "
+                  "starts from scratch and saves beside them")
     if not resumed:
         torch.manual_seed(cfg.train.seed + 1000 * (c.rank + 1))  # per-rank dropout / drop-path streams
         return Restored()

@@ -20,7 +20,8 @@ class CheckpointConfig:
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     resume: bool = True
-    """Resume automatically from the newest complete checkpoint."""
+    """Resume automatically from the newest complete checkpoint; false: start from scratch, the
+    checkpoints already in the folder moved to `earlier-K/` beside it (kept whole)."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on
     (`pretrain/checkpointing/async_save.py`). YAML key `checkpoint.async` (a Python keyword, so

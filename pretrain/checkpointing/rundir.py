@@ -20,6 +20,8 @@
                                (zero_to_fp32.py); our readers list the COMPLETE markers instead
             step_00001000/     DeepSpeed engine state + rank_<R>.json + run.json + COMPLETE
             damaged/           checkpoints that failed verification, set aside (never deleted)
+            earlier-K/         the checkpoints an earlier run left here, set aside by a fresh start
+                               (``checkpoint.resume: false``) before its own saves prune them
 
 A checkpoint is *complete* once its ``COMPLETE`` marker exists (written by rank 0 after every
 rank finished writing); the marker records the size (and a CRC32 where cheap) of every file, so
@@ -42,6 +44,7 @@ from data_pipeline.files import write_atomic
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 DAMAGED = "damaged"
+EARLIER = "earlier"
 _TAG = re.compile(r"^(?:step_|global_step)(\d+)$")
 CHECKSUM_MAX_BYTES = 256 << 20  # larger files are checked by size only (a CRC would re-read GBs)
 
@@ -242,6 +245,28 @@ def pick(ckpt_dir: str | Path, warn) -> Optional[Path]:
         else:
             (ckpt_dir / LATEST).unlink(missing_ok=True)
     return path
+
+
+def set_aside_earlier(ckpt_dir: str | Path) -> Optional[Path]:
+    """A fresh start in a checkpoint folder that holds an earlier run's checkpoints (complete or
+    not) moves them, with ``latest``, to the first free ``earlier-K/`` beside them and returns it
+    (None when there was nothing to move): kept whole, and out of reach of this run's pruning,
+    which keeps the newest ``checkpoint.keep_last`` by step whichever run wrote them."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return None
+    tags = [p for p in d.iterdir() if p.is_dir() and step_of(p) is not None]
+    if not tags:
+        return None
+    k = 1
+    while (d / f"{EARLIER}-{k}").exists():
+        k += 1
+    dest = d / f"{EARLIER}-{k}"
+    dest.mkdir()
+    for p in [*tags, d / LATEST]:
+        if p.exists():
+            p.rename(dest / p.name)
+    return dest
 
 
 def find_checkpoint(path: str | Path, step: Optional[int] = None, warn=None) -> Path:

@@ -265,6 +265,26 @@ def test_damaged_newest_checkpoint_falls_back(two_checkpoints, tiny_run, tmp_pat
     assert rundir.step_of(rundir.latest_complete(run / "checkpoints")) == 5
 
 
+def test_a_fresh_start_beside_an_earlier_runs_checkpoints_keeps_both(two_checkpoints, tiny_run, tmp_path):
+    """checkpoint.resume=false where an earlier run got further: its checkpoints are set aside
+    whole, and the fresh run's own saves are not pruned against them."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    r = tiny_run(*ZERO1, "train.steps=2", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+                 "checkpoint.resume=false").run(300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kept = run / "checkpoints" / "earlier-1"
+    assert f"the checkpoints already in {run / 'checkpoints'} are kept in {kept}" in r.stderr
+    mine = rundir.latest_complete(run / "checkpoints")
+    assert mine == run / "checkpoints" / "step_00000002" and rundir.verify(mine) is None
+    assert (run / "checkpoints" / rundir.LATEST).read_text() == mine.name
+    assert [p.name for p in rundir.list_complete(kept)] == ["step_00000002", "step_00000004"]
+    assert all(rundir.verify(p) is None for p in rundir.list_complete(kept))
+    assert "done at step 2" in r.stderr and f"checkpoint {mine}" in r.stderr
+
+
 def test_a_stop_asked_for_at_the_last_step_ends_a_finished_run(tiny_run):
     """A stop request seen at the last step's sync point: every step trained and saved, so the run
     finished (exit 0, "completed"), not a resume asked of a scheduler."""

@@ -1,9 +1,10 @@
 """Which checkpoint of a folder counts (``pretrain/checkpointing/rundir.py``): our tags by their
 ``COMPLETE`` marker alone, a foreign DeepSpeed run's by ``latest``; a resume's pick keeps
-``latest`` on what it picked."""
+``latest`` on what it picked; a fresh start keeps an earlier run's checkpoints out of its pruning."""
 from pathlib import Path
 
 from pretrain.checkpointing import rundir
+from pretrain.checkpointing.checkpoint import _prune
 
 
 def saved(root: Path, step: int, complete: bool = True) -> Path:
@@ -51,3 +52,23 @@ def test_a_pick_past_a_damaged_checkpoint_points_latest_at_the_one_picked(tmp_pa
         p.unlink()
     assert rundir.pick(tmp_path, said.append) is None
     assert not (tmp_path / rundir.LATEST).exists()  # names nothing rather than a moved folder
+
+
+def test_a_fresh_start_keeps_an_earlier_runs_checkpoints_out_of_its_pruning(tmp_path):
+    for step in (3000, 4000, 5000):
+        saved(tmp_path, step)
+    saved(tmp_path, 6000, complete=False)  # the earlier run's last, cut short
+    (tmp_path / rundir.LATEST).write_text("step_00005000")
+    assert rundir.set_aside_earlier(tmp_path) == tmp_path / "earlier-1"
+
+    saved(tmp_path, 1000)  # the fresh run's first save, then its pruning to keep_last=3
+    _prune(tmp_path, keep_last=3)
+    assert rundir.latest_complete(tmp_path) == tmp_path / "step_00001000"
+    kept = tmp_path / "earlier-1"
+    assert [p.name for p in rundir.list_complete(kept)] == ["step_00003000", "step_00004000", "step_00005000"]
+    assert (kept / "step_00006000").is_dir() and (kept / rundir.LATEST).read_text() == "step_00005000"
+    assert all(rundir.verify(p) is None for p in rundir.list_complete(kept))
+    assert rundir.find_checkpoint(kept) == kept / "step_00005000"  # vit-export and vit-transfer reach them
+
+    assert rundir.set_aside_earlier(tmp_path) == tmp_path / "earlier-2"  # a second fresh start
+    assert rundir.set_aside_earlier(tmp_path) is None and rundir.list_complete(tmp_path) == []

@@ -217,6 +217,9 @@ def test_a_resume_with_changed_shape_keys_is_refused_before_the_gpus(id_dir, tmp
     (f,) = preflight.check_run_dir(cfg, params=10 ** 6)
     assert f.level == "error" and f.topic == "resume", f
     assert "model.name=vit_small_patch16_224->vit_tiny_patch16_224" in f.message
+    cfg.checkpoint.resume = False  # a fresh start beside them: nothing to resume, they are kept
+    (f,) = preflight.check_run_dir(cfg, params=10 ** 6)
+    assert f.level == "ok" and "checkpoint.resume=false: the 1 checkpoint(s) there are kept in earlier-K/" in f.message
     r = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", CONFIG, f"data.train_shards={id_dir}",
                         f"train.output_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
