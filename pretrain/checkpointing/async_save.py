@@ -23,6 +23,7 @@ or ``kill -9`` before that leaves the previous checkpoint as the newest complete
 """
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -221,6 +222,7 @@ class Saver:
         self.rank, self._finish = rank, finish
         self.pending: Optional[tuple[int, Path]] = None
         self.last_completed: Optional[int] = None
+        self.failed: Optional[int] = None  # the step of the save that failed, once agreed
         self.waited_s = 0.0  # training-thread seconds spent waiting for writes to finish
 
     def start(self, step: int, path: Path) -> None:
@@ -264,10 +266,11 @@ class Saver:
     def _complete(self, agreed: int) -> bool:
         step, path = self.pending
         self.pending = None
-        if agreed < 0:
+        if agreed < 0:  # this rank's own error (torch.save's RuntimeError on a full disk), or a peer's
             err = self.writer.error
             self.writer.clear_error()
-            raise err if isinstance(err, OSError) else OSError(5, f"another rank failed to write {path}")
+            self.failed = step
+            raise err if err is not None else OSError(errno.EIO, f"another rank failed to write {path}")
         if self.rank == 0:
             self.writer.submit(self._finish, step, path)
         self.last_completed = step

@@ -87,7 +87,10 @@ class Checkpointer:
     def _failed(self, step: int, e: BaseException) -> None:
         """A save that could not be written (folder made read-only, disk full; torch.save's writer
         says so with a RuntimeError, also on the background thread): one line saying what survives,
-        not a traceback. Other errors go on unchanged."""
+        not a traceback. Other errors go on unchanged. A background write's failure is learnt at a
+        later sync point or save: the line names that write's checkpoint, not ``step``."""
+        if self.saver is not None and self.saver.failed is not None:
+            step, self.saver.failed = self.saver.failed, None
         err = e if isinstance(e, OSError) else checkpoint.as_os_error(e, self.dir / checkpoint.tag_for(step))
         if not isinstance(err, OSError):
             raise e

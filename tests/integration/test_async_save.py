@@ -57,6 +57,41 @@ def test_writer_runs_off_the_calling_thread_and_reports_errors(tmp_path):
     assert eng.error is not None
 
 
+def test_a_failed_background_write_is_said_for_its_own_checkpoint(tmp_path):
+    """A background write that fails (torch.save's own error) is learnt at a later sync point: the
+    line names the checkpoint that write belonged to and what it failed on, and that checkpoint's
+    partial folder is removed; the step of the sync point named nothing that was ever written."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from pretrain.checkpointing.async_save import Saver
+    from pretrain.checkpointing.checkpointer import Checkpointer, CheckpointWriteError
+    from pretrain.config import load_config
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["checkpoint.async=true", "checkpoint.every_steps=1000",
+                                                "train.steps=5000"])
+    ckpts = tmp_path / "checkpoints"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        checkpointer = Checkpointer(cfg, SimpleNamespace(), None, ckpts, {}, None, None)
+        saver = checkpointer.saver
+        assert isinstance(saver, Saver)
+        partial = ckpts / "step_00001000"
+        partial.mkdir(parents=True)
+        saver.writer.save({"w": torch.ones(3)}, str(partial / "gone" / "w.pt"))  # its folder is missing
+        saver.start(1000, partial)
+        with pytest.raises(CheckpointWriteError) as e:
+            for _ in range(500):  # the sync points after the save, until its write has ended
+                checkpointer.maybe_save(1010, sync=True)
+                time.sleep(0.01)
+        line = str(e.value)
+        assert line.startswith(f"cannot save checkpoint step_00001000 in {ckpts} (") and "does not exist" in line, line
+        assert "another rank" not in line and not partial.exists()
+    finally:
+        dist.destroy_process_group()
+
+
 def safetensors_content(path) -> tuple[dict, dict]:
     """(metadata, {name: values as bytes}): a file's content, whatever order its header lists them in."""
     from safetensors import safe_open
