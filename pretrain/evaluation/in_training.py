@@ -21,6 +21,8 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
   ``validation.knn_k`` and ``validation.knn_temperature``, on the same features. These images are
   read again at each evaluation (all of a train split would not fit in memory as the few-shot
   pools do): a forward pass over train and test each time.
+* The probes' images are prepared as vit-transfer prepares them (``pretrain.transfer.data.make_view``:
+  the task's resize mode, ``data.augment.eval_crop_pct`` and ``data.augment.mean/std``).
 * Training is not disturbed: its data stream is untouched (separate loaders), torch's RNG states
   are saved and restored, the model returns to train mode, and the time is logged as
   ``eval/seconds`` and left out of throughput and MFU.
@@ -85,14 +87,16 @@ def _say(line: str) -> None:
 
 
 class _Fewshot:
-    """One few-shot suite: this rank's share of train / test images, decoded once."""
+    """One few-shot suite: this rank's share of train / test images, decoded once, prepared as
+    vit-transfer prepares them for a model pre-trained with ``aug`` (``data.augment``)."""
 
-    def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int, shots: int, seeds: int):
-        from pretrain.transfer.data import View
+    def __init__(self, name: str, task, img_size: int, aug, rank: int, world: int, batch: int, shots: int,
+                 seeds: int):
+        from pretrain.transfer.data import make_view
         from pretrain.transfer.protocols.fewshot import sample_shots
 
         self.name, self.num_classes, self.said = name, task.num_classes, False
-        view = View(img_size=img_size, resize=task.resize)
+        view = make_view(task, img_size, aug)
         train = task.trainval
         labels = getattr(train, "labels", None)
         if labels is not None:  # only the examples some seed's largest shot count can draw
@@ -113,13 +117,14 @@ class _Fewshot:
 
 
 class _Knn:
-    """One kNN suite: its train and test splits, this rank's share streamed at every evaluation."""
+    """One kNN suite: its train and test splits, this rank's share streamed at every evaluation,
+    prepared as vit-transfer prepares them for a model pre-trained with ``aug`` (``data.augment``)."""
 
-    def __init__(self, name: str, task, img_size: int, rank: int, world: int, batch: int):
-        from pretrain.transfer.data import View
+    def __init__(self, name: str, task, img_size: int, aug, rank: int, world: int, batch: int):
+        from pretrain.transfer.data import make_view
 
         self.name, self.num_classes, self.said = name, task.num_classes, False
-        self.view, self.rank, self.world, self.batch = View(img_size=img_size, resize=task.resize), rank, world, batch
+        self.view, self.rank, self.world, self.batch = make_view(task, img_size, aug), rank, world, batch
         self.splits = {"train": task.trainval, "test": task.test}
 
     def batches(self, part: str):
@@ -218,10 +223,11 @@ class InTrainingEval:
 
     def _suites(self) -> list[_Fewshot]:
         if self.fewshot is None:
-            self.fewshot = [_Fewshot(label, task, self.img_size, self.rank, self.world, self.batch,
+            aug = self.data.augment
+            self.fewshot = [_Fewshot(label, task, self.img_size, aug, self.rank, self.world, self.batch,
                                      max(self.ev.fewshot_shots), self.ev.fewshot_seeds)
                             for label, task in self.tasks[0]]
-            self.knn = [_Knn(label, task, self.img_size, self.rank, self.world, self.batch)
+            self.knn = [_Knn(label, task, self.img_size, aug, self.rank, self.world, self.batch)
                         for label, task in self.tasks[1]]
         return self.fewshot
 

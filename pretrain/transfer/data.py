@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,17 @@ class View:
     crop_scale: tuple = (0.08, 1.0)
     crop_ratio: tuple = (0.75, 4 / 3)
     hflip: float = 0.5
+
+
+def make_view(task, img_size: int, aug, train_augment: Optional[bool] = None) -> View:
+    """How ``task``'s images become tensors for a model pre-trained with ``aug`` (the ``data.augment``
+    section): the task's resize mode, ``aug``'s evaluation crop and normalisation, and, where
+    ``train_augment`` (None: the task's own default) says so, ``aug``'s random resized crop and flip
+    on training batches. The one rule of vit-transfer and the in-training probes."""
+    augment = task.augment if train_augment is None else train_augment
+    return View(img_size=img_size, resize=task.resize, crop_pct=aug.eval_crop_pct, mean=tuple(aug.mean),
+                std=tuple(aug.std), train_augment=augment, crop_scale=tuple(aug.crop_scale),
+                crop_ratio=tuple(aug.crop_ratio), hflip=aug.hflip)
 
 
 def normalize(batch_u8: torch.Tensor, view: View) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from pretrain.config import Config
 from pretrain.models.arch import model_defaults
-from pretrain.transfer.data import View
+from pretrain.transfer.data import View, make_view
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.protocols.features import FeatureCache
 from pretrain.transfer.protocols.fewshot import FewShot
@@ -32,13 +32,6 @@ from pretrain.transfer.sweep import log_stderr, run_task
 from pretrain.weights.pretrained import Pretrained, build_backbone, build_classifier
 
 
-def make_view(task, img_size: int, ev, aug) -> View:
-    augment = task.augment if ev.train_augment is None else ev.train_augment
-    return View(img_size=img_size, resize=task.resize, crop_pct=aug.eval_crop_pct, mean=tuple(aug.mean),
-                std=tuple(aug.std), train_augment=augment, crop_scale=tuple(aug.crop_scale),
-                crop_ratio=tuple(aug.crop_ratio), hflip=aug.hflip)
-
-
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -50,7 +43,7 @@ def make_protocol(cfg: Config, pre: Pretrained, img_size: int, device: torch.dev
     ev = cfg.eval
 
     def view_of(task) -> View:
-        return make_view(task, img_size, ev, cfg.data.augment)
+        return make_view(task, img_size, cfg.data.augment, ev.train_augment)
 
     if ev.protocol == "finetune":
         # bf16 only where it is native; CPU fine-tuning stays fp32

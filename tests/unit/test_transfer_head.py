@@ -11,7 +11,8 @@ from transfer_fixtures import colour_image, save_png, tiny_model, write_run_dir
 
 from data_pipeline.errors import ConfigError
 from pretrain.config import load_config
-from pretrain.transfer.evaluate import evaluate_checkpoint, make_view
+from pretrain.transfer.data import make_view
+from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.protocols.head import predict
 from pretrain.transfer.suites import labelled_folder
 from pretrain.weights.pretrained import CheckpointError, build_classifier, load_pretrained
@@ -70,7 +71,7 @@ def test_predictions_equal_timm_with_the_export(checkpoints, v2_folder, kind):
     task = labelled_folder(str(v2_folder))
     assert task.num_classes == 10 and sorted(set(task.test.labels.tolist())) == [0, 2, 5, 9]
     cfg = _cfg()
-    view = make_view(task, 32, cfg.eval, cfg.data.augment)
+    view = make_view(task, 32, cfg.data.augment, cfg.eval.train_augment)
     ours = build_classifier(load_pretrained(checkpoints[kind]), img_size=32).eval()
     ref = _timm_model(checkpoints["export"])
     top, labels = predict(ours, task.test, view, batch_size=8, device=torch.device("cpu"))
@@ -99,7 +100,7 @@ def test_protocol_scores_top1_top5_and_real_as_timm(checkpoints, v2_folder, tmp_
     d = r["details"]
 
     cfg = _cfg()
-    view = make_view(task, 32, cfg.eval, cfg.data.augment)
+    view = make_view(task, 32, cfg.data.augment, cfg.eval.train_augment)
     xs = torch.cat([x for x, _ in task.test.batches(view, batch_size=8, train=False)])
     with torch.no_grad():
         logits = _timm_model(checkpoints["export"])(xs)
