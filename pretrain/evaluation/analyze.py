@@ -38,8 +38,9 @@ the checkpoint's step (``train/step``, as ``vit-transfer`` does); mode and proje
 
 Attention probabilities: our ``Attention`` calls ``F.scaled_dot_product_attention``, which never
 materialises the softmax. :func:`record_attention` hooks each attention module and recomputes
-``softmax(q k^T / sqrt(d))`` from its own ``qkv`` projection -- one extra qkv matmul per block,
-paid only inside the context manager; the model and its training forward are unchanged.
+``softmax(q k^T / sqrt(d))`` from its own ``qkv`` projection and QK norms (``model.qk_norm``) --
+one extra qkv matmul per block, paid only inside the context manager; the model and its training
+forward are unchanged.
 """
 from __future__ import annotations
 
@@ -72,10 +73,11 @@ NUM_COMPONENTS = 28  # Figure 7 left shows 28 components
 def attention_probs(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     """(B, heads, N, N) softmax attention of ``attn`` on its input ``x`` (B, N, C), in float32:
     what ``F.scaled_dot_product_attention`` computes internally (default scale 1/sqrt(head_dim),
-    no mask), recomputed from the module's own qkv projection."""
+    no mask), recomputed from the module's own qkv projection and its ``q_norm`` / ``k_norm``
+    (``model.qk_norm``; identities without it), as ``Attention.forward`` applies them."""
     B, N, C = x.shape
     qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k = qkv[0].float(), qkv[1].float()
+    q, k = attn.q_norm(qkv[0]).float(), attn.k_norm(qkv[1]).float()
     return torch.softmax(q @ k.transpose(-2, -1) * attn.head_dim ** -0.5, dim=-1)
 
 

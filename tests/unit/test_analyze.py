@@ -65,6 +65,39 @@ def test_recorded_attention_is_what_the_fused_kernel_computes():
     assert torch.equal(before, after)
 
 
+def test_recorded_attention_applies_the_qk_norm_the_model_applies():
+    """With ``model.qk_norm``, every layer's recorded probabilities times its values, through its
+    output projection, are the attention module's own output."""
+    torch.manual_seed(0)
+    model = tiny_model(32, qk_norm=True).eval()
+    with torch.no_grad():
+        for m in attention_modules(model):  # LayerNorms away from their identity-like initialisation
+            for p in (*m.q_norm.parameters(), *m.k_norm.parameters()):
+                p.normal_()
+    inputs, outputs = {}, {}
+
+    def keep(i):
+        def hook(module, inp, out):
+            inputs[i], outputs[i] = inp[0], out
+        return hook
+
+    hooks = [m.register_forward_hook(keep(i)) for i, m in enumerate(attention_modules(model))]
+    try:
+        with torch.no_grad():
+            maps = attention_maps(model, torch.randn(2, 3, 32, 32))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(maps) == len(inputs) == 12
+    for i, attn in enumerate(attention_modules(model)):
+        h = inputs[i]
+        B, N, C = h.shape
+        v = attn.qkv(h).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)[2]
+        with torch.no_grad():
+            ours = attn.proj((maps[i] @ v).transpose(1, 2).reshape(B, N, C))
+        torch.testing.assert_close(ours, outputs[i], atol=1e-5, rtol=1e-5, msg=f"layer {i}")
+
+
 def test_hooks_are_removed_when_the_forward_fails():
     model = tiny_model(32)
     with pytest.raises(RuntimeError):
