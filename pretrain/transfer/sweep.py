@@ -7,7 +7,8 @@ The test split is touched exactly once, after the choice is made.
 
 A protocol is any object with ``name``, ``grid(sweep) -> [setting dict]`` and
 ``fit_score(task, fit_split, eval_split, setting) -> (top-1, details)``; ``trains = False`` on one
-that fits nothing (``head``) reports no training images.
+that fits nothing (``head``) reports no training images; ``metric(setting) -> str``, where present,
+names the accuracy a setting scores in the log (``k=1: val 1-NN top-1``; otherwise ``top-1``).
 """
 from __future__ import annotations
 
@@ -56,16 +57,20 @@ def run_task(protocol, task, sweep: bool, log: Callable[[str], None] = log_stder
         for setting in grid:
             acc, _ = protocol.fit_score(task, task.train, task.val, setting)
             val_scores.append({"setting": dict(setting), "accuracy": acc})
-            metric = getattr(protocol, "metric", "top-1")
-            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val {metric} {100 * acc:.2f}")
+            log(f"  {task.name} {protocol.name} {_fmt(setting)}: val {_metric(protocol, setting)} {100 * acc:.2f}")
             if acc > best_acc:  # strict: the first of equal settings wins
                 best, best_acc = setting, acc
     acc, details = protocol.fit_score(task, task.trainval, task.test, best)
-    log(f"  {task.name} {protocol.name} {_fmt(best)}: test {getattr(protocol, 'metric', 'top-1')} {100 * acc:.2f}")
+    log(f"  {task.name} {protocol.name} {_fmt(best)}: test {_metric(protocol, best)} {100 * acc:.2f}")
     trained = len(task.trainval) if getattr(protocol, "trains", True) else 0
     chance = 1.0 / task.num_classes if task.num_classes else 0.0
     return TaskResult(task.name, task.group, acc, dict(best), val_scores, details, task.num_classes,
                       chance, trained, len(task.test), time.time() - t0)
+
+
+def _metric(protocol, setting: dict) -> str:
+    """The protocol's name for its accuracy under ``setting``."""
+    return protocol.metric(setting) if hasattr(protocol, "metric") else "top-1"
 
 
 def _fmt(setting: dict) -> str:

@@ -69,3 +69,30 @@ def test_headline_k_and_fewer_training_images_than_k():
     scores = knn_scores(Xtr, ytr, Xte, [10, 20], 0.07, 10)  # 20 neighbours asked, 15 exist: all of them
     assert torch.allclose(scores[20].sum(1), torch.ones(len(yte)), atol=1e-5)
     assert torch.allclose(scores[10].sum(1), scores[10].sum(1).clamp(max=1.0))
+
+
+def test_a_sweep_over_k_names_each_k_it_scores(tmp_path):
+    """With ``eval.sweep`` every val line and the test line name the k they score, not the headline k."""
+    import numpy as np
+    from transfer_fixtures import colour_image, tiny_model
+
+    from pretrain.transfer.data import ArrayImages, View
+    from pretrain.transfer.protocols.features import FeatureCache
+    from pretrain.transfer.protocols.knn import KNN
+    from pretrain.transfer.suites import Task
+    from pretrain.transfer.sweep import run_task
+
+    rng = np.random.default_rng(0)
+
+    def split(name, n):
+        labels = [i % 4 for i in range(n)]
+        return ArrayImages(name, np.stack([colour_image(y, rng, 32) for y in labels]), labels)
+
+    train, val, test = split("train", 16), split("val", 8), split("test", 8)
+    task = Task("colours", 4, train, val, train, test)
+    cache = FeatureCache(tiny_model(32).eval(), batch_size=8, pool="model", device=torch.device("cpu"))
+    lines: list[str] = []
+    result = run_task(KNN(cache, lambda t: View(img_size=32), [1, 3, 20], 0.07), task, sweep=True, log=lines.append)
+    assert [line.split(": val ")[1].split(" top-1")[0] for line in lines[:3]] == ["1-NN", "3-NN", "20-NN"], lines
+    chosen = result.setting["k"]
+    assert f"k={chosen}: test {chosen}-NN top-1 (T=0.07) " in lines[3], lines

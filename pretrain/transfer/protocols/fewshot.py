@@ -86,9 +86,9 @@ class FewShot(FrozenFeatureProtocol):
         super().__init__(features, view_of, l2, grid)
         self.shots, self.seeds = sorted(set(shots)), seeds
 
-    @property
-    def metric(self) -> str:
-        """What the one accuracy of a task is: the headline shot count's top-1, mean over seeds."""
+    def metric(self, setting: dict) -> str:
+        """What the one accuracy of a task is, under any ``setting`` (an L2 penalty): the headline
+        shot count's top-1, mean over seeds."""
         return f"{headline(self.shots)}-shot top-1 (mean of {self.seeds} seed(s))"
 
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:

@@ -120,8 +120,7 @@ class OwnHead:
         self.real = read_real_labels(real_labels) if real_labels else None
         self.log = log
 
-    @property
-    def metric(self) -> str:
+    def metric(self, setting: dict) -> str:
         return "top-1 of the checkpoint's head"
 
     def grid(self, sweep: bool) -> list[dict]:

@@ -75,9 +75,9 @@ class KNN(FrozenFeatureProtocol):
         super().__init__(features, view_of, 0.0, [])
         self.ks, self.temperature = sorted(set(ks)), temperature
 
-    @property
-    def metric(self) -> str:
-        return f"{headline(self.ks)}-NN top-1 (T={self.temperature:g})"
+    def metric(self, setting: dict) -> str:
+        """What the accuracy under ``setting`` is: its k's top-1."""
+        return f"{setting['k']}-NN top-1 (T={self.temperature:g})"
 
     def grid(self, sweep: bool) -> list[dict]:
         return [{"k": k} for k in self.ks] if sweep else [{"k": headline(self.ks)}]
