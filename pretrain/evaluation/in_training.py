@@ -12,7 +12,8 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
   model's own head sees (``forward_head(pre_logits=True)``: its pooling, [class] token, mean or
   MAP, and pre-logits layer; ``pretrain.transfer.protocols.fewshot``) for each suite in
   ``validation.fewshot_suites`` (``NAME`` or ``NAME:PATH`` with the names of ``vit-transfer --suite``)
-  at ``eval.fewshot_shots``. The few-shot
+  at ``eval.fewshot_shots``, each seed's examples drawn from the whole train split as vit-transfer
+  draws them (the same on any number of ranks). The drawn few-shot
   images are decoded once per run (this rank's share, cached as float16) and their features are
   computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
   number of forwards: ranks that run out pad with a dummy batch) and gathered on rank 0.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -88,32 +90,53 @@ def _say(line: str) -> None:
 
 class _Fewshot:
     """One few-shot suite: this rank's share of train / test images, decoded once, prepared as
-    vit-transfer prepares them for a model pre-trained with ``aug`` (``data.augment``)."""
+    vit-transfer prepares them for a model pre-trained with ``aug`` (``data.augment``).
 
-    def __init__(self, name: str, task, img_size: int, aug, rank: int, world: int, batch: int, shots: int,
+    A train split whose labels are known before its images are read (files, arrays) is drawn from
+    once, whole, as vit-transfer draws it (``shot_draws``: every seed and shot count), and only the
+    drawn examples are decoded: the pool, their union in split order. Rank ``r`` holds the pool's
+    positions ``r::world``; ``order`` puts rows gathered in rank order back in pool order, and
+    ``draws`` names each fit's examples as pool positions, so every fit sees the same examples on
+    any number of ranks. Shards have no labels before they are read: the whole split is decoded,
+    each rank a contiguous run in manifest order (the loader's evaluation plan), so the rows joined
+    in rank order are the split in manifest order, and the draws come from their labels."""
+
+    def __init__(self, name: str, task, img_size: int, aug, rank: int, world: int, batch: int, shots: list[int],
                  seeds: int):
-        from pretrain.transfer.data import make_view
-        from pretrain.transfer.protocols.fewshot import sample_shots
+        from pretrain.transfer.data import Subset, make_view
+        from pretrain.transfer.protocols.fewshot import short_classes, shot_draws
 
         self.name, self.num_classes, self.said = name, task.num_classes, False
+        self.draws: Optional[dict[tuple[int, int], np.ndarray]] = None
+        self.order: Optional[torch.Tensor] = None
+        self.short: Optional[dict] = None
         view = make_view(task, img_size, aug)
-        train = task.trainval
+        train, train_rank, train_world = task.trainval, rank, world
         labels = getattr(train, "labels", None)
-        if labels is not None:  # only the examples some seed's largest shot count can draw
-            import numpy as np
-
-            from pretrain.transfer.data import Subset
-
-            lab = np.asarray(labels)
-            keep = sorted({int(i) for s in range(seeds) for i in sample_shots(lab, self.num_classes, shots, s)})
-            train = Subset(f"{train.name}[few-shot pool]", train, keep)
+        if labels is not None:
+            labels = np.asarray(labels)
+            drawn = shot_draws(labels, self.num_classes, shots, seeds)
+            pool = np.unique(np.concatenate(list(drawn.values())))
+            self.draws = {key: np.searchsorted(pool, idx) for key, idx in drawn.items()}
+            shares = [np.arange(r, len(pool), world) for r in range(world)]
+            self.order = torch.from_numpy(np.concatenate(shares))
+            self.short = short_classes(labels, self.num_classes, shots)
+            train, train_rank, train_world = Subset(f"{train.name}[few-shot pool]", train, pool[shares[rank]]), 0, 1
         self.parts = {}
-        for part, split in (("train", train), ("test", task.test)):
+        for part, split, r, w in (("train", train, train_rank, train_world), ("test", task.test, rank, world)):
             xs, ys = [], []
-            for x, y in split.batches(view, batch_size=batch, train=False, rank=rank, world=world):
+            for x, y in split.batches(view, batch_size=batch, train=False, rank=r, world=w):
                 xs.append(x.to(torch.float16))
                 ys.append(y)
             self.parts[part] = (xs, ys)
+
+    def in_pool_order(self, X: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The train rows gathered in rank order, back in pool order (shards: as they are)."""
+        if self.order is None:
+            return X, y
+        Xp, yp = torch.empty_like(X), torch.empty_like(y)
+        Xp[self.order], yp[self.order] = X, y
+        return Xp, yp
 
 
 class _Knn:
@@ -225,7 +248,7 @@ class InTrainingEval:
         if self.fewshot is None:
             aug = self.data.augment
             self.fewshot = [_Fewshot(label, task, self.img_size, aug, self.rank, self.world, self.batch,
-                                     max(self.ev.fewshot_shots), self.ev.fewshot_seeds)
+                                     list(self.ev.fewshot_shots), self.ev.fewshot_seeds)
                             for label, task in self.tasks[0]]
             self.knn = [_Knn(label, task, self.img_size, aug, self.rank, self.world, self.batch)
                         for label, task in self.tasks[1]]
@@ -254,21 +277,27 @@ class InTrainingEval:
         dist.all_gather_object(gathered, mine)
         return torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
 
+    def _fewshot_train(self, engine, s: _Fewshot) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective: the features and labels of ``s``'s train rows, in pool order on rank 0."""
+        return s.in_pool_order(*self._features(engine, zip(*s.parts["train"])))
+
     def _fewshot(self, engine) -> dict:
         from pretrain.transfer.protocols.fewshot import fewshot_accuracy, short_classes, short_note
 
         out = {}
         for s in self._suites():
-            Xtr, ytr = self._features(engine, zip(*s.parts["train"]))
+            Xtr, ytr = self._fewshot_train(engine, s)
             Xte, yte = self._features(engine, zip(*s.parts["test"]))
             if self.rank != 0:
                 continue
             if not s.said:  # what the numbers below are, once
                 s.said = True
-                if short := short_classes(ytr.numpy(), s.num_classes, list(self.ev.fewshot_shots)):
+                short = s.short if s.short is not None else short_classes(ytr.numpy(), s.num_classes,
+                                                                          list(self.ev.fewshot_shots))
+                if short:
                     _say(f"in-training few-shot {s.name}: {short_note(short)}")
             acc = fewshot_accuracy(Xtr, ytr, Xte, yte, s.num_classes, list(self.ev.fewshot_shots),
-                                   self.ev.fewshot_seeds, self.ev.fewshot_l2)
+                                   self.ev.fewshot_seeds, self.ev.fewshot_l2, s.draws)
             for k, per_seed in acc.items():
                 out[f"fewshot/{s.name}/{k}shot"] = sum(per_seed) / len(per_seed)
         return out

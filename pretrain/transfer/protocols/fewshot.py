@@ -10,6 +10,8 @@ cheap enough to run while pre-training goes on (``--watch``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -40,10 +42,18 @@ def ridge_fit(X: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float):
 
 
 def sample_shots(labels: np.ndarray, num_classes: int, shots: int, seed: int) -> np.ndarray:
-    """Indices of ``shots`` examples per class (fewer where a class has fewer), big_vision's way."""
+    """Indices of ``shots`` examples per class (fewer where a class has fewer), big_vision's way
+    (``fewshot_lsr``: per seed one permutation of each class's examples, its first ``shots``, the
+    classes in order)."""
     rng = np.random.default_rng(seed)
     per_class = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
     return np.concatenate([idx[:shots] for idx in per_class]).astype(np.int64)
+
+
+def shot_draws(labels: np.ndarray, num_classes: int, shots: list[int], seeds: int) -> dict[tuple[int, int], np.ndarray]:
+    """``{(seed, k): sample_shots(labels, num_classes, k, seed)}`` for every seed and shot count:
+    the examples of the whole training split ``labels`` each fit sees."""
+    return {(seed, k): sample_shots(labels, num_classes, k, seed) for seed in range(seeds) for k in shots}
 
 
 def short_classes(labels: np.ndarray, num_classes: int, shots: list[int]) -> dict[int, tuple[int, int]]:
@@ -63,13 +73,16 @@ def short_note(short: dict[int, tuple[int, int]]) -> str:
 
 
 def fewshot_accuracy(Xtr, ytr, Xte, yte, num_classes: int, shots: list[int], seeds: int,
-                     l2: float) -> dict[int, list[float]]:
-    """{shots: [test top-1 per seed]}."""
+                     l2: float, draws: Optional[dict[tuple[int, int], np.ndarray]] = None) -> dict[int, list[float]]:
+    """{shots: [test top-1 per seed]}. ``draws``: each ``(seed, k)``'s examples as rows of ``Xtr``,
+    where ``Xtr`` holds only some of the training split (``shot_draws`` of the whole split's labels,
+    mapped to those rows); None: ``Xtr`` is the whole split, drawn from ``ytr``."""
     out: dict[int, list[float]] = {}
-    ytr_np = ytr.numpy()
+    if draws is None:
+        draws = shot_draws(ytr.numpy(), num_classes, shots, seeds)
     for seed in range(seeds):
         for k in shots:
-            idx = torch.from_numpy(sample_shots(ytr_np, num_classes, k, seed))
+            idx = torch.from_numpy(draws[(seed, k)])
             predict = ridge_fit(Xtr[idx], ytr[idx], num_classes, l2)
             out.setdefault(k, []).append(float((predict(Xte) == yte).double().mean()) if len(yte) else 0.0)
     return out
