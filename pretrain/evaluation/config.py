@@ -261,7 +261,9 @@ class ValidationConfig:
     pretrain/evaluation/EVALUATION.md)."""
     fewshot_suites: list[str] = field(default_factory=list)
     """Few-shot probes while pre-training: vit-transfer suite names, `NAME` or `NAME:PATH` (e.g.
-    `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`)."""
+    `demo`, `cifar100:/data/cifar-100-python`, `imagefolder:/data/pets`): big_vision's ridge on the
+    features the model's head sees (its own pooling and pre-logits layer), the images prepared with
+    `data.augment.eval_crop_pct` and `data.augment.mean` / `std`, as vit-transfer prepares them."""
     batch_size: int = 0
     """Images per evaluation forward on each rank, for validation, few-shot and kNN alike; 0 = the
     training micro batch (which always fits: an evaluation keeps no activations for a backward).

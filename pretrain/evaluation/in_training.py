@@ -12,7 +12,7 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
   model's own head sees (``forward_head(pre_logits=True)``: its pooling, [class] token, mean or
   MAP, and pre-logits layer; ``pretrain.transfer.protocols.fewshot``) for each suite in
   ``validation.fewshot_suites`` (``NAME`` or ``NAME:PATH`` with the names of ``vit-transfer --suite``)
-  at ``eval.fewshot_shots``, each seed's examples drawn from the whole train split as vit-transfer
+  at ``validation.fewshot_shots``, each seed's examples drawn from the whole train split as vit-transfer
   draws them (the same on any number of ranks). The drawn few-shot
   images are decoded once per run (this rank's share, cached as float16) and their features are
   computed by all ranks (ZeRO-3 gathers parameters in every forward, so every rank runs the same
