@@ -201,18 +201,25 @@ class SampleTransform:
         if not self.train:
             return self._eval(img)
         gen = self._seeded(seed)
-        # The crop is drawn from the header's size as displayed (EXIF orientation 5..8 swaps it),
-        # before decoding.
-        W, H = oriented_size(img)
-        (top, left, h, w), flip = self._draw(W, H, gen)
-        if data is not None and self.window and img.format == "JPEG" and img.mode in ("RGB", "L") \
-                and exif_orientation(img) == 1 and crop_decode.plain(data):
-            out = self._window(data, (top, left, h, w), flip, gen)
-            if out is not None:
-                return out
-        r = min(w, h) / self.size  # how much smaller the decode may be with no loss
-        img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
-        rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
+        # The crop is drawn on the size as displayed (EXIF orientation 5..8 swaps it).
+        if img.format == "JPEG":
+            # from the header (the orientation sits before the pixel data), before decoding
+            W, H = oriented_size(img)
+            (top, left, h, w), flip = self._draw(W, H, gen)
+            if data is not None and self.window and img.mode in ("RGB", "L") \
+                    and exif_orientation(img) == 1 and crop_decode.plain(data):
+                out = self._window(data, (top, left, h, w), flip, gen)
+                if out is not None:
+                    return out
+            r = min(w, h) / self.size  # how much smaller the decode may be with no loss
+            img, _, _ = draft(img, math.ceil(img.size[0] / r), math.ceil(img.size[1] / r))
+            rgb = load_rgb(img)  # oriented; drafted images are smaller than (W, H)
+        else:
+            # PNG/WebP: decoded first, which costs nothing (no draft mode), since a PNG may carry
+            # its orientation in a chunk after the pixel data, known only once decoded
+            rgb = load_rgb(img)
+            W, H = rgb.size
+            (top, left, h, w), flip = self._draw(W, H, gen)
         sx, sy = rgb.size[0] / W, rgb.size[1] / H
         if sx != 1.0 or sy != 1.0:
             top, left = int(top * sy), int(left * sx)

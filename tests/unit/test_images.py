@@ -291,6 +291,42 @@ def test_train_crop_of_oriented_jpeg_equals_crop_of_upright_image(o):
         assert a.shape == (3, 12, 12) and bool((a == b).all()), (o, seed)
 
 
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png_exif_after_pixels(arr: np.ndarray, o: int) -> bytes:
+    """A PNG whose orientation sits in an eXIf chunk after the image data (allowed by the PNG
+    spec; PIL reads such a chunk only when it decodes the pixels)."""
+    exif = Image.Exif()
+    exif[0x0112] = o
+    png = _save(Image.fromarray(arr), "PNG")
+    end = png.rindex(b"IEND") - 4
+    return png[:end] + _png_chunk(b"eXIf", exif.tobytes()) + png[end:]
+
+
+@pytest.mark.parametrize("o", [3, 5, 6, 7, 8])
+def test_train_crop_of_png_with_late_exif_equals_crop_of_upright_image(tmp_path, o):
+    """A PNG whose eXIf chunk follows its pixel data, stored by the writer as it comes: its training
+    crop is, seed for seed, the crop of the same pixels stored upright, so drawn within
+    ``crop_ratio`` on the size as displayed."""
+    from types import SimpleNamespace
+
+    aug = SimpleNamespace(crop_scale=(0.08, 1.0), crop_ratio=(0.75, 1.333), hflip=0.0, randaugment_ops=0,
+                          three_augment=False)
+    tf = SampleTransform(aug, 12, train=True)
+    arr = RNG.integers(0, 256, (20, 60, 3), dtype=np.uint8)
+    data = _png_exif_after_pixels(arr, o)
+    assert "exif" not in Image.open(io.BytesIO(data)).info  # not known from the header
+    stored = _write_filelist(tmp_path, {"late.png": data})[1]["late.png"]
+    assert stored == ("png", data)
+    upright = _save(Image.fromarray(np.ascontiguousarray(_expected_orientation(arr, o))), "PNG")
+    for seed in range(8):
+        a = tf(open_image({"png": stored[1]}, 10**9), seed)
+        b = tf(open_image({"png": upright}, 10**9), seed)
+        assert a.shape == (3, 12, 12) and bool((a == b).all()), (o, seed)
+
+
 def test_writer_keeps_oriented_jpegs_and_applies_orientation_when_reencoding(tmp_path):
     arr = _quadrants(64, 32)
     files = {f"o{o}.jpg": _jpeg_with_orientation(arr, o) for o in range(1, 9)}
