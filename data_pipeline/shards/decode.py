@@ -99,11 +99,13 @@ _ALPHA = ("RGBA", "RGBa", "LA", "La", "PA")
 
 
 def exif_orientation(img: Image.Image) -> int:
-    """The EXIF orientation 1..8 (1: none or unreadable). For JPEG/WebP/TIFF it comes from the
-    header, before any pixel is decoded; a PNG's eXIf chunk after the pixel data is only known once
-    decoded (``getexif`` would decode the whole file here, so it is not asked before)."""
-    if img.format == "PNG" and "exif" not in img.info:
-        return 1
+    """The EXIF orientation 1..8 that ``ImageOps.exif_transpose`` applies (1: none or unreadable):
+    PIL's ``getexif``, tag 274 or else XMP's ``tiff:Orientation``. JPEG/WebP: from the header,
+    before any pixel is decoded. A PNG is decoded first (an error there raises), as
+    ``exif_transpose`` does: its eXIf chunk, an ImageMagick "Raw profile type exif" text chunk or
+    its XMP may follow the pixel data, and PIL reads those only when it decodes."""
+    if img.format == "PNG":
+        img.load()
     try:
         value = img.getexif().get(ORIENTATION, 1)
     except Exception:  # a damaged EXIF block is metadata; the pixels are still good

@@ -327,6 +327,83 @@ def test_train_crop_of_png_with_late_exif_equals_crop_of_upright_image(tmp_path,
         assert a.shape == (3, 12, 12) and bool((a == b).all()), (o, seed)
 
 
+def _png_tagged(arr: np.ndarray, o: int, style: str) -> bytes:
+    """A PNG of ``arr`` with orientation ``o`` stored the ways files in the wild carry it: an eXIf
+    chunk before or after the image data, ImageMagick's hex "Raw profile type exif" in a tEXt or
+    zTXt chunk (before or after the image data), or XMP's ``tiff:Orientation`` in an iTXt chunk."""
+    from PIL import PngImagePlugin
+
+    exif = Image.Exif()
+    exif[0x0112] = o
+    raw = exif.tobytes()
+    profile = f"\nexif\n{len(raw):8}\n{raw.hex()}\n"
+    if style == "exif":
+        return _save(Image.fromarray(arr), "PNG", exif=raw)
+    if style == "exif_late":
+        return _png_exif_after_pixels(arr, o)
+    info = PngImagePlugin.PngInfo()
+    if style in ("raw_profile", "raw_profile_zip"):
+        info.add_text("Raw profile type exif", profile, zip=style == "raw_profile_zip")
+    elif style == "raw_profile_late":
+        png = _save(Image.fromarray(arr), "PNG")
+        end = png.rindex(b"IEND") - 4
+        return png[:end] + _png_chunk(b"tEXt", b"Raw profile type exif\0" + profile.encode()) + png[end:]
+    elif style == "xmp":
+        xmp = ('<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+               f'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="{o}"/>'
+               '</rdf:RDF></x:xmpmeta>')
+        info.add_itxt("XML:com.adobe.xmp", xmp)
+    return _save(Image.fromarray(arr), "PNG", pnginfo=info)
+
+
+PNG_ORIENTATION_STYLES = ("exif", "exif_late", "raw_profile", "raw_profile_zip", "raw_profile_late", "xmp")
+
+
+@pytest.mark.parametrize("style", PNG_ORIENTATION_STYLES)
+@pytest.mark.parametrize("o", range(1, 9))
+def test_png_orientation_agrees_with_exif_transpose(style, o):
+    """PIL's own ``ImageOps.exif_transpose`` is the reference, however the PNG stores it; the
+    training crop of the file is the crop of the same pixels stored upright."""
+    from types import SimpleNamespace
+
+    from PIL import ImageOps
+
+    arr = RNG.integers(0, 256, (10, 30, 3), dtype=np.uint8)
+    data = _png_tagged(arr, o, style)
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    np.testing.assert_array_equal(want, _expected_orientation(arr, o))  # PIL reads the tag: the case tests something
+    got = np.asarray(load_rgb(open_image({"png": data}, 10**9)))
+    np.testing.assert_array_equal(got, want, err_msg=f"{style} {o}")
+    aug = SimpleNamespace(crop_scale=(0.08, 1.0), crop_ratio=(0.75, 1.333), hflip=0.0, randaugment_ops=0,
+                          three_augment=False)
+    tf = SampleTransform(aug, 8, train=True)
+    upright = _save(Image.fromarray(np.ascontiguousarray(want)), "PNG")
+    for seed in range(3):
+        assert bool((tf(open_image({"png": data}, 10**9), seed) == tf(open_image({"png": upright}, 10**9), seed)).all())
+
+
+def test_writer_applies_png_raw_profile_orientation_when_reencoding(tmp_path):
+    """A PNG the writer converts (here: resized) is turned as displayed, whichever chunk holds its
+    orientation; the stored PNG has no orientation left to apply twice."""
+    from PIL import ImageOps
+
+    arr = _quadrants(64, 32)
+    files = {f"{style}-o{o}.png": _png_tagged(arr, o, style)
+             for style in ("raw_profile", "raw_profile_late", "xmp") for o in (1, 3, 6, 8)}
+    _, turned = _write_filelist(tmp_path, files, "--resize-shorter", "16")
+    for name, data in files.items():
+        ext, out = turned[name]
+        img = Image.open(io.BytesIO(out))
+        img.load()
+        assert ext == "png" and img.getexif().get(0x0112, 1) == 1, name
+        want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"), np.int16)
+        got = np.asarray(img.convert("RGB"), np.int16)
+        h, w = want.shape[:2]
+        assert got.shape[:2] == (h // 2, w // 2), (name, got.shape)
+        for y, x in ((h // 4, w // 4), (h // 4, 3 * w // 4), (3 * h // 4, w // 4), (3 * h // 4, 3 * w // 4)):
+            assert np.abs(got[y // 2, x // 2] - want[y, x]).max() <= 12, (name, y, x)
+
+
 def test_writer_keeps_oriented_jpegs_and_applies_orientation_when_reencoding(tmp_path):
     arr = _quadrants(64, 32)
     files = {f"o{o}.jpg": _jpeg_with_orientation(arr, o) for o in range(1, 9)}
