@@ -28,11 +28,21 @@ class AugmentConfig:
     hflip: float = 0.5
     """Probability of a horizontal flip."""
     randaugment_ops: int = 0
-    """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops; 0 disables RandAugment."""
+    """AugReg recipe (Steiner et al. 2021): RandAugment's number of ops (torchvision's
+    `v2.RandAugment`); 0 disables RandAugment."""
     randaugment_magnitude: int = 10
-    """RandAugment's magnitude on torchvision's scale (`v2.RandAugment`, 31 bins): 0-30, where 30
-    rotates up to 30 degrees, shears up to 0.3 and enhances by 1 +- 0.9. A level L of TF's, big_vision's
-    or timm's 0-10 scale is 3L here: big_vision's `randaug(2, 10)` is 30, timm's `rand-m9` 27."""
+    """RandAugment's magnitude M, torchvision's `v2.RandAugment` (31 bins: 0-30) with its op set and
+    probabilities: each op drawn from its 14 (Identity among them) and applied, geometric ops and
+    colour factors with a random sign, uncovered pixels black. M rotates M degrees, shears 0.01 M,
+    translates M / 30 x 150 / 331 of the side, sets brightness, colour, contrast and sharpness
+    factors to 1 +- 0.03 M, posterizes to 8 - round(M / 7.5) bits and solarizes above
+    255 (1 - M / 30). A level L of big_vision's or timm's 0-10 scale rotates and shears as M = 3L
+    does; the rest differs. big_vision's `randaug(2, L)` also draws Invert, Cutout and SolarizeAdd,
+    fills with grey 128, solarizes above 25.6 L (nothing at 10), keeps int(0.4 L) bits and sets
+    colour factors to 0.1 + 0.18 L (1.9 at 10, never a random sign). timm's `rand-mL` applies each
+    drawn op with probability 0.5, also draws Invert and SolarizeAdd, fills with the mean pixel and
+    has big_vision's solarize, posterize and colour factors; with `inc1` its colour factors are
+    1 +- 0.09 L, as M = 3L here, and it posterizes to 4 - int(0.4 L) bits."""
     three_augment: bool = False
     """DeiT III's 3-Augment instead of RandAugment: after the crop and flip, one of grayscale,
     solarization or Gaussian blur (radius 0.1..2) chosen uniformly per image, then colour jitter 0.3
@@ -170,8 +180,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     if a.randaugment_ops < 0:
         fail("data.augment.randaugment_ops", f"must be >= 0 (0: no RandAugment), got {a.randaugment_ops}")
     if not 0 <= a.randaugment_magnitude <= 30:
-        fail("data.augment.randaugment_magnitude", f"must be in 0-30 (torchvision's 31 bins; a 0-10 level L is "
-             f"3L), got {a.randaugment_magnitude}")
+        fail("data.augment.randaugment_magnitude", f"must be in 0-30 (the 31 bins of torchvision's v2.RandAugment), "
+             f"got {a.randaugment_magnitude}")
     for key in ("mixup_alpha", "cutmix_alpha"):
         if getattr(a, key) < 0:
             fail(f"data.augment.{key}", f"must be >= 0 (0: off), got {getattr(a, key)}")

@@ -6,7 +6,8 @@ weight decay to torch's convention, RandAugment levels to torchvision's magnitud
 must hold the translation. Where a rule is arithmetic on a library's convention, the library or a
 plain re-implementation of the source's code checks it: one AdamW step of ours equals big_vision's
 optax chain, and torchvision's RandAugment at the config's magnitude applies timm's or big_vision's
-op strengths. What a config cannot express is listed in its header."""
+rotate and shear strengths (and others where they agree). What a config cannot express is listed in
+its header."""
 import math
 import re
 
@@ -227,7 +228,8 @@ def _torchvision_strengths(magnitude: int, size: int = 224) -> dict:
 def test_randaugment_magnitude_gives_big_vision_level_10():
     """big_vision's randaug(2, 10) (pp/autoaugment.py, level 10 of _MAX_LEVEL 10): rotate 30 deg,
     shear 0.3, enhance factor level / 10 x 1.8 + 0.1 = 1.9, posterize to 4 bits; torchvision's
-    RandAugment at the config's magnitude applies the same strengths (enhance as 1 +- 0.9)."""
+    RandAugment at the config's magnitude rotates, shears and posterizes as much, and enhances by
+    1 +- 0.9, of which big_vision draws only the 1.9 (the other differences: the config's header)."""
     level = BIG_VISION_S16["randaug"][1]
     got = _torchvision_strengths(load_config("configs/plain_vit_s16_in1k.yaml").data.augment.randaugment_magnitude)
     assert got["Rotate"] == pytest.approx(level / 10 * 30.0) and got["ShearX"] == pytest.approx(level / 10 * 0.3)
@@ -248,3 +250,92 @@ def test_randaugment_magnitude_gives_timms_rand_m9(config):
     assert got["ShearX"] == pytest.approx(abs(LEVEL_TO_ARG["ShearX"](level, {})[0]))
     for op in ("Brightness", "Color", "Contrast", "Sharpness"):  # inc1: the increasing variants, 1 +- 0.81
         assert got[op] == pytest.approx(abs(LEVEL_TO_ARG[op + "Increasing"](level, {})[0] - 1.0))
+
+
+# big_vision pp/autoaugment.py, distort_image_with_randaugment: its ops, its fill (replace_value), and
+# level_to_arg's arguments at level L of _MAX_LEVEL 10, as its code states them
+BIG_VISION_RANDAUG_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "Color",
+                          "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateX", "TranslateY",
+                          "Cutout", "SolarizeAdd")
+BIG_VISION_FILL = 128
+
+
+def _big_vision_arg(op: str, level: float) -> float:
+    return {"Posterize": int((level / 10) * 4), "Solarize": int((level / 10) * 256),
+            "Color": (level / 10) * 1.8 + 0.1}[op]
+
+
+def _randaugment_fills(ra) -> set:
+    """The corner values RandAugment leaves where a geometric op uncovers a grey 200 image's corner
+    (its centre kept), over 100 seeds."""
+    fills = set()
+    for seed in range(100):
+        torch.manual_seed(seed)
+        out = ra(torch.full((3, 16, 16), 200, dtype=torch.uint8))
+        if out[0, 8, 8] == 200 and out[0, 0, 0] != 200:
+            fills.add(int(out[0, 0, 0]))
+    return fills
+
+
+def test_randaugment_magnitude_doc_states_what_each_library_does():
+    """Every strength and difference the `data.augment.randaugment_magnitude` description states,
+    checked against torchvision's RandAugment at every magnitude, timm's own level arguments and op
+    lists, and big_vision's as its code states them."""
+    from timm.data import create_transform
+    from timm.data.auto_augment import LEVEL_TO_ARG, RandAugment, rand_augment_transform
+
+    from pretrain.config.reference import field_docs
+
+    doc = " ".join(field_docs()["data.augment.randaugment_magnitude"].split())
+    ra = v2.RandAugment(num_ops=2, magnitude=30)
+    space = ra._AUGMENTATION_SPACE
+
+    def tv(op, m):
+        return float(space[op][0](31, 224, 224)[m])
+
+    claims = {
+        "each op drawn from its 14 (Identity among them)": len(space) == 14 and "Identity" in space,
+        "uncovered pixels black": _randaugment_fills(v2.RandAugment(num_ops=1, magnitude=30)) == {0},
+        "with a random sign": all(space[op][1] for op in ("Rotate", "ShearX", "TranslateX", "Brightness", "Color")),
+        "M rotates M degrees, shears 0.01 M": all(tv("Rotate", m) == pytest.approx(m)
+                                                   and tv("ShearX", m) == pytest.approx(0.01 * m) for m in range(31)),
+        "translates M / 30 x 150 / 331 of the side": all(tv("TranslateX", m) == pytest.approx(m / 30 * 150 / 331 * 224)
+                                                         for m in range(31)),
+        "factors to 1 +- 0.03 M": all(tv(op, m) == pytest.approx(0.03 * m) for op in ("Brightness", "Color", "Contrast",
+                                                                                       "Sharpness") for m in range(31)),
+        "posterizes to 8 - round(M / 7.5) bits": all(tv("Posterize", m) == 8 - round(m / 7.5) for m in range(31)),
+        "solarizes above 255 (1 - M / 30)": all(255 * tv("Solarize", m) == pytest.approx(255 * (1 - m / 30), abs=1e-4)
+                                                for m in range(31)),
+        "rotates and shears as M = 3L does": all(
+            (L / 10 * 30, L / 10 * 0.3) == pytest.approx((tv("Rotate", 3 * L), tv("ShearX", 3 * L)))  # big_vision
+            and abs(LEVEL_TO_ARG["Rotate"](L, {})[0]) == pytest.approx(tv("Rotate", 3 * L))
+            and abs(LEVEL_TO_ARG["ShearX"](L, {})[0]) == pytest.approx(tv("ShearX", 3 * L)) for L in range(11)),
+        "also draws Invert, Cutout and SolarizeAdd": set(BIG_VISION_RANDAUG_OPS) - set(space)
+        == {"Invert", "Cutout", "SolarizeAdd"},
+        "fills with grey 128": BIG_VISION_FILL == 128,
+        "solarizes above 25.6 L (nothing at 10)": _big_vision_arg("Solarize", 10) == 256
+        and all(_big_vision_arg("Solarize", L) == int(25.6 * L) for L in range(11)),
+        "keeps int(0.4 L) bits": all(_big_vision_arg("Posterize", L) == int(0.4 * L) for L in range(11)),
+        "colour factors to 0.1 + 0.18 L (1.9 at 10, never a random sign)": all(
+            _big_vision_arg("Color", L) == pytest.approx(0.1 + 0.18 * L) for L in range(11)),
+        "applies each drawn op with probability 0.5": {op.prob for op in rand_augment_transform("rand-m9", {}).ops}
+        == {0.5},
+        "also draws Invert and SolarizeAdd": {"Invert", "SolarizeAdd"}
+        <= {op.name for op in rand_augment_transform("rand-m9", {}).ops},
+        "fills with the mean pixel": next(t for t in create_transform(224, is_training=True, auto_augment="rand-m9",
+                                                                      mean=(0.2, 0.4, 0.6)).transforms
+                                          if isinstance(t, RandAugment)).ops[0].kwargs["fillcolor"] == (51, 102, 153),
+        "has big_vision's solarize, posterize and colour factors": all(
+            LEVEL_TO_ARG[op](L, {})[0] == pytest.approx(_big_vision_arg(op, L))
+            for op in ("Solarize", "Posterize", "Color") for L in range(11)),
+        "with `inc1` its colour factors are 1 +- 0.09 L, as M = 3L here": all(
+            abs(LEVEL_TO_ARG["ColorIncreasing"](L, {})[0] - 1) == pytest.approx(max(0.09 * L, 0.0))
+            and tv("Color", 3 * L) == pytest.approx(0.09 * L) for L in range(11)),
+        "posterizes to 4 - int(0.4 L) bits": all(LEVEL_TO_ARG["PosterizeIncreasing"](L, {})[0] == 4 - int(0.4 * L)
+                                                 for L in range(11)),
+    }
+    assert [c for c in claims if c not in doc] == [], "the description states these no longer"
+    assert [c for c, holds in claims.items() if not holds] == []
+    # why a timm level L is not M = 3L: without inc1 its colour factor at 9 is 1.72, never 1 +- 0.81
+    assert LEVEL_TO_ARG["Brightness"](9, {})[0] not in (pytest.approx(1 - tv("Brightness", 27)),
+                                                        pytest.approx(1 + tv("Brightness", 27)))
