@@ -190,5 +190,8 @@ def check_data(data: DataConfig, fail: Callable[[str, str], None]) -> None:
     if a.three_augment and a.randaugment_ops > 0:
         fail("data.augment.three_augment", f"replaces RandAugment (DeiT III): set data.augment.randaugment_ops=0, "
              f"got {a.randaugment_ops}")
-    if len(a.mean) != 3 or len(a.std) != 3 or min(a.std) <= 0:
-        fail("data.augment.std", "mean and std need 3 channels, std > 0")
+    for key in ("mean", "std"):  # each named by itself: the two may come from different files
+        if len(getattr(a, key)) != 3:
+            fail(f"data.augment.{key}", f"needs 3 channels (R, G, B), got {getattr(a, key)}")
+    if not all(s > 0 for s in a.std):
+        fail("data.augment.std", f"must be > 0 in every channel, got {a.std}")

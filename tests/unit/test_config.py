@@ -148,6 +148,24 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
         load_config(child, ["train.steps=1", "optim.lr=-1"])
 
 
+@pytest.mark.parametrize("text, overrides, where, needle", [
+    ("data: {augment: {std: [0.2, 0.2, 0.2]}}\n", ["data.augment.mean=[0.5,0.5]"], "command line",
+     "data.augment.mean: needs 3 channels (R, G, B), got [0.5, 0.5]"),
+    ("data: {augment: {mean: [0.5]}}\n", ["data.augment.std=[0.2,0.2,0.2]"], "file",
+     "data.augment.mean: needs 3 channels (R, G, B), got [0.5]"),
+    ("data: {augment: {mean: [0.5, 0.5, 0.5]}}\n", ["data.augment.std=[0.2,0.2]"], "command line",
+     "data.augment.std: needs 3 channels (R, G, B), got [0.2, 0.2]"),
+    ("data: {augment: {std: [0.2, 0.0, 0.2]}}\n", ["data.augment.mean=[0.4,0.4,0.4]"], "file",
+     "data.augment.std: must be > 0 in every channel, got [0.2, 0.0, 0.2]"),
+])
+def test_normalisation_errors_name_the_key_and_where_it_was_set(tmp_path, text, overrides, where, needle):
+    cfg = write(tmp_path / "norm.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, overrides)
+    origin = "command line" if where == "command line" else str(cfg.resolve())
+    assert str(e.value) == f"{origin}: {needle}"
+
+
 @pytest.mark.parametrize("text, needle", [
     ("zero: {stage: 5}\n", "zero.stage"),
     ("train: {global_batch_size: 100, micro_batch_size: 32}\n", "train.global_batch_size"),
