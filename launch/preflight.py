@@ -85,13 +85,13 @@ def _manifest_bytes(manifests, policy) -> dict[str, tuple[Optional[int], str]]:
         if is_s3(murl):
             parent, name = murl.rsplit("/", 1)
             folder = S3Prefix(parent, policy)
-            shards, where = parse_manifest(folder.read_text(name) or "", murl)["shards"], murl
+            shards, where = parse_manifest(folder.read_bytes(name) or b"", murl)["shards"], murl
             keys = [folder.url(sh["name"]) for sh in shards]
         elif is_remote(murl):
             continue
         else:
             path = Path(local_path(murl))
-            shards, where = parse_manifest(path.read_text(), str(path))["shards"], str(path)
+            shards, where = parse_manifest(path.read_bytes(), str(path))["shards"], str(path)
             keys = [str(path.parent / sh["name"]) for sh in shards]
         for key, sh in zip(keys, shards):
             b = sh.get("bytes")

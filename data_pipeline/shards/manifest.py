@@ -120,7 +120,8 @@ def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
     return write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(manifest))
 
 
-def _read_text(url: str, allow_remote: bool, key: str) -> str:
+def _read_bytes(url: str, allow_remote: bool, key: str) -> bytes:
+    """The manifest's bytes (decoded, with the other checks, by :func:`parse_manifest`)."""
     if is_remote(url):
         _check_remote(url, allow_remote, key)
         from webdataset.gopen import gopen
@@ -129,28 +130,33 @@ def _read_text(url: str, allow_remote: bool, key: str) -> str:
             reader = HTTPShard if is_http(url) else S3Object
             try:
                 with reader(url, MANIFEST_NAME, RemotePolicy(retry_s=10.0), kind="manifest") as f:
-                    return f.read().decode("utf-8")
+                    return f.read()
             except (DataError, StoreUnreachable) as e:
                 raise (StoreUnreachable if isinstance(e, StoreUnreachable) else DataError)(f"{e} ({key})") from None
 
         try:
             with gopen(url, "rb") as f:
-                return f.read().decode("utf-8")
+                return f.read()
         except Exception as e:  # any transport failure is the same user-facing problem
             raise DataError(f"{url}: cannot read manifest ({e})") from None
     path = Path(local_path(url))
     if not path.is_file():
         raise DataError(f"{path}: manifest not found ({key}); write shards with vit-shards, "
                         f"which puts {MANIFEST_NAME} beside them")
-    return path.read_text()
+    return path.read_bytes()
 
 
-def parse_manifest(text: str, where: str) -> dict:
-    """Validate a manifest; every error names the file and the key."""
+def parse_manifest(text: Union[str, bytes], where: str) -> dict:
+    """Validate a manifest (its text, or its bytes: UTF-8); every error names the file and the key."""
     try:
-        m = json.loads(text)
+        m = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+                        "not a manifest that vit-shards wrote") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise DataError(f"{where}: JSON nested too deeply: not a manifest that vit-shards wrote") from None
     if not isinstance(m, dict):
         raise DataError(f"{where}: top level must be an object")
     if m.get("format") != FORMAT or m.get("version") != VERSION:
@@ -165,13 +171,13 @@ def parse_manifest(text: str, where: str) -> dict:
     names = set()
     for i, s in enumerate(shards):
         if not (isinstance(s, dict) and isinstance(s.get("name"), str) and "/" not in s["name"]
-                and isinstance(s.get("samples"), int) and s["samples"] >= 0):
+                and type(s.get("samples")) is int and s["samples"] >= 0):  # bool is an int to isinstance
             raise DataError(f"{where}: shards[{i}]: expected {{'name': file name, 'samples': int >= 0}}, got {s!r}")
         if s["name"] in names:
             raise DataError(f"{where}: shards[{i}]: duplicate shard name {s['name']!r}")
         names.add(s["name"])
     total = sum(s["samples"] for s in shards)
-    if m.get("total") != total:
+    if type(m.get("total")) is not int or m["total"] != total:
         raise DataError(f"{where}: total: {m.get('total')!r} differs from the sum of shard samples {total}")
     if not isinstance(m.get("multi_label", False), bool):
         raise DataError(f"{where}: multi_label: expected true or false")
@@ -181,7 +187,7 @@ def parse_manifest(text: str, where: str) -> dict:
 def read_manifest(url: str, *, allow_remote: bool = False, key: str = "data.train_shards") -> dict:
     """The checked manifest at a path or URL (read as ``resolve_shards`` reads it; ``key`` names what
     gave it, in errors)."""
-    return parse_manifest(_read_text(url, allow_remote, key), url)
+    return parse_manifest(_read_bytes(url, allow_remote, key), url)
 
 
 def _check_remote(url: str, allow_remote: bool, key: str) -> None:

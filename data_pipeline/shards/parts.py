@@ -34,20 +34,20 @@ def part_manifest_name(part: tuple[int, int]) -> str:
     return f"part-{part_tag(part)}.json"
 
 
-def _part_files(out, part_paths) -> list[tuple[str, str | None]]:
-    """(where, text or None when missing) of each part manifest: a local path, or a URL in the
+def _part_files(out, part_paths) -> list[tuple[str, bytes | None]]:
+    """(where, bytes or None when missing) of each part manifest: a local path, or a URL in the
     store (a shell pattern such as ``s3://b/p/part-*of0064.json`` is listed there)."""
     found = []
     for p in map(str, part_paths):
         if not is_remote(p):
-            found.append((str(Path(p)), Path(p).read_text() if Path(p).is_file() else None))
+            found.append((str(Path(p)), Path(p).read_bytes() if Path(p).is_file() else None))
             continue
         folder, name = posixpath.split(p)
         place = open_place(folder, "part manifest")
         names = place.names(name) if any(c in name for c in "*?[") else [name]
         if not names:
             found.append((p, None))
-        found += [(place.url(n), place.read_text(n)) for n in names]
+        found += [(place.url(n), place.read_bytes(n)) for n in names]
     return found
 
 
@@ -68,8 +68,8 @@ def merge_parts(out_dir, part_paths) -> dict:
         if text is None:
             raise DataError(f"{p}: part manifest not found (has that part finished?)")
         try:
-            m = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            m = json.loads(text.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise DataError(f"{p}: not a part manifest (invalid JSON: {e})") from None
         if not isinstance(m, dict) or m.get("format") != PART_FORMAT or m.get("version") != VERSION:
             raise DataError(f"{p}: not a part manifest of vit-shards --part (format {PART_FORMAT!r} "

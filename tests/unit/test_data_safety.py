@@ -7,8 +7,10 @@ import json
 import pickle
 import struct
 import subprocess
+import sys
 import tarfile
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -217,6 +219,33 @@ def test_manifest_mistakes_are_one_line_data_errors(tmp_path, shard_kit):
     with pytest.raises(DataError, match="manifest not found") as e:
         build_loader(_cfg(root / "train-000000.tar"), batch_size=2)
     assert "\n" not in str(e.value)
+
+
+def test_manifest_bytes_nesting_and_booleans_are_one_line_data_errors(tmp_path, shard_kit):
+    """A manifest that is not UTF-8, one nested past the JSON decoder's recursion, and a bool where
+    a count belongs (True is an int to isinstance): each a DataError naming the file, and one line
+    with exit 2 from a command that reads it."""
+    root = shard_kit.make_shards(tmp_path / "s", [_samples(shard_kit, 0, 1)], list("ab"))
+    good = json.loads((root / "manifest.json").read_text())
+    bools = [dict(good, shards=[dict(good["shards"][0], samples=True)]), dict(good, total=True)]
+    latin1 = b'{"format": "vitscale-shards", "classes": ["\xff"]}'
+    cases = [
+        (latin1, f"not UTF-8 text (byte 0xff at offset {latin1.index(0xff)})"),
+        (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
+        (json.dumps(bools[0]).encode(), "shards[0]: expected {'name': file name, 'samples': int >= 0}, got "
+                                        "{'name': 'train-000000.tar', 'samples': True"),
+        (json.dumps(bools[1]).encode(), "total: True differs from the sum of shard samples 1"),
+    ]
+    manifest = root / "manifest.json"
+    for data, said in cases:
+        manifest.write_bytes(data)
+        with pytest.raises(DataError) as e:
+            build_loader(_cfg(root), batch_size=1)
+        assert str(e.value).startswith(f"{manifest}: {said}"), e.value
+        r = subprocess.run([sys.executable, "-m", "data_pipeline.loading.plan", str(manifest), "--world-size", "1",
+                            "--workers", "1", "--batch", "1"], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
 
 
 class _Unseekable(io.RawIOBase):

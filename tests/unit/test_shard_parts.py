@@ -195,3 +195,16 @@ def test_slurm_shards_checks_the_vit_shards_options(tmp_path, capsys, theirs, sa
     code, _, err = _launch(["--shards", "--parts", "2", "--output", tmp_path / "s.sbatch", "--", *theirs], capsys)
     assert code == 2 and err.count("\n") == 1 and says in err, err
     assert not (tmp_path / "s.sbatch").exists()
+
+
+@pytest.mark.parametrize("data, said", [
+    (b'{"format": "vitscale-shards-part", "split": "caf\xe9"}', "invalid JSON: 'utf-8' codec can't decode byte 0xe9"),
+    (b"[" * 100_000 + b"]" * 100_000, "invalid JSON: maximum recursion depth exceeded"),
+])
+def test_merge_refuses_undecodable_part_manifests_in_one_line(tmp_path, capsys, data, said):
+    """A part manifest that is not UTF-8 or nests past the JSON decoder's recursion is named in one
+    line, as any other file that is not a part manifest."""
+    (tmp_path / "out").mkdir()
+    bad = tmp_path / "out" / "part-0001of0001.json"
+    bad.write_bytes(data)
+    assert f"{bad}: not a part manifest ({said}" in _merge_fails([tmp_path / "out", bad], capsys)
