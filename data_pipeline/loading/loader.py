@@ -74,7 +74,8 @@ JPEGs on the ``data.decode_device`` chosen, and with what (the training start-up
 
 Counters (``loader.counters``) are summed over workers for the batches yielded so far; kinds are
 listed in ``tally.py``. When an epoch's bad samples on this rank exceed ``data.max_corrupt_rate`` of
-the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards.
+the samples the rank is due, iteration raises ``TooManyCorruptSamples`` naming the worst shards;
+after an elastic resume each new rank carries its share of the bad samples the epoch had so far.
 A remote store that stays away past ``data.remote_retry_s`` raises ``StoreUnreachable`` (exit 69:
 an outage, not bad data), whichever worker met it.
 """
@@ -166,7 +167,9 @@ class ShardLoader:
             self.decode_path = (f"data.decode_device={decode_device}: JPEGs decoded in this process by "
                                 f"{self._decoder.describe()}; other images (PNG, progressive JPEG, ...) by "
                                 f"{readers} with PIL")
-        # Samples this rank is due per epoch: the denominator of the corrupt rate.
+        # Samples this rank is due per epoch: the denominator of the corrupt rate. In the rest of an
+        # epoch after an elastic resume too: the rank then carries its share of the bad samples the
+        # old layout met in that epoch (resume), so numerator and denominator span the whole epoch.
         if plan.train:
             self._due = self.batches_per_epoch * plan.batch_size
         else:
@@ -305,8 +308,10 @@ class ShardLoader:
         rank of this layout (fewer than one global batch of them dropped, counted by rank 0); then
         epochs follow this layout's plan. Cost: replaying the shuffle buffers of the old slots that
         feed this rank, about a microsecond per consumed sample, no I/O. Counters: rank 0 takes the
-        old ranks' sum, so the sum over ranks carries on. ``DataError`` for states of other data or
-        seed, of different steps, or too few of them for another layout."""
+        old ranks' sum, so the sum over ranks carries on; the bad samples of the interrupted epoch
+        are shared out over the new ranks (:meth:`_share_of_bad`), so the epoch's corrupt budget is
+        not renewed by the resume. ``DataError`` for states of other data or seed, of different
+        steps, or too few of them for another layout."""
         if not states:
             raise DataError("data loader resume: no states given")
         states = sorted(states, key=lambda st: st.rank)
@@ -339,8 +344,28 @@ class ShardLoader:
                   "batch_size": first.batch_size, "shuffle_buffer": first.shuffle_buffer, "emitted": emitted,
                   "rest": first.rest}
         self._reset_epoch(first.epoch, rest_epoch(self.plan, self.rank, source))
+        self._epoch_bad = self._share_of_bad(states)
         if self.batches_this_epoch == 0:  # fewer left than one global batch of this layout
             self._end_epoch()
+
+    def _share_of_bad(self, states: Sequence[LoaderState]) -> Counter:
+        """This rank's share of the bad samples the old ranks met in the epoch so far: those samples,
+        ordered by shard name, cut into ``world_size`` runs of equal length (within one), run ``rank``.
+        The shares add up to the old counts, and each rank's due stays its full epoch's, so the
+        epoch keeps the corrupt budget of an uninterrupted one: what the old ranks used is spent."""
+        total: Counter = Counter()
+        for st in states:
+            total.update(st.epoch_bad_by_shard)
+        n, world = sum(total.values()), self.plan.world_size
+        lo, hi = n * self.rank // world, n * (self.rank + 1) // world
+        share: Counter = Counter()
+        at = 0
+        for name in sorted(total):
+            a, b = max(lo, at), min(hi, at + total[name])
+            if b > a:
+                share[name] = b - a
+            at += total[name]
+        return share
 
     def _check_same_data(self, state: LoaderState) -> None:
         """A data position applies only to the shards and seed it was saved with."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,84 @@ def test_corrupt_rate_threshold_names_worst_shard(tmp_path, shard_kit):
                                                     r"train-000002.tar \(\d bad\)") as e:
         _run(strict, strict.batches_per_epoch)
     assert "\n" not in str(e.value)
+
+
+def _emission_order(root, **layout) -> list[str]:
+    """The keys one epoch of ``layout`` (one rank) consumes, in order: a bad sample takes the same
+    place in that order (it is emitted, then skipped)."""
+    loader = build_loader(_cfg(root, workers=0), seed=5, img_size=16, **layout)
+    keys = []
+    for _ in zip(range(loader.batches_per_epoch), loader):
+        keys += loader.last_keys
+    return keys
+
+
+@pytest.mark.parametrize("rate, fails", [(0.05, True), (0.1, False)])
+def test_corrupt_budget_of_an_epoch_survives_an_elastic_resume(tmp_path, shard_kit, rate, fails):
+    """10 of an epoch's 120 samples are bad, 5 read before a checkpoint and 5 after. The stated rule
+    (more than data.max_corrupt_rate of the epoch's samples bad: the run stops) decides the same
+    whether the epoch runs through, or resumes elastically (another micro batch) at the checkpoint:
+    the bad samples read before it count on."""
+    shards = [_samples(shard_kit, 30 * k, 30) for k in range(4)]
+    root = shard_kit.make_shards(tmp_path / "s", shards, list("abcd"))
+    order = _emission_order(root, batch_size=6)
+    assert len(order) == 120
+    bad = set(order[10:60:10]) | set(order[100:120:4])  # 5 before position 72, 5 after 100
+    for samples in shards:
+        for key, members in samples:
+            if key in bad:
+                members["jpg"] = b"\xff\xd8 garbage"
+    shard_kit.make_shards(root, shards, list("abcd"))  # the same names and counts: the same data position
+    assert len(bad) == 10 and (10 > rate * 120) == fails
+
+    def epoch(loader, batches):
+        it = iter(loader)
+        for _ in range(batches):
+            next(it)
+
+    through = build_loader(_cfg(root, workers=0, max_corrupt_rate=rate), batch_size=6, seed=5, img_size=16)
+    old = build_loader(_cfg(root, workers=0, max_corrupt_rate=rate), batch_size=6, seed=5, img_size=16)
+    epoch(old, 12)  # 72 good samples: the first 5 bad ones read, 77 emitted
+    assert sum(old.state().epoch_bad_by_shard.values()) == 5
+    new = build_loader(_cfg(root, workers=0, max_corrupt_rate=rate), batch_size=5, seed=5, img_size=16)
+    new.resume([old.state()])
+    assert 0 < new.batches_this_epoch < new.batches_per_epoch  # the rest of the epoch
+    for loader, batches in ((through, through.batches_per_epoch), (new, new.batches_this_epoch)):
+        if fails:
+            with pytest.raises(TooManyCorruptSamples, match=r"epoch 0, rank 0: (6|7|8|9|10) bad samples"):
+                epoch(loader, batches)
+        else:
+            epoch(loader, batches)
+            assert loader.counters["corrupt_image"] == 10  # rank 0 carries the old ranks' counters
+
+
+def test_elastic_resume_shares_the_epochs_bad_samples_out_over_the_new_ranks(tmp_path, shard_kit):
+    """Two old ranks' bad samples of the epoch so far, resumed on three: each new rank carries a
+    third (rounded), the shards' counts add up to the old ones, and an exact resume keeps them."""
+    shards = [_samples(shard_kit, 30 * k, 30) for k in range(4)]
+    for i in range(0, 30, 3):
+        shards[1][i][1]["jpg"] = b"\xff\xd8 garbage"
+    shards[3][0][1]["jpg"] = b"\xff\xd8 garbage"
+    root = shard_kit.make_shards(tmp_path / "s", shards, list("abcd"))
+    cfg = _cfg(root, workers=0, max_corrupt_rate=0.5)
+    olds = [build_loader(cfg, rank=r, world_size=2, batch_size=6, seed=5, img_size=16) for r in range(2)]
+    for loader in olds:
+        _run(loader, 6)
+    states = [loader.state() for loader in olds]
+    before = Counter()
+    for st in states:
+        before.update(st.epoch_bad_by_shard)
+    assert sum(before.values()) >= 2
+    news = [build_loader(cfg, rank=r, world_size=3, batch_size=4, seed=5, img_size=16) for r in range(3)]
+    for loader in news:
+        loader.resume(states)
+    carried = [Counter(loader.state().epoch_bad_by_shard) for loader in news]
+    assert sum(carried, Counter()) == before
+    assert sorted(sum(c.values()) for c in carried) == sorted((sum(before.values()) * (r + 1)) // 3
+                                                              - (sum(before.values()) * r) // 3 for r in range(3))
+    again = build_loader(cfg, rank=1, world_size=3, batch_size=4, seed=5, img_size=16)
+    again.resume([news[1].state()])  # the same layout: exact
+    assert again.state().epoch_bad_by_shard == dict(carried[1])
 
 
 def test_slot_without_any_readable_shard_fails_loudly(tmp_path, shard_kit):
