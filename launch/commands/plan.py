@@ -277,8 +277,7 @@ def token_table(price: perfmodel.TokenPrice) -> str:
     for r in price.phases:
         p = r.prediction
         lay = p.layout
-        full = memory.analytic_shape(lay["model"], img_size=r.img_size, reg_tokens=lay["reg_tokens"],
-                                     class_token=lay["class_token"])
+        full = perfmodel.Layout(**lay).shape(r.img_size)
         shape = memory.trained_shape(full, None, lay["patch_drop_rate"])
         steps = f"{r.first:,}-{r.last:,}"  # tokens: the patch tokens the blocks see, the prefix not counted
         lines.append(f"    {steps:>19}  {r.img_size:>4}  {r.micro_batch:>5}  {shape.seq_len - shape.prefix_tokens:>6}  "

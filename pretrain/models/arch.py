@@ -154,12 +154,15 @@ def map_head_macs(d: int, hidden: int, patches: int) -> int:
 
 def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
                    representation_size: Optional[int] = None, qk_norm: bool = False, breakdown: bool = False,
-                   reg_tokens: int = 0, class_token: bool = True, patch_drop_rate: float = 0.0):
+                   reg_tokens: int = 0, class_token: bool = True, patch_drop_rate: float = 0.0,
+                   layer_scale: bool = False, pos_embed: str = "learned"):
     """The same count as :func:`forward_flops`, from the architecture alone (no tensors). Register
     tokens and the [class] token lengthen the sequence of every block; ``map`` pooling adds
     :func:`map_head_macs` (in ``head``). ``patch_drop_rate``: a training forward's, the blocks, the
     final norm and the MAP head on the patch tokens patch dropout keeps (:func:`patch_keep`; the
-    prefix tokens all kept); the patch embedding still sees every patch."""
+    prefix tokens all kept); the patch embedding still sees every patch. ``layer_scale`` and
+    ``pos_embed`` (taken with the rest of :func:`config_options`) change no count: LayerScale's
+    multiply and the position embedding's add are element-wise, counted by neither."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
     h, w = (img, img) if isinstance(img, int) else img
@@ -196,12 +199,22 @@ def analytic_flops(name: str, img_size=None, num_classes: int = 1000, global_poo
     return total
 
 
+def config_options(m) -> dict:
+    """The options of a ``model:`` config section (``pretrain.config.schema.ModelConfig``) that change
+    what the model holds or computes beyond its name, resolution and classes, as :func:`param_count`,
+    :func:`param_tensors`, :func:`analytic_flops` and ``pretrain.perf.memory.analytic_shape`` take
+    them (``model.init_values`` as ``layer_scale``): the one list every estimate of the built model
+    reads, so none prices a model the config does not build."""
+    return dict(global_pool=m.global_pool, representation_size=m.representation_size, qk_norm=m.qk_norm,
+                layer_scale=bool(m.init_values), reg_tokens=m.reg_tokens, class_token=m.class_token,
+                pos_embed=m.pos_embed)
+
+
 def config_macs(m, img_size: int, breakdown: bool = False):
     """:func:`analytic_flops` of a ``model:`` config section (``pretrain.config.schema.ModelConfig``)
     at ``img_size`` px, as a training forward runs it (the tokens patch dropout keeps)."""
-    return analytic_flops(m.name, img_size, m.num_classes, m.global_pool, m.representation_size, qk_norm=m.qk_norm,
-                          breakdown=breakdown, reg_tokens=m.reg_tokens, class_token=m.class_token,
-                          patch_drop_rate=m.patch_drop_rate)
+    return analytic_flops(m.name, img_size, m.num_classes, breakdown=breakdown, patch_drop_rate=m.patch_drop_rate,
+                          **config_options(m))
 
 
 def _stem_params(layers: tuple[int, ...], in_chans: int = 3, width: int = 64) -> tuple[int, int]:
@@ -278,13 +291,15 @@ def param_count(name: str, img_size=None, num_classes: int = 1000, global_pool: 
 
 
 def param_tensors(name: str, img_size=None, num_classes: int = 1000, global_pool: str = "token",
+                  representation_size: Optional[int] = None, qk_norm: bool = False, layer_scale: bool = False,
                   reg_tokens: int = 0, class_token: bool = True, pos_embed: str = "learned") -> list[int]:
-    """Element counts of the model's parameter tensors (no pre-logits layer, qk_norm or
-    LayerScale): what ZeRO-3 partitions one by one, and its persistence threshold compares against."""
+    """Element counts of the model's parameter tensors, in the order of the forward: what ZeRO-3
+    partitions one by one, and its persistence threshold compares against."""
     a = model_defaults(name)
     img = img_size or a["img_size"]
-    d, m = a["embed_dim"], a["mlp_hidden"]
-    arch = dict(global_pool=global_pool, reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
+    d, m, hd = a["embed_dim"], a["mlp_hidden"], a["embed_dim"] // a["num_heads"]
+    arch = dict(global_pool=global_pool, representation_size=representation_size, qk_norm=qk_norm,
+                layer_scale=layer_scale, reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
     total, _ = param_count(name, img, num_classes, **arch)
     if a["stem_layers"]:
         c = stem_channels(a["stem_layers"])
@@ -294,8 +309,13 @@ def param_tensors(name: str, img_size=None, num_classes: int = 1000, global_pool
         p = a["patch_size"]
         embed, stem = [3 * p * p * d, d], 0
     top = _top_params(d, grid_tokens(name, img), reg_tokens, class_token, pos_embed)
-    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, d * m, m, m * d, d]
+    qk = [hd, hd, hd, hd] if qk_norm else []  # the queries' and keys' LayerNorms
+    gamma = [d] if layer_scale else []
+    block = [d, d, 3 * d * d, 3 * d, *qk, d * d, d, *gamma, d, d, d * m, m, m * d, d, *gamma]
     pool = _map_params(d, m) if global_pool == "map" else []
-    out = ([stem] if stem else []) + embed + top + block * a["depth"] + [d, d] + pool + [d * num_classes, num_classes]
+    feat = representation_size or d
+    pre_logits = [d * representation_size, representation_size] if representation_size else []
+    out = (([stem] if stem else []) + embed + top + block * a["depth"] + [d, d] + pool + pre_logits
+           + [feat * num_classes, num_classes])
     assert sum(out) == total, (name, sum(out), total)
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pretrain.config import compile_mode
-from pretrain.perf import buckets, kernels, memory
+from pretrain.perf import buckets, kernels
 from pretrain.perf.perfmodel import Layout, Prediction, predict
 
 
@@ -52,8 +52,7 @@ def lever_gains(layout: Layout) -> list[tuple[str, float]]:
     through vit-train on one H200 it measured 0.80x ``model`` (both with ``auto`` buckets) and below
     eager (``benchmarks/results/vit-train-h200.md``), for a reason the model does not hold."""
     base = predict(layout).images_per_second
-    shape = memory.analytic_shape(layout.model, img_size=layout.img_size, num_classes=layout.num_classes,
-                                  **layout.arch)
+    shape = layout.shape()
     depth = shape.depth
     now = "selective" if layout.checkpointing == "selective" else kernels.recomputed_blocks(depth, layout.checkpointing)
     written, mode = compile_mode(layout.compile), compile_mode(layout.compile, layout.zero)

@@ -96,7 +96,7 @@ def compute_seconds(layout, images: int) -> dict[str, float]:
     img = layout.img_size or a["img_size"]
     parts = arch.analytic_flops(layout.model, img, layout.num_classes, breakdown=True,
                                 patch_drop_rate=layout.patch_drop_rate, **layout.arch)
-    full = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
+    full = layout.shape(img)
     shape = memory.trained_shape(full, None, layout.patch_drop_rate)  # the blocks' tokens
     d, s, depth = shape.width, shape.seq_len, shape.depth
     n = kernels.recomputed_blocks(depth, layout.checkpointing)  # blocks whose forward runs again

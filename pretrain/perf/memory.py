@@ -170,14 +170,13 @@ def activation_dtype_bytes(precision: str) -> int:
 
 
 def model_shape(model_cfg) -> ModelShape:
-    """:func:`analytic_shape` for a config's ``model:`` section (tests check it against the built model)."""
+    """:func:`analytic_shape` for a config's ``model:`` section (tests check it against the built model);
+    its options are ``pretrain.models.arch.config_options``', which ``vit-launch plan``'s layouts carry too."""
     from pretrain.config import image_size
+    from pretrain.models.arch import config_options
 
     return analytic_shape(model_cfg.name, img_size=image_size(model_cfg), num_classes=model_cfg.num_classes,
-                          representation_size=model_cfg.representation_size, global_pool=model_cfg.global_pool,
-                          qk_norm=model_cfg.qk_norm, layer_scale=bool(model_cfg.init_values),
-                          reg_tokens=model_cfg.reg_tokens, class_token=model_cfg.class_token,
-                          pos_embed=model_cfg.pos_embed)
+                          **config_options(model_cfg))
 
 
 def optimizer_state_bytes(optimizer: str) -> int:

@@ -62,9 +62,16 @@ class Layout:
     global_batch: Optional[int] = None  # None: micro_batch x world (no accumulation)
     img_size: Optional[int] = None
     num_classes: int = 1000
-    reg_tokens: int = 0  # the model's token layout and pooling (model.reg_tokens, class_token, global_pool)
+    # the model's options beyond its name (pretrain.models.arch.config_options: the model section's
+    # reg_tokens, class_token, global_pool, qk_norm, init_values as LayerScale on or off,
+    # representation_size, pos_embed)
+    reg_tokens: int = 0
     class_token: bool = True
     global_pool: str = "token"
+    qk_norm: bool = False
+    layer_scale: bool = False
+    representation_size: Optional[int] = None
+    pos_embed: str = "learned"
     zero: int = 1
     precision: str = "bf16"
     reduce_dtype: str = "fp32"
@@ -132,8 +139,16 @@ class Layout:
 
     @property
     def arch(self) -> dict:
-        """The architecture options ``pretrain.models.arch`` and ``memory.analytic_shape`` take."""
-        return dict(reg_tokens=self.reg_tokens, class_token=self.class_token, global_pool=self.global_pool)
+        """The architecture options ``pretrain.models.arch`` and ``memory.analytic_shape`` take
+        (``arch.config_options`` of a config's model section)."""
+        return dict(global_pool=self.global_pool, representation_size=self.representation_size,
+                    qk_norm=self.qk_norm, layer_scale=self.layer_scale, reg_tokens=self.reg_tokens,
+                    class_token=self.class_token, pos_embed=self.pos_embed)
+
+    def shape(self, img_size: Optional[int] = None) -> memory.ModelShape:
+        """The analytic shape of the model this layout trains, at ``img_size`` px (None: the layout's)."""
+        return memory.analytic_shape(self.model, img_size=img_size or self.img_size, num_classes=self.num_classes,
+                                     **self.arch)
 
     @property
     def accumulation(self) -> int:
@@ -182,7 +197,7 @@ class Prediction:
 def predict(layout: Layout) -> Prediction:
     g = gpu_of(layout)
     img = layout.img_size or arch.model_defaults(layout.model)["img_size"]
-    shape = memory.analytic_shape(layout.model, img_size=img, num_classes=layout.num_classes, **layout.arch)
+    shape = layout.shape(img)
     k, b = layout.accumulation, layout.micro_batch
     micro = compute_seconds(layout, b)
     comp = micro["total"] * k
@@ -288,9 +303,10 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
 # ------------------------------------------------------------------------------ from configs
 def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
                        **overrides) -> Layout:
-    """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs, its
-    ``auto`` levers decided for them as training decides them (``pretrain.perf.levers``; the GPU
-    type's memory from its table entry)."""
+    """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs: the model
+    its ``model:`` section builds (every option ``arch.config_options`` names, as ``vit-launch check``
+    and training size it), its ``auto`` levers decided for them as training decides them
+    (``pretrain.perf.levers``; the GPU type's memory from its table entry)."""
     from pretrain.config import image_size
     from pretrain.perf import levers
 
@@ -301,7 +317,7 @@ def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network
     t, z, m = cfg.train, cfg.zero, cfg.model
     kw = dict(model=m.name, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=t.micro_batch_size,
               global_batch=t.global_batch_size, img_size=image_size(m), num_classes=m.num_classes,
-              reg_tokens=m.reg_tokens, class_token=m.class_token, global_pool=m.global_pool, zero=z.stage,
+              **arch.config_options(m), zero=z.stage,
               precision=t.precision, reduce_dtype=t.reduce_dtype, checkpointing=t.activation_checkpointing,
               compile=t.compile, patch_drop_rate=m.patch_drop_rate, drop_rate=m.drop_rate,
               drop_path_rate=m.drop_path_rate, optimizer=cfg.optim.name, ema=t.ema_decay > 0,

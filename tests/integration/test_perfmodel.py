@@ -32,7 +32,10 @@ def test_parameter_counts_match_the_built_model(name):
         params = sum(p.numel() for p in m.parameters())
         largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
         kk = dict(kw)
-        assert arch.param_count(name, layer_scale=bool(kk.pop("init_values", None)), **kk) == (params, largest)
+        kk["layer_scale"] = bool(kk.pop("init_values", None))
+        assert arch.param_count(name, **kk) == (params, largest)
+        if not arch.model_defaults(name)["stem_layers"]:  # what ZeRO-3 partitions: each tensor
+            assert sorted(arch.param_tensors(name, **kk)) == sorted(p.numel() for p in m.parameters()), kw
     with torch.device("meta"):
         m = create_model(name, num_classes=10, img_size=64)
     built = sorted(p.numel() for p in m.parameters())

@@ -449,3 +449,40 @@ def test_a_config_s_plan_says_what_its_whole_run_costs(capsys):
                     "saves on top"], line
     assert main_rc(["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm"]) == 0
     assert "  run " not in capsys.readouterr().out
+
+
+ARCH_OVERRIDES = (["model.qk_norm=true"], ["model.init_values=null"], ["model.representation_size=1024"],
+                  ["model.pos_embed=sincos2d"],
+                  ["model.qk_norm=true", "model.reg_tokens=4", "model.class_token=false", "model.global_pool=map"],
+                  ["model.qk_norm=true", "model.init_values=null", "model.global_pool=avg",
+                   "model.representation_size=768"])
+
+
+@pytest.mark.parametrize("arch", ARCH_OVERRIDES, ids=lambda o: ",".join(x.split(".")[1] for x in o))
+@pytest.mark.parametrize("train", [["train.micro_batch_size=512", "train.activation_checkpointing=false"],
+                                   ["train.micro_batch_size=512", "train.activation_checkpointing=auto"],
+                                   ["zero.stage=2", "train.activation_checkpointing=auto"]],
+                         ids=["512-none", "512-auto", "zero2-auto"])
+def test_the_plan_prices_the_model_the_config_builds(arch, train):
+    """The plan's memory is the estimate `vit-launch check` and training size the job by (the resolved
+    config's, from its whole model section: LayerScale, qk_norm, the pre-logits layer, the position
+    embedding, the tokens and pooling), so both say alike whether it fits, and the plan's `auto`
+    checkpointing is the count training picks (the DeiT III L/16 recipe, LayerScale on, 4 H100s)."""
+    from pretrain.config import load_config
+    from pretrain.perf import levers, memory
+    from pretrain.perf.hardware import GPUS
+    from pretrain.perf.perfmodel import layout_from_config
+
+    cfg = load_config("configs/deit3_l16_in1k.yaml", [*arch, *train])
+    budget = GPUS["h100-sxm"].memory_gb * memory.GB
+    resolved, _ = levers.resolve(cfg, 4, gpus_per_node=4, gpu="h100-sxm", network="dgx-h100", memory_bytes=budget)
+    est = memory.estimate(resolved, 4)  # what `check` and training's start-up estimate
+    built = memory.model_shape(cfg.model)
+    lay = layout_from_config(cfg, nodes=1, gpus_per_node=4, gpu="h100-sxm")
+    p = predict(lay)
+    assert p.params == built.params == est.params, (p.params, built.params)
+    assert p.memory_gb_per_gpu["total"] == pytest.approx(est.total / memory.GB, rel=1e-9), (arch, train)
+    assert p.fits == (est.total <= budget * memory.MEMORY_HEADROOM)
+    fewest = next((n for n in range(built.depth + 1) if predict(replace(lay, checkpointing=n)).fits), built.depth)
+    if "train.activation_checkpointing=auto" in train:
+        assert lay.checkpointing == fewest, (arch, train, lay.checkpointing, fewest)
