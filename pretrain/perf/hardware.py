@@ -21,18 +21,18 @@ class GPU:
 # efficiency: A100 and H100 are solved by ``pretrain.perf.published.calibrate`` from one published point each (the
 # test recomputes them); the other types borrow from the closest calibrated architecture.
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.564, "borrowed from a100-80gb (same SMs and clocks)", sms=108),
-    "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.564, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s", sms=108),
-    "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.385, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s", sms=132),
+    "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.581, "borrowed from a100-80gb (same SMs and clocks)", sms=108),
+    "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.581, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s", sms=108),
+    "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.398, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s", sms=132),
     # the PCIe cards: lower clocks and power, GPUs joined by PCIe Gen5 x16 (NVLink bridges pair them at most)
-    "h100-pcie": GPU(756.0, 80, 2000, 512, 0.385, "borrowed from h100-sxm (Hopper SMs)", sms=114),
-    "h100-nvl": GPU(835.0, 94, 3900, 512, 0.385, "borrowed from h100-sxm (Hopper SMs)", sms=132),
-    "h200-nvl": GPU(835.0, 141, 4800, 512, 0.385, "borrowed from h100-sxm (Hopper SMs)", sms=132),
-    "h200": GPU(989.4, 141, 4800, 3600, 0.385, "borrowed from h100-sxm (same Hopper SMs)", sms=132),
-    "b200": GPU(2250.0, 180, 8000, 7200, 0.385, "borrowed from h100-sxm (no published ViT point)", sms=148),
-    "l40s": GPU(362.0, 48, 864, 256, 0.564, "borrowed from a100-80gb (no published ViT point)", sms=142),
-    "rtx3090": GPU(71.0, 24, 936, 256, 0.564, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=82),
-    "rtx4090": GPU(165.2, 24, 1008, 256, 0.564, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=128),
+    "h100-pcie": GPU(756.0, 80, 2000, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=114),
+    "h100-nvl": GPU(835.0, 94, 3900, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=132),
+    "h200-nvl": GPU(835.0, 141, 4800, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=132),
+    "h200": GPU(989.4, 141, 4800, 3600, 0.398, "borrowed from h100-sxm (same Hopper SMs)", sms=132),
+    "b200": GPU(2250.0, 180, 8000, 7200, 0.398, "borrowed from h100-sxm (no published ViT point)", sms=148),
+    "l40s": GPU(362.0, 48, 864, 256, 0.581, "borrowed from a100-80gb (no published ViT point)", sms=142),
+    "rtx3090": GPU(71.0, 24, 936, 256, 0.581, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=82),
+    "rtx4090": GPU(165.2, 24, 1008, 256, 0.581, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=128),
 }
 
 

@@ -66,6 +66,20 @@ def test_parameter_counts_match_the_built_model(name):
             assert collectives.zero3_hooked(lay) == sum(1 for _ in m.modules()), rate
 
 
+def test_nemo_rows_model_the_sequence_nemo_runs():
+    """NeMo's ViT backbone prepends ``class_token_length`` [class] tokens (8 unless set, and its
+    ViT-g/14 training config does not set it: NeMo's model table says 264 tokens for g/14), and its
+    head is a hidden-wide dense layer and tanh before the classifier: the published throughputs are
+    for that model, so the rows the constants are solved from price the same one."""
+    nemo_class_tokens, patches = 8, (224 // 14) ** 2
+    rows = [r for r in published_table() if r["name"].startswith("NeMo")]
+    assert len(rows) == 4
+    for r in rows:
+        shape = Layout(**r["layout"]).shape()
+        assert shape.seq_len == patches + nemo_class_tokens == 264, (r["name"], shape.seq_len)
+        assert r["layout"]["representation_size"] == shape.width, r["name"]
+
+
 def test_published_runs_within_stated_tolerance():
     rows = published_table()
     calibrated = {}

@@ -196,7 +196,7 @@ HEADER_FIGURES = [  # what a header may quote of the plan, each tied to the plan
     (r"([\d.]+) % MFU at (\d+) px", lambda p, m: 100 * next(
         r["mfu"] for r in p["tokens"]["phases"] if r["img_size"] == int(m.group(2)))),
 ]
-# "puts ZeRO-2 at 60,342 img/s (23.9 % MFU, 4,999 GPU-hours for the run) and ZeRO-3 at ...": the
+# "puts ZeRO-2 at 61,818 img/s (24.5 % MFU, 4,880 GPU-hours for the run) and ZeRO-3 at ...": the
 # config at each stage it names
 STAGE_FIGURES = re.compile(r"ZeRO-(\d) at ([\d,]+) img/s \(([\d.]+) % MFU, ([\d,]+) GPU-hours")
 
