@@ -401,6 +401,11 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
 
 
 # --------------------------------------------------------------------------------------- memory
+def _capacity(gb: float) -> str:
+    """A device's memory as the messages name it: 80, 79.6 (an H100 80GB reports 81,559 MiB)."""
+    return f"{gb:.1f}".removesuffix(".0")
+
+
 def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.ModelShape) -> list[Finding]:
     """The estimate against ``gpu_memory_gb``, the config's ``auto`` levers decided as training
     decides them; a warning where it does not fit, where the config checkpoints more blocks than
@@ -410,6 +415,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
 
     budget = gpu_memory_gb * memory.GB
     usable = budget * memory.MEMORY_HEADROOM
+    cap = _capacity(gpu_memory_gb)
     written = cfg.train.activation_checkpointing
     cfg, _ = levers.resolve(cfg, world, memory_bytes=budget)
     est = memory.estimate(cfg, world, shape)
@@ -431,24 +437,24 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
     host = f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
     if est.total <= usable:
-        found = [Finding(OK, "memory", f"{detail} of {gpu_memory_gb:g} GB; {host}")]
+        found = [Finding(OK, "memory", f"{detail} of {cap} GB; {host}")]
         need = levers.fewest_checkpointed(cfg, world, shape, budget)
         if selective and need == 0:
             found.append(Finding(WARN, "memory", f"train.activation_checkpointing=selective recomputes every "
-                                                 f"block's element-wise work but the run fits {gpu_memory_gb:g} GB "
+                                                 f"block's element-wise work but the run fits {cap} GB "
                                                  f"without checkpointing; set train.activation_checkpointing=auto "
                                                  f"(none here)"))
         elif written != "auto" and not selective and n > need:
             found.append(Finding(WARN, "memory", f"train.activation_checkpointing={str(written).lower()} recomputes "
                                                  f"{n} of {shape.depth} blocks but {need} would fit "
-                                                 f"{gpu_memory_gb:g} GB: each recomputed block costs its forward "
+                                                 f"{cap} GB: each recomputed block costs its forward "
                                                  f"again; set train.activation_checkpointing=auto ({need} here)"))
         if cfg.zero.stage == 3:
             z2 = memory.estimate(_with(cfg, stage=2), world, shape)
             if z2.total <= usable:
                 found.append(Finding(WARN, "memory", f"zero.stage=3 gathers each block's weights again in every "
                                                      f"micro-step's forward and backward, but ZeRO-2 fits "
-                                                     f"{gpu_memory_gb:g} GB ({_gb(z2.total)} per GPU; building the "
+                                                     f"{cap} GB ({_gb(z2.total)} per GPU; building the "
                                                      f"model then takes {_gb(z2.host_build)} host memory per rank): "
                                                      f"set zero.stage=2 unless that host memory is short "
                                                      f"(vit-launch plan prices both)"))
@@ -472,7 +478,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         fixes.append("a smaller zero.reduce_bucket_size")
     advice = "set " + " or ".join(fixes) if fixes else "use more ranks with zero.stage=3 or a smaller model"
     return [Finding(WARN, "memory", f"estimated {detail} exceeds {_gb(usable)}, {memory.MEMORY_HEADROOM * 100:g} % of "
-                                    f"{gpu_memory_gb:g} GB (--gpu-memory-gb; the rest is the allocator's margin): "
+                                    f"{cap} GB (--gpu-memory-gb; the rest is the allocator's margin): "
                                     f"{advice}; {host}")]
 
 

@@ -17,7 +17,7 @@ DESCRIPTION = ("Run the pre-flight checks for a config and a number of ranks, wi
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    config_arguments(ap)
+    config_arguments(ap, memory_default="the memory --gpu reports, else 80")
     resource_arguments(ap)
     ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
     ap.add_argument("--gpu", help="GPU type: also print the performance model's prediction for this layout "
@@ -41,13 +41,18 @@ def command(args) -> int:
     else:
         world, nodes = spec_world_size(launch_spec(args))
         where = f"{nodes} node(s)"
-    ok = preflight(cfg, world, args.gpu_memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
+    memory_gb = args.gpu_memory_gb
+    if memory_gb is None:  # the plan's memory for the GPU type, so check and plan fit the same device
+        from pretrain.perf.hardware import GPUS
+
+        memory_gb = GPUS[args.gpu].memory_gb if args.gpu else 80.0
+    ok = preflight(cfg, world, memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
     if args.gpu:
         from pretrain.perf import perfmodel
 
         per_node = args.gpus_per_node or min(world, 8)
         nodes = max(1, world // per_node)
         pred = perfmodel.predict(perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=world // nodes,
-                                                              gpu=args.gpu))
+                                                              gpu=args.gpu, memory_gb=memory_gb))
         print(perfmodel.summary_line(pred), flush=True)
     return 0 if ok else 2

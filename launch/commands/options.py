@@ -21,11 +21,13 @@ def _device_gb(text: str) -> float:
     return gb
 
 
-def config_arguments(ap: argparse.ArgumentParser) -> None:
+def config_arguments(ap: argparse.ArgumentParser, memory_default: str = "80") -> None:
+    """``--config``, overrides and ``--gpu-memory-gb`` (GiB, as the estimate; ``memory_default`` says
+    in words what a command takes without it: ``check`` takes the memory of its ``--gpu``)."""
     ap.add_argument("--config", required=True, help="YAML experiment file")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
-    ap.add_argument("--gpu-memory-gb", type=_device_gb, default=80.0,
-                    help="device memory the estimate is checked against (default 80)")
+    ap.add_argument("--gpu-memory-gb", type=_device_gb, default=80.0 if memory_default == "80" else None,
+                    help=f"device memory the estimate is checked against, GB of 2^30 bytes (default {memory_default})")
 
 
 def resource_arguments(ap: argparse.ArgumentParser) -> None:

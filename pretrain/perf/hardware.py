@@ -10,7 +10,7 @@ from typing import Optional
 @dataclass(frozen=True)
 class GPU:
     peak_tflops: float  # dense bf16 tensor-core peak (data sheet, no sparsity)
-    memory_gb: float
+    memory_gb: float  # what the device reports (nvidia-smi's MiB / 1024): GiB, the unit of every estimate
     hbm_gbs: float  # memory bandwidth, GB/s
     link_gbps: float  # a GPU's own intra-node link, one direction, Gbit/s (NVLink or PCIe)
     efficiency: float  # achieved fraction of peak on large ViT matmuls (the one constant per type)
@@ -18,21 +18,29 @@ class GPU:
     sms: int = 0  # streaming multiprocessors (data sheet): a GEMM's tiles fill them in waves; 0: not modelled
 
 
+# memory_gb: the capacity nvidia-smi reports, where a report was found (MiB / 1024): A100 80GB 81,920 MiB,
+# A100 40GB 40,960, L40S 46,068 (modal-labs/modal-client#2797), H100 80GB HBM3 81,559 (NVIDIA/nccl#1264),
+# H100 NVL 95,830 (NVIDIA/gpu-admin-tools#4), H200 143,771 (benchmarks/results/vit-train-h200.md), B200
+# 183,359 (NVIDIA/TensorRT-LLM#10278), RTX 3090 24,576 (noonghunna/club-3090#1128) and RTX 4090 24,564
+# (RLinf/RLinf#255); H100 PCIe and H200 NVL carry the data sheet's GB until a report is found.
 # efficiency: A100 and H100 are solved by ``pretrain.perf.published.calibrate`` from one published point each (the
 # test recomputes them); the other types borrow from the closest calibrated architecture.
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU(312.0, 40, 1555, 2400, 0.581, "borrowed from a100-80gb (same SMs and clocks)", sms=108),
-    "a100-80gb": GPU(312.0, 80, 2039, 2400, 0.581, "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s", sms=108),
-    "h100-sxm": GPU(989.4, 80, 3350, 3600, 0.398, "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s", sms=132),
+    "a100-40gb": GPU(312.0, 40960 / 1024, 1555, 2400, 0.581, "borrowed from a100-80gb (same SMs and clocks)", sms=108),
+    "a100-80gb": GPU(312.0, 81920 / 1024, 2039, 2400, 0.581,
+                     "calibrated: NeMo ViT-g/14, 8 x A100-80GB, 693 img/s", sms=108),
+    "h100-sxm": GPU(989.4, 81559 / 1024, 3350, 3600, 0.398,
+                    "calibrated: NeMo ViT-g/14, 8 x H100, 1,428 img/s", sms=132),
     # the PCIe cards: lower clocks and power, GPUs joined by PCIe Gen5 x16 (NVLink bridges pair them at most)
     "h100-pcie": GPU(756.0, 80, 2000, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=114),
-    "h100-nvl": GPU(835.0, 94, 3900, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=132),
+    "h100-nvl": GPU(835.0, 95830 / 1024, 3900, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=132),
     "h200-nvl": GPU(835.0, 141, 4800, 512, 0.398, "borrowed from h100-sxm (Hopper SMs)", sms=132),
-    "h200": GPU(989.4, 141, 4800, 3600, 0.398, "borrowed from h100-sxm (same Hopper SMs)", sms=132),
-    "b200": GPU(2250.0, 180, 8000, 7200, 0.398, "borrowed from h100-sxm (no published ViT point)", sms=148),
-    "l40s": GPU(362.0, 48, 864, 256, 0.581, "borrowed from a100-80gb (no published ViT point)", sms=142),
-    "rtx3090": GPU(71.0, 24, 936, 256, 0.581, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=82),
-    "rtx4090": GPU(165.2, 24, 1008, 256, 0.581, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=128),
+    "h200": GPU(989.4, 143771 / 1024, 4800, 3600, 0.398, "borrowed from h100-sxm (same Hopper SMs)", sms=132),
+    "b200": GPU(2250.0, 183359 / 1024, 8000, 7200, 0.398, "borrowed from h100-sxm (no published ViT point)", sms=148),
+    "l40s": GPU(362.0, 46068 / 1024, 864, 256, 0.581, "borrowed from a100-80gb (no published ViT point)", sms=142),
+    "rtx3090": GPU(71.0, 24576 / 1024, 936, 256, 0.581, "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=82),
+    "rtx4090": GPU(165.2, 24564 / 1024, 1008, 256, 0.581,
+                   "borrowed from a100-80gb (bf16 with fp32 accumulate)", sms=128),
 }
 
 

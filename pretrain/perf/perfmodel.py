@@ -238,7 +238,8 @@ def predict(layout: Layout) -> Prediction:
     hfu = micro["hardware_flops"] / b * ips / layout.world / (g.peak_tflops * 1e12)
 
     est = _memory(layout, shape, img)
-    # memory in GB of 2**30 bytes, as `vit-launch check`, torch.cuda and a GPU's own "80 GB" count it
+    # memory in GB of 2**30 bytes, as `vit-launch check` and torch.cuda count it; the GPU table holds
+    # what each device reports in that unit (an H100 "80GB": 79.6)
     # (the bytes on links, GB of 1e9, are the collectives' unit)
     gib = memory.GB
     mem = {"weights": est.states["weights"] / gib, "gradients": est.states["gradients"] / gib,
@@ -273,7 +274,7 @@ def predict(layout: Layout) -> Prediction:
                       f"{b * k * layout.gpus_per_node / (comp + opt + exposed):,.0f} the GPUs could take; fix with "
                       f"{inputs.advice(layout.decode, layout.stored_side, feed.idle_cores, layout.gpus_per_node)}")
     if not fits:
-        bottleneck = f"does not fit: {mem['total']:.1f} GB needed of {g.memory_gb:.0f} GB; " + bottleneck
+        bottleneck = f"does not fit: {mem['total']:.1f} GB needed of {g.memory_gb:.1f} GB; " + bottleneck
     return Prediction(layout=asdict(layout), params=shape.params, images_per_second=ips,
                       images_per_second_per_gpu=ips / layout.world, mfu=mfu, hfu=hfu, step_seconds=step,
                       compute_seconds=comp, elementwise_seconds=micro["elementwise"] * k,

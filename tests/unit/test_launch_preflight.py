@@ -369,3 +369,19 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     assert ok.level == "ok" and "checkpointing every block op by op (selective)" in ok.message
     assert warn.level == "warning" and "selective recomputes every block's element-wise work but the run fits " \
                                        "80 GB without checkpointing" in warn.message
+
+
+def test_with_a_gpu_type_check_fits_the_memory_that_gpu_reports(capsys, tmp_path):
+    """`vit-launch check --gpu h100-sxm` measures the estimate against the memory an H100 80GB
+    reports (nvidia-smi: 81,559 MiB, 79.6 GiB: every estimate is in GiB), not the 80 of its name,
+    and its plan line agrees; --gpu-memory-gb still decides where it is given."""
+    over = ["data.synthetic=true", f"train.output_dir={tmp_path}/run", "model.qk_norm=true",
+            "train.micro_batch_size=512", "train.activation_checkpointing=false"]
+    code, out, err = check(capsys, ["--config", "configs/deit3_l16_in1k.yaml", "--world-size", "4", "--gpu",
+                                    "h100-sxm", *over])
+    usable = 81559 / 1024 * memory.MEMORY_HEADROOM
+    assert f"exceeds {usable:.1f} GB, 95 % of 79.6 GB" in " ".join(err), err
+    assert "(does NOT fit)" in out and "needed of 79.6 GB" in out, out
+    code, out, err = check(capsys, ["--config", "configs/deit3_l16_in1k.yaml", "--world-size", "4", "--gpu",
+                                    "h100-sxm", "--gpu-memory-gb", "96", *over])
+    assert "of 96 GB" in out and "exceeds" not in " ".join(err) and "(does NOT fit)" not in out, (out, err)
