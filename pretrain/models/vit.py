@@ -152,7 +152,8 @@ class VisionTransformer(nn.Module):
     # -------------------------------------------------------------------------- init
     @torch.no_grad()
     def init_weights(self, gather: Optional[Gather] = None, generator: Optional[torch.Generator] = None) -> None:
-        """The paper's (JAX) initialisation: Xavier-uniform linears, LeCun-normal patch conv,
+        """The paper's (JAX) initialisation: Xavier-uniform linears (the attention's query, key and
+        value kernels each over D x D, as flax's separate Dense layers), LeCun-normal patch conv,
         tiny-normal MLP biases, N(0, 0.02) position embeddings, zero [class] token and head,
         LayerScale at ``init_values`` (the hybrid's ResNet stem: its own rule); register tokens
         N(0, 1e-6) (timm, DINOv2); the MAP head as big_vision's ``MAPHead`` (Xavier-uniform probe
@@ -302,8 +303,11 @@ def _init_module(name: str, m: nn.Module, g: torch.Generator) -> None:
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)
             return
-        if name.endswith("attn_pool.kv"):  # big_vision's key and value kernels: each Xavier over D x D
-            fill(m.weight, lambda t: [nn.init.xavier_uniform_(half, generator=g) for half in t.chunk(2)])
+        if name.endswith("attn_pool.kv") or name.endswith("attn.qkv"):
+            # the fused query / key / value kernels each Xavier over D x D, as the separate Dense
+            # kernels of flax's attention (vit_jax, big_vision's encoder and MAPHead) are initialised
+            fill(m.weight, lambda t: [nn.init.xavier_uniform_(part, generator=g)
+                                      for part in t.chunk(t.shape[0] // t.shape[1])])
         else:
             fill(m.weight, lambda t: nn.init.xavier_uniform_(t, generator=g))
         if "mlp" in name:

@@ -161,7 +161,8 @@ def test_map_model_pools_the_patch_tokens_with_big_vision_map_head():
 
 def test_map_and_register_init_follow_big_vision_and_timm():
     """The probe: flax's Xavier-uniform on big_vision's (1, 1, D) shape (fan-in 1, fan-out D);
-    key and value kernels each Xavier over D x D, as big_vision's separate Dense layers; MLP
+    key and value kernels (and the encoder's query, key and value) each Xavier over D x D, as
+    flax's separate Dense layers; MLP
     biases N(0, 1e-6), attention biases zero. Registers N(0, 1e-6) (timm, DINOv2). The token-only
     model's weights do not move when the options are added (same seed)."""
     d = 768
@@ -170,7 +171,8 @@ def test_map_and_register_init_follow_big_vision_and_timm():
     bound = math.sqrt(6 / (1 + d))
     assert a.latent.abs().max() <= bound and a.latent.abs().max() > 0.95 * bound
     key, value = a.kv.weight.chunk(2)
-    for w in (key, value, a.q.weight, a.proj.weight):
+    query, key_, value_ = m.blocks[0].attn.qkv.weight.chunk(3)  # the encoder's, as vit_jax's flax attention
+    for w in (key, value, a.q.weight, a.proj.weight, query, key_, value_):
         assert w.abs().max() <= math.sqrt(6 / (2 * d)) and w.abs().max() > 0.99 * math.sqrt(6 / (2 * d))
     assert torch.equal(a.q.bias, torch.zeros(d)) and torch.equal(a.kv.bias, torch.zeros(2 * d))
     assert 0 < a.mlp.fc1.bias.std() < 1e-5 and torch.equal(a.norm.weight, torch.ones(d))
