@@ -34,7 +34,9 @@ class ModelConfig:
     img_size: Optional[int] = None
     """Training resolution; null: the resolution in the model name."""
     drop_rate: float = 0.0
-    """Dropout."""
+    """Dropout as the ViT paper applies it (vit_jax): after the position embedding's add, the
+    attention's output projection and each MLP layer; none on the attention weights or before the
+    head (timm's `pos_drop_rate` and `proj_drop_rate`)."""
     drop_path_rate: float = 0.0
     """Stochastic depth."""
     patch_drop_rate: float = 0.0

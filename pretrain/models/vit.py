@@ -80,7 +80,10 @@ class VisionTransformer(nn.Module):
         defer_init: bool = False,
         init_seed: Optional[int] = None,
     ):
-        """``global_pool``: ``token`` (the [class] token), ``avg`` (mean of the patch tokens, norm
+        """``drop_rate``: the ViT paper's dropout, where vit_jax applies it: after the position
+        embedding's add, the attention's output projection and each MLP layer (timm's
+        ``pos_drop_rate`` and ``proj_drop_rate``); none before the head (timm's ``drop_rate``, 0).
+        ``global_pool``: ``token`` (the [class] token), ``avg`` (mean of the patch tokens, norm
         after pooling as ``fc_norm``) or ``map`` (``AttentionPool`` over the patch tokens).
         ``reg_tokens``: register tokens after the [class] token, in the sequence but in no pooling.
         ``class_token=False``: none (then ``avg`` or ``map``). ``pos_embed``: ``learned`` or
@@ -144,7 +147,6 @@ class VisionTransformer(nn.Module):
         else:
             self.pre_logits = nn.Identity()
             self.num_features = embed_dim
-        self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         if not defer_init:
             self.init_weights(generator=init_generator(init_seed))
@@ -290,7 +292,7 @@ class VisionTransformer(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Pooled, normed (``avg``) and through the pre-logits layer; the logits unless ``pre_logits``."""
         x = self.pre_logits(self.fc_norm(self.pool(x)))
-        return x if pre_logits else self.head(self.head_drop(x))
+        return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))

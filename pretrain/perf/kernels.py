@@ -75,10 +75,10 @@ COMPILED_ELEMENTWISE = 8
 COMPILED_MODEL_OTHER_ELEMENTWISE = 6
 # model.drop_rate, eager: each nn.Dropout is one kernel forward (CUDA's fused native_dropout writes
 # the output and its mask) and one backward; three in a block (after the attention projection, the
-# GELU and fc2), two outside it (after the position embedding, before the head). model.drop_path_rate,
+# GELU and fc2), one outside it (after the position embedding). model.drop_path_rate,
 # eager: each residual branch's per-image mask (bernoulli, scaled in place) and the product forward,
 # the product backward. Compiled, both fuse into their neighbours' kernels.
-DROPOUT_SITES = {"block": 3, "other": 2}
+DROPOUT_SITES = {"block": 3, "other": 1}
 DROPOUT_KERNELS = {"forward": 1, "backward": 1}
 DROP_PATH_KERNELS = {"forward": 3, "backward": 1}  # per residual branch, two a block
 

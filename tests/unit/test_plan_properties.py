@@ -347,11 +347,11 @@ def test_zero3_extra_over_zero1_is_the_measured_one(gpu, model, micro, leaf):
 
 
 def test_zero3_pays_its_host_hooks_per_module_and_leaf_blocks_pay_fewer(capsys):
-    """Leaf blocks hook 34 modules of ViT-L/16 instead of 466; checkpointing runs the forward hooks
+    """Leaf blocks hook 33 modules of ViT-L/16 instead of 465; checkpointing runs the forward hooks
     again and recomputes (more work); other stages have neither."""
     lay = Layout("vit_large_patch16_224", "h100-sxm", gpus_per_node=1, micro_batch=64, zero=3, leaf_blocks=False)
     per_module, leaf, zero1 = predict(lay), predict(replace(lay, leaf_blocks=True)), predict(replace(lay, zero=1))
-    assert leaf.zero3_hook_seconds == pytest.approx(per_module.zero3_hook_seconds * 34 / 466)
+    assert leaf.zero3_hook_seconds == pytest.approx(per_module.zero3_hook_seconds * 33 / 465)
     assert leaf.zero3_work_seconds == pytest.approx(per_module.zero3_work_seconds)
     ckpt = predict(replace(lay, checkpointing=True))
     assert ckpt.zero3_hook_seconds == pytest.approx(1.5 * per_module.zero3_hook_seconds)
