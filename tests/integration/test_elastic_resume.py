@@ -50,9 +50,10 @@ def test_resume_on_another_layout_finishes_the_epoch_with_every_sample_once(demo
     assert len(keys) == 128 and set(keys.values()) == {1}, keys.most_common(3)
     m = metrics(out)
     assert sorted(m) == list(range(1, 9))
-    # the curve continues: a fresh model's zero-initialised head gives exactly ln(10) at its first step
+    # the curve continues: a fresh model's zero-initialised head gives exactly ln(10) at its first step,
+    # and six steps move it (by 0.017 on half the tokens at LR 1e-3, the slowest of the three cases)
     fresh = math.log(10)
-    assert first[1]["loss"] == pytest.approx(fresh, abs=1e-4) and abs(first[6]["loss"] - fresh) > 0.02, first
+    assert first[1]["loss"] == pytest.approx(fresh, abs=1e-4) and abs(first[6]["loss"] - fresh) > 0.01, first
     if extra:  # step 7 starts 64 px on half the tokens: a noisy step after a switch, but not a fresh model's
         assert abs(m[7]["loss"] - fresh) > 1e-3, m[7]
     else:
