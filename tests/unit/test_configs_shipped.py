@@ -174,6 +174,14 @@ def _gpus(plan: dict) -> int:
     return plan["layout"]["nodes"] * plan["layout"]["gpus_per_node"]
 
 
+def _gpus_could_take(p: dict) -> float:
+    """The img/s per node an input-bound layout's GPUs could take (its bottleneck line): the step's
+    images on one node over the step without waiting for batches."""
+    lay = p["layout"]
+    return lay["global_batch"] / lay["nodes"] / (p["compute_seconds"] + p["optimizer_seconds"]
+                                                 + p["exposed_comm_seconds"])
+
+
 def _same(claim: str, value: float) -> bool:
     """The claim is the value as the plan prints it: rounded to the claim's own digits."""
     digits = len(claim.split(".")[1]) if "." in claim else 0
@@ -195,6 +203,8 @@ HEADER_FIGURES = [  # what a header may quote of the plan, each tied to the plan
     (r"([\d.]+)x the (?:training )?FLOPs", lambda p, m: p["tokens"]["flops"] / p["tokens"]["fixed_flops"]),
     (r"([\d.]+) % MFU at (\d+) px", lambda p, m: 100 * next(
         r["mfu"] for r in p["tokens"]["phases"] if r["img_size"] == int(m.group(2)))),
+    (r"the GPUs could take ([\d,]+)", lambda p, m: _gpus_could_take(p)),
+    (r"([\d,]+) the GPUs could take", lambda p, m: _gpus_could_take(p)),
 ]
 # "puts ZeRO-2 at 61,818 img/s (24.5 % MFU, 4,880 GPU-hours for the run) and ZeRO-3 at ...": the
 # config at each stage it names
