@@ -6,11 +6,15 @@ replaced by a catch, so the parser it built is read back without running anythin
 the console scripts of setup.py (``vit-launch`` once per subcommand) and the ``python -m``
 modules the README names. The README's format: each option appears literally as ``--option``.
 Options of other programs that the README shows (the deepspeed runner's, read from DeepSpeed's
-own parser; sbatch's) are named below with where they come from.
+own parser; the benchmark scripts' it runs, from theirs; sbatch's) are named below with where they
+come from.
 """
 import argparse
 import importlib
+import importlib.util
+import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,10 +38,8 @@ class _Caught(Exception):
         self.parser = parser
 
 
-def parser_of(target: str) -> argparse.ArgumentParser:
-    """The parser ``module:function`` builds (``main`` by default), without running the command."""
-    module, _, fn = target.partition(":")
-    fn = "main" if fn == "command" else fn  # a command runs main as its whole process: main's parser
+def built_parser(main, name: str) -> argparse.ArgumentParser:
+    """The parser ``main`` builds, caught when it parses, without running the command."""
     real = argparse.ArgumentParser.parse_known_args
 
     def catch(self, *a, **k):
@@ -45,12 +47,30 @@ def parser_of(target: str) -> argparse.ArgumentParser:
 
     argparse.ArgumentParser.parse_known_args = catch
     try:
-        getattr(importlib.import_module(module), fn or "main")([])
+        main([]) if inspect.signature(main).parameters else main()
     except _Caught as c:
         return c.parser
     finally:
         argparse.ArgumentParser.parse_known_args = real
-    raise AssertionError(f"{target} built no parser")
+    raise AssertionError(f"{name} built no parser")
+
+
+def parser_of(target: str) -> argparse.ArgumentParser:
+    """The parser ``module:function`` builds (``main`` by default), without running the command."""
+    module, _, fn = target.partition(":")
+    fn = "main" if fn == "command" else fn  # a command runs main as its whole process: main's parser
+    return built_parser(getattr(importlib.import_module(module), fn or "main"), target)
+
+
+def benchmark_options() -> set[str]:
+    """The options of the benchmark scripts the docs run (``python benchmarks/NAME.py``), from their parsers."""
+    out = set()
+    for name in sorted(set(re.findall(r"python benchmarks/(\w+)\.py", README))):
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(module)
+        out |= options(built_parser(module.main, f"benchmarks/{name}.py"))
+    return out
 
 
 def options(parser: argparse.ArgumentParser) -> set[str]:
@@ -84,9 +104,12 @@ def cmds():
     return commands()
 
 
-# the commands named first; the others are checked the same way when they are in the README
-NAMED = ["vit-launch run", "vit-launch check", "vit-launch slurm", "vit-launch sweep", "vit-transfer", "vit-shards",
-         "vit-train", "vit-export", "vit-config"]
+# every command: the console scripts, each vit-launch subcommand, each ``python -m`` module the docs name
+NAMED = ["vit-launch run", "vit-launch check", "vit-launch plan", "vit-launch slurm", "vit-launch sweep",
+         "vit-transfer", "vit-shards", "vit-train", "vit-export", "vit-config", "vit-analyze", "vit-audit",
+         "vit-flops", "python -m launch.demo", "python -m data_pipeline.loading.plan",
+         "python -m data_pipeline.write_shards", "python -m launch.plot_scaling",
+         "python -m pretrain.checkpointing.elastic", "python -m pretrain.export", "python -m pretrain.train"]
 
 
 @pytest.mark.parametrize("command", NAMED)
@@ -95,9 +118,15 @@ def test_every_option_of_the_command_is_in_the_readme(cmds, command):
     assert not missing, f"{command}: options in --help but not in README.md or a guide: {missing}"
 
 
+def test_every_command_is_checked(cmds):
+    """A new console script, vit-launch command or documented module joins NAMED, so its options are
+    checked too."""
+    assert sorted(cmds) == sorted(NAMED), (sorted(set(cmds) - set(NAMED)), sorted(set(NAMED) - set(cmds)))
+
+
 def test_every_option_in_the_readme_belongs_to_a_command(cmds):
     ours = set().union(*cmds.values(), {"--help"})
-    foreign = deepspeed_runner_options() | SBATCH | PYTEST
+    foreign = deepspeed_runner_options() | benchmark_options() | SBATCH | PYTEST
     unknown = sorted(set(OPTION.findall(README)) - ours - foreign)
     assert not unknown, f"README.md or a guide shows options no command has: {unknown}"
 
