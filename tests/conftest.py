@@ -31,7 +31,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (runs only where one is present)")
     config.addinivalue_line("markers", "cluster: real sshd/pdsh/SLURM daemons (make test-cluster; not in make test)")
     config.addinivalue_line("markers", "slow: runs that start training processes (deepspeed runner or python -m "
-                            "pretrain.train); `pytest -m \"not slow\"` is the quick inner loop, `make test` runs all")
+                            "pretrain.train); `pytest -m \"not slow and not cluster and not gpu\"` is the quick "
+                            "inner loop, `make test` adds the slow ones")
     # as data_pipeline/loading/cuda_streams.py does for training: pytest resets warning filters per
     # test, and torchvision's deprecation of its codecs would otherwise be reported once per decode
     config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding capabilities of "
