@@ -36,8 +36,8 @@ benchmarks/results/zero3-leaf-blocks-h200.md) measured a ZeRO-3 step's extra ove
 hooks (the two hook layouts differ by 0.25-0.37 ms per hooked module, 0.32 on average) plus work
 that grows with the micro-step's GPU time (about as much again) and with the parameters gathered
 (0.13 ms per million). What that work is was not measured apart (one rank: no collective crosses a
-link); the two terms are fitted on ViT-L/16's two leaf-block rows and predict the other four rows
-within 0.95-1.13x, and the H100's per-module row (390.5 ms against ZeRO-1's 79.9) at 0.91x.
+link); the two terms are fitted on ViT-L/16's two leaf-block rows and predict the other four rows'
+extra within 0.94-1.12x, and the H100's per-module row's (390.5 ms against ZeRO-1's 79.9) at 0.90x.
 """
 from __future__ import annotations
 
