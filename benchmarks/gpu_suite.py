@@ -339,8 +339,9 @@ def run_model_group(name: str, batch: int, plan: Plan, device, budget: float, co
 
 
 def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkpointing: bool) -> dict:
-    """The performance model's img/s and MFU for a row (one GPU, no ZeRO), beside the measured
-    ones; nothing on a device the model has no entry for (CPUs, unlisted GPUs)."""
+    """The performance model's img/s and MFU for a row (one GPU, no ZeRO, bf16 autocast over the fp32
+    module as ``Variant.step`` runs it), beside the measured ones; nothing on a device the model has
+    no entry for (CPUs, unlisted GPUs)."""
     from pretrain.perf import perfmodel
     from pretrain.perf.hardware import gpu_key
 
@@ -348,7 +349,8 @@ def predicted(name: str, batch: int, img: int, device, *, compiled: bool, checkp
     if key is None:
         return {}
     p = perfmodel.predict(perfmodel.Layout(name, key, nodes=1, gpus_per_node=1, micro_batch=batch, img_size=img,
-                                           zero=0, compile=compiled, checkpointing=checkpointing))
+                                           zero=0, precision="bf16-autocast", compile=compiled,
+                                           checkpointing=checkpointing))
     return {"pred_img_s": p.images_per_second, "pred_mfu": p.mfu, "pred_gpu": key}
 
 
