@@ -35,7 +35,7 @@ test-gpu: $(STAMP)
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: no CUDA device here')"
 	$(PY) -m pytest -q -m gpu tests
 
-# the GPU figures on one GPU (budgeted to end within 9 min on an H100): JSON + Markdown in BENCH_OUT
+# the GPU figures on one GPU (planned for 8 min, ending within 9, on an H100): JSON + Markdown in BENCH_OUT
 BENCH_OUT ?= runs/bench-gpu
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu_suite.py --output $(BENCH_OUT)

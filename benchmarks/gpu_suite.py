@@ -5,7 +5,7 @@
     python benchmarks/gpu_suite.py --smoke --output /tmp/s    # toy sizes on CPU, under ~90 s
 
 Sections, each with its own time budget (a measurement stops early when its budget is spent; the
-whole suite is planned to end within 9 minutes on one H100):
+whole suite plans 8 minutes on one H100, ``Plan.total_budget``, and ends within 9: Time, below):
 
   peak    the device's measured bf16 matmul TFLOP/s beside the data-sheet peak (pretrain.perf.hardware)
   model   for ViT-B/16, L/16, H/14 at 224 px, bf16 autocast, one batch per model: timm's model,

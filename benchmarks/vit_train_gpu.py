@@ -1,6 +1,6 @@
 """vit-train's own training path on one GPU, lever by lever, beside the plan's prediction.
 
-    python benchmarks/vit_train_gpu.py --output runs/vit-train-gpu          # one H100 / H200: < 8 min
+    python benchmarks/vit_train_gpu.py --output runs/vit-train-gpu          # one H100 / H200: <= 500 s
     python benchmarks/vit_train_gpu.py --smoke --output /tmp/vt             # toy sizes on a CPU
 
 Each row is a whole ``pretrain.train.run`` (the DeepSpeed engine, the loop, the non-finite guard,
