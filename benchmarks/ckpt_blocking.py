@@ -70,7 +70,7 @@ def main() -> None:
                    == members(res["async"]["out"] / "checkpoints" / last / f)
                    for f in files)
         size = sum(p.stat().st_size for p in (res["sync"]["out"] / "checkpoints" / last).iterdir()) / 2 ** 20
-    print(f"{args.model} @ 64 px, 2 CPU ranks, ZeRO-2, checkpoint {size:,.0f} MB, a save every {args.every} steps")
+    print(f"{args.model} @ 64 px, 2 CPU ranks, ZeRO-2, checkpoint {size:,.0f} MiB, a save every {args.every} steps")
     for k, r in res.items():
         print(f"  {k:5s} blocked per save (s): {', '.join(f'{b:.2f}' for b in r['blocked'])}; "
               f"mean {statistics.mean(r['blocked']):.2f}; median img/s {r['img_s']:.1f}"
