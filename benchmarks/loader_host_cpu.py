@@ -35,6 +35,7 @@ from data_pipeline.config import AugmentConfig, DataConfig  # noqa: E402
 from data_pipeline.loading.loader import build_loader  # noqa: E402
 from data_pipeline.shards.sources import imagefolder  # noqa: E402
 from data_pipeline.shards.writer import write_shards  # noqa: E402
+from pretrain.observability.clock import synced_now  # noqa: E402
 
 
 def measure(shards: Path, device: str, mix: bool, workers: int, batches: int) -> dict:
@@ -45,12 +46,11 @@ def measure(shards: Path, device: str, mix: bool, workers: int, batches: int) ->
     it = iter(build_loader(cfg, batch_size=64, img_size=224, seed=0, device=device))
     for _ in range(3 * workers):
         next(it)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t, main, work = time.perf_counter(), time.process_time(), children_cpu()
+    t = synced_now(device)  # the batches queued before have finished on the device
+    main, work = time.process_time(), children_cpu()
     n = sum(next(it)[0].shape[0] for _ in range(batches))
-    sync()
-    wall, main, work = time.perf_counter() - t, time.process_time() - main, children_cpu() - work
+    wall = synced_now(device) - t  # and the last one's finish
+    main, work = time.process_time() - main, children_cpu() - work
     return {"img_s": n / wall, "main_ms": 1000 * main / n, "workers_ms": 1000 * work / n}
 
 

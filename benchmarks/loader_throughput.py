@@ -41,6 +41,7 @@ from data_pipeline.shards.demo_data import demo_items  # noqa: E402
 from data_pipeline.shards.sources import imagefolder  # noqa: E402
 from data_pipeline.shards.writer import write_shards  # noqa: E402
 from pretrain.config import AugmentConfig, DataConfig  # noqa: E402
+from pretrain.observability.clock import synced_now  # noqa: E402
 
 CLASSES = 10
 
@@ -76,11 +77,14 @@ def rate_pil(files) -> float:
 
 
 def rate_batches(it, batches: int) -> float:
-    t0 = time.perf_counter()
+    # (bd) on a GPU: each clock read waits for the device (at the start, the batches queued before;
+    # at the end, the last batch's decode); on the CPU, or before CUDA starts, synced_now only reads it
+    def device():
+        return "cuda" if torch.cuda.is_initialized() else None
+
+    t0 = synced_now(device())
     n = sum(next(it)[0].shape[0] for _ in range(batches))
-    if torch.cuda.is_initialized():  # (bd) on a GPU: the last batch's decode has finished
-        torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+    return n / (synced_now(device()) - t0)
 
 
 def ours(shards: Path, workers: int, batch: int, decode_device: str = "worker"):

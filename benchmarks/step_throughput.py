@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -48,13 +47,11 @@ def step_fn(model, opt, x, y, device):
 
 
 def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
+    from pretrain.observability.clock import synced_now
+
+    t = synced_now(device)
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # a sync point: the step is done only when the GPU is
-    return time.perf_counter() - t
+    return synced_now(device) - t  # a sync point: the step is done only when the GPU is
 
 
 def main(argv=None) -> None:
