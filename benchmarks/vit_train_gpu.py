@@ -55,7 +55,8 @@ device, path, levers, img_per_s, mfu, hfu, peak_gb, predicted_img_per_s, predict
 lines printed are a Markdown table (``benchmarks/results/``).
 
 Sync points: vit-train's own (``pretrain.observability.clock.synced_now`` at each log step); the
-plain reference synchronises the device before each clock read (``synced_now``) the same way.
+plain reference is timed the same way, in windows of ``log_every`` steps with ``synced_now`` at each
+end, so the ratio of the two compares like with like.
 """
 from __future__ import annotations
 
@@ -311,7 +312,8 @@ def plain_row(row: Row, settings: dict, out_dir: Path, smoke: bool, timeout_s: f
     name = row.model
     res = out_dir / f"plain-{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--output", str(out_dir), "--plain", name,
-           "--steps", str(settings["steps"])] + [f"--plain-override={o}" for o in row.overrides] + (
+           "--steps", str(settings["steps"]), "--log-every", str(settings["log_every"])] + [
+        f"--plain-override={o}" for o in row.overrides] + (
         ["--smoke"] if smoke else [])
     t0 = time.perf_counter()
     try:
@@ -332,11 +334,12 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}"
 
 
-def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dict:
+def plain_step_row(config: str, overrides: list, steps: int, log_every: int, smoke: bool) -> dict:
     """The best plain PyTorch step of the same job: the config's model as vit-train builds it (its
     classes, dropout, stochastic depth), its loss on the synthetic loader's kind of targets, at its
     micro batch and resolution; ``torch.compile`` of the whole model, bf16 autocast, fused AdamW,
-    ``ACCUMULATION`` micro-batches per step. No DeepSpeed, no loader, no guard."""
+    ``ACCUMULATION`` micro-batches per step. No DeepSpeed, no loader, no guard. Timed in windows of
+    ``log_every`` steps, as vit-train's rows are, after two warm-up steps."""
     from pretrain.config import image_size, load_config
     from pretrain.models.arch import config_macs
     from pretrain.models.losses import classification_loss
@@ -376,12 +379,16 @@ def plain_step_row(config: str, overrides: list, steps: int, smoke: bool) -> dic
 
         for _ in range(2):
             step()
-        times = []
-        for _ in range(max(3, steps // 2)):
+        # timed as vit-train logs: windows of log_every steps, the device synchronised once at each end
+        # of a window (synced_now), not around every step; the median window
+        windows = []
+        for _ in range(max(3, steps // log_every - 1)):
             t = synced_now(device)
-            step()
-            times.append(synced_now(device) - t)
-        ips = micro * ACCUMULATION / statistics.median(times)
+            for _ in range(log_every):
+                step()
+            windows.append((synced_now(device) - t) / log_every)
+        out["windows"] = len(windows)
+        ips = micro * ACCUMULATION / statistics.median(windows)
         out["profile"] = profile_step(step, cuda)
         flops = train_flops_per_image(config_macs(m, img))[0] * ips
         peak = peak_tflops()
@@ -475,11 +482,12 @@ def main(argv=None) -> int:
     ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # CONFIG: the reference's own process
     ap.add_argument("--plain-override", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=16, help=argparse.SUPPRESS)
+    ap.add_argument("--log-every", type=int, default=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.plain:
-        r = plain_step_row(args.plain, args.plain_override, args.steps, args.smoke)
+        r = plain_step_row(args.plain, args.plain_override, args.steps, args.log_every, args.smoke)
         (out / f"plain-{args.plain}.json").write_text(json.dumps(r) + "\n")
         return 0
     rows, settings = plan_rows(args.smoke)
