@@ -8,8 +8,9 @@ The model has the named variant's blocks and parameter tensors (ViT-L/16: 24 blo
 at a trivial width (``--width``) and 32 px images, so the math takes microseconds and what is timed
 is the host: Python, the dispatcher, autograd, and DeepSpeed's gradient hooks, bucket copies and
 accumulation. Each engine runs in a process of its own (a world of one, DeepSpeed's CPU
-accelerator, gloo, one thread) beside a plain step of the same model (bf16 autocast, AdamW, the
-gradients accumulated by autograd), the two interleaved round by round, ``--accumulation``
+accelerator, gloo, one thread) beside a plain step of the same model in the engine's dtype path (for
+``bf16`` a bf16 module without autocast, for ``bf16-autocast`` an fp32 module under bf16 autocast;
+AdamW, the gradients accumulated by autograd), the two interleaved round by round, ``--accumulation``
 micro-batches per optimizer step; the medians of the rounds, per micro-step, by phase. The last
 column is the engine's extra host time per parameter tensor. Beside the table: the performance
 model's GPU time for the same micro-step of the full-width model on one H200 at micro batch 64
@@ -47,6 +48,7 @@ def measure(name: str, args) -> dict:
     from pretrain.config.schema import OptimConfig, TrainConfig
     from pretrain.distributed.config import ZeroConfig
     from pretrain.distributed.engine import initialize
+    from pretrain.distributed.precision import compute_dtype
     from pretrain.distributed.process import init_distributed
     from pretrain.models.vit import create_model
 
@@ -63,13 +65,15 @@ def measure(name: str, args) -> dict:
                         activation_checkpointing=False)
     zero = ZeroConfig(stage=stage, overlap_comm=overlap)
     engine = initialize(model(), OptimConfig(name="adamw", lr=1e-4), train, zero, world_size=1)[0]
-    plain = model()
+    # the plain step runs the engine's dtype path: DeepSpeed's bf16 a bf16 module and bf16 inputs, no
+    # autocast; bf16-autocast an fp32 module under autocast. Only the engine's own work differs.
+    dtype = compute_dtype(precision)
+    plain = model().to(dtype)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    x, y = torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,))
-    x_engine = x.to(torch.bfloat16) if precision == "bf16" else x
+    x, y = torch.randn(micro, 3, 32, 32).to(dtype), torch.randint(0, 10, (micro,))
 
     def plain_forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
             return F.cross_entropy(plain(x).float(), y)
 
     def plain_step(i: int) -> None:
@@ -92,7 +96,7 @@ def measure(name: str, args) -> dict:
         return one_step
 
     runs = {"plain": timed(plain_forward, lambda loss: loss.backward(), plain_step),
-            "engine": timed(lambda: F.cross_entropy(engine(x_engine).float(), y), engine.backward,
+            "engine": timed(lambda: F.cross_entropy(engine(x).float(), y), engine.backward,
                             lambda i: engine.step())}
     for f in runs.values():  # warm-up: first-call allocations, DeepSpeed's buffers
         for _ in range(2):
