@@ -62,6 +62,19 @@ def make_view(task, img_size: int, aug, train_augment: Optional[bool] = None) ->
                 crop_ratio=tuple(aug.crop_ratio), hflip=aug.hflip)
 
 
+def transfer_augment(aug, train_augment: bool):
+    """``aug`` (a pre-training config's ``data.augment``) as a shard suite's transfer batches take it,
+    the same augmentation every other suite's ``View`` gives: the random resized crop and flip
+    (with ``train_augment``; else the whole image, unflipped: scale 1 at ratio 1 is a center
+    crop). Pre-training's RandAugment, 3-Augment and batch mixing are left out (the fine-tune
+    recipe mixes its own batches, ``eval.mixup_alpha`` / ``cutmix_alpha``), as is repeated
+    augmentation, which the caller turns off."""
+    aug = replace(aug, mixup_alpha=0.0, cutmix_alpha=0.0, randaugment_ops=0, three_augment=False)
+    if not train_augment:
+        aug = replace(aug, crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0], hflip=0.0)
+    return aug
+
+
 def normalize(batch_u8: torch.Tensor, view: View) -> torch.Tensor:
     """uint8 (B, 3, H, W) -> float32 normalised, once per batch rather than per image."""
     m = torch.tensor(view.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
@@ -304,15 +317,9 @@ class ShardSplit(Split):
     def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
         from data_pipeline.loading.loader import build_loader
 
-        # batch mixing is the fine-tune recipe's (eval.mixup_alpha / cutmix_alpha), as for every
-        # other suite: pre-training's data.augment mixing never reaches a transfer batch
-        aug, repeats = replace(self.data_cfg.augment, mixup_alpha=0.0, cutmix_alpha=0.0), self.data_cfg.repeat_augment
-        if not view.train_augment:  # full image, no flip: scale 1 at ratio 1 is a center crop
-            aug = replace(aug, crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0], hflip=0.0, randaugment_ops=0,
-                          three_augment=False)
-            repeats = 1
         cfg = replace(self.data_cfg, train_shards=self.spec, val_shards=self.spec, workers=workers,
-                      img_size=None, augment=aug, repeat_augment=repeats)
+                      img_size=None, augment=transfer_augment(self.data_cfg.augment, view.train_augment),
+                      repeat_augment=1)
         loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch_size, seed=seed,
                               img_size=view.img_size, train=train, device=device)
         return iter(loader)

@@ -142,7 +142,8 @@ def vtab_task(task_dir: Path, task: str) -> Task:
     if tv.paths == s["train"].paths + s["val"].paths and \
             tv.labels.tolist() == s["train"].labels.tolist() + s["val"].labels.tolist():
         tv = Concat(tv.name, [s["train"], s["val"]])
-    # structured tasks (location, orientation, distance): no crop, no flip
+    # every task squashed to the square, no crop, no flip: the structured tasks' labels (location,
+    # orientation, distance) would not survive them, and the other tasks take the same protocol
     return Task(task, k, s["train"], s["val"], tv, s["test"], group=vtab.GROUP_OF[task], resize="squash",
                 augment=False)
 

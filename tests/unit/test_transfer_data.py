@@ -203,6 +203,29 @@ def test_shards_suite_reads_our_shards(tmp_path, shard_kit):
         suites.shards(str(tmp_path / "colours"), DataConfig())
 
 
+def test_a_fine_tune_on_shards_leaves_pre_trainings_augmentation_out(tmp_path, shard_kit):
+    """A pre-training config's RandAugment and repeated augmentation stay out of a shard suite's
+    training batches, as out of every other suite's (its crop and flip are the fine-tune's): with the
+    crop set to the whole image, an epoch holds each of the 16 training images once, and another
+    seed's epoch the very same pixels."""
+    import itertools
+
+    from data_pipeline.config import AugmentConfig
+
+    _colour_shards(tmp_path, shard_kit)
+    aug = AugmentConfig(crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0], hflip=0.0, randaugment_ops=2,
+                        randaugment_magnitude=30)
+    task = suites.shards(str(tmp_path / "colours"), DataConfig(workers=0, augment=aug, repeat_augment=3))
+    view = View(img_size=32, train_augment=True)
+
+    def epoch(seed):
+        batches = task.trainval.batches(view, batch_size=4, train=True, seed=seed)
+        return sorted(x.numpy().tobytes() for xs, _ in itertools.islice(batches, 4) for x in xs)
+
+    first = epoch(0)
+    assert len(set(first)) == 16 and epoch(1) == first
+
+
 @pytest.mark.gpu
 def test_transfer_batches_arrive_on_the_gpu_they_are_computed_on(tmp_path, shard_kit):
     """Shard splits are finished on the consumer's GPU as training's loader does (the CPU finish's
