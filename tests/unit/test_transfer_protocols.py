@@ -159,7 +159,8 @@ def test_probes_asking_for_more_than_the_train_split_holds_say_so(tiny_ckpt, col
 
 def test_finetune_end_to_end_at_a_higher_resolution(tiny_ckpt, colour_task):
     """32 px checkpoint (2x2 grid) fine-tuned at 48 px (3x3): position embeddings resized, a new
-    zero head, SGD + cosine; learns the task."""
+    zero head, SGD + cosine; learns the task. The sweep's one learning rate (not eval.lr) is what
+    ran, and what the results' recipe records."""
     pre = load_pretrained(tiny_ckpt)
     model = build_backbone(pre, img_size=48, num_classes=4, finetune=True)
     assert model.pos_embed.shape == (1, 10, 192)
@@ -167,9 +168,10 @@ def test_finetune_end_to_end_at_a_higher_resolution(tiny_ckpt, colour_task):
     assert torch.equal(model.blocks[0].attn.qkv.weight, pre.state_dict["blocks.0.attn.qkv.weight"])
     assert model.head.weight.abs().sum() == 0 and model.head.out_features == 4
     doc = _run(tiny_ckpt, colour_task, "eval.protocol=finetune", "eval.img_size=48", "eval.steps=30",
-               "eval.warmup_steps=5", "eval.lr=0.01")
+               "eval.warmup_steps=5", "eval.lr=0.03", "eval.sweep=true", "eval.sweep_lr=[0.01]")
     r = doc["tasks"]["colours"]
     assert doc["img_size"] == 48 and r["details"]["img_size"] == 48 and r["setting"] == {"lr": 0.01}
+    assert r["details"]["recipe"]["lr"] == 0.01, r["details"]["recipe"]
     assert r["accuracy"] >= 0.75 and r["details"]["final_loss"] < 0.5, r
 
 

@@ -261,8 +261,9 @@ class Finetune:
 
         acc = score(runner)
         details = {"final_loss": loss, "steps": ev.steps, "batch_size": ev.batch_size, "img_size": self.img_size,
-                   "recipe": {k: list(v) if isinstance(v, tuple) else v
-                              for k, v in dataclasses.asdict(self.recipe).items() if k != "sweep_lr"}}
+                   "recipe": {k: list(v) if isinstance(v, tuple) else v  # what ran: the setting's lr
+                              for k, v in dataclasses.asdict(dataclasses.replace(self.recipe, lr=setting["lr"])).items()
+                              if k != "sweep_lr"}}
         if runner.ema is not None:  # timm's choice: the averaged weights are the result
             details["accuracy_no_ema"] = acc
             runner.ema.copy_to_model()
