@@ -7,18 +7,23 @@
   checkpoints at its next step and exits 75; ranks on other nodes follow through the per-step stop
   agreement. The signal received is written to ``stop_file`` first: rank 0's closing line names it
   (``stopped (SIGINT to vit-launch)``), not the SIGTERM forwarded or the runner's exit it saw.
-  A second SIGINT (or ``stop_grace_s`` without the job ending) SIGKILLs the group.
+  A second SIGINT SIGKILLs the group (exit 130), as does ``stop_grace_s`` without the job ending
+  (exit 130: no stop checkpoint; the next run resumes from the last complete one). A repeated
+  SIGTERM is the same request: under SLURM one ``scancel``, pre-emption or time limit arrives twice
+  (SLURM signals every process of the job, and the sbatch script forwards its own).
+* A stop asked between attempts (the wait before a restart, the node probe that makes its command)
+  starts nothing more: the supervisor exits 75.
   The runner gets ``PR_SET_PDEATHSIG``: a supervisor killed with ``kill -9`` takes the runner with
   it, and the ranks notice their runner is gone (``pretrain.resilience.lifecycle``) and stop.
 * The supervisor waits until the *group* is empty, not just the runner (DeepSpeed's runner can exit
   while its launcher still waits for ranks that are saving).
 * The exit code says what happened (``pretrain.resilience.lifecycle``), with one closing line:
   0 done, 2 user error, 75 interrupted after a checkpoint (requeue it), 3 hang, 69 the shard store
-  stayed unreachable past ``data.remote_retry_s`` (restart or requeue it), 130 killed on a
-  second interrupt, 1 any other failure (a rank's exception, a rank killed by a signal: DeepSpeed's
-  launcher would pass on 245 or 247). ``status.json`` in the run
-  directory, written by rank 0, decides between "completed" / "interrupted" and what the runner
-  reported (DeepSpeed's launcher turns a signalled job into exit 1).
+  stayed unreachable past ``data.remote_retry_s`` (restart or requeue it), 130 killed without a
+  checkpoint (a second SIGINT, or ``stop_grace_s`` ran out), 1 any other failure (a rank's
+  exception, a rank killed by a signal: DeepSpeed's launcher would pass on 245 or 247).
+  ``status.json`` in the run directory, written by rank 0, decides between "completed" /
+  "interrupted" and what the runner reported (DeepSpeed's launcher turns a signalled job into exit 1).
 * ``--max-restarts N``: after a failure (not after a user error, a completed run or an
   interruption) start the job again, after ``min(backoff * 2**k, 300)`` seconds; it resumes from the
   last complete checkpoint, in the same W&B run. The command may be a callable, asked again before
@@ -53,6 +58,8 @@ from pretrain.resilience.lifecycle import EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, 
 PROG = "vit-launch"
 MAX_BACKOFF_S = 300.0
 SETTLE_S = 20.0
+EXIT_KILLED = 130  # killed without a checkpoint: a second SIGINT, or --stop-grace ran out
+STOP_POLL_S = 0.2  # how often a wait between attempts looks for a stop request
 
 
 def _log(msg: str) -> None:
@@ -103,8 +110,9 @@ def outcome(code: int) -> tuple[int, str]:
     if code == EXIT_UNAVAILABLE:
         return code, (f"the shard store stayed unreachable past data.remote_retry_s, said above (exit "
                       f"{EXIT_UNAVAILABLE}); the same command resumes from the last checkpoint once it is back")
-    if code == 130:
-        return code, "the job was killed on a second interrupt, without a checkpoint (exit 130)"
+    if code == EXIT_KILLED:
+        return code, (f"the job was killed without a checkpoint (exit {EXIT_KILLED}); the same command resumes "
+                      "from the last complete checkpoint")
     why = f"exit code {code}"
     for sig in (256 - code, code - 128):
         if 0 < sig < 65 and code > 128:
@@ -125,24 +133,40 @@ class Supervisor:
         self.signals = 0
         self.stop_deadline: Optional[float] = None
         self.restart_asked = False  # the watch stopped this attempt to start the job again
+        self.interrupts = 0  # SIGINTs: the second kills the job
+        self.running = False  # an attempt's process group is up (signals go to it)
+        self.stopping = False  # this attempt was asked by a signal to checkpoint and stop
+        self.killed: Optional[str] = None  # why this attempt was SIGKILLed: "interrupt" or "grace"
+        self.stop_signal = ""  # the first signal's name
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
-        if self.proc is None:
+        name = signal.Signals(signum).name
+        self.stop_signal = self.stop_signal or name
+        self.interrupts += signum == signal.SIGINT
+        if self.proc is None or not self.running:  # between attempts: no new one starts (run, run_once)
+            if self.signals == 1:
+                _log(f"{name}: not starting the job again")
             return
-        if self.signals == 1:
-            name = signal.Signals(signum).name
-            _log(f"{name}: asking the job to checkpoint and stop (again to kill it)")
-            if self.stop_file is not None:  # the reason rank 0 names: the signal received here, whichever of
-                try:  # the forwarded SIGTERM or the runner's exit a rank notices first
-                    write_atomic(self.stop_file, f"{name} to {PROG}\n")
-                except OSError:
-                    pass
-            self._signal_group(signal.SIGTERM)
-            self.stop_deadline = time.monotonic() + self.stop_grace_s
-        else:
-            _log("killing the job without a checkpoint")
+        if not self.stopping:
+            self._ask_stop(name)
+        elif signum == signal.SIGINT and self.interrupts > 1:
+            _log("second SIGINT: killing the job without a checkpoint")
+            self.killed = "interrupt"
             self._signal_group(signal.SIGKILL)
+        # a repeated SIGTERM is the same request: SLURM signals every process of the job and the
+        # sbatch script forwards its own, so one scancel or time limit arrives here twice
+
+    def _ask_stop(self, name: str) -> None:
+        self.stopping = True
+        _log(f"{name}: asking the job to checkpoint and stop (Ctrl-C again to kill it)")
+        if self.stop_file is not None:  # the reason rank 0 names: the signal received here, whichever of
+            try:  # the forwarded SIGTERM or the runner's exit a rank notices first
+                write_atomic(self.stop_file, f"{name} to {PROG}\n")
+            except OSError:
+                pass
+        self._signal_group(signal.SIGTERM)
+        self.stop_deadline = time.monotonic() + self.stop_grace_s
 
     def _signal_group(self, sig) -> None:
         try:
@@ -159,10 +183,16 @@ class Supervisor:
         except LaunchError as e:
             _log(f"not starting the job: {e}")
             return None
+        if self.signals:  # asked to stop while the command was made (the node probe): start nothing
+            _log("stopped on request before the job started")
+            return EXIT_INTERRUPTED
         if self.stop_file is not None:
             self.stop_file.unlink(missing_ok=True)  # an earlier attempt's request
+        self.stop_deadline, self.stopping, self.killed = None, False, None  # an earlier attempt's stop is over
         self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_us)
-        self.stop_deadline = None  # an earlier attempt's stop is over
+        self.running = True
+        if self.signals and not self.stopping:  # a signal between the check above and the start
+            self._ask_stop(self.stop_signal)
         code, ended, looked, settled = None, None, 0.0, False
         while True:
             if code is None:
@@ -171,6 +201,7 @@ class Supervisor:
                 break
             if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
                 _log(f"the job did not stop within {self.stop_grace_s:g}s of the request; killing it")
+                self.killed = "grace"
                 self._signal_group(signal.SIGKILL)
                 self.stop_deadline = None
             if time.monotonic() - looked >= 1.0:
@@ -192,13 +223,18 @@ class Supervisor:
                     write_atomic(self.stop_file, f"vit-launch: {line}\n")
                     self.stop_deadline = time.monotonic() + self.stop_grace_s
             time.sleep(0.2)
+        self.running = False
         status = _read_status(self.status_path, started)
         if status and status.get("state") in ("completed", "interrupted"):
             return int(status["exit_code"])
         if settled and status and status.get("state") == "failed":
             return int(status["exit_code"])
-        if self.signals > 1:
-            return 130
+        if self.killed == "interrupt":
+            return EXIT_KILLED
+        if self.killed == "grace" and self.signals:
+            _log(f"the job was killed {self.stop_grace_s:g}s after the stop request, without its stop checkpoint; "
+                 "the next run resumes from the last complete checkpoint")
+            return EXIT_KILLED
         if self.signals and not (status and status.get("state") == "failed"):
             # stopped on request before training reached a step it could checkpoint (start-up):
             # nothing was lost, the same command starts again
@@ -210,6 +246,13 @@ class Supervisor:
         """Rank 0 wrote how this attempt ended."""
         status = _read_status(self.status_path, since)
         return bool(status and status.get("state") in ("completed", "interrupted", "failed"))
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep ``seconds`` in short slices; False as soon as a stop was asked for."""
+        end = time.monotonic() + seconds
+        while not self.signals and time.monotonic() < end:
+            time.sleep(min(STOP_POLL_S, max(end - time.monotonic(), 0.0)))
+        return not self.signals
 
     def run(self, max_restarts: int = 0, backoff_s: float = 10.0) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -235,7 +278,10 @@ class Supervisor:
                 wait = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
                 _log(f"the job failed with exit code {code}; restart {attempt}/{max_restarts} in {wait:g}s "
                      f"(it resumes from the last complete checkpoint)")
-                time.sleep(wait)
+                if not self._wait(wait):
+                    code = last = EXIT_INTERRUPTED
+                    _log("stopped on request before the restart; nothing was started")
+                    break
             code, line = outcome(code)
             _log(line)
             return code

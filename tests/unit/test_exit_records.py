@@ -11,7 +11,7 @@ from pretrain.resilience.lifecycle import RunStatus, goodbye_line, spent_before,
 
 @pytest.mark.parametrize("raw, code, says", [
     (0, 0, "completed"), (2, 2, "user error"), (3, 3, "hang watchdog"), (75, 75, "run the same command"),
-    (130, 130, "second interrupt"), (1, 1, "exit code 1"),
+    (130, 130, "killed without a checkpoint"), (1, 1, "exit code 1"),
     (69, 69, "shard store stayed unreachable past data.remote_retry_s"),  # restarted and requeued, not a mistake
     (256 - signal.SIGKILL, 1, "killed by SIGKILL (raw exit code 247)"),  # DeepSpeed's launcher, a rank killed
     (256 - signal.SIGSEGV, 1, "killed by SIGSEGV"),
