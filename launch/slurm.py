@@ -165,6 +165,15 @@ else
 fi"""
 
 
+# A requeued job continues its run: with a checkpoint.resume=false override each requeue would
+# otherwise set the checkpoints aside and start over (a later override wins over an earlier one).
+RESUME_LINES = """
+# requeued (SLURM_RESTART_COUNT > 0): continue from the last complete checkpoint
+if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
+  LAUNCH+=(checkpoint.resume=true)
+fi"""
+
+
 def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch") -> str:
     validate(job)
     cwd = (cwd or Path.cwd()).absolute()
@@ -181,7 +190,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
     if job.launcher == "srun":
         # `vit-launch run` has no --no_ssh / --node_rank: srun starts the deepspeed runner itself
         cmd = ds_command(config, job.overrides, job.nodes, job.ranks, no_ssh=True)
-        launch_array = bash_array("LAUNCH", cmd)
+        launch_array = bash_array("LAUNCH", cmd) + RESUME_LINES
         run_line = ("setsid srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n"
                     "    bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\"")
         dry = "run srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n" \
@@ -190,7 +199,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
         env_file = ""
     else:
         cmd = launch_command(config, job.overrides, job.nodes, job.ranks)
-        launch_array = bash_array("LAUNCH", cmd) + "\n" + (
+        launch_array = bash_array("LAUNCH", cmd) + RESUME_LINES + "\n" + (
             "# one node: no hostfile, the runner starts the ranks here (no ssh); more: pdsh over ssh\n"
             "if (( ${#HOSTS[@]} > 1 )); then\n"
             "  LAUNCH+=(--hostfile \"$HOSTFILE\" --num-nodes \"${#HOSTS[@]}\")\n"

@@ -26,7 +26,8 @@
   "interrupted" and what the runner reported (DeepSpeed's launcher turns a signalled job into exit 1).
 * ``--max-restarts N``: after a failure (not after a user error, a completed run or an
   interruption) start the job again, after ``min(backoff * 2**k, 300)`` seconds; it resumes from the
-  last complete checkpoint, in the same W&B run. The command may be a callable, asked again before
+  last complete checkpoint, in the same W&B run (``vit-launch run`` hands a callable that appends
+  ``checkpoint.resume=true`` to every command after the first). The command may be a callable, asked again before
   each start (``launch/nodes.py``: the nodes left); when it raises ``LaunchError`` there is no
   restart, and its one line says why.
 * ``watch``: a callable asked every second while the job runs; a line from it (a straggler named

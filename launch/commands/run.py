@@ -91,22 +91,24 @@ def command(args) -> int:
     return supervise(args, cmd, pool, layout)
 
 
+RESUME = "checkpoint.resume=true"  # every attempt after the first: a later override wins over an earlier one
+
+
 def supervise(args, cmd: list[str], pool, layout) -> int:
     """Start ``cmd`` under the Supervisor; with a node ``pool``, each restart runs the pool's next
-    command (the nodes left)."""
+    command (the nodes left). Every restart resumes (``checkpoint.resume=true`` appended): started
+    with ``checkpoint.resume=false``, a restart would otherwise set aside the checkpoint it is meant
+    to continue from and start over."""
     from launch.supervise import Supervisor
 
-    if pool is None:
-        return Supervisor(cmd, layout.status, stop_grace_s=args.stop_grace,
-                          stop_file=layout.stop_request).run(args.max_restarts, args.restart_backoff)
     first = [cmd]
 
     def command() -> list[str]:  # the first attempt's is made above; each restart's after the failure
         if first:
             return first.pop()
-        again = pool.command()
+        again = (pool.command() if pool is not None else list(cmd)) + [RESUME]
         print(f"$ {shell_join(again)}", flush=True)
         return again
-    return Supervisor(command, layout.status, stop_grace_s=args.stop_grace,
-                      watch=pool.slow_named if args.exclude_slow_hosts else None,
+    watch = pool.slow_named if pool is not None and args.exclude_slow_hosts else None
+    return Supervisor(command, layout.status, stop_grace_s=args.stop_grace, watch=watch,
                       stop_file=layout.stop_request).run(args.max_restarts, args.restart_backoff)

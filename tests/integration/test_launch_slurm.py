@@ -230,3 +230,13 @@ def test_memory_over_the_device_warns_and_still_writes(tmp_path, capsys):
     assert e.value.code == 0 and out.exists()
     (line,) = err.strip().splitlines()
     assert line.startswith("vit-launch slurm: warning: memory: estimated") and "exceeds 15.2 GB, 95 % of 16 GB" in line
+
+
+@pytest.mark.parametrize("launcher", ["pdsh", "srun"])
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_a_requeued_job_resumes_even_when_its_first_run_did_not(tmp_path, capsys, restarts, launcher):
+    """A fresh start (checkpoint.resume=false) sets the checkpoints aside; a requeue must not."""
+    script = write_new(tmp_path, capsys, "--nodes", "1", "--gpus-per-node", "0", "--ranks-per-node", "2",
+                       "--launcher", launcher, "--requeue", "checkpoint.resume=false")
+    launch = shlex.split(dry_run_script(tmp_path, script, nodes=("cpu01",), SLURM_RESTART_COUNT=restarts)[-1])
+    assert launch[-1] == ("checkpoint.resume=true" if restarts == "1" else "checkpoint.resume=false")

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -106,3 +107,14 @@ def test_a_stop_grace_run_out_is_a_kill_without_a_checkpoint(job, tmp_path, caps
     assert supervisor(job("deaf"), tmp_path, stop_grace_s=1.0).run() == 130
     err = capsys.readouterr().err
     assert "without its stop checkpoint" in err and "before its first checkpoint" not in err
+
+
+def test_every_restart_resumes_even_when_the_first_start_did_not(job, tmp_path):
+    """A fresh start (checkpoint.resume=false) sets the checkpoints aside; a restart must not."""
+    from launch.commands.run import supervise
+
+    args = SimpleNamespace(stop_grace=10.0, max_restarts=2, restart_backoff=0.0, exclude_slow_hosts=False)
+    layout = SimpleNamespace(status=tmp_path / "status.json", stop_request=tmp_path / "stop.request")
+    assert supervise(args, job("fail,fail,ok") + ["checkpoint.resume=false"], None, layout) == 0
+    assert [a[-1] for a in attempts(tmp_path)] == ["checkpoint.resume=false", "checkpoint.resume=true",
+                                                   "checkpoint.resume=true"]
