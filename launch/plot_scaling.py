@@ -8,7 +8,9 @@ images_per_sec_per_device of the records). The first logged window of every run 
 warm-up (data-loader start, allocator growth, first NCCL/gloo connections); images/s is the
 remaining windows' images over their seconds (not the mean of their rates, which a slow window
 would sway less than it cost), and MFU and the data-wait share are weighted by those seconds
-alike. Several runs at one world size are averaged.
+alike. Several runs at one world size are pooled the same way: their images over their seconds,
+MFU and data wait weighted by each run's seconds (a short run sways the row as little as it
+measured).
 
 Scaling efficiency = (images/s per rank at N) / (images/s per rank at the smallest N measured):
 1.0 is linear scaling. It reads the same for weak scaling (fixed micro batch per rank) and strong
@@ -17,7 +19,6 @@ scaling (fixed global batch), since both are measured in images/s.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,11 +39,8 @@ class RunStats:
     windows: int  # logged windows used (after warm-up)
     mfu: Optional[float]
     data_wait_share: Optional[float]
-
-
-def _mean(values) -> Optional[float]:
-    vals = [v for v in values if isinstance(v, (int, float))]
-    return statistics.fmean(vals) if vals else None
+    images: float = 0.0  # in the windows used
+    seconds: float = 0.0  # those windows' time
 
 
 def _over_time(values, seconds) -> Optional[float]:
@@ -95,7 +93,7 @@ def load_run(run_dir: str | Path) -> RunStats:
         raise PlotError(f"{d}: world size unknown (no summary.json and no images_per_sec_per_device)")
     return RunStats(str(d), int(world), sum(images) / sum(seconds), len(used),
                     _over_time([r.get("mfu") for r in used], seconds),
-                    _over_time([r.get("data_wait_share") for r in used], seconds))
+                    _over_time([r.get("data_wait_share") for r in used], seconds), sum(images), sum(seconds))
 
 
 def scaling_table(runs: list[RunStats]) -> list[dict]:
@@ -105,9 +103,9 @@ def scaling_table(runs: list[RunStats]) -> list[dict]:
     for n in sizes:
         group = [r for r in runs if r.world_size == n]
         rows.append({"world_size": n, "runs": len(group),
-                     "images_per_sec": statistics.fmean(r.images_per_sec for r in group),
-                     "mfu": _mean(r.mfu for r in group),
-                     "data_wait_share": _mean(r.data_wait_share for r in group),
+                     "images_per_sec": sum(r.images for r in group) / sum(r.seconds for r in group),
+                     "mfu": _over_time([r.mfu for r in group], [r.seconds for r in group]),
+                     "data_wait_share": _over_time([r.data_wait_share for r in group], [r.seconds for r in group]),
                      "run_dirs": [r.run_dir for r in group]})
     ref = rows[0]
     for row in rows:

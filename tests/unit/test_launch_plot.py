@@ -14,7 +14,7 @@ from pretrain.observability.metrics import MetricsLogger, throughput
 RATES = {1: 100.0, 2: 190.0, 4: 360.0}
 
 
-def write_run(run_dir, world, rate, windows=4, summary=True, warmup_rate=10.0):
+def write_run(run_dir, world, rate, windows=4, summary=True, warmup_rate=10.0, peak_tflops=None):
     """A run's metrics as train.py writes them: one record per window from metrics.throughput,
     written by MetricsLogger; the first window is slow (warm-up)."""
     logger = MetricsLogger(LoggingConfig(wandb=WandbConfig(mode="disabled")), run_dir, rank=0, run_config={})
@@ -23,7 +23,7 @@ def write_run(run_dir, world, rate, windows=4, summary=True, warmup_rate=10.0):
         # 10 steps of 8 images per rank; elapsed chosen to give `ips`
         images = 10 * 8 * world
         logger.log((w + 1) * 10, {"loss": 2.3 - 0.1 * w, "data_wait_share": 0.02,
-                                  **throughput(images, images / ips, world, 1.0e9, 1.0e9, None)})
+                                  **throughput(images, images / ips, world, 1.0e9, 1.0e9, peak_tflops)})
     logger.close()
     if summary:
         (run_dir / "summary.json").write_text(json.dumps({"step": windows * 10, "world_size": world}))
@@ -76,12 +76,26 @@ def test_cli_writes_png_and_prints_table(runs, tmp_path):
 
 def test_world_size_without_summary_and_repeated_runs(tmp_path):
     """A run killed before summary.json still counts (world size from its per-device rate);
-    two runs of one size are averaged."""
+    two runs of one size are pooled."""
     a = write_run(tmp_path / "a", 2, 180.0, summary=False)
     b = write_run(tmp_path / "b", 2, 200.0)
     assert load_run(a).world_size == 2
     (row,) = scaling_table([load_run(a), load_run(b)])
-    assert row["runs"] == 2 and row["images_per_sec"] == pytest.approx(190.0)
+    assert row["runs"] == 2 and row["images_per_sec"] == pytest.approx(2 / (1 / 180 + 1 / 200))  # equal images
+
+
+def test_runs_of_one_size_are_pooled_not_averaged(tmp_path):
+    """One window at 100 images/s and four at 300 (equal images each): 5 windows' images over their
+    1.6 + 4 x 0.53 s, 214 images/s, not the 200 the mean of the two runs' rates says; MFU and data
+    wait weighted by each run's seconds."""
+    runs = [load_run(write_run(tmp_path / name, 2, rate, windows=n, peak_tflops=1.0))
+            for name, rate, n in (("a", 100.0, 2), ("b", 300.0, 5))]
+    (row,) = scaling_table(runs)
+    assert row["images_per_sec"] == pytest.approx(5 * 160 / (160 / 100 + 4 * 160 / 300))
+    a, b = runs
+    assert row["mfu"] == pytest.approx((a.mfu * a.seconds + b.mfu * b.seconds) / (a.seconds + b.seconds))
+    assert row["mfu"] == pytest.approx(row["images_per_sec"] / 2 * 1.0e9 / 1.0e12)  # the pooled rate's
+    assert row["data_wait_share"] == pytest.approx(0.02)
 
 
 def test_resumed_run_keeps_last_record_per_step(tmp_path):
