@@ -24,12 +24,14 @@
   exception, a rank killed by a signal: DeepSpeed's launcher would pass on 245 or 247).
   ``status.json`` in the run directory, written by rank 0, decides between "completed" /
   "interrupted" and what the runner reported (DeepSpeed's launcher turns a signalled job into exit 1).
-* ``--max-restarts N``: after a failure (not after a user error, a completed run or an
-  interruption) start the job again, after ``min(backoff * 2**k, 300)`` seconds; it resumes from the
-  last complete checkpoint, in the same W&B run (``vit-launch run`` hands a callable that appends
-  ``checkpoint.resume=true`` to every command after the first). The command may be a callable, asked again before
-  each start (``launch/nodes.py``: the nodes left); when it raises ``LaunchError`` there is no
-  restart, and its one line says why.
+* ``--max-restarts N``: after a failure (not after a user error, a completed run or a stop asked
+  for by a signal) start the job again, after ``min(backoff * 2**k, 300)`` seconds; a job that
+  stopped after a checkpoint (75) with no stop asked for (its launcher or the runner went away)
+  starts again at once. It resumes from the last complete checkpoint, in the same W&B run
+  (``vit-launch run`` hands a callable that appends ``checkpoint.resume=true`` to every command
+  after the first). The command may be a callable, asked again before each start
+  (``launch/nodes.py``: the nodes left); when it raises ``LaunchError`` there is no restart, and
+  its one line says why.
 * ``watch``: a callable asked every second while the job runs; a line from it (a straggler named
   on one of the job's nodes) is written to ``stop_file`` (``<output_dir>/stop.request``), which rank
   0 reads at its next sync point: every rank checkpoints and exits 75, and the job starts again at
@@ -272,6 +274,13 @@ class Supervisor:
                         break  # it finished meanwhile
                     attempt += 1
                     _log(f"restart {attempt}/{max_restarts} now (it resumes from the checkpoint it just wrote)")
+                    continue
+                if code == EXIT_INTERRUPTED and not self.signals and attempt < max_restarts:
+                    # the ranks saved and stopped with no stop asked for here: their launcher or the
+                    # runner went away (a lost node's ssh, a killed launcher); start it again as asked
+                    attempt += 1
+                    _log(f"the job stopped after a checkpoint with no stop asked for (its launcher or runner went "
+                         f"away?); restart {attempt}/{max_restarts} now (it resumes from that checkpoint)")
                     continue
                 if code in (EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED) or self.signals or attempt >= max_restarts:
                     break

@@ -118,3 +118,9 @@ def test_every_restart_resumes_even_when_the_first_start_did_not(job, tmp_path):
     assert supervise(args, job("fail,fail,ok") + ["checkpoint.resume=false"], None, layout) == 0
     assert [a[-1] for a in attempts(tmp_path)] == ["checkpoint.resume=false", "checkpoint.resume=true",
                                                    "checkpoint.resume=true"]
+
+
+def test_a_stop_nobody_asked_for_is_restarted_at_once(job, tmp_path):
+    """The ranks saved and stopped (75) because their launcher or runner went away: a restart."""
+    assert supervisor(job("stopped,ok"), tmp_path).run(max_restarts=1, backoff_s=30.0) == 0
+    assert len(attempts(tmp_path)) == 2
