@@ -22,11 +22,13 @@ process of it lives inside SLURM's job step and is signalled by SLURM directly.
 ``--exclusive``; ``--ranks-per-node R`` (default 1) ranks per node, ``--cpus-per-node`` CPUs.
 
 ``--requeue`` adds ``#SBATCH --requeue``, ``--open-mode=append`` (a requeued job appends to its
-log) and ``#SBATCH --signal=B:TERM@<--signal-grace>``: the batch shell gets SIGTERM that many
-seconds before the time limit and forwards it to the training job's process group, so the ranks
-checkpoint at the next step and exit; ``sbatch``/``scontrol requeue`` then start it again and it
-resumes from that checkpoint, in the same W&B run. A job that ends with exit 69 (the shard store
-stayed unreachable past ``data.remote_retry_s``) is requeued by the script itself. The launcher
+log) and ``#SBATCH --signal=B:USR1@<--signal-grace>``: the batch shell (only) gets SIGUSR1 that
+many seconds before the time limit and forwards SIGTERM to the training job's process group, so the
+ranks checkpoint at the next step and exit 75; the script then requeues the job itself (SLURM's
+``--requeue`` covers node failure, pre-emption and ``scontrol requeue``, not a job's own exit), and
+it resumes from that checkpoint, in the same W&B run. A plain ``scancel`` (SIGTERM) also ends in
+75 and is not requeued. A job that ends with exit 69 (the shard store stayed unreachable past
+``data.remote_retry_s``) is requeued by the script too. The launcher
 runs in the background of the script (``wait``, re-``wait`` after the trap) because bash runs a
 trap only between commands.
 
@@ -80,7 +82,7 @@ class SlurmJob:
     log_dir: str = "logs"
     ranks_per_node: Optional[int] = None  # default: gpus_per_node, or 1 on a CPU-only job
     requeue: bool = False
-    signal_grace: int = 120  # seconds before the time limit that the batch shell gets SIGTERM
+    signal_grace: int = 120  # seconds before the time limit that the batch shell gets SIGUSR1
 
     @property
     def ranks(self) -> int:
@@ -129,8 +131,10 @@ def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
     if job.requeue:
         h += ["# pre-emption / requeue: start again later, resuming from the last checkpoint (same W&B run)",
               "#SBATCH --requeue", "#SBATCH --open-mode=append",
-              f"# SIGTERM to this script {job.signal_grace} s before the time limit; it forwards it to the job",
-              f"#SBATCH --signal=B:TERM@{job.signal_grace}"]
+              f"# USR1 to this script (only) {job.signal_grace} s before the time limit: it forwards SIGTERM to the",
+              "# job and requeues it once the job has checkpointed and stopped (75); SLURM's --requeue does not",
+              "# cover a job's own exit, and a plain scancel (SIGTERM) is not requeued",
+              f"#SBATCH --signal=B:USR1@{job.signal_grace}"]
     return h
 
 
@@ -138,10 +142,12 @@ def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
 # between commands); the job gets its own process group (setsid), which the trap signals as a
 # whole: the runner/supervisor, the node's launcher and ranks (they checkpoint at the next step).
 _START = """\
-# SIGTERM/SIGINT to this script (scancel, pre-emption, requeue, --signal=B:TERM@grace) is
-# forwarded to the job's process group: ranks checkpoint at the next step and exit.
+# SIGTERM/SIGINT to this script (scancel, pre-emption, requeue) and USR1 (--signal=B:USR1@grace,
+# the time limit is near) are forwarded as SIGTERM to the job's process group: ranks checkpoint at
+# the next step and exit.
 # Exit status of `vit-launch run`: 0 done, 2 user error, 75 interrupted (requeue is right),
-# 69 the shard store stayed unreachable (requeued below when the job was written with --requeue).
+# 69 the shard store stayed unreachable; with --requeue both 69 and a stop at the time limit (75
+# after USR1) are requeued below.
 if [[ -n "${{DRY_RUN:-}}" ]]; then
   {dry}
 else
@@ -150,7 +156,10 @@ else
     echo "$(date -Is) batch script: signal; SIGTERM to the job's process group" >&2
     if [[ -n "$JOB_PID" ]]; then kill -TERM -- -"$JOB_PID" 2>/dev/null || true; fi
   }}
+  TIME_LIMIT=""
+  time_limit() {{ TIME_LIMIT=1; forward; }}
   trap forward TERM INT
+  trap time_limit USR1
   {launch} &
   JOB_PID=$!
   STATUS=0; wait "$JOB_PID" || STATUS=$?
@@ -172,6 +181,20 @@ RESUME_LINES = """
 if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
   LAUNCH+=(checkpoint.resume=true)
 fi"""
+
+
+REQUEUE = """
+  # the shard store stayed away (69), or the job checkpointed at the time limit (75 after USR1):
+  # start again later, from the checkpoint
+  if [[ $STATUS == 69 || ( $STATUS == 75 && -n "$TIME_LIMIT" ) ]]; then
+    scontrol requeue "$SLURM_JOB_ID"
+  fi"""
+
+
+def start_block(launch: str, dry: str, grace: int, requeue: bool) -> str:
+    """The end of the script: start the job (``launch``, or print ``dry`` under DRY_RUN), forward
+    signals to it, wait for it and, with ``requeue``, requeue what should go on."""
+    return _START.format(dry=dry, launch=launch, grace=grace, requeue=REQUEUE if requeue else "")
 
 
 def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch") -> str:
@@ -213,9 +236,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "# (where the store is, never its secrets: those stay in ~/.aws/credentials, read on every node)\n"
             f"(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|{STORE_ENV.pattern})=' "
             "> \"$DS_ENV_FILE\") || true\n")
-    requeue = ("\n  if [[ $STATUS == 69 ]]; then  # the shard store stayed away: start again later, from the "
-               "checkpoint\n    scontrol requeue \"$SLURM_JOB_ID\"\n  fi") if job.requeue else ""
-    start = _START.format(dry=dry, launch=run_line, grace=job.signal_grace, requeue=requeue)
+    start = start_block(run_line, dry, job.signal_grace, job.requeue)
     return f"""#!/bin/bash
 # vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.
 #   config:    {config}

@@ -37,7 +37,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--master-port", type=int, help="default: 20000 + job id %% 20000")
     ap.add_argument("--log-dir", default="logs", help="job output, hostfile (default logs/; created now)")
     ap.add_argument("--requeue", action="store_true",
-                    help="requeue on pre-emption; SIGTERM --signal-grace s before the time limit")
+                    help="requeue on pre-emption and at the time limit (checkpoint --signal-grace s before it)")
     ap.add_argument("--signal-grace", type=int, default=120,
                     help="seconds before the time limit that the job is told to checkpoint (default 120)")
     ap.add_argument("--output", required=True, help="sbatch script to write")

@@ -114,7 +114,7 @@ def test_requeued_job_resumes_in_the_same_wandb_run(slurm, jobs, demo_manifest, 
                                 overrides=(f"train.steps={steps}", "checkpoint.every_steps=5",
                                            "checkpoint.keep_last=3"))
     text = script.read_text()
-    assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:TERM@60" in text
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@60" in text
     job = submit(slurm, script)
     ids.append(job)
 

@@ -4,7 +4,9 @@ in DRY_RUN mode; only `scontrol` (SLURM itself) is stood in for by a tiny script
 jobs (CPU-only, requeue) run in tests/cluster (`make test-cluster`)."""
 import os
 import shlex
+import signal
 import subprocess
+import time
 
 import pytest
 from deepspeed.launcher.runner import _parse_hostfile
@@ -131,15 +133,16 @@ def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, cap
     script = write_new(tmp_path, capsys, "--nodes", "2", "--gpus-per-node", "8", "--requeue",
                        "--signal-grace", "300", "train.micro_batch_size=4")  # 64 = 4 x 16 ranks
     text = script.read_text().splitlines()
-    for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:TERM@300",
+    for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:USR1@300",
                  "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive"):
         assert line in text, line
     body = "\n".join(text)
     # the launcher runs in its own process group in the background; the trap forwards TERM to it
-    assert "trap forward TERM INT" in body and 'kill -TERM -- -"$JOB_PID"' in body
+    assert "trap forward TERM INT" in body and "trap time_limit USR1" in body
+    assert 'kill -TERM -- -"$JOB_PID"' in body
     assert 'setsid "${LAUNCH[@]}" &' in body and 'wait "$JOB_PID"' in body
-    # exit 69, the shard store away past data.remote_retry_s: the script requeues itself
-    assert '  if [[ $STATUS == 69 ]]; then' in body and '    scontrol requeue "$SLURM_JOB_ID"' in text
+    # exit 69, the shard store away past data.remote_retry_s, or 75 at the time limit: requeued
+    assert '    scontrol requeue "$SLURM_JOB_ID"' in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
@@ -240,3 +243,33 @@ def test_a_requeued_job_resumes_even_when_its_first_run_did_not(tmp_path, capsys
                        "--launcher", launcher, "--requeue", "checkpoint.resume=false")
     launch = shlex.split(dry_run_script(tmp_path, script, nodes=("cpu01",), SLURM_RESTART_COUNT=restarts)[-1])
     assert launch[-1] == ("checkpoint.resume=true" if restarts == "1" else "checkpoint.resume=false")
+
+
+# a stand-in for `vit-launch run`: checkpoints (here: nothing) and exits 75 on SIGTERM, as the job does
+STOPS_WITH_75 = "setsid bash -c 'trap \"exit 75\" TERM; touch \"$0\"; while :; do sleep 0.1; done' \"$STARTED\""
+
+
+@pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
+def test_a_stop_at_the_time_limit_is_requeued_and_a_scancel_is_not(tmp_path, sig, requeued):
+    """--signal=B:USR1@grace: the script forwards SIGTERM, the job checkpoints and exits 75, and the
+    script requeues it (SLURM's --requeue does not cover a job's own exit); scancel's SIGTERM ends in
+    75 as well, and stays ended."""
+    from launch.slurm import start_block
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    script = tmp_path / "end.sh"
+    script.write_text("set -euo pipefail\n" + start_block(STOPS_WITH_75, "true", 2, requeue=True) + "\n")
+    started = tmp_path / "started"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", STARTED=str(started))
+    env.pop("DRY_RUN", None)
+    proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 20
+    while not started.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=20) == 75, proc.stderr.read()
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() if log.exists() else "") == ("requeue 77\n" if requeued else "")
