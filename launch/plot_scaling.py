@@ -35,12 +35,15 @@ class PlotError(ConfigError):
 class RunStats:
     run_dir: str
     world_size: int
-    images_per_sec: float
     windows: int  # logged windows used (after warm-up)
     mfu: Optional[float]
     data_wait_share: Optional[float]
-    images: float = 0.0  # in the windows used
-    seconds: float = 0.0  # those windows' time
+    images: float  # in the windows used
+    seconds: float  # those windows' time
+
+    @property
+    def images_per_sec(self) -> float:
+        return self.images / self.seconds
 
 
 def _over_time(values, seconds) -> Optional[float]:
@@ -91,7 +94,7 @@ def load_run(run_dir: str | Path) -> RunStats:
                  if r.get("images_per_sec_per_device") else None)
     if not world:
         raise PlotError(f"{d}: world size unknown (no summary.json and no images_per_sec_per_device)")
-    return RunStats(str(d), int(world), sum(images) / sum(seconds), len(used),
+    return RunStats(str(d), int(world), len(used),
                     _over_time([r.get("mfu") for r in used], seconds),
                     _over_time([r.get("data_wait_share") for r in used], seconds), sum(images), sum(seconds))
 
