@@ -6,6 +6,7 @@ counts on every rank, exact resume, corrupt-sample accounting.
     loader.num_classes, loader.batches_per_epoch
     for images, targets in loader: ...        # endless in training, epoch after epoch
     loader.last_keys, loader.last_shards      # __key__ and shard name of each sample of that batch
+    loader.last_positions                     # evaluation: each sample's position in manifest order
     loader.last_epoch                         # the epoch that batch belongs to
     state = loader.state()                    # position after the last batch *yielded* (a LoaderState)
     loader.resume(states)                     # before iterating: every old rank's state, any layout
@@ -44,9 +45,14 @@ batches per rank (fewer than one global batch dropped); the next epoch follows t
 (``remainder.py``). Sample seeds and the epoch's permutation do not depend on the layout,
 so a sample looks the same whichever layout reads it.
 
-Evaluation stream (``train=False``): resize + center crop, one pass in manifest order, every sample
-exactly once over all ranks, no shuffle, no drop. Ranks may yield *different* batch counts and
-short last batches (one per worker): reduce metrics with sums after the loop, not per step.
+Evaluation stream (``train=False``): resize + center crop, one pass, every sample exactly once over
+all ranks, no shuffle, no drop. Rank ``r`` of ``W`` reads the manifest-order run ``[r*N//W,
+(r+1)*N//W)`` of the ``N`` samples; with one reader (``data.workers`` 0 or 1) its batches come in
+manifest order, with more each worker reads a contiguous part of the run and the DataLoader
+interleaves their batches (each worker one sequential read, no byte read twice). A consumer that
+needs rows in manifest order puts them back by ``loader.last_positions``. Ranks may yield
+*different* batch counts and short last batches (one per worker): reduce metrics with sums after
+the loop, not per step.
 
 Resolution (``train.resolution_schedule``): ``loader.set_img_size(px)`` crops at ``px`` from the next
 iterator on; that iterator starts where the last yielded batch left off, by the exact-resume path,
@@ -178,6 +184,7 @@ class ShardLoader:
         self._counts: Counter = Counter()
         self.last_keys: list[str] = []  # of the last yielded batch: each sample's __key__
         self.last_shards: list[str] = []  # ... and its shard's name
+        self.last_positions: list[int] = []  # ... and, in evaluation, its position in manifest order
         self.last_epoch: int = epoch  # ... and the epoch it belongs to
         self._reset_epoch(epoch)
 
@@ -254,6 +261,7 @@ class ShardLoader:
             if images is not None:
                 self._counts["samples"] += images.shape[0]
                 self.last_keys, self.last_shards, self.last_epoch = record.keys, record.shards, epoch
+                self.last_positions = record.positions
                 yield images, targets
         if not self.plan.train:
             self._reset_epoch(self._epoch)

@@ -36,7 +36,8 @@ Pre-training (``train=True``):
     the sequence). The chosen positions are whole shards' worth: the writer shuffles samples into
     shards, and the (seed, epoch) permutation picks other shards each epoch.
 Evaluation (``train=False``): manifest order, slot ``s`` of ``S`` takes positions
-``[s*N//S, (s+1)*N//S)``: every sample once; a slot's last batch may be short and ranks may yield
+``[s*N//S, (s+1)*N//S)``: every sample once; rank ``r``'s slots together hold ``[r*N//world_size,
+(r+1)*N//world_size)``, whatever the worker count. A slot's last batch may be short and ranks may yield
 different batch counts (documented in loader).
 
 ``python -m data_pipeline.loading.plan MANIFEST [MANIFEST...] --world-size W --workers K --batch B`` prints
@@ -155,6 +156,12 @@ class Plan:
 
     def epoch_order(self, epoch: int) -> list[Shard]:
         return list(self._sequence(epoch)[0])
+
+    def shard_starts(self, epoch: int) -> dict[int, int]:
+        """Shard index -> the sequence position of the shard's first sample in ``epoch`` (evaluation:
+        in manifest order); a sample's position is its shard's start plus its index in the shard."""
+        order, starts = self._sequence(epoch)
+        return {s.index: at for s, at in zip(order, starts)}
 
     def pieces(self, epoch: int, intervals: Iterable[tuple[int, int]]) -> list[Piece]:
         """Pool positions (sorted, disjoint ``[lo, hi)`` intervals; with one repeat the sequence's

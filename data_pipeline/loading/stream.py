@@ -3,7 +3,8 @@
 A worker plays one *role* (0..workers-1) of its rank; slot = rank * workers + role. Each emitted
 batch carries a ``batch.record.BatchRecord``: the epoch, the role, how many samples the role's
 shuffle buffer has emitted so far this epoch (corrupt ones included), the counter delta since the
-previous batch, and the ``__key__`` and shard name of each sample in the batch. The main process
+previous batch, and the ``__key__`` and shard name of each sample in the batch (in evaluation also
+its position in manifest order). The main process
 (``loader.ShardLoader``) keeps those numbers for the batches it has *yielded*, which is the whole
 resume state:
 
@@ -269,7 +270,8 @@ class SlotStream(IterableDataset):
 
     def _eval_batches(self, samples, role, tally):
         plan = self.plan
-        images, labels, keys, shards = [], [], [], []
+        starts = plan.shard_starts(0)  # a sample's position: where the consumer puts its row back
+        images, labels, keys, shards, positions = [], [], [], [], []
         for raw in samples:
             item = self._decode(raw, 0, tally)
             if item is not None:
@@ -277,13 +279,15 @@ class SlotStream(IterableDataset):
                 labels.append(item[1])
                 keys.append(raw.key)
                 shards.append(raw.shard.name)
+                positions.append(starts[raw.shard.index] + raw.index)
             if len(images) == plan.batch_size:
-                record = BatchRecord(False, role, tally.take(), keys=keys, shards=shards)
+                record = BatchRecord(False, role, tally.take(), keys=keys, shards=shards, positions=positions)
                 yield self._collate(images, labels, 0) + (record,)
-                images, labels, keys, shards = [], [], [], []
+                images, labels, keys, shards, positions = [], [], [], [], []
         delta = tally.take()
         if images:
-            yield self._collate(images, labels, 0) + (BatchRecord(False, role, delta, keys=keys, shards=shards),)
+            record = BatchRecord(False, role, delta, keys=keys, shards=shards, positions=positions)
+            yield self._collate(images, labels, 0) + (record,)
         elif delta["counts"]:  # counters of a tail without good samples still reach the main process
             yield None, None, BatchRecord(False, role, delta)
 

@@ -198,8 +198,10 @@ def test_eval_drops_a_broken_jpeg_as_the_worker_path_does(tmp_path, shard_kit):
     got = {}
     for device in ("worker", "cpu"):
         loader = build_loader(decode_cfg(root, device, workers=0), batch_size=4, img_size=16, train=False)
-        batches = [(x, y, list(loader.last_keys)) for x, y in loader]
-        got[device] = (batches, loader.counters)
+        batches = [(x, y, list(loader.last_keys), list(loader.last_positions)) for x, y in loader]
+        positions = [p for *_, ps in batches for p in ps]  # the broken sample's left out with it
+        assert positions == [0, *range(2, 16)], (device, positions)
+        got[device] = ([b[:3] for b in batches], loader.counters)
     (want, cw), (have, ch) = got["worker"], got["cpu"]
     assert cw == ch and ch["corrupt_image"] == 1
     # the worker path skips the sample before batching, this one after: batch edges differ

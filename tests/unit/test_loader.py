@@ -135,15 +135,23 @@ def test_state_keeps_the_checkpoint_layout_and_refuses_version_1(balanced_ids):
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_eval_stream_every_sample_once_deterministic(balanced_ids, world_size):
+    """Every sample once over the ranks, each rank a manifest-order run, and each sample's position
+    in manifest order (here its label) carried beside it through the workers' interleaving."""
     cfg = _cfg(balanced_ids)
     seen = []
     for rank in range(world_size):
         loader = build_loader(cfg, rank=rank, world_size=world_size, batch_size=7, img_size=16, train=False)
-        batches = list(loader)
+        batches, positions = [], []
+        for x, y in loader:
+            batches.append((x, y))
+            positions += loader.last_positions
         assert len(batches) <= loader.batches_per_epoch and len(batches) >= loader.batches_per_epoch - 2
         again = list(loader)  # one pass per iteration, same content
         assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again)) and len(again) == len(batches)
-        seen += [int(t) for _, y in batches for t in y]
+        ids = [int(t) for _, y in batches for t in y]
+        assert positions == ids
+        assert sorted(ids) == list(range(rank * 192 // world_size, (rank + 1) * 192 // world_size))
+        seen += ids
     assert sorted(seen) == list(range(192))
 
 

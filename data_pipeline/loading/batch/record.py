@@ -40,6 +40,7 @@ class BatchRecord:
     emitted: int = 0  # training: the role's shuffle-buffer emissions this epoch, corrupt ones included
     keys: list = field(default_factory=list)  # each sample's __key__
     shards: list = field(default_factory=list)  # ... and its shard's name
+    positions: list = field(default_factory=list)  # evaluation: ... and its position in manifest order
     error: Optional[str] = None  # why the role stopped (a DataError's line)
     unreachable: bool = False  # ... because the store stayed away past data.remote_retry_s (exit 69)
 
@@ -58,6 +59,7 @@ class BatchRecord:
         """Evaluation: the batch of only the rows ``good`` (in order), a short one as the worker path
         gives; (None, None) when none is left. ``upload`` moves the row index to the images' device."""
         self.keys, self.shards = [self.keys[i] for i in good], [self.shards[i] for i in good]
+        self.positions = [self.positions[i] for i in good] if self.positions else []
         if not good:
             return None, None
         rows = upload(torch.tensor(good))
