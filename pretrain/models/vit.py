@@ -258,13 +258,17 @@ class VisionTransformer(nn.Module):
                 pos = sincos_pos_embed(grid, self.embed_dim, self.num_prefix_tokens, device=x.device)
             else:
                 pos = resize_pos_embed(pos, grid, self.grid_size, self.num_prefix_tokens)
+        # The residual stream starts in the module's dtype. Under autocast (``bf16-autocast``) the
+        # convolution gives bf16 tokens of an fp32 module; timm's concatenation with its fp32 prefix
+        # tokens and its add of the fp32 position embedding promote them to fp32, which without a
+        # prefix token only the add would do. The sin-cos buffer stays fp32 where DeepSpeed's bf16 /
+        # fp16 mode casts only parameters: it is added in the module's dtype, as big_vision does.
+        dtype = self.patch_embed.proj.weight.dtype
+        x = x.to(dtype)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
-        # the sin-cos buffer stays fp32 where DeepSpeed's bf16 / fp16 mode casts only parameters: add
-        # it in the tokens' dtype, as big_vision does, not promote the stream to fp32 (a no-op when
-        # learned: the parameter already has the tokens' dtype)
-        return self.pos_drop(x + pos.to(x.dtype))
+        return self.pos_drop(x + pos.to(dtype))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, prefix + kept patches, D) tokens after the final norm: [class], registers, then the

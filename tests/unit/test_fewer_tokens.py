@@ -129,6 +129,29 @@ def test_prefix_tokens_with_patch_dropout_and_another_size_are_timms(arch):
 
 
 
+@pytest.mark.parametrize("arch", [PREFIXES["nocls-map"], dict(class_token=False, global_pool="avg"),
+                                  PREFIXES["reg4"]], ids=["nocls-map", "nocls-avg", "reg4"])
+@pytest.mark.parametrize("size", [64, 48])
+def test_under_autocast_the_residual_stream_is_timms_fp32_with_or_without_prefix_tokens(arch, size):
+    """``train.precision=bf16-autocast``: an fp32 module whose convolution gives bf16 tokens. timm's
+    stream is fp32 from the position embedding's add on (its prefix tokens' concatenation promotes
+    it first where there are any); so is ours, with patch dropout, at the model's size and another,
+    with the same tokens into every block and the same features out."""
+    ours, ref = twins(64, 0.5, **arch)
+    seen, theirs = [], []
+    ours.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    ref.blocks[0].register_forward_pre_hook(lambda m, args: theirs.append(args[0]))
+    x = torch.randn(2, 3, size, size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(5)
+        a = ours.train().forward_features(x)
+        torch.manual_seed(5)
+        b = ref.train().forward_features(x)
+    assert seen[0].dtype == theirs[0].dtype == torch.float32
+    torch.testing.assert_close(seen[0], theirs[0], rtol=0, atol=0)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 class _HostTensors(TorchDispatchMode):
     """The ops that see a tensor on the host (inputs or outputs), in dispatch order."""
 
