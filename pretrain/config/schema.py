@@ -41,10 +41,11 @@ class ModelConfig:
     """Stochastic depth."""
     patch_drop_rate: float = 0.0
     """Patch dropout in training (timm's `patch_drop_rate`, FLIP): each image keeps a random
-    `max(1, int(patches x (1 - rate)))` of its patch tokens, the [class] token always; none in
-    evaluation. The blocks run on the kept tokens only (at 0.5 a step costs about half), and the
-    logged FLOPs and MFU count those tokens. The mask is drawn from the rank's own generator, which
-    checkpoints keep (exact resume); no parameters, so exports are unchanged. 0 = off."""
+    `max(1, int(patches x (1 - rate)))` of its patch tokens, every prefix token ([class],
+    registers) always; none in evaluation. The blocks run on the kept tokens only (at 0.5 a step
+    costs about half), and the logged FLOPs and MFU count those tokens. The mask is drawn from the
+    rank's own generator, which checkpoints keep (exact resume); no parameters, so exports are
+    unchanged. 0 = off."""
     representation_size: Optional[int] = None
     """Width of the tanh pre-logits layer of the paper's pre-training head; null: none."""
     global_pool: Literal["token", "avg", "map"] = "token"
