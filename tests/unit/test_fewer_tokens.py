@@ -1,8 +1,9 @@
 """Fewer tokens for the same model: patch dropout and position embeddings resampled to another
-resolution against timm (with its prefix tokens: registers, no [class] token, MAP) and a sin-cos
-table against big_vision's at the new grid, the FLOPs they count, the resolution schedule's phases and checks, the
-loader cropping at a new size from the same position, the batches regrouped per step, the memory
-model's largest phase and the plan's price of a schedule."""
+resolution against timm (with its prefix tokens: registers, no [class] token, MAP; under autocast
+too) and a sin-cos table against big_vision's at the new grid, the FLOPs they count, the
+resolution schedule's phases and checks, the loader cropping at a new size from the same
+position, the batches regrouped per step, the memory model's largest phase and the plan's price
+of a schedule."""
 import dataclasses
 
 import pytest
