@@ -98,8 +98,10 @@ class _Fewshot:
     positions ``r::world``; ``order`` puts rows gathered in rank order back in pool order, and
     ``draws`` names each fit's examples as pool positions, so every fit sees the same examples on
     any number of ranks. Shards have no labels before they are read: the whole split is decoded,
-    each rank a contiguous run in manifest order (the loader's evaluation plan), so the rows joined
-    in rank order are the split in manifest order, and the draws come from their labels."""
+    each rank a contiguous run in manifest order (the loader's evaluation plan) read in this process
+    (no data workers, whose parts would interleave), so the rows joined in rank order are the split
+    in manifest order, as vit-transfer's features are with any ``eval.workers``, and the draws come
+    from their labels."""
 
     def __init__(self, name: str, task, img_size: int, aug, rank: int, world: int, batch: int, shots: list[int],
                  seeds: int):

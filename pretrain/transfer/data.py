@@ -10,7 +10,9 @@ Protocols see only :class:`Split`; where the images live is the split's business
 
 A :class:`View` says how images become tensors: resolution, resize mode, augmentation for
 training batches, normalisation. ``train=True`` gives an endless shuffled (augmented) stream,
-``train=False`` one ordered pass. With ``world > 1`` each rank gets a disjoint share.
+``train=False`` one pass (a shard split's batches in manifest order only with one reader per rank:
+``indexed_batches`` gives every row's position, whatever the workers). With ``world > 1`` each
+rank gets a disjoint share.
 
 An unreadable image file is an error naming it (and the split-file line it came from), not a
 skipped sample: a benchmark number computed over a test set with holes is not comparable.
@@ -123,6 +125,17 @@ class Split(abc.ABC):
         """Normalised (x, y) batches of ``view``. ``device``: where the consumer computes; shard
         batches are finished there (the training loader's finisher), others arrive on the CPU, in
         pinned memory when ``device`` is a GPU."""
+
+    def indexed_batches(self, view: View, *, batch_size: int, workers: int = 0,
+                        device=None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """One evaluation pass in this process as ``(x, y, rows)``: ``rows`` (int64, on the CPU) is
+        each image's position in the split, so a consumer can keep rows in split order whatever
+        order the batches come in (a shard split's depends on ``workers``). Here the batches come
+        in split order and rows are counted."""
+        at = 0
+        for x, y in self.batches(view, batch_size=batch_size, train=False, workers=workers, device=device):
+            yield x, y, torch.arange(at, at + len(y))
+            at += len(y)
 
 
 class _Mapped(Dataset):
@@ -314,12 +327,25 @@ class ShardSplit(Split):
     def num_classes(self) -> int:
         return self.shardset.num_classes
 
-    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
+    def _loader(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
         from data_pipeline.loading.loader import build_loader
 
         cfg = replace(self.data_cfg, train_shards=self.spec, val_shards=self.spec, workers=workers,
                       img_size=None, augment=transfer_augment(self.data_cfg.augment, view.train_augment),
                       repeat_augment=1)
-        loader = build_loader(cfg, rank=rank, world_size=world, batch_size=batch_size, seed=seed,
-                              img_size=view.img_size, train=train, device=device)
-        return iter(loader)
+        return build_loader(cfg, rank=rank, world_size=world, batch_size=batch_size, seed=seed,
+                            img_size=view.img_size, train=train, device=device)
+
+    def batches(self, view, *, batch_size, train, seed=0, rank=0, world=1, workers=0, device=None):
+        """With ``train=False`` rank ``r``'s share is a run of the split in manifest order, and its
+        batches come in that order with ``workers`` 0 or 1; with more, the workers' parts of the run
+        interleave (``indexed_batches`` says where each row belongs)."""
+        return iter(self._loader(view, batch_size=batch_size, train=train, seed=seed, rank=rank, world=world,
+                                 workers=workers, device=device))
+
+    def indexed_batches(self, view, *, batch_size, workers=0, device=None):
+        """Rows are manifest positions, carried through the loader's workers (``last_positions``); a
+        sample that failed to decode leaves its position out."""
+        loader = self._loader(view, batch_size=batch_size, train=False, workers=workers, device=device)
+        for x, y in loader:
+            yield x, y, torch.tensor(loader.last_positions, dtype=torch.int64)

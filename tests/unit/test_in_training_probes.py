@@ -105,8 +105,9 @@ def noise_folder(root, n_train: int, n_test: int, classes: int = 4):
 def test_fewshot_draws_are_vit_transfers_on_one_rank_or_two(tmp_path, suite):
     """Each seed's k-shot examples are vit-transfer's draw from the whole train split (rows of its
     features at ``sample_shots`` of its labels), at world size 1 and 2, and the accuracies are
-    vit-transfer's ``fewshot_accuracy`` on its own features: for files (labels known up front: the
-    drawn examples alone are decoded) and for shards (the whole split, in manifest order)."""
+    vit-transfer's ``fewshot_accuracy`` on its own features, read by two data workers: for files
+    (labels known up front: the drawn examples alone are decoded) and for shards (the whole split,
+    in manifest order, however many workers read it)."""
     if suite == "imagefolder":
         spec = f"imagefolder:{noise_folder(tmp_path / 'folder', n_train=12, n_test=10)}"
     else:
@@ -124,9 +125,10 @@ def test_fewshot_draws_are_vit_transfers_on_one_rank_or_two(tmp_path, suite):
             mp.spawn(_fewshot_at, args=(world, spec, str(tmp_path / "pg2"), str(out)), nprocs=world)
         got[world] = torch.load(out, weights_only=False)
 
-    ev = evaluator(spec)  # vit-transfer's side: the same task read the same way, its own features
+    ev = evaluator(spec)  # vit-transfer's side: the same task, read by eval.workers' default 2, its own features
     (label, task), = ev.tasks[0]
-    cache = FeatureCache(tiny_model(img_size=32).eval(), batch_size=8, pool="model", device=torch.device("cpu"))
+    cache = FeatureCache(tiny_model(img_size=32).eval(), batch_size=8, pool="model", device=torch.device("cpu"),
+                         workers=2)
     view = make_view(task, 32, ev.data.augment)
     Xtr, ytr = cache.get(task.trainval, view)
     Xte, yte = cache.get(task.test, view)

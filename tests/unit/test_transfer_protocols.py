@@ -125,6 +125,43 @@ def test_frozen_feature_protocols_end_to_end(tiny_ckpt, colour_task, protocol):
         assert r["accuracy"] == r["details"]["k"]["20"]["top1"] <= r["details"]["k"]["20"]["top5"]
 
 
+def _manifest_labels(folder) -> list[int]:
+    """A shard folder's labels in manifest order (shard by shard, sample by sample), read with tarfile."""
+    import json
+    import tarfile
+
+    labels = []
+    for shard in json.loads((folder / "manifest.json").read_text())["shards"]:
+        with tarfile.open(folder / shard["name"]) as tar:
+            labels += [int(tar.extractfile(m).read()) for m in tar if m.name.endswith(".cls")]
+    return labels
+
+
+def test_shard_features_and_fewshot_do_not_depend_on_the_workers(tiny_ckpt, tmp_path):
+    """A shard split read by two workers, whose contiguous parts the DataLoader interleaves, gives
+    the features and labels one worker gives, row by row in manifest order, and so the same few-shot
+    draws and scores (``eval.workers`` defaults to 2)."""
+    from data_pipeline.shards.writer import write_demo_shards
+    from pretrain.config import AugmentConfig, DataConfig
+    from pretrain.transfer.data import make_view
+    from pretrain.transfer.protocols.features import FeatureCache
+    from pretrain.transfer.suites import demo
+
+    for split, n in (("transfer-train", 45), ("transfer-test", 30)):  # 45: uneven over shards, workers, batches
+        write_demo_shards(tmp_path / split, split, n=n, shard_size=16)
+    task = demo(0.0, 0, str(tmp_path), DataConfig())
+    view = make_view(task, 32, AugmentConfig())
+    model = build_backbone(load_pretrained(tiny_ckpt), img_size=32)
+    got = {w: FeatureCache(model, batch_size=8, pool="token", device=torch.device("cpu"), workers=w)
+           .get(task.trainval, view) for w in (0, 2)}
+    assert got[0][1].tolist() == _manifest_labels(tmp_path / "transfer-train")
+    assert torch.equal(got[2][1], got[0][1])
+    torch.testing.assert_close(got[2][0], got[0][0])
+    shots = [_run(tiny_ckpt, task, "eval.protocol=fewshot", "eval.fewshot_shots=[1,3]", f"eval.workers={w}")
+             ["tasks"]["demo"]["details"]["shots"] for w in (0, 2)]
+    assert shots[0] == shots[1]
+
+
 def test_probes_asking_for_more_than_the_train_split_holds_say_so(tiny_ckpt, colour_task):
     """50-shot of classes with 12 training images, and 500-NN of 48 training images: the numbers
     are what there is (big_vision's sampling; every image a neighbour), and the log, the result's

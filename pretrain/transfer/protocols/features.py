@@ -35,21 +35,27 @@ def pooled(model: torch.nn.Module, tokens: torch.Tensor, pool: str) -> torch.Ten
 @torch.no_grad()  # not inference_mode: the linear probe takes gradients through these features
 def extract(model: torch.nn.Module, split: Split, view: View, *, batch_size: int, pool: str, device: torch.device,
             workers: int = 0, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
-    """(features float32 (N, D), labels int64 (N,)) on the CPU."""
+    """(features float32 (N, D), labels int64 (N,)) on the CPU, rows in split order (a shard split's
+    manifest order) whatever ``workers`` is: few-shot draws pick rows by position."""
     model.eval().to(device)
-    feats, labels = [], []
+    feats, labels, rows = [], [], []
     amp = autocast_bf16(device)  # features leave as float32
 
     with Progress(len(split), f"  {desc}", "img") as bar:  # indented as the log lines around it
-        for x, y in split.batches(view, batch_size=batch_size, train=False, workers=workers, device=device):
+        for x, y, at in split.indexed_batches(view, batch_size=batch_size, workers=workers, device=device):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 f = pooled(model, model.forward_features(x.to(device, non_blocking=True)), pool)
             feats.append(f.float().cpu())
             labels.append(y.cpu())
+            rows.append(at)
             bar.update(len(y))
     if not feats:
         return torch.zeros(0, getattr(model, "num_features", 0)), torch.zeros(0, dtype=torch.int64)
-    return torch.cat(feats), torch.cat(labels).long()
+    X, y, at = torch.cat(feats), torch.cat(labels).long(), torch.cat(rows)
+    if bool((at[1:] < at[:-1]).any()):  # batches arrived out of order (shards read by several workers)
+        order = at.argsort()
+        X, y = X[order], y[order]
+    return X, y
 
 
 class FeatureCache:
