@@ -2,12 +2,11 @@
 ``param_groups_layer_decay`` on timm's model of the same name (the same parameter names as ours):
 the same groups in the same order, each with its lr scale, weight decay and parameters."""
 import pytest
+import timm
 import torch
 
 from pretrain.distributed.layer_decay import layer_decay_groups, layer_of
 from pretrain.models.vit import create_model
-
-timm = pytest.importorskip("timm")
 
 
 def _named(groups: list[dict], names_of: dict) -> list[tuple]:
@@ -18,6 +17,9 @@ VARIANTS = {
     "token": dict(num_classes=7),
     "avg-pool (fc_norm)": dict(num_classes=7, global_pool="avg"),
     "no head": dict(num_classes=0),
+    # registers join the stem; without the [class] token the stem is registers and embedding alone
+    "registers": dict(num_classes=7, reg_tokens=4),
+    "registers, no [class] token": dict(num_classes=7, reg_tokens=2, class_token=False, global_pool="avg"),
 }
 
 
