@@ -33,7 +33,8 @@ def colours(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- checkpoint formats
 def _timm_pth(path: Path):
-    timm = pytest.importorskip("timm")
+    import timm
+
     torch.manual_seed(3)
     m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=7)
     torch.save(m.state_dict(), path)

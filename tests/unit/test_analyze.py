@@ -218,7 +218,8 @@ def _check_output(out: Path, *, layers: int, heads: int, images: int, rollout: i
 
 
 def test_timm_state_dict_and_an_image_folder(tmp_path, photos):
-    timm = pytest.importorskip("timm")
+    import timm
+
     torch.manual_seed(3)
     # a state dict saved by timm's own model: the names our model shares with it
     m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=5)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import skimage.data as skdata
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
 from data_pipeline.audit import index as I  # noqa: E741
@@ -24,8 +25,6 @@ from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.sources import imagefolder
 from data_pipeline.shards.writer import write_shards
 from pretrain.evaluation import audit as vit_audit
-
-skdata = pytest.importorskip("skimage.data")
 
 PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
           "camera", "coins", "moon", "clock", "cell"]

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import timm
 import torch
 from transfer_fixtures import colour_image, save_png, tiny_model, write_run_dir
 
@@ -17,7 +18,6 @@ from pretrain.transfer.protocols.head import predict
 from pretrain.transfer.suites import labelled_folder
 from pretrain.weights.pretrained import CheckpointError, build_classifier, load_pretrained
 
-timm = pytest.importorskip("timm")
 CLASSES = ["0", "2", "5", "9"]  # ImageNet-V2's layout: the folder names are the head's indices
 
 
