@@ -351,6 +351,22 @@ def test_repeated_copies_are_augmented_afresh(demo_train):
     assert pairs == 192
 
 
+def test_each_epoch_augments_a_sample_afresh(demo_train):
+    """The crop and flip of a sample are drawn anew every epoch (its seed names the epoch): the
+    same image read again in the next epoch has other pixels."""
+    loader = build_loader(_cfg(demo_train, workers=0), batch_size=32, seed=2, img_size=16)
+    it, seen = iter(loader), []
+    for _ in range(2):
+        pixels = {}
+        for _ in range(loader.batches_per_epoch):
+            x, _ = next(it)
+            pixels.update(zip(loader.last_keys, x))
+        seen.append(pixels)
+    assert seen[0].keys() == seen[1].keys() and len(seen[0]) == 384
+    same = [k for k in seen[0] if torch.equal(seen[0][k], seen[1][k])]
+    assert not same, same
+
+
 def test_elastic_resume_with_repeats_reads_each_copy_once(uneven_ids):
     """2 ranks x 2 workers -> 3 x 0 inside an epoch with data.repeat_augment 2: the copies read
     before the cut and after it are the epoch's pool, each copy once (fewer than one global batch of
