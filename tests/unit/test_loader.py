@@ -367,6 +367,23 @@ def test_each_epoch_augments_a_sample_afresh(demo_train):
     assert not same, same
 
 
+def test_each_epoch_draws_its_own_mixing(balanced_ids):
+    """Mixup's weight is drawn per batch and epoch: batch k of the next epoch mixes by another one.
+    Labels are ids (all distinct), so each target row holds the weight and its complement alone."""
+    cfg = _cfg(balanced_ids, workers=0, augment=AugmentConfig(mixup_alpha=0.8))
+    loader = build_loader(cfg, batch_size=8, seed=0, img_size=16)
+    it, weights = iter(loader), []
+    for _ in range(2):
+        epoch = []
+        for _ in range(loader.batches_per_epoch):
+            y = next(it)[1][0]
+            epoch.append(round(float(y.max()), 6))
+            assert float(y.sum()) == pytest.approx(1.0) and int((y > 0).sum()) <= 2, y
+        weights.append(epoch)
+    assert len(set(weights[0])) == len(weights[0]) == 24, weights[0]  # a weight per batch
+    assert sum(a == b for a, b in zip(*weights)) <= 1, weights
+
+
 def test_elastic_resume_with_repeats_reads_each_copy_once(uneven_ids):
     """2 ranks x 2 workers -> 3 x 0 inside an epoch with data.repeat_augment 2: the copies read
     before the cut and after it are the epoch's pool, each copy once (fewer than one global batch of
