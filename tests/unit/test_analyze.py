@@ -100,7 +100,7 @@ def test_recorded_attention_applies_the_qk_norm_the_model_applies():
 
 def test_hooks_are_removed_when_the_forward_fails():
     model = tiny_model(32)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="to have 3 channels, but got 4"):
         with record_attention(model, lambda layer, p: None):
             model(torch.randn(1, 4, 32, 32))  # four channels: the patch embedding's convolution refuses them
     assert all(not m._forward_hooks for m in attention_modules(model))
