@@ -54,6 +54,22 @@ def test_a_pick_past_a_damaged_checkpoint_points_latest_at_the_one_picked(tmp_pa
     assert not (tmp_path / rundir.LATEST).exists()  # names nothing rather than a moved folder
 
 
+def test_bytes_changed_in_place_fail_the_checksum(tmp_path):
+    """Damage that keeps a file's size (a flipped bit, a page overwritten) is seen by the checksum
+    alone: any byte of the file, the last one too, and every file the marker lists."""
+    ckpt = saved(tmp_path, 2)
+    assert rundir.verify(ckpt) is None
+    for name in ("mp_rank_00_model_states.pt", "run.json"):
+        f = ckpt / name
+        good = f.read_bytes()
+        for at in (0, len(good) // 2, len(good) - 1):
+            bad = bytearray(good)
+            bad[at] ^= 0x01
+            f.write_bytes(bytes(bad))
+            assert rundir.verify(ckpt) == f"{f}: checksum differs from the one recorded at save time", (name, at)
+        f.write_bytes(good)
+        assert rundir.verify(ckpt) is None
+
 def test_a_fresh_start_keeps_an_earlier_runs_checkpoints_out_of_its_pruning(tmp_path):
     for step in (3000, 4000, 5000):
         saved(tmp_path, step)
