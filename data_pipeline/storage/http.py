@@ -18,7 +18,10 @@ import urllib.request
 
 from data_pipeline.storage.retry import RemoteShardError, ResumableRead
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # the server may answer later
+
+def _transient(status: int) -> bool:
+    """An answer that asking again later may change: 408, 429 and every 5xx (a CDN's 520-524 too)."""
+    return status in (408, 429) or 500 <= status < 600
 
 
 class HTTPShard(ResumableRead):
@@ -35,7 +38,7 @@ class HTTPShard(ResumableRead):
                                           timeout=self.policy.timeout_s)
         except urllib.error.HTTPError as e:
             e.close()
-            if e.code in _RETRY_STATUS:
+            if _transient(e.code):
                 raise ConnectionError(f"HTTP {e.code} {e.reason}") from None
             what = "not on the server" if e.code in (404, 410) else "refused by the server"
             if self.kind == "shard":

@@ -1,14 +1,14 @@
 """A small real HTTP file server for the remote-shard tests, run as its own process:
 
     python tests/jobs/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
-                                               [--no-range] [--busy N]
+                                               [--no-range] [--busy N [--busy-status CODE]]
 
 Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with
 ``Content-Range``), 404 for anything else, one thread per connection. ``--rate`` paces every
 response body to about that many bytes per second (a rate-limited object store). ``--die-after``
 ends the whole process (``os._exit``, as a crash would) once BYTES bytes of file NAME's body are
 sent, mid-transfer; a restart without the flag serves normally. ``--no-range`` ignores ``Range``
-(200 and the whole file, as some servers do); ``--busy N`` answers the first N requests with 503.
+(200 and the whole file, as some servers do); ``--busy N`` answers the first N requests with 503 (or ``--busy-status``).
 Each request is logged to stderr
 as ``GET /NAME range=... -> STATUS``.
 """
@@ -30,7 +30,8 @@ class Handler(BaseHTTPRequestHandler):
     rate: float | None = None
     die: tuple[str, int] | None = None
     no_range = False
-    busy = 0  # requests still to refuse with 503
+    busy = 0  # requests still to refuse with busy_status
+    busy_status = 503
     protocol_version = "HTTP/1.1"
 
     def log_message(self, fmt, *args):  # one line per request, see do_GET
@@ -43,8 +44,8 @@ class Handler(BaseHTTPRequestHandler):
         rng = None if self.no_range else asked
         if Handler.busy > 0:
             Handler.busy -= 1
-            self._log(name, asked, 503)
-            self.send_error(503, "Service Unavailable")
+            self._log(name, asked, Handler.busy_status)
+            self.send_error(Handler.busy_status)
             return
         if "/" in name or not path.is_file():
             self._log(name, asked, 404)
@@ -94,8 +95,9 @@ def main() -> None:
     ap.add_argument("--die-after")
     ap.add_argument("--no-range", action="store_true")
     ap.add_argument("--busy", type=int, default=0)
+    ap.add_argument("--busy-status", type=int, default=503)
     args = ap.parse_args()
-    Handler.no_range, Handler.busy = args.no_range, args.busy
+    Handler.no_range, Handler.busy, Handler.busy_status = args.no_range, args.busy, args.busy_status
     Handler.root = Path(args.root)
     Handler.rate = args.rate
     if args.die_after:
