@@ -11,7 +11,8 @@ Reading (``S3Object``) follows ``storage.retry``: a refused connect, a reset or 
 answer and S3's ``SlowDown`` are retried under the ``RemotePolicy`` and the read resumes at its byte
 with a ranged GET (``If-Match`` the object's ETag, so a replaced object is an error rather than a
 mix of two). A missing bucket or key, a 403 and bad credentials are one-line ``RemoteShardError``s
-naming the URL and what to check. botocore's own retries are off: every retry is ours, counted as
+naming the URL and what to check; settings boto3 cannot make a client with (an endpoint that is not
+a URL, a bad region or profile) one naming the variable. botocore's own retries are off: every retry is ours, counted as
 ``remote_retries``.
 
 Writing (``S3Upload``): bytes are buffered up to ``PART_BYTES`` and sent as the parts of a multipart
@@ -55,15 +56,48 @@ def client(timeout_s: float = 30.0):
                 from botocore.config import Config
             except ImportError:
                 raise DataError("s3:// URLs need boto3: pip install boto3") from None
-            session = boto3.session.Session()
+            from botocore import exceptions as bx
+
             kw = dict(connect_timeout=timeout_s, read_timeout=timeout_s,
                       retries={"total_max_attempts": 1, "mode": "standard"})
-            c = session.client("s3", config=Config(**kw))
-            host = urlparse(c.meta.endpoint_url).hostname or ""
-            if not host.endswith((".amazonaws.com", ".amazonaws.com.cn")):  # MinIO, R2, GCS, moto...
-                c = session.client("s3", config=Config(s3={"addressing_style": "path"}, **kw))
+            try:
+                session = boto3.session.Session()
+                c = session.client("s3", config=Config(**kw))
+                host = urlparse(c.meta.endpoint_url).hostname or ""
+                if not host.endswith((".amazonaws.com", ".amazonaws.com.cn")):  # MinIO, R2, GCS, moto...
+                    c = session.client("s3", config=Config(s3={"addressing_style": "path"}, **kw))
+            except (bx.BotoCoreError, ValueError) as e:  # nothing was asked of the store yet: the settings
+                raise RemoteShardError(_settings_problem(e)) from None
             _clients[key] = c
         return _clients[key]
+
+
+def _setting(variables: tuple[str, ...], profile_key: str) -> str:
+    """Where a client setting came from: the first of ``variables`` set, else the profile's key."""
+    for v in variables:
+        if os.environ.get(v):
+            return f"{v}={os.environ[v]!r}"
+    profile = os.environ.get("AWS_PROFILE", "default")
+    return f"{profile_key} of profile {profile!r} in {os.environ.get('AWS_CONFIG_FILE', '~/.aws/config')}"
+
+
+def _settings_problem(e: Exception) -> str:
+    """One line naming the setting a boto3 client cannot be made with, and what it should be."""
+    from botocore import exceptions as bx
+
+    if isinstance(e, bx.ProfileNotFound):
+        return (f"S3: AWS_PROFILE={os.environ.get('AWS_PROFILE', '')!r} names no profile in "
+                f"{os.environ.get('AWS_CONFIG_FILE', '~/.aws/config')} or "
+                f"{os.environ.get('AWS_SHARED_CREDENTIALS_FILE', '~/.aws/credentials')}; set it to one of "
+                "their profiles or unset it")
+    if isinstance(e, bx.InvalidRegionError):
+        return (f"S3: region {_setting(('AWS_DEFAULT_REGION',), 'region')} is not a region name; "
+                "set AWS_DEFAULT_REGION to the bucket's region (us-east-1, auto, ...)")
+    if str(e).startswith("Invalid endpoint"):
+        return (f"S3: endpoint {_setting(('AWS_ENDPOINT_URL_S3', 'AWS_ENDPOINT_URL'), 'endpoint_url')} is not a "
+                "URL; give it as http(s)://host[:port]")
+    config = os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")
+    return f"S3: cannot set up a client ({e}); check the AWS_* variables and {config}"
 
 
 def call(op: Callable[[], T], url: str, name: str, kind: str = "shard") -> T:
@@ -87,6 +121,8 @@ def call(op: Callable[[], T], url: str, name: str, kind: str = "shard") -> T:
                                "AWS_PROFILE or ~/.aws/credentials") from None
     except (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError) as e:
         raise ConnectionError(str(e)) from None
+    except bx.BotoCoreError as e:  # a setting met only when a request is made (a failing credential_process...)
+        raise RemoteShardError(f"{url}: {e}; check the AWS_* variables and ~/.aws/config") from None
 
 
 def _why(code: str, status: int, url: str, name: str, kind: str) -> str:

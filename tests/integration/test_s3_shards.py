@@ -239,6 +239,35 @@ def test_missing_key_bucket_and_wrong_credentials_are_one_line(store, written, m
 
 
 
+@pytest.mark.parametrize("variable,value,says", [
+    ("AWS_ENDPOINT_URL", "127.0.0.1:9", "S3: endpoint AWS_ENDPOINT_URL='127.0.0.1:9' is not a URL; give it as "
+                                        "http(s)://host[:port]"),
+    ("AWS_PROFILE", "nosuchprofile", "S3: AWS_PROFILE='nosuchprofile' names no profile in "),
+    ("AWS_DEFAULT_REGION", "us east 1", "S3: region AWS_DEFAULT_REGION='us east 1' is not a region name"),
+], ids=["endpoint", "profile", "region"])
+def test_client_settings_mistakes_are_one_line_naming_the_variable(store, written, monkeypatch, capsys, tmp_path,
+                                                                   variable, value, says):
+    """A setting boto3 cannot make a client with is one line naming the variable, where the store's
+    manifest is read, where its shards are read (never counted as missing shards) and for vit-shards."""
+    from data_pipeline.loading.loader import plan_loader
+
+    cfg = _cfg(written[1])
+    plan = plan_loader(cfg, batch_size=8, seed=3)  # the manifest, read with working settings
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))  # no profile of the user's own
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(DataError) as e:
+        build_loader(cfg, batch_size=8)
+    assert str(e.value).startswith(says) and str(e.value).endswith("(data.train_shards)"), e.value
+    with pytest.raises(DataError) as e:
+        for _ in build_loader(cfg, batch_size=8, seed=3, img_size=16, plan=plan):
+            pass
+    assert "\n" not in str(e.value) and str(e.value).startswith(says), e.value
+    with pytest.raises(SystemExit) as e:
+        cli.main([*DEMO, "--output", f"s3://{BUCKET}/settings"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vit-shards: error: {says}") and err.count("\n") == 1, err
+
+
 def test_preflight_checks_the_shards_in_the_store(store, written, tmp_path, capsys, monkeypatch):
     """``vit-launch check`` on s3:// shards: sizes by listing, tar headers by ranged GETs, as on disk;
     a missing shard, a short one, a non-tar and refused credentials each fail in one line."""
