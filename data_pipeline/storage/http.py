@@ -6,13 +6,14 @@ backoff until the outage has lasted ``data.remote_retry_s`` (``storage.retry``),
 resumes at the byte it stopped at with an HTTP ``Range`` request, so the tar stream goes on with no
 sample repeated or skipped. Each retry is counted as ``remote_retries``. A server still away past
 the policy raises ``StoreUnreachable``, a 404 and any other refusal ``RemoteShardError`` (one line
-naming the URL and the shard); the stream stops the run with it rather than count the shard's
-samples as lost.
+naming the URL and the shard), and so is a TLS certificate the client does not trust; the stream
+stops the run with it rather than count the shard's samples as lost.
 """
 from __future__ import annotations
 
 import http.client
 import re
+import ssl
 import urllib.error
 import urllib.request
 
@@ -44,6 +45,12 @@ class HTTPShard(ResumableRead):
             if self.kind == "shard":
                 what = f"shard {self.name} is listed in the manifest but {what}"
             raise RemoteShardError(f"{self.url}: HTTP {e.code} {e.reason}: {what}") from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ssl.SSLCertVerificationError):  # the same answer however long we wait
+                raise RemoteShardError(f"{self.url}: TLS certificate not trusted ({e.reason.verify_message}); "
+                                       "put the CA that signed it in SSL_CERT_FILE, or use the URL the "
+                                       "certificate names") from None
+            raise
         if self.pos and resp.status == 206:
             m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
             if not m or int(m.group(1)) != self.pos:

@@ -120,6 +120,9 @@ def call(op: Callable[[], T], url: str, name: str, kind: str = "shard") -> T:
         raise RemoteShardError(f"{url}: {e}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                                "AWS_PROFILE or ~/.aws/credentials") from None
     except (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError) as e:
+        if isinstance(e, bx.SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(e):  # waiting cannot fix it
+            raise RemoteShardError(f"{url}: the endpoint's TLS certificate is not trusted; put the CA that "
+                                   "signed it in AWS_CA_BUNDLE, or check AWS_ENDPOINT_URL") from None
         raise ConnectionError(str(e)) from None
     except bx.BotoCoreError as e:  # a setting met only when a request is made (a failing credential_process...)
         raise RemoteShardError(f"{url}: {e}; check the AWS_* variables and ~/.aws/config") from None

@@ -175,6 +175,21 @@ def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_p
         build_loader(remote_data_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
 
 
+def test_untrusted_tls_certificate_is_one_line_not_an_outage(tmp_path):
+    """A certificate no CA the client knows signed does not change by waiting: one line naming the URL
+    and SSL_CERT_FILE at once, not an outage retried for data.remote_retry_s and then exit 69."""
+    from tls_server import UntrustedTLS
+
+    with UntrustedTLS(tmp_path) as url:
+        t0 = time.monotonic()
+        with pytest.raises(DataError) as e:
+            build_loader(remote_data_cfg(f"{url}/manifest.json"), batch_size=8)
+        assert time.monotonic() - t0 < 2.0
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{url}/manifest.json: TLS certificate not trusted ("), msg
+    assert "SSL_CERT_FILE" in msg and msg.endswith("(data.train_shards)"), msg
+
+
 def _needed_bytes(tar: Path) -> int:
     """Bytes of ``tar`` up to the end of its last member's data: what a reader must receive (the
     end-of-archive blocks and record padding after it are never waited for)."""

@@ -268,6 +268,25 @@ def test_client_settings_mistakes_are_one_line_naming_the_variable(store, writte
     assert e.value.code == 2 and err.startswith(f"vit-shards: error: {says}") and err.count("\n") == 1, err
 
 
+def test_untrusted_tls_certificate_of_the_endpoint_is_one_line_not_an_outage(store, monkeypatch, capsys, tmp_path):
+    from tls_server import UntrustedTLS
+
+    with UntrustedTLS(tmp_path) as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        t0 = time.monotonic()
+        with pytest.raises(DataError) as e:
+            build_loader(_cfg(f"s3://{BUCKET}/demo/train"), batch_size=8)
+        with pytest.raises(SystemExit) as end:
+            cli.main([*DEMO, "--output", f"s3://{BUCKET}/tls"])
+        assert time.monotonic() - t0 < 4.0
+    msg = str(e.value)
+    assert msg == (f"s3://{BUCKET}/demo/train/manifest.json: the endpoint's TLS certificate is not trusted; put the "
+                   "CA that signed it in AWS_CA_BUNDLE, or check AWS_ENDPOINT_URL (data.train_shards)"), msg
+    err = capsys.readouterr().err
+    assert end.value.code == 2 and err.startswith(f"vit-shards: error: s3://{BUCKET}/tls: the endpoint's TLS "
+                                                  "certificate is not trusted"), err
+
+
 def test_preflight_checks_the_shards_in_the_store(store, written, tmp_path, capsys, monkeypatch):
     """``vit-launch check`` on s3:// shards: sizes by listing, tar headers by ranged GETs, as on disk;
     a missing shard, a short one, a non-tar and refused credentials each fail in one line."""
