@@ -211,7 +211,8 @@ def check_shards(cfg: Config, world: int) -> list[Finding]:
         return [Finding(OK, "shards", "none read: data.synthetic=true trains on random batches made on the "
                                       "training device")] + check_val_shards(cfg, None)
     try:
-        shardset = resolve_shards(d.train_shards, allow_remote=d.allow_remote, key="data.train_shards")
+        shardset = resolve_shards(d.train_shards, allow_remote=d.allow_remote, key="data.train_shards",
+                                  policy=RemotePolicy.of(d))
         sizes = _manifest_bytes(shardset.manifests, RemotePolicy.of(d))
     except (DataError, OSError) as e:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
@@ -284,12 +285,14 @@ def check_val_shards(cfg: Config, train) -> list[Finding]:
     (the training shards' ShardSet; None: ``data.synthetic``, against ``model.num_classes``)."""
     from data_pipeline.errors import DataError
     from data_pipeline.shards.manifest import resolve_shards
+    from data_pipeline.storage.retry import RemotePolicy
 
     d = cfg.data
     if not (d.val_shards and cfg.validation.every_steps > 0):
         return []
     try:
-        val = resolve_shards(d.val_shards, allow_remote=d.allow_remote, key="data.val_shards")
+        val = resolve_shards(d.val_shards, allow_remote=d.allow_remote, key="data.val_shards",
+                             policy=RemotePolicy.of(d))
     except (DataError, OSError) as e:
         return [Finding(FAIL, "shards", str(e).splitlines()[0])]
     problem = (val.labels_problem(train) if train is not None

@@ -122,7 +122,7 @@ def plan_loader(data_cfg, *, world_size: int = 1, batch_size: int, seed: int = 0
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     key = "data.train_shards" if train else "data.val_shards"
     spec = data_cfg.train_shards if train else data_cfg.val_shards
-    shardset = resolve_shards(spec, allow_remote=data_cfg.allow_remote, key=key)
+    shardset = resolve_shards(spec, allow_remote=data_cfg.allow_remote, key=key, policy=RemotePolicy.of(data_cfg))
     plan = Plan(shardset, world_size, max(1, data_cfg.workers), batch_size, seed, train,
                 data_cfg.repeat_augment if train else 1)
     plan.check()

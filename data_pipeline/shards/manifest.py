@@ -120,8 +120,12 @@ def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
     return write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(manifest))
 
 
-def _read_bytes(url: str, allow_remote: bool, key: str) -> bytes:
-    """The manifest's bytes (decoded, with the other checks, by :func:`parse_manifest`)."""
+MANIFEST_POLICY = RemotePolicy(retry_s=10.0)  # a manifest read without a data section's data.remote_* keys
+
+
+def _read_bytes(url: str, allow_remote: bool, key: str, policy: Optional[RemotePolicy] = None) -> bytes:
+    """The manifest's bytes (decoded, with the other checks, by :func:`parse_manifest`); an
+    ``http(s)://`` or ``s3://`` one retried under ``policy`` (the run's ``data.remote_*``)."""
     if is_remote(url):
         _check_remote(url, allow_remote, key)
         from webdataset.gopen import gopen
@@ -129,7 +133,7 @@ def _read_bytes(url: str, allow_remote: bool, key: str) -> bytes:
         if is_http(url) or is_s3(url):  # retried like the shards (storage.http, storage.s3)
             reader = HTTPShard if is_http(url) else S3Object
             try:
-                with reader(url, MANIFEST_NAME, RemotePolicy(retry_s=10.0), kind="manifest") as f:
+                with reader(url, MANIFEST_NAME, policy or MANIFEST_POLICY, kind="manifest") as f:
                     return f.read()
             except (DataError, StoreUnreachable) as e:
                 raise (StoreUnreachable if isinstance(e, StoreUnreachable) else DataError)(f"{e} ({key})") from None
@@ -184,10 +188,11 @@ def parse_manifest(text: Union[str, bytes], where: str) -> dict:
     return m
 
 
-def read_manifest(url: str, *, allow_remote: bool = False, key: str = "data.train_shards") -> dict:
+def read_manifest(url: str, *, allow_remote: bool = False, key: str = "data.train_shards",
+                  policy: Optional[RemotePolicy] = None) -> dict:
     """The checked manifest at a path or URL (read as ``resolve_shards`` reads it; ``key`` names what
-    gave it, in errors)."""
-    return parse_manifest(_read_bytes(url, allow_remote, key), url)
+    gave it, in errors; a remote one retried under ``policy``, by default ``MANIFEST_POLICY``)."""
+    return parse_manifest(_read_bytes(url, allow_remote, key, policy), url)
 
 
 def _check_remote(url: str, allow_remote: bool, key: str) -> None:
@@ -222,11 +227,13 @@ def _expand(spec: Union[str, list, tuple], key: str) -> list[str]:
 
 
 def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = False,
-                   key: str = "data.train_shards") -> ShardSet:
+                   key: str = "data.train_shards", policy: Optional[RemotePolicy] = None) -> ShardSet:
     """``spec`` is a manifest path/URL, a folder (or ``s3://bucket/prefix``) holding ``manifest.json``, a brace pattern
     (``/data/train-{000000..000127}.tar``) or a list of those. Shard URLs must be listed in the
     manifest beside them. Local files that are missing are *not* an error here (the loader skips
-    and counts them) unless none of the selected shards exists."""
+    and counts them) unless none of the selected shards exists. Remote manifests are retried under
+    ``policy``: a run passes its ``RemotePolicy.of(data)``, so an outage at start-up is ridden out as
+    long as one mid-epoch."""
     if spec is None or (isinstance(spec, (list, tuple)) and not spec):
         raise DataError(f"{key} is not set: give a manifest.json, a folder of shards or a brace pattern")
     manifests: dict[str, Optional[set]] = {}  # manifest URL -> selected names (None: all)
@@ -265,7 +272,7 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
     multi = False
     offset = 0
     for murl, chosen in manifests.items():
-        m = read_manifest(murl, allow_remote=allow_remote, key=key)
+        m = read_manifest(murl, allow_remote=allow_remote, key=key, policy=policy)
         if classes is None:
             classes = tuple(m["classes"])
         elif tuple(m["classes"]) != classes:

@@ -312,11 +312,13 @@ class ShardSplit(Split):
 
     def __init__(self, name: str, manifest, data_cfg):
         from data_pipeline.shards.manifest import resolve_shards
+        from data_pipeline.storage.retry import RemotePolicy
 
         # one manifest (path or folder) or a list of them (train + val = trainval)
         self.name, self.spec = name, [str(m) for m in manifest] if isinstance(manifest, list) else str(manifest)
         self.data_cfg = data_cfg
-        self.shardset = resolve_shards(self.spec, allow_remote=data_cfg.allow_remote, key=f"{name} shards")
+        self.shardset = resolve_shards(self.spec, allow_remote=data_cfg.allow_remote, key=f"{name} shards",
+                                       policy=RemotePolicy.of(data_cfg))
         if self.shardset.multi_label:
             raise TransferError(f"{manifest}: multi-label shards; transfer evaluation needs one label per image")
 

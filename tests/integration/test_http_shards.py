@@ -159,6 +159,18 @@ def test_server_gone_for_good_ends_within_the_bound(server, served):
     assert took < 3.0 + 5.0, took  # the bound, plus reading the shards before the crash
 
 
+def test_manifest_read_follows_the_runs_remote_keys():
+    """The manifest at start-up is retried under the run's data.remote_retry_s, as its shards are:
+    here a short bound ends at once, naming the bound the user set."""
+    url = f"http://127.0.0.1:{free_port()}/manifest.json"  # nobody listening: refused
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable) as e:
+        build_loader(remote_data_cfg(url, remote_retry_s=1.5), batch_size=8)
+    took = time.monotonic() - t0
+    assert 1.5 <= took < 4.0, took
+    assert str(e.value).startswith(f"{url}: server unreachable") and "data.remote_retry_s=1.5" in str(e.value), e.value
+
+
 def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_path):
     root = tmp_path / "partial"
     shutil.copytree(served, root)
