@@ -4,8 +4,9 @@
 connection, a timeout, a refused connect or a 408/429/5xx answer is retried with exponential
 backoff until the outage has lasted ``data.remote_retry_s`` (``storage.retry``), and the read
 resumes at the byte it stopped at with an HTTP ``Range`` request, so the tar stream goes on with no
-sample repeated or skipped. Each retry is counted as ``remote_retries``. A server still away past
-the policy raises ``StoreUnreachable``, a 404 and any other refusal ``RemoteShardError`` (one line
+sample repeated or skipped (the file must keep its length, ETag and Last-Modified: a shard rewritten
+mid-read is an error, not a mix of two files). Each retry is counted as ``remote_retries``. A server
+still away past the policy raises ``StoreUnreachable``, a 404 and any other refusal ``RemoteShardError`` (one line
 naming the URL and the shard), and so is a TLS certificate the client does not trust; the stream
 stops the run with it rather than count the shard's samples as lost.
 """
@@ -19,6 +20,8 @@ import urllib.request
 
 from data_pipeline.storage.retry import RemoteShardError, ResumableRead
 
+_VALIDATORS = ("ETag", "Last-Modified")  # what says a resumed answer is of the same file
+
 
 def _transient(status: int) -> bool:
     """An answer that asking again later may change: 408, 429 and every 5xx (a CDN's 520-524 too)."""
@@ -27,7 +30,10 @@ def _transient(status: int) -> bool:
 
 class HTTPShard(ResumableRead):
     """One HTTP(S) file, resumed with ``Range: bytes=pos-``; a server that ignores ``Range``
-    answers 200 and the bytes already read are skipped. One request per (re)connect."""
+    answers 200 and the bytes already read are skipped. One request per (re)connect. A resumed
+    answer of another file (length, ETag or Last-Modified changed) is a ``RemoteShardError``."""
+
+    validators: dict = {}  # ETag / Last-Modified of the first answer
 
     def _read(self, b) -> int:
         return self.body.readinto(b)
@@ -51,6 +57,8 @@ class HTTPShard(ResumableRead):
                                        "put the CA that signed it in SSL_CERT_FILE, or use the URL the "
                                        "certificate names") from None
             raise
+        if self.pos:
+            self._check_same_file(resp)
         if self.pos and resp.status == 206:
             m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
             if not m or int(m.group(1)) != self.pos:
@@ -64,6 +72,26 @@ class HTTPShard(ResumableRead):
                 if not chunk:
                     raise http.client.IncompleteRead(b"", left)
                 left -= len(chunk)
-        elif resp.headers.get("Content-Length", "").isdigit():
-            self.size = int(resp.headers["Content-Length"])
+        else:
+            self.validators = {h: resp.headers[h] for h in _VALIDATORS if resp.headers.get(h)}
+            if resp.headers.get("Content-Length", "").isdigit():
+                self.size = int(resp.headers["Content-Length"])
         self.body = resp
+
+    def _check_same_file(self, resp) -> None:
+        """A resumed answer must be of the file the first answer began: the same length and, where
+        the server gives them, the same ETag and Last-Modified. Else the tar would go on with the bytes
+        of another file (a shard rewritten mid-read); that is one line, not a mix."""
+        if resp.status == 206:
+            m = re.fullmatch(r"bytes \d+-\d+/(\d+)", resp.headers.get("Content-Range", "").strip())
+            total = int(m.group(1)) if m else None
+        else:
+            length = resp.headers.get("Content-Length", "")
+            total = int(length) if length.isdigit() else None
+        changed = [f"{self.size} bytes, now {total}"] if None not in (self.size, total) and total != self.size else []
+        changed += [f"{h} {v!r}, now {resp.headers[h]!r}" for h, v in self.validators.items()
+                    if resp.headers.get(h) and resp.headers[h] != v]
+        if changed:
+            resp.close()
+            raise RemoteShardError(f"{self.url}: the {self.kind} {self.name} changed on the server while it was "
+                                   f"being read at byte {self.pos} ({'; '.join(changed)}); rerun once it stays put")

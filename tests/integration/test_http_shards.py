@@ -60,12 +60,15 @@ class Server:
     def requests(self) -> list[str]:
         return [line for line in self.log.read_text().splitlines() if line.startswith("GET ")]
 
-    def restart_after_death(self, delay: float, *flags: str) -> threading.Thread:
-        """Once the process has died (--die-after), start it again ``delay`` seconds later with ``flags``."""
+    def restart_after_death(self, delay: float, *flags: str, meanwhile=None) -> threading.Thread:
+        """Once the process has died (--die-after), start it again ``delay`` seconds later with ``flags``,
+        having called ``meanwhile()`` (if given) while it was down."""
         def watch():
             proc = self.proc
             while proc.poll() is None and not self.closed:
                 time.sleep(0.05)
+            if meanwhile is not None:
+                meanwhile()
             time.sleep(delay)
             with self.lock:
                 if not self.closed:
@@ -141,6 +144,27 @@ def test_server_back_without_range_support_or_busy(server, from_disk, served, re
     busy = restart[restart.index("--busy-status") + 1] if "--busy-status" in restart else "503"
     want = [f"{at} -> 200"] if "--no-range" in restart else [f"{at} -> {busy}", f"{at} -> 206"]
     assert after == want, after
+
+
+def test_shard_rewritten_while_the_server_was_away_is_one_line_not_a_mix(server, served, tmp_path):
+    """The server crashes mid-shard and comes back serving a rewritten file under that name: the
+    resumed answer is of another file (ETag and Last-Modified changed), so the read stops with one
+    line naming the shard instead of going on with the bytes of another tar."""
+    root = tmp_path / "rewritten"
+    shutil.copytree(served, root)  # copy2: the same mtimes, so the other shards keep their validators
+    size = (served / "train-000003.tar").stat().st_size
+    server.root = root
+    server.start("--die-after", f"train-000003.tar:{size // 2}")
+
+    def rewrite():  # another tar under the name, with a new mtime, as a rewrite gives
+        (root / "train-000003.tar").write_bytes((served / "train-000004.tar").read_bytes())
+
+    server.restart_after_death(0.5, meanwhile=rewrite)
+    with pytest.raises(DataError) as e:
+        one_epoch(remote_data_cfg(f"{server.url}/manifest.json"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{server.url}/train-000003.tar: the shard train-000003.tar changed on "
+                                              f"the server while it was being read at byte {size // 2} (ETag "), msg
 
 
 def test_server_gone_for_good_ends_within_the_bound(server, served):

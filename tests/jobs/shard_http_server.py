@@ -4,17 +4,19 @@
                                                [--no-range] [--busy N [--busy-status CODE]]
 
 Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with
-``Content-Range``), 404 for anything else, one thread per connection. ``--rate`` paces every
-response body to about that many bytes per second (a rate-limited object store). ``--die-after``
-ends the whole process (``os._exit``, as a crash would) once BYTES bytes of file NAME's body are
-sent, mid-transfer; a restart without the flag serves normally. ``--no-range`` ignores ``Range``
-(200 and the whole file, as some servers do); ``--busy N`` answers the first N requests with 503 (or ``--busy-status``).
+``Content-Range``), an ``ETag`` and ``Last-Modified`` made of the file's mtime and size, 404 for
+anything else, one thread per connection. ``--rate`` paces every response body to about that many
+bytes per second (a rate-limited object store). ``--die-after`` ends the whole process
+(``os._exit``, as a crash would) once BYTES bytes of file NAME's body are sent, mid-transfer; a
+restart without the flag serves normally. ``--no-range`` ignores ``Range`` (200 and the whole file,
+as some servers do); ``--busy N`` answers the first N requests with 503 (or ``--busy-status``).
 Each request is logged to stderr
 as ``GET /NAME range=... -> STATUS``.
 """
 from __future__ import annotations
 
 import argparse
+import email.utils
 import os
 import re
 import sys
@@ -51,7 +53,7 @@ class Handler(BaseHTTPRequestHandler):
             self._log(name, asked, 404)
             self.send_error(404, "Not Found")
             return
-        data = path.read_bytes()
+        data, st = path.read_bytes(), path.stat()
         start, end = 0, len(data) - 1
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
@@ -66,6 +68,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(end - start + 1))
         self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", f'"{st.st_mtime_ns:x}-{st.st_size:x}"')  # as nginx makes them
+        self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
         self.end_headers()
         self._log(name, asked, 206 if rng else 200)
         pos, t0 = start, time.monotonic()
