@@ -11,12 +11,15 @@ Shard and member events (not samples): missing_shard, truncated_tar, unsafe_memb
 Balance: dropped_for_balance (quota reached), repeated_for_balance (a slot re-read its shards
 because bad samples ate its slack). samples: good samples delivered. excluded: samples skipped
 unread because data.exclude_keys lists their key (not bad: no part of the corrupt rate).
+Infrastructure: remote_retries (a retried request to an http(s):// or s3:// store), counted
+whenever it happens: a re-read (a resume's fast-forward, a further pass) makes requests of its own.
 """
 from __future__ import annotations
 
 from collections import Counter
 
 BAD_KINDS = ("corrupt_image", "image_too_large", "no_image", "bad_label", "lost_in_shard")
+ALWAYS_KINDS = ("remote_retries",)  # events of this process's own reading: never counted before
 
 
 class Tally:
@@ -28,8 +31,15 @@ class Tally:
         self.bad_by_shard: Counter = Counter()
         self.enabled = True  # off while fast-forwarding on resume: those events were counted before
 
+    def muted(self) -> "Tally":
+        """A view of this tally that counts only ``ALWAYS_KINDS``: for a re-read whose data events
+        were counted the first time (the same counters, so ``take()`` here ships them)."""
+        view = Tally()
+        view.counts, view.bad_by_shard, view.enabled = self.counts, self.bad_by_shard, False
+        return view
+
     def add(self, kind: str, n: int = 1) -> None:
-        if self.enabled and n:
+        if (self.enabled or kind in ALWAYS_KINDS) and n:
             self.counts[kind] += n
 
     def bad(self, kind: str, shard: str, n: int = 1) -> None:

@@ -155,8 +155,9 @@ class _SlotReader:
     def _one_pass(self, got):
         first = self.pass_no == 0
         for shard, copy, ranges in self._runs():
-            # repeated passes re-read the same bytes: their shard events were counted already
-            for sample in read_shard(shard, self.tally if first else Tally(), ranges, self.remote):
+            # repeated passes re-read the same bytes: their shard events were counted already (not
+            # the requests they make again: Tally.muted)
+            for sample in read_shard(shard, self.tally if first else self.tally.muted(), ranges, self.remote):
                 got[0] += not sample.lost and sample.key not in self.exclude  # all excluded: starved
                 self.accounted += first
                 sample.copy = copy
@@ -210,6 +211,7 @@ class SlotStream(IterableDataset):
         plan, s = self.plan, self.settings
         tally = Tally()
         tally.enabled = skip == 0  # events before the resume point were counted by the first run
+        # (but for remote_retries: the fast-forward's requests are this run's own, tally.ALWAYS_KINDS)
         reader = _SlotReader(pieces, tally, repeat=True, exclude=s.exclude, remote=s.remote)
         buffer = ShuffleBuffer(s.shuffle_buffer, random.Random(shuffle_seed(plan.seed, epoch, slot, level)))
         images, labels, keys, shards, emitted = [], [], [], [], 0

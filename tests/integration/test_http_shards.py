@@ -127,6 +127,38 @@ def test_server_crash_mid_shard_resumes_at_the_byte(server, from_disk, served):
     assert resumed == [f"GET /train-000003.tar range=bytes={size // 2}- -> 206"], server.requests()
 
 
+def test_retries_while_a_resume_fast_forwards_are_counted(server, from_disk, served, tmp_path):
+    """A resumed loader re-reads, undecoded, the tar members before its position: the server crashing
+    then is retried as ever, the samples go on at the resume point and those retries, this run's own
+    requests, count in remote_retries (the data events of that stretch were counted by the first run)."""
+    cfg = remote_data_cfg(f"{server.url}/manifest.json")
+    server.start()
+    first = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+    for i, _ in enumerate(first, 1):
+        if i == 6:
+            break
+    state = first.state()
+    server.stop()
+    name = first.plan.slot_pieces(0, 0)[0].shard.name  # read again while fast-forwarding
+    again = Server(served, tmp_path / "again.log")
+    again.port = server.port
+    try:
+        again.start("--die-after", f"{name}:{(served / name).stat().st_size // 2}")
+        again.restart_after_death(0.5)
+        resumed = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+        resumed.resume([state])
+        keys = []
+        for _ in resumed:
+            keys.append(list(resumed.last_keys))
+            if resumed.epoch == 1:
+                break
+    finally:
+        again.stop()
+    assert keys == [k for k, _, _ in from_disk[6:]]
+    assert resumed.counters.get("remote_retries", 0) >= 1, resumed.counters
+    assert set(resumed.counters) == {"samples", "remote_retries"}, resumed.counters
+
+
 @pytest.mark.parametrize("restart", [["--no-range"], ["--busy", "1"], ["--busy", "1", "--busy-status", "520"]],
                          ids=["no-range", "busy-503", "busy-520"])
 def test_server_back_without_range_support_or_busy(server, from_disk, served, restart):
