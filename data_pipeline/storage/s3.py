@@ -2,9 +2,10 @@
 
 Credentials, region and endpoint come from boto3's standard chain: ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``~/.aws/credentials`` and
-``~/.aws/config``, instance roles; ``AWS_DEFAULT_REGION`` / ``AWS_REGION``; ``AWS_ENDPOINT_URL_S3``
-or ``AWS_ENDPOINT_URL`` (or ``endpoint_url`` in the profile) for MinIO, Cloudflare R2, GCS's XML
-API, moto... When the endpoint is not AWS's own, requests use path-style addressing
+``~/.aws/config``, instance roles; ``AWS_DEFAULT_REGION`` (botocore reads ``AWS_REGION`` only in
+AWS's own execution environments); ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (or
+``endpoint_url`` in the profile) for MinIO, Cloudflare R2, GCS's XML API, moto... When the endpoint
+is not AWS's own, requests use path-style addressing
 (``http://host/bucket/key``), which every S3-compatible store serves.
 
 Reading (``S3Object``) follows ``storage.retry``: a refused connect, a reset or stalled read, a 5xx
