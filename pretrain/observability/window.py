@@ -129,20 +129,26 @@ def duration(seconds: float) -> str:
 
 class Window:
     """What a logging window sums between sync points: losses (on the device), images, and the
-    training FLOPs of those images at their own step's resolution and token count."""
+    training FLOPs of those images at their own step's resolution and token count, and the LR its
+    last step used."""
 
     def __init__(self, device):
         self.loss = torch.zeros(2, device=device)  # (sum of kept losses, their count)
         self.images = 0
         self.flops = [0.0, 0.0]  # (model, hardware) FLOPs of this rank's images
         self.img_size = 0  # the resolution of the window's last step
+        self.lr: Optional[float] = None
 
-    def add(self, loss: torch.Tensor, images: int, flops: tuple[float, float] = (0.0, 0.0), img_size: int = 0) -> None:
-        """One step: its loss sums, its images, their (model, hardware) training FLOPs per image."""
+    def add(self, loss: torch.Tensor, images: int, flops: tuple[float, float] = (0.0, 0.0), img_size: int = 0,
+            lr: Optional[float] = None) -> None:
+        """One step: its loss sums, its images, their (model, hardware) training FLOPs per image, the
+        LR it stepped with (read before the step: ``engine.step()`` moves the schedule on to the next
+        step's)."""
         self.loss += loss
         self.images += images
         self.flops = [self.flops[0] + images * flops[0], self.flops[1] + images * flops[1]]
         self.img_size = img_size
+        self.lr = lr
 
     def flops_per_image(self) -> tuple[float, float]:
         """(model, hardware) training FLOPs per image, averaged over the window's images."""
@@ -154,14 +160,16 @@ def window_metrics(engine, window: Window, clock: StepClock, *, world: int, tota
                    nonfinite_skipped: int, loader) -> tuple[dict, dict]:
     """The log step's metrics (a sync point: the device finishes the window, then the clock is
     read) and this rank's phase seconds of the window. TFLOP/s and MFU count each image at its
-    step's resolution and the tokens patch dropout kept (``Window.add``). ``totals``: the run's so
-    far (``RunTotals.record``), logged as ``examples_seen`` and ``device_hours``."""
+    step's resolution and the tokens patch dropout kept (``Window.add``). ``loss``: the mean of the
+    window's kept micro-batch losses over every rank (their counts are equal: every rank drops the
+    same non-finite micro-batches); ``grad_norm``: the last step's; ``lr``: the LR the last step
+    used. ``totals``: the run's so far (``RunTotals.record``), logged as ``examples_seen`` and
+    ``device_hours``."""
     elapsed, phases = clock.close_window()
     dist.all_reduce(window.loss)
     total, count = window.loss.tolist()
     gn = engine.get_global_grad_norm()
-    # the largest group LR: the peak (optim.layer_decay scales the lower layers' groups down)
-    metrics = {"loss": total / count if count else None, "lr": max(engine.get_lr()),
+    metrics = {"loss": total / count if count else None, "lr": window.lr,
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": totals["images_seen"],
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,

@@ -43,6 +43,22 @@ def test_a_checkpoint_save_is_not_in_the_next_windows_throughput(shards, tmp_pat
     assert summary["checkpoint_blocked_seconds"][0] >= STALL_S, summary
 
 
+def test_each_record_logs_the_lr_its_last_step_used(shards, tmp_path):
+    """Step s steps with the schedule's value after s - 1 steps: a record logs its last step's, not
+    the one the schedule moved on to after it (in warm-up, a step's worth higher)."""
+    from dist_utils import TINY_CONFIG, TinyRun
+
+    from pretrain.config import load_config
+    from pretrain.distributed.schedule import lr_multiplier
+
+    run, extra = tmp_path / "run", ("train.steps=8", "train.log_every_steps=4")
+    assert train(shards, run, *extra).returncode == 0
+    m = metrics(run)
+    o = load_config(TINY_CONFIG, TinyRun(shards, run, extra).overrides()).optim
+    used = lr_multiplier(o.schedule, o.warmup_steps, 8, o.min_lr / o.lr)
+    assert [m[s]["lr"] for s in (4, 8)] == pytest.approx([o.lr * used(s - 1) for s in (4, 8)], rel=1e-6)
+
+
 def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shards, tmp_path):
     """run.json's device_seconds (devices x wall-clock of every invocation up to that step),
     images_seen and model_flops, carried over resumes, one of them with another global batch;
