@@ -109,18 +109,7 @@ def train_loop(lp: Loop) -> dict:
 
         clock.beat("log")
         if step % t.log_every_steps == 0 or step == t.steps or ends:
-            metrics, phases = window_metrics(engine, window, clock, world=lp.world, totals=lp.totals.record(),
-                                             nonfinite_skipped=guard.total, loader=lp.loader)
-            profiled = prof.window_steps(window_first, step) if prof is not None else 0
-            if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler
-                metrics.update(profiled_steps=profiled, **prof.metrics())
-            straggling, line = gather_and_judge(None if profiled else lp.detector, phases, device)
-            lp.logger.log(step, {**metrics, **straggling})
-            lp.logger.print(step, metrics, t.steps, lp.forecast.note(step, metrics.get("device_hours"), lp.world))
-            lp.logged(step)
-            if line:
-                lp.say(f"straggler: {line}")
-            history.append(metrics["loss"])
+            history.append(log_window(lp, window, window_first, step, guard.total))
             window, window_first = Window(device), step + 1
 
         at_target = evaluate(lp, step)
@@ -130,6 +119,9 @@ def train_loop(lp: Loop) -> dict:
         clock.beat("stop")
         # a signal stops every rank within train.sync_every_steps
         stopped = at_target or (sync and lp.stop.agreed(device))
+        if stopped and window.steps:  # the steps since the last log step: their window too, before the save
+            clock.beat("log")
+            history.append(log_window(lp, window, window_first, step, guard.total))
         clock.beat("checkpoint", slow=True)
         # the seconds a save held this thread are not the next window's img/s (as an evaluation's; Megatron's too)
         clock.exclude(lp.checkpointer.maybe_save(step, stopping=stopped, sync=sync))
@@ -145,6 +137,25 @@ def train_loop(lp: Loop) -> dict:
     preempted = stopped and not at_target and step < t.steps
     return {"step": step, "losses": history, "nonfinite_skipped": guard.total, "preempted": preempted,
             "stop_reason": lp.stop.reason, "target": lp.target.words if lp.target else None}
+
+
+def log_window(lp: Loop, window: Window, first: int, step: int, nonfinite_skipped: int) -> Optional[float]:
+    """Steps ``first..step`` (``window``) into the metrics, the progress line and status.json, with
+    the straggler verdict; returns the window's loss. Collective: every rank calls it at the same
+    step, a sync point."""
+    prof = lp.profiler
+    metrics, phases = window_metrics(lp.engine, window, lp.clock, world=lp.world, totals=lp.totals.record(),
+                                     nonfinite_skipped=nonfinite_skipped, loader=lp.loader)
+    profiled = prof.window_steps(first, step) if prof is not None else 0
+    if profiled:  # slowed by the profiler (on the ranks that record): not evidence of a straggler
+        metrics.update(profiled_steps=profiled, **prof.metrics())
+    straggling, line = gather_and_judge(None if profiled else lp.detector, phases, lp.engine.device)
+    lp.logger.log(step, {**metrics, **straggling})
+    lp.logger.print(step, metrics, lp.cfg.train.steps, lp.forecast.note(step, metrics.get("device_hours"), lp.world))
+    lp.logged(step)
+    if line:
+        lp.say(f"straggler: {line}")
+    return metrics["loss"]
 
 
 def ended_at_target(lp: Loop) -> bool:

@@ -129,14 +129,15 @@ def duration(seconds: float) -> str:
 
 class Window:
     """What a logging window sums between sync points: losses (on the device), images, and the
-    training FLOPs of those images at their own step's resolution and token count, and the LR its
-    last step used."""
+    training FLOPs of those images at their own step's resolution and token count; its steps and
+    the LR its last step used."""
 
     def __init__(self, device):
         self.loss = torch.zeros(2, device=device)  # (sum of kept losses, their count)
         self.images = 0
         self.flops = [0.0, 0.0]  # (model, hardware) FLOPs of this rank's images
         self.img_size = 0  # the resolution of the window's last step
+        self.steps = 0
         self.lr: Optional[float] = None
 
     def add(self, loss: torch.Tensor, images: int, flops: tuple[float, float] = (0.0, 0.0), img_size: int = 0,
@@ -148,6 +149,7 @@ class Window:
         self.images += images
         self.flops = [self.flops[0] + images * flops[0], self.flops[1] + images * flops[1]]
         self.img_size = img_size
+        self.steps += 1
         self.lr = lr
 
     def flops_per_image(self) -> tuple[float, float]:
@@ -171,6 +173,7 @@ def window_metrics(engine, window: Window, clock: StepClock, *, world: int, tota
     gn = engine.get_global_grad_norm()
     metrics = {"loss": total / count if count else None, "lr": window.lr,
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": totals["images_seen"],
+               "window_steps": window.steps,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,
                **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),

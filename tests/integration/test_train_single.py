@@ -59,6 +59,34 @@ def test_each_record_logs_the_lr_its_last_step_used(shards, tmp_path):
     assert [m[s]["lr"] for s in (4, 8)] == pytest.approx([o.lr * used(s - 1) for s in (4, 8)], rel=1e-6)
 
 
+def test_a_stop_logs_the_steps_since_the_last_record(shards, tmp_path):
+    """A stop seen at step 3 (a sync point, train.sync_every_steps=3, before the first log step)
+    logs steps 1-3 before its checkpoint, so the resumed run's records (4: one step, 8: four)
+    leave no step out."""
+    import os
+    import time
+
+    from pretrain.checkpointing.rundir import RunDir
+
+    run = tmp_path / "run"
+    extra = ("train.steps=8", "train.log_every_steps=4", "train.sync_every_steps=3", "checkpoint.every_steps=100")
+    request = RunDir.of(str(run), None).stop_request
+    request.parent.mkdir(parents=True)
+    request.write_text("maintenance\n")
+    later = time.time() + 3600  # newer than the job's start: it asks this job to stop
+    os.utime(request, (later, later))
+    stopped = train(shards, run, *extra)
+    assert stopped.returncode == 75 and "stopped (maintenance) at step 3" in stopped.stderr, stopped.stderr[-3000:]
+    assert sorted(metrics(run)) == [3], metrics(run)
+    assert json.loads((run / "summary.json").read_text())["losses"] == [metrics(run)[3]["loss"]]
+    request.unlink()
+    assert train(shards, run, *extra).returncode == 0
+    m = metrics(run)
+    assert sorted(m) == [3, 4, 8]
+    assert [m[s]["window_steps"] for s in (3, 4, 8)] == [3, 1, 4]
+    assert [m[s]["examples_seen"] for s in (3, 4, 8)] == [3 * 16, 4 * 16, 8 * 16]
+
+
 def test_each_checkpoint_counts_what_the_invocations_before_it_did_and_cost(shards, tmp_path):
     """run.json's device_seconds (devices x wall-clock of every invocation up to that step),
     images_seen and model_flops, carried over resumes, one of them with another global batch;
