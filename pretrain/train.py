@@ -82,13 +82,14 @@ def train_loop(lp: Loop) -> dict:
         phase = lp.phases(step + 1)  # its first step: the engine takes its micro batch, the loader its size
         if prof is not None:  # logging.profile: its own seconds are not the window's
             clock.exclude(prof.before(step + 1))
-        clock.begin_step(step + 1, startup=step == lp.start_step or step + 1 == phase.first)
+        cold = step == lp.start_step or step + 1 == phase.first  # a start's or a new shape's first step
+        clock.begin_step(step + 1, startup=cold)
         # this step's LR, the largest group's (optim.layer_decay scales the lower layers' down): read
         # before engine.step(), which moves the schedule on to the next step's
         lr = max(engine.get_lr())
         with scale_floor_as_error(step + 1):  # fp16's loss scaler at its floor: one line, not a traceback
             window.add(*train_step(engine, lp.batches, guard, clock, step + 1, loss_of, dtype, lp.ema),
-                       lp.flops[phase.img_size], phase.img_size, lr=lr)
+                       lp.flops[phase.img_size], phase.img_size, lr=lr, cold=cold)
         lp.totals.add(t.global_batch_size, lp.flops[phase.img_size][0])
         clock.end_step()
         step += 1

@@ -129,27 +129,30 @@ def duration(seconds: float) -> str:
 
 class Window:
     """What a logging window sums between sync points: losses (on the device), images, and the
-    training FLOPs of those images at their own step's resolution and token count; its steps and
-    the LR its last step used."""
+    training FLOPs of those images at their own step's resolution and token count; its steps, how
+    many of them were cold (a first step: see ``add``), and the LR its last step used."""
 
     def __init__(self, device):
         self.loss = torch.zeros(2, device=device)  # (sum of kept losses, their count)
         self.images = 0
         self.flops = [0.0, 0.0]  # (model, hardware) FLOPs of this rank's images
         self.img_size = 0  # the resolution of the window's last step
-        self.steps = 0
+        self.steps = self.cold_steps = 0
         self.lr: Optional[float] = None
 
     def add(self, loss: torch.Tensor, images: int, flops: tuple[float, float] = (0.0, 0.0), img_size: int = 0,
-            lr: Optional[float] = None) -> None:
+            lr: Optional[float] = None, cold: bool = False) -> None:
         """One step: its loss sums, its images, their (model, hardware) training FLOPs per image, the
         LR it stepped with (read before the step: ``engine.step()`` moves the schedule on to the next
-        step's)."""
+        step's), and whether it was cold: the first step of this invocation (the first batch, a
+        resumed loader's replay to its position, ``train.compile``'s trace) or of a resolution phase
+        (the loader's restart at the new size, the new shape's trace), whose seconds are not the pace."""
         self.loss += loss
         self.images += images
         self.flops = [self.flops[0] + images * flops[0], self.flops[1] + images * flops[1]]
         self.img_size = img_size
         self.steps += 1
+        self.cold_steps += int(cold)
         self.lr = lr
 
     def flops_per_image(self) -> tuple[float, float]:
@@ -173,7 +176,7 @@ def window_metrics(engine, window: Window, clock: StepClock, *, world: int, tota
     gn = engine.get_global_grad_norm()
     metrics = {"loss": total / count if count else None, "lr": window.lr,
                "grad_norm": float(gn) if gn is not None else None, "examples_seen": totals["images_seen"],
-               "window_steps": window.steps,
+               "window_steps": window.steps, "cold_steps": window.cold_steps,
                "data_wait_share": phases["data"] / elapsed, "peak_memory_gb": peak_memory_gb(),
                "nonfinite_skipped": nonfinite_skipped, "img_size": window.img_size,
                **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),

@@ -62,7 +62,7 @@ def test_each_record_logs_the_lr_its_last_step_used(shards, tmp_path):
 def test_a_stop_logs_the_steps_since_the_last_record(shards, tmp_path):
     """A stop seen at step 3 (a sync point, train.sync_every_steps=3, before the first log step)
     logs steps 1-3 before its checkpoint, so the resumed run's records (4: one step, 8: four)
-    leave no step out."""
+    leave no step out; the windows holding an invocation's first step say so."""
     import os
     import time
 
@@ -84,6 +84,7 @@ def test_a_stop_logs_the_steps_since_the_last_record(shards, tmp_path):
     m = metrics(run)
     assert sorted(m) == [3, 4, 8]
     assert [m[s]["window_steps"] for s in (3, 4, 8)] == [3, 1, 4]
+    assert [m[s]["cold_steps"] for s in (3, 4, 8)] == [1, 1, 0]  # a start's, a resume's first step, none
     assert [m[s]["examples_seen"] for s in (3, 4, 8)] == [3 * 16, 4 * 16, 8 * 16]
 
 
