@@ -131,7 +131,7 @@ def summarise(run_dir: Path, tr: dict, plot_path: Path, out: Path) -> str:
     from launch.plot_scaling import PlotError, load_run
     from pretrain.checkpointing.rundir import latest_complete
 
-    try:  # the windows after the first (warm-up): their images over their seconds
+    try:  # the windows after warm-up (plot_scaling.load_run): their images over their seconds
         ips = load_run(run_dir).images_per_sec
     except PlotError:  # a single window: its own
         ips = recs[-1]["images_per_sec"]

@@ -4,9 +4,11 @@
 
 Each RUN_DIR is a ``train.output_dir``: ``metrics.jsonl`` (one record per logged window) and
 ``summary.json`` (its ``world_size``; without it, world size = images_per_sec /
-images_per_sec_per_device of the records). The first logged window of every run is dropped as
-warm-up (data-loader start, allocator growth, first NCCL/gloo connections); images/s is the
-remaining windows' images over their seconds (not the mean of their rates, which a slow window
+images_per_sec_per_device of the records). The windows that hold a first step (``cold_steps``: the
+first window of each invocation, a resume's too, and of each resolution phase: data-loader start,
+a resumed loader's replay, a trace, first NCCL/gloo connections) are dropped as warm-up, or, in
+metrics without that mark, the first window; images/s is the remaining windows' images over their
+seconds (not the mean of their rates, which a slow window
 would sway less than it cost), and MFU and the data-wait share are weighted by those seconds
 alike. Several runs at one world size are pooled the same way: their images over their seconds,
 MFU and data wait weighted by each run's seconds (a short run sways the row as little as it
@@ -73,12 +75,14 @@ def load_run(run_dir: str | Path) -> RunStats:
         if "step" in rec and "images_per_sec" in rec:
             by_step[rec["step"]] = rec  # a step re-logged after a resume keeps its last value
     recs = [by_step[s] for s in sorted(by_step)]
-    if len(recs) < 2:
-        raise PlotError(f"{path}: {len(recs)} logged window(s), need 2 or more (the first is warm-up); "
-                        "run more steps or lower train.log_every_steps")
-    used = recs[1:]
+    # (previous record, window): the windows after a warm-up one; with no cold_steps mark, the first
+    pairs = [(p, r) for p, r in zip(recs, recs[1:]) if not r.get("cold_steps", 0)]
+    if not pairs:
+        raise PlotError(f"{path}: {len(recs)} logged window(s), none after warm-up (a start's, a resume's or a "
+                        "resolution phase's first); run more steps or lower train.log_every_steps")
+    used = [r for _, r in pairs]
     # each window's images (examples_seen, every rank's; else its steps: a fixed global batch) and seconds
-    images = [(r.get("examples_seen", r["step"]) - p.get("examples_seen", p["step"])) for p, r in zip(recs, used)]
+    images = [(r.get("examples_seen", r["step"]) - p.get("examples_seen", p["step"])) for p, r in pairs]
     for n, r in zip(images, used):
         if n <= 0 or not r["images_per_sec"] > 0:
             raise PlotError(f"{path}: the window ending at step {r['step']} holds {n} images at "

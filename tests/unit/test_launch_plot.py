@@ -107,6 +107,25 @@ def test_resumed_run_keeps_last_record_per_step(tmp_path):
     assert s.windows == 3 and s.images_per_sec == pytest.approx(3 / (2 / 100 + 1 / 130))  # equal windows' images
 
 
+def test_every_window_marked_cold_is_dropped_a_resumes_first_too(tmp_path):
+    """vit-train marks the windows that hold a first step (``cold_steps``): each invocation's first,
+    a resume's included, and a resolution phase's. All of them are warm-up, not only the file's
+    first record."""
+    logger = MetricsLogger(LoggingConfig(wandb=WandbConfig(mode="disabled")), tmp_path, rank=0, run_config={})
+    images, seen = 80, 0
+    # (step, images/s, cold): a start, a kill after step 30, a resume from step 20 whose first window
+    # (the loader's replay, a trace) is slow, then steady windows
+    for step, ips, cold in [(10, 10.0, 1), (20, 100.0, 0), (30, 100.0, 0), (30, 5.0, 1), (40, 200.0, 0)]:
+        seen = step * 8
+        logger.log(step, {"examples_seen": seen, "cold_steps": cold, **throughput(images, images / ips, 1, 1.0e9,
+                                                                                  1.0e9, None)})
+    logger.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 1}))
+    s = load_run(tmp_path)
+    # step 30 keeps its last record (the resume's cold one): windows 20 and 40 remain
+    assert s.windows == 2 and s.images_per_sec == pytest.approx(2 / (1 / 100 + 1 / 200))
+
+
 def test_unusable_run_dirs_are_one_line_errors(tmp_path):
     write_run(tmp_path / "short", 1, 100.0, windows=1)
     with pytest.raises(PlotError, match="1 logged window"):
