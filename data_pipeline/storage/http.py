@@ -2,7 +2,8 @@
 
 ``http://`` / ``https://`` shards (``data.allow_remote``) are read by ``HTTPShard``: a dropped
 connection, a timeout, a refused connect or a 408/429/5xx answer is retried with exponential
-backoff until the outage has lasted ``data.remote_retry_s`` (``storage.retry``), and the read
+backoff until the outage has lasted ``data.remote_retry_s`` (``storage.retry``; a 429 or 503 with
+``Retry-After``, seconds or an HTTP-date, is tried again no sooner than it says), and the read
 resumes at the byte it stopped at with an HTTP ``Range`` request, so the tar stream goes on with no
 sample repeated or skipped (the file must keep its length, ETag and Last-Modified: a shard rewritten
 mid-read is an error, not a mix of two files). Each retry is counted as ``remote_retries``. A server
@@ -12,13 +13,16 @@ stops the run with it rather than count the shard's samples as lost.
 """
 from __future__ import annotations
 
+import datetime
+import email.utils
 import http.client
 import re
 import ssl
+import time
 import urllib.error
 import urllib.request
 
-from data_pipeline.storage.retry import RemoteShardError, ResumableRead
+from data_pipeline.storage.retry import RemoteShardError, ResumableRead, RetryAfter
 
 _VALIDATORS = ("ETag", "Last-Modified")  # what says a resumed answer is of the same file
 
@@ -26,6 +30,21 @@ _VALIDATORS = ("ETag", "Last-Modified")  # what says a resumed answer is of the 
 def _transient(status: int) -> bool:
     """An answer that asking again later may change: 408, 429 and every 5xx (a CDN's 520-524 too)."""
     return status in (408, 429) or 500 <= status < 600
+
+
+def _retry_after_s(value: str) -> float:
+    """The wait a ``Retry-After`` header asks for (RFC 9110 10.2.3: delay-seconds or an HTTP-date);
+    0 for a date already past or a value that is neither (the backoff alone then)."""
+    value = value.strip()
+    if re.fullmatch(r"[0-9]+", value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return 0.0
+    if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates always are
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - time.time())
 
 
 class HTTPShard(ResumableRead):
@@ -45,6 +64,9 @@ class HTTPShard(ResumableRead):
                                           timeout=self.policy.timeout_s)
         except urllib.error.HTTPError as e:
             e.close()
+            after = e.headers.get("Retry-After") if e.code in (429, 503) and e.headers else None
+            if after:  # the server (or a CDN) says when to ask again
+                raise RetryAfter(f"HTTP {e.code} {e.reason} (Retry-After: {after})", _retry_after_s(after)) from None
             if _transient(e.code):
                 raise ConnectionError(f"HTTP {e.code} {e.reason}") from None
             what = "not on the server" if e.code in (404, 410) else "refused by the server"

@@ -4,10 +4,12 @@ A transient failure (a refused connect, a reset or stalled read, a 408/429/5xx a
 ``SlowDown``) starts an *outage*: retried with exponential backoff (``data_pipeline.config.backoff_s``:
 0.25 s doubling, at most 8 s) until it has lasted ``RemotePolicy.retry_s`` (``data.remote_retry_s``),
 the last try at that bound; a try that waits out ``timeout_s`` makes an outage end at most that much
-later. The count of failures is a guard only (``RemotePolicy.retries``, by default as many as the
-backoff takes to fill ``retry_s``). Each retry counts as ``remote_retries``; a line on stderr says
-when an outage starts and when it ends (how long, how many retries). The readers resume at the
-byte they stopped at, so the caller never sees a byte twice or misses one.
+later. An answer that names its own wait (``RetryAfter``: HTTP ``Retry-After``) is waited for at
+least that long, never past the bound. The count of failures is a guard only
+(``RemotePolicy.retries``, by default as many as the backoff takes to fill ``retry_s``). Each retry
+counts as ``remote_retries``; a line on stderr says when an outage starts and when it ends (how
+long, how many retries). The readers resume at the byte they stopped at, so the caller never sees a
+byte twice or misses one.
 
 An outage past the bound raises ``StoreUnreachable`` (an ``Unavailable`` service: exit 69, which
 ``vit-launch --max-restarts`` restarts and a requeueing sbatch script requeues). A refusal that
@@ -49,6 +51,14 @@ class RemotePolicy:
         return max(self.retries or 0, outage_retries(self.retry_s))
 
 
+class RetryAfter(ConnectionError):
+    """A transient answer that says how long to wait before the next try (``wait_s`` seconds)."""
+
+    def __init__(self, message: str, wait_s: float):
+        super().__init__(message)
+        self.wait_s = wait_s
+
+
 class RemoteShardError(DataError):
     """A remote file the server refused (404, 403, bad credentials, ...): waiting cannot fix it; the
     message is one line naming the URL and the file."""
@@ -67,8 +77,9 @@ def retrying(op: Callable[[], T], *, policy: RemotePolicy, url: str, name: str,
              tally: Optional[Tally] = None, drop: Callable[[], None] = lambda: None,
              say: Callable[[str], None] = _say) -> T:
     """``op()``; after a transient failure (``TRANSIENT``: the reader turns a retryable answer into
-    a ``ConnectionError``), ``drop()`` the broken connection, back off and try again until this
-    outage has lasted ``policy.retry_s`` (then ``StoreUnreachable``). ``say`` gets a line when the
+    a ``ConnectionError``), ``drop()`` the broken connection, back off (a ``RetryAfter``: at least
+    its ``wait_s``) and try again until this outage has lasted ``policy.retry_s`` (then
+    ``StoreUnreachable``). ``say`` gets a line when the
     outage starts and one when it ends. A ``RemoteShardError`` from ``op`` passes through at once."""
     failures, first = 0, 0.0
     while True:
@@ -93,7 +104,7 @@ def retrying(op: Callable[[], T], *, policy: RemotePolicy, url: str, name: str,
                     "the same command resumes once it is back") from None
             if tally is not None:
                 tally.add("remote_retries")
-            time.sleep(min(backoff_s(failures), left))
+            time.sleep(min(max(backoff_s(failures), getattr(e, "wait_s", 0.0)), left))
         else:
             if failures:
                 say(f"{url}: reachable again after {time.monotonic() - first:.1f} s and {failures} "

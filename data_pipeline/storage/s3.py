@@ -114,6 +114,7 @@ def call(op: Callable[[], T], url: str, name: str, kind: str = "shard") -> T:
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         said = f"S3 {status}" + (f" {code}" if code and code != str(status) else "")
         if code in _RETRY_CODES or status in (408, 429) or status >= 500:
+            # the backoff, not a Retry-After: MinIO sends 120 s with every SlowDown, a whole default bound
             raise ConnectionError(said) from None
         error = S3NotFound if status == 404 and code != "NoSuchBucket" else RemoteShardError
         raise error(f"{url}: {said}: {_why(code, status, url, name, kind)}") from None

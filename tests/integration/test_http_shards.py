@@ -23,7 +23,9 @@ from shard_utils import one_epoch, remote_data_cfg
 
 from data_pipeline.errors import DataError
 from data_pipeline.loading.loader import build_loader
-from data_pipeline.storage.retry import StoreUnreachable
+from data_pipeline.storage.http import HTTPShard
+from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
+from data_pipeline.tally import Tally
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "tests" / "jobs" / "shard_http_server.py"
@@ -176,6 +178,25 @@ def test_server_back_without_range_support_or_busy(server, from_disk, served, re
     busy = restart[restart.index("--busy-status") + 1] if "--busy-status" in restart else "503"
     want = [f"{at} -> 200"] if "--no-range" in restart else [f"{at} -> {busy}", f"{at} -> 206"]
     assert after == want, after
+
+
+@pytest.mark.parametrize("after, flags, bound, least", [("2", [], 20.0, 2.0), ("2", ["--retry-after-date"], 20.0, 1.95),
+                                                    ("60", [], 1.5, 1.5)], ids=["seconds", "http-date", "capped"])
+def test_retry_after_is_waited_for_within_the_bound(server, served, capsys, after, flags, bound, least):
+    """A 503 with ``Retry-After`` (seconds, or an HTTP-date: the server rounds it up to the second) is
+    tried again no sooner than it asks, not after the backoff's 0.25 s, and counts as a retry; a wait
+    longer than data.remote_retry_s is cut to the bound, where the last try is made."""
+    name = "train-000001.tar"
+    server.start("--busy", "1", "--retry-after", after, *flags)
+    tally = Tally()
+    t0 = time.monotonic()
+    with HTTPShard(f"{server.url}/{name}", name, RemotePolicy(retry_s=bound, timeout_s=5.0), tally) as f:
+        took = time.monotonic() - t0
+        assert f.read() == (served / name).read_bytes()
+    assert least <= took < min(float(after), bound) + 1.0, took
+    assert tally.counts == {"remote_retries": 1}, tally.counts
+    assert [r.split(" range=")[0] for r in server.requests()] == [f"GET /{name}"] * 2, server.requests()
+    assert "HTTP 503 Service Unavailable (Retry-After: " in capsys.readouterr().err
 
 
 def test_shard_rewritten_while_the_server_was_away_is_one_line_not_a_mix(server, served, tmp_path):

@@ -1,7 +1,8 @@
 """A small real HTTP file server for the remote-shard tests, run as its own process:
 
     python tests/jobs/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
-                                               [--no-range] [--busy N [--busy-status CODE]]
+                                               [--no-range] [--busy N [--busy-status CODE]
+                                                [--retry-after S [--retry-after-date]]]
 
 Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with
 ``Content-Range``), an ``ETag`` and ``Last-Modified`` made of the file's mtime and size, 404 for
@@ -9,14 +10,16 @@ anything else, one thread per connection. ``--rate`` paces every response body t
 bytes per second (a rate-limited object store). ``--die-after`` ends the whole process
 (``os._exit``, as a crash would) once BYTES bytes of file NAME's body are sent, mid-transfer; a
 restart without the flag serves normally. ``--no-range`` ignores ``Range`` (200 and the whole file,
-as some servers do); ``--busy N`` answers the first N requests with 503 (or ``--busy-status``).
-Each request is logged to stderr
+as some servers do); ``--busy N`` answers the first N requests with 503 (or ``--busy-status``),
+with ``Retry-After: S`` when ``--retry-after`` is given (``--retry-after-date``: as the HTTP-date S
+seconds after the answer, rounded up to the second). Each request is logged to stderr
 as ``GET /NAME range=... -> STATUS``.
 """
 from __future__ import annotations
 
 import argparse
 import email.utils
+import math
 import os
 import re
 import sys
@@ -34,6 +37,8 @@ class Handler(BaseHTTPRequestHandler):
     no_range = False
     busy = 0  # requests still to refuse with busy_status
     busy_status = 503
+    retry_after: int | None = None  # seconds a busy answer asks the client to wait
+    retry_after_date = False  # say them as an HTTP-date rather than a number of seconds
     protocol_version = "HTTP/1.1"
 
     def log_message(self, fmt, *args):  # one line per request, see do_GET
@@ -47,7 +52,7 @@ class Handler(BaseHTTPRequestHandler):
         if Handler.busy > 0:
             Handler.busy -= 1
             self._log(name, asked, Handler.busy_status)
-            self.send_error(Handler.busy_status)
+            self._busy()
             return
         if "/" in name or not path.is_file():
             self._log(name, asked, 404)
@@ -87,6 +92,18 @@ class Handler(BaseHTTPRequestHandler):
                 if ahead > 0:
                     time.sleep(ahead)
 
+    def _busy(self):
+        self.send_response(Handler.busy_status)
+        if Handler.retry_after is not None:
+            after = Handler.retry_after
+            if Handler.retry_after_date:
+                after = email.utils.formatdate(math.ceil(time.time() + after), usegmt=True)
+            self.send_header("Retry-After", str(after))
+        self.send_header("Content-Length", "0")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
     def _log(self, name, rng, status):
         print(f"GET /{name} range={rng} -> {status}", file=sys.stderr, flush=True)
 
@@ -100,7 +117,10 @@ def main() -> None:
     ap.add_argument("--no-range", action="store_true")
     ap.add_argument("--busy", type=int, default=0)
     ap.add_argument("--busy-status", type=int, default=503)
+    ap.add_argument("--retry-after", type=int)
+    ap.add_argument("--retry-after-date", action="store_true")
     args = ap.parse_args()
+    Handler.retry_after, Handler.retry_after_date = args.retry_after, args.retry_after_date
     Handler.no_range, Handler.busy, Handler.busy_status = args.no_range, args.busy, args.busy_status
     Handler.root = Path(args.root)
     Handler.rate = args.rate
