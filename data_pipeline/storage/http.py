@@ -8,7 +8,8 @@ resumes at the byte it stopped at with an HTTP ``Range`` request, so the tar str
 sample repeated or skipped (the file must keep its length, ETag and Last-Modified: a shard rewritten
 mid-read is an error, not a mix of two files). Each retry is counted as ``remote_retries``. A server
 still away past the policy raises ``StoreUnreachable``, a 404 and any other refusal ``RemoteShardError`` (one line
-naming the URL and the shard), and so is a TLS certificate the client does not trust; the stream
+naming the URL and the shard), and so are a TLS certificate the client does not trust and a URL
+that is not one (a port that is no port); the stream
 stops the run with it rather than count the shard's samples as lost.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from data_pipeline.storage.retry import RemoteShardError, ResumableRead, RetryAfter
@@ -47,6 +49,16 @@ def _retry_after_s(value: str) -> float:
     return max(0.0, when.timestamp() - time.time())
 
 
+def _bad_port(url: str) -> str | None:
+    """The port ``url`` names when it is no TCP port (not a number, or outside 1-65535), else None.
+    Asking would not fail cleanly: ``http.client`` calls a word a transient ``InvalidURL`` and
+    getaddrinfo wraps 99999 round to 34463, another server's port or a refused one."""
+    host = urllib.parse.urlsplit(url).netloc.rpartition("@")[2]
+    port = host.rpartition("]")[2] if host.startswith("[") else host  # [v6 address]:port
+    port = port.partition(":")[2]
+    return port if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536) else None
+
+
 class HTTPShard(ResumableRead):
     """One HTTP(S) file, resumed with ``Range: bytes=pos-``; a server that ignores ``Range``
     answers 200 and the bytes already read are skipped. One request per (re)connect. A resumed
@@ -58,6 +70,9 @@ class HTTPShard(ResumableRead):
         return self.body.readinto(b)
 
     def _connect(self) -> None:
+        port = _bad_port(self.url)
+        if port is not None:  # the user's mistake: asking again cannot fix it
+            raise RemoteShardError(f"{self.url}: not a valid URL (port {port!r} is not a number from 1 to 65535)")
         headers = {"Range": f"bytes={self.pos}-"} if self.pos else {}
         try:
             resp = urllib.request.urlopen(urllib.request.Request(self.url, headers=headers),
@@ -73,6 +88,8 @@ class HTTPShard(ResumableRead):
             if self.kind == "shard":
                 what = f"shard {self.name} is listed in the manifest but {what}"
             raise RemoteShardError(f"{self.url}: HTTP {e.code} {e.reason}: {what}") from None
+        except http.client.InvalidURL as e:  # a control character, ...: no answer will ever come
+            raise RemoteShardError(f"{self.url}: not a valid URL ({e})") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, ssl.SSLCertVerificationError):  # the same answer however long we wait
                 raise RemoteShardError(f"{self.url}: TLS certificate not trusted ({e.reason.verify_message}); "

@@ -264,6 +264,22 @@ def test_missing_shard_on_the_server_is_one_line_naming_it(server, served, tmp_p
         build_loader(remote_data_cfg(f"{server.url}/nope/manifest.json"), batch_size=8, seed=3, img_size=16)
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/manifest.json", "http://127.0.0.1:abc/manifest.json"],
+                         ids=["out-of-range", "not-a-number"])
+def test_malformed_port_is_one_line_not_an_outage(url):
+    """A port that is no port (99999 would even reach port 34463, wrapped) is the user's mistake:
+    one line naming the URL at once (exit 2), not an outage retried for data.remote_retry_s, exit 69."""
+    from data_pipeline.errors import EXIT_USAGE, exit_code
+
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        build_loader(remote_data_cfg(url), batch_size=8)
+    assert time.monotonic() - t0 < 1.0
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{url}: not a valid URL (port "), msg
+    assert msg.endswith("(data.train_shards)") and exit_code(e.value) == EXIT_USAGE, msg
+
+
 def test_untrusted_tls_certificate_is_one_line_not_an_outage(tmp_path):
     """A certificate no CA the client knows signed does not change by waiting: one line naming the URL
     and SSL_CERT_FILE at once, not an outage retried for data.remote_retry_s and then exit 69."""
