@@ -1,6 +1,6 @@
 """A real S3 API server for tests and benchmarks: ``moto_server`` as its own process on 127.0.0.1
-(stopped by PID), with IAM authentication on (wrong keys are refused as by AWS) and multipart parts
-from ``PART_MIN_BYTES``, and ``Proxy``, a
+(stopped by PID), with IAM authentication on (wrong keys are refused as by AWS), multipart parts
+from ``PART_MIN_BYTES`` and unfinished multipart uploads listed ``UPLOADS_PAGE`` a page, and ``Proxy``, a
 TCP proxy in front of it that can cut every connection, refuse new ones for a while, or answer
 ``503 SlowDown`` as an overloaded S3 does.
 
@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
 _SETUP_CALLS = 3  # IAM requests made before authentication starts (INITIAL_NO_AUTH_ACTION_COUNT)
 PART_MIN_BYTES = 16 << 10  # smallest multipart part but the last (AWS: 5 MiB): tests upload small shards in parts
+UPLOADS_PAGE = 2  # unfinished multipart uploads per ListMultipartUploads page (AWS: 1,000): tests page with a few
 SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
             b"<Message>Please reduce your request rate.</Message></Error>")
 
@@ -59,7 +59,7 @@ class MotoS3:
         import boto3
 
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, __file__, "-H", "127.0.0.1", "-p", str(self.port)],
                                      env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_SETUP_CALLS),
                                           "S3_UPLOAD_PART_MIN_SIZE": str(PART_MIN_BYTES)},
                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -258,3 +258,38 @@ class Proxy:
                     pass
             with self.lock:
                 self.conns -= {src, dst}
+
+
+def _page_multipart_uploads(per_page: int) -> None:
+    """moto (5.2) lists every unfinished multipart upload in one answer; S3 answers at most
+    ``max-uploads`` (1,000) a page, ``IsTruncated`` with ``NextKeyMarker`` / ``NextUploadIdMarker``
+    to go on from. Make moto's answers such pages of at most ``per_page``, by key then upload id."""
+    from moto.core.responses import ActionResult
+    from moto.s3.responses import S3Response
+
+    def list_multipart_uploads(self):
+        q = {k: v[0] for k, v in self.querystring.items()}
+        key_marker, id_marker = q.get("key-marker", ""), q.get("upload-id-marker", "")
+        size = min(int(q.get("max-uploads", 1000)), per_page)
+        ups = sorted((u for u in self.backend.list_multipart_uploads(self.bucket_name).values()
+                      if u.key_name.startswith(q.get("prefix", ""))), key=lambda u: (u.key_name, u.id))
+        if key_marker:  # after the marker's key, or its key's uploads after the upload id marker
+            ups = [u for u in ups if ((u.key_name, u.id) > (key_marker, id_marker) if id_marker
+                                      else u.key_name > key_marker)]
+        page = ups[:size]
+        result = {"Bucket": self.bucket_name, "KeyMarker": key_marker, "UploadIdMarker": id_marker,
+                  "MaxUploads": size, "IsTruncated": len(ups) > size,
+                  "Uploads": [{"Key": u.key_name, "UploadId": u.id, "StorageClass": "STANDARD"} for u in page]}
+        if len(ups) > size:
+            result.update(NextKeyMarker=page[-1].key_name, NextUploadIdMarker=page[-1].id)
+        self.data["Action"] = "ListMultipartUploads"
+        return self.serialized(ActionResult(result))
+
+    S3Response.list_multipart_uploads = list_multipart_uploads
+
+
+if __name__ == "__main__":  # moto_server, with the listing above: ``MotoS3.start`` runs it
+    from moto.server import main
+
+    _page_multipart_uploads(UPLOADS_PAGE)
+    main(sys.argv[1:])

@@ -347,11 +347,18 @@ class S3Prefix:
                                                Range=f"bytes=0-{n - 1}")["Body"].read(), name)
 
     def clean_unfinished(self, own: "re.Pattern") -> None:
-        """Abort the multipart uploads of names ``own`` matches that an interrupted run left."""
+        """Abort the multipart uploads of names ``own`` matches that interrupted runs left: every
+        LIST page of them (1,000 uploads a page), then one request per upload."""
         c = client(self.policy.timeout_s)
-        page = self._call(lambda: c.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix), "")
-        for u in page.get("Uploads", []):
-            name = u["Key"][len(self.prefix):]
-            if own.fullmatch(name):
-                self._call(lambda: c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"],
-                                                            UploadId=u["UploadId"]), name)
+        left, after = [], {}
+        while True:
+            kw = dict(Bucket=self.bucket, Prefix=self.prefix, **after)
+            page = self._call(lambda: c.list_multipart_uploads(**kw), "")
+            left += [u for u in page.get("Uploads", []) if own.fullmatch(u["Key"][len(self.prefix):])]
+            if not (page.get("IsTruncated") and page.get("NextKeyMarker")):
+                break
+            after = {"KeyMarker": page["NextKeyMarker"], **({"UploadIdMarker": page["NextUploadIdMarker"]}
+                                                            if page.get("NextUploadIdMarker") else {})}
+        for u in left:
+            self._call(lambda: c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]),
+                       u["Key"][len(self.prefix):])

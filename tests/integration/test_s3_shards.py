@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -26,7 +27,7 @@ import time
 import pytest
 import torch
 from dist_utils import TINY_CONFIG, kill_group, metrics, reaped, run_job, wait_for
-from s3_server import MotoS3, Proxy
+from s3_server import UPLOADS_PAGE, MotoS3, Proxy
 from shard_utils import InterruptOnce, one_epoch, remote_data_cfg
 
 from data_pipeline.errors import DataError
@@ -370,6 +371,28 @@ def test_interrupted_write_to_the_store_is_finished_by_a_rerun(store, tmp_path, 
     c.delete_object(Bucket=BUCKET, Key="rerun/val/manifest.json")
     write_shards(src, url, split="val", shard_size=8, progress=False)
     assert created[0] == "val-000001.tar"  # a shard whose size or ETag changed is written again
+
+
+def test_unfinished_uploads_past_the_first_list_page_are_aborted(store):
+    """Killed runs can leave more unfinished multipart uploads than one LIST answer holds (S3: 1,000
+    a page; the test server: UPLOADS_PAGE): a rerun aborts every one of its own, on every page
+    (two of a name: a page may end inside a key), and keeps another job's."""
+    c, prefix = store.client, "unfinished/train/"
+    own = [f"train-{i:06d}.tar" for i in range(3 * UPLOADS_PAGE + 1)]
+    for name in own + own[:2]:
+        c.create_multipart_upload(Bucket=BUCKET, Key=prefix + name)
+    other = c.create_multipart_upload(Bucket=BUCKET, Key=prefix + "val-000000.tar")["UploadId"]
+    try:
+        first = c.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix)
+        assert first["IsTruncated"] and len(first["Uploads"]) == UPLOADS_PAGE, first  # the server pages
+        S3Prefix(f"s3://{BUCKET}/unfinished/train").clean_unfinished(re.compile(r"train-\d+\.tar"))
+        pages = c.get_paginator("list_multipart_uploads").paginate(Bucket=BUCKET, Prefix=prefix)
+        left = [(u["Key"], u["UploadId"]) for p in pages for u in p.get("Uploads", [])]
+        assert left == [(prefix + "val-000000.tar", other)], left
+    finally:
+        pages = c.get_paginator("list_multipart_uploads").paginate(Bucket=BUCKET, Prefix=prefix)
+        for u in [u for p in pages for u in p.get("Uploads", [])]:
+            c.abort_multipart_upload(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"])
 
 
 def test_parts_and_merge_on_a_prefix(store, written, from_disk, capsys):
