@@ -3,7 +3,8 @@ HTTP server on 127.0.0.1 (tests/jobs/shard_http_server.py, its own process, stop
 batches as from disk; the server crashing mid-shard and coming back resumes the shard at its byte
 (no sample twice, none skipped), counts the retries and says when the outage started and ended; a
 server that stays away ends the read within data.remote_retry_s naming the URL (an outage, exit 69,
-not a user error); a 404 names the shard; a rate-limited server is only slow."""
+not a user error); a 429/503 Retry-After is waited for, within that bound; a 404, an untrusted
+certificate and a malformed port are one line; a rate-limited server is only slow."""
 from __future__ import annotations
 
 import json

@@ -6,12 +6,13 @@ disk, through cuts and SlowDown bursts (resumed at the byte, retries counted) an
 until it has lasted data.remote_retry_s, said when it starts and ends; past that bound the store is
 unreachable (exit 69); a missing key, a missing bucket and wrong credentials are one line;
 ``vit-launch check`` checks the shards in the store as on disk; an interrupted write is finished by
-a rerun that keeps the complete shards; ``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL
-nobody writes is one line and no local folder; ``vit-transfer --suite shards`` and ``vit-audit``
-give from the store the numbers and pairs they give from disk; 2 ranks train from the store through
-a cut and a kill -9 + resume on exactly the samples they read from disk; a run rides out a 45 s
-stop of the store, and one whose store is gone for good ends with exit 69 and is restarted by
-``vit-launch --max-restarts`` once the store is back, on those same samples."""
+a rerun that keeps the complete shards and aborts unfinished uploads on every LIST page;
+``--part I/N`` + ``vit-shards merge`` work on a prefix; an output URL nobody writes is one line and
+no local folder; ``vit-transfer --suite shards`` and ``vit-audit`` give from the store the numbers
+and pairs they give from disk; 2 ranks train from the store through a cut and a kill -9 + resume on
+exactly the samples they read from disk; a run rides out a 45 s stop of the store, and one whose
+store is gone for good ends with exit 69 and is restarted by ``vit-launch --max-restarts`` once the
+store is back, on those same samples."""
 from __future__ import annotations
 
 import hashlib
