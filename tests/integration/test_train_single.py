@@ -15,15 +15,17 @@ def train(shards, run_dir, *extra, fault=None, timeout=240):
 @pytest.mark.parametrize("stage", [0, 3])  # ZeRO-3: the gradient gate works on partitioned parameters
 def test_nonfinite_loss_is_skipped_and_counted(shards, tmp_path, stage):
     r = train(shards, tmp_path / "run", "train.steps=5", "train.log_every_steps=1", "checkpoint.every_steps=5",
-              f"zero.stage={stage}", fault="nan_loss:3,3")
+              f"zero.stage={stage}", fault="nan_loss:3,3,5")
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(tmp_path / "run")
     # Both micro-batches of step 3 were dropped (zero gradients, decided on the device without a
     # host sync) and the step counted: steps are no longer redone with the next batches, which
     # would need the host to know the verdict inside the step (see NonFiniteGuard).
     assert sorted(m) == [1, 2, 3, 4, 5]
-    assert m[2]["nonfinite_skipped"] == 0 and m[3]["nonfinite_skipped"] == 2
+    assert m[2]["nonfinite_skipped"] == 0 and m[3]["nonfinite_skipped"] == 2 and m[5]["nonfinite_skipped"] == 3
     assert m[3]["loss"] is None  # no finite micro-batch in that log window: no loss to report
+    # step 5 drops its first micro-batch and keeps the second: its loss is that one's, not NaN
+    assert m[5]["loss"] is not None and m[5]["loss"] == m[5]["loss"], m[5]
     assert all(v["loss"] == v["loss"] for v in m.values())  # no NaN reached the weights or the log
     assert all(v["grad_norm"] is None or v["grad_norm"] == v["grad_norm"] for v in m.values())
 
