@@ -58,8 +58,8 @@ def test_resume_on_another_layout_finishes_the_epoch_with_every_sample_once(demo
         assert abs(m[7]["loss"] - fresh) > 1e-3, m[7]
     else:
         assert abs(m[7]["loss"] - first[6]["loss"]) < abs(m[7]["loss"] - fresh), (first[6], m[7])
-    # the schedule continues: the LR logged after each step (the next step's) goes on down the same line
-    # (1e-3 to 7e-4 over steps 2-8); a schedule restarted by the resume would log its warmup's end, 1e-3
+    # the schedule continues: the LR each step used goes on down the same line (1e-3 to 7e-4 after
+    # the 2-step warmup); a schedule restarted by the resume would start its warmup again
     fall = first[5]["lr"] - first[6]["lr"]
     assert fall > 0 and [m[s]["lr"] for s in (7, 8)] == pytest.approx([first[6]["lr"] - fall * k for k in (1, 2)]), (
         first[6], m[7], m[8])
