@@ -31,6 +31,28 @@ YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+def _mapping_without_duplicates(loader: YamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose keys are each written once: PyYAML keeps the last of two equal keys, so a
+    second ``optim:`` section would silently replace the first one's settings."""
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: keys written after it override it
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping's own error names it
+            break
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {first})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def yaml_scalars(text: str):
     """``text`` read as YAML with the config's float rule (``YamlLoader``)."""
     return yaml.load(text, Loader=YamlLoader)  # a SafeLoader: plain data only, no Python objects
@@ -85,8 +107,10 @@ def _load_tree(path: Path, origin: dict, seen: tuple = ()) -> dict:
     if base_ref is not None:
         refs = base_ref if isinstance(base_ref, list) else [base_ref]
         for ref in refs:
-            if not isinstance(ref, str):
+            if not isinstance(ref, str) or not ref.strip():
                 raise ConfigError(f"{path}: 'base' must be a file name or a list of them, got {ref!r}")
+            if not (path.parent / ref).is_file():  # named here: the file that asks for it
+                raise ConfigError(f"{path}: base: {path.parent / ref}: config file not found")
             # keys from a base keep the base file as their origin
             tree = _merge(tree, _load_tree(path.parent / ref, origin, seen + (path,)), None, str(path))
     return _merge(tree, raw, origin, str(path))

@@ -1,0 +1,58 @@
+"""Bad input to every command, each answered with one line naming the file, key or value, exit 2,
+before any work and with nothing written: config files, overrides, shard sources and part
+manifests, launch options, the audit's and the demo's arguments. In-process calls of each
+command's ``main`` (one line on stderr, the exit code) or of the function that owns the check."""
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs/tiny_cpu.yaml"
+
+
+def one_line(capsys, main, argv, code=2) -> str:
+    """Run a command's ``main(argv)``: it exits ``code`` with exactly one line on stderr; that line."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == code and len(err) == 1, (e.value.code, err)
+    return err[0]
+
+
+# ------------------------------------------------------------------------------ config files
+@pytest.mark.parametrize("text,needle", [
+    ("optim:\n  lr: 0.1\noptim:\n  weight_decay: 0.0\n",
+     "line 3 invalid YAML: duplicate key 'optim' (first on line 1)"),
+    ("optim:\n  lr: 0.1\n  lr: 0.2\n", "line 3 invalid YAML: duplicate key 'lr' (first on line 2)"),
+    ("optim: {lr: 0.1, lr: 0.2}\n", "line 1 invalid YAML: duplicate key 'lr' (first on line 1)"),
+])
+def test_a_key_written_twice_is_refused_not_the_last_one_kept(tmp_path, text, needle):
+    """PyYAML keeps the last of two equal keys: a second `optim:` section silently dropped the first."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}: {needle}"
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  <<: {lr: 0.5, weight_decay: 0.0}\n  lr: 0.25\n")
+    cfg = load_config(f)
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (0.25, 0.0)
+
+
+@pytest.mark.parametrize("base,needle", [
+    ("missing.yaml", "base: {dir}/missing.yaml: config file not found"),
+    ("sub", "base: {dir}/sub: config file not found"),
+    ('""', "'base' must be a file name or a list of them, got ''"),
+])
+def test_a_base_that_is_not_a_file_names_the_file_asking_for_it(tmp_path, base, needle):
+    (tmp_path / "sub").mkdir()
+    f = tmp_path / "c.yaml"
+    f.write_text(f"base: {base}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}: " + needle.format(dir=tmp_path)
