@@ -13,7 +13,7 @@ from pretrain.checkpointing.config import check_checkpoint
 from pretrain.config.phases import check_schedule
 from pretrain.config.schema import Config, ModelConfig, TrainConfig
 from pretrain.distributed.config import check_zero
-from pretrain.evaluation.config import check_eval, check_validation, target_metrics, target_problem
+from pretrain.evaluation.config import SEED_LIMIT, check_eval, check_validation, target_metrics, target_problem
 from pretrain.observability.config import check_logging
 
 
@@ -59,6 +59,11 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("train.steps", f"must be >= 0, got {t.steps}")
     if t.seed < 0:
         fail("train.seed", f"must be >= 0 (numpy's generators take no negative seed), got {t.seed}")
+    if t.seed >= SEED_LIMIT:
+        fail("train.seed", f"must be below 2**63 (torch's generators take a 64-bit seed), got {t.seed}")
+    if not t.output_dir.strip():
+        fail("train.output_dir", "is empty; name the run's folder (an empty one would put the run in the "
+             "current folder)")
     if t.max_nonfinite_steps < 1:
         fail("train.max_nonfinite_steps", f"must be >= 1 (the run stops at that many in a row), got "
              f"{t.max_nonfinite_steps}")

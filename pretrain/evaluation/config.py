@@ -19,6 +19,7 @@ __all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT",
 SUITE_NEEDS_ROOT = {"cifar100": True, "vtab1k": True, "demo": False, "imagefolder": True, "shards": True}
 # suites of several tasks: their probes' metrics name each task (eval/fewshot/vtab1k/dtd/10shot)
 SUITES_OF_TASKS = ("vtab1k",)
+SEED_LIMIT = 2**63  # every seed key is below it: torch's generators take a 64-bit seed
 
 
 def names_tasks(specs: list[str]) -> dict[str, bool]:
@@ -82,6 +83,8 @@ def _check_fewshot(cfg: Any, section: str, suites: list[str], fail: Callable[[st
         fail(f"{section}.minival_fraction", f"must be in (0, 1), got {cfg.minival_fraction}")
     if cfg.seed < 0:
         fail(f"{section}.seed", f"must be >= 0 (numpy's generators take no negative seed), got {cfg.seed}")
+    if cfg.seed >= SEED_LIMIT:
+        fail(f"{section}.seed", f"must be below 2**63 (torch's generators take a 64-bit seed), got {cfg.seed}")
 
 
 def _check_knn(cfg: Any, section: str, fail: Callable[[str, str], None]) -> None:

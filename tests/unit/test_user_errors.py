@@ -56,3 +56,21 @@ def test_a_base_that_is_not_a_file_names_the_file_asking_for_it(tmp_path, base, 
     with pytest.raises(ConfigError) as e:
         load_config(f)
     assert str(e.value) == f"{f}: " + needle.format(dir=tmp_path)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.seed=18446744073709551615", "train.seed: must be below 2**63"),
+    ("validation.seed=1e20", "validation.seed: must be below 2**63"),
+    ("eval.seed=9223372036854775808", "eval.seed: must be below 2**63"),
+    ("train.output_dir=", "train.output_dir: is empty"),
+])
+def test_values_a_run_would_meet_late_are_refused_at_load(override, needle):
+    """A seed past 64 bits ended the run in torch.manual_seed with a traceback; an empty output
+    folder put the whole run (checkpoints, metrics) into the folder the command ran in."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    assert str(e.value).startswith(f"command line: {needle}"), e.value
+
+
+def test_the_largest_seed_loads():
+    assert load_config(TINY, ["train.seed=9223372036854775807"]).train.seed == 2**63 - 1
