@@ -24,9 +24,12 @@ def _bytes(text: str) -> int:
     t = text.strip().lower().rstrip("b")
     mult = units.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 500000000 or 1G, got {text!r}") from None
+        size = int(float(t[:-1] if t[-1:] in units else t) * mult)
+    except (ValueError, OverflowError):  # nan, inf
+        size = 0
+    if size <= 0:  # 0 closed no shard, a negative size closed one after every sample
+        raise argparse.ArgumentTypeError(f"expected a positive size like 500000000 or 1G, got {text!r}")
+    return size
 
 
 def _positive(text: str) -> int:
@@ -95,6 +98,8 @@ def parse_args(argv) -> argparse.Namespace:
                    "with its part manifest; then `vit-shards merge OUT PART_MANIFEST...` writes manifest.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if not args.output.strip():  # an unset shell variable: the shards would land in the current folder
+        p.error("argument --output: empty; name the folder (or s3://bucket/prefix) for the shards")
     if args.quality > 100:
         p.error(f"argument --quality: expected 1..100, got {args.quality}")
     if not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*", args.split):  # it starts every shard's file name

@@ -177,8 +177,14 @@ def filelist(path: str) -> Source:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: file list not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); a file list is lines of "
+                        "'path<TAB>label[,label...]'") from None
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         parts = line.rstrip("\n").split("\t")

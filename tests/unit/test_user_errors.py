@@ -2,6 +2,7 @@
 before any work and with nothing written: config files, overrides, shard sources and part
 manifests, launch options, the audit's and the demo's arguments. In-process calls of each
 command's ``main`` (one line on stderr, the exit code) or of the function that owns the check."""
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,37 @@ def test_values_a_run_would_meet_late_are_refused_at_load(override, needle):
 
 def test_the_largest_seed_loads():
     assert load_config(TINY, ["train.seed=9223372036854775807"]).train.seed == 2**63 - 1
+
+
+# -------------------------------------------------------------------------------- vit-shards
+@pytest.mark.parametrize("size", ["inf", "nan", "-1", "0", "1e99999"])
+def test_shards_a_shard_size_limit_that_is_not_a_size(capsys, tmp_path, size):
+    """inf was a traceback; 0 set no limit and -1 closed a shard after every sample."""
+    from data_pipeline.shards.cli import main
+
+    line = one_line(capsys, main, ["--source", "demo", "--output", str(tmp_path / "o"), "--max-shard-bytes", size])
+    assert line == ("vit-shards: error: argument --max-shard-bytes: expected a positive size like 500000000 or 1G, "
+                    f"got {size!r}")
+    assert not (tmp_path / "o").exists()
+
+
+def test_shards_an_empty_output_writes_nothing_here(capsys, tmp_path, monkeypatch):
+    """`--output ''` (an unset shell variable) wrote the shards into the current folder."""
+    from data_pipeline.shards.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    line = one_line(capsys, main, ["--source", "demo", "--output", "", "--limit", "4", "--quiet"])
+    assert line.startswith("vit-shards: error: argument --output: empty")
+    assert not list(tmp_path.iterdir())
+
+
+def test_shards_a_file_list_that_is_not_text_names_its_line(capsys, tmp_path):
+    """A file list in another encoding (or a binary file) was a UnicodeDecodeError traceback."""
+    from data_pipeline.shards.cli import main
+
+    lst = tmp_path / "list.txt"
+    lst.write_bytes(b"a.jpg\t0\nb\xe9.jpg\t1\n")
+    line = one_line(capsys, main, ["--source", f"filelist:{lst}", "--output", str(tmp_path / "o"), "--quiet"])
+    assert line == (f"vit-shards: error: {lst}:2: not UTF-8 text (byte 0xe9); a file list is lines of "
+                    "'path<TAB>label[,label...]'")
+
