@@ -51,6 +51,36 @@ def _part_files(out, part_paths) -> list[tuple[str, bytes | None]]:
     return found
 
 
+def _count(v, least: int = 0) -> bool:
+    return type(v) is int and v >= least  # bool is an int to isinstance
+
+
+def _part_problem(m: dict) -> str | None:
+    """What in a part manifest (format and version already checked) is not as ``vit-shards --part``
+    writes it, as ``key: expected ..., got ...``; None when nothing."""
+    checks = [
+        ("parts", _count(m.get("parts"), 1), "a number of parts >= 1"),
+        ("part", _count(m.get("part"), 1) and _count(m.get("parts"), 1) and m["part"] <= m["parts"],
+         "a part number in 1..parts"),
+        ("job_samples", _count(m.get("job_samples")), "a sample count >= 0"),
+        ("range", isinstance(m.get("range"), list) and len(m["range"]) == 2 and all(map(_count, m["range"])),
+         "[first sample, end]"),
+        ("shards", isinstance(m.get("shards"), list), "a list of shards"),
+        ("skipped", isinstance(m.get("skipped", {}), dict) and all(map(_count, m.get("skipped", {}).values())),
+         "{reason: count}"),
+        ("skipped_files", isinstance(m.get("skipped_files") or {}, dict) and all(
+            isinstance(v, list) for v in (m.get("skipped_files") or {}).values()), "{reason: [file, ...]}"),
+    ]
+    for key, ok, what in checks:
+        if not ok:
+            return f"{key}: expected {what}, got {m.get(key)!r}"
+    for i, sh in enumerate(m["shards"]):
+        if not (isinstance(sh, dict) and isinstance(sh.get("name"), str) and "/" not in sh["name"]
+                and _count(sh.get("samples")) and _count(sh.get("bytes"))):
+            return f"shards[{i}]: expected {{'name': file name, 'samples': int >= 0, 'bytes': int >= 0}}, got {sh!r}"
+    return None
+
+
 def merge_parts(out_dir, part_paths) -> dict:
     """Check the part manifests of one ``--part I/N`` job and write the one ``manifest.json`` the
     loader reads, into ``out_dir`` (the folder, or ``s3://bucket/prefix``, holding every part's
@@ -74,6 +104,9 @@ def merge_parts(out_dir, part_paths) -> dict:
         if not isinstance(m, dict) or m.get("format") != PART_FORMAT or m.get("version") != VERSION:
             raise DataError(f"{p}: not a part manifest of vit-shards --part (format {PART_FORMAT!r} "
                             f"version {VERSION} expected)")
+        problem = _part_problem(m)
+        if problem:
+            raise DataError(f"{p}: {problem}: not a part manifest as vit-shards --part writes it")
         if first is None:
             first = (p, m)
         for k in ("job", "parts", "split", "source", "classes", "multi_label", "options", "job_samples"):

@@ -109,3 +109,48 @@ def test_shards_a_file_list_that_is_not_text_names_its_line(capsys, tmp_path):
     assert line == (f"vit-shards: error: {lst}:2: not UTF-8 text (byte 0xe9); a file list is lines of "
                     "'path<TAB>label[,label...]'")
 
+
+@pytest.fixture(scope="module")
+def two_parts(tmp_path_factory):
+    """The demo's first 16 samples written as parts 1/2 and 2/2: (folder, part 1's manifest)."""
+    from data_pipeline.shards.cli import main
+
+    out = tmp_path_factory.mktemp("parts")
+    for part in ("1/2", "2/2"):
+        assert main(["--source", "demo", "--output", str(out), "--limit", "16", "--shard-size", "4",
+                     "--part", part, "--quiet"]) == 0
+    return out, json.loads((out / "part-0001of0002.json").read_text())
+
+
+def _broken(m: dict, key: str, value) -> dict:
+    m = json.loads(json.dumps(m))
+    if key.startswith("shards[0]."):
+        m["shards"][0][key.removeprefix("shards[0].")] = value
+    elif value is None:
+        m.pop(key)
+    else:
+        m[key] = value
+    return m
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("shards", None, "shards: expected a list of shards, got None"),
+    ("shards", 5, "shards: expected a list of shards, got 5"),
+    ("shards[0].samples", "x", "shards[0]: expected {'name': file name, 'samples': int >= 0, 'bytes': int >= 0}"),
+    ("shards[0].name", 5, "shards[0]: expected {'name': file name"),
+    ("shards[0].name", "../x.tar", "shards[0]: expected {'name': file name"),
+    ("part", "x", "part: expected a part number in 1..parts, got 'x'"),
+    ("range", [0], "range: expected [first sample, end], got [0]"),
+    ("skipped", "x", "skipped: expected {reason: count}, got 'x'"),
+])
+def test_merge_a_part_manifest_with_a_wrong_field_names_it(capsys, tmp_path, two_parts, key, value, needle):
+    """A part manifest edited by hand or cut short was a KeyError or TypeError traceback."""
+    from data_pipeline.shards.cli import main
+
+    out, m = two_parts
+    bad = tmp_path / "part-0001of0002.json"
+    bad.write_text(json.dumps(_broken(m, key, value)))
+    line = one_line(capsys, main, ["merge", str(out), str(bad), str(out / "part-0002of0002.json")])
+    assert line.startswith(f"vit-shards merge: error: {bad}: {needle}"), line
+    assert line.endswith(": not a part manifest as vit-shards --part writes it")
+    assert not (out / "manifest.json").exists()
