@@ -16,7 +16,7 @@ def _device_gb(text: str) -> float:
         gb = float(text)
     except ValueError:
         gb = float("nan")
-    if not gb > 0:  # nan too
+    if not 0 < gb < float("inf"):  # nan too
         raise argparse.ArgumentTypeError(f"must be a number of GB above 0, got {text!r}")
     return gb
 

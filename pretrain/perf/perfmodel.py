@@ -40,6 +40,7 @@ groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Union
 
@@ -112,15 +113,16 @@ class Layout:
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("nodes", "gpus_per_node", "micro_batch")
                if getattr(self, k) < 1]
-        bad += [f"{k}={getattr(self, k)} (must be > 0)" for k in ("intra_node_gbps", "inter_node_gbps", "efficiency",
-                                                                  "peak_tflops", "hbm_gbs", "memory_gb")
-                if getattr(self, k) is not None and not getattr(self, k) > 0]
+        bad += [f"{k}={getattr(self, k)} (must be {'finite' if getattr(self, k) == math.inf else '> 0'})"
+                for k in ("intra_node_gbps", "inter_node_gbps", "efficiency", "peak_tflops", "hbm_gbs", "memory_gb")
+                if getattr(self, k) is not None and not 0 < getattr(self, k) < math.inf]
         bad += [f"{k}={getattr(self, k)} (must be >= 1)" for k in ("cpu_cores", "stored_side")
                 if getattr(self, k) is not None and getattr(self, k) < 1]
         if self.loader_workers is not None and self.loader_workers < 0:
             bad.append(f"loader_workers={self.loader_workers} (must be >= 0)")
-        if self.decode_rate is not None and not self.decode_rate > 0:
-            bad.append(f"decode_rate={self.decode_rate} (must be > 0)")
+        if self.decode_rate is not None and not 0 < self.decode_rate < math.inf:
+            need = "finite" if self.decode_rate == math.inf else "> 0"
+            bad.append(f"decode_rate={self.decode_rate} (must be {need})")
         if self.global_batch is not None and self.global_batch < 1:
             bad.append(f"global_batch={self.global_batch} (must be >= 1)")
         if self.hpz_partition_size < 1:

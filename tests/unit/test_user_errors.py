@@ -154,3 +154,20 @@ def test_merge_a_part_manifest_with_a_wrong_field_names_it(capsys, tmp_path, two
     assert line.startswith(f"vit-shards merge: error: {bad}: {needle}"), line
     assert line.endswith(": not a part manifest as vit-shards --part writes it")
     assert not (out / "manifest.json").exists()
+
+
+# -------------------------------------------------------------------------------- vit-launch
+@pytest.mark.parametrize("argv,needle", [
+    (["check", "--config", str(TINY), "--world-size", "2", "--gpu-memory-gb", "inf"],
+     "vit-launch check: error: argument --gpu-memory-gb: must be a number of GB above 0, got 'inf'"),
+    (["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm", "--intra-node-gbps", "inf"],
+     "vit-launch: error: --intra-node-gbps inf (must be finite)"),
+    (["plan", "--model", "vit_base_patch16_224", "--gpu", "h100-sxm", "--decode-rate", "inf", "--json"],
+     "vit-launch: error: --decode-rate inf (must be finite)"),
+])
+def test_launch_an_infinite_number_is_refused(capsys, argv, needle):
+    """inf passed the checks that refused nan; plan --json then printed `Infinity`, which JSON readers refuse."""
+    from launch.cli import main
+
+    assert one_line(capsys, main, argv) == needle
+
