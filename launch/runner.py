@@ -97,7 +97,7 @@ def plan_ranks(spec: LaunchSpec) -> tuple[Optional[list[Host]], dict[str, list[i
     check_spec(spec)
     hosts = parse_hostfile(spec.hostfile) if spec.hostfile else None
     gpus = spec.gpus_per_node
-    if hosts is None and gpus is None:
+    if hosts is None and gpus is None and not (spec.include or spec.exclude):  # those need a hostfile: say so
         gpus = max(1, local_gpu_count())
     return hosts, active_ranks(hosts, num_nodes=spec.num_nodes, gpus_per_node=gpus, include=spec.include,
                                exclude=spec.exclude, hostfile=spec.hostfile or "hostfile")

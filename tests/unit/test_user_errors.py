@@ -171,3 +171,11 @@ def test_launch_an_infinite_number_is_refused(capsys, argv, needle):
 
     assert one_line(capsys, main, argv) == needle
 
+
+@pytest.mark.parametrize("flag", ["--include", "--exclude"])
+def test_launch_include_without_a_hostfile_names_the_missing_hostfile(capsys, flag):
+    """Without --hostfile the error blamed --num-nodes/--gpus-per-node, which nobody had given."""
+    from launch.cli import main
+
+    line = one_line(capsys, main, ["check", "--config", str(TINY), flag, "worker-0"])
+    assert line == "vit-launch: error: --include/--exclude need --hostfile"
