@@ -46,6 +46,7 @@ from pretrain.distributed.engine import check_with_deepspeed, deepspeed_config, 
 from pretrain.distributed.phases import PhaseSwitch
 from pretrain.distributed.precision import check_precision, compute_dtype
 from pretrain.distributed.process import all_hosts, init_distributed, launched, set_cpu_threads
+from pretrain.distributed.rng import rank_seed
 from pretrain.evaluation.in_training import InTrainingEval
 from pretrain.evaluation.target import Target
 from pretrain.models.arch import config_macs, patch_keep
@@ -282,7 +283,7 @@ def restore(cfg: Config, c: Connected, b: Built) -> Restored:
             c.say(f"checkpoint.resume=false: the checkpoints already in {ckpt_dir} are kept in {kept}; this run "
                   "starts from scratch and saves beside them")
     if not resumed:
-        torch.manual_seed(cfg.train.seed + 1000 * (c.rank + 1))  # per-rank dropout / drop-path streams
+        torch.manual_seed(rank_seed(cfg.train.seed, c.rank))  # per-rank dropout / drop-path streams
         return Restored()
     info, states = resumed
     # same layout: this rank's, bit-exact; the state type is the loader's own (shards or synthetic)

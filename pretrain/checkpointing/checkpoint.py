@@ -34,7 +34,7 @@ from pretrain.checkpointing.rundir import (
     tag_for,
 )
 from pretrain.distributed import ema as weight_ema
-from pretrain.distributed.rng import rng_state, set_rng_state
+from pretrain.distributed.rng import resume_streams, rng_state
 
 __all__ = ["save", "resume",
            "latest_complete", "list_complete", "tag_for", "COMPLETE", "check_writable", "config_changes"]
@@ -306,6 +306,7 @@ def resume(engine, ckpt_dir: str | Path, config: Optional[dict] = None,
                 _warn(f"{path.name} holds no EMA of the weights: train.ema_decay starts it from the resumed weights")
     states = [json.loads((path / f"rank_{r:05d}.json").read_text()) for r in range(saved_world)]
     # RNG streams continue exactly on the same layout; on another one each rank takes the saved
-    # stream of its own rank number where there was one, else rank 0's
-    set_rng_state(states[rank if rank < saved_world else 0]["rng"])
+    # stream of its own rank number where there was one, else a stream of its own
+    seed = int(((config or {}).get("train") or {}).get("seed", 0))
+    resume_streams(states, rank, seed, int(run_info["step"]))
     return run_info, states

@@ -66,6 +66,25 @@ def set_rng_state(state: dict) -> None:
     torch.cuda.set_rng_state(_unb64(saved), dev)
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """A fresh start's torch seed for ``rank``'s dropout / drop-path / patch-dropout stream."""
+    return seed + 1000 * (rank + 1)
+
+
+def resume_streams(states: list[dict], rank: int, seed: int, step: int) -> None:
+    """Restore this rank's generators from a checkpoint's per-rank states (``states[r]["rng"]``, in
+    the saving run's rank order). A rank the saving layout had continues its own stream exactly; a
+    rank it did not have (a resume on more ranks) takes rank 0's Python and NumPy state and a torch
+    stream of its own, seeded from (``seed``, rank, ``step``): a copy of rank 0's would draw the same
+    dropout, drop-path and patch-dropout masks as rank 0 for the rest of the run."""
+    if rank < len(states):
+        set_rng_state(states[rank]["rng"])
+        return
+    set_rng_state(states[0]["rng"])
+    fresh = np.random.SeedSequence([seed, rank, step]).generate_state(1, dtype=np.uint64)[0]
+    torch.manual_seed(int(fresh) >> 1)  # every device's generator too; below 2**63
+
+
 @contextlib.contextmanager
 def preserved() -> Iterator[None]:
     """Run a block (an evaluation) without moving torch's CPU generator or this device's CUDA

@@ -131,6 +131,30 @@ def test_preserved_leaves_the_generators_as_they_were():
     assert torch.equal(a, torch.rand(3))
 
 
+def test_a_resume_on_more_ranks_gives_each_new_rank_a_stream_of_its_own():
+    """Saved on one rank, resumed on three: rank 0 continues its stream bit for bit, ranks 1 and 2
+    (not in the saving layout) each draw their own masks, not rank 0's, and the same ones again
+    when the same checkpoint is resumed again."""
+    torch.manual_seed(rng.rank_seed(5, 0))
+    torch.rand(7)
+    states = [{"rng": rng.rng_state()}]
+    continued = torch.rand(4)
+
+    def first_draws(rank):
+        torch.manual_seed(12345)  # whatever the process drew before the resume
+        rng.resume_streams(states, rank, seed=5, step=30)
+        return torch.rand(4)
+
+    draws = [first_draws(r) for r in range(3)]
+    assert torch.equal(draws[0], continued)
+    assert not torch.equal(draws[1], draws[0]) and not torch.equal(draws[2], draws[0])
+    assert not torch.equal(draws[1], draws[2])
+    assert torch.equal(first_draws(2), draws[2])
+    # a fresh start's streams differ too: rank 1's resumed one is not its fresh-start one
+    torch.manual_seed(rng.rank_seed(5, 1))
+    assert not torch.equal(torch.rand(4), draws[1])
+
+
 # -------------------------------------------------------------------------------------- init
 def test_initial_weights_come_from_their_own_generator():
     """Same seed, same weights whatever the global generator did before, and the global
