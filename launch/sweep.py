@@ -5,13 +5,17 @@
 Weak scaling (default): the micro batch per rank stays as configured and the global batch is
 ``micro x world size`` (no gradient accumulation), so every rank does the same work at every size
 and images/s should grow linearly; the shortfall is communication (gradient reduce-scatter /
-all-gather) and stragglers. Strong scaling keeps ``train.global_batch_size`` and splits it over
-more ranks (fewer accumulation steps); it must divide by ``micro x world size``.
+all-gather) and stragglers. With a ``train.resolution_schedule`` whose phases set their own micro
+batch, ``micro`` is the smallest share every phase's micro batch divides (``phases.batch_unit``), so
+each phase accumulates as many micro-steps at every size. Strong scaling keeps
+``train.global_batch_size`` and splits it over more ranks (fewer accumulation steps); it must divide
+by ``micro x world size`` at every size.
 
 Each run gets ``train.output_dir=<root>/ws<N>``, ``logging.wandb.group=<group>``, tags
 ``scaling``, ``scaling=<weak|strong>`` and ``world_size=<N>``, ``checkpoint.resume=false`` (a
-measurement must not resume an earlier run) and a log window of ``steps // 5`` steps, so that
-``python -m launch.plot_scaling`` has windows left after dropping the first (warm-up). World
+measurement must not resume an earlier run) and a log window of ``steps // 5`` steps, shorter where
+a resolution schedule's phases would leave fewer than WINDOWS_KEPT windows after the cold ones
+(a start's and each phase's first), which ``python -m launch.plot_scaling`` drops. World
 sizes above one node's GPUs use whole nodes of a hostfile (``--num_nodes N/G --num_gpus G``).
 On a machine without GPUs every rank of every size gets the same ``OMP_NUM_THREADS``
 (``cpu_thread_env``), so the sizes differ only in the number of ranks.
@@ -19,17 +23,22 @@ On a machine without GPUs every rank of every size gets the same ``OMP_NUM_THREA
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 from data_pipeline.files import write_json
 from launch.hostfile import LaunchError, local_gpu_count, parse_hostfile
 from launch.runner import LaunchSpec, deepspeed_command, shell_join
+from pretrain.config import image_size
+from pretrain.config.phases import batch_unit, log_windows, resolution_phases
+
+WINDOWS_KEPT = 4  # logged windows per run left after the cold ones, where the steps allow
 
 
 @dataclass
@@ -49,6 +58,8 @@ class SweepPlan:
     root: str
     scaling: str
     steps: int
+    batch_per_rank: int  # weak scaling's global batch per rank (the micro batch every phase divides)
+    log_every_steps: int
     runs: list[SweepRun]
 
 
@@ -83,6 +94,27 @@ def _layout(world: int, hostfile: Optional[str], gpus_per_node: Optional[int]) -
     return 1, world  # CPU-only machine: any number of local CPU ranks
 
 
+def warm_windows(cfg, steps: int, log_every: int) -> int:
+    """How many of a run's logging windows are not cold (``phases.log_windows``) with ``steps``
+    steps of ``cfg``'s schedule, one window every ``log_every`` steps."""
+    train = replace(cfg.train, steps=steps)
+    return sum(not cold for _, _, cold in log_windows(resolution_phases(train, image_size(cfg.model)), log_every))
+
+
+def log_interval(cfg, steps: int) -> int:
+    """``steps // 5``, or less where the schedule's phases leave fewer than WINDOWS_KEPT warm windows;
+    a LaunchError when even a window per step leaves none."""
+    k = max(1, steps // (WINDOWS_KEPT + 1))
+    while k > 1 and warm_windows(cfg, steps, k) < WINDOWS_KEPT:
+        k -= 1
+    if warm_windows(cfg, steps, k) == 0:
+        enough = next(s for s in range(steps + 1, 100 * (steps + 10)) if warm_windows(cfg, s, 1) >= WINDOWS_KEPT)
+        raise LaunchError(f"--steps {steps} leaves no logged window to measure: the first window of the run"
+                          + (" and of each train.resolution_schedule phase" if cfg.train.resolution_schedule else "")
+                          + f" is warm-up, dropped by plot_scaling; use --steps {enough} or more")
+    return k
+
+
 def plan(cfg, config: str, overrides: list[str], world_sizes: list[int], *, steps: int = 50,
          scaling: str = "weak", group: Optional[str] = None, root: Optional[str] = None,
          hostfile: Optional[str] = None, gpus_per_node: Optional[int] = None,
@@ -96,17 +128,28 @@ def plan(cfg, config: str, overrides: list[str], world_sizes: list[int], *, step
     group = group or f"scaling-{Path(config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     root = root or str(Path(t.output_dir).parent / group)
     user_keys = {o.split("=", 1)[0] for o in overrides}
+    if "train.log_every_steps" in user_keys:
+        if not warm_windows(cfg, steps, t.log_every_steps):
+            raise LaunchError(f"train.log_every_steps={t.log_every_steps} leaves no logged window of --steps {steps} "
+                              "after the warm-up ones (a start's and each resolution phase's first, dropped by "
+                              "plot_scaling); lower it or leave it to the sweep")
+        log_every = t.log_every_steps
+    else:
+        log_every = log_interval(cfg, steps)
+    micro = batch_unit(t)  # train.micro_batch_size, or what every schedule phase's micro batch divides
+    what = ("train.micro_batch_size" if micro == t.micro_batch_size
+            else "the micro batch every train.resolution_schedule phase divides")
     runs = []
     for n in world_sizes:
         nodes, per_node = _layout(n, hostfile, gpus_per_node)
         if scaling == "weak":
-            gbs = t.micro_batch_size * n
+            gbs = micro * n
         else:
             gbs = t.global_batch_size
-            if gbs % (t.micro_batch_size * n):
+            if gbs % (micro * n):
                 raise LaunchError(f"strong scaling: train.global_batch_size={gbs} is not divisible by "
-                                  f"train.micro_batch_size x world size = {t.micro_batch_size} x {n}; choose a "
-                                  f"global batch divisible by {t.micro_batch_size * max(world_sizes)}")
+                                  f"{what} x world size = {micro} x {n}; choose a global batch divisible by "
+                                  f"{math.lcm(*(micro * k for k in world_sizes))} (every size of the sweep)")
         out = str(Path(root) / f"ws{n}")
         tags = list(cfg.logging.wandb.tags) + ["scaling", f"scaling={scaling}", f"world_size={n}"]
         extra = [f"train.steps={steps}", f"train.global_batch_size={gbs}", f"train.output_dir={out}",
@@ -114,18 +157,19 @@ def plan(cfg, config: str, overrides: list[str], world_sizes: list[int], *, step
                  f"logging.wandb.group={group}", f"logging.wandb.name={group}-ws{n}",
                  f"logging.wandb.tags={json.dumps(tags)}"]
         if "train.log_every_steps" not in user_keys:
-            extra.append(f"train.log_every_steps={max(1, steps // 5)}")
+            extra.append(f"train.log_every_steps={log_every}")
         spec = LaunchSpec(config=config, overrides=list(overrides) + extra, hostfile=hostfile,
                           num_nodes=nodes if hostfile else None, gpus_per_node=per_node, master_port=master_port)
         runs.append(SweepRun(n, nodes, per_node, gbs, out, spec.overrides, deepspeed_command(spec)))
-    return SweepPlan(group=group, root=root, scaling=scaling, steps=steps, runs=runs)
+    return SweepPlan(group=group, root=root, scaling=scaling, steps=steps, batch_per_rank=micro,
+                     log_every_steps=log_every, runs=runs)
 
 
-def describe(p: SweepPlan, micro: int) -> str:
-    rule = (f"global batch = {micro} x world size" if p.scaling == "weak"
+def describe(p: SweepPlan) -> str:
+    rule = (f"global batch = {p.batch_per_rank} x world size" if p.scaling == "weak"
             else f"global batch {p.runs[0].global_batch_size} at every size")
-    lines = [f"sweep {p.group}: {p.scaling} scaling (micro batch {micro} per rank, {rule}), {p.steps} steps "
-             f"per run, W&B group {p.group}, runs under {p.root}"]
+    lines = [f"sweep {p.group}: {p.scaling} scaling ({p.batch_per_rank} images per rank and step, {rule}), "
+             f"{p.steps} steps per run logged every {p.log_every_steps}, W&B group {p.group}, runs under {p.root}"]
     for r in p.runs:
         lines.append(f"  world size {r.world_size} ({r.nodes} node(s) x {r.gpus_per_node}), global batch "
                      f"{r.global_batch_size} -> {r.output_dir}")

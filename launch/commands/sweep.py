@@ -45,7 +45,7 @@ def command(args) -> int:
     p = sweep.plan(cfg, args.config, list(args.overrides), sweep.parse_world_sizes(args.world_sizes),
                    steps=args.steps, scaling=args.scaling, group=args.group, root=args.output_root,
                    hostfile=args.hostfile, gpus_per_node=args.gpus_per_node, master_port=args.master_port)
-    print(sweep.describe(p, cfg.train.micro_batch_size), flush=True)
+    print(sweep.describe(p), flush=True)
     if args.dry_run:
         return 0
     ok = True

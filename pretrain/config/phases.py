@@ -15,6 +15,7 @@ resolution. Pure arithmetic on the config (no torch): training, the checks, the 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pretrain.models.arch import img_size_problem
@@ -51,6 +52,29 @@ def resolution_phases(train, img_size: int) -> list[Phase]:
         return [Phase(1, max(0, train.steps), img_size, train.micro_batch_size)]
     ends = [start for start, _, _ in entries[1:]] + [train.steps]
     return [Phase(start + 1, end, px, micro) for (start, px, micro), end in zip(entries, ends) if end > start]
+
+
+def batch_unit(train) -> int:
+    """The smallest share of the global batch per rank that every micro batch of ``train`` divides
+    (``train.micro_batch_size`` and each schedule phase's): the global batch must be a multiple of
+    this times the world size (``checks.check_world_size``)."""
+    micros = [train.micro_batch_size] + [int(e[2]) for e in train.resolution_schedule if len(e) > 2]
+    return math.lcm(*micros)
+
+
+def log_windows(phases: list[Phase], log_every: int) -> list[tuple[int, int, bool]]:
+    """The logging windows a fresh run of ``phases`` writes, as ``(first step, last step, cold)``:
+    as the training loop cuts them, a window ends at every multiple of ``log_every``, at the last
+    step and at the end of each phase; it is cold when it holds a first step (the run's, or a
+    phase's: the loader's start or restart, a new shape's trace), whose seconds are not the pace
+    (``cold_steps`` in the metrics; ``launch/plot_scaling.py`` drops those windows)."""
+    out, first = [], 1
+    for p in phases:
+        for step in range(p.first, p.last + 1):
+            if step % log_every == 0 or step == p.last:
+                out.append((first, step, first == p.first))
+                first = step + 1
+    return out
 
 
 def steps_by_phase(phases: list[Phase], after: int, upto: int) -> list[tuple[Phase, int]]:

@@ -11,7 +11,7 @@ from deepspeed.launcher.runner import parse_args as runner_parse_args
 from launch import sweep
 from launch.cli import main
 from launch.hostfile import local_gpu_count
-from pretrain.config import load_config
+from pretrain.config import check_world_size, load_config
 
 CONFIG = "configs/tiny_cpu.yaml"  # micro batch 32, global 64, W&B project vitscale-demo
 
@@ -34,7 +34,7 @@ def plan(capsys, tmp_path, *argv):
 def test_weak_scaling_plan(capsys, tmp_path):
     out, runs = plan(capsys, tmp_path, "--world-sizes", "4,1,2", "--gpus-per-node", "4", "--steps", "20",
                      "optim.lr=2e-3")
-    assert "weak scaling (micro batch 32 per rank, global batch = 32 x world size)" in out
+    assert "weak scaling (32 images per rank and step, global batch = 32 x world size)" in out
     assert [a.num_gpus for a, _ in runs] == [1, 2, 4]  # sorted, one local node
     for (a, cfg), n in zip(runs, (1, 2, 4)):
         assert cfg.train.micro_batch_size == 32 and cfg.train.global_batch_size == 32 * n
@@ -51,6 +51,75 @@ def test_strong_scaling_keeps_the_global_batch(capsys, tmp_path):
     _, runs = plan(capsys, tmp_path, "--world-sizes", "1,2", "--scaling", "strong", "train.micro_batch_size=16")
     assert [(cfg.train.global_batch_size, cfg.train.micro_batch_size) for _, cfg in runs] == [(64, 16), (64, 16)]
     assert runs[0][1].logging.wandb.tags[-2:] == ["scaling=strong", "world_size=1"]
+
+
+SCHEDULE = "train.resolution_schedule=[[0.0, 32, 64], [0.5, 64]]"  # 32 px at micro 64, then 64 px at micro 32
+
+
+def test_weak_scaling_splits_every_schedule_phase_alike(capsys, tmp_path):
+    """A phase's own micro batch (64) did not divide the weak global batch (32 x N): every size was
+    refused by the config's own batch check."""
+    out, runs = plan(capsys, tmp_path, "--world-sizes", "1,2", SCHEDULE)
+    assert "global batch = 64 x world size" in out
+    for (_, cfg), n in zip(runs, (1, 2)):
+        assert cfg.train.global_batch_size == 64 * n
+        assert check_world_size(cfg.train, n) == 2  # micro 32: 2 accumulation steps at every size
+
+
+def test_strong_scaling_names_a_global_batch_every_size_divides(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--config", CONFIG, "--world-sizes", "2,3", "--scaling", "strong", "--dry-run",
+              "train.micro_batch_size=16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert "= 16 x 3; choose a global batch divisible by 96 (every size of the sweep)" in err[0]  # not 48
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--config", CONFIG, "--world-sizes", "1,2", "--scaling", "strong", "--dry-run", SCHEDULE])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert ("train.global_batch_size=64 is not divisible by the micro batch every train.resolution_schedule "
+            "phase divides x world size = 64 x 2; choose a global batch divisible by 128") in err[0]
+
+
+def warm_windows(cfg) -> int:
+    """Logging windows of the run that hold no first step (of the run or of a schedule phase): those
+    plot_scaling keeps. Counted here from the config alone, as the training loop cuts its windows."""
+    t = cfg.train
+    starts = {1} | {round(e[0] * t.steps) + 1 for e in t.resolution_schedule}
+    ends = {s - 1 for s in starts} | {t.steps}
+    warm, first = 0, 1
+    for step in range(1, t.steps + 1):
+        if step % t.log_every_steps == 0 or step in ends:
+            warm += first not in starts
+            first = step + 1
+    return warm
+
+
+@pytest.mark.parametrize("steps, schedule", [
+    (50, []), (20, []), (7, []),
+    (20, [[0.0, 32], [0.2, 48], [0.4, 64], [0.6, 32], [0.8, 64]]),  # every 4-step window was a phase's first
+    (50, [[0.0, 32], [0.2, 48], [0.4, 64], [0.6, 32], [0.8, 64]]),
+    (10, [[0.0, 32], [0.2, 48], [0.4, 64], [0.6, 32], [0.8, 64]]),
+])
+def test_log_window_leaves_windows_after_the_cold_ones(capsys, tmp_path, steps, schedule):
+    _, runs = plan(capsys, tmp_path, "--world-sizes", "1", "--steps", str(steps),
+                   f"train.resolution_schedule={json.dumps(schedule)}")
+    assert warm_windows(runs[0][1]) >= min(4, steps - 1 - max(0, len(schedule) - 1))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--steps", "1"], "--steps 1 leaves no logged window to measure: the first window of the run is warm-up, "
+                       "dropped by plot_scaling; use --steps 5 or more"),
+    (["--steps", "5", "train.resolution_schedule=[[0.0, 32], [0.2, 48], [0.4, 64], [0.6, 32], [0.8, 64]]"],
+     "--steps 5 leaves no logged window to measure: the first window of the run and of each "
+     "train.resolution_schedule phase is warm-up"),
+    (["--steps", "10", "train.log_every_steps=10"], "train.log_every_steps=10 leaves no logged window of --steps 10"),
+])
+def test_a_run_left_with_nothing_to_measure_is_refused_before_any_job(capsys, argv, said):
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--config", CONFIG, "--world-sizes", "1,2", "--dry-run", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and said in err, err
 
 
 def test_strong_scaling_that_cannot_divide_is_a_one_line_error(capsys, tmp_path):
