@@ -50,6 +50,8 @@ class SweepRun:
     output_dir: str
     overrides: list[str]  # the config overrides of this run (the user's, then the sweep's)
     command: list[str]
+    exit_code: Optional[int] = None  # once it ran
+    measured: Optional[str] = None  # why it is missing from the table, once the table is made
 
 
 @dataclass
@@ -189,16 +191,28 @@ def cpu_thread_env(p: SweepPlan, hostfile: Optional[str]) -> Optional[dict]:
     return dict(os.environ, OMP_NUM_THREADS=str(threads))
 
 
+def record(p: SweepPlan, table: Optional[list[dict]] = None) -> Path:
+    """``<root>/sweep.json``: the plan, each run's exit code once it ran, and the scaling table once
+    made. Written before the first job and again after each, so it always says this sweep's state
+    (a sweep run again into the same root replaces it)."""
+    doc = asdict(p)
+    if table is not None:
+        doc["table"] = table
+    return write_json(Path(p.root) / "sweep.json", doc, indent=1)
+
+
 def execute(p: SweepPlan, env: Optional[dict] = None) -> list[tuple[SweepRun, int]]:
-    """Run the sweep's jobs one after the other; a failed size is reported, the rest still run."""
+    """Run the sweep's jobs one after the other; a failed size is reported and recorded
+    (``record``), the rest still run."""
     Path(p.root).mkdir(parents=True, exist_ok=True)
-    write_json(Path(p.root) / "sweep.json", asdict(p), indent=1)
+    record(p)
     results = []
     for r in p.runs:
         print(f"\n==> world size {r.world_size}: {shell_join(r.command)}", flush=True)
-        code = subprocess.run(r.command, env=env).returncode
-        results.append((r, code))
-        if code != 0:
-            print(f"vit-launch: warning: world size {r.world_size} failed with exit code {code} "
+        r.exit_code = subprocess.run(r.command, env=env).returncode
+        results.append((r, r.exit_code))
+        record(p)
+        if r.exit_code != 0:
+            print(f"vit-launch: warning: world size {r.world_size} failed with exit code {r.exit_code} "
                   f"(see above); continuing", file=sys.stderr, flush=True)
     return results

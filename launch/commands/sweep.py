@@ -58,12 +58,27 @@ def command(args) -> int:
     if env:
         print(f"CPU ranks: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for every rank of every size", flush=True)
     results = sweep.execute(p, env)
-    done = [r.output_dir for r, code in results if code == 0]
-    if not done:  # the jobs failed (exit 1), a mistake of no option: their output says why
-        print(f"{PROG}: error: no run of the sweep finished; see the output above", file=sys.stderr)
+    stats = []
+    for r, code in results:
+        if code != 0:
+            r.measured = f"failed with exit code {code}"
+            continue
+        try:
+            stats.append(plot_scaling.load_run(r.output_dir))
+        except plot_scaling.PlotError as e:  # it ran, but left nothing to measure
+            r.measured = str(e)
+    missing = [r for r, _ in results if r.measured]
+    if not stats:  # the jobs failed (exit 1), a mistake of no option: their output says why
+        sweep.record(p)
+        print(f"{PROG}: error: no run of the sweep was measured; see the output above", file=sys.stderr)
         return 1
-    rows = plot_scaling.scaling_table([plot_scaling.load_run(d) for d in done])
+    rows = plot_scaling.scaling_table(stats)
+    sweep.record(p, rows)
     print("\n" + plot_scaling.format_table(rows))
+    for r in missing:
+        print(f"world size {r.world_size}: not measured: {r.measured}")
     png = plot_scaling.plot(rows, args.plot or f"{p.root}/scaling.png", title=p.group)
-    print(f"plot: {png}\nredraw with: python -m launch.plot_scaling {' '.join(done)} --output {png}")
-    return 0 if len(done) == len(results) else 1
+    done = [s.run_dir for s in stats]
+    print(f"plot: {png}\nrecord: {p.root}/sweep.json\nredraw with: python -m launch.plot_scaling "
+          f"{' '.join(done)} --output {png}")
+    return 1 if missing else 0

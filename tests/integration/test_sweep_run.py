@@ -1,0 +1,31 @@
+"""`vit-launch sweep` run for real (world sizes 1 and 2, CPU ranks over gloo): the windows each run
+logs against what plot_scaling keeps, and what the sweep does with a size that fails."""
+import json
+import sys
+
+import pytest
+from dist_utils import free_port, run_job
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "configs/tiny_cpu.yaml"
+# five phases in 10 steps: with a window every 2 steps, every window would be a phase's first (cold)
+SCHEDULE = "train.resolution_schedule=[[0.0, 32], [0.2, 48], [0.4, 64], [0.6, 32], [0.8, 64]]"
+
+
+def test_a_sweep_measures_warm_windows_and_records_a_failed_size(shards, tmp_path):
+    root = tmp_path / "sweep"
+    r = run_job([sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1,2", "--steps", "10",
+                 "--output-root", str(root), "--group", "g", "--master-port", str(free_port()),
+                 f"data.train_shards={shards}", "logging.wandb.mode=disabled", SCHEDULE],
+                VITSCALE_FAULT="crash_in_step:2@1")  # rank 1 exists only at world size 2
+    out = r.stdout
+    assert r.returncode == 1, out[-3000:] + r.stderr[-3000:]  # a size failed: the sweep says so
+    records = [json.loads(line) for line in (root / "ws1" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(1 for rec in records if rec["cold_steps"] == 0) >= 4, records
+    table = out[out.index("world  runs"):].splitlines()
+    assert table[1].split()[:2] == ["1", "1"] and not table[2].startswith("    2")  # size 1 measured, 2 not
+    assert "world size 2: not measured: failed with exit code" in out
+    doc = json.loads((root / "sweep.json").read_text())
+    assert doc["runs"][0]["exit_code"] == 0 and doc["runs"][1]["exit_code"] not in (0, None)
+    assert [row["world_size"] for row in doc["table"]] == [1]
