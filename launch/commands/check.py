@@ -4,11 +4,12 @@ for that layout."""
 from __future__ import annotations
 
 import argparse
+import sys
 
-from launch.commands.options import config_arguments, launch_spec, preflight, resource_arguments
+from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
 from launch.hostfile import LaunchError
-from launch.runner import check_spec, spec_world_size
-from pretrain.config import load_config
+from launch.runner import check_spec, plan_ranks
+from pretrain.config import ConfigError, check_world_size, load_config
 
 SUMMARY = "run the pre-flight checks alone: batch, shards, manifest, run dir, memory (no GPU claimed)"
 DESCRIPTION = ("Run the pre-flight checks for a config and a number of ranks, without claiming a GPU: batch "
@@ -37,10 +38,11 @@ def check_arguments(args) -> None:
 def command(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.world_size is not None:
-        world, where = args.world_size, "--world-size"
+        world, where, ranks = args.world_size, "--world-size", None
     else:
-        world, nodes = spec_world_size(launch_spec(args))
-        where = f"{nodes} node(s)"
+        _, ranks = plan_ranks(launch_spec(args))
+        world = sum(len(s) for s in ranks.values())
+        where = f"{len(ranks)} node(s)"
     memory_gb = args.gpu_memory_gb
     if memory_gb is None:  # the plan's memory for the GPU type, so check and plan fit the same device
         from pretrain.perf.hardware import GPUS
@@ -48,11 +50,36 @@ def command(args) -> int:
         memory_gb = GPUS[args.gpu].memory_gb if args.gpu else 80.0
     ok = preflight(cfg, world, memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
     if args.gpu:
-        from pretrain.perf import perfmodel
-
-        per_node = args.gpus_per_node or min(world, 8)
-        nodes = max(1, world // per_node)
-        pred = perfmodel.predict(perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=world // nodes,
-                                                              gpu=args.gpu, memory_gb=memory_gb))
-        print(perfmodel.summary_line(pred), flush=True)
+        predict(cfg, args, world, ranks, memory_gb)
     return 0 if ok else 2
+
+
+def predict(cfg, args, world: int, ranks, memory_gb: float) -> None:
+    """The performance model's line for the layout checked: the nodes the resource options start
+    (``ranks``: host -> slots), or ``--world-size`` as nodes of ``--gpus-per-node`` (8 unless given,
+    as ``vit-launch plan`` takes it). A layout the model cannot price (a batch that does not split,
+    nodes of unequal rank counts, a world that is not whole nodes) is a warning, not a guess."""
+    from pretrain.perf import perfmodel
+
+    try:
+        check_world_size(cfg.train, world)
+    except ConfigError:
+        return  # the batch check has said it; no step to price
+    if ranks is not None:
+        counts = {len(s) for s in ranks.values()}
+        if len(counts) > 1:
+            print(f"{PROG}: warning: prediction: not made for nodes of unequal rank counts "
+                  f"({', '.join(f'{h}: {len(s)}' for h, s in ranks.items())})", file=sys.stderr, flush=True)
+            return
+        nodes, per_node = len(ranks), counts.pop()
+    else:
+        per_node = args.gpus_per_node or 8
+        nodes, rest = divmod(world, per_node) if world > per_node else (1, 0)
+        per_node = min(world, per_node)
+        if rest:
+            print(f"{PROG}: warning: prediction: --world-size {world} is not whole nodes of {per_node} GPUs; "
+                  "give --gpus-per-node", file=sys.stderr, flush=True)
+            return
+    pred = perfmodel.predict(perfmodel.layout_from_config(cfg, nodes=nodes, gpus_per_node=per_node,
+                                                          gpu=args.gpu, memory_gb=memory_gb))
+    print(perfmodel.summary_line(pred), flush=True)

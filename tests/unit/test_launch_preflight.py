@@ -385,3 +385,25 @@ def test_with_a_gpu_type_check_fits_the_memory_that_gpu_reports(capsys, tmp_path
     code, out, err = check(capsys, ["--config", "configs/deit3_l16_in1k.yaml", "--world-size", "4", "--gpu",
                                     "h100-sxm", "--gpu-memory-gb", "96", *over])
     assert "of 96 GB" in out and "exceeds" not in " ".join(err) and "(does NOT fit)" not in out, (out, err)
+
+
+def test_the_prediction_is_for_the_layout_checked(capsys, tmp_path):
+    """`check --hostfile` of 2 nodes x 4 was predicted as 1 x 8 (no inter-node link priced); a
+    `--world-size` that is not whole nodes was priced as one node of 12 GPUs, and one whose batch
+    does not split ended in a traceback after the batch error."""
+    over = ["data.synthetic=true", f"train.output_dir={tmp_path}/run"]
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n0 slots=4\nn1 slots=4\n")
+    code, out, err = check(capsys, ["--config", CONFIG, "--hostfile", str(hosts), "--gpu", "h100-sxm", *over,
+                                    "train.micro_batch_size=8"])
+    assert code == 0 and "predicted on 2 x 4 h100-sxm:" in out, (out, err)
+    code, out, err = check(capsys, ["--config", CONFIG, "--world-size", "12", "--gpu", "h100-sxm", *over])
+    assert code == 2 and "predicted" not in out, (out, err)
+    assert [x.split(":")[2] for x in err] == [" batch"], err  # the batch's one line, nothing after it
+    code, out, err = check(capsys, ["--config", CONFIG, "--world-size", "12", "--gpu", "h100-sxm", *over,
+                                    "train.global_batch_size=384"])
+    assert code == 0 and "predicted" not in out, (out, err)
+    assert "vit-launch: warning: prediction: --world-size 12 is not whole nodes of 8 GPUs" in err[0], err
+    code, out, err = check(capsys, ["--config", CONFIG, "--world-size", "12", "--gpus-per-node", "4", "--gpu",
+                                    "h100-sxm", *over, "train.global_batch_size=384"])
+    assert code == 0 and "predicted on 3 x 4 h100-sxm:" in out, (out, err)
