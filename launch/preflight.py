@@ -50,7 +50,9 @@ def check_batch(cfg: Config, world: int) -> list[Finding]:
     try:
         gas = check_world_size(t, world)
     except ConfigError as e:
-        per = t.micro_batch_size * world
+        from pretrain.config.phases import batch_unit
+
+        per = batch_unit(t) * world  # every schedule phase's micro batch divides it, not only the first's
         near = max(per, round(t.global_batch_size / per) * per)
         return [Finding(FAIL, "batch", f"{e}; set train.global_batch_size={near} or change "
                                        f"train.micro_batch_size / the number of ranks")]

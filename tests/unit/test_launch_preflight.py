@@ -125,6 +125,16 @@ def test_batch_arithmetic(capsys, id_dir, tmp_path):
     assert "set train.global_batch_size=12" in line
 
 
+def test_batch_advice_divides_every_schedule_phase(capsys, id_dir, tmp_path):
+    """A phase's micro batch (8) x 3 ranks does not divide the global batch 16: the advice was
+    train.global_batch_size=12, a multiple of train.micro_batch_size (4) x 3 alone, which 8 x 3
+    does not divide either."""
+    sched = "train.resolution_schedule=[[0.0, 32, 8], [0.5, 64]]"
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "3", "train.global_batch_size=16", sched), "batch")
+    assert "micro batch 8 x world size 3 = 24 does not divide train.global_batch_size=16" in line
+    assert "set train.global_batch_size=24 " in line
+
+
 def test_validation_shards_must_carry_the_training_labels(capsys, id_dir, tmp_path, shard_kit):
     """data.val_shards is read with the training head's labels: the same class list, in the same order."""
     val = ["validation.every_steps=2"]
