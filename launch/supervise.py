@@ -129,9 +129,11 @@ def outcome(code: int) -> tuple[int, str]:
 
 class Supervisor:
     def __init__(self, cmd, status_path: Optional[Path], stop_grace_s: float = 90.0,
-                 watch: Optional[Callable[[], Optional[str]]] = None, stop_file: Optional[Path] = None):
+                 watch: Optional[Callable[[], Optional[str]]] = None, stop_file: Optional[Path] = None,
+                 env: Optional[dict] = None):
+        """``env``: the job's environment (None: this process's)."""
         self.cmd, self.status_path, self.stop_grace_s, self.watch = cmd, status_path, stop_grace_s, watch
-        self.stop_file = stop_file
+        self.stop_file, self.env = stop_file, env
         self.proc: Optional[subprocess.Popen] = None
         self.signals = 0
         self.stop_deadline: Optional[float] = None
@@ -192,7 +194,7 @@ class Supervisor:
         if self.stop_file is not None:
             self.stop_file.unlink(missing_ok=True)  # an earlier attempt's request
         self.stop_deadline, self.stopping, self.killed = None, False, None  # an earlier attempt's stop is over
-        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_us)
+        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_us, env=self.env)
         self.running = True
         if self.signals and not self.stopping:  # a signal between the check above and the start
             self._ask_stop(self.stop_signal)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -63,6 +62,7 @@ class SweepPlan:
     batch_per_rank: int  # weak scaling's global batch per rank (the micro batch every phase divides)
     log_every_steps: int
     runs: list[SweepRun]
+    stopped: Optional[str] = None  # the signal that stopped the sweep (no later size started)
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -202,16 +202,30 @@ def record(p: SweepPlan, table: Optional[list[dict]] = None) -> Path:
 
 
 def execute(p: SweepPlan, env: Optional[dict] = None) -> list[tuple[SweepRun, int]]:
-    """Run the sweep's jobs one after the other; a failed size is reported and recorded
-    (``record``), the rest still run."""
+    """Run the sweep's jobs one after the other, each under the supervisor of ``vit-launch run``
+    (``launch/supervise.py``: a signal asks the job to checkpoint and stop; its exit code says how it
+    ended, from ``status.json``). A failed size is reported and recorded (``record``), the rest
+    still run; a stop asked for by a signal (Ctrl-C, SIGTERM) ends the sweep: no later size starts.
+    Returns the sizes that ran, with their exit codes."""
+    from launch.supervise import Supervisor
+    from pretrain.checkpointing.rundir import RunDir
+
     Path(p.root).mkdir(parents=True, exist_ok=True)
     record(p)
     results = []
     for r in p.runs:
         print(f"\n==> world size {r.world_size}: {shell_join(r.command)}", flush=True)
-        r.exit_code = subprocess.run(r.command, env=env).returncode
+        layout = RunDir.of(r.output_dir)
+        sup = Supervisor(r.command, layout.status, stop_file=layout.stop_request, env=env)
+        r.exit_code = sup.run()
         results.append((r, r.exit_code))
         record(p)
+        if sup.signals:
+            p.stopped = sup.stop_signal
+            record(p)
+            print(f"vit-launch: {sup.stop_signal}: the sweep stops at world size {r.world_size}; no later size "
+                  "starts", file=sys.stderr, flush=True)
+            break
         if r.exit_code != 0:
             print(f"vit-launch: warning: world size {r.world_size} failed with exit code {r.exit_code} "
                   f"(see above); continuing", file=sys.stderr, flush=True)

@@ -59,19 +59,24 @@ def command(args) -> int:
         print(f"CPU ranks: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for every rank of every size", flush=True)
     results = sweep.execute(p, env)
     stats = []
-    for r, code in results:
-        if code != 0:
-            r.measured = f"failed with exit code {code}"
-            continue
-        try:
-            stats.append(plot_scaling.load_run(r.output_dir))
-        except plot_scaling.PlotError as e:  # it ran, but left nothing to measure
-            r.measured = str(e)
-    missing = [r for r, _ in results if r.measured]
-    if not stats:  # the jobs failed (exit 1), a mistake of no option: their output says why
+    for r in p.runs:
+        if r.exit_code is None:
+            r.measured = f"not run: the sweep was stopped ({p.stopped})"
+        elif r.exit_code != 0:
+            r.measured = f"{'stopped' if p.stopped else 'failed'} with exit code {r.exit_code}"
+        else:
+            try:
+                stats.append(plot_scaling.load_run(r.output_dir))
+            except plot_scaling.PlotError as e:  # it ran, but left nothing to measure
+                r.measured = str(e)
+    missing = [r for r in p.runs if r.measured]
+    # a stop asked for by a signal ends with the stopped job's code (75: after a checkpoint), as `run`
+    code = results[-1][1] if p.stopped and results[-1][1] != 0 else (1 if missing else 0)
+    if not stats:  # stopped (said above), or the jobs failed (exit 1): their output says why
         sweep.record(p)
-        print(f"{PROG}: error: no run of the sweep was measured; see the output above", file=sys.stderr)
-        return 1
+        if not p.stopped:
+            print(f"{PROG}: error: no run of the sweep was measured; see the output above", file=sys.stderr)
+        return code or 1
     rows = plot_scaling.scaling_table(stats)
     sweep.record(p, rows)
     print("\n" + plot_scaling.format_table(rows))
@@ -81,4 +86,4 @@ def command(args) -> int:
     done = [s.run_dir for s in stats]
     print(f"plot: {png}\nrecord: {p.root}/sweep.json\nredraw with: python -m launch.plot_scaling "
           f"{' '.join(done)} --output {png}")
-    return 1 if missing else 0
+    return code

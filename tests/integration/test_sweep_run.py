@@ -1,10 +1,13 @@
 """`vit-launch sweep` run for real (world sizes 1 and 2, CPU ranks over gloo): the windows each run
 logs against what plot_scaling keeps, and what the sweep does with a size that fails."""
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
-from dist_utils import free_port, run_job
+from dist_utils import REPO, free_port, group_alive, job_env, run_job, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,3 +32,29 @@ def test_a_sweep_measures_warm_windows_and_records_a_failed_size(shards, tmp_pat
     doc = json.loads((root / "sweep.json").read_text())
     assert doc["runs"][0]["exit_code"] == 0 and doc["runs"][1]["exit_code"] not in (0, None)
     assert [row["world_size"] for row in doc["table"]] == [1]
+
+
+def test_ctrl_c_stops_the_sweep_not_only_the_size_it_runs(shards, tmp_path):
+    """Ctrl-C reaches the sweep (the terminal's foreground group): the size running checkpoints and
+    stops, and no later size starts; the sweep exits 75, as `vit-launch run` does."""
+    root = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1,2", "--steps", "400",
+           "--output-root", str(root), "--group", "g", "--master-port", str(free_port()),
+           f"data.train_shards={shards}", "logging.wandb.mode=disabled"]
+    log = tmp_path / "sweep.log"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for(lambda: (root / "ws1" / "metrics.jsonl").is_file(), 120, proc, "the first size's first window")
+        os.kill(proc.pid, signal.SIGINT)  # the sweep alone: the jobs run in sessions of their own
+        code = proc.wait(timeout=120)
+        wait_for(lambda: not group_alive(proc), 30, None, "the sweep's processes to end")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 75, text[-3000:]
+    assert not (root / "ws2").exists() and "==> world size 2" not in text, text[-3000:]
+    doc = json.loads((root / "sweep.json").read_text())
+    assert [r["exit_code"] for r in doc["runs"]] == [75, None]
+    assert (root / "ws1" / "checkpoints" / "latest").is_file()  # the stop checkpoint
