@@ -148,6 +148,9 @@ def test_multi_node_sizes_use_whole_nodes_of_the_hostfile(capsys, tmp_path):
     _, runs = plan(capsys, tmp_path, "--world-sizes", "4,8,16", "--hostfile", str(hosts))
     assert [(a.hostfile, a.num_nodes, a.num_gpus) for a, _ in runs] == [
         (str(hosts), 1, 4), (str(hosts), 1, 8), (str(hosts), 2, 8)]
+    # one node of the hostfile: the runner's local path would run it on the machine running the
+    # sweep, not on n0; forced over pdsh as the two-node size is
+    assert [a.force_multi for a, _ in runs] == [True, True, False]
     with pytest.raises(SystemExit) as e:
         main(["sweep", "--config", CONFIG, "--world-sizes", "12", "--hostfile", str(hosts), "--dry-run"])
     assert e.value.code == 2
