@@ -58,6 +58,17 @@ def node_env_file(path: Path, environ: Optional[dict] = None) -> Optional[tuple[
     return path, added
 
 
+def export_node_env(path: Path) -> Optional[str]:
+    """For a job the runner starts over pdsh: write ``node_env_file`` at ``path`` and name it in this
+    process's ``DS_ENV_FILE``, which the runner (a child) reads. The line saying what goes to every
+    node, or None when there is nothing to add."""
+    made = node_env_file(path)
+    if not made:
+        return None
+    os.environ["DS_ENV_FILE"] = str(made[0])
+    return f"{', '.join(made[1])} to every node through DS_ENV_FILE={made[0]}"
+
+
 @dataclass
 class LaunchSpec:
     config: str

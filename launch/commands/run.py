@@ -11,7 +11,7 @@ import os
 
 from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
 from launch.hostfile import LaunchError
-from launch.runner import busy_master_port, check_spec, deepspeed_command, node_env_file, shell_join, spec_world_size
+from launch.runner import busy_master_port, check_spec, deepspeed_command, export_node_env, shell_join, spec_world_size
 from pretrain.config import load_config
 
 SUMMARY = "(the default) run the pre-flight checks, then start the deepspeed runner and supervise the job"
@@ -83,10 +83,9 @@ def command(args) -> int:
         raise LaunchError(f"--master-port {busy} is in use on this machine (another job's rendezvous?); "
                           "choose a free one with --master-port")
     if spec.hostfile:  # other nodes' ranks see only what pdsh forwards and DS_ENV_FILE holds
-        made = node_env_file(layout.root / "deepspeed_env")
-        if made:
-            os.environ["DS_ENV_FILE"] = str(made[0])
-            print(f"{PROG}: {', '.join(made[1])} to every node through DS_ENV_FILE={made[0]}", flush=True)
+        line = export_node_env(layout.root / "deepspeed_env")
+        if line:
+            print(f"{PROG}: {line}", flush=True)
     print(f"$ {shell_join(cmd)}", flush=True)
     return supervise(args, cmd, pool, layout)
 

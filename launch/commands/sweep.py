@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from launch import plot_scaling, sweep
 from launch.commands.options import PROG, config_arguments, preflight
 from launch.hostfile import LaunchError
-from launch.runner import LaunchSpec, check_spec
+from launch.runner import LaunchSpec, busy_master_port, check_spec, export_node_env
 from pretrain.config import load_config
 
 SUMMARY = "run the same short job at several world sizes and plot the scaling curve"
@@ -57,6 +58,14 @@ def command(args) -> int:
     env = sweep.cpu_thread_env(p, args.hostfile)
     if env:
         print(f"CPU ranks: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for every rank of every size", flush=True)
+    busy = busy_master_port(LaunchSpec(config=args.config, hostfile=args.hostfile, master_port=args.master_port))
+    if busy is not None:  # as `run` says it: the ranks of every size would stall at the rendezvous
+        raise LaunchError(f"--master-port {busy} is in use on this machine (another job's rendezvous?); "
+                          "choose a free one with --master-port")
+    if args.hostfile:  # every size starts over pdsh: the ranks see only what it forwards and DS_ENV_FILE holds
+        line = export_node_env(Path(p.root) / "deepspeed_env")
+        if line:
+            print(f"{PROG}: {line}", flush=True)
     results = sweep.execute(p, env)
     stats = []
     for r in p.runs:

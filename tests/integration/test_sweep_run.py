@@ -58,3 +58,35 @@ def test_ctrl_c_stops_the_sweep_not_only_the_size_it_runs(shards, tmp_path):
     doc = json.loads((root / "sweep.json").read_text())
     assert [r["exit_code"] for r in doc["runs"]] == [75, None]
     assert (root / "ws1" / "checkpoints" / "latest").is_file()  # the stop checkpoint
+
+
+def test_a_busy_rendezvous_port_is_one_line_before_any_job(shards, tmp_path):
+    """As `vit-launch run` refuses it: every size's ranks would otherwise stall at the rendezvous."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run_job([sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1", "--steps", "5",
+                     "--output-root", str(tmp_path / "sweep"), "--master-port", str(port),
+                     f"data.train_shards={shards}", "logging.wandb.mode=disabled"], timeout=120)
+    assert r.returncode == 2 and "==> world size" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [f"vit-launch: error: --master-port {port} is in use on this machine "
+                                             "(another job's rendezvous?); choose a free one with --master-port"]
+
+
+def test_store_location_reaches_every_node_of_a_hostfile_sweep(shards, tmp_path):
+    """Every size of a hostfile sweep starts over pdsh, which forwards only NCCL*/PYTHON*/UCX*/MV2*:
+    the S3 store's location goes through DS_ENV_FILE, as `vit-launch run` writes it. (Whether the
+    job starts depends on ssh to 127.0.0.1 here; the cluster tier runs pdsh jobs for real.)"""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=1\n")
+    root = tmp_path / "sweep"
+    r = run_job([sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1", "--steps", "5",
+                 "--output-root", str(root), "--hostfile", str(hosts), "--master-port", str(free_port()),
+                 f"data.train_shards={shards}", "logging.wandb.mode=disabled"], timeout=300,
+                AWS_ENDPOINT_URL="http://127.0.0.1:9", DS_ENV_FILE=str(tmp_path / "none"))
+    env_file = root / "deepspeed_env"
+    assert f"AWS_ENDPOINT_URL to every node through DS_ENV_FILE={env_file}" in r.stdout, r.stdout[-2000:]
+    assert env_file.read_text() == "AWS_ENDPOINT_URL=http://127.0.0.1:9\n"
