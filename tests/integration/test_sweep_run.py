@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from dist_utils import REPO, free_port, group_alive, job_env, run_job, wait_for
+from dist_utils import REPO, TINY_MODEL, free_port, group_alive, job_env, run_job, wait_for
 
 pytestmark = pytest.mark.slow
 
 CONFIG = "configs/tiny_cpu.yaml"
+SMALL = [f"model.name={TINY_MODEL}", "train.micro_batch_size=8", "data.workers=0", "logging.wandb.mode=disabled"]
 # five phases in 10 steps: with a window every 2 steps, every window would be a phase's first (cold)
 SCHEDULE = "train.resolution_schedule=[[0.0, 32], [0.2, 48], [0.4, 64], [0.6, 32], [0.8, 64]]"
 
@@ -20,7 +21,7 @@ def test_a_sweep_measures_warm_windows_and_records_a_failed_size(shards, tmp_pat
     root = tmp_path / "sweep"
     r = run_job([sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1,2", "--steps", "10",
                  "--output-root", str(root), "--group", "g", "--master-port", str(free_port()),
-                 f"data.train_shards={shards}", "logging.wandb.mode=disabled", SCHEDULE],
+                 f"data.train_shards={shards}", *SMALL, SCHEDULE],
                 VITSCALE_FAULT="crash_in_step:2@1")  # rank 1 exists only at world size 2
     out = r.stdout
     assert r.returncode == 1, out[-3000:] + r.stderr[-3000:]  # a size failed: the sweep says so
@@ -38,9 +39,9 @@ def test_ctrl_c_stops_the_sweep_not_only_the_size_it_runs(shards, tmp_path):
     """Ctrl-C reaches the sweep (the terminal's foreground group): the size running checkpoints and
     stops, and no later size starts; the sweep exits 75, as `vit-launch run` does."""
     root = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1,2", "--steps", "400",
+    cmd = [sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1,2", "--steps", "2000",
            "--output-root", str(root), "--group", "g", "--master-port", str(free_port()),
-           f"data.train_shards={shards}", "logging.wandb.mode=disabled"]
+           f"data.train_shards={shards}", *SMALL]
     log = tmp_path / "sweep.log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -70,7 +71,7 @@ def test_a_busy_rendezvous_port_is_one_line_before_any_job(shards, tmp_path):
         port = held.getsockname()[1]
         r = run_job([sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1", "--steps", "5",
                      "--output-root", str(tmp_path / "sweep"), "--master-port", str(port),
-                     f"data.train_shards={shards}", "logging.wandb.mode=disabled"], timeout=120)
+                     f"data.train_shards={shards}", *SMALL], timeout=120)
     assert r.returncode == 2 and "==> world size" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [f"vit-launch: error: --master-port {port} is in use on this machine "
                                              "(another job's rendezvous?); choose a free one with --master-port"]
@@ -85,7 +86,7 @@ def test_store_location_reaches_every_node_of_a_hostfile_sweep(shards, tmp_path)
     root = tmp_path / "sweep"
     r = run_job([sys.executable, "-m", "launch", "sweep", "--config", CONFIG, "--world-sizes", "1", "--steps", "5",
                  "--output-root", str(root), "--hostfile", str(hosts), "--master-port", str(free_port()),
-                 f"data.train_shards={shards}", "logging.wandb.mode=disabled"], timeout=300,
+                 f"data.train_shards={shards}", *SMALL], timeout=300,
                 AWS_ENDPOINT_URL="http://127.0.0.1:9", DS_ENV_FILE=str(tmp_path / "none"))
     env_file = root / "deepspeed_env"
     assert f"AWS_ENDPOINT_URL to every node through DS_ENV_FILE={env_file}" in r.stdout, r.stdout[-2000:]
