@@ -1,5 +1,7 @@
 """`vit-launch sweep` run for real (world sizes 1 and 2, CPU ranks over gloo): the windows each run
-logs against what plot_scaling keeps, and what the sweep does with a size that fails."""
+logs against what plot_scaling keeps, what the sweep does with a size that fails and with Ctrl-C,
+and what it settles before the first job as `vit-launch run` does (a busy rendezvous port, the
+store's variables for pdsh nodes)."""
 import json
 import os
 import signal
