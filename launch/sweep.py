@@ -51,7 +51,7 @@ class SweepRun:
     overrides: list[str]  # the config overrides of this run (the user's, then the sweep's)
     command: list[str]
     exit_code: Optional[int] = None  # once it ran
-    measured: Optional[str] = None  # why it is missing from the table, once the table is made
+    not_measured: Optional[str] = None  # why it is missing from the table, once the table is made
 
 
 @dataclass

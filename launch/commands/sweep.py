@@ -70,15 +70,15 @@ def command(args) -> int:
     stats = []
     for r in p.runs:
         if r.exit_code is None:
-            r.measured = f"not run: the sweep was stopped ({p.stopped})"
+            r.not_measured = f"not run: the sweep was stopped ({p.stopped})"
         elif r.exit_code != 0:
-            r.measured = f"{'stopped' if p.stopped else 'failed'} with exit code {r.exit_code}"
+            r.not_measured = f"{'stopped' if p.stopped else 'failed'} with exit code {r.exit_code}"
         else:
             try:
                 stats.append(plot_scaling.load_run(r.output_dir))
             except plot_scaling.PlotError as e:  # it ran, but left nothing to measure
-                r.measured = str(e)
-    missing = [r for r in p.runs if r.measured]
+                r.not_measured = str(e)
+    missing = [r for r in p.runs if r.not_measured]
     # a stop asked for by a signal ends with the stopped job's code (75: after a checkpoint), as `run`
     code = results[-1][1] if p.stopped and results[-1][1] != 0 else (1 if missing else 0)
     if not stats:  # stopped (said above), or the jobs failed (exit 1): their output says why
@@ -90,7 +90,7 @@ def command(args) -> int:
     sweep.record(p, rows)
     print("\n" + plot_scaling.format_table(rows))
     for r in missing:
-        print(f"world size {r.world_size}: not measured: {r.measured}")
+        print(f"world size {r.world_size}: not measured: {r.not_measured}")
     png = plot_scaling.plot(rows, args.plot or f"{p.root}/scaling.png", title=p.group)
     done = [s.run_dir for s in stats]
     print(f"plot: {png}\nrecord: {p.root}/sweep.json\nredraw with: python -m launch.plot_scaling "
