@@ -136,9 +136,27 @@ def deepspeed_command(spec: LaunchSpec, *, executable: Optional[str] = None,
         cmd += ["--master_addr", spec.master_addr]
     if spec.master_port:
         cmd += ["--master_port", str(spec.master_port)]
+    if hosts and len(ranks) == 1 and not is_this_machine(next(iter(ranks))):
+        # one active host of a hostfile: the runner takes its local path (multi-node only with more
+        # hosts), which would start the ranks on the machine running this command; --force_multi
+        # ("launch on a single remote node") starts them on that host over pdsh
+        cmd.append("--force_multi")
     cmd += list(runner_args)
     cmd += ["--module", TRAIN_MODULE, "--config", spec.config, *spec.overrides]
     return cmd
+
+
+def is_this_machine(host: str) -> bool:
+    """``host`` (a hostfile name or address) names the machine running this: localhost, a loopback
+    address, this machine's own name or one of the addresses that name resolves to."""
+    import socket
+
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()) or host.startswith("127.") or host == "::1":
+        return True
+    try:
+        return host in socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return False
 
 
 def spec_world_size(spec: LaunchSpec) -> tuple[int, int]:
@@ -159,10 +177,9 @@ def busy_master_port(spec: LaunchSpec) -> Optional[int]:
     port = spec.master_port or DEFAULT_MASTER_PORT
     if spec.hostfile:
         first = parse_hostfile(spec.hostfile)[0].name
-        local = {"localhost", socket.gethostname(), socket.getfqdn()}
-        if spec.master_addr not in (None, *local) and not (spec.master_addr or "").startswith("127."):
+        if spec.master_addr is not None and not is_this_machine(spec.master_addr):
             return None
-        if spec.master_addr is None and first not in local and not first.startswith("127."):
+        if spec.master_addr is None and not is_this_machine(first):
             return None
     elif spec.master_addr not in (None, "localhost") and not spec.master_addr.startswith("127."):
         return None

@@ -17,7 +17,7 @@ measurement must not resume an earlier run) and a log window of ``steps // 5`` s
 a resolution schedule's phases would leave fewer than WINDOWS_KEPT windows after the cold ones
 (a start's and each phase's first), which ``python -m launch.plot_scaling`` drops. World
 sizes above one node's GPUs use whole nodes of a hostfile (``--num_nodes N/G --num_gpus G``); with a
-hostfile, a size within one node runs on its first host over pdsh (``--force_multi``), as the others.
+hostfile, a size within one node runs on its first host (``runner.deepspeed_command``).
 On a machine without GPUs every rank of every size gets the same ``OMP_NUM_THREADS``
 (``cpu_thread_env``), so the sizes differ only in the number of ranks.
 """
@@ -163,12 +163,7 @@ def plan(cfg, config: str, overrides: list[str], world_sizes: list[int], *, step
             extra.append(f"train.log_every_steps={log_every}")
         spec = LaunchSpec(config=config, overrides=list(overrides) + extra, hostfile=hostfile,
                           num_nodes=nodes if hostfile else None, gpus_per_node=per_node, master_port=master_port)
-        # a hostfile job on one node takes the runner's local path, on whatever machine runs the sweep;
-        # --force_multi ("launch on a single remote node") starts it on the hostfile's first node over
-        # pdsh, as every larger size starts
-        one_remote = ("--force_multi",) if hostfile and nodes == 1 else ()
-        runs.append(SweepRun(n, nodes, per_node, gbs, out, spec.overrides,
-                             deepspeed_command(spec, runner_args=one_remote)))
+        runs.append(SweepRun(n, nodes, per_node, gbs, out, spec.overrides, deepspeed_command(spec)))
     return SweepPlan(group=group, root=root, scaling=scaling, steps=steps, batch_per_rank=micro,
                      log_every_steps=log_every, runs=runs)
 

@@ -211,3 +211,26 @@ def test_a_restart_moves_the_master_to_a_node_that_runs_ranks_and_keeps_include(
     pool = restart("include2", include="c@b")  # one host of --include left: rank 0 on it
     args = runner_parse_args(pool.command()[1:])
     assert (args.master_addr, args.include, pool.attempt.hosts) == ("c", "c", ["c"])
+
+
+@pytest.mark.parametrize("text, kw, remote", [
+    ("worker-0 slots=8\nworker-1 slots=8\n", {"num_nodes": 1, "gpus_per_node": 8}, True),
+    ("worker-0 slots=8\nworker-1 slots=8\n", {"include": "worker-1"}, True),  # a restart left one node
+    ("worker-0 slots=8\nworker-1 slots=8\n", {"num_nodes": 2, "gpus_per_node": 8}, True),
+    ("localhost slots=2\n", {"gpus_per_node": 2}, False),
+    ("127.0.0.1 slots=2\n127.0.0.2 slots=2\n", {"num_nodes": 1, "gpus_per_node": 2}, False),
+])
+def test_one_host_of_a_hostfile_starts_there_not_here(tmp_path, text, kw, remote):
+    """DeepSpeed's runner takes its multi-node path (pdsh to each host) only with two or more
+    active hosts or ``--force_multi``; else it starts the ranks on the machine running it. A job on
+    one host of a hostfile (``--num-nodes 1``, a restart that kept one node) must start on that host."""
+    from deepspeed.launcher.runner import parse_args as runner_parse_args
+
+    from launch.runner import LaunchSpec, deepspeed_command
+
+    spec = LaunchSpec(config="c.yaml", hostfile=str(_write(tmp_path, text)), **kw)
+    args = runner_parse_args(deepspeed_command(spec, executable="deepspeed")[1:])
+    pool = parse_inclusion_exclusion(_parse_hostfile(open(args.hostfile).read().splitlines()), args.include,
+                                     args.exclude)
+    active = apply_num_nodes_and_gpus(pool, args.num_nodes, args.num_gpus)
+    assert (args.force_multi or len(active) > 1) == remote, (args, active)
