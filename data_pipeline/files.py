@@ -50,18 +50,18 @@ def unwritable(folder: str | Path) -> Optional[str]:
     return None
 
 
-def check_output_file(path: str | Path, reads: Optional[dict[str, str | Path]] = None) -> None:
-    """ConfigError (one line) when a command could not write its ``--output`` file ``path``: a
-    folder there, no file can be created in its folder, or it is a file the command reads
-    (``reads``: option -> path, e.g. ``{"--config": ...}``), which writing would replace. Commands
-    call it before any work."""
+def check_output_file(path: str | Path, reads: Optional[dict[str, str | Path]] = None, flag: str = "--output") -> None:
+    """ConfigError (one line) when a command could not write its output file ``path`` (the option
+    ``flag``): a folder there, no file can be created in its folder, or it is a file the command
+    reads (``reads``: option -> path, e.g. ``{"--config": ...}``), which writing would replace.
+    Commands call it before any work."""
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"--output {path}: a folder, not a file; name the file to write")
-    for flag, source in (reads or {}).items():
+        raise ConfigError(f"{flag} {path}: a folder, not a file; name the file to write")
+    for source_flag, source in (reads or {}).items():
         if source is not None and p.exists() and Path(source).exists() and os.path.samefile(p, source):
-            raise ConfigError(f"--output {path}: is the {flag} file this command reads; writing would replace "
-                              "it: choose another --output")
+            raise ConfigError(f"{flag} {path}: is the {source_flag} file this command reads; writing would "
+                              f"replace it: choose another {flag}")
     why = unwritable(p.parent)
     if why:
-        raise ConfigError(f"--output {path}: {why}; choose a writable --output")
+        raise ConfigError(f"{flag} {path}: {why}; choose a writable {flag}")

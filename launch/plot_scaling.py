@@ -30,7 +30,23 @@ from data_pipeline.files import check_output_file
 
 
 class PlotError(ConfigError):
-    """A run folder that cannot be read; one line naming the folder."""
+    """A run folder that cannot be read, or a plot file that cannot be written; one line naming it."""
+
+
+def check_plot_output(path: str | Path, flag: str = "--output") -> None:
+    """ConfigError (one line naming ``flag`` and ``path``) when the plot could not be written there:
+    a folder there, no file can be created in its folder, or an extension matplotlib does not write
+    (it would fail only after every run was read). Call it before any run is read or started;
+    ``flag``: the option that names the file (``--plot`` for ``vit-launch sweep``). Imports
+    matplotlib (a fraction of a second), not pyplot."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    check_output_file(path, flag=flag)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = Path(path).suffix.lower().removeprefix(".")
+    if ext not in kinds:
+        got = f"extension .{ext}" if ext else "no extension"
+        raise PlotError(f"{flag} {path}: {got}; a plot file ends in one of .{', .'.join(sorted(kinds))}")
 
 
 @dataclass(frozen=True)
@@ -173,7 +189,7 @@ def main(argv=None) -> None:
     ap.add_argument("--title", default="", help="figure title")
     args = ap.parse_args(argv)
     with cli_errors("plot_scaling", PlotError):
-        check_output_file(args.output)  # before reading the runs: a mistake costs a second
+        check_plot_output(args.output)  # before reading the runs: a mistake costs a second
         rows = scaling_table([load_run(d) for d in args.run_dirs])
     print(format_table(rows))
     with cli_errors("plot_scaling", OSError):

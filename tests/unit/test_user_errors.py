@@ -179,3 +179,32 @@ def test_launch_include_without_a_hostfile_names_the_missing_hostfile(capsys, fl
 
     line = one_line(capsys, main, ["check", "--config", str(TINY), flag, "worker-0"])
     assert line == "vit-launch: error: --include/--exclude need --hostfile"
+
+
+# ------------------------------------------------------------------------------ plot_scaling
+KINDS = ".avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, .webp"
+
+
+@pytest.mark.parametrize("name,got", [("p.txt", "extension .txt"), ("scaling", "no extension")])
+def test_plot_an_output_matplotlib_cannot_write_is_refused_before_the_runs(capsys, tmp_path, name, got):
+    """A .txt plot was a matplotlib ValueError traceback after every run was read; no extension
+    wrote `scaling.png` while the command said `plot: scaling`. The run folder here does not
+    exist: the output is checked first."""
+    from launch.plot_scaling import main
+
+    out = tmp_path / name
+    line = one_line(capsys, main, [str(tmp_path / "no-run"), "--output", str(out)])
+    assert line == f"plot_scaling: error: --output {out}: {got}; a plot file ends in one of {KINDS}"
+
+
+def test_plot_the_output_check_names_the_option_it_is_given(tmp_path):
+    """`vit-launch sweep --plot` can run the same check before its first job, naming its own option."""
+    from launch.plot_scaling import check_plot_output
+
+    (tmp_path / "f").write_text("")
+    for path, needle in [(tmp_path / "p.txt", "extension .txt"), (tmp_path, "a folder, not a file"),
+                         (tmp_path / "f/p.png", f"{tmp_path}/f is a file, not a folder; choose a writable --plot")]:
+        with pytest.raises(ConfigError) as e:
+            check_plot_output(path, "--plot")
+        assert str(e.value).startswith(f"--plot {path}: {needle}"), e.value
+    check_plot_output(tmp_path / "P.PDF", "--plot")
