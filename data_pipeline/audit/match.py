@@ -345,7 +345,8 @@ def _grid(result: AuditResult, path: Path, n: int, loaders: dict) -> None:
     canvas = Image.new("RGB", (2 * T + cap + 16, max(1, len(pairs)) * (T + 8) + 8), "white")
     draw = ImageDraw.Draw(canvas)
     if not pairs:
-        draw.text((8, 8), "no pairs found", fill="black")
+        draw.text((8, 8), f"{len(result.pairs)} pairs, none drawn (grid 0)" if result.pairs else "no pairs found",
+                  fill="black")
     train = _train_images(result, pairs)
     for r, p in enumerate(pairs):
         y = 8 + r * (T + 8)

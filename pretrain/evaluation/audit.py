@@ -89,9 +89,10 @@ READERS = {"shards": shards, "cifar100": cifar100, "vtab1k": vtab1k, "imagefolde
 
 
 # -------------------------------------------------------------------------------------- CLI
-def read_eval(spec: str) -> Iterator[EvalImage]:
-    """``SUITE:PATH`` -> its images. Unknown suite, missing path or a URL the suite cannot read:
-    one-line DataError."""
+def check_eval(spec: str) -> tuple[str, str]:
+    """``SUITE:PATH`` -> (suite, path), checked without reading the set: an unknown suite, a missing
+    path or a URL the suite cannot read is a one-line DataError. ``main`` runs it on every
+    ``--eval`` before the training shards are hashed (hours on a large set)."""
     kind, sep, path = spec.partition(":")
     if not sep or not path:
         raise DataError(f"--eval {spec}: expected SUITE:PATH with SUITE one of {', '.join(sorted(READERS))}")
@@ -104,6 +105,12 @@ def read_eval(spec: str) -> Iterator[EvalImage]:
                         "are not read by vit-audit)")
     if not is_remote(path) and not os.path.exists(path):
         raise DataError(f"{path}: not found (--eval {spec})")
+    return kind, path
+
+
+def read_eval(spec: str) -> Iterator[EvalImage]:
+    """``SUITE:PATH`` -> its images, after ``check_eval``."""
+    kind, path = check_eval(spec)
     return READERS[kind](path)
 
 
@@ -145,11 +152,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-bits", type=int, default=MAX_BITS,
                    help=f"candidate pHash distance (default {MAX_BITS}; lower: fewer candidates to confirm)")
     p.add_argument("--min-score", type=float, default=MIN_SCORE, help=f"confirmation score (default {MIN_SCORE})")
-    p.add_argument("--grid", type=int, default=24, help="pairs drawn in closest_pairs.png (default 24)")
+    p.add_argument("--grid", type=int, default=24, help="pairs drawn in closest_pairs.png (default 24; 0: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.shards and (not args.eval or not args.output):
         p.error("--shards needs --eval SUITE:PATH (one or more) and --output DIR")
+    if args.workers < 1:  # 0 or a negative count hashed in this one process as if 1 were given
+        p.error(f"--workers {args.workers}: must be >= 1")
+    if args.grid < 0:  # a negative slice drew every pair but the last ones
+        p.error(f"--grid {args.grid}: must be >= 0 (0: no pairs drawn)")
 
     with cli_errors("vit-audit"):
         check_thresholds(args.max_bits, args.min_score)
@@ -157,6 +168,8 @@ def main(argv=None) -> int:
             check_output_dir(args.output)  # before the hashing: a mistake costs a second, not the audit
         option = "--index" if args.index else "--shards"
         specs = [shard_set(m, option) for m in args.index or args.shards]
+        for spec in args.eval:
+            check_eval(spec)  # before the hashing, as the output
         indexes = []
         for m in specs:
             idx = train_index(m, args.workers, rebuild=args.force, progress=not args.quiet, allow_remote=is_s3(m),

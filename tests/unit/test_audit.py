@@ -329,7 +329,9 @@ def test_vtab_reader_ids_are_paths_under_the_root(tmp_path):
 
 def test_user_mistakes_are_one_line(tmp_path, capsys):
     for argv, text in (
-            (["--shards", str(tmp_path), "--eval", "nope:x", "--output", str(tmp_path)], "manifest not found"),
+            (["--shards", str(tmp_path), "--eval", "nope:x", "--output", str(tmp_path)], "unknown suite 'nope'"),
+            (["--shards", str(tmp_path), "--eval", f"shards:{tmp_path}", "--output", str(tmp_path)],
+             "manifest not found"),
             (["--shards", str(tmp_path)], "--eval"),
             (["--index", str(tmp_path / "missing.json")], f"--index {tmp_path / 'missing.json'}: not found"),
             (["--shards", "/nonexist", "--eval", "shards:x", "--output", str(tmp_path)],

@@ -208,3 +208,43 @@ def test_plot_the_output_check_names_the_option_it_is_given(tmp_path):
             check_plot_output(path, "--plot")
         assert str(e.value).startswith(f"--plot {path}: {needle}"), e.value
     check_plot_output(tmp_path / "P.PDF", "--plot")
+
+
+# --------------------------------------------------------------------------------- vit-audit
+@pytest.fixture()
+def no_hashing(monkeypatch):
+    """vit-audit with its hashing of the training shards replaced by a record that it started."""
+    from pretrain.evaluation import audit
+
+    started = []
+    monkeypatch.setattr(audit, "train_index", lambda *a, **k: started.append(a))
+    return audit.main, started
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("nosuch:{dir}", "--eval nosuch:{dir}: unknown suite 'nosuch'; known: cifar100, imagefolder, shards, vtab1k"),
+    ("cifar100:{dir}/missing", "{dir}/missing: not found (--eval cifar100:{dir}/missing)"),
+    ("vtab1k:https://host/vtab", "--eval vtab1k:https://host/vtab: vtab1k reads a local folder"),
+])
+def test_audit_an_eval_set_it_cannot_read_is_refused_before_the_hashing(capsys, tmp_path, no_hashing, spec, needle):
+    """The --eval sets were checked only after every training shard was hashed (hours on a large set)."""
+    main, started = no_hashing
+    spec, needle = spec.format(dir=tmp_path), needle.format(dir=tmp_path)
+    line = one_line(capsys, main, ["--shards", str(tmp_path), "--eval", f"shards:{tmp_path}", "--eval", spec,
+                                   "--output", str(tmp_path / "out"), "--quiet"])
+    assert line.startswith(f"vit-audit: error: {needle}"), line
+    assert started == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option,value,needle", [
+    ("--workers", "0", "--workers 0: must be >= 1"),
+    ("--workers", "-2", "--workers -2: must be >= 1"),
+    ("--grid", "-1", "--grid -1: must be >= 0 (0: no pairs drawn)"),
+])
+def test_audit_a_count_out_of_range_is_refused(capsys, tmp_path, no_hashing, option, value, needle):
+    """--grid -1 drew every pair but the last; --workers 0 and -2 hashed in one process as if 1 were given."""
+    main, started = no_hashing
+    line = one_line(capsys, main, ["--shards", str(tmp_path), "--eval", f"shards:{tmp_path}", "--output",
+                                   str(tmp_path / "out"), "--quiet", option, value])
+    assert line == f"vit-audit: error: {needle}"
+    assert started == []
