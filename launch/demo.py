@@ -192,8 +192,11 @@ def main(argv=None) -> None:
                                ("--transfer-samples", args.transfer_samples, 2)):  # 2: the test split gets half
         if value is not None and value < least:  # 0 is no count: not "the full split", not the runner's error
             ap.error(f"{flag} {value}: must be >= {least}")
-    with cli_errors("vit-demo"):  # the config and the overrides, before any shard is written
+    with cli_errors("vit-demo"):  # --out, the config and the overrides, before any shard is written
+        from data_pipeline.files import check_output_dir
         from pretrain.config import load_config
+
+        check_output_dir(args.out, "--out")  # else each step's child says it, then "step failed", exit 1
 
         if not CONFIG.is_file():
             raise FileNotFoundError(f"{CONFIG}: the demo's config is not there; vit-demo runs from a checkout "

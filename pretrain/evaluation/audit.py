@@ -24,6 +24,7 @@ from typing import Iterator
 from data_pipeline.audit.index import HASHES_NAME, MAX_BITS, MIN_SCORE, train_index
 from data_pipeline.audit.match import EvalImage, audit, check_thresholds, read_shards_eval, write_report
 from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.files import check_output_dir
 from data_pipeline.storage.urls import is_remote, is_s3
 from pretrain.transfer import suites
 from pretrain.transfer.data import Concat, FileImages, ImageSet
@@ -123,16 +124,6 @@ def shard_set(spec: str, option: str) -> str:
     if not is_remote(spec) and not os.path.exists(spec):
         raise DataError(f"{option} {spec}: not found; give a manifest.json, its folder or s3://bucket/prefix")
     return spec
-
-
-def check_output_dir(output) -> None:
-    """DataError (one line) when ``write_report`` could not write into ``output``: a file there or
-    on its path, or no file can be created in it (or in its nearest existing parent)."""
-    from data_pipeline.files import unwritable
-
-    why = unwritable(output)
-    if why:
-        raise DataError(f"--output {output}: {why}; choose a writable --output folder")
 
 
 def main(argv=None) -> int:

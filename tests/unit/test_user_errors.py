@@ -248,3 +248,16 @@ def test_audit_a_count_out_of_range_is_refused(capsys, tmp_path, no_hashing, opt
                                    str(tmp_path / "out"), "--quiet", option, value])
     assert line == f"vit-audit: error: {needle}"
     assert started == []
+
+
+# ---------------------------------------------------------------------------------- vit-demo
+@pytest.mark.parametrize("sub", ["", "demo"])
+def test_demo_an_out_that_is_a_file_is_one_line_before_any_step(capsys, tmp_path, sub):
+    """The first step's child said it, then the demo said "step failed", exit 1."""
+    from launch.demo import main
+
+    (tmp_path / "f").write_text("")
+    out = tmp_path / "f" / sub if sub else tmp_path / "f"
+    line = one_line(capsys, main, ["--out", str(out), "--samples", "8"])
+    assert line == (f"vit-demo: error: --out {out}: {tmp_path / 'f'} is a file, not a folder; "
+                    "choose a writable --out folder")
