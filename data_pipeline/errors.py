@@ -11,6 +11,7 @@ Every package above imports these (``pretrain``, ``launch``); nothing here impor
   ``vit-launch slurm --requeue`` requeues; the same command resumes once the service is back.
 * ``cli_errors(prog)``: the context manager each CLI's ``main`` runs its work in.
 * ``Parser``: argparse whose usage mistakes are one line (``prog: error: ...``), exit 2.
+* ``path_arg``: the argparse ``type`` of every option or argument that names a file, folder or URL.
 """
 from __future__ import annotations
 
@@ -75,3 +76,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def path_arg(text: str) -> str:
+    """argparse ``type`` for an option naming a file, folder or URL: an empty value (``''``, an
+    unset shell variable) would be read as the current folder, so it is a usage mistake, one line
+    naming the option (``argument --log-dir: empty; ...``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; name a file or folder")
+    return text

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from data_pipeline.errors import Parser, cli_errors
+from data_pipeline.errors import Parser, cli_errors, path_arg
 from launch.runner import LaunchSpec, deepspeed_command
 from pretrain.distributed.precision import default_precision
 
@@ -180,7 +180,7 @@ def _cost(s: dict) -> str:
 
 def main(argv=None) -> None:
     ap = Parser(prog="vit-demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="demo_out", help="where shards, run and results go")
+    ap.add_argument("--out", default="demo_out", type=path_arg, help="where shards, run and results go")
     ap.add_argument("--steps", type=int, default=200, help="pre-training optimizer steps")
     ap.add_argument("--ranks", type=int, default=2, help="local ranks (processes)")
     ap.add_argument("--samples", type=int, default=4096, help="pre-training images to generate")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from data_pipeline.errors import ConfigError, Parser, cli_errors
+from data_pipeline.errors import ConfigError, Parser, cli_errors, path_arg
 from data_pipeline.files import check_output_file
 
 
@@ -184,8 +184,8 @@ def plot(rows: list[dict], output: str | Path, title: str = "") -> Path:
 
 def main(argv=None) -> None:
     ap = Parser(prog="plot_scaling", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.output_dir of each run")
-    ap.add_argument("--output", default="scaling.png", help="PNG to write (default: scaling.png)")
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=path_arg, help="train.output_dir of each run")
+    ap.add_argument("--output", default="scaling.png", type=path_arg, help="PNG to write (default: scaling.png)")
     ap.add_argument("--title", default="", help="figure title")
     args = ap.parse_args(argv)
     with cli_errors("plot_scaling", PlotError):

@@ -125,7 +125,7 @@ def write_shards_job(job: ShardsJob, output: str | Path) -> tuple[Path, Path]:
 
 def shards_main(argv) -> None:
     """``vit-launch slurm --shards [options] -- VIT-SHARDS OPTIONS``: write the job array + merge."""
-    from data_pipeline.errors import DataError, Parser, cli_errors
+    from data_pipeline.errors import DataError, Parser, cli_errors, path_arg
 
     argv = list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -134,7 +134,7 @@ def shards_main(argv) -> None:
                 "tasks plus a merge job that depends on it. vit-shards' own options follow `--`.")
     ap.add_argument("--shards", action="store_true", required=True, help="write the shard-writing job array")
     ap.add_argument("--parts", type=int, required=True, help="array tasks, one part of the job each")
-    ap.add_argument("--output", required=True,
+    ap.add_argument("--output", required=True, type=path_arg,
                     help="array script to write; the merge goes beside it (NAME.merge.sbatch)")
     ap.add_argument("--partition", help="SLURM partition")
     ap.add_argument("--time", help="time limit per part, e.g. 4:00:00")
@@ -142,7 +142,7 @@ def shards_main(argv) -> None:
     ap.add_argument("--job-name", default="vit-shards", help="default: vit-shards (the merge: NAME-merge)")
     ap.add_argument("--cpus-per-node", type=int, help="CPUs per array task (and vit-shards --workers)")
     ap.add_argument("--max-running", type=int, help="array tasks running at once (default: as SLURM allows)")
-    ap.add_argument("--log-dir", default="logs", help="job output (default logs/; created now)")
+    ap.add_argument("--log-dir", default="logs", type=path_arg, help="job output (default logs/; created now)")
     args = ap.parse_args(ours)
     if not theirs:
         ap.error("give vit-shards' options after `--`, e.g. -- --source imagefolder:/data --output /shards")

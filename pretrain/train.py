@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from data_pipeline.errors import DataError, Parser
+from data_pipeline.errors import DataError, Parser, path_arg
 from data_pipeline.loading.workers import stop_workers
 from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
@@ -243,7 +243,7 @@ def _failed(c: Connected, record: FailureRecord, err: BaseException, step: int) 
 
 def main(argv=None) -> None:
     ap = Parser(prog="vit-train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("--config", required=True, type=path_arg, help="YAML experiment file")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = ap.parse_args(argv)

@@ -276,11 +276,12 @@ def plan_line(shards: Union[ShardSet, str, list], *, world_size: int, workers: i
 
 
 def main(argv=None) -> None:
-    from data_pipeline.errors import Parser, cli_errors
+    from data_pipeline.errors import Parser, cli_errors, path_arg
 
     ap = Parser(prog="python -m data_pipeline.loading.plan",
                                  description="Print the training data plan of one layout in one line")
-    ap.add_argument("manifests", nargs="+", help="manifest.json file(s) (or shard folders / brace patterns)")
+    ap.add_argument("manifests", nargs="+", type=path_arg,
+                    help="manifest.json file(s) (or shard folders / brace patterns)")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--workers", type=int, required=True, help="data.workers (0: in-process)")
     ap.add_argument("--batch", type=int, required=True, help="micro batch size per rank")

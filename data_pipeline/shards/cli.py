@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.errors import DataError, Parser, cli_errors, path_arg
 from data_pipeline.shards.exclude import read_exclusion
 from data_pipeline.shards.manifest import MANIFEST_NAME
 from data_pipeline.shards.parts import merge_parts, part_manifest_name
@@ -57,10 +57,11 @@ def merge_main(argv) -> int:
     """``vit-shards merge OUT PART_MANIFEST...``"""
     p = Parser(prog="vit-shards merge", description="Check the part manifests of a vit-shards --part I/N job "
                "and write the one manifest.json beside the shards.")
-    p.add_argument("out", metavar="OUT", help="the folder or s3://bucket/prefix holding every part's shards "
-                   "(their --output)")
-    p.add_argument("parts", metavar="PART_MANIFEST", nargs="+", help="part-IIIIofNNNN.json of each part "
-                   "(in a store: their URLs, or a quoted pattern such as 's3://b/p/part-*of0064.json')")
+    p.add_argument("out", metavar="OUT", type=path_arg,
+                   help="the folder or s3://bucket/prefix holding every part's shards (their --output)")
+    p.add_argument("parts", metavar="PART_MANIFEST", nargs="+", type=path_arg,
+                   help="part-IIIIofNNNN.json of each part (in a store: their URLs, or a quoted pattern such as "
+                        "'s3://b/p/part-*of0064.json')")
     args = p.parse_args(argv)
     with cli_errors("vit-shards merge"):
         try:
@@ -79,7 +80,8 @@ def parse_args(argv) -> argparse.Namespace:
                "`vit-shards merge OUT PART_MANIFEST...` joins the parts of a --part I/N job.")
     p.add_argument("--source", required=True,
                    help="imagefolder:DIR | cifar100:PATH | filelist:FILE | demo | demo-transfer")
-    p.add_argument("--output", required=True, help="folder (or s3://bucket/prefix) for the shards and manifest.json")
+    p.add_argument("--output", required=True, type=path_arg,
+                   help="folder (or s3://bucket/prefix) for the shards and manifest.json")
     p.add_argument("--split", default="train", help="shard name prefix; cifar100: train|test, "
                    "demo: train|val, demo-transfer: train|test")
     p.add_argument("--shard-size", type=_positive, default=1000, help="samples per shard")
@@ -90,16 +92,15 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--shuffle-seed", type=int, default=0, help="sample order in the shards (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--limit", type=_positive, default=None, help="write only the first N samples (smoke tests)")
-    p.add_argument("--exclude", metavar="FILE", help="keys to leave out (vit-audit's exclude.txt), from an earlier "
-                   "run of this same command; the other samples keep their keys")
+    p.add_argument("--exclude", metavar="FILE", type=path_arg,
+                   help="keys to leave out (vit-audit's exclude.txt), from an earlier run of this same command; "
+                        "the other samples keep their keys")
     p.add_argument("--allow-empty-classes", action="store_true",
                    help="imagefolder: keep a class folder without images as a class (default: error)")
     p.add_argument("--part", type=_part, metavar="I/N", help="write only part I of N of the job (one per machine), "
                    "with its part manifest; then `vit-shards merge OUT PART_MANIFEST...` writes manifest.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if not args.output.strip():  # an unset shell variable: the shards would land in the current folder
-        p.error("argument --output: empty; name the folder (or s3://bucket/prefix) for the shards")
     if args.quality > 100:
         p.error(f"argument --quality: expected 1..100, got {args.quality}")
     if not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*", args.split):  # it starts every shard's file name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data_pipeline.errors import path_arg
 from launch.runner import LaunchSpec
 
 PROG = "vit-launch"
@@ -24,7 +25,7 @@ def _device_gb(text: str) -> float:
 def config_arguments(ap: argparse.ArgumentParser, memory_default: str = "80") -> None:
     """``--config``, overrides and ``--gpu-memory-gb`` (GiB, as the estimate; ``memory_default`` says
     in words what a command takes without it: ``check`` takes the memory of its ``--gpu``)."""
-    ap.add_argument("--config", required=True, help="YAML experiment file")
+    ap.add_argument("--config", required=True, type=path_arg, help="YAML experiment file")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=3e-4")
     ap.add_argument("--gpu-memory-gb", type=_device_gb, default=80.0 if memory_default == "80" else None,
                     help=f"device memory the estimate is checked against, GB of 2^30 bytes (default {memory_default})")
@@ -32,7 +33,7 @@ def config_arguments(ap: argparse.ArgumentParser, memory_default: str = "80") ->
 
 def resource_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("where the ranks run (deepspeed runner options)")
-    g.add_argument("--hostfile", help="DeepSpeed hostfile: one 'HOST slots=N' line per node")
+    g.add_argument("--hostfile", type=path_arg, help="DeepSpeed hostfile: one 'HOST slots=N' line per node")
     g.add_argument("--num-nodes", type=int, help="use the first N hosts of the hostfile")
     g.add_argument("--gpus-per-node", type=int,
                    help="ranks per node (default: all slots; without a hostfile this machine's GPUs, or 1)")

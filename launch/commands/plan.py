@@ -15,6 +15,7 @@ import json
 from dataclasses import replace
 from typing import Optional
 
+from data_pipeline.errors import path_arg
 from pretrain.config import ConfigError, compile_mode
 from pretrain.perf import advice, hardware, inputs, memory, perfmodel
 
@@ -26,7 +27,8 @@ DESCRIPTION = ("Predict a layout's images/s, MFU, step time, exposed communicati
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="YAML experiment file: model, batch, ZeRO and precision come from it")
+    ap.add_argument("--config", type=path_arg,
+                    help="YAML experiment file: model, batch, ZeRO and precision come from it")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides with --config, e.g. zero.stage=3")
     ap.add_argument("--model", help="registered model name (without --config), e.g. vit_large_patch16_224")
     ap.add_argument("--gpu", required=True, choices=sorted(hardware.GPUS), help="GPU type")

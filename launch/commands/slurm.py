@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from data_pipeline.errors import path_arg
 from data_pipeline.files import check_output_file
 from launch.commands.options import config_arguments
 from launch.hostfile import LaunchError
@@ -35,12 +36,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--launcher", default="pdsh", choices=["pdsh", "srun"],
                     help="pdsh: runner on the first node over ssh (default); srun: one runner per node")
     ap.add_argument("--master-port", type=int, help="default: 20000 + job id %% 20000")
-    ap.add_argument("--log-dir", default="logs", help="job output, hostfile (default logs/; created now)")
+    ap.add_argument("--log-dir", default="logs", type=path_arg,
+                    help="job output, hostfile (default logs/; created now)")
     ap.add_argument("--requeue", action="store_true",
                     help="requeue on pre-emption and at the time limit (checkpoint --signal-grace s before it)")
     ap.add_argument("--signal-grace", type=int, default=120,
                     help="seconds before the time limit that the job is told to checkpoint (default 120)")
-    ap.add_argument("--output", required=True, help="sbatch script to write")
+    ap.add_argument("--output", required=True, type=path_arg, help="sbatch script to write")
     g = ap.add_argument_group("shard writing instead of training: --shards [options] -- VIT-SHARDS OPTIONS")
     g.add_argument("--shards", action="store_true",
                    help="write vit-shards as a job array + a merge job to submit with --dependency=afterok on it "

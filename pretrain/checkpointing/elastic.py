@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from data_pipeline.errors import Parser
+from data_pipeline.errors import Parser, path_arg
 from pretrain.distributed import ds_compat
 
 UNIVERSAL = "universal"          # subdirectory (and DeepSpeed tag) of the universal copy
@@ -189,7 +189,7 @@ def _fix_zero3_universal_load(engine, universal: Path) -> None:
 def main(argv=None) -> None:
     ap = Parser(prog="vit-elastic", description="Write the universal copy of a checkpoint "
                 "(done automatically on a resume with another world size)")
-    ap.add_argument("checkpoint", help="one checkpoint directory, e.g. runs/x/checkpoints/step_00001000")
+    ap.add_argument("checkpoint", type=path_arg, help="one checkpoint directory, e.g. runs/x/checkpoints/step_00001000")
     ap.add_argument("--workers", type=int, default=None, help="converter processes (default: cores / 2, <= 8)")
     args = ap.parse_args(argv)
     if args.workers is not None and args.workers < 1:  # 0 is not "the default": DeepSpeed's converter needs one

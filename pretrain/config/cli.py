@@ -9,7 +9,7 @@ import io
 
 import yaml
 
-from data_pipeline.errors import Parser, cli_errors
+from data_pipeline.errors import Parser, cli_errors, path_arg
 from data_pipeline.files import check_output_file, write_atomic
 from pretrain.config.load import load_config, save_config, to_dict
 
@@ -19,8 +19,9 @@ def main(argv=None) -> None:
     ``--deepspeed --world-size N``: print the DeepSpeed JSON config instead; ``vit-config
     --reference``: print the Markdown reference of every key."""
     ap = Parser(prog="vit-config", description="Validate a config and print it resolved")
-    ap.add_argument("--config", help="YAML experiment file (required unless --reference)")
-    ap.add_argument("--output", help="write the resolved config (or the reference) here instead of printing it")
+    ap.add_argument("--config", type=path_arg, help="YAML experiment file (required unless --reference)")
+    ap.add_argument("--output", type=path_arg,
+                    help="write the resolved config (or the reference) here instead of printing it")
     ap.add_argument("--reference", action="store_true",
                     help="print the reference of every config key (key, default, meaning) as Markdown")
     ap.add_argument("--deepspeed", action="store_true",

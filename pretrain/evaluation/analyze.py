@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.errors import ConfigError, Parser, cli_errors
+from data_pipeline.errors import ConfigError, Parser, cli_errors, path_arg
 from pretrain.evaluation.figures import (
     denormalize,
     draw_attention_distance,
@@ -350,19 +350,20 @@ def check_device(name: Optional[str]) -> str:
 
 def parser() -> Parser:
     ap = Parser(prog=PROG, description="The ViT paper's analysis figures (Figure 7, Figure 6) for a checkpoint")
-    ap.add_argument("--checkpoint", required=True,
+    ap.add_argument("--checkpoint", required=True, type=path_arg,
                     help="run directory (any ZeRO stage), .safetensors, timm state dict, "
                     "or a transformers ViT folder (config.json + weights)")
-    ap.add_argument("--images", required=True,
+    ap.add_argument("--images", required=True, type=path_arg,
                     help="folder of images (any depth) or shards (manifest.json / its folder)")
-    ap.add_argument("--output", required=True, help="folder for the PNGs and JSON")
+    ap.add_argument("--output", required=True, type=path_arg, help="folder for the PNGs and JSON")
     ap.add_argument("--img-size", type=int, default=None, help="resolution (default: the checkpoint's)")
     ap.add_argument("--num-images", type=int, default=128, help="images for the attention distances (default 128)")
     ap.add_argument("--rollout-images", type=int, default=8, help="images drawn with attention rollout (default 8)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--wandb", action="store_true", help="log the figures into the checkpoint's W&B run")
-    ap.add_argument("--config", default=None, help="YAML for data.augment.* (preprocessing) and logging.wandb.*")
+    ap.add_argument("--config", default=None, type=path_arg,
+                    help="YAML for data.augment.* (preprocessing) and logging.wandb.*")
     ap.add_argument("overrides", nargs="*", help="a.b=c overrides (model.*, data.augment.*, logging.wandb.*)")
     return ap
 

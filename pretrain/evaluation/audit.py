@@ -23,7 +23,7 @@ from typing import Iterator
 
 from data_pipeline.audit.index import HASHES_NAME, MAX_BITS, MIN_SCORE, train_index
 from data_pipeline.audit.match import EvalImage, audit, check_thresholds, read_shards_eval, write_report
-from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.errors import DataError, Parser, cli_errors, path_arg
 from data_pipeline.files import check_output_dir
 from data_pipeline.storage.urls import is_remote, is_s3
 from pretrain.transfer import suites
@@ -129,15 +129,15 @@ def shard_set(spec: str, option: str) -> str:
 def main(argv=None) -> int:
     p = Parser(prog="vit-audit", description="Find evaluation images that also appear in pre-training shards.")
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--shards", nargs="+", metavar="MANIFEST",
+    mode.add_argument("--shards", nargs="+", metavar="MANIFEST", type=path_arg,
                       help="pre-training shard sets to audit: manifest.json, its folder or s3://bucket/prefix "
                            "(naming an s3:// URL is the consent to reach the store)")
-    mode.add_argument("--index", nargs="+", metavar="MANIFEST",
+    mode.add_argument("--index", nargs="+", metavar="MANIFEST", type=path_arg,
                       help="only hash these shard sets (hashes.npz beside each manifest, in its folder or prefix)")
     p.add_argument("--eval", action="append", default=[], metavar="SUITE:PATH",
                    help="evaluation set: cifar100:DIR, vtab1k:DIR, imagefolder:DIR, shards:MANIFEST_OR_ROOT "
                         "(a path or s3:// URL)")
-    p.add_argument("--output", help="folder for audit.json, exclude.txt, closest_pairs.png")
+    p.add_argument("--output", type=path_arg, help="folder for audit.json, exclude.txt, closest_pairs.png")
     p.add_argument("--workers", type=int, default=1, help="processes hashing shards (default 1)")
     p.add_argument("--force", action="store_true", help="rebuild stored hashes even when they are current")
     p.add_argument("--max-bits", type=int, default=MAX_BITS,

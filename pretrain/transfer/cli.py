@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from data_pipeline.errors import ConfigError, Parser, cli_errors
+from data_pipeline.errors import ConfigError, Parser, cli_errors, path_arg
 from pretrain.config import load_config
 from pretrain.perf.collector import after_imports
 from pretrain.transfer.errors import TransferError
@@ -41,18 +41,19 @@ def parser() -> argparse.ArgumentParser:
     ap = Parser(prog=PROG, description=__doc__.splitlines()[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint",
+    src.add_argument("--checkpoint", type=path_arg,
                      help="run directory, .safetensors file, .pth/.bin state dict, or a transformers ViT "
                      "folder (config.json + weights, e.g. from vit-export --format hf)")
-    src.add_argument("--watch", metavar="RUN_DIR", help="evaluate each new checkpoint of a running pre-training job")
+    src.add_argument("--watch", type=path_arg, metavar="RUN_DIR",
+                     help="evaluate each new checkpoint of a running pre-training job")
     ap.add_argument("--suite", choices=list(SUITES),
                     help="eval.suite: " + "; ".join(f"{k}: {v.help}" for k, v in SUITES.items()))
     ap.add_argument("--protocol", choices=["finetune", "linear", "fewshot", "knn", "head"],
                     help="eval.protocol (default: linear)")
     ap.add_argument("--recipe", choices=["paper", "deit"], help="eval.recipe: the fine-tune's recipe (default: paper)")
-    ap.add_argument("--data-root", help="dataset folder (eval.data_root)")
-    ap.add_argument("--output", default="results.json", help="results JSON (default: results.json)")
-    ap.add_argument("--config", help="YAML config (eval / model / zero sections)")
+    ap.add_argument("--data-root", type=path_arg, help="dataset folder (eval.data_root)")
+    ap.add_argument("--output", default="results.json", type=path_arg, help="results JSON (default: results.json)")
+    ap.add_argument("--config", type=path_arg, help="YAML config (eval / model / zero sections)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.img_size=384")
     return ap

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from data_pipeline.errors import DataError, Parser, cli_errors
+from data_pipeline.errors import DataError, Parser, cli_errors, path_arg
 from data_pipeline.storage.s3 import S3Prefix
 from data_pipeline.storage.urls import is_s3
 from pretrain.checkpointing import rundir
@@ -350,10 +350,10 @@ def export_to(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
 
 def main(argv=None) -> None:
     ap = Parser(prog="vit-export", description="Export a run's weights for timm or transformers")
-    ap.add_argument("run_dir", help="run directory, its checkpoints/ directory, one checkpoint, or a transformers "
-                                    "ViT folder")
-    ap.add_argument("output", help="OUT.safetensors (--format timm) or a folder (--format hf); either may be "
-                                   "s3://bucket/key (one object per file)")
+    ap.add_argument("run_dir", type=path_arg,
+                    help="run directory, its checkpoints/ directory, one checkpoint, or a transformers ViT folder")
+    ap.add_argument("output", type=path_arg, help="OUT.safetensors (--format timm) or a folder (--format hf); "
+                                                  "either may be s3://bucket/key (one object per file)")
     ap.add_argument("--format", choices=["timm", "hf"], default="timm",
                     help="timm: one safetensors file in timm's names (default); hf: a transformers "
                          "ViTForImageClassification folder with a model card")

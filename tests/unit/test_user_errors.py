@@ -261,3 +261,34 @@ def test_demo_an_out_that_is_a_file_is_one_line_before_any_step(capsys, tmp_path
     line = one_line(capsys, main, ["--out", str(out), "--samples", "8"])
     assert line == (f"vit-demo: error: --out {out}: {tmp_path / 'f'} is a file, not a folder; "
                     "choose a writable --out folder")
+
+
+# ------------------------------------------------------------------------ empty path options
+@pytest.mark.parametrize("module,argv,name", [
+    ("launch.cli", ["slurm", "--config", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--output", "{dir}/j.sh",
+                    "--log-dir", ""], "vit-launch slurm: error: argument --log-dir"),
+    ("launch.cli", ["check", "--config", str(TINY), "--hostfile", ""], "vit-launch check: error: argument --hostfile"),
+    ("launch.cli", ["run", "--config", ""], "vit-launch: error: argument --config"),
+    ("pretrain.weights.export", ["", "{dir}/out.safetensors"], "vit-export: error: argument run_dir"),
+    ("pretrain.weights.export", ["{dir}", ""], "vit-export: error: argument output"),
+    ("pretrain.transfer.cli", ["--checkpoint", "", "--suite", "demo"], "vit-transfer: error: argument --checkpoint"),
+    ("pretrain.transfer.cli", ["--watch", "", "--suite", "demo"], "vit-transfer: error: argument --watch"),
+    ("pretrain.transfer.cli", ["--checkpoint", "{dir}", "--suite", "demo", "--output", " "],
+     "vit-transfer: error: argument --output"),
+    ("pretrain.config.cli", ["--config", str(TINY), "--output", ""], "vit-config: error: argument --output"),
+    ("pretrain.checkpointing.elastic", [""], "vit-elastic: error: argument checkpoint"),
+    ("pretrain.evaluation.audit", ["--index", ""], "vit-audit: error: argument --index"),
+    ("launch.plot_scaling", ["{dir}", ""], "plot_scaling: error: argument RUN_DIR"),
+    ("launch.demo", ["--out", ""], "vit-demo: error: argument --out"),
+    ("data_pipeline.shards.cli", ["merge", "", "{dir}/part-0001of0001.json"], "vit-shards merge: error: argument OUT"),
+])
+def test_an_empty_path_is_not_the_current_folder(capsys, tmp_path, monkeypatch, module, argv, name):
+    """'' (an unset shell variable) was read as the current folder: slurm wrote its logs there,
+    export and transfer looked for a checkpoint there, --watch '' was a TypeError traceback."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(module).main
+    line = one_line(capsys, main, [a.format(dir=tmp_path) for a in argv])
+    assert line == f"{name}: empty; name a file or folder"
+    assert not list(tmp_path.iterdir())
