@@ -153,3 +153,7 @@ def main(argv=None) -> int:
     if line:
         print(f"vit-shards: {line}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
