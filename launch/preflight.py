@@ -49,13 +49,8 @@ def check_batch(cfg: Config, world: int) -> list[Finding]:
     t = cfg.train
     try:
         gas = check_world_size(t, world)
-    except ConfigError as e:
-        from pretrain.config.phases import batch_unit
-
-        per = batch_unit(t) * world  # every schedule phase's micro batch divides it, not only the first's
-        near = max(per, round(t.global_batch_size / per) * per)
-        return [Finding(FAIL, "batch", f"{e}; set train.global_batch_size={near} or change "
-                                       f"train.micro_batch_size / the number of ranks")]
+    except ConfigError as e:  # its message names the keys and the settings that work
+        return [Finding(FAIL, "batch", str(e))]
     found = [Finding(OK, "batch", f"global {t.global_batch_size} = micro {t.micro_batch_size} x {world} rank(s) "
                                   f"x {gas} accumulation step(s)")]
     if t.resolution_schedule:

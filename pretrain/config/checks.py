@@ -79,7 +79,9 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
             key = "train.resolution_schedule"
             if str(e).startswith(key):
                 fail(key, str(e).removeprefix(key).lstrip())
-            fail("train.global_batch_size", str(e))
+            # it names its keys and values (train.global_batch_size=65 ...): not the key again
+            key = "train.global_batch_size"
+            raise ConfigError(f"{origin.get(key, src)}: {e}") from None
     if t.hang_timeout_s < 0:
         fail("train.hang_timeout_s", f"must be >= 0 (0 disables the watchdog), got {t.hang_timeout_s}")
     if t.pg_timeout_s <= 0:
@@ -148,22 +150,23 @@ def check_world_size(train: TrainConfig, world_size: int) -> int:
     """Gradient-accumulation steps for this world size (the global batch is kept: accumulation
     adapts), or a ConfigError naming the batch keys and the nearest settings that work; the micro
     batch of each ``train.resolution_schedule`` phase must divide the global batch the same way."""
+    from pretrain.config.phases import batch_unit
+
     g = train.global_batch_size
+    unit = batch_unit(train) * world_size  # every micro batch (each phase's too) x world size divides it
+    near = sorted({n for n in (round(g / unit) * unit, g // unit * unit, (g // unit + 1) * unit) if n > 0})
+    globals_ = f"train.global_batch_size={' / '.join(str(n) for n in near)}"
     for i, e in enumerate(train.resolution_schedule):
         micro = int(e[2]) if len(e) > 2 else None
         if micro and g % (micro * world_size):
             fits = [m for m in range(micro, 0, -1) if g % (m * world_size) == 0][:1]
             raise ConfigError(f"train.resolution_schedule entry {i}: micro batch {micro} x world size {world_size} = "
-                              f"{micro * world_size} does not divide train.global_batch_size={g}"
-                              + (f"; e.g. micro batch {fits[0]}" if fits else ""))
+                              f"{micro * world_size} does not divide train.global_batch_size={g}; e.g. "
+                              + (f"micro batch {fits[0]} or " if fits else "") + globals_)
     per_step = train.micro_batch_size * world_size
     if train.global_batch_size % per_step:
-        g = train.global_batch_size
         micro = [m for m in range(train.micro_batch_size, 0, -1) if g % (m * world_size) == 0][:1]
-        near = sorted({round(g / per_step) * per_step, max(1, g // per_step) * per_step,
-                       (g // per_step + 1) * per_step})
-        hint = "; e.g. " + " or ".join([f"train.micro_batch_size={m}" for m in micro]
-                                       + [f"train.global_batch_size={' / '.join(str(n) for n in near if n > 0)}"])
+        hint = "; e.g. " + " or ".join([f"train.micro_batch_size={m}" for m in micro] + [globals_])
         raise ConfigError(
             f"train.global_batch_size={g} is not divisible by "
             f"train.micro_batch_size x world size = {train.micro_batch_size} x {world_size} = {per_step}{hint}")

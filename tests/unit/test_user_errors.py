@@ -73,6 +73,21 @@ def test_values_a_run_would_meet_late_are_refused_at_load(override, needle):
     assert str(e.value).startswith(f"command line: {needle}"), e.value
 
 
+def test_a_batch_that_does_not_divide_names_its_key_once_with_one_suggestion():
+    """The key came twice (`train.global_batch_size: train.global_batch_size=65 ...`), and vit-launch
+    check added a second suggestion after the first (`e.g. ...; set ...`)."""
+    from launch.preflight import check_batch
+
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["train.global_batch_size=65"])
+    assert str(e.value) == ("command line: train.global_batch_size=65 is not divisible by train.micro_batch_size "
+                            "x world size = 32 x 1 = 32; e.g. train.micro_batch_size=13 or train.global_batch_size="
+                            "64 / 96")
+    (finding,) = check_batch(load_config(TINY), 3)
+    assert finding.line() == ("batch: train.global_batch_size=64 is not divisible by train.micro_batch_size x "
+                              "world size = 32 x 3 = 96; e.g. train.global_batch_size=96")
+
+
 def test_the_largest_seed_loads():
     assert load_config(TINY, ["train.seed=9223372036854775807"]).train.seed == 2**63 - 1
 
