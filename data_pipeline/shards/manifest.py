@@ -251,6 +251,12 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
             url, is_manifest = str(Path(local_path(url)) / MANIFEST_NAME), True
         elif not is_manifest and is_s3(url) and not url.endswith(".tar"):  # s3://bucket/prefix: a "folder"
             url, is_manifest = f"{url.rstrip('/')}/{MANIFEST_NAME}", True
+        if not is_manifest and not is_remote(url) and ".tar" not in _file_name(url):
+            # a shard's manifest is looked for beside it: for a file that is no shard, that would
+            # name a manifest.json the user never gave
+            what = "not found" if not Path(local_path(url)).exists() else "not a shard set"
+            raise DataError(f"{key}: {url}: {what}; expected vit-shards' {MANIFEST_NAME}, the folder holding it "
+                            "or .tar shards listed in it")
         if not is_manifest:
             url, name = _sibling(url, _file_name(url), MANIFEST_NAME), _file_name(url)
         url = same.setdefault(url if is_remote(url) else os.path.normpath(local_path(url)), url)

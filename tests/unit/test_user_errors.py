@@ -307,3 +307,16 @@ def test_an_empty_path_is_not_the_current_folder(capsys, tmp_path, monkeypatch, 
     line = one_line(capsys, main, [a.format(dir=tmp_path) for a in argv])
     assert line == f"{name}: empty; name a file or folder"
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------- data.train_shards
+@pytest.mark.parametrize("name,what", [("garbage.yaml", "not a shard set"), ("nosuchdir", "not found")])
+def test_shards_a_value_that_is_no_shard_set_is_named_not_a_manifest_beside_it(tmp_path, name, what):
+    """The manifest.json beside the value was named, a file the user never gave."""
+    from data_pipeline.shards.manifest import resolve_shards
+
+    (tmp_path / "garbage.yaml").write_text("a: 1\n")
+    with pytest.raises(ConfigError) as e:
+        resolve_shards(str(tmp_path / name))
+    assert str(e.value) == (f"data.train_shards: {tmp_path / name}: {what}; expected vit-shards' manifest.json, the "
+                            "folder holding it or .tar shards listed in it")
