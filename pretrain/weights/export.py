@@ -49,12 +49,16 @@ class ExportRescued(RuntimeError):
 
 def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
     """A complete, verified checkpoint of a run (``pretrain.checkpointing.rundir.find_checkpoint``); a damaged
-    newest one is skipped with a warning on stderr, and left where it is (training owns it)."""
+    newest one is skipped with a warning on stderr, and left where it is (training owns it). With none
+    intact, the one error names the damaged ones (no warning before it)."""
+    said: list[str] = []
     try:
-        return rundir.find_checkpoint(run_dir, step, warn=lambda msg: print(f"vit-export: warning: {msg}",
-                                                                             file=sys.stderr, flush=True))
+        found = rundir.find_checkpoint(run_dir, step, warn=said.append)
     except LookupError as e:
         raise ExportError(str(e)) from None
+    for msg in said:
+        print(f"vit-export: warning: {msg}", file=sys.stderr, flush=True)
+    return found
 
 
 def consolidate(ckpt: Path, ema: bool = False) -> dict[str, torch.Tensor]:

@@ -320,3 +320,17 @@ def test_shards_a_value_that_is_no_shard_set_is_named_not_a_manifest_beside_it(t
         resolve_shards(str(tmp_path / name))
     assert str(e.value) == (f"data.train_shards: {tmp_path / name}: {what}; expected vit-shards' manifest.json, the "
                             "folder holding it or .tar shards listed in it")
+
+
+# -------------------------------------------------------------------------------- vit-export
+def test_export_a_damaged_marker_is_said_once(capsys, tmp_path):
+    """A warning ("damaged ...; falling back to the one before it", with none before it) came
+    before the error, which named the same damage again."""
+    from pretrain.weights.export import main
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text('{"step": 10, "files": {"x": [1')
+    line = one_line(capsys, main, [str(tmp_path / "run"), str(tmp_path / "out.safetensors")])
+    assert line.startswith(f"vit-export: error: {tmp_path / 'run'}: no intact complete checkpoint in "
+                           f"{tmp_path / 'run/checkpoints'}; damaged: {ckpt / 'COMPLETE'}: unreadable marker ("), line
