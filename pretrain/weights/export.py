@@ -50,12 +50,13 @@ class ExportRescued(RuntimeError):
 def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
     """A complete, verified checkpoint of a run (``pretrain.checkpointing.rundir.find_checkpoint``); a damaged
     newest one is skipped with a warning on stderr, and left where it is (training owns it). With none
-    intact, the one error names the damaged ones (no warning before it)."""
+    intact, the one error names the damaged ones (no warning before it), or, for a folder that looks
+    like a transformers one, what is wrong with its config.json."""
     said: list[str] = []
     try:
         found = rundir.find_checkpoint(run_dir, step, warn=said.append)
     except LookupError as e:
-        raise ExportError(str(e)) from None
+        raise ExportError(hf.folder_problem(run_dir) or str(e)) from None
     for msg in said:
         print(f"vit-export: warning: {msg}", file=sys.stderr, flush=True)
     return found

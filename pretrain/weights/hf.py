@@ -143,15 +143,39 @@ def from_hf(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ folders
+def _looks_like_hf(p: Path) -> bool:
+    return p.is_dir() and (p / CONFIG).is_file() and any((p / f).is_file() for f in WEIGHT_FILES)
+
+
 def is_hf_folder(path: str | Path) -> bool:
     """A folder holding a transformers ViT: config.json with ``model_type`` "vit" and weights."""
     p = Path(path)
-    if not (p.is_dir() and (p / CONFIG).is_file() and any((p / f).is_file() for f in WEIGHT_FILES)):
-        return False
+    return _looks_like_hf(p) and folder_problem(p) is None
+
+
+def folder_problem(path: str | Path) -> Optional[str]:
+    """Why a folder that looks like a transformers one (config.json beside a weight file) is not a
+    transformers ViT folder: one line naming its config.json and what is wrong with it. None when
+    it is one, or when it does not look like one."""
+    p = Path(path)
+    if not _looks_like_hf(p):
+        return None
+    cfg = p / CONFIG
+    expected = "a transformers ViT folder's config.json is a JSON object with model_type 'vit'"
     try:
-        return json.loads((p / CONFIG).read_text()).get("model_type") == "vit"
-    except (OSError, ValueError, AttributeError):
-        return False
+        config = json.loads(cfg.read_bytes().decode("utf-8"))
+    except OSError as e:
+        return f"{cfg}: unreadable ({e.strerror or e}); {expected}"
+    except UnicodeDecodeError as e:
+        return f"{cfg}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); {expected}"
+    except json.JSONDecodeError as e:
+        return f"{cfg}: invalid JSON at line {e.lineno}: {e.msg}; {expected}"
+    if not isinstance(config, dict):
+        return f"{cfg}: a JSON {type(config).__name__}; {expected}"
+    if config.get("model_type") != "vit":
+        got = f"model_type {config['model_type']!r}" if "model_type" in config else "no model_type"
+        return f"{cfg}: {got}; {expected}"
+    return None
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -178,7 +202,20 @@ def folder_meta(config: dict) -> dict[str, str]:
 
 
 def check_config(config: dict, where: str) -> None:
-    """What our ViT cannot take from a transformers config (the shapes are checked on loading)."""
+    """What our ViT cannot take from a transformers config (the shapes are checked on loading),
+    and values of the keys read here that are no size or label map (a traceback later)."""
+    def positive(v) -> bool:
+        return type(v) is int and v > 0  # bool is an int to isinstance
+
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if key in config and not positive(config[key]):
+            raise ValueError(f"{where}: {key}={config[key]!r}; expected a positive integer")
+    for key in ("patch_size", "image_size"):
+        v = config.get(key, 1)
+        if not (positive(v) or (isinstance(v, list) and len(v) == 2 and all(map(positive, v)))):
+            raise ValueError(f"{where}: {key}={v!r}; expected a positive integer or [height, width]")
+    if not isinstance(config.get("id2label", {}), dict):
+        raise ValueError(f"{where}: id2label={config['id2label']!r}; expected an object {{\"0\": \"name\", ...}}")
     if config.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"{where}: hidden_act={config['hidden_act']!r}; our ViT uses exact GELU ('gelu')")
     if config.get("num_channels", 3) != 3:

@@ -334,3 +334,36 @@ def test_export_a_damaged_marker_is_said_once(capsys, tmp_path):
     line = one_line(capsys, main, [str(tmp_path / "run"), str(tmp_path / "out.safetensors")])
     assert line.startswith(f"vit-export: error: {tmp_path / 'run'}: no intact complete checkpoint in "
                            f"{tmp_path / 'run/checkpoints'}; damaged: {ckpt / 'COMPLETE'}: unreadable marker ("), line
+
+
+EXPECTED_HF = "a transformers ViT folder's config.json is a JSON object with model_type 'vit'"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"model_type": "vit",', "invalid JSON at line 1: Expecting property name enclosed in double quotes; "
+                              + EXPECTED_HF),
+    ('["vit"]', "a JSON list; " + EXPECTED_HF),
+    ('{"model_type": "bert"}', "model_type 'bert'; " + EXPECTED_HF),
+    ("{}", "no model_type; " + EXPECTED_HF),
+    ('{"model_type": "vit", "patch_size": null}', "patch_size=None; expected a positive integer or [height, width]"),
+    ('{"model_type": "vit", "hidden_size": "768"}', "hidden_size='768'; expected a positive integer"),
+    ('{"model_type": "vit", "id2label": 5}', 'id2label=5; expected an object {"0": "name", ...}'),
+])
+def test_a_transformers_folder_with_a_bad_config_names_its_config_json(capsys, tmp_path, text, needle):
+    """It was read as a run directory: "no intact complete checkpoint in DIR/checkpoints", or a
+    TypeError traceback for a null patch_size."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pretrain.weights.export import main
+    from pretrain.weights.pretrained import CheckpointError, load_pretrained
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"x": torch.zeros(1)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(text)
+    line = one_line(capsys, main, [str(folder), str(tmp_path / "out.safetensors")])
+    assert line == f"vit-export: error: {folder / 'config.json'}: {needle}"
+    with pytest.raises(CheckpointError) as e:  # vit-transfer --checkpoint, vit-analyze --checkpoint
+        load_pretrained(folder)
+    assert str(e.value).endswith(f"{folder / 'config.json'}: {needle}"), e.value
