@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_pipeline.errors import path_arg
 from launch import plot_scaling, sweep
 from launch.commands.options import PROG, config_arguments, preflight
 from launch.hostfile import LaunchError
@@ -25,12 +26,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--scaling", default="weak", choices=["weak", "strong"],
                     help="weak: global batch = micro x world (default); strong: global batch fixed")
     ap.add_argument("--group", help="W&B group (default: scaling-<config>-<time>)")
-    ap.add_argument("--output-root", help="folder of the runs (default: beside train.output_dir)")
-    ap.add_argument("--hostfile", help="for world sizes above one node")
+    ap.add_argument("--output-root", type=path_arg, help="folder of the runs (default: beside train.output_dir)")
+    ap.add_argument("--hostfile", type=path_arg, help="for world sizes above one node")
     ap.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the hostfile's slots)")
     ap.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
-    ap.add_argument("--plot", default=None, help="scaling plot to write (default <root>/scaling.png)")
+    ap.add_argument("--plot", type=path_arg, default=None,
+                    help="scaling plot to write (default <root>/scaling.png)")
 
 
 def check_arguments(args) -> None:
@@ -39,6 +41,8 @@ def check_arguments(args) -> None:
         raise LaunchError(f"--steps must be positive, got {args.steps}")
     # as `run` says them: a 0 ranks per node would otherwise be read as "the default"
     check_spec(LaunchSpec(config=args.config, gpus_per_node=args.gpus_per_node, master_port=args.master_port))
+    if args.plot is not None:  # before the first job, not after the last
+        plot_scaling.check_plot_output(args.plot, flag="--plot")
 
 
 def command(args) -> int:

@@ -177,3 +177,16 @@ def test_cpu_ranks_get_equal_threads_at_every_size(monkeypatch, tmp_path):
     assert env["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 2))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
     assert sweep.cpu_thread_env(p, hostfile=None) is None
+
+
+@pytest.mark.parametrize("plot, said", [
+    ("scaling.txt", "--plot {}: extension .txt"),
+    ("", "argument --plot: empty"),
+])
+def test_a_plot_that_cannot_be_written_is_refused_before_any_run(capsys, tmp_path, plot, said):
+    """The plot is drawn after the last size has run: a bad --plot must stop the sweep first."""
+    where = str(tmp_path / plot) if plot else ""
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--config", CONFIG, "--world-sizes", "1,2", "--dry-run", "--plot", where])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and said.format(where) in err[0], err
