@@ -71,6 +71,24 @@ def test_epochs_reshuffle_and_seed_changes_order(balanced_ids):
     assert [int(t) for t in next(iter(other))[1]] != e0[:8]
 
 
+def test_each_epoch_seeds_the_shuffle_buffer_afresh(tmp_path, shard_kit):
+    """One shard, one slot: the epoch's shard permutation changes nothing, so only the shuffle
+    buffer's seed (seed, epoch, slot) can reorder the second epoch; a resume inside it on the same
+    layout reads that order again."""
+    cfg = _cfg(shard_kit.id_shards(tmp_path / "s", [24]), workers=0, shuffle_buffer=20)
+    loader = build_loader(cfg, batch_size=8, seed=0, img_size=16)
+    it = iter(loader)
+    e0 = [int(t) for _ in range(3) for t in next(it)[1]]
+    e1 = [int(t) for t in next(it)[1]]
+    state = loader.state()
+    e1 += [int(t) for _ in range(2) for t in next(it)[1]]
+    assert sorted(e0) == sorted(e1) == list(range(24)) and e0 != e1, (e0, e1)
+    again = build_loader(cfg, batch_size=8, seed=0, img_size=16)
+    again.resume([state])
+    it = iter(again)
+    assert [int(t) for _ in range(2) for t in next(it)[1]] == e1[8:]
+
+
 @pytest.mark.parametrize("workers, cuts, deit", [(2, [1, 5, 8, 11], False), (0, [3, 8], False), (2, [3, 8], True)],
                          ids=["workers", "in-process", "repeats-3augment"])
 def test_exact_resume_bit_identical(demo_train, workers, cuts, deit):
