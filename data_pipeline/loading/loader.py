@@ -8,6 +8,7 @@ counts on every rank, exact resume, corrupt-sample accounting.
     loader.last_keys, loader.last_shards      # __key__ and shard name of each sample of that batch
     loader.last_positions                     # evaluation: each sample's position in manifest order
     loader.last_epoch                         # the epoch that batch belongs to
+    loader.epochs_done                        # the position after it in epochs (2.25: a quarter into epoch 2)
     state = loader.state()                    # position after the last batch *yielded* (a LoaderState)
     loader.resume(states)                     # before iterating: every old rank's state, any layout
                                               # (elastic resume); on the same layout this rank's alone
@@ -233,6 +234,20 @@ class ShardLoader:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def epochs_done(self) -> float:
+        """Training: the position after the last batch yielded, in epochs: ``epoch`` plus the
+        share of the epoch's positions (``plan.total``: the training set's samples; with
+        ``data.repeat_augment`` copies count, as an epoch does) that every rank has consumed.
+        Whole at an epoch boundary (``epoch`` moves on with the epoch's last batch); the same on
+        every rank; after an elastic resume the positions the old layout consumed count, as the
+        rest-epoch's pool is what they left. The balance drop is skipped, not consumed: the
+        position jumps over it to the next whole epoch."""
+        p = self.plan
+        dropped = self._rest.dropped if self._rest is not None else p.dropped()
+        left = (self.batches_this_epoch - self._batch) * p.world_size * p.batch_size
+        return self._epoch + (p.total - dropped - left) / p.total
 
     # ------------------------------------------------------------------------------ iteration
     def __iter__(self):

@@ -25,6 +25,7 @@ class SyntheticLoader:
     float32, normalised; targets class indices, or multi-hot rows with ``multi_label``."""
 
     worker_decoder = "none (data.synthetic: random batches on the device)"
+    epochs_done = None  # no data set, so no epochs
     decode_path = "data.synthetic: nothing decoded (random batches on the device)"
 
     def __init__(self, data_cfg, *, batch_size: int, img_size: int, num_classes: int, seed: int, rank: int,

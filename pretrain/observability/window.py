@@ -169,7 +169,8 @@ def window_metrics(engine, window: Window, clock: StepClock, *, world: int, tota
     window's kept micro-batch losses over every rank (their counts are equal: every rank drops the
     same non-finite micro-batches); ``grad_norm``: the last step's; ``lr``: the LR the last step
     used. ``totals``: the run's so far (``RunTotals.record``), logged as ``examples_seen`` and
-    ``device_hours``."""
+    ``device_hours``; ``epoch``: the loader's position after the last step (``epochs_done``): at a
+    log step the loader has yielded exactly the steps' batches."""
     elapsed, phases = clock.close_window()
     dist.all_reduce(window.loss)
     total, count = window.loss.tolist()
@@ -182,6 +183,8 @@ def window_metrics(engine, window: Window, clock: StepClock, *, world: int, tota
                **throughput(window.images * world, elapsed, world, *window.flops_per_image(), peak_tflops()),
                **{f"phase_share/{p}": phases[p] / elapsed for p in PHASES},  # rank 0's step-time breakdown
                **{f"data/{k}": v for k, v in sum_counters(loader.counters).items()}}
+    if loader.epochs_done is not None:  # data.synthetic has no epochs
+        metrics["epoch"] = loader.epochs_done  # the position after the window's last step
     if totals["device_seconds"] is not None:  # unknown past an older release's checkpoint: not logged
         metrics["device_hours"] = totals["device_seconds"] / 3600
     metrics.update(loss_scaling(engine))

@@ -285,3 +285,29 @@ def test_the_deepspeed_section_reaches_deepspeed(shards, tmp_path):
               'deepspeed.flops_profiler={"enabled": true, "profile_step": 1, "top_modules": 1, "detailed": false}')
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DeepSpeed Flops Profiler" in r.stdout + r.stderr
+
+
+def test_each_record_logs_the_epoch_of_the_data_position(demo_shards, tmp_path):
+    """204 images as batches of 8: 25 batches an epoch and 4 dropped for balance, so epoch 0 ends
+    inside step 13 and epoch 1 with step 25. Each record's ``epoch`` is the loader's epoch after the
+    step (from the sample log: the epoch of the next sample) plus the share of the 204 positions
+    consumed in it; with data.repeat_augment the copies count, as the loader's epochs count them."""
+    from collections import Counter
+
+    run = tmp_path / "run"
+    r = train(demo_shards(204, 51), run, "train.steps=26", "train.log_every_steps=1", "checkpoint.every_steps=100",
+              "data.record_samples=true", "data.repeat_augment=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(run)
+    lines = [line.split("\t") for line in (run / "samples" / "rank-0.tsv").read_text().splitlines()]
+    consumed, expected = Counter(), {}
+    for i, (step, epoch, _key) in enumerate(lines):
+        consumed[int(epoch)] += 1
+        last_of_step = i + 1 == len(lines) or lines[i + 1][0] != step
+        if last_of_step:
+            after = int(lines[i + 1][1]) if i + 1 < len(lines) else int(epoch)  # the loader's epoch after the step
+            expected[int(step)] = after + (consumed[after] / 204 if after == int(epoch) else 0.0)
+    assert sorted(m) == sorted(expected) == list(range(1, 27))
+    assert [m[s]["epoch"] for s in m] == pytest.approx([expected[s] for s in m], abs=1e-12)
+    assert m[12]["epoch"] == pytest.approx(192 / 204) and m[13]["epoch"] == pytest.approx(1 + 8 / 204)
+    assert m[25]["epoch"] == 2.0 and m[26]["epoch"] == pytest.approx(2 + 16 / 204)

@@ -312,6 +312,23 @@ def test_elastic_twice_in_one_epoch_and_exact_resume_inside_the_rest(uneven_ids)
     assert all(ld.epoch == 1 for ld in loaders)
 
 
+def test_epochs_done_counts_every_layouts_samples(uneven_ids):
+    """2 ranks x 2 workers read 5 batches of 4 each, then 1 rank x 1 reads the rest of the epoch:
+    the position is the epoch's samples consumed by all ranks of both layouts over the 127 of the
+    data, and whole where the loader's epoch moves on (the last 3 are dropped for balance)."""
+    _, states, old = _ids_and_states(_cfg(uneven_ids, workers=2), 2, 4, 5)
+    assert [ld.epochs_done for ld in old] == [40 / 127] * 2
+    loader = build_loader(_cfg(uneven_ids, workers=0), batch_size=4, seed=3, img_size=16)
+    loader.resume(states)
+    assert loader.epochs_done == 40 / 127 and loader.batches_this_epoch == 21  # 87 left: 21 x 4 + 3
+    it, done = iter(loader), []
+    for _ in range(22):
+        next(it)
+        done.append((loader.last_epoch, loader.epoch, loader.epochs_done))
+    assert done[:20] == [(0, 0, (40 + 4 * n) / 127) for n in range(1, 21)]
+    assert done[20:] == [(0, 1, 1.0), (1, 1, 1 + 4 / 127)]  # epoch 1: the plan of the new layout
+
+
 def test_elastic_states_must_be_complete_and_agree(uneven_ids):
     _, states, _ = _ids_and_states(_cfg(uneven_ids), 2, 4, 1)
     loader = build_loader(_cfg(uneven_ids), rank=0, world_size=1, batch_size=4, seed=3, img_size=16)
