@@ -183,6 +183,7 @@ class ShardLoader:
             W = plan.workers
             self._due = sum(p.samples for w in range(W) for p in plan.slot_pieces(0, rank * W + w))
         self._counts: Counter = Counter()
+        self._count_manifest_retries()
         self.last_keys: list[str] = []  # of the last yielded batch: each sample's __key__
         self.last_shards: list[str] = []  # ... and its shard's name
         self.last_positions: list[int] = []  # ... and, in evaluation, its position in manifest order
@@ -322,7 +323,17 @@ class ShardLoader:
         p = self.plan
         return p.world_size, p.workers, p.batch_size, self.settings.shuffle_buffer
 
+    def _count_manifest_retries(self) -> None:
+        """The retries this process's read of the manifests took, before any counter existed: in
+        training its counters' ``remote_retries`` (once per invocation: on top of a resumed sum)."""
+        if self.plan.train and self.plan.shardset.read_retries:
+            self._counts["remote_retries"] += self.plan.shardset.read_retries
+
     def resume(self, states: Sequence[LoaderState]) -> None:
+        self._resume(states)
+        self._count_manifest_retries()  # the resumed counters replaced those of __init__
+
+    def _resume(self, states: Sequence[LoaderState]) -> None:
         """Continue where the loaders of a run stopped (before iterating): ``states`` are every old
         rank's (any order), as ``state()`` made them at one step, or on the same layout this rank's
         own alone. The same layout (world size, workers, micro batch, shuffle buffer) continues from

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -31,6 +31,7 @@ from data_pipeline.storage.http import HTTPShard
 from data_pipeline.storage.retry import RemotePolicy, StoreUnreachable
 from data_pipeline.storage.s3 import S3Object
 from data_pipeline.storage.urls import is_http, is_remote, is_s3, local_path
+from data_pipeline.tally import Tally
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "vitscale-shards"
@@ -52,6 +53,9 @@ class ShardSet:
     classes: tuple[str, ...]
     multi_label: bool
     manifests: tuple[str, ...]
+    # retries this process's manifest reads took (remote manifests): counted by the training
+    # loader as remote_retries, since no loader counter existed yet when they happened
+    read_retries: int = field(default=0, compare=False)
 
     @property
     def num_classes(self) -> int:
@@ -123,7 +127,8 @@ def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
 MANIFEST_POLICY = RemotePolicy(retry_s=10.0)  # a manifest read without a data section's data.remote_* keys
 
 
-def _read_bytes(url: str, allow_remote: bool, key: str, policy: Optional[RemotePolicy] = None) -> bytes:
+def _read_bytes(url: str, allow_remote: bool, key: str, policy: Optional[RemotePolicy] = None,
+                tally: Optional[Tally] = None) -> bytes:
     """The manifest's bytes (decoded, with the other checks, by :func:`parse_manifest`); an
     ``http(s)://`` or ``s3://`` one retried under ``policy`` (the run's ``data.remote_*``)."""
     if is_remote(url):
@@ -133,7 +138,7 @@ def _read_bytes(url: str, allow_remote: bool, key: str, policy: Optional[RemoteP
         if is_http(url) or is_s3(url):  # retried like the shards (storage.http, storage.s3)
             reader = HTTPShard if is_http(url) else S3Object
             try:
-                with reader(url, MANIFEST_NAME, policy or MANIFEST_POLICY, kind="manifest") as f:
+                with reader(url, MANIFEST_NAME, policy or MANIFEST_POLICY, tally, kind="manifest") as f:
                     return f.read()
             except (DataError, StoreUnreachable) as e:
                 raise (StoreUnreachable if isinstance(e, StoreUnreachable) else DataError)(f"{e} ({key})") from None
@@ -189,10 +194,11 @@ def parse_manifest(text: Union[str, bytes], where: str) -> dict:
 
 
 def read_manifest(url: str, *, allow_remote: bool = False, key: str = "data.train_shards",
-                  policy: Optional[RemotePolicy] = None) -> dict:
+                  policy: Optional[RemotePolicy] = None, tally: Optional[Tally] = None) -> dict:
     """The checked manifest at a path or URL (read as ``resolve_shards`` reads it; ``key`` names what
-    gave it, in errors; a remote one retried under ``policy``, by default ``MANIFEST_POLICY``)."""
-    return parse_manifest(_read_bytes(url, allow_remote, key, policy), url)
+    gave it, in errors; a remote one retried under ``policy``, by default ``MANIFEST_POLICY``, its
+    retries counted in ``tally``)."""
+    return parse_manifest(_read_bytes(url, allow_remote, key, policy, tally), url)
 
 
 def _check_remote(url: str, allow_remote: bool, key: str) -> None:
@@ -276,9 +282,9 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
     shards: list[Shard] = []
     classes = None
     multi = False
-    offset = 0
+    offset, reads = 0, Tally()
     for murl, chosen in manifests.items():
-        m = read_manifest(murl, allow_remote=allow_remote, key=key, policy=policy)
+        m = read_manifest(murl, allow_remote=allow_remote, key=key, policy=policy, tally=reads)
         if classes is None:
             classes = tuple(m["classes"])
         elif tuple(m["classes"]) != classes:
@@ -301,4 +307,4 @@ def resolve_shards(spec: Union[str, list, tuple, None], *, allow_remote: bool = 
         raise DataError(f"{key}: no shards match {spec!r} (none of the {len(shards)} files exists, "
                         f"e.g. {shards[0].url})")
     return ShardSet(shards=tuple(shards), classes=classes, multi_label=multi,
-                    manifests=tuple(manifests))
+                    manifests=tuple(manifests), read_retries=reads.counts["remote_retries"])

@@ -7,6 +7,7 @@ not a user error); a 429/503 Retry-After is waited for, within that bound; a 404
 certificate and a malformed port are one line; a rate-limited server is only slow."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -160,6 +161,24 @@ def test_retries_while_a_resume_fast_forwards_are_counted(server, from_disk, ser
     assert keys == [k for k, _, _ in from_disk[6:]]
     assert resumed.counters.get("remote_retries", 0) >= 1, resumed.counters
     assert set(resumed.counters) == {"samples", "remote_retries"}, resumed.counters
+
+
+def test_manifest_retries_are_counted_by_the_training_loader(server, from_disk):
+    """The manifest is read before the loader exists; its retries (two 503s) still reach the
+    loader's counters, the ``data/*`` metrics, once, and again on a resumed loader."""
+    server.start("--busy", "2")
+    cfg = remote_data_cfg(f"{server.url}/manifest.json")
+    batches, counters = one_epoch(cfg)
+    _same(batches, from_disk)
+    get = "GET /manifest.json range=None -> "
+    assert server.requests()[:3] == [get + "503", get + "503", get + "200"]
+    assert counters == {"samples": 96, "remote_retries": 2}, counters
+    server.stop()
+    server.start("--busy", "1")
+    loader = build_loader(cfg, batch_size=8, seed=3, img_size=16)
+    loader.resume([dataclasses.replace(loader.state(), counters={"samples": 8, "remote_retries": 5})])
+    read = loader.plan.shardset.read_retries  # the 503, perhaps a refused connect before the port opened
+    assert read >= 1 and loader.counters == {"samples": 8, "remote_retries": 5 + read}  # the checkpoint's + this
 
 
 @pytest.mark.parametrize("restart", [["--no-range"], ["--busy", "1"], ["--busy", "1", "--busy-status", "520"]],
