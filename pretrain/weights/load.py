@@ -4,13 +4,15 @@ names mapped back to ours and query / key / value fused: ``pretrain.weights.hf``
 
 Never unpickles arbitrary objects: ``.pth``/``.bin``/``.pt`` go through ``torch.load(weights_only=True)``.
 Position embeddings are resized by 2-D interpolation when the patch grids differ (224 -> 384
-fine-tuning), the prefix tokens' rows ([class], registers) kept. A model with the fixed sin-cos
+fine-tuning), the prefix tokens' rows ([class], registers) kept; a timm ``no_embed_class=True``
+file (patch rows only) gets zero prefix rows. A model with the fixed sin-cos
 embedding keeps its own (computed for its grid) and reads none. Missing, unexpected and
 shape-mismatched keys are reported by name.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Union
@@ -140,6 +142,26 @@ def prefix_rows(sd: Mapping[str, torch.Tensor]) -> int:
     return int("cls_token" in sd) + (int(reg.shape[1]) if reg is not None else 0)
 
 
+def pos_embed_prefix_rows(sd: Mapping[str, torch.Tensor], grid: Optional[tuple[int, int]] = None) -> Optional[int]:
+    """Rows of ``sd['pos_embed']`` before its patch grid: :func:`prefix_rows`, or 0 for timm's
+    ``no_embed_class=True`` layout (DeiT III, register models such as ``vit_base_patch16_reg4_gap_256``),
+    which holds the patch rows only and adds nothing to the prefix tokens. Told from the shapes: the
+    rows are the ``grid``'s tokens (or the prefix plus them); without a grid, the rows are a square
+    grid, or the prefix plus a square grid. None when both readings fit (e.g. 9 rows and 5 prefix
+    tokens: 3x3, or [class], 4 registers and 2x2): then only the grid can tell."""
+    p, pe = prefix_rows(sd), sd.get("pos_embed")
+    if p == 0 or pe is None or pe.ndim != 3:
+        return p
+    n = int(pe.shape[1])
+    if grid is not None:
+        return 0 if n == grid[0] * grid[1] else p
+    patches_only = math.isqrt(n) ** 2 == n
+    with_prefix = n > p and math.isqrt(n - p) ** 2 == n - p
+    if patches_only and with_prefix:
+        return None
+    return 0 if patches_only else p
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
                  exclude: tuple[str, ...] = (), old_grid: Optional[tuple[int, int]] = None) -> LoadReport:
@@ -164,9 +186,21 @@ def load_weights(model: torch.nn.Module, source: Source, *, strict: bool = True,
         report.skipped.append("pos_embed")
     elif pe is not None and "pos_embed" in own and pe.shape != own["pos_embed"].shape:
         if pe.shape[-1] == own["pos_embed"].shape[-1]:
-            sd["pos_embed"] = resize_pos_embed(pe, tuple(model.grid_size), old_grid or _grid_from_meta(meta),
-                                               num_prefix_tokens=prefix_rows(sd))
-            report.resized.append(f"pos_embed: {tuple(pe.shape)} -> {tuple(sd['pos_embed'].shape)}")
+            grid = old_grid or _grid_from_meta(meta)
+            rows = pos_embed_prefix_rows(sd, grid)
+            if rows is None:
+                raise WeightsError(f"pos_embed {tuple(pe.shape)} with {prefix_rows(sd)} prefix tokens reads as "
+                                   "a square grid of patch rows alone and as prefix rows plus one; give the "
+                                   "checkpoint's grid (old_grid)")
+            resized = resize_pos_embed(pe, tuple(model.grid_size), grid, num_prefix_tokens=rows)
+            note = ""
+            if rows == 0 and prefix_rows(sd):
+                # timm's no_embed_class: patches + pos, then the prefix prepended. Ours adds after the
+                # prepend; a zero row gives each prefix token itself, so the outputs are timm's.
+                resized = torch.cat([resized.new_zeros(1, prefix_rows(sd), pe.shape[-1]), resized], dim=1)
+                note = " (patch rows only, timm's no_embed_class: prefix rows zero)"
+            sd["pos_embed"] = resized
+            report.resized.append(f"pos_embed: {tuple(pe.shape)} -> {tuple(resized.shape)}{note}")
     for k, v in list(sd.items()):
         if k in own and own[k].shape != v.shape:
             report.mismatched.append(f"{k}: {tuple(v.shape)} vs model {tuple(own[k].shape)}")

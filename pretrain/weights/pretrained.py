@@ -27,7 +27,7 @@ from data_pipeline.errors import ConfigError
 from pretrain.models.arch import img_size_problem, list_models, model_defaults
 from pretrain.models.pooling import sincos_pos_embed
 from pretrain.models.vit import create_model
-from pretrain.weights.load import WeightsError, load_weights, prefix_rows, read_state_dict
+from pretrain.weights.load import WeightsError, load_weights, pos_embed_prefix_rows, prefix_rows, read_state_dict
 
 
 class CheckpointError(ConfigError):
@@ -69,9 +69,9 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
         return {}
     dim, patch, depth = w.shape[0], w.shape[-1], max(depth_ids) + 1
     hybrid = any(k.startswith("patch_embed.backbone.") for k in sd)
-    prefix = prefix_rows(sd)
-    n = pe.shape[1] - prefix
-    side = math.isqrt(n)
+    prefix, rows = prefix_rows(sd), pos_embed_prefix_rows(sd)
+    n = pe.shape[1] - rows if rows is not None else -1  # -1: the shapes do not tell the grid
+    side = math.isqrt(n) if n > 0 else 0
     names = [m for m in list_models() if _shape_key(model_defaults(m)) == (patch, dim, depth, hybrid)]
     if not names:
         return {}
@@ -81,7 +81,7 @@ def infer_arch(sd: dict[str, torch.Tensor]) -> dict:
     rep = sd.get("pre_logits.fc.weight")
     pool = "map" if "attn_pool.latent" in sd else "avg" if "fc_norm.weight" in sd else "token"
     # a sin-cos embedding saved by timm or in bf16 is still its formula to bf16's rounding
-    sincos = side * side == n and torch.allclose(pe.float(), sincos_pos_embed((side, side), dim, prefix), atol=1e-2)
+    sincos = side * side == n and torch.allclose(pe.float(), sincos_pos_embed((side, side), dim, rows), atol=1e-2)
     return {"name": name, "img_size": img, "global_pool": pool,
             "representation_size": int(rep.shape[0]) if rep is not None else None,
             "reg_tokens": prefix - int("cls_token" in sd), "class_token": "cls_token" in sd,

@@ -216,6 +216,64 @@ def test_registers_without_class_token_load_at_another_resolution(tmp_path):
     assert torch.equal(fixed.blocks[2].mlp.fc1.weight, src.blocks[2].mlp.fc1.weight)
 
 
+NO_EMBED_CLASS = [dict(class_token=False, reg_tokens=4, global_pool="avg"),  # vit_*_reg4_gap's layout
+                  dict(reg_tokens=4), dict()]  # [class] and registers; DeiT III's [class] alone
+
+
+@pytest.mark.parametrize("kw", NO_EMBED_CLASS, ids=["reg4-gap", "cls-reg4", "cls"])
+def test_a_timm_no_embed_class_file_gives_timms_outputs(tmp_path, kw):
+    """timm's ``no_embed_class=True`` saves position rows for the patches only and adds them before
+    the prefix tokens are prepended. Loaded here, the prefix rows are zero: the same tokens as timm's
+    ``_pos_embed``, the same features and logits, at the file's grid and resized to another as timm's
+    ``checkpoint_filter_fn`` resizes it; vit-transfer reads the file's grid from the shapes."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    from pretrain.weights.pretrained import load_pretrained
+
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, no_embed_class=True, **kw).eval()
+    sd = {k: torch.randn_like(v) * 0.05 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(sd)
+    assert sd["pos_embed"].shape == (1, 4, 192)
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    pre = load_pretrained(tmp_path / "w.safetensors")
+    assert pre.img_size == 32 and pre.arch["reg_tokens"] == kw.get("reg_tokens", 0)
+    for px in (32, 48):
+        ours = create_model("vit_tiny_patch16_224", img_size=px, num_classes=5, **kw).eval()
+        rep = load_weights(ours, tmp_path / "w.safetensors")
+        assert "no_embed_class" in rep.summary() and not ours.pos_embed[:, :ours.num_prefix_tokens].any()
+        timm_px = ref
+        if px != 32:
+            timm_px = timm.create_model("vit_tiny_patch16_224", img_size=px, num_classes=5, no_embed_class=True,
+                                        **kw).eval()
+            timm_px.load_state_dict(checkpoint_filter_fn(dict(sd), timm_px))
+        x = torch.randn(2, 3, px, px)
+        with torch.no_grad():
+            grid = ours.patch_embed.grid_size
+            assert torch.equal(ours._pos_embed(ours.patch_embed(x), grid), timm_px._pos_embed(timm_px.patch_embed(x)))
+            torch.testing.assert_close(ours.forward_features(x), timm_px.forward_features(x), rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours(x), timm_px(x), rtol=0, atol=1e-6)
+
+
+def test_patch_rows_or_prefix_rows_not_told_apart_is_refused_until_the_grid_is_given():
+    """9 rows with [class] and 4 registers: a 3x3 grid alone, or the prefix and 2x2. No guess: the
+    checkpoint's grid decides."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    from pretrain.weights.load import WeightsError
+
+    ref = timm.create_model("vit_tiny_patch16_224", img_size=48, num_classes=0, no_embed_class=True, reg_tokens=4)
+    ours = create_model("vit_tiny_patch16_224", img_size=64, num_classes=0, reg_tokens=4).eval()
+    with pytest.raises(WeightsError, match="old_grid"):
+        load_weights(ours, ref.state_dict())
+    load_weights(ours, ref.state_dict(), old_grid=(3, 3))
+    at64 = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=0, no_embed_class=True, reg_tokens=4)
+    at64.load_state_dict(checkpoint_filter_fn(ref.state_dict(), at64))
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), at64.eval()(x), rtol=0, atol=1e-6)
+
+
 def test_arch_read_from_tensors_builds_the_transfer_backbone(tmp_path):
     """A bare state dict (no metadata) says its registers, missing [class] token, MAP head and sin-cos
     embedding (by its values); vit-transfer's backbone is that model at another resolution, and
