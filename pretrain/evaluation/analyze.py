@@ -382,7 +382,7 @@ def main(argv=None) -> None:
         device = check_device(args.device)
         cfg = load_config(args.config, args.overrides)
         check_output_dir(args.output)  # before any work: a mistake costs a second, not the analysis
-        pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model))
+        pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model), PROG)
         if args.img_size is not None:
             from pretrain.models.arch import img_size_problem
 

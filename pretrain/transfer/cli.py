@@ -90,7 +90,7 @@ def _report(doc: dict, cfg, output: Optional[str] = None) -> None:
 
 
 def run_once(args, cfg, user_arch: dict, dist: Dist) -> dict:
-    pre = load_pretrained(args.checkpoint, user_arch)
+    pre = load_pretrained(args.checkpoint, user_arch, PROG)
     tasks, missing = build_tasks(cfg.eval, cfg.data)
     doc = evaluate_checkpoint(cfg, pre, tasks, missing, dist=dist)
     doc["run_dir"] = pre.run_dir
@@ -121,7 +121,7 @@ def run_watch(args, cfg, user_arch: dict) -> list[dict]:
         docs = prev["evaluations"]
 
     def evaluate(step: int, path: Path) -> None:
-        pre = load_pretrained(path, user_arch)
+        pre = load_pretrained(path, user_arch, PROG)
         doc = evaluate_checkpoint(cfg, pre, tasks, missing)
         doc["run_dir"] = pre.run_dir or str(args.watch)
         docs.append(doc)

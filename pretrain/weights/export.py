@@ -47,9 +47,10 @@ class ExportRescued(RuntimeError):
     """The output could not be written at the end; the weights went elsewhere (the message says where)."""
 
 
-def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
+def find_checkpoint(run_dir: str | Path, step: Optional[int] = None, prog: str = "vit-export") -> Path:
     """A complete, verified checkpoint of a run (``pretrain.checkpointing.rundir.find_checkpoint``); a damaged
-    newest one is skipped with a warning on stderr, and left where it is (training owns it). With none
+    newest one is skipped with a warning on stderr labelled ``prog`` (the command reading the run), and
+    left where it is (training owns it). With none
     intact, the one error names the damaged ones (no warning before it), or, for a folder that looks
     like a transformers one, what is wrong with its config.json."""
     said: list[str] = []
@@ -58,7 +59,7 @@ def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
     except LookupError as e:
         raise ExportError(hf.folder_problem(run_dir) or str(e)) from None
     for msg in said:
-        print(f"vit-export: warning: {msg}", file=sys.stderr, flush=True)
+        print(f"{prog}: warning: {msg}", file=sys.stderr, flush=True)
     return found
 
 
@@ -126,15 +127,15 @@ def _hf_folder_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         "grid_size": [gh, gw], "checkpoint": str(path), "run_dir": None, "labels": labels}
 
 
-def load_run_weights(run_dir: str | Path, step: Optional[int] = None,
-                     ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+def load_run_weights(run_dir: str | Path, step: Optional[int] = None, ema: bool = False,
+                     prog: str = "vit-export") -> tuple[dict[str, torch.Tensor], dict]:
     """(fp32 state dict, info) of a run (``run_info``), or of a transformers ViT folder; ``ema``: the
-    run's moving average of the weights."""
+    run's moving average of the weights; ``prog``: the command whose warnings these are."""
     if hf.is_hf_folder(run_dir):
         if ema:
             raise ExportError(f"{run_dir}: a transformers folder holds no EMA of the weights; drop --ema")
         return _hf_folder_weights(Path(run_dir))
-    ckpt = find_checkpoint(run_dir, step)
+    ckpt = find_checkpoint(run_dir, step, prog)
     return consolidate(ckpt, ema), run_info(ckpt)
 
 

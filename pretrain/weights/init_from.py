@@ -64,7 +64,7 @@ def load_init_weights(model: torch.nn.Module, cfg: Config, say: Callable[[str], 
     from pretrain.weights.pretrained import CheckpointError, load_pretrained
 
     try:
-        pre = load_pretrained(cfg.model.init_from)
+        pre = load_pretrained(cfg.model.init_from, prog="vit-train")
     except CheckpointError as e:
         raise ConfigError(f"model.init_from={cfg.model.init_from}: {e}") from None
     if pre.arch["name"] != cfg.model.name and model_defaults(pre.arch["name"])["embed_dim"] != \

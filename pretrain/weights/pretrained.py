@@ -109,12 +109,12 @@ def _meta_arch(meta: dict[str, str],
     return arch, grid, step, meta.get("wandb_run_id") or None
 
 
-def _read_run_dir(path: Path) -> tuple[dict, dict]:
+def _read_run_dir(path: Path, prog: str) -> tuple[dict, dict]:
     """The single entry to run directories: ``pretrain.weights.export.load_run_weights``."""
     from pretrain.weights.export import load_run_weights
 
     try:
-        return load_run_weights(path)
+        return load_run_weights(path, prog=prog)
     except CheckpointError:
         raise
     except Exception as e:  # a user-given path: any failure to read it is a one-line error
@@ -122,14 +122,15 @@ def _read_run_dir(path: Path) -> tuple[dict, dict]:
         raise CheckpointError(f"{path}: cannot read run checkpoint: {msg}") from None
 
 
-def load_pretrained(path: str | Path, user_arch: Optional[dict] = None) -> Pretrained:
+def load_pretrained(path: str | Path, user_arch: Optional[dict] = None, prog: str = "vit-transfer") -> Pretrained:
     """Read a checkpoint of any accepted kind. ``user_arch``: model keys the user set explicitly;
-    they win over metadata and inference."""
+    they win over metadata and inference. ``prog``: the command reading it, which labels the warning
+    for a damaged checkpoint passed over."""
     p = Path(path)
     grid = step = run_id = run_dir = classes = totals = None
     arch: dict = {}
     if p.is_dir():
-        sd, info = _read_run_dir(p)
+        sd, info = _read_run_dir(p, prog)
         kind, arch = "run", {k: info["model"][k] for k in ARCH_KEYS if k in info.get("model", {})}
         grid = tuple(info["grid_size"]) if info.get("grid_size") else None
         step, run_id, run_dir = info.get("step"), info.get("wandb_run_id"), info.get("run_dir")

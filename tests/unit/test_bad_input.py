@@ -336,6 +336,29 @@ def test_export_a_damaged_marker_is_said_once(capsys, tmp_path):
                            f"{tmp_path / 'run/checkpoints'}; damaged: {ckpt / 'COMPLETE'}: unreadable marker ("), line
 
 
+def test_a_damaged_checkpoint_passed_over_is_said_by_the_command_reading_it(capsys, tmp_path):
+    """vit-transfer reads run directories through vit-export's loader, whose warning for the damaged
+    newest checkpoint it falls back past was labelled vit-export."""
+    from transfer_fixtures import tiny_model, write_run_dir
+
+    from pretrain.transfer.cli import main as transfer
+    from pretrain.weights.export import main as export
+
+    run = write_run_dir(tmp_path / "run", tiny_model(32), {10: True, 20: True}, final=20)
+    newest = run / "checkpoints" / "step_00000020"
+    (newest / "COMPLETE").write_text(json.dumps({"step": 20, "files": {"mp_rank_00_model_states.pt": [1, None]}}))
+    warning = "warning: checkpoint step_00000020 is damaged ("
+    export([str(run), str(tmp_path / "out.safetensors")])
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"vit-export: {warning}"), err
+    with pytest.raises(SystemExit) as e:  # past the loading, it stops at the missing data
+        transfer(["--checkpoint", str(run), "--protocol", "head", "--data-root", str(tmp_path / "none"),
+                  "--output", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 2, err
+    assert err[0].startswith(f"vit-transfer: {warning}") and err[1].startswith("vit-transfer: error: "), err
+
+
 EXPECTED_HF = "a transformers ViT folder's config.json is a JSON object with model_type 'vit'"
 
 
