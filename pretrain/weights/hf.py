@@ -142,6 +142,15 @@ def from_hf(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_VIT_NAME = re.compile(r"^(?:cls_token|reg_token|pos_embed|patch_embed\.|blocks\.\d+\.|norm\.|fc_norm\.|head\."
+                       r"|pre_logits\.|attn_pool\.)")
+
+
+def is_vit_name(name: str) -> bool:
+    """A tensor name of our ViT (timm's), as :func:`from_hf` maps a transformers ViT's names."""
+    return bool(_VIT_NAME.match(name))
+
+
 # ------------------------------------------------------------------------------------ folders
 def _looks_like_hf(p: Path) -> bool:
     return p.is_dir() and (p / CONFIG).is_file() and any((p / f).is_file() for f in WEIGHT_FILES)

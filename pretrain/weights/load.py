@@ -122,9 +122,16 @@ def read_hf_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     except ValueError as e:
         raise WeightsError(str(e)) from None
     sd: dict[str, torch.Tensor] = {}
-    for f in hf.weight_files(path):
+    files = hf.weight_files(path)
+    for f in files:
         sd.update(read_state_dict(f)[0])
-    return hf.from_hf(sd), {**hf.folder_meta(config), "hf_config": json.dumps(config)}
+    ours = hf.from_hf(sd)
+    if not any(hf.is_vit_name(k) for k in ours):  # another model's weights (a BERT's), or none
+        what = f"{files[0]}" if len(files) == 1 else f"{path}'s {len(files)} weight files"
+        held = ", ".join(list(sd)[:3]) + (f" (+{len(sd) - 3} more)" if len(sd) > 3 else "") if sd else "no tensors"
+        raise WeightsError(f"{what}: holds no ViT tensors ({held}); a transformers ViT folder's weights are "
+                           "named embeddings.*, encoder.layer.*, layernorm.*, classifier.*")
+    return ours, {**hf.folder_meta(config), "hf_config": json.dumps(config)}
 
 
 def _grid_from_meta(meta: dict[str, str]) -> Optional[tuple[int, int]]:

@@ -110,7 +110,9 @@ def _meta_arch(meta: dict[str, str],
 
 
 def _read_run_dir(path: Path, prog: str) -> tuple[dict, dict]:
-    """The single entry to run directories: ``pretrain.weights.export.load_run_weights``."""
+    """The single entry to run directories and transformers folders:
+    ``pretrain.weights.export.load_run_weights``."""
+    from pretrain.weights import hf
     from pretrain.weights.export import load_run_weights
 
     try:
@@ -119,7 +121,8 @@ def _read_run_dir(path: Path, prog: str) -> tuple[dict, dict]:
         raise
     except Exception as e:  # a user-given path: any failure to read it is a one-line error
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: cannot read run checkpoint: {msg}") from None
+        what = "transformers folder" if hf.is_hf_folder(path) else "run checkpoint"
+        raise CheckpointError(f"{path}: cannot read {what}: {msg}") from None
 
 
 def load_pretrained(path: str | Path, user_arch: Optional[dict] = None, prog: str = "vit-transfer") -> Pretrained:

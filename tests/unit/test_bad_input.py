@@ -390,3 +390,32 @@ def test_a_transformers_folder_with_a_bad_config_names_its_config_json(capsys, t
     with pytest.raises(CheckpointError) as e:  # vit-transfer --checkpoint, vit-analyze --checkpoint
         load_pretrained(folder)
     assert str(e.value).endswith(f"{folder / 'config.json'}: {needle}"), e.value
+
+
+@pytest.mark.parametrize("tensors", ["bert", "none"])
+@pytest.mark.parametrize("fmt", ["timm", "hf"])
+def test_a_transformers_folder_without_vit_tensors_is_refused_by_export_as_by_transfer(capsys, tmp_path, tensors,
+                                                                                         fmt):
+    """A valid ViT config.json beside another model's weights (or none): vit-export wrote an
+    "exported" file of them; vit-transfer refused it. Both read it through the same loader now."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pretrain.weights.export import main
+    from pretrain.weights.pretrained import CheckpointError, load_pretrained
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    sd = {"bert.embeddings.word_embeddings.weight": torch.zeros(8, 192)} if tensors == "bert" else {}
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 192, "num_hidden_layers": 12,
+                                                    "num_attention_heads": 3, "intermediate_size": 768,
+                                                    "image_size": 32}))
+    out = tmp_path / ("out.safetensors" if fmt == "timm" else "out")
+    needle = f"{folder / 'model.safetensors'}: holds no ViT tensors ({'bert.' if tensors == 'bert' else 'no tensors'}"
+    line = one_line(capsys, main, [str(folder), str(out), "--format", fmt])
+    assert line.startswith(f"vit-export: error: {needle}"), line
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match="holds no ViT tensors") as e:  # vit-transfer, vit-analyze
+        load_pretrained(folder)
+    assert needle in str(e.value), e.value
