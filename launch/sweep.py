@@ -202,32 +202,31 @@ def record(p: SweepPlan, table: Optional[list[dict]] = None) -> Path:
     return write_json(Path(p.root) / "sweep.json", doc, indent=1)
 
 
-def execute(p: SweepPlan, env: Optional[dict] = None) -> list[tuple[SweepRun, int]]:
+def execute(p: SweepPlan, env: Optional[dict] = None) -> Optional[int]:
     """Run the sweep's jobs one after the other, each under the supervisor of ``vit-launch run``
     (``launch/supervise.py``: a signal asks the job to checkpoint and stop; its exit code says how it
     ended, from ``status.json``). A failed size is reported and recorded (``record``), the rest
     still run; a stop asked for by a signal (Ctrl-C, SIGTERM) ends the sweep: no later size starts.
-    Returns the sizes that ran, with their exit codes."""
+    Each run's ``exit_code`` is set once it ran; returns the last one (None: none ran)."""
     from launch.supervise import Supervisor
     from pretrain.checkpointing.rundir import RunDir
 
     Path(p.root).mkdir(parents=True, exist_ok=True)
     record(p)
-    results = []
+    code = None
     for r in p.runs:
         print(f"\n==> world size {r.world_size}: {shell_join(r.command)}", flush=True)
         layout = RunDir.of(r.output_dir)
         sup = Supervisor(r.command, layout.status, stop_file=layout.stop_request, env=env)
-        r.exit_code = sup.run()
-        results.append((r, r.exit_code))
-        record(p)
+        r.exit_code = code = sup.run()
         if sup.signals:
             p.stopped = sup.stop_signal
-            record(p)
+        record(p)
+        if p.stopped:
             print(f"vit-launch: {sup.stop_signal}: the sweep stops at world size {r.world_size}; no later size "
                   "starts", file=sys.stderr, flush=True)
             break
         if r.exit_code != 0:
             print(f"vit-launch: warning: world size {r.world_size} failed with exit code {r.exit_code} "
                   f"(see above); continuing", file=sys.stderr, flush=True)
-    return results
+    return code

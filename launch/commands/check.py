@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
-from launch.hostfile import LaunchError
+from launch.hostfile import LaunchError, world_size
 from launch.runner import check_spec, plan_ranks
 from pretrain.config import ConfigError, check_world_size, load_config
 
@@ -41,7 +41,7 @@ def command(args) -> int:
         world, where, ranks = args.world_size, "--world-size", None
     else:
         _, ranks = plan_ranks(launch_spec(args))
-        world = sum(len(s) for s in ranks.values())
+        world = world_size(ranks)
         where = f"{len(ranks)} node(s)"
     memory_gb = args.gpu_memory_gb
     if memory_gb is None:  # the plan's memory for the GPU type, so check and plan fit the same device

@@ -70,7 +70,7 @@ def command(args) -> int:
         line = export_node_env(Path(p.root) / "deepspeed_env")
         if line:
             print(f"{PROG}: {line}", flush=True)
-    results = sweep.execute(p, env)
+    last = sweep.execute(p, env)
     stats = []
     for r in p.runs:
         if r.exit_code is None:
@@ -84,7 +84,7 @@ def command(args) -> int:
                 r.not_measured = str(e)
     missing = [r for r in p.runs if r.not_measured]
     # a stop asked for by a signal ends with the stopped job's code (75: after a checkpoint), as `run`
-    code = results[-1][1] if p.stopped and results[-1][1] != 0 else (1 if missing else 0)
+    code = last if p.stopped and last != 0 else (1 if missing else 0)
     if not stats:  # stopped (said above), or the jobs failed (exit 1): their output says why
         sweep.record(p)
         if not p.stopped:
