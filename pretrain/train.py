@@ -27,6 +27,7 @@ from pretrain.checkpointing import checkpoint
 from pretrain.checkpointing.checkpointer import CheckpointWriteError
 from pretrain.checkpointing.rundir import RunDir, step_of
 from pretrain.config import Config, cli_errors, load_config
+from pretrain.config.phases import window_ends
 from pretrain.distributed.precision import compute_dtype
 from pretrain.distributed.process import any_rank, process_group_ends, program, set_collective_timeout
 from pretrain.evaluation.target import reached_words
@@ -109,7 +110,7 @@ def train_loop(lp: Loop) -> dict:
             guard.verdict()
 
         clock.beat("log")
-        if step % t.log_every_steps == 0 or step == t.steps or ends:
+        if window_ends(step, phase, t.log_every_steps):
             history.append(log_window(lp, window, window_first, step, guard.total))
             window, window_first = Window(device), step + 1
 

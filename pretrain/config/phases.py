@@ -71,10 +71,16 @@ def log_windows(phases: list[Phase], log_every: int) -> list[tuple[int, int, boo
     out, first = [], 1
     for p in phases:
         for step in range(p.first, p.last + 1):
-            if step % log_every == 0 or step == p.last:
+            if window_ends(step, p, log_every):
                 out.append((first, step, first == p.first))
                 first = step + 1
     return out
+
+
+def window_ends(step: int, phase: Phase, log_every: int) -> bool:
+    """A logging window ends at ``step`` (of ``phase``): a multiple of ``log_every`` or the phase's
+    last step (a window holds one resolution; the run's last step is its last phase's)."""
+    return step % log_every == 0 or step == phase.last
 
 
 def steps_by_phase(phases: list[Phase], after: int, upto: int) -> list[tuple[Phase, int]]:
