@@ -98,10 +98,12 @@ def _read_status(path: Optional[Path], since: float) -> Optional[dict]:
     return doc if isinstance(doc, dict) and doc.get("time", 0) >= since else None
 
 
-def outcome(code: int) -> tuple[int, str]:
+def outcome(code: int, again: Optional[str] = "the same command") -> tuple[int, str]:
     """The documented exit code for the job's raw one, and the closing line saying what happened.
     DeepSpeed's launcher exits with a signalled rank's negative return code modulo 256 (SIGKILL:
-    247, SIGSEGV: 245); a shell-style 128 + N means signal N; both are failures (exit 1)."""
+    247, SIGSEGV: 245); a shell-style 128 + N means signal N; both are failures (exit 1).
+    ``again``: what resumes the job (``lifecycle.resume_command``); None where nothing does (a
+    sweep's sizes start over), and the line says only how the job ended."""
     if code == EXIT_OK:
         return code, "the job completed (exit 0)"
     if code == EXIT_USAGE:
@@ -109,13 +111,15 @@ def outcome(code: int) -> tuple[int, str]:
     if code == EXIT_HANG:
         return code, "the hang watchdog ended the job; stacks in <output_dir>/hang/ (exit 3)"
     if code == EXIT_INTERRUPTED:
-        return code, f"the job stopped after a checkpoint (exit {EXIT_INTERRUPTED}); run the same command to resume"
+        return code, (f"the job stopped after a checkpoint (exit {EXIT_INTERRUPTED})"
+                      + (f"; run {again} to resume" if again else ""))
     if code == EXIT_UNAVAILABLE:
         return code, (f"the shard store stayed unreachable past data.remote_retry_s, said above (exit "
-                      f"{EXIT_UNAVAILABLE}); the same command resumes from the last checkpoint once it is back")
+                      f"{EXIT_UNAVAILABLE})" + (f"; {again} resumes from the last checkpoint once it is back"
+                                                if again else ""))
     if code == EXIT_KILLED:
-        return code, (f"the job was killed without a checkpoint (exit {EXIT_KILLED}); the same command resumes "
-                      "from the last complete checkpoint")
+        return code, (f"the job was killed without a checkpoint (exit {EXIT_KILLED})"
+                      + (f"; {again} resumes from the last complete checkpoint" if again else ""))
     why = f"exit code {code}"
     for sig in (256 - code, code - 128):
         if 0 < sig < 65 and code > 128:
@@ -130,10 +134,10 @@ def outcome(code: int) -> tuple[int, str]:
 class Supervisor:
     def __init__(self, cmd, status_path: Optional[Path], stop_grace_s: float = 90.0,
                  watch: Optional[Callable[[], Optional[str]]] = None, stop_file: Optional[Path] = None,
-                 env: Optional[dict] = None):
-        """``env``: the job's environment (None: this process's)."""
+                 env: Optional[dict] = None, again: Optional[str] = "the same command"):
+        """``env``: the job's environment (None: this process's); ``again``: as ``outcome``'s."""
         self.cmd, self.status_path, self.stop_grace_s, self.watch = cmd, status_path, stop_grace_s, watch
-        self.stop_file, self.env = stop_file, env
+        self.stop_file, self.env, self.again = stop_file, env, again
         self.proc: Optional[subprocess.Popen] = None
         self.signals = 0
         self.stop_deadline: Optional[float] = None
@@ -237,8 +241,8 @@ class Supervisor:
         if self.killed == "interrupt":
             return EXIT_KILLED
         if self.killed == "grace" and self.signals:
-            _log(f"the job was killed {self.stop_grace_s:g}s after the stop request, without its stop checkpoint; "
-                 "the next run resumes from the last complete checkpoint")
+            _log(f"the job was killed {self.stop_grace_s:g}s after the stop request, without its stop checkpoint"
+                 + (f"; {self.again} resumes from the last complete checkpoint" if self.again else ""))
             return EXIT_KILLED
         if self.signals and not (status and status.get("state") == "failed"):
             # stopped on request before training reached a step it could checkpoint (start-up):
@@ -294,7 +298,7 @@ class Supervisor:
                     code = last = EXIT_INTERRUPTED
                     _log("stopped on request before the restart; nothing was started")
                     break
-            code, line = outcome(code)
+            code, line = outcome(code, self.again)
             _log(line)
             return code
         finally:

@@ -217,14 +217,15 @@ def execute(p: SweepPlan, env: Optional[dict] = None) -> Optional[int]:
     for r in p.runs:
         print(f"\n==> world size {r.world_size}: {shell_join(r.command)}", flush=True)
         layout = RunDir.of(r.output_dir)
-        sup = Supervisor(r.command, layout.status, stop_file=layout.stop_request, env=env)
+        # each size starts over (checkpoint.resume=false): no line may say a command resumes it
+        sup = Supervisor(r.command, layout.status, stop_file=layout.stop_request, env=env, again=None)
         r.exit_code = code = sup.run()
         if sup.signals:
             p.stopped = sup.stop_signal
         record(p)
         if p.stopped:
             print(f"vit-launch: {sup.stop_signal}: the sweep stops at world size {r.world_size}; no later size "
-                  "starts", file=sys.stderr, flush=True)
+                  "starts (run again, a sweep measures every size from the start)", file=sys.stderr, flush=True)
             break
         if r.exit_code != 0:
             print(f"vit-launch: warning: world size {r.world_size} failed with exit code {r.exit_code} "

@@ -34,7 +34,7 @@ from pretrain.evaluation.target import reached_words
 from pretrain.models.losses import classification_loss
 from pretrain.observability.window import Window, window_metrics
 from pretrain.perf.collector import after_imports
-from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, FailureRecord, say_goodbye
+from pretrain.resilience.lifecycle import EXIT_INTERRUPTED, EXIT_OK, FailureRecord, resume_command, say_goodbye
 from pretrain.resilience.nonfinite import NonFiniteGuard, NonFiniteLoss, scale_floor_as_error
 from pretrain.resilience.straggler import gather_and_judge
 from pretrain.startup import Connected, Job, Loop, assemble, build_engine, connect, restore
@@ -189,7 +189,8 @@ def _run(cfg: Config, record: FailureRecord) -> dict:
         raise
     result = _train(cfg, c, job, record)
     if c.rank == 0:  # before the barrier: a launcher may kill us after it
-        say_goodbye(result, c.layout.summary, job.status, checkpoint.latest_complete(result["checkpoint_dir"]))
+        say_goodbye(result, c.layout.summary, job.status, checkpoint.latest_complete(result["checkpoint_dir"]),
+                    resume_command(cfg.checkpoint.resume))
     dist.barrier()
     return result
 

@@ -87,18 +87,20 @@ def command(args) -> int:
         if line:
             print(f"{PROG}: {line}", flush=True)
     print(f"$ {shell_join(cmd)}", flush=True)
-    return supervise(args, cmd, pool, layout)
+    return supervise(args, cmd, pool, layout, cfg.checkpoint.resume)
 
 
 RESUME = "checkpoint.resume=true"  # every attempt after the first: a later override wins over an earlier one
 
 
-def supervise(args, cmd: list[str], pool, layout) -> int:
+def supervise(args, cmd: list[str], pool, layout, resumes: bool = True) -> int:
     """Start ``cmd`` under the Supervisor; with a node ``pool``, each restart runs the pool's next
     command (the nodes left). Every restart resumes (``checkpoint.resume=true`` appended): started
     with ``checkpoint.resume=false``, a restart would otherwise set aside the checkpoint it is meant
-    to continue from and start over."""
+    to continue from and start over; for the same reason its closing line names
+    ``checkpoint.resume=true`` as what resumes it (``resumes`` false)."""
     from launch.supervise import Supervisor
+    from pretrain.resilience.lifecycle import resume_command
 
     first = [cmd]
 
@@ -110,4 +112,5 @@ def supervise(args, cmd: list[str], pool, layout) -> int:
         return again
     watch = pool.slow_named if pool is not None and args.exclude_slow_hosts else None
     return Supervisor(command, layout.status, stop_grace_s=args.stop_grace, watch=watch,
-                      stop_file=layout.stop_request).run(args.max_restarts, args.restart_backoff)
+                      stop_file=layout.stop_request, again=resume_command(resumes)).run(args.max_restarts,
+                                                                                        args.restart_backoff)

@@ -345,11 +345,19 @@ class RunStatus:
             write_status(self.path, state, step, exit_code, self.spent() if self.spent else None)
 
 
-def goodbye_line(result: dict, checkpoint) -> str:
-    """The one line saying how a training run ended (``checkpoint``: its newest complete one)."""
+def resume_command(resumes: bool) -> str:
+    """What resumes a run from its checkpoint: the command that started it, or, where that set
+    ``checkpoint.resume=false`` (a start from scratch, which would set this run's checkpoints aside
+    in turn), that command made to resume."""
+    return "the same command" if resumes else "the same command with checkpoint.resume=true"
+
+
+def goodbye_line(result: dict, checkpoint, again: str = "the same command") -> str:
+    """The one line saying how a training run ended (``checkpoint``: its newest complete one;
+    ``again``: what resumes it, ``resume_command``)."""
     if result["preempted"]:
         return (f"vit-train: stopped ({result['stop_reason']}) at step {result['step']}: checkpoint {checkpoint}; run "
-                f"the same command to resume (exit {EXIT_INTERRUPTED})")
+                f"{again} to resume (exit {EXIT_INTERRUPTED})")
     return (f"vit-train: done at step {result['step']}{_cost(result)}{_target(result)}: checkpoint {checkpoint}; "
             f"export with: python -m pretrain.export {result['run_dir']} OUT.safetensors")
 
@@ -378,7 +386,7 @@ def _cost(result: dict) -> str:
         f" (+{(spent - led) / 3600:.3g} spent past the checkpoints)" if kept_not else "")
 
 
-def say_goodbye(result: dict, summary, status: RunStatus, checkpoint) -> None:
+def say_goodbye(result: dict, summary, status: RunStatus, checkpoint, again: str = "the same command") -> None:
     """Rank 0 at the end of a run: ``summary.json`` (a failed write is a warning: the checkpoint is
     saved, maybe in checkpoint.dir), status.json's final state, then the one closing line."""
     try:
@@ -387,4 +395,4 @@ def say_goodbye(result: dict, summary, status: RunStatus, checkpoint) -> None:
         print(f"vit-train: warning: cannot write {summary} ({e.strerror or e}); final step {result['step']}",
               file=sys.stderr, flush=True)
     status(result["step"], "interrupted" if result["preempted"] else "completed")
-    print(goodbye_line(result, checkpoint), file=sys.stderr, flush=True)
+    print(goodbye_line(result, checkpoint, again), file=sys.stderr, flush=True)

@@ -285,6 +285,23 @@ def test_a_fresh_start_beside_an_earlier_runs_checkpoints_keeps_both(two_checkpo
     assert "done at step 2" in r.stderr and f"checkpoint {mine}" in r.stderr
 
 
+def test_a_stopped_fresh_start_names_the_override_that_resumes_it(tiny_run):
+    """Started with checkpoint.resume=false, the same command would set this run's checkpoint
+    aside and start over: the closing line names checkpoint.resume=true, and that resumes it."""
+    job = tiny_run(*ZERO1, "train.steps=3", "checkpoint.resume=false")
+    job.run_dir.mkdir(parents=True)
+    request = job.run_dir / "stop.request"
+    request.write_text("maintenance\n")
+    later = time.time() + 3600  # newer than the job's start: it asks this job to stop
+    os.utime(request, (later, later))
+    r = job.run(300)
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "run the same command with checkpoint.resume=true to resume (exit 75)" in r.stderr, r.stderr[-2000:]
+    request.unlink()
+    r = tiny_run(*ZERO1, "train.steps=3", "checkpoint.resume=false", "checkpoint.resume=true").run(300)
+    assert r.returncode == 0 and "resuming from step 1" in r.stderr, r.stderr[-3000:]
+
+
 def test_a_stop_asked_for_at_the_last_step_ends_a_finished_run(tiny_run):
     """A stop request seen at the last step's sync point: every step trained and saved, so the run
     finished (exit 0, "completed"), not a resume asked of a scheduler."""

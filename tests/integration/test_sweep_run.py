@@ -58,6 +58,9 @@ def test_ctrl_c_stops_the_sweep_not_only_the_size_it_runs(shards, tmp_path):
     text = log.read_text()
     assert code == 75, text[-3000:]
     assert not (root / "ws2").exists() and "==> world size 2" not in text, text[-3000:]
+    # each size starts over (checkpoint.resume=false): no line promises the same command resumes it
+    assert "vit-launch: the job stopped after a checkpoint (exit 75)\n" in text, text[-3000:]
+    assert "no later size starts (run again, a sweep measures every size from the start)" in text, text[-3000:]
     doc = json.loads((root / "sweep.json").read_text())
     assert [r["exit_code"] for r in doc["runs"]] == [75, None]
     assert (root / "ws1" / "checkpoints" / "latest").is_file()  # the stop checkpoint

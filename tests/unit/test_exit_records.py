@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from launch.supervise import outcome
-from pretrain.resilience.lifecycle import RunStatus, goodbye_line, spent_before, write_status
+from pretrain.resilience.lifecycle import RunStatus, goodbye_line, resume_command, spent_before, write_status
 
 
 @pytest.mark.parametrize("raw, code, says", [
@@ -22,6 +22,16 @@ def test_every_way_a_job_ends_maps_to_a_documented_code_and_one_line(raw, code, 
     got, line = outcome(raw)
     assert got == code and says in line and "\n" not in line, (got, line)
     assert got in (0, 1, 2, 3, 69, 75, 130)  # the table in pretrain/resilience/lifecycle.py
+
+
+@pytest.mark.parametrize("raw", [75, 69, 130])
+def test_the_closing_line_names_what_resumes_the_job_or_nothing(raw):
+    """Started with checkpoint.resume=false, the same command starts over: the line names the
+    override; a sweep's sizes always start over: it promises no resume at all."""
+    code, line = outcome(raw, resume_command(False))
+    assert code == raw and "the same command with checkpoint.resume=true" in line and "resume" in line, line
+    code, line = outcome(raw, None)
+    assert code == raw and "resume" not in line and line == outcome(raw)[1].split(";")[0], line
 
 
 def test_status_says_running_then_the_processs_own_exit_code(tmp_path):
