@@ -473,7 +473,8 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--output", required=True, help="folder for vit_train_gpu.json, the rows' logs and metrics")
+    ap.add_argument("--output", help="folder for vit_train_gpu.json, the rows' logs and metrics (not needed with "
+                                     "--predict-only)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on a CPU: every code path, no meaningful figure")
     ap.add_argument("--only", default="", help="comma-separated MODEL:LEVER or LEVER names to run (default: all)")
     ap.add_argument("--predict-only", metavar="DEVICE_NAME",
@@ -484,9 +485,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--log-every", type=int, default=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    if not args.output and not args.predict_only:
+        ap.error("--output is required (unless --predict-only)")
     if args.plain:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
         r = plain_step_row(args.plain, args.plain_override, args.steps, args.log_every, args.smoke)
         (out / f"plain-{args.plain}.json").write_text(json.dumps(r) + "\n")
         return 0
@@ -508,6 +511,8 @@ def main(argv=None) -> int:
                 out_rows[-1]["phases"] = phases
         print(table(out_rows))
         return 0
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
     if args.only:
         keep = set(args.only.split(","))
         rows = [r for r in rows if r.lever in keep or f"{r.model}:{r.lever}" in keep]

@@ -92,6 +92,20 @@ def test_the_gpu_rows_resolve_as_the_gpu_would_and_differ_as_they_say(monkeypatc
     assert all(last_window < s <= settings["steps"] for s in profiled.values()), profiled
 
 
+def test_predict_only_needs_no_output_folder(monkeypatch, tmp_path, capsys):
+    """``--predict-only DEVICE`` as the benchmarks guide writes it: the table of predictions on
+    stdout, no --output asked for and no folder made; the measuring run still needs --output."""
+    bench = load_bench(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--predict-only", "NVIDIA H100 80GB HBM3"]) == 0
+    out = capsys.readouterr().out
+    assert "| ViT-L/16 | shipped |" in out and "| ViT-H/14 | model |" in out, out
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--smoke"])
+    assert e.value.code == 2 and "--output is required" in capsys.readouterr().err
+
+
 DYNAMO = r"""
 import sys, torch
 torch._dynamo.config.recompile_limit = 2
