@@ -392,7 +392,8 @@ def main(argv=None) -> None:
         doc = analyze(pre, args.images, args.output, img_size=args.img_size, augment=replace(cfg.data.augment),
                       num_images=args.num_images, rollout_images=args.rollout_images,
                       batch_size=args.batch_size, device=device)
-        print(f"{PROG}: {doc['model']['name']} step {doc['step']} at {doc['img_size']} px, "
+        step = doc["step"] if doc["step"] is not None else "?"  # a file without a step: as the figures say it
+        print(f"{PROG}: {doc['model']['name']} step {step} at {doc['img_size']} px, "
               f"{doc['num_images']} images -> {Path(args.output) / 'analysis.json'}", file=sys.stderr)
         if args.wandb:
             where = log_wandb(doc, cfg.logging.wandb, run_dir=pre.run_dir or args.output)

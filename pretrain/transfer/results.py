@@ -3,7 +3,7 @@ pre-training run.
 
 ``results.json`` (``--watch`` writes ``{"watch": RUN_DIR, "evaluations": [document, ...]}``)::
 
-    {"checkpoint": ..., "checkpoint_kind": "run|safetensors|state_dict", "step": 1000,
+    {"checkpoint": ..., "checkpoint_kind": "run|transformers|safetensors|state_dict", "step": 1000,
      "model": {"name": ..., "img_size": ..., "global_pool": ..., "representation_size": ...},
      "pretraining": {"device_hours": 1.2e3, "images_seen": ..., "model_flops": ...},  # None: unknown
      "suite": "vtab1k", "protocol": "linear", "img_size": 224, "sweep": true,

@@ -47,7 +47,7 @@ class Pretrained:
     step: Optional[int]
     wandb_run_id: Optional[str]
     source: str
-    kind: str  # "run", "safetensors" or "state_dict"
+    kind: str  # "run", "transformers" (a transformers ViT folder), "safetensors" or "state_dict"
     run_dir: Optional[str] = None
     classes: Optional[tuple[str, ...]] = None  # the head's class names in output order, where the source says them
     totals: Optional[dict] = None  # what pre-training did and cost up to this step (export.RUN_TOTALS), where known
@@ -133,8 +133,11 @@ def load_pretrained(path: str | Path, user_arch: Optional[dict] = None, prog: st
     grid = step = run_id = run_dir = classes = totals = None
     arch: dict = {}
     if p.is_dir():
+        from pretrain.weights import hf
+
         sd, info = _read_run_dir(p, prog)
-        kind, arch = "run", {k: info["model"][k] for k in ARCH_KEYS if k in info.get("model", {})}
+        kind = "transformers" if hf.is_hf_folder(p) else "run"
+        arch = {k: info["model"][k] for k in ARCH_KEYS if k in info.get("model", {})}
         grid = tuple(info["grid_size"]) if info.get("grid_size") else None
         step, run_id, run_dir = info.get("step"), info.get("wandb_run_id"), info.get("run_dir")
         from pretrain.weights.export import RUN_TOTALS, head_class_names

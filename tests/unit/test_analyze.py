@@ -260,6 +260,24 @@ def test_run_directory(tmp_path, photos):
     assert doc["checkpoint_kind"] == "run"
 
 
+def test_transformers_folder_is_named_so_and_its_unknown_step_is_a_question_mark(tmp_path, photos, capsys):
+    """A transformers ViT folder (no step recorded): analysis.json calls it a transformers folder, not
+    a run directory, and the closing line says ``step ?`` as the figures' titles do."""
+    import transformers
+
+    torch.manual_seed(6)
+    conf = transformers.ViTConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=2, intermediate_size=192,
+                                  image_size=32, patch_size=16, layer_norm_eps=1e-6, num_labels=4)
+    transformers.ViTForImageClassification(conf).save_pretrained(str(tmp_path / "hf"))
+    capsys.readouterr()
+    main(["--checkpoint", str(tmp_path / "hf"), "--images", str(photos / "test"), "--output", str(tmp_path / "out"),
+          "--rollout-images", "1"])
+    doc = _check_output(tmp_path / "out", layers=6, heads=2, images=4, rollout=1, grid=(2, 2), step=None)
+    assert doc["checkpoint_kind"] == "transformers"
+    err = capsys.readouterr().err
+    assert "step ? at 32 px, 4 images ->" in err and "None" not in err, err
+
+
 def test_hybrid_skips_the_embedding_filters(tmp_path, photos, monkeypatch):
     from pretrain.models import arch
 
