@@ -531,15 +531,15 @@ def main(argv=None) -> int:
         for row in rows:
             left = settings["budget_s"] - (time.perf_counter() - T_START)
             if left < settings["row_min_s"]:
-                results["rows"].append({"model": row.model, "lever": row.lever, "levers": row.levers,
-                                        "status": "skipped", "error": "time budget spent"})
+                results["rows"].append({"model": row.model, "device": results["device"], "lever": row.lever,
+                                        "levers": row.levers, "status": "skipped", "error": "time budget spent"})
                 continue
             print(f"== {row.model} {row.lever}: {row.levers} ({left:.0f} s left)", flush=True)
             if row.lever == "plain":
                 r = plain_row(row, settings, out, args.smoke, left)
             else:
                 r = run_row(row, settings, scratch, out, dev, left)
-            results["rows"].append(r)
+            results["rows"].append({"device": results["device"], **r})  # each row says where it ran
             print(json.dumps(r), flush=True)
             save()
     finally:

@@ -25,6 +25,7 @@ def test_vit_train_gpu_smoke(tmp_path):
     assert rows["no-ckpt"]["reduce_bucket_size"] < 5_000_000 <= rows["shipped"]["reduce_bucket_size"]
     for row in rows.values():
         assert row["img_per_s"] > 0 and row["path"] in ("vit-train", "plain PyTorch"), row
+        assert row["device"] == result["device"] == "cpu", row  # a row read alone still says where it ran
     # the plain reference is the same job as the rows (the config's model and loss), one step of it profiled
     plain = rows["plain"]
     assert plain["config"] == "configs/tiny_cpu.yaml" and plain["micro_batch"] == rows["shipped"]["micro_batch"]
