@@ -6,8 +6,8 @@ call, no process group, no image bytes read (tars are read header by header). Ea
 line; a failure says what to change.
 
     batch     global = micro x ranks x accumulation steps
-    shards    manifest readable, its classes = model.num_classes, shards >= ranks x workers,
-              every reader slot gets a full micro batch
+    shards    manifest readable, its classes = model.num_classes, every reader slot (ranks x
+              workers, each reading a range of samples) gets a full micro batch
     manifest  every local tar exists, has the byte size the manifest recorded, starts with a tar header;
               its samples (members grouped by key, headers only) are counted against the manifest,
               for every local tar up to COUNT_SAMPLE of them, else for COUNT_SAMPLE spread over the list;
