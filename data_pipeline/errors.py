@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import select
 import sys
 from typing import Callable, Optional
 
@@ -61,13 +63,32 @@ def cli_errors(prog: str, *user_errors: type, voice: Optional[Callable[[BaseExce
     ``voice``: for a command run as many processes (the ranks of a job), the words this process puts
     before the message, or None when another process says it (the exit code stays the same)."""
     try:
-        yield
+        try:
+            yield
+            sys.stdout.flush()  # a reader gone early (`| head`) shows here, not as a traceback at exit
+        except BrokenPipeError:
+            if not _stdout_gone():
+                raise  # a connection of the command's own: as any error
+            # nobody reads what is left to print: nothing to report (Python's documented recipe)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
     except (ConfigError, FileNotFoundError, Unavailable, *user_errors) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         who = "" if voice is None else voice(e)
         if who is not None:
             print(f"{prog}: error: {who}{msg}", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(e, *user_errors)) from None
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll reports an error on it),
+    so a BrokenPipeError was this process's own output, not a connection it opened."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no fd (captured), a closed stream
+        return False
 
 
 class Parser(argparse.ArgumentParser):

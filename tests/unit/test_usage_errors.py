@@ -50,3 +50,45 @@ def test_python_m_shards_cli_runs_vit_shards(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         runpy.run_module("data_pipeline.shards.cli", run_name="__main__", alter_sys=False)
     assert e.value.code == 2 and capsys.readouterr().err.startswith("vit-shards: error: ")
+
+
+CHILD = r"""
+import select, sys, time
+from data_pipeline.errors import cli_errors
+
+with cli_errors("prog", OSError):
+    print("first", flush=True)
+    if sys.argv[1] == "socket":  # a connection of its own broke: not the reader of stdout
+        raise BrokenPipeError(32, "Broken pipe")
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    deadline = time.monotonic() + 30
+    while not any(ev & select.POLLERR for _, ev in poll.poll(100)) and time.monotonic() < deadline:
+        pass  # until the reader has closed its end
+    for i in range(100):
+        print("line", i)
+"""
+
+
+@pytest.mark.parametrize("case", ["reader", "socket"])
+def test_a_reader_gone_early_ends_the_command_quietly(tmp_path, case):
+    """`vit-launch plan ... | head -1`: the reader closes the pipe while the command still prints; no
+    "error: [Errno 32] Broken pipe" (a user error it is not) and no traceback at exit. A broken
+    pipe of another kind (a connection the command opened) is still the error it is."""
+    import subprocess
+    from pathlib import Path
+
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    proc = subprocess.Popen([sys.executable, str(script), case], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2])
+    if case == "reader":
+        assert proc.stdout.readline() == b"first\n"
+        proc.stdout.close()  # as head does after its lines
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=60)
+        assert (code, err) == (1, ""), (code, err)
+    else:  # stdout read to its end
+        out, err = proc.communicate(timeout=60)
+        assert out == b"first\n" and proc.returncode == 2, (proc.returncode, err)
+        assert err.decode().strip() == "prog: error: [Errno 32] Broken pipe", err
