@@ -294,8 +294,10 @@ def demo(minival_fraction: float, seed: int, root: Optional[str] = None, data_cf
         manifests = [base / s / "manifest.json" for s in ("transfer-train", "transfer-test")]
         missing = [m for m in manifests if not m.is_file()]
         if missing:
-            raise TransferError(f"{missing[0]}: not found (demo suite with --data-root: ROOT/transfer-train and "
-                                "ROOT/transfer-test shards; omit --data-root to draw the demo images on the fly)")
+            # said alike for vit-transfer's --data-root and a probe's demo:PATH (validation.fewshot_suites)
+            raise TransferError(f"{missing[0]}: not found (the demo suite given a folder reads the transfer-train/ "
+                                "and transfer-test/ shards `vit-shards --source demo-transfer` writes there; given "
+                                "none, it draws the demo images on the fly)")
         train = ShardSplit("demo/transfer-train", manifests[0], data_cfg)
         test = ShardSplit("demo/transfer-test", manifests[1], data_cfg)
         return Task("demo", train.num_classes, train, None, train, test, resize="crop", augment=True)

@@ -27,6 +27,11 @@ def test_the_evaluator_reads_its_suites_when_built(tmp_path):
     assert [(label, t.num_classes) for label, t in ev.tasks[1]] == [("vtab1k/eurosat", 10)]  # a VTAB task, named
     with pytest.raises(TransferError, match=f"^{tmp_path}/gone: ImageFolder root not found$"):
         evaluator(every_steps=10, knn_suites=[f"imagefolder:{tmp_path}/gone"])
+    # the demo suite's folder as a probe names it (demo:PATH): no word of vit-transfer's --data-root
+    with pytest.raises(TransferError) as e:
+        evaluator(every_steps=10, fewshot_suites=[f"demo:{tmp_path}/gone"])
+    assert str(e.value).startswith(f"{tmp_path}/gone/transfer-train/manifest.json: not found (the demo suite given "
+                                   "a folder reads") and "--data-root" not in str(e.value), e.value
     with pytest.raises(TransferError, match="VTAB-1k task 'svhn' not found"):
         evaluator(every_steps=10, fewshot_suites=[f"vtab1k:{tmp_path}/vtab"], tasks=["svhn"])
     # no evaluation, nothing read
