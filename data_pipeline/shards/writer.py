@@ -242,6 +242,27 @@ def _job_done(out, name: str, job: str, other: str):
     return done
 
 
+def _check_still_whole(out, done: dict, part: tuple[int, int] | None) -> None:
+    """A finished job (or part) that a rerun would return as it is: every shard its manifest lists
+    must still be there with the size written, else a DataError naming the first that is not and
+    what rewrites it (the manifest's presence is what makes a rerun a no-op)."""
+    for s in done["shards"]:
+        st = out.stat(s["name"])
+        if st is not None and st["bytes"] == s["bytes"]:
+            continue
+        why = "missing" if st is None else f"{st['bytes']} bytes, written as {s['bytes']}"
+        if done.get("format") == PART_FORMAT:  # this part's own manifest
+            remove = [part_manifest_name(part)]
+        else:  # the job's manifest.json: a part's shard also needs that part's manifest gone
+            m = re.fullmatch(r".*-(\d{4})of(\d{4})-\d+\.tar", s["name"])
+            remove = [MANIFEST_NAME] + ([part_manifest_name((int(m[1]), int(m[2])))] if m else [])
+            part = (int(m[1]), int(m[2])) if m else None
+        again = f"rerun with --part {part[0]}/{part[1]}" if part else "rerun"
+        then = ", then vit-shards merge" if part and MANIFEST_NAME in remove else ""
+        raise DataError(f"{out.url(s['name'])}: {why} since the job finished; remove "
+                        f"{' and '.join(out.url(n) for n in remove)} and {again} to write it again{then}")
+
+
 def _finished_shards(out, job: str, name: str) -> list:
     """Shards an interrupted run of the same job completed (files still intact: the size, and in
     S3 the ETag, the progress file recorded)."""
@@ -380,6 +401,7 @@ def write_shards(source, out_dir, *, workers: int = 1, progress: bool = True, pa
     out.prepare()
     done = job.finished(out, part)
     if done is not None:
+        _check_still_whole(out, done, part)
         return done
     prefix, progress_path, manifest_name = job.split, PROGRESS_NAME, MANIFEST_NAME
     if part is not None:

@@ -208,3 +208,56 @@ def test_merge_refuses_undecodable_part_manifests_in_one_line(tmp_path, capsys, 
     bad = tmp_path / "out" / "part-0001of0001.json"
     bad.write_bytes(data)
     assert f"{bad}: not a part manifest ({said}" in _merge_fails([tmp_path / "out", bad], capsys)
+
+
+def _rerun_fails(argv, capsys) -> str:
+    capsys.readouterr()  # what earlier commands said
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("vit-shards: error: "), err
+    return err.strip().removeprefix("vit-shards: error: ")
+
+
+def test_a_finished_job_whose_shards_changed_says_what_rewrites_them(folder, tmp_path, capsys):
+    """A rerun of a finished job or part returns its manifest, as long as every shard it lists is
+    there with the size written; a shard lost or cut short since is one line naming it and what
+    writes it again, and doing that gives the job's shards back, byte for byte."""
+    out = tmp_path / "out"
+    src = ["--source", f"imagefolder:{folder}", "--output", str(out), *SHARD]
+    for i in (1, 2, 3):
+        assert main([*src, "--part", f"{i}/3"]) == 0
+    p3 = out / "part-0003of0003.json"
+    shard = out / json.loads(p3.read_text())["shards"][0]["name"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-512])
+    capsys.readouterr()
+    assert _rerun_fails([*src, "--part", "3/3"], capsys) == (
+        f"{shard}: {len(data) - 512} bytes, written as {len(data)} since the job finished; remove {p3} and rerun "
+        "with --part 3/3 to write it again")
+    p3.unlink()
+    assert main([*src, "--part", "3/3"]) == 0 and shard.read_bytes() == data
+    assert main(["merge", str(out), *map(str, sorted(out.glob("part-*.json")))]) == 0
+    # after the merge: the job's manifest.json is what a rerun of any part finds first
+    shard = out / json.loads((out / "part-0002of0003.json").read_text())["shards"][1]["name"]
+    data, before = shard.read_bytes(), samples_of(out)
+    shard.unlink()
+    assert _rerun_fails([*src, "--part", "3/3"], capsys) == (
+        f"{shard}: missing since the job finished; remove {out / 'manifest.json'} and "
+        f"{out / 'part-0002of0003.json'} and rerun with --part 2/3 to write it again, then vit-shards merge")
+    (out / "manifest.json").unlink()
+    (out / "part-0002of0003.json").unlink()
+    assert main([*src, "--part", "2/3"]) == 0 and shard.read_bytes() == data
+    assert main(["merge", str(out), *map(str, sorted(out.glob("part-*.json")))]) == 0
+    assert samples_of(out) == before
+    # one process's job
+    one = tmp_path / "one"
+    src = ["--source", f"imagefolder:{folder}", "--output", str(one), *SHARD]
+    assert main(src) == 0
+    shard = one / json.loads((one / "manifest.json").read_text())["shards"][-1]["name"]
+    data = shard.read_bytes()
+    shard.write_bytes(b"\0" * (len(data) + 512))
+    assert _rerun_fails(src, capsys) == (f"{shard}: {len(data) + 512} bytes, written as {len(data)} since the job "
+                                         f"finished; remove {one / 'manifest.json'} and rerun to write it again")
+    (one / "manifest.json").unlink()
+    assert main(src) == 0 and shard.read_bytes() == data
