@@ -152,7 +152,9 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+        args = typing.get_args(tp)
+        names = " | ".join(_type_name(a) for a in args if a is not type(None))
+        return names + (" or null" if type(None) in args else "")
     if origin is list:
         (inner,) = typing.get_args(tp)
         return f"list of {_type_name(inner)}"

@@ -236,6 +236,18 @@ def test_values_the_run_would_meet_late_are_refused_at_load(overrides, needle):
     assert needle in str(e.value), e.value
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.compile=null", "train.compile: expected bool | 'blocks' | 'model', got None"),
+    ("train.activation_checkpointing=null",
+     "train.activation_checkpointing: expected bool | int | 'auto' | 'selective', got None"),
+    ("model.img_size=big", "model.img_size: expected int or null, got 'big'"),
+])
+def test_a_type_error_offers_null_only_where_null_is_accepted(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == f"command line: {message}"
+
+
 def test_cli_unknown_key_missing_file_bad_yaml_bad_override(tmp_path):
     cases = [
         (["--config", str(write(tmp_path / "u.yaml", "modle: {name: x}\n"))], "did you mean 'model'"),
