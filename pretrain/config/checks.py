@@ -82,6 +82,10 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
             # it names its keys and values (train.global_batch_size=65 ...): not the key again
             key = "train.global_batch_size"
             raise ConfigError(f"{origin.get(key, src)}: {e}") from None
+    ac = t.activation_checkpointing
+    if isinstance(ac, int) and not isinstance(ac, bool) and ac < 0:
+        fail("train.activation_checkpointing", f"must be true, false, auto, selective or a number of blocks >= 0, "
+             f"got {ac}")
     if t.hang_timeout_s < 0:
         fail("train.hang_timeout_s", f"must be >= 0 (0 disables the watchdog), got {t.hang_timeout_s}")
     if t.pg_timeout_s <= 0:

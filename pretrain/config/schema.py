@@ -166,8 +166,9 @@ class TrainConfig:
     bound; 0 = off."""
     activation_checkpointing: Union[bool, int, Literal["auto", "selective"]] = "auto"
     """Recompute blocks in the backward instead of keeping their activations: `true` every block,
-    `false` none, `N` the first N blocks (the rest keep theirs), `auto` the fewest blocks with which
-    the run fits the device's memory by the memory model (`pretrain/perf/memory.py`; none on a CPU).
+    `false` none, `N` >= 0 the first N blocks (the rest keep theirs; past the depth: all), `auto`
+    the fewest blocks with which the run fits the device's memory by the memory model
+    (`pretrain/perf/memory.py`; none on a CPU).
     Each checkpointed block costs its forward again (about a third more compute for that block).
     `selective`: every block op by op, keeping its matmul and attention outputs and recomputing
     only the element-wise work between them (`pretrain/models/recompute.py`): about 70 % of a

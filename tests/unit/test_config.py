@@ -210,6 +210,8 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     (["eval.seed=-3"], "eval.seed: must be >= 0"),
     (["validation.seed=-3"], "validation.seed: must be >= 0"),
     (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps: must be >= 1"),
+    (["train.activation_checkpointing=-1"], "train.activation_checkpointing: must be true, false, auto, selective "
+                                            "or a number of blocks >= 0, got -1"),
     (["zero.allgather_bucket_size=0"], "zero.allgather_bucket_size: must be a positive number of elements"),
     (["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold: must be >= 0"),
     # a fine-tune's schedule and every sweep grid, each named by its own key
