@@ -125,6 +125,9 @@ def check_config(cfg: Config, origin: dict, src: str) -> None:
         fail("optim.bce_target_threshold", f"applies to optim.loss=bce only, got optim.loss={o.loss}")
     if o.bce_target_threshold is not None and not 0 <= o.bce_target_threshold < 1:
         fail("optim.bce_target_threshold", f"must be in [0, 1) or null, got {o.bce_target_threshold}")
+    if o.label_smoothing and cfg.data.multi_label:
+        fail("optim.label_smoothing", "data.multi_label=true trains on the labels as they are (sigmoid cross-entropy, "
+                                      "no smoothing); remove it")
     if o.loss == "bce" and cfg.data.multi_label:
         fail("optim.loss", "data.multi_label=true always trains with sigmoid cross-entropy summed over classes; "
                            "optim.loss=bce is for single-label data: remove it")

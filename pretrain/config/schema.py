@@ -105,8 +105,9 @@ class OptimConfig:
     min_lr: float = 0.0
     """The learning rate the decay ends at."""
     label_smoothing: float = 0.0
-    """Label smoothing of the classification loss (`bce`: index targets become `s / classes` off
-    and `1 - s + s / classes` on, as timm's `BinaryCrossEntropy`)."""
+    """Label smoothing of the single-label loss (`bce`: index targets become `s / classes` off
+    and `1 - s + s / classes` on, as timm's `BinaryCrossEntropy`); refused with `data.multi_label`,
+    whose loss takes its targets as they are."""
     layer_decay: float = 1.0
     """Layer-wise learning-rate decay (BEiT, MAE and DeiT III fine-tuning), as timm's
     `param_groups_layer_decay`: the head (and `fc_norm`) keeps the full LR, block `i` (from 0) of

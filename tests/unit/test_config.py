@@ -212,6 +212,8 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps: must be >= 1"),
     (["train.activation_checkpointing=-1"], "train.activation_checkpointing: must be true, false, auto, selective "
                                             "or a number of blocks >= 0, got -1"),
+    # the multi-label loss takes its targets as they are: a smoothing there would change nothing
+    (["data.multi_label=true", "optim.label_smoothing=0.1"], "optim.label_smoothing: data.multi_label=true trains"),
     (["zero.allgather_bucket_size=0"], "zero.allgather_bucket_size: must be a positive number of elements"),
     (["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold: must be >= 0"),
     # a fine-tune's schedule and every sweep grid, each named by its own key
