@@ -75,7 +75,9 @@ class DataConfig:
     loss learns nothing): measures the training step without the input pipeline
     (`benchmarks/vit_train_gpu.py`)."""
     img_size: Optional[int] = None
-    """Loader resolution; null: the model's resolution."""
+    """Loader resolution; null: the model's resolution. A training config may only repeat the model's
+    (`model.img_size` or the name's; another is refused at load): to train at fewer pixels, set
+    `model.img_size` or `train.resolution_schedule`."""
     workers: int = 4
     """DataLoader worker processes per rank."""
     shuffle_buffer: int = 2000
