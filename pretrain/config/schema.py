@@ -186,8 +186,9 @@ class TrainConfig:
     `pretrain/checkpointing/rundir.py`)."""
     hang_timeout_s: float = 600.0
     """A rank without progress this long dumps every thread's stack to
-    `<output_dir>/hang/rank-R.txt` and the job ends (exit 3); the first step and checkpoints get
-    3x; 0 = off."""
+    `<output_dir>/hang/rank-R.txt` and the job ends (exit 3); checkpoints and evaluations get 3x,
+    the first step (a run's, and each `train.resolution_schedule` phase's) `train.startup_timeout_s`
+    but at least 3x; 0 = off."""
     pg_timeout_s: float = 1800.0
     """How long a collective waits for its peers (gloo / NCCL process-group timeout), from the end
     of the first step on."""
