@@ -26,8 +26,8 @@ class ModelConfig:
     name: str = "vit_base_patch16_224"
     """timm name: `vit_{tiny,small,base,large}_patch16_224`, `vit_base_patch32_224`,
     `vit_large_patch32_224`, `vit_huge_patch14_224`, `vit_giant_patch14_224` (g/14, 1.0 B),
-    `vit_gigantic_patch14_224` (G/14, 1.8 B), `vit_{base,large}_patch16_384`, hybrid
-    `vit_base_r50_s16_224`; `test_vit` (timm's test model, 0.3 M parameters: for checking the
+    `vit_gigantic_patch14_224` (G/14, 1.8 B), `vit_{base,large}_patch16_384`, hybrids
+    `vit_base_r50_s16_224` and `vit_base_r50_s16_384`; `test_vit` (timm's test model, 0.3 M parameters: for checking the
     machinery on a CPU)."""
     num_classes: int = 1000
     """Classes of the head; must match the shards' class list."""
@@ -94,8 +94,8 @@ class OptimConfig:
     momentum: float = 0.9
     """SGD momentum (`sgd` only)."""
     weight_decay: float = 0.1
-    """Weight decay (decoupled for AdamW, L2 in the update for LAMB); none on biases, norms, position
-    embedding, [class] and register tokens, the MAP probe."""
+    """Weight decay (decoupled for AdamW, L2 in the update for LAMB, L2 on the gradient for SGD); none
+    on biases, norms, LayerScale, position embedding, [class] and register tokens, the MAP probe."""
     grad_clip: float = 1.0
     """Global-norm gradient clipping; 0 disables clipping."""
     warmup_steps: int = 10_000
