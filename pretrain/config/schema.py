@@ -38,7 +38,8 @@ class ModelConfig:
     attention's output projection and each MLP layer; none on the attention weights or before the
     head (timm's `pos_drop_rate` and `proj_drop_rate`)."""
     drop_path_rate: float = 0.0
-    """Stochastic depth."""
+    """Stochastic depth: block `i` of `depth` drops its residual branches at `rate x i / (depth - 1)`,
+    0 in the first block, this rate in the last (timm's linear rule)."""
     patch_drop_rate: float = 0.0
     """Patch dropout in training (timm's `patch_drop_rate`, FLIP): each image keeps a random
     `max(1, int(patches x (1 - rate)))` of its patch tokens, every prefix token ([class],
@@ -127,7 +128,8 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 1000
-    """Optimizer steps to run."""
+    """Optimizer steps of the whole run: a resumed run goes on up to this step, not this many more
+    (the LR schedule's length too)."""
     global_batch_size: int = 4096
     """Images per optimizer step; must be divisible by micro batch x world size, the rest is
     gradient accumulation."""
