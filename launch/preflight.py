@@ -6,6 +6,8 @@ call, no process group, no image bytes read (tars are read header by header). Ea
 line; a failure says what to change.
 
     batch     global = micro x ranks x accumulation steps
+    deepspeed the DeepSpeed config training builds from the config (a pair it refuses: a 16-bit
+              precision at ZeRO-0, train.reduce_dtype=bf16 outside the bf16 modes, ...)
     shards    manifest readable, its classes = model.num_classes, every reader slot (ranks x
               workers, each reading a range of samples) gets a full micro batch
     manifest  every local tar exists, has the byte size the manifest recorded, starts with a tar header;
@@ -60,6 +62,27 @@ def check_batch(cfg: Config, world: int) -> list[Finding]:
             f"steps {p.first:,}-{p.last:,} at {p.img_size} px, micro {p.micro_batch} x {world} x "
             f"{t.global_batch_size // (p.micro_batch * world)}" for p in resolution_phases(t, image_size(cfg.model)))))
     return found
+
+
+def check_deepspeed(cfg: Config, world: int) -> list[Finding]:
+    """The DeepSpeed config of the run, made as start-up makes it (``auto`` levers decided first):
+    a combination it refuses (``train.precision`` bf16 or fp16 at ``zero.stage=0``,
+    ``train.reduce_dtype=bf16`` outside the bf16 modes, a ``zero.offload_*`` at the wrong stage, a
+    ``deepspeed:`` key contradicting a section) fails here, not after the GPUs are claimed. Nothing
+    is said where it is made; a batch that does not divide is ``check_batch``'s."""
+    from pretrain.distributed.engine import deepspeed_config
+    from pretrain.perf import levers
+
+    try:
+        check_world_size(cfg.train, world)
+    except ConfigError:
+        return []
+    resolved, _ = levers.resolve(cfg, world)
+    try:
+        deepspeed_config(resolved.optim, resolved.train, resolved.zero, world, resolved.deepspeed)
+    except ConfigError as e:
+        return [Finding(FAIL, "deepspeed", str(e))]
+    return []
 
 
 # --------------------------------------------------------------------------------------- shards
@@ -493,12 +516,13 @@ def layout_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> li
     """What is known from the config and the number of ranks alone (batch arithmetic, memory
     estimate): what ``vit-launch slurm`` checks before it writes a script; data and disks belong to
     the cluster and are checked there, by the script."""
-    return check_batch(cfg, world) + check_memory(cfg, world, gpu_memory_gb, memory.model_shape(cfg.model))
+    return (check_batch(cfg, world) + check_deepspeed(cfg, world)
+            + check_memory(cfg, world, gpu_memory_gb, memory.model_shape(cfg.model)))
 
 
 def run_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> list[Finding]:
     shape = memory.model_shape(cfg.model)
-    return (check_batch(cfg, world) + check_shards(cfg, world) + check_probe_suites(cfg)
+    return (check_batch(cfg, world) + check_deepspeed(cfg, world) + check_shards(cfg, world) + check_probe_suites(cfg)
             + check_run_dir(cfg, shape.params) + check_memory(cfg, world, gpu_memory_gb, shape))
 
 

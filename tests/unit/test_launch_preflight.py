@@ -125,6 +125,16 @@ def test_batch_arithmetic(capsys, id_dir, tmp_path):
                     "x world size = 4 x 3 = 12; e.g. train.global_batch_size=12")  # one suggestion, not two
 
 
+@pytest.mark.parametrize("extra, needle", [
+    (["train.precision=bf16", "zero.stage=0"], "zero.stage=0 with train.precision=bf16: "),
+    (["train.reduce_dtype=bf16"], "train.reduce_dtype=bf16 with train.precision=fp32: "),
+])
+def test_a_pair_deepspeed_refuses_fails_before_the_gpus(capsys, id_dir, tmp_path, extra, needle):
+    """What start-up would refuse when it builds the DeepSpeed config, after the GPUs are claimed."""
+    line = the_error(capsys, args(id_dir, tmp_path, "--world-size", "2", *extra), "deepspeed")
+    assert line.startswith(f"vit-launch: error: deepspeed: {needle}"), line
+
+
 def test_batch_advice_divides_every_schedule_phase(capsys, id_dir, tmp_path):
     """A phase's micro batch (8) x 3 ranks does not divide the global batch 16: the advice was
     train.global_batch_size=12, a multiple of train.micro_batch_size (4) x 3 alone, which 8 x 3
