@@ -71,6 +71,7 @@ def check_zero(zero: ZeroConfig, fail: Callable[[str, str], None]) -> None:
              f"{zero.stage3_param_persistence_threshold}")
     if zero.hpz_partition_size < 1:
         fail("zero.hpz_partition_size", f"must be >= 1, got {zero.hpz_partition_size}")
-    for key in ("hpz_partition_size", "quantized_weights", "quantized_gradients"):
-        if getattr(zero, key) not in (1, False) and zero.stage != 3:
+    # each key against its own off value: true == 1, so one tuple of both would let `true` pass
+    for key, off in (("hpz_partition_size", 1), ("quantized_weights", False), ("quantized_gradients", False)):
+        if getattr(zero, key) != off and zero.stage != 3:
             fail(f"zero.{key}", f"is ZeRO++, which DeepSpeed runs only with zero.stage=3 (got stage {zero.stage})")

@@ -216,6 +216,9 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     (["data.multi_label=true", "optim.label_smoothing=0.1"], "optim.label_smoothing: data.multi_label=true trains"),
     (["zero.allgather_bucket_size=0"], "zero.allgather_bucket_size: must be a positive number of elements"),
     (["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold: must be >= 0"),
+    # ZeRO++ outside stage 3: DeepSpeed's config would leave it out and the run would not quantize
+    (["zero.quantized_weights=true"], "zero.quantized_weights: is ZeRO++, which DeepSpeed runs only with zero.stage=3"),
+    (["zero.stage=1", "zero.quantized_gradients=true"], "zero.quantized_gradients: is ZeRO++, which DeepSpeed runs"),
     # a fine-tune's schedule and every sweep grid, each named by its own key
     (["eval.protocol=finetune", "eval.lr=0.1", "eval.min_lr=0.5"], "eval.min_lr: must be in [0, eval.lr=0.1], got 0.5"),
     (["eval.protocol=finetune", "eval.sweep_lr=[0.1,1]", "eval.min_lr=0.5"],
