@@ -8,7 +8,8 @@ written last). Half-written directories are skipped until then; a checkpoint tha
 job prunes while we read it is reported and skipped, never retried forever.
 
 Stops when the run's final step (``train.steps`` in the checkpoint's ``run.json``) has been
-evaluated, or after ``eval.watch_idle_timeout_s`` without a new checkpoint (None: never).
+evaluated, or after ``eval.watch_idle_timeout_s`` without a new checkpoint (None: never), counted
+from the end of the last evaluation.
 """
 from __future__ import annotations
 
@@ -67,13 +68,15 @@ def watch(run_dir: str | Path, evaluate: Callable[[int, Path], None], *, poll_s:
             if step in seen:
                 continue
             seen.add(step)
-            last_new = clock()
             try:
                 evaluate(step, path)
                 evaluated.append(step)
             except (TransferError, CheckpointError, OSError) as e:  # e.g. pruned by the training job mid-read
                 log(f"vit-transfer: skipped step {step} ({path}): "
                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            # idle from here: an evaluation longer than the timeout must not end the watch before the
+            # checkpoints written while it ran are looked for
+            last_new = clock()
         if items:
             step, path = items[-1]
             fs = final_step(path)
