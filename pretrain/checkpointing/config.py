@@ -21,7 +21,7 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are deleted."""
     resume: bool = True
     """Resume automatically from the newest complete checkpoint; false: start from scratch, the
-    checkpoints already in the folder moved to `earlier-K/` beside it (kept whole)."""
+    checkpoints already in the folder moved into its `earlier-K/` (kept whole)."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on
     (`pretrain/checkpointing/async_save.py`). YAML key `checkpoint.async` (a Python keyword, so

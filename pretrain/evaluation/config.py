@@ -191,7 +191,8 @@ class EvalConfig:
     """Few-shot ridge penalties searched when sweeping."""
     knn_k: list[int] = _knn_field("knn_k")
     """kNN: neighbour counts scored (DINOv2's 10, 20, 100, 200); the task's accuracy is 20-NN top-1
-    (the largest k when 20 is absent), every k under details."""
+    (the largest k when 20 is absent), or with `eval.sweep` the k best on val, every k under
+    details."""
     knn_temperature: float = _knn_field("knn_temperature")
     """kNN: the temperature T of the vote weights exp(cosine / T) (DINO, DINOv2: 0.07)."""
     real_labels: Optional[str] = None
@@ -199,7 +200,9 @@ class EvalConfig:
     class indices per image, images in sorted file-name order; an empty list leaves the image
     out); adds ReaL top-1 / top-5 for an image-folder suite."""
     minival_fraction: float = _fewshot_field("minival_fraction")
-    """The val split cut from train where a suite has none (big_vision)."""
+    """The val split a sweep selects on, cut from train where a suite has none (big_vision):
+    cifar100, an imagefolder without `val/`, the drawn demo. Shard splits cut none: `shards`
+    sweeps only with a `val/`, `demo` with `eval.data_root` not at all."""
     wandb: bool = False
     """Log the results into the pre-training W&B run (same id, at the checkpoint's step)."""
     watch_poll_s: float = 30.0
