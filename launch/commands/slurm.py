@@ -41,7 +41,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requeue", action="store_true",
                     help="requeue on pre-emption and at the time limit (checkpoint --signal-grace s before it)")
     ap.add_argument("--signal-grace", type=int, default=120,
-                    help="seconds before the time limit that the job is told to checkpoint (default 120)")
+                    help="with --requeue, seconds before the time limit that the job is told to checkpoint; "
+                         "always, how long the script waits for ranks still saving after the job ends "
+                         "(default 120)")
     ap.add_argument("--output", required=True, type=path_arg, help="sbatch script to write")
     g = ap.add_argument_group("shard writing instead of training: --shards [options] -- VIT-SHARDS OPTIONS")
     g.add_argument("--shards", action="store_true",
