@@ -69,6 +69,17 @@ def check_zero(zero: ZeroConfig, fail: Callable[[str, str], None]) -> None:
     if zero.stage3_param_persistence_threshold < 0:
         fail("zero.stage3_param_persistence_threshold", f"must be >= 0 elements, got "
              f"{zero.stage3_param_persistence_threshold}")
+    # DeepSpeed refuses these as the engine starts, after the model is built; ``vit-launch check`` passed them
+    if zero.reduce_bucket_size != "auto" and zero.reduce_bucket_size < 1:
+        fail("zero.reduce_bucket_size", f"must be a positive number of elements or auto, got {zero.reduce_bucket_size}")
+    if zero.stage3_prefetch_bucket_size != "auto" and zero.stage3_prefetch_bucket_size < 0:
+        fail("zero.stage3_prefetch_bucket_size",
+             f"must be >= 0 elements or auto, got {zero.stage3_prefetch_bucket_size}")
+    if zero.offload_optimizer and zero.stage == 0:
+        fail("zero.offload_optimizer", "needs zero.stage >= 1 (DeepSpeed offloads a partitioned optimizer)")
+    if zero.offload_params and zero.stage != 3:
+        fail("zero.offload_params", f"needs zero.stage=3 (parameters are partitioned only there), got "
+             f"zero.stage={zero.stage}")
     if zero.hpz_partition_size < 1:
         fail("zero.hpz_partition_size", f"must be >= 1, got {zero.hpz_partition_size}")
     # each key against its own off value: true == 1, so one tuple of both would let `true` pass

@@ -216,6 +216,12 @@ def test_invalid_values_via_cli_exit_2_one_line(tmp_path, text, needle):
     (["data.multi_label=true", "optim.label_smoothing=0.1"], "optim.label_smoothing: data.multi_label=true trains"),
     (["zero.allgather_bucket_size=0"], "zero.allgather_bucket_size: must be a positive number of elements"),
     (["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold: must be >= 0"),
+    # what DeepSpeed or the engine would refuse only as the run starts, after vit-launch check passed it
+    (["zero.reduce_bucket_size=0"], "zero.reduce_bucket_size: must be a positive number of elements or auto"),
+    (["zero.stage=3", "zero.stage3_prefetch_bucket_size=-1"], "zero.stage3_prefetch_bucket_size: must be >= 0"),
+    (["zero.stage=0", "zero.offload_optimizer=true"], "zero.offload_optimizer: needs zero.stage >= 1"),
+    (["zero.offload_params=true"], "zero.offload_params: needs zero.stage=3 (parameters are partitioned only there), "
+                                   "got zero.stage=2"),
     # ZeRO++ outside stage 3: DeepSpeed's config would leave it out and the run would not quantize
     (["zero.quantized_weights=true"], "zero.quantized_weights: is ZeRO++, which DeepSpeed runs only with zero.stage=3"),
     (["zero.stage=1", "zero.quantized_gradients=true"], "zero.quantized_gradients: is ZeRO++, which DeepSpeed runs"),
