@@ -16,7 +16,7 @@ import yaml
 
 from data_pipeline.errors import ConfigError
 from pretrain.config.checks import check_config
-from pretrain.config.schema import MOVED, Config
+from pretrain.config.schema import MOVED, NOT_KEYS, Config
 from pretrain.evaluation.config import FEWSHOT_DEFAULTS
 
 
@@ -235,6 +235,8 @@ def _build(cls: type, tree: dict, prefix: str, origin: dict, default_where: str)
             key = f"{prefix}{k}"
         if key in MOVED:
             raise ConfigError(f"{where}: '{key}' is now '{MOVED[key]}'")
+        if key in NOT_KEYS:
+            raise ConfigError(f"{where}: '{key}' is not a key: {NOT_KEYS[key]}")
         if k not in names:
             valid = [f"{prefix}{n}" for n in names]
             close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
@@ -293,4 +295,8 @@ def from_dict(tree: dict) -> Config:
         for k in FEWSHOT_DEFAULTS:  # the settings the two sections share
             if k in old:
                 val.setdefault(k, old[k])
+    for key in NOT_KEYS:  # stored before they were dropped: they never changed what the run did
+        section, _, name = key.partition(".")
+        if isinstance(tree.get(section), dict):
+            tree[section].pop(name, None)
     return _build(Config, tree, "", {}, "stored config")

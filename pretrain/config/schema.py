@@ -246,6 +246,13 @@ class TrainConfig:
 # keys that moved: a config naming the old key gets one line naming the new one; a config stored
 # in an older checkpoint is read with the value moved
 MOVED = {"eval.every_steps": "validation.every_steps", "eval.fewshot": "validation.fewshot_suites"}
+# keys with no meaning in their section, and why: one line instead of an unknown key's near-miss
+NOT_KEYS = {
+    "validation.minival_fraction": "the probes fit each suite's whole train split and score its test split; "
+                                   "the minival split is vit-transfer's sweep's (eval.minival_fraction)",
+    "validation.seed": "the few-shot draws are seeded 0 to validation.fewshot_seeds - 1, as vit-transfer's; "
+                       "the minival split's seed is eval.seed",
+}
 
 
 @dataclass

@@ -33,9 +33,10 @@ def lower_is_better(metric: str) -> bool:
     """A loss is reached from above; an accuracy from below (``validation.target_metric``)."""
     return metric.endswith("/loss")
 
-# The few-shot probe and its minival split, read both by vit-transfer (``eval.*``) and by the probes
-# while pre-training (``validation.*``): each setting's default is defined once, here; each section's
-# field docstring says what the key means there.
+# The few-shot probe, read both by vit-transfer (``eval.*``) and by the probes while pre-training
+# (``validation.*``), and the minival split only a sweep of vit-transfer selects on (the probes fit
+# the whole train split and score test): each setting's default is defined once, here; each
+# section's field docstring says what the key means there.
 FEWSHOT_DEFAULTS = {"tasks": [], "fewshot_shots": [1, 5, 10, 25], "fewshot_seeds": 3, "fewshot_l2": 1024.0,
                     "minival_fraction": 0.02, "seed": 0}
 
@@ -79,12 +80,6 @@ def _check_fewshot(cfg: Any, section: str, suites: list[str], fail: Callable[[st
         fail(f"{section}.fewshot_seeds", f"must be positive, got {cfg.fewshot_seeds}")
     if not cfg.fewshot_l2 > 0:
         fail(f"{section}.fewshot_l2", f"must be > 0, got {cfg.fewshot_l2}")
-    if not 0 < cfg.minival_fraction < 1:
-        fail(f"{section}.minival_fraction", f"must be in (0, 1), got {cfg.minival_fraction}")
-    if cfg.seed < 0:
-        fail(f"{section}.seed", f"must be >= 0 (numpy's generators take no negative seed), got {cfg.seed}")
-    if cfg.seed >= SEED_LIMIT:
-        fail(f"{section}.seed", f"must be below 2**63 (torch's generators take a 64-bit seed), got {cfg.seed}")
 
 
 def _check_knn(cfg: Any, section: str, fail: Callable[[str, str], None]) -> None:
@@ -253,6 +248,9 @@ def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:
     need(len(ev.sweep_fewshot_l2) > 0 and all(v > 0 for v in ev.sweep_fewshot_l2), "sweep_fewshot_l2",
          f"must list ridge penalties > 0, got {ev.sweep_fewshot_l2}")
     _check_fewshot(ev, "eval", [ev.suite], fail)
+    need(0 < ev.minival_fraction < 1, "minival_fraction", f"must be in (0, 1), got {ev.minival_fraction}")
+    need(ev.seed >= 0, "seed", f"must be >= 0 (numpy's generators take no negative seed), got {ev.seed}")
+    need(ev.seed < SEED_LIMIT, "seed", f"must be below 2**63 (torch's generators take a 64-bit seed), got {ev.seed}")
     need(ev.watch_poll_s > 0, "watch_poll_s", f"must be positive, got {ev.watch_poll_s}")
     need(ev.watch_idle_timeout_s is None or ev.watch_idle_timeout_s >= 0, "watch_idle_timeout_s",
          f"must be >= 0 (0: evaluate what is there, then stop) or null, got {ev.watch_idle_timeout_s}")
@@ -292,10 +290,6 @@ class ValidationConfig:
     tasks: list[str] = _fewshot_field("tasks")
     """VTAB-1k tasks to probe, by paper or folder name (empty: all present); set only with a
     `vtab1k` suite among the probes'."""
-    minival_fraction: float = _fewshot_field("minival_fraction")
-    """The val split cut from train where a suite has none (big_vision)."""
-    seed: int = _fewshot_field("seed")
-    """Seed of that split."""
     target_metric: str = ""
     """A metric these evaluations log, named as logged (`eval/top1`, `eval/ema/top1`, `eval/loss`,
     `eval/fewshot/demo/10shot`, `eval/knn/vtab1k/dtd/20nn`); the first evaluation where it reaches

@@ -59,14 +59,15 @@ def probe_tasks(val, data) -> dict[str, list[tuple[str, object]]]:
     ``TransferError``, one line naming it."""
     from types import SimpleNamespace
 
-    from pretrain.evaluation.config import names_tasks
+    from pretrain.evaluation.config import FEWSHOT_DEFAULTS, names_tasks
     from pretrain.transfer.suites import SUITES
 
     out = {}
     for spec, own in names_tasks(list(dict.fromkeys(val.fewshot_suites + val.knn_suites))).items():
         name, path = parse_suite(spec)
-        ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=val.minival_fraction,
-                             seed=val.seed, tasks=list(val.tasks))
+        # the minival split a sweep of vit-transfer selects on: the probes fit the whole train split
+        ev = SimpleNamespace(suite=name, data_root=path, minival_fraction=FEWSHOT_DEFAULTS["minival_fraction"],
+                             seed=FEWSHOT_DEFAULTS["seed"], tasks=list(val.tasks))
         tasks, _ = SUITES[name].build(ev, data)
         out[spec] = [(f"{name}/{task.name}" if own else name, task) for task in tasks]
     for key in ("fewshot_suites", "knn_suites"):
