@@ -35,17 +35,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nodes", type=int, help="number of nodes (default 1, or --world-size / --gpus-per-node)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     ap.add_argument("--world-size", type=int, help="total GPUs (nodes = world / gpus-per-node)")
-    ap.add_argument("--micro-batch", type=int, help="images per GPU per forward/backward (default 32)")
-    ap.add_argument("--global-batch", type=int, help="images per optimizer step (default: micro x world)")
+    ap.add_argument("--micro-batch", type=int,
+                    help="images per GPU per forward/backward (default: the config's, else 32)")
+    ap.add_argument("--global-batch", type=int,
+                    help="images per optimizer step (default: the config's, else micro x world)")
     ap.add_argument("--img-size", type=int, help="input resolution (default: the model's)")
-    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 1)")
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: the config's, else 1)")
     ap.add_argument("--checkpointing", nargs="?", const="true", metavar="N|auto|selective",
                     help="activation checkpointing: every block (no value), the first N blocks, auto (the "
                          "fewest that fit the GPU's memory) or selective (every block op by op: matmul "
                          "outputs kept, element-wise work recomputed)")
     ap.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
                     help="torch.compile: each block (no value, or blocks) or the whole model")
-    ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], help="gradient reduction dtype (default fp32)")
+    ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"],
+                    help="gradient reduction dtype (default: the config's, else fp32)")
     ap.add_argument("--hpz", type=int, help="ZeRO++ hpZ: secondary partition group size (stage 3)")
     ap.add_argument("--quantized-weights", action="store_true", help="ZeRO++ qwZ: int8 weight all-gather (stage 3)")
     ap.add_argument("--quantized-gradients", action="store_true", help="ZeRO++ qgZ: int4 gradient all-to-all (stage 3)")
@@ -170,9 +173,29 @@ def _layout(args) -> tuple[perfmodel.Layout, list, Optional[tuple[int, int]]]:
         lay.accumulation
     except ValueError as e:
         raise ConfigError(f"--global-batch / --micro-batch: {e}") from None
+    if not args.config:  # training's default buckets (zero.*_bucket_size: auto), decided as training decides them
+        lay = _auto_buckets(lay)
     if args.micro_batch is not None or args.img_size is not None:  # the flags describe one fixed layout
         phases = []
     return lay, phases, length
+
+
+def _auto_buckets(lay: perfmodel.Layout) -> perfmodel.Layout:
+    """``lay`` with the gradient and ZeRO-3 prefetch buckets that ``zero.reduce_bucket_size: auto``
+    and ``zero.stage3_prefetch_bucket_size: auto`` (the config's defaults) choose for it
+    (``pretrain.perf.levers.resolve_zero``)."""
+    from types import SimpleNamespace
+
+    from pretrain.distributed.config import ZeroConfig
+    from pretrain.perf import levers
+
+    shape = lay.shape()
+    zero = ZeroConfig(stage=lay.zero, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto")
+    train = SimpleNamespace(precision=lay.precision, reduce_dtype=lay.reduce_dtype)
+    with_auto, _ = levers.resolve_zero(zero, train, shape.params, shape.block_params, lay.world,
+                                       gpus_per_node=lay.gpus_per_node, gpu=lay.gpu, network=lay.network)
+    return replace(lay, reduce_bucket_size=with_auto.reduce_bucket_size,
+                   prefetch_bucket_size=with_auto.stage3_prefetch_bucket_size)
 
 
 def _nodes(args) -> tuple[int, int]:

@@ -54,7 +54,10 @@ from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu
 
 @dataclass(frozen=True)
 class Layout:
-    """Everything the model needs about a job; defaults follow ``pretrain.config``'s."""
+    """Everything the model needs about a job. A config's layout is ``layout_from_config`` (its
+    ``auto`` levers decided as training decides them); the defaults here are a plain job's: ZeRO-1,
+    micro batch 32, no checkpointing, eager, DeepSpeed's own buckets (5e8 reduce, 5e7 prefetch;
+    ``vit-launch plan --model`` sets the ``auto`` ones)."""
     model: str
     gpu: str
     nodes: int = 1

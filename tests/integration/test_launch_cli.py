@@ -155,6 +155,31 @@ def test_plan_takes_the_world_size_with_a_model_too(capsys):
     assert e.value.code == 0 and (doc["layout"]["nodes"], doc["layout"]["gpus_per_node"]) == (2, 8), err
 
 
+def test_plan_of_a_model_prices_the_buckets_training_picks(capsys, tmp_path):
+    """`plan --model` without a config prices the layout a config of the defaults trains with:
+    zero.reduce_bucket_size and zero.stage3_prefetch_bucket_size are auto there, not DeepSpeed's
+    5e8 / 5e7, so the ZeRO-2 reduction overlaps the backward as it will in training."""
+    import json
+
+    def plan(*argv):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--gpu", "h100-sxm", "--nodes", "8", "--json", *argv])
+        out, err = capsys.readouterr()
+        assert e.value.code == 0, err
+        return json.loads(out)
+
+    by_model = plan("--model", "vit_large_patch16_224", "--zero", "2")
+    cfg = tmp_path / "l16.yaml"
+    from pathlib import Path
+
+    cfg.write_text(f"base: {Path('configs/vit_l16_in21k.yaml').resolve()}\nmodel: {{num_classes: 1000}}\n"
+                   "train: {activation_checkpointing: false, compile: false}\ndata: {multi_label: false}\n")
+    by_config = plan("--config", str(cfg), "--micro-batch", "32", "--global-batch", "2048")
+    for key in ("reduce_bucket_size", "prefetch_bucket_size"):
+        assert by_model["layout"][key] == by_config["layout"][key] < 100_000_000, (key, by_model["layout"])
+    assert by_model["exposed_comm_seconds"] < 0.5 * by_model["comm_seconds"], by_model
+
+
 def test_python_dash_m_launch_has_no_traceback(tmp_path):
     """The real entry point in a fresh process: a bad key is one stderr line, exit 2."""
     r = subprocess.run([sys.executable, "-m", "launch", "--config", CONFIG, "--dry-run", "train.stepz=3"],
