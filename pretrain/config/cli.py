@@ -49,6 +49,8 @@ def main(argv=None) -> None:
         ap.error(f"--world-size {args.world_size}: must be >= 1")
     if args.deepspeed and args.world_size is None:
         ap.error("--deepspeed needs --world-size N: the ranks set the gradient accumulation")
+    if args.world_size is not None and not args.deepspeed:  # the resolved config holds no world size
+        ap.error("--world-size is for --deepspeed (the DeepSpeed JSON of a run on that many ranks)")
     with cli_errors("vit-config"):
         cfg = load_config(args.config, args.overrides)
     if args.deepspeed:

@@ -53,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--recipe", choices=["paper", "deit"], help="eval.recipe: the fine-tune's recipe (default: paper)")
     ap.add_argument("--data-root", type=path_arg, help="dataset folder (eval.data_root)")
     ap.add_argument("--output", default="results.json", type=path_arg, help="results JSON (default: results.json)")
-    ap.add_argument("--config", type=path_arg, help="YAML config (eval / model / zero sections)")
+    ap.add_argument("--config", type=path_arg,
+                    help="YAML config: its eval section, and the model, zero, data, train.precision, "
+                         "train.activation_checkpointing and logging.wandb settings it evaluates with")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.img_size=384")
     return ap

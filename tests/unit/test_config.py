@@ -437,6 +437,9 @@ def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path, capsys):
     r = run_cli("--config", tiny, "--deepspeed")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "vit-config: error: --deepspeed needs --world-size N: the ranks set the gradient accumulation"], r.stderr
+    r = run_cli("--config", tiny, "--world-size", "2")  # the resolved config would print, the ranks unread
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "vit-config: error: --world-size is for --deepspeed (the DeepSpeed JSON of a run on that many ranks)"], r.stderr
     r = run_cli("--config", tiny, "--deepspeed", "--world-size", "1", "deepspeed.zero_optimization.stag3=1")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(
         "vit-config: error: deepspeed: DeepSpeed refuses the merged config:"), r.stderr
