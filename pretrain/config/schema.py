@@ -104,7 +104,9 @@ class OptimConfig:
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     """Learning-rate decay after the warmup: `linear`, `cosine` or `constant`."""
     min_lr: float = 0.0
-    """The learning rate the decay ends at."""
+    """The learning rate the decay ends at (`linear`, `cosine`). The schedule scales every
+    parameter group alike, so with `optim.layer_decay` a group ends at `min_lr` times its scale, as
+    timm's scheduler does."""
     label_smoothing: float = 0.0
     """Label smoothing of the single-label loss (`bce`: index targets become `s / classes` off
     and `1 - s + s / classes` on, as timm's `BinaryCrossEntropy`); refused with `data.multi_label`,
@@ -163,10 +165,11 @@ class TrainConfig:
     startup_timeout_s: float = 3600.0
     """The bound on start-up: process group and DeepSpeed's communication set-up, model build,
     DeepSpeed init, checkpoint resume (a universal-checkpoint conversion on another world size),
-    the first step; collectives wait this long until the first step is done. Past it one line
-    names the phase and the rank ends (a guard process: DeepSpeed's CPU shm set-up spins in C++
-    for a dead peer's buffer file, where no Python thread can run); larger than any step-time
-    bound; 0 = off."""
+    the first step; collectives wait this long (or `train.pg_timeout_s`, if longer) until the first
+    step is done. Past it one line names the phase and the rank ends (a guard process: DeepSpeed's
+    CPU shm set-up spins in C++ for a dead peer's buffer file, where no Python thread can run);
+    larger than any step-time bound; 0 = off (the hang watchdog, if on, still bounds the first step
+    at 3x `train.hang_timeout_s`)."""
     activation_checkpointing: Union[bool, int, Literal["auto", "selective"]] = "auto"
     """Recompute blocks in the backward instead of keeping their activations: `true` every block,
     `false` none, `N` >= 0 the first N blocks (the rest keep theirs; past the depth: all), `auto`
@@ -180,7 +183,8 @@ class TrainConfig:
     log_every_steps: int = 10
     """Steps per logging window (metrics.jsonl, W&B, the progress line)."""
     max_nonfinite_steps: int = 5
-    """Non-finite losses in a row before the run stops; a non-finite micro-batch is dropped on
+    """Non-finite losses in a row before the run stops, counted by micro-batch (with gradient
+    accumulation a streak can end the run within fewer steps); a non-finite micro-batch is dropped on
     every rank (its gradients are zeroed on the device, the step still counts) and the streak is
     checked at the next sync point."""
     output_dir: str = "runs/default"
