@@ -48,10 +48,11 @@ def _cfg(shards: str, **kw):
     return remote_data_cfg(shards, **kw)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """moto_server + the proxy, the bucket, and this process's (and its jobs') AWS_* variables
-    pointing at the proxy; all restored and stopped (by PID) at the end."""
+    pointing at the proxy; all restored and stopped (by PID) at the module's end, so no later test
+    file of this worker runs with them."""
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     server = MotoS3(log).start()
     proxy = Proxy(server.port).start()
@@ -77,7 +78,7 @@ def proxy(store):
     store.proxy.reset()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def written(store, tmp_path_factory):
     """The same demo shards written by ``python -m data_pipeline.write_shards`` to disk and to the store."""
     local = tmp_path_factory.mktemp("s3local") / "train"
@@ -91,7 +92,7 @@ def written(store, tmp_path_factory):
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def from_disk(written):
     batches, counters = one_epoch(_cfg(str(written[0])))
     assert counters == {"samples": 96} and len(batches) == 12
