@@ -23,6 +23,7 @@ model card built from a run directory live here too; ``pretrain.weights.export``
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Mapping, Optional
@@ -388,6 +389,21 @@ def transfer_table(docs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def flops_seen(tree: dict, step: int) -> float:
+    """The model FLOPs of steps 1..``step`` of a run of this config (``tree``, as run.json holds it):
+    6 x the analytic forward of each image at its step's resolution and on the tokens patch dropout
+    kept, as training counts them; a run whose global batch or phases changed on a resume counted
+    others (its checkpoint's ``model_flops``)."""
+    from pretrain.config import from_dict, image_size
+    from pretrain.config.phases import resolution_phases, steps_by_phase
+    from pretrain.models.arch import config_macs
+
+    cfg = from_dict(tree)
+    m, batch = cfg.model, cfg.train.global_batch_size
+    phases = resolution_phases(cfg.train, image_size(m))
+    return sum(6 * config_macs(m, p.img_size) * batch * n for p, n in steps_by_phase(phases, 0, step))
+
+
 def compute_seen(tree: dict, step: int) -> str:
     """The card's compute cell for a run's config (``tree``, as run.json holds it): 6 x the forward
     of each image seen, at its step's resolution (``train.resolution_schedule``) and on the tokens
@@ -396,13 +412,13 @@ def compute_seen(tree: dict, step: int) -> str:
     from dataclasses import replace
 
     from pretrain.config import from_dict, image_size
-    from pretrain.config.phases import resolution_phases, steps_by_phase
+    from pretrain.config.phases import resolution_phases
     from pretrain.models.arch import config_macs
 
     cfg = from_dict(tree)
     m, batch, img = cfg.model, cfg.train.global_batch_size, image_size(cfg.model)
     phases = resolution_phases(cfg.train, img)
-    done = sum(6 * config_macs(m, p.img_size) * batch * n for p, n in steps_by_phase(phases, 0, step))
+    done = flops_seen(tree, step)
     per_image = config_macs(replace(m, patch_drop_rate=0.0), img)
     full = 6 * per_image * batch * step
     fewer = []
@@ -448,8 +464,12 @@ def model_card(cfg: dict, step: Optional[int], labels: list[str], dataset: Optio
         if totals.get("images_seen") not in (None, images):  # the global batch changed on a resume
             seen = f"{totals['images_seen']:,} (over {step} steps; the global batch, now {batch}, changed on a resume)"
         compute = compute_seen(cfg, step)
-        if totals.get("model_flops") is not None and totals.get("images_seen") != images:
-            compute = (f"{totals['model_flops'] / 1e18:.3g} exaFLOPs (the model FLOPs of every step, at its resolution "
+        # the config's phases are today's: a resume that changed the global batch, or train.steps under
+        # a resolution schedule (which moves the phases' boundaries), trained steps the config no
+        # longer describes; the checkpoint's own count is of every step as it ran
+        flops = totals.get("model_flops")
+        if flops is not None and not math.isclose(flops, flops_seen(cfg, step), rel_tol=1e-6):
+            compute = (f"{flops / 1e18:.3g} exaFLOPs (the model FLOPs of every step, at its resolution "
                        "and kept tokens, as logged)")
         rows += [("Steps", f"{step}"), ("Images seen", seen), ("Compute", compute)]
     loss = final_loss(run_root, step) if run_root is not None and step is not None else None

@@ -174,6 +174,21 @@ def test_card_compute_counts_each_step_at_its_resolution_and_kept_tokens():
             f"32 px with every token |") in card, card
 
 
+def test_card_compute_of_a_schedule_whose_steps_changed_on_a_resume():
+    """A run of 20 steps on [[0.0, 16], [0.5, 32]] trains steps 1-10 at 16 px and 11-20 at 32; resumed
+    with train.steps=40, its config's phases are 1-20 and 21-40, so the config alone would price
+    steps 11-20 at 16 px. The card gives the checkpoint's own count, of every step as it ran."""
+    cfg = to_dict(load_config(None, ["model.name=vit_tiny_patch16_224", "model.img_size=32", "model.num_classes=3",
+                                     "train.steps=40", "train.micro_batch_size=16", "train.global_batch_size=16",
+                                     "train.resolution_schedule=[[0.0,16],[0.5,32]]"]))
+    gmacs = lambda px: analytic_flops("vit_tiny_patch16_224", px, 3)  # noqa: E731
+    ran = 6 * 16 * (10 * gmacs(16) + 30 * gmacs(32))  # steps 1-10 at 16 px, then 11-40 at 32
+    prep = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 0.875}
+    card = hf.model_card(cfg, 40, ["a", "b", "c"], None, None, 10 ** 6, prep,
+                         totals={"device_seconds": None, "images_seen": 640, "model_flops": ran})
+    assert f"| Compute | {ran / 1e18:.3g} exaFLOPs (the model FLOPs of every step" in card, card
+
+
 def test_ours_hf_ours_bit_identical_base_shapes(tmp_path):
     """ViT-B/16 shapes at 32 px, without a checkpoint: the conversion and folder writer alone."""
     from pretrain.weights.export import write_safetensors
