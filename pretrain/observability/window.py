@@ -53,12 +53,13 @@ class RunTotals:
         if self.model_flops is not None:
             self.model_flops += images * flops_per_image
 
-    def record(self) -> dict:
+    def record(self, own: bool = True) -> dict:
         """As ``run.json`` and ``summary.json`` hold them, now: ``device_seconds`` adds this
         invocation's ranks since it began (start-up, saves and evaluations included; the time an
         invocation spent past its last checkpoint before a crash is not in the checkpoint it
-        resumes)."""
-        secs = None if self.device_seconds is None else round(self.device_seconds + self._own(), 3)
+        resumes). ``own=False``: without them, for an invocation that led to no checkpoint (it
+        trained no step): its time is in ``spent`` alone."""
+        secs = None if self.device_seconds is None else round(self.device_seconds + own * self._own(), 3)
         return {"device_seconds": secs,
                 "images_seen": self.images, "model_flops": self.model_flops,
                 **({"target_reached": self.target_reached} if self.target_reached is not None else {})}

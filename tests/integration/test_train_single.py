@@ -182,7 +182,12 @@ def test_startup_says_what_it_is_doing(shards, tmp_path):
     past = train(shards, tmp_path / "run", "train.steps=2", "train.log_every_steps=5", "zero.stage=1")
     assert past.returncode == 0 and "waiting for the first batch" not in past.stderr, past.stderr[-3000:]
     assert "vit-train: the checkpoint is at step 3, train.steps=2: no step left to train [" in past.stderr
-    assert past.stderr.strip().splitlines()[-1].startswith("vit-train: done at step 3 after ")
+    # what led to the checkpoint is its own count: the invocation that trained nothing is spent, not kept
+    three = json.loads((ckpt.parent / "step_00000003" / "run.json").read_text())["device_seconds"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["device_seconds"] == three < summary["device_seconds_spent"], (three, summary)
+    assert past.stderr.strip().splitlines()[-1].startswith(f"vit-train: done at step 3 after {three / 3600:.3g} "
+                                                           "device-hours"), past.stderr[-3000:]
 
 
 @pytest.mark.parametrize("device, decoder", [
