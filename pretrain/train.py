@@ -123,7 +123,7 @@ def train_loop(lp: Loop) -> dict:
         stopped = at_target or (sync and lp.stop.agreed(device))
         if stopped and window.steps:  # the steps since the last log step: their window too, before the save
             clock.beat("log")
-            history.append(log_window(lp, window, window_first, step, guard.total))
+            history.append(log_window(lp, window, window_first, step, guard.total, ends=at_target))
         clock.beat("checkpoint", slow=True)
         # the seconds a save held this thread are not the next window's img/s (as an evaluation's; Megatron's too)
         clock.exclude(lp.checkpointer.maybe_save(step, stopping=stopped, sync=sync))
@@ -141,9 +141,11 @@ def train_loop(lp: Loop) -> dict:
             "stop_reason": lp.stop.reason, "target": lp.target.words if lp.target else None}
 
 
-def log_window(lp: Loop, window: Window, first: int, step: int, nonfinite_skipped: int) -> Optional[float]:
+def log_window(lp: Loop, window: Window, first: int, step: int, nonfinite_skipped: int,
+               ends: bool = False) -> Optional[float]:
     """Steps ``first..step`` (``window``) into the metrics, the progress line and status.json, with
-    the straggler verdict; returns the window's loss. Collective: every rank calls it at the same
+    the straggler verdict; returns the window's loss. ``ends``: the run ends at ``step`` (it reached
+    its target), so the line forecasts no time left. Collective: every rank calls it at the same
     step, a sync point."""
     prof = lp.profiler
     metrics, phases = window_metrics(lp.engine, window, lp.clock, world=lp.world, totals=lp.totals.record(),
@@ -153,7 +155,8 @@ def log_window(lp: Loop, window: Window, first: int, step: int, nonfinite_skippe
         metrics.update(profiled_steps=profiled, **prof.metrics())
     straggling, line = gather_and_judge(None if profiled else lp.detector, phases, lp.engine.device)
     lp.logger.log(step, {**metrics, **straggling})
-    lp.logger.print(step, metrics, lp.cfg.train.steps, lp.forecast.note(step, metrics.get("device_hours"), lp.world))
+    note = "" if ends else lp.forecast.note(step, metrics.get("device_hours"), lp.world)
+    lp.logger.print(step, metrics, lp.cfg.train.steps, note)
     lp.logged(step)
     if line:
         lp.say(f"straggler: {line}")

@@ -118,6 +118,9 @@ def test_a_run_reaching_its_target_records_what_it_took_and_ends_there(tiny_run,
     assert any(x.startswith(f"vit-train: target reached: eval/loss {reached['measured']:.4g} <= 100 at step 3 after ")
                and "; the run ends here (validation.stop_at_target)" in x for x in err), err[-20:]
     assert err[-1].startswith("vit-train: done at step 3 after ") and "; eval/loss <= 100 reached at step 3 " in err[-1]
+    # the progress line of the steps up to the target forecasts no time left: the run ends there
+    line = next(x for x in err if x.startswith("step 3/6 "))
+    assert "eta=" not in line and "device-hours in all" not in line, line
     assert json.loads((job.run_dir / "status.json").read_text())["state"] == "completed"
     # a column of the W&B runs table, to sort runs by what they took to get there
     summary = wandb_history(next((job.run_dir / "wandb").glob("offline-run-*")), "target/step", kind="summary")
