@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -60,7 +59,7 @@ from pretrain.perf import levers
 from pretrain.perf.hardware import gpu_key
 from pretrain.perf.perfmodel import run_record
 from pretrain.resilience import faults, watchdog
-from pretrain.resilience.lifecycle import FailureRecord, RunStatus, StopRequest, spent_before
+from pretrain.resilience.lifecycle import FailureRecord, RunStatus, StopRequest, process_started, spent_before
 from pretrain.resilience.straggler import StragglerDetector
 from pretrain.resilience.watchdog import StartupGuard, Watchdog
 from pretrain.weights.init_from import build_model, load_init_weights, num_params, set_masters
@@ -170,7 +169,7 @@ def connect(cfg: Config, record: FailureRecord) -> Connected:
     """Join the process group and check, before anything expensive, the machine, the config and the
     run directory (writable; a checkpoint this config may resume). ``Connected.cfg`` is ``cfg`` with
     its ``auto`` levers decided: the later phases take that one."""
-    started = time.time()
+    started = process_started()  # its device time and start-up lines count from it: the imports are start-up
     stop = StopRequest(watch_launcher=launched())  # first: a signal during start-up is kept, not fatal
     t = cfg.train
     startup = StartupGuard(t.startup_timeout_s)  # until the first step is done
@@ -194,7 +193,7 @@ def connect(cfg: Config, record: FailureRecord) -> Connected:
         checkpoint.check_writable(layout.checkpoints, "checkpoint.dir")
     if cfg.checkpoint.resume:  # a changed shape key, said before the model build and DeepSpeed init
         checkpoint.check_resumable(layout.checkpoints, tree)
-    say = StartupLines(rank)
+    say = StartupLines(rank, started)
     watchdog.clear(layout.hang, rank)
     dog = Watchdog(layout.hang, rank, world, t.hang_timeout_s, startup_s=t.startup_timeout_s)
     dog.hosts = hosts

@@ -114,12 +114,13 @@ def _isatty(f) -> bool:
 
 
 class StartupLines:
-    """Start-up lines on rank 0 (stderr), with seconds since start: building the model, DeepSpeed
-    init, loading a checkpoint and the first batch take 10-90 s that would otherwise be silent."""
+    """Start-up lines on rank 0 (stderr), with seconds since ``started`` (``time.time()``; the
+    process's start, default now): building the model, DeepSpeed init, loading a checkpoint and
+    the first batch take 10-90 s that would otherwise be silent."""
 
-    def __init__(self, rank: int):
-        self.on, self.t0 = rank == 0, time.perf_counter()
+    def __init__(self, rank: int, started: Optional[float] = None):
+        self.on, self.t0 = rank == 0, time.time() if started is None else started
 
     def __call__(self, msg: str) -> None:
         if self.on:
-            print(f"vit-train: {msg} [{time.perf_counter() - self.t0:.1f} s]", file=sys.stderr, flush=True)
+            print(f"vit-train: {msg} [{time.time() - self.t0:.1f} s]", file=sys.stderr, flush=True)
