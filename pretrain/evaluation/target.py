@@ -51,7 +51,7 @@ class Target:
 
 
 def reached_words(rec: dict) -> str:
-    """``eval/top1 0.7612 >= 0.75 at step 4000 after 120 device-hours (2,560,000 images)``."""
+    """``eval/top1 0.7612 >= 0.75 at step 4000 after 120 device-hours (2,048,000 images)``."""
     hours = f" after {rec['device_hours']:.3g} device-hours" if rec.get("device_hours") is not None else ""
     images = f" ({rec['images_seen']:,} images)" if rec.get("images_seen") is not None else ""
     reached = f"{rec['metric']} {rec['measured']:.4g} {relation(rec['metric'])} {rec['value']:g}"
