@@ -18,11 +18,12 @@ A user mistake prints one line on stderr and exits 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TextIO
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors, path_arg
 from pretrain.config import load_config
@@ -83,28 +84,28 @@ def setup_distributed(protocol: str) -> Dist:
     return Dist(rank=rank, world=world, deepspeed=True)
 
 
-def _report(doc: dict, cfg, output: Optional[str] = None) -> None:
-    print(markdown(doc), flush=True)
+def _report(doc: dict, cfg, table: TextIO, output: Optional[str] = None) -> None:
+    print(markdown(doc), file=table, flush=True)
     if output:
         print(f"{PROG}: results in {output}", file=sys.stderr)
     if cfg.eval.wandb:
         log_wandb(doc, cfg.logging.wandb, run_dir=doc.get("run_dir"))
 
 
-def run_once(args, cfg, user_arch: dict, dist: Dist) -> dict:
+def run_once(args, cfg, user_arch: dict, dist: Dist, table: TextIO) -> dict:
     pre = load_pretrained(args.checkpoint, user_arch, PROG)
     tasks, missing = build_tasks(cfg.eval, cfg.data)
     doc = evaluate_checkpoint(cfg, pre, tasks, missing, dist=dist)
     doc["run_dir"] = pre.run_dir
     if dist.rank == 0:
         saved, problem = save_json(args.output, doc)
-        _report(doc, cfg, None if problem else saved)
+        _report(doc, cfg, table, None if problem else saved)
         if problem:  # the table is printed and W&B logged; the file is in $TMPDIR and the line says where
             raise TransferError(problem)
     return doc
 
 
-def run_watch(args, cfg, user_arch: dict) -> list[dict]:
+def run_watch(args, cfg, user_arch: dict, table: TextIO) -> list[dict]:
     from pretrain.transfer.watch import watch
 
     if cfg.eval.protocol == "finetune":
@@ -129,7 +130,7 @@ def run_watch(args, cfg, user_arch: dict) -> list[dict]:
         docs.append(doc)
         docs.sort(key=lambda d: d.get("step") or 0)
         _, problem = save_json(out, {"watch": str(args.watch), "evaluations": docs})
-        _report(doc, cfg)
+        _report(doc, cfg, table)
         if problem:
             raise TransferError(problem)
 
@@ -144,7 +145,9 @@ def main(argv=None) -> None:
     from data_pipeline.errors import DataError
     from pretrain.distributed.process import process_group_ends
 
-    with process_group_ends(), cli_errors(PROG, TransferError, DataError, ConfigError):
+    table = sys.stdout  # the results table's alone: the rest goes to stderr, DeepSpeed's log lines included
+    with (process_group_ends(), cli_errors(PROG, TransferError, DataError, ConfigError),
+          contextlib.redirect_stdout(sys.stderr)):
         # the flags are overrides of the eval section: validated once, with the rest, by the schema
         flags = [f"eval.{k}={json.dumps(v)}" for k, v in (("suite", args.suite), ("protocol", args.protocol),
                                                ("recipe", args.recipe), ("data_root", args.data_root))
@@ -154,9 +157,9 @@ def main(argv=None) -> None:
         # before the evaluation: an unwritable --output costs a second, not the run
         check_output(args.output, watch=bool(args.watch))
         if args.watch:
-            run_watch(args, cfg, user_arch)
+            run_watch(args, cfg, user_arch, table)
         else:
-            run_once(args, cfg, user_arch, setup_distributed(cfg.eval.protocol))
+            run_once(args, cfg, user_arch, setup_distributed(cfg.eval.protocol), table)
 
 
 def command() -> None:

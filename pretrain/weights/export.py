@@ -18,6 +18,7 @@ converts it (to timm names, or to a folder again). ``--ema`` exports the weights
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -368,8 +369,9 @@ def main(argv=None) -> None:
                                                         "instead of the weights")
     args = ap.parse_args(argv)
     with cli_errors("vit-export", ExportError, hf.HFUnsupported, DataError):  # DataError: the store refused
-        try:
-            r = export_to(args.run_dir, args.output, args.step, args.format, args.ema)
+        try:  # stdout is the loading call's alone: the rest goes to stderr, DeepSpeed's log lines included
+            with contextlib.redirect_stdout(sys.stderr):
+                r = export_to(args.run_dir, args.output, args.step, args.format, args.ema)
         except ExportRescued as e:  # not a user mistake (the folder passed the check): exit 1, one line
             print(f"vit-export: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None

@@ -265,6 +265,27 @@ def test_damaged_newest_checkpoint_falls_back(two_checkpoints, tiny_run, tmp_pat
     assert rundir.step_of(rundir.latest_complete(run / "checkpoints")) == 5
 
 
+def test_export_and_transfer_of_a_zero_checkpoint_keep_stdout_for_their_result(two_checkpoints, tmp_path):
+    """Reading a ZeRO checkpoint imports DeepSpeed, whose logger writes to stdout (on a CPU its import
+    says "Setting accelerator to CPU"): stdout still holds vit-export's loading call alone and
+    vit-transfer's table alone, so either can be piped or saved as it is."""
+    from transfer_fixtures import write_imagefolder
+
+    def run(module, *args):
+        r = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=job_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [line for line in r.stdout.splitlines() if line]
+
+    lines = run("pretrain.export", two_checkpoints, tmp_path / "w.safetensors")
+    assert len(lines) == 1 and lines[0].startswith("import timm; m = timm.create_model("), lines
+    folder = write_imagefolder(tmp_path / "colours", n_train=4, n_test=4)
+    lines = run("pretrain.transfer", "--checkpoint", two_checkpoints, "--suite", "imagefolder", "--protocol", "knn",
+                "--data-root", folder, "--output", tmp_path / "r.json")
+    assert lines[0].startswith("**") and lines[-1].startswith("Evaluated in "), lines
+    assert all(line.startswith("|") for line in lines[1:-1]), lines
+
+
 def test_a_fresh_start_beside_an_earlier_runs_checkpoints_keeps_both(two_checkpoints, tiny_run, tmp_path):
     """checkpoint.resume=false where an earlier run got further: its checkpoints are set aside
     whole, and the fresh run's own saves are not pruned against them."""
