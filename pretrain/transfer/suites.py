@@ -329,7 +329,7 @@ SUITES: dict[str, Suite] = {
     "demo": Suite(lambda ev, d: ([demo(ev.minival_fraction, ev.seed, ev.data_root, d)], []), needs_root=False,
                   help="the held-out demo shapes (drawn, or shards under --data-root)"),
     "imagefolder": Suite(lambda ev, d: ([imagefolder(ev.data_root, ev.minival_fraction, ev.seed)], []),
-                         help="CLASS/IMAGE folders"),
+                         help="train/ [val/] test/, each of CLASS/IMAGE folders (head: CLASS/IMAGE)"),
     "shards": Suite(lambda ev, d: ([shards(ev.data_root, d)], []), help="our shards: train/ [val/] test/"),
 }
 assert {n: s.needs_root for n, s in SUITES.items()} == SUITE_NEEDS_ROOT, "suites and schema disagree"
