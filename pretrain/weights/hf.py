@@ -284,6 +284,10 @@ def labels_for(num_classes: int, classes: Optional[list[str]]) -> list[str]:
     return [f"LABEL_{i}" for i in range(num_classes)]
 
 
+# an ImageFolder so named is one split of the data set its parent folder names
+SPLIT_FOLDERS = ("train", "training", "val", "validation", "test")
+
+
 def shard_source(data) -> tuple[Optional[list[str]], Optional[str]]:
     """(class names, data set name) from the manifest of ``data.train_shards`` (a data config
     section); (None, None) when it cannot be read here (remote, moved, deleted)."""
@@ -296,8 +300,12 @@ def shard_source(data) -> tuple[Optional[list[str]], Optional[str]]:
     except Exception:  # best effort: the card says LABEL_i and names no data set
         return None, None
     kind, _, where = str(source).partition(":")
-    name = Path(where).name if kind in ("imagefolder", "filelist") and where else kind
+    folder = Path(where)
+    if kind == "imagefolder" and folder.name.lower() in SPLIT_FOLDERS and folder.parent.name:  # imagenet21k/train
+        folder = folder.parent
+    name = folder.name if kind in ("imagefolder", "filelist") and where else kind
     return list(shards.classes), name or None
+
 
 
 def write_folder(out: Path, sd: Mapping[str, torch.Tensor], config: dict, preproc: dict, card: str,

@@ -79,6 +79,21 @@ def manifest(tmp_path_factory):
     return d / "manifest.json"
 
 
+@pytest.mark.parametrize("folder, name", [("/data/pets", "pets"), ("/data/imagenet21k/train", "imagenet21k"),
+                                          ("/data/imagenet21k/train/", "imagenet21k"), ("train", "train")])
+def test_the_card_names_the_data_set_of_an_imagefolder(tmp_path, folder, name):
+    """The model card's data set is the ImageFolder's name; a split folder (train/, val/) is one split
+    of the set its parent names."""
+    from data_pipeline.config import DataConfig
+    from pretrain.weights.hf import shard_source
+
+    (tmp_path / "train-000000.tar").write_bytes(b"")
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "vitscale-shards", "version": 1, "split": "train", "source": f"imagefolder:{folder}",
+        "classes": CLASSES, "multi_label": False, "total": 8, "shards": [{"name": "train-000000.tar", "samples": 8}]}))
+    assert shard_source(DataConfig(train_shards=str(tmp_path / "manifest.json"))) == (CLASSES, name)
+
+
 def make_run(root, manifest, step: int = 5, weights: bool = True, totals: dict | None = None, **model):
     """A run directory as training leaves it, with random weights; returns (root, our model).
     ``totals``: what run.json says the run cost (None: a checkpoint of a release without them)."""
