@@ -229,9 +229,11 @@ def _train(cfg: Config, c: Connected, job: Job, record: FailureRecord) -> dict:
                   checkpoint_dir=str(c.layout.checkpoints), wandb_dir=lp.logger.wandb_dir, world_size=c.world,
                   checkpoint_async=cfg.checkpoint.async_save, checkpoint_blocked_seconds=lp.checkpointer.blocked_s,
                   checkpoint_waited_seconds=lp.checkpointer.waited_s,
-                  # the run's so far, every invocation that led to its checkpoint (not this one, where it
-                  # trained no step: the checkpoint it resumed is the run's last), and what no checkpoint kept
-                  **lp.totals.record(own=result["step"] > start), device_seconds_spent=round(lp.totals.spent(), 3))
+                  # what led to the newest checkpoint, as its run.json and an export of it say (an
+                  # invocation that saved none trained no step: the checkpoint it resumed is the run's
+                  # last); and what the run spent, what no checkpoint kept included
+                  **(lp.checkpointer.saved_totals or lp.totals.record(own=result["step"] > start)),
+                  device_seconds_spent=round(lp.totals.spent(), 3))
     return result
 
 

@@ -36,6 +36,7 @@ class Checkpointer:
             self.saver = Saver(engine, dist.get_rank(), checkpoint.finish_async(self.keep))
         self.blocked_s: list[float] = []  # seconds each save held the training thread
         self.waited_s: list[float] = []  # of which waiting for the previous asynchronous save
+        self.saved_totals: Optional[dict] = None  # the totals the newest save of this invocation holds
 
     @staticmethod
     def loader_states(rank_states: list, kind=LoaderState) -> list:
@@ -59,8 +60,9 @@ class Checkpointer:
             if self.samples is not None:
                 self.samples.flush()
             t0 = time.perf_counter()
+            totals = self.totals()
             state = dict(rank_state={"loader": self.loader.state().to_dict()},
-                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id, **self.totals()}, ema=self.ema)
+                         run_info={**self.run_info, "wandb_run_id": self.logger.run_id, **totals}, ema=self.ema)
             if self.saver is None:
                 checkpoint.save(self.engine, self.dir, step, keep_last=self.keep, **state)
             else:
@@ -69,6 +71,7 @@ class Checkpointer:
                 if stopping or step == self.last:
                     self.saver.close()
                 self.waited_s.append(self.saver.waited_s - waited)
+            self.saved_totals = totals
             self.blocked_s.append(time.perf_counter() - t0)
             return self.blocked_s[-1]
         except (OSError, RuntimeError) as e:
