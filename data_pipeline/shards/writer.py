@@ -451,7 +451,8 @@ def skipped_line(manifest: dict, manifest_path, show: int = 5) -> str:
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     shown = ", ".join(names[:show]) + (", ..." if total > len(names[:show]) else "")
     where = "all names" if len(names) == total else f"the first {SKIPPED_NAMES} of each kind"
-    return f"skipped {total} files ({kinds}): {shown}; {where} under \"skipped_files\" in {manifest_path}"
+    files = "file" if total == 1 else "files"
+    return f"skipped {total} {files} ({kinds}): {shown}; {where} under \"skipped_files\" in {manifest_path}"
 
 
 def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard_size: int = 256,

@@ -93,7 +93,7 @@ class ImageSource:
             return ""
         total = sum(self.skipped.values())
         shown = ", ".join(self.skipped_files[:SKIPPED_SHOWN]) + (", ..." if total > SKIPPED_SHOWN else "")
-        return f"{PROG}: --images {self.spec}: skipped {total} files ({self._counts()}): {shown}"
+        return f"{PROG}: --images {self.spec}: skipped {total} file{'s' * (total != 1)} ({self._counts()}): {shown}"
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         batches = self._folder() if self.files is not None else self._shards()

@@ -177,7 +177,7 @@ def markdown(doc: dict) -> str:
     top1 = f"{k}-shot top-1 (%)" if k else f"{nn}-NN top-1 (%)" if nn else "Top-1 (%)"
     lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}{_cost(doc)}) -- {doc['suite']} / "
              f"{doc['protocol']} at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
-             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seeds" if seeds else "")
+             + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seed{'s' * (seeds != 1)}" if seeds else "")
                 + " (every shot count under Details)" if k else "")
              + (f"; top-1 is {nn}-NN (every k under Details)" if nn else ""), "",
              f"| Task | Group | {top1} | Chance (%) | Setting | Details | Train | Test |",

@@ -99,7 +99,7 @@ def test_imagefolder_roundtrip_resize_formats_and_skips(tmp_path, capsys):
     assert m["classes"] == ["cat", "dog", "eel"] and m["total"] == 9 and m["skipped"] == {"unreadable": 1}
     assert m["skipped_files"] == {"unreadable": ["dog/broken.jpg"]}  # named, relative to the root
     err = capsys.readouterr().err
-    assert err == (f'vit-shards: skipped 1 files (unreadable: 1): dog/broken.jpg; all names under '
+    assert err == (f'vit-shards: skipped 1 file (unreadable: 1): dog/broken.jpg; all names under '
                    f'"skipped_files" in {out / "manifest.json"}\n')
     assert [s["samples"] for s in m["shards"]] == [4, 4, 1]
     exts = set()
@@ -140,7 +140,7 @@ def test_truncated_file_stored_as_it_comes_is_skipped_and_counted(tmp_path, caps
     assert m["skipped_files"] == {"unreadable": ["dog/3.jpg"]}
     o, err = capsys.readouterr()
     assert "7 samples in 2 shards" in o and o.rstrip().endswith("; skipped {'unreadable': 1}"), o
-    assert "skipped 1 files (unreadable: 1): dog/3.jpg" in err, err
+    assert "skipped 1 file (unreadable: 1): dog/3.jpg" in err, err
     loader = build_loader(DataConfig(train_shards=str(out), workers=0, shuffle_buffer=4), batch_size=7, img_size=32)
     next(iter(loader))
     assert loader.counters == {"samples": 7}, loader.counters  # the whole epoch, nothing corrupt
