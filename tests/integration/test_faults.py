@@ -306,15 +306,22 @@ def test_a_fresh_start_beside_an_earlier_runs_checkpoints_keeps_both(two_checkpo
     assert "done at step 2" in r.stderr and f"checkpoint {mine}" in r.stderr
 
 
+def ask_to_stop(job) -> Path:
+    """A stop request ("maintenance") in the job's folder, dated after its start: it asks this job
+    to stop at its first sync point."""
+    job.run_dir.mkdir(parents=True)
+    request = job.run_dir / "stop.request"
+    request.write_text("maintenance\n")
+    later = time.time() + 3600  # newer than the job's start
+    os.utime(request, (later, later))
+    return request
+
+
 def test_a_stopped_fresh_start_names_the_override_that_resumes_it(tiny_run):
     """Started with checkpoint.resume=false, the same command would set this run's checkpoint
     aside and start over: the closing line names checkpoint.resume=true, and that resumes it."""
     job = tiny_run(*ZERO1, "train.steps=3", "checkpoint.resume=false")
-    job.run_dir.mkdir(parents=True)
-    request = job.run_dir / "stop.request"
-    request.write_text("maintenance\n")
-    later = time.time() + 3600  # newer than the job's start: it asks this job to stop
-    os.utime(request, (later, later))
+    request = ask_to_stop(job)
     r = job.run(300)
     assert r.returncode == 75, r.stderr[-3000:]
     assert "run the same command with checkpoint.resume=true to resume (exit 75)" in r.stderr, r.stderr[-2000:]
@@ -327,11 +334,7 @@ def test_a_stop_asked_for_at_the_last_step_ends_a_finished_run(tiny_run):
     """A stop request seen at the last step's sync point: every step trained and saved, so the run
     finished (exit 0, "completed"), not a resume asked of a scheduler."""
     job = tiny_run(*ZERO1, "train.steps=1")
-    job.run_dir.mkdir(parents=True)
-    request = job.run_dir / "stop.request"
-    request.write_text("maintenance\n")
-    later = time.time() + 3600  # newer than the job's start: it asks this job to stop
-    os.utime(request, (later, later))
+    ask_to_stop(job)
     r = job.run(300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((job.run_dir / "summary.json").read_text())["stop_reason"] == "maintenance"
