@@ -152,7 +152,9 @@ if [[ -n "${{DRY_RUN:-}}" ]]; then
   {dry}
 else
   JOB_PID=""
+  SIGNALLED=""
   forward() {{
+    SIGNALLED=1
     echo "$(date -Is) batch script: signal; SIGTERM to the job's process group" >&2
     if [[ -n "$JOB_PID" ]]; then kill -TERM -- -"$JOB_PID" 2>/dev/null || true; fi
   }}
@@ -163,8 +165,11 @@ else
   {launch} &
   JOB_PID=$!
   STATUS=0; wait "$JOB_PID" || STATUS=$?
-  while kill -0 "$JOB_PID" 2>/dev/null; do  # the trap ended `wait` early: wait for the job itself
-    STATUS=0; wait "$JOB_PID" || STATUS=$?
+  # a trap ends `wait` early with 128 + its signal, whether the job is still running or has just
+  # ended (scancel signals the job too): wait again for the job's own status (127: already read)
+  while [[ -n "$SIGNALLED" ]]; do
+    SIGNALLED=""; AGAIN=0; wait "$JOB_PID" 2>/dev/null || AGAIN=$?
+    (( AGAIN == 127 )) || STATUS=$AGAIN
   done
   # ranks may still be saving after the runner ended; SLURM kills what is left when this script
   # ends, so give them up to {grace} s to finish

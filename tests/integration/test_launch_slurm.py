@@ -273,3 +273,33 @@ def test_a_stop_at_the_time_limit_is_requeued_and_a_scancel_is_not(tmp_path, sig
     assert proc.wait(timeout=20) == 75, proc.stderr.read()
     log = tmp_path / "scontrol.log"
     assert (log.read_text() if log.exists() else "") == ("requeue 77\n" if requeued else "")
+
+
+# exits at once on SIGTERM, its PID in $STARTED: gone before the script's own trap has returned
+EXITS_AT_ONCE = "setsid bash -c 'trap \"exit 75\" TERM; echo $$ > \"$0\"; while :; do :; done' \"$STARTED\""
+
+
+def test_a_job_signalled_with_the_script_keeps_its_own_exit_status(tmp_path):
+    """scancel signals every process of the job, the ranks with the batch script: a job that has
+    exited by the time the script's trap returns reported 128 + the signal (143), not its own 75,
+    because the trap ends `wait` early; the script now waits again for the job's own status."""
+    from launch.slurm import start_block
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    script = tmp_path / "end.sh"
+    script.write_text("set -euo pipefail\n" + start_block(EXITS_AT_ONCE, "true", 2, requeue=True) + "\n")
+    for attempt in range(5):
+        started = tmp_path / f"started{attempt}"
+        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", STARTED=str(started))
+        env.pop("DRY_RUN", None)
+        proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+        end = time.monotonic() + 20
+        while not (started.exists() and started.read_text().strip()) and time.monotonic() < end:
+            time.sleep(0.01)
+        os.killpg(int(started.read_text()), signal.SIGTERM)  # the job's processes, as scancel's
+        proc.send_signal(signal.SIGTERM)  # and the batch script
+        assert proc.wait(timeout=20) == 75, (attempt, proc.stderr.read())
+    assert not (tmp_path / "scontrol.log").exists()  # scancel: ended, not requeued
