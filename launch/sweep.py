@@ -169,9 +169,11 @@ def plan(cfg, config: str, overrides: list[str], world_sizes: list[int], *, step
 
 
 def describe(p: SweepPlan) -> str:
-    rule = (f"global batch = {p.batch_per_rank} x world size" if p.scaling == "weak"
-            else f"global batch {p.runs[0].global_batch_size} at every size")
-    lines = [f"sweep {p.group}: {p.scaling} scaling ({p.batch_per_rank} images per rank and step, {rule}), "
+    # strong scaling: a rank's images per step are global / world size, so they shrink with the size
+    rule = (f"{p.batch_per_rank} images per rank and step, global batch = {p.batch_per_rank} x world size"
+            if p.scaling == "weak" else f"global batch {p.runs[0].global_batch_size} at every size, split over "
+            f"the ranks in micro batches of {p.batch_per_rank}")
+    lines = [f"sweep {p.group}: {p.scaling} scaling ({rule}), "
              f"{p.steps} steps per run logged every {p.log_every_steps}, W&B group {p.group}, runs under {p.root}"]
     for r in p.runs:
         lines.append(f"  world size {r.world_size} ({r.nodes} node(s) x {r.gpus_per_node}), global batch "

@@ -48,8 +48,11 @@ def test_weak_scaling_plan(capsys, tmp_path):
 
 
 def test_strong_scaling_keeps_the_global_batch(capsys, tmp_path):
-    _, runs = plan(capsys, tmp_path, "--world-sizes", "1,2", "--scaling", "strong", "train.micro_batch_size=16")
+    out, runs = plan(capsys, tmp_path, "--world-sizes", "1,2", "--scaling", "strong", "train.micro_batch_size=16")
     assert [(cfg.train.global_batch_size, cfg.train.micro_batch_size) for _, cfg in runs] == [(64, 16), (64, 16)]
+    # a rank's images per step are 64 at size 1 and 32 at size 2, never the micro batch of 16
+    assert "strong scaling (global batch 64 at every size, split over the ranks in micro batches of 16)" in out
+    assert "images per rank and step" not in out
     assert runs[0][1].logging.wandb.tags[-2:] == ["scaling=strong", "world_size=1"]
 
 
