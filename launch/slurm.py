@@ -10,7 +10,8 @@ pre-flight checks on the first node, (4) starts the deepspeed runner:
   ``NCCL*``, ``PYTHON*``, ``UCX*``, ``MV2*`` (runner.py ``EXPORT_ENVS`` + the CUDA accelerator's),
   so the rest (``TORCH_NCCL_*``, ``OMP_NUM_THREADS``) go through the runner's ``DS_ENV_FILE``.
 * ``--launcher srun``: ``srun`` starts one runner per node with ``--no_ssh --node_rank
-  $SLURM_NODEID``; no ssh or pdsh needed, srun passes the whole environment.
+  $SLURM_NODEID``; no ssh or pdsh needed, srun passes the whole environment. srun's exit code is
+  the runner's (1 for a signalled job), so the script takes the run's from ``status.json``.
 
 DeepSpeed's own ``--launcher slurm`` is not used: in 0.19 it starts ``python -u <script>``
 without ``-m`` and without the ``RANK`` / ``LOCAL_RANK`` its per-node launcher sets.
@@ -145,9 +146,9 @@ _START = """\
 # SIGTERM/SIGINT to this script (scancel, pre-emption, requeue) and USR1 (--signal=B:USR1@grace,
 # the time limit is near) are forwarded as SIGTERM to the job's process group: ranks checkpoint at
 # the next step and exit.
-# Exit status of `vit-launch run`: 0 done, 2 user error, 75 interrupted (requeue is right),
-# 69 the shard store stayed unreachable; with --requeue both 69 and a stop at the time limit (75
-# after USR1) are requeued below.
+# Exit status of the run (`vit-launch run`'s; under srun, the code rank 0 wrote in status.json):
+# 0 done, 2 user error, 75 interrupted (requeue is right), 69 the shard store stayed unreachable;
+# with --requeue both 69 and a stop at the time limit (75 after USR1) are requeued below.
 if [[ -n "${{DRY_RUN:-}}" ]]; then
   {dry}
 else
@@ -162,6 +163,7 @@ else
   time_limit() {{ TIME_LIMIT=1; forward; }}
   trap forward TERM INT
   trap time_limit USR1
+  STARTED_AT=$(date +%s)
   {launch} &
   JOB_PID=$!
   STATUS=0; wait "$JOB_PID" || STATUS=$?
@@ -173,7 +175,7 @@ else
   done
   # ranks may still be saving after the runner ended; SLURM kills what is left when this script
   # ends, so give them up to {grace} s to finish
-  for ((i = 0; i < {grace}; i++)); do kill -0 -- -"$JOB_PID" 2>/dev/null || break; sleep 1; done
+  for ((i = 0; i < {grace}; i++)); do kill -0 -- -"$JOB_PID" 2>/dev/null || break; sleep 1; done{run_status}
   echo "$(date -Is) job exited with status $STATUS" >&2{requeue}
   exit "$STATUS"
 fi"""
@@ -196,10 +198,34 @@ REQUEUE = """
   fi"""
 
 
-def start_block(launch: str, dry: str, grace: int, requeue: bool) -> str:
+# srun ends with the deepspeed runner's code, not the run's: a stop after a checkpoint is 1 there
+# (its launcher's code for a signalled job) or SLURM's signal, never 75; `vit-launch run` reads
+# status.json for the same reason
+RUN_STATUS = """
+  # the run's exit code, as rank 0 wrote it in status.json in this attempt (srun gives the runner's)
+  STATUS=$({python} - {status} "$STARTED_AT" "$STATUS" <<'EOF'
+import json, sys
+path, since, code = sys.argv[1:]
+try:
+    with open(path) as f:
+        doc = json.load(f)
+    if doc["state"] != "running" and doc["time"] >= float(since):
+        code = doc["exit_code"]
+except (OSError, ValueError, KeyError, TypeError):
+    pass
+print(code)
+EOF
+)"""
+
+
+def start_block(launch: str, dry: str, grace: int, requeue: bool, status_file: Optional[str] = None) -> str:
     """The end of the script: start the job (``launch``, or print ``dry`` under DRY_RUN), forward
-    signals to it, wait for it and, with ``requeue``, requeue what should go on."""
-    return _START.format(dry=dry, launch=launch, grace=grace, requeue=REQUEUE if requeue else "")
+    signals to it, wait for it and, with ``requeue``, requeue what should go on. ``status_file``: the
+    run's status.json, whose exit code replaces the launcher's (``launch`` not `vit-launch run`)."""
+    run_status = "" if status_file is None else RUN_STATUS.format(
+        python=shell_word(sys.executable), status=shlex.quote(status_file))
+    return _START.format(dry=dry, launch=launch, grace=grace, requeue=REQUEUE if requeue else "",
+                         run_status=run_status)
 
 
 def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch") -> str:
@@ -225,6 +251,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
               "    bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\""
         where = "# one runner per node; each gets its node rank from srun (no ssh between nodes)"
         env_file = ""
+        status_file = str(cwd / run_dir(job).status)
     else:
         cmd = launch_command(config, job.overrides, job.nodes, job.ranks)
         launch_array = bash_array("LAUNCH", cmd) + RESUME_LINES + "\n" + (
@@ -232,6 +259,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "if (( ${#HOSTS[@]} > 1 )); then\n"
             "  LAUNCH+=(--hostfile \"$HOSTFILE\" --num-nodes \"${#HOSTS[@]}\")\n"
             "fi")
+        status_file = None  # `vit-launch run` exits with the run's code
         run_line = "setsid \"${LAUNCH[@]}\""
         dry = "run \"${LAUNCH[@]}\""
         where = "# the runner on this (first) node starts every node's ranks (over ssh with pdsh if several)"
@@ -241,7 +269,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "# (where the store is, never its secrets: those stay in ~/.aws/credentials, read on every node)\n"
             f"(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|{STORE_ENV.pattern})=' "
             "> \"$DS_ENV_FILE\") || true\n")
-    start = start_block(run_line, dry, job.signal_grace, job.requeue)
+    start = start_block(run_line, dry, job.signal_grace, job.requeue, status_file)
     return f"""#!/bin/bash
 # vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.
 #   config:    {config}
@@ -291,6 +319,15 @@ run {" ".join(shell_word(w) for w in check)}
 {where}
 {start}
 """
+
+
+def run_dir(job: SlurmJob):
+    """The run directory of the job's config and overrides (``RunDir``; relative to the script's folder)."""
+    from pretrain.checkpointing.rundir import RunDir
+    from pretrain.config import load_config
+
+    cfg = load_config(job.config, job.overrides)
+    return RunDir.of(cfg.train.output_dir, cfg.checkpoint.dir)
 
 
 def launch_command(config: str, overrides: list[str], nodes: int, ranks_per_node: int) -> list[str]:

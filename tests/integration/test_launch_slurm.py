@@ -303,3 +303,41 @@ def test_a_job_signalled_with_the_script_keeps_its_own_exit_status(tmp_path):
         proc.send_signal(signal.SIGTERM)  # and the batch script
         assert proc.wait(timeout=20) == 75, (attempt, proc.stderr.read())
     assert not (tmp_path / "scontrol.log").exists()  # scancel: ended, not requeued
+
+
+# a stand-in for srun: the job checkpoints on SIGTERM (rank 0 writes status.json: interrupted, 75)
+# and the deepspeed runner under srun ends with its launcher's code for a signalled job, 1
+SRUN_STOPS_WITH_1 = """#!/bin/bash
+trap 'printf "{{\\"state\\": \\"interrupted\\", \\"step\\": 4, \\"time\\": %s, \\"exit_code\\": 75}}" \\
+  "$(date +%s)" > {status}; exit 1' TERM
+touch {started}
+while :; do sleep 0.1; done
+"""
+
+
+def test_an_srun_job_stopped_at_the_time_limit_exits_with_the_runs_code_and_is_requeued(tmp_path, capsys, shards):
+    """Under srun the script waits for srun, whose code is the runner's (1 for a signalled job), not
+    the run's 75: the script read it as a failure and never requeued a stop at the time limit."""
+    run = tmp_path / "run"
+    script = write_new(tmp_path, capsys, "--nodes", "1", "--gpus-per-node", "0", "--ranks-per-node", "2",
+                       "--launcher", "srun", "--requeue", f"data.train_shards={shards}", f"train.output_dir={run}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    started = tmp_path / "started"
+    (bin_dir / "srun").write_text(SRUN_STOPS_WITH_1.format(status=run / "status.json", started=started))
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nif [[ "$1 $2" == "show hostnames" ]]; then echo cpu01; '
+                                      f'else echo "$@" >> {tmp_path / "scontrol.log"}; fi\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    run.mkdir()
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="cpu01", SLURM_JOB_ID="4242",
+               SLURM_NNODES="1", SLURM_CPUS_ON_NODE="2")
+    env.pop("DRY_RUN", None)
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    end = time.monotonic() + 60  # the pre-flight checks run first
+    while not started.exists() and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=30) == 75, proc.communicate()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
