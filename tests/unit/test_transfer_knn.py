@@ -96,3 +96,31 @@ def test_a_sweep_over_k_names_each_k_it_scores(tmp_path):
     assert [line.split(": val ")[1].split(" top-1")[0] for line in lines[:3]] == ["1-NN", "3-NN", "20-NN"], lines
     chosen = result.setting["k"]
     assert f"k={chosen}: test {chosen}-NN top-1 (T=0.07) " in lines[3], lines
+
+
+def test_each_scoring_line_names_the_split_it_scores():
+    """A sweep scores val images, then test images: each line says which, with their number."""
+    import numpy as np
+    from transfer_fixtures import colour_image, tiny_model
+
+    from pretrain.transfer.data import ArrayImages, View
+    from pretrain.transfer.protocols.features import FeatureCache
+    from pretrain.transfer.protocols.knn import KNN
+    from pretrain.transfer.suites import Task
+    from pretrain.transfer.sweep import run_task
+
+    rng = np.random.default_rng(1)
+
+    def split(name, n):
+        labels = [i % 4 for i in range(n)]
+        return ArrayImages(name, np.stack([colour_image(y, rng, 32) for y in labels]), labels)
+
+    train, val, test = split("train", 16), split("val", 6), split("test", 10)
+    lines: list[str] = []
+    cache = FeatureCache(tiny_model(32).eval(), batch_size=8, pool="model", device=torch.device("cpu"),
+                         log=lines.append)
+    run_task(KNN(cache, lambda t: View(img_size=32), [1, 3], 0.07), Task("colours", 4, train, val, train, test),
+             sweep=True, log=lines.append)
+    scoring = [line for line in lines if " against " in line]
+    assert scoring == ["  colours knn: 6 images of val against 16 of train ..."] * 2 + \
+        ["  colours knn: 10 images of test against 16 of train ..."], lines

@@ -84,7 +84,7 @@ class KNN(FrozenFeatureProtocol):
 
     def fit_score(self, task, fit, evaluate, setting: dict) -> tuple[float, dict]:
         Xf, yf, Xe, ye = self.splits(task, fit, evaluate)
-        self.features.log(f"  {task.name} knn: {len(ye)} test images against {len(yf)} of {fit.name} ...")
+        self.features.log(f"  {task.name} knn: {len(ye)} images of {evaluate.name} against {len(yf)} of {fit.name} ...")
         if short := short_note(self.ks, len(yf)):
             self.say_once(f"  {task.name} knn: {short}")
         scores = knn_scores(Xf, yf, Xe, self.ks, self.temperature, task.num_classes, device=self.features.device)
