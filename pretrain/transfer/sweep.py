@@ -8,7 +8,9 @@ The test split is touched exactly once, after the choice is made.
 A protocol is any object with ``name``, ``grid(sweep) -> [setting dict]`` and
 ``fit_score(task, fit_split, eval_split, setting) -> (top-1, details)``; ``trains = False`` on one
 that fits nothing (``head``) reports no training images; ``metric(setting) -> str``, where present,
-names the accuracy a setting scores in the log (``k=1: val 1-NN top-1``; otherwise ``top-1``).
+names the accuracy a setting scores in the log (``k=1: val 1-NN top-1``; otherwise ``top-1``);
+``outputs``, where present, is how many classes a prediction picks among when that is not the
+task's count (``head``: its classifier's), and chance is one over it.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class TaskResult:
     val_accuracy: list[dict] = field(default_factory=list)  # [{"setting", "accuracy"}] when swept
     details: dict = field(default_factory=dict)
     num_classes: int = 0
-    chance: float = 0.0  # 1 / num_classes: the floor an accuracy is read against
+    chance: float = 0.0  # 1 / the classes a prediction picks among: the floor an accuracy is read against
     num_train: int = 0
     num_test: int = 0
     seconds: float = 0.0
@@ -63,7 +65,8 @@ def run_task(protocol, task, sweep: bool, log: Callable[[str], None] = log_stder
     acc, details = protocol.fit_score(task, task.trainval, task.test, best)
     log(f"  {task.name} {protocol.name} {_fmt(best)}: test {_metric(protocol, best)} {100 * acc:.2f}")
     trained = len(task.trainval) if getattr(protocol, "trains", True) else 0
-    chance = 1.0 / task.num_classes if task.num_classes else 0.0
+    classes = getattr(protocol, "outputs", None) or task.num_classes
+    chance = 1.0 / classes if classes else 0.0
     return TaskResult(task.name, task.group, acc, dict(best), val_scores, details, task.num_classes,
                       chance, trained, len(task.test), time.time() - t0)
 

@@ -174,3 +174,19 @@ def test_a_checkpoint_without_a_head_is_one_line(tmp_path):
                             tmp_path / "nohead.safetensors")
     with pytest.raises(CheckpointError, match="has no classifier head"):
         build_classifier(load_pretrained(path), img_size=32)
+
+
+def test_chance_is_one_over_the_head_s_outputs(checkpoints, v2_folder, tmp_path):
+    """The head picks among its 10 outputs whatever the set holds: a folder of 4 named classes and a
+    flat folder scored by ReaL alone both read against 10% chance (not 25%, not 0%)."""
+    named, flat = tmp_path / "named", tmp_path / "flat"
+    for i, p in enumerate(sorted(v2_folder.rglob("*.JPEG"))):
+        for d in (named / "abcd"[i % 4], flat):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / p.name).write_bytes(p.read_bytes())
+    (tmp_path / "real.json").write_text(json.dumps([[i % 10] for i in range(24)]))
+    pre = load_pretrained(checkpoints["export"])
+    for task, cfg in ((labelled_folder(str(named)), _cfg()),
+                      (labelled_folder(str(flat)), _cfg(f"eval.real_labels={tmp_path / 'real.json'}"))):
+        r = evaluate_checkpoint(cfg, pre, [task], [], log=lambda m: None)["tasks"][task.name]
+        assert r["details"]["head_classes"] == 10 and r["chance"] == pytest.approx(0.1), (task.name, r["chance"])
