@@ -70,7 +70,8 @@ def _cost(doc: dict) -> str:
     """The header's words on what pre-training cost up to the checkpoint, where it is known."""
     p = doc.get("pretraining") or {}
     parts = ([f"{p['device_hours']:.3g} device-hours"] if p.get("device_hours") is not None else []) + (
-        [f"{p['images_seen']:,} images"] if p.get("images_seen") is not None else [])
+        [f"{p['images_seen']:,} images"] if p.get("images_seen") is not None else []) + (
+        [f"{p['model_flops']:.3g} model FLOPs"] if p.get("model_flops") is not None else [])
     return f"; pre-training {', '.join(parts)}" if parts else ""
 
 

@@ -323,7 +323,7 @@ def test_timm_export_carries_pretrained_cfg(tmp_path, manifest, capsys):
 
 def test_the_cost_of_pretraining_travels_with_the_export_into_transfer_results(tmp_path, manifest, capsys):
     """run.json's device-seconds, images and model FLOPs of the exported step go into the timm
-    file's metadata; vit-transfer reads them from either and its results say them (device-hours);
+    file's metadata; vit-transfer reads them from either and its results say them (the table's header too);
     a checkpoint that never recorded them says nothing, not zero."""
     from pretrain.transfer.results import markdown, pretraining
     from pretrain.weights.pretrained import load_pretrained
@@ -342,7 +342,7 @@ def test_the_cost_of_pretraining_travels_with_the_export_into_transfer_results(t
     doc = {"model": {"name": "vit_tiny_patch16_224"}, "step": 5, "checkpoint": "w.safetensors", "suite": "demo",
            "protocol": "linear", "img_size": 32, "tasks": {}, "pretraining": pretraining(totals)}
     assert markdown(doc).startswith("**vit_tiny_patch16_224** (step 5, w.safetensors; pre-training 1.5 "
-                                    "device-hours, 80 images) -- demo / linear at 32 px")
+                                    "device-hours, 80 images, 1.25e+12 model FLOPs) -- demo / linear at 32 px")
     doc["pretraining"] = pretraining(load_pretrained(old).totals)
     assert markdown(doc).startswith("**vit_tiny_patch16_224** (step 5, w.safetensors) -- demo")
 
