@@ -385,7 +385,8 @@ def transfer_docs(root: Path) -> list[dict]:
 
 
 def transfer_table(docs: list[dict]) -> str:
-    """One row per task (and a mean row per evaluation of several tasks)."""
+    """One row per task (and a mean row per evaluation of several tasks; with the share of the
+    suite's tasks it is over where some were missing, as vit-transfer's own table says it)."""
     pct = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
     rows = ["| Step | Suite | Protocol | Resolution | Task | Top-1 (%) |", "|---:|---|---|---:|---|---:|"]
     for d in docs:
@@ -393,7 +394,8 @@ def transfer_table(docs: list[dict]) -> str:
         for task, r in d["tasks"].items():
             rows.append(lead + f"| {task} | {pct(r.get('accuracy'))} |")
         if len(d["tasks"]) > 1 and d.get("mean") is not None:
-            rows.append(lead + f"| **mean** | {pct(d['mean'])} |")
+            n, missing = len(d["tasks"]), len(d.get("missing") or [])
+            rows.append(lead + f"| **mean**{f' ({n}/{n + missing})' if missing else ''} | {pct(d['mean'])} |")
     return "\n".join(rows)
 
 

@@ -383,3 +383,14 @@ def test_hf_export_holds_the_sincos_embedding(tmp_path, manifest, capsys):
     assert_clean(info)
     with torch.no_grad():
         torch.testing.assert_close(logits, ours(x), rtol=0, atol=1e-4)
+
+
+def test_card_mean_of_a_partial_suite_says_over_how_many_tasks():
+    """A VTAB-1k evaluation of 2 of the 19 tasks: the card's mean row says 2/19, as vit-transfer's
+    table does, so it is not read as the VTAB score; a complete evaluation's mean row is plain."""
+    task = {"accuracy": 0.5}
+    part = {"step": 5, "suite": "vtab1k", "protocol": "linear", "img_size": 32, "mean": 0.6,
+            "tasks": {"dtd": task, "eurosat": {"accuracy": 0.7}}, "missing": [f"t{i}" for i in range(17)]}
+    whole = {**part, "suite": "cifar100", "missing": []}
+    assert "| 5 | vtab1k | linear | 32 | **mean** (2/19) | 60.00 |" in hf.transfer_table([part])
+    assert "| 5 | cifar100 | linear | 32 | **mean** | 60.00 |" in hf.transfer_table([whole])
