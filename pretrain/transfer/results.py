@@ -6,6 +6,7 @@ pre-training run.
     {"checkpoint": ..., "checkpoint_kind": "run|transformers|safetensors|state_dict", "step": 1000,
      "model": {"name": ..., "img_size": ..., "global_pool": ..., "representation_size": ...},
      "pretraining": {"device_hours": 1.2e3, "images_seen": ..., "model_flops": ...},  # None: unknown
+     "wandb_run_id": ..., "run_dir": ...,  # the pre-training run's, where the checkpoint says them
      "suite": "vtab1k", "protocol": "linear", "img_size": 224, "sweep": true,
      "settings": {the resolved eval section},
      "tasks": {"caltech101": {"task", "group", "accuracy", "setting", "val_accuracy", "details",
