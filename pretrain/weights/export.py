@@ -281,7 +281,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: Optional[int] = None, 
     hf.write_folder(out, sd, hf.hf_config(info["model"], labels), hf.preprocessor_config(info["img_size"], prep["mean"],
                                                                                         prep["std"]),
                     card, write_safetensors)
-    return {**info, "output": str(out), "tensors": len(sd), "labels": labels}
+    return {**info, "output": str(out), "tensors": hf.hf_tensor_count(sd), "labels": labels}
 
 
 def export(run_dir: str | Path, out: str | Path, step: Optional[int] = None, ema: bool = False) -> dict:

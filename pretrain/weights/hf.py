@@ -114,6 +114,11 @@ def to_hf(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_tensor_count(sd: Mapping[str, torch.Tensor]) -> int:
+    """How many tensors ``to_hf(sd)`` holds (each ``qkv`` becomes three), without copying any."""
+    return sum(3 if _QKV.match(k) else 1 for k in sd)
+
+
 def from_hf(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers ViT names -> ours; query / key / value fused into ``qkv`` (zero biases when the
     checkpoint has none: ``qkv_bias=false``). Names not recognised pass through unchanged, so the

@@ -394,3 +394,21 @@ def test_card_mean_of_a_partial_suite_says_over_how_many_tasks():
     whole = {**part, "suite": "cifar100", "missing": []}
     assert "| 5 | vtab1k | linear | 32 | **mean** (2/19) | 60.00 |" in hf.transfer_table([part])
     assert "| 5 | cifar100 | linear | 32 | **mean** | 60.00 |" in hf.transfer_table([whole])
+
+
+def test_the_export_line_counts_the_tensors_written(tmp_path, manifest, capsys):
+    """'(N tensors)' is what the written file holds: a transformers folder has each fused qkv as
+    query, key and value, so more tensors than the run's state dict; a timm file as many."""
+    import re
+
+    from safetensors import safe_open
+
+    run, _ = make_run(tmp_path / "run", manifest)
+    for args, weights in ((("--format", "hf"), tmp_path / "hf" / "model.safetensors"),
+                          ((), tmp_path / "w.safetensors")):
+        out = weights.parent if args else weights
+        code, _, err = export(capsys, run, out, *args)
+        assert code == 0, err
+        with safe_open(str(weights), "pt") as f:
+            written = len(list(f.keys()))
+        assert re.search(r"\((\d+) tensors\)", err).group(1) == str(written), (err, written)
