@@ -31,7 +31,7 @@ import torch
 
 from data_pipeline.errors import DataError, Parser, cli_errors, path_arg
 from data_pipeline.storage.s3 import S3Prefix
-from data_pipeline.storage.urls import is_s3
+from data_pipeline.storage.urls import is_s3, last_part
 from pretrain.checkpointing import rundir
 from pretrain.config import AugmentConfig, ConfigError, from_dict, image_size
 from pretrain.distributed import ema as weight_ema
@@ -379,12 +379,14 @@ def main(argv=None) -> None:
     what = " (EMA of the weights)" if args.ema else ""
     print(f"vit-export: {r['model']['name']}{step}{what} from {r['checkpoint']} -> {r['output']} "
           f"({r['tensors']} tensors)", file=sys.stderr)
-    if is_s3(args.output):
+    # in the store, the loading line reads the download: the file beside the script, the folder by its own name
+    local = Path(last_part(r["output"]) if args.format == "hf" else ".") if is_s3(args.output) else None
+    if local is not None:
         print(f"vit-export: in the store; download it first (aws s3 cp{' --recursive' if args.format == 'hf' else ''} "
-              f"{r['output']} .)", file=sys.stderr)
+              f"{r['output']} {local})", file=sys.stderr)
     if args.format == "hf":
         print(f"from transformers import ViTForImageClassification; "
-              f"ViTForImageClassification.from_pretrained({str(Path(r['output']).absolute())!r})")
+              f"ViTForImageClassification.from_pretrained({str((local or Path(r['output'])).absolute())!r})")
         return
     if r["model"].get("representation_size"):
         print("vit-export: note: timm 1.x drops the pre-logits layer (model.representation_size) when loading: "

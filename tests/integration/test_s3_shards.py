@@ -733,3 +733,18 @@ def test_exports_go_to_the_store_one_object_per_file(store, tmp_path):
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
     r = run_job([sys.executable, "-m", "pretrain.export", str(run), "s3://no-such-bucket/x.safetensors"], timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no-such-bucket" in r.stderr, r.stderr
+
+
+def test_the_loading_line_of_an_export_to_the_store_names_the_download(store, tmp_path, monkeypatch, capsys):
+    """The hf folder exported to s3://.../card/ is downloaded by the printed aws line into ./card,
+    and the printed from_pretrained line loads that folder, not a local path spelt like the URL."""
+    from transfer_fixtures import tiny_model, write_run_dir
+
+    from pretrain.weights.export import main as export_main
+
+    run = write_run_dir(tmp_path / "run", tiny_model(), {3: True}, 3)
+    monkeypatch.chdir(tmp_path)
+    export_main([str(run), f"s3://{BUCKET}/exports/card/", "--format", "hf"])
+    out, err = capsys.readouterr()
+    assert f"aws s3 cp --recursive s3://{BUCKET}/exports/card card)" in err, err
+    assert f"from_pretrained({str(tmp_path / 'card')!r})" in out, out
