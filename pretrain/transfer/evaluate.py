@@ -81,9 +81,11 @@ def evaluate_checkpoint(cfg: Config, pre: Pretrained, tasks: list, missing: list
     device = device or default_device()
     protocol = make_protocol(cfg, pre, img_size, device, dist, log)
     sweep = ev.sweep if ev.sweep is not None else ev.suite == "vtab1k"
+    # what the results say: a grid of one setting (head, a single k or l2) has nothing to choose on val
+    swept = sweep and len(protocol.grid(True)) > 1
     step = f"step {pre.step}" if pre.step is not None else "unknown step"
     log(f"vit-transfer: {pre.arch['name']} ({step}) {ev.suite}/{ev.protocol} at {img_size} px on "
         f"{len(tasks)} task(s)" + (f"; missing: {', '.join(missing)}" if missing else ""))
     results = [run_task(protocol, t, sweep, log) for t in tasks]
     return assemble(results, missing=missing, suite=ev.suite, protocol=ev.protocol, pre=pre, img_size=img_size,
-                    sweep=sweep, settings=dataclasses.asdict(ev), seconds=time.time() - t0, world=dist.world)
+                    sweep=swept, settings=dataclasses.asdict(ev), seconds=time.time() - t0, world=dist.world)

@@ -7,7 +7,7 @@ pre-training run.
      "model": {"name": ..., "img_size": ..., "global_pool": ..., "representation_size": ...},
      "pretraining": {"device_hours": 1.2e3, "images_seen": ..., "model_flops": ...},  # None: unknown
      "wandb_run_id": ..., "run_dir": ...,  # the pre-training run's, where the checkpoint says them
-     "suite": "vtab1k", "protocol": "linear", "img_size": 224, "sweep": true,
+     "suite": "vtab1k", "protocol": "linear", "img_size": 224, "sweep": true,  # settings chosen on val
      "settings": {the resolved eval section},
      "tasks": {"caltech101": {"task", "group", "accuracy", "setting", "val_accuracy", "details",
                               "num_classes", "chance", "num_train", "num_test", "seconds"}, ...},

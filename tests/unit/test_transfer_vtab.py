@@ -76,3 +76,17 @@ def test_vtab_linear_suite_end_to_end_with_missing_tasks(vtab_root, tmp_path, ca
     assert len(doc["missing"]) == 17 and "eurosat" not in doc["missing"]
     table = capsys.readouterr().out
     assert "| eurosat | specialized |" in table and "| **mean** (2/19) |" in table and "Missing (17)" in table
+
+
+def test_a_grid_of_one_setting_is_not_said_to_be_swept(vtab_root, tmp_path, capsys):
+    """VTAB-1k sweeps by default, but with one L2 penalty there is nothing to choose on val: the
+    results and the table's header do not say 'swept on val', and no val fit ran."""
+    ckpt = save_safetensors(tiny_model(32), tmp_path / "tiny.safetensors", exported_metadata(
+        {"name": "vit_tiny_patch16_224", "img_size": 32}, step=7, grid=(2, 2)))
+    out = tmp_path / "results.json"
+    main(["--checkpoint", str(ckpt), "--suite", "vtab1k", "--protocol", "linear", "--data-root", str(vtab_root),
+          "--output", str(out), "eval.workers=0", "eval.sweep_linear_l2=[0.0001]", "eval.tasks=[eurosat]"])
+    doc = json.loads(out.read_text())
+    assert doc["sweep"] is False and doc["tasks"]["eurosat"]["val_accuracy"] == []
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "vtab1k / linear at 32 px" in header and "swept" not in header, header
