@@ -23,8 +23,9 @@ Writes into DIR:
 * ``attention_distance.png`` / ``.json`` -- mean attention distance in pixels of every head
   against depth over the images (Figure 7 right, the "receptive field" of a head).
 * ``rollout/rollout_NNN.png`` and ``rollout.png`` -- attention rollout (Abnar & Zuidema 2020) of
-  the [class] token over the first images (Figure 6); ``rollout.png`` has a row per image, named
-  by its file (class folder) or shard key, under the column names.
+  the [class] token (the patch tokens' mean with avg or map pooling) over the first images
+  (Figure 6); ``rollout.png`` has a row per image, named by its file (class folder) or shard key,
+  under the column names.
 * ``analysis.json`` -- what was analysed (``rollout_images``: the images drawn; ``skipped``),
   and where each figure is.
 
