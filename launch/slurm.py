@@ -168,10 +168,11 @@ else
   JOB_PID=$!
   STATUS=0; wait "$JOB_PID" || STATUS=$?
   # a trap ends `wait` early with 128 + its signal, whether the job is still running or has just
-  # ended (scancel signals the job too): wait again for the job's own status (127: already read)
+  # ended (scancel signals the job too): wait again for the job's own status (127 or -1: bash kept
+  # none, read already or lost as the job ended just before the trap: the first one stands)
   while [[ -n "$SIGNALLED" ]]; do
     SIGNALLED=""; AGAIN=0; wait "$JOB_PID" 2>/dev/null || AGAIN=$?
-    (( AGAIN == 127 )) || STATUS=$AGAIN
+    (( AGAIN == 127 || AGAIN < 0 )) || STATUS=$AGAIN
   done
   # ranks may still be saving after the runner ended; SLURM kills what is left when this script
   # ends, so give them up to {grace} s to finish

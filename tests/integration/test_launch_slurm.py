@@ -4,6 +4,7 @@ in DRY_RUN mode; only `scontrol` (SLURM itself) is stood in for by a tiny script
 jobs (CPU-only, requeue) run in tests/cluster (`make test-cluster`)."""
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -249,23 +250,33 @@ def test_a_requeued_job_resumes_even_when_its_first_run_did_not(tmp_path, capsys
 STOPS_WITH_75 = "setsid bash -c 'trap \"exit 75\" TERM; touch \"$0\"; while :; do sleep 0.1; done' \"$STARTED\""
 
 
+def start_end_block(tmp_path, job: str, started, slow_trap: bool = False) -> subprocess.Popen:
+    """The script's end (``start_block``, requeue on) around ``job`` as job 77, started in bash with
+    a stand-in scontrol that logs to ``tmp_path/scontrol.log``; ``$STARTED`` is ``started``.
+    ``slow_trap``: a stand-in date taking 0.5 s, so the script's trap (its log line) runs that long."""
+    from launch.slurm import start_block
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    if slow_trap:
+        (bin_dir / "date").write_text(f'#!/bin/bash\nsleep 0.5\nexec {shutil.which("date")} "$@"\n')
+        (bin_dir / "date").chmod(0o755)
+    script = tmp_path / "end.sh"
+    script.write_text("set -euo pipefail\n" + start_block(job, "true", 2, requeue=True) + "\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", STARTED=str(started))
+    env.pop("DRY_RUN", None)
+    return subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
 def test_a_stop_at_the_time_limit_is_requeued_and_a_scancel_is_not(tmp_path, sig, requeued):
     """--signal=B:USR1@grace: the script forwards SIGTERM, the job checkpoints and exits 75, and the
     script requeues it (SLURM's --requeue does not cover a job's own exit); scancel's SIGTERM ends in
     75 as well, and stays ended."""
-    from launch.slurm import start_block
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    script = tmp_path / "end.sh"
-    script.write_text("set -euo pipefail\n" + start_block(STOPS_WITH_75, "true", 2, requeue=True) + "\n")
     started = tmp_path / "started"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", STARTED=str(started))
-    env.pop("DRY_RUN", None)
-    proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    proc = start_end_block(tmp_path, STOPS_WITH_75, started)
     end = time.monotonic() + 20
     while not started.exists() and time.monotonic() < end:
         time.sleep(0.05)
@@ -275,32 +286,23 @@ def test_a_stop_at_the_time_limit_is_requeued_and_a_scancel_is_not(tmp_path, sig
     assert (log.read_text() if log.exists() else "") == ("requeue 77\n" if requeued else "")
 
 
-# exits at once on SIGTERM, its PID in $STARTED: gone before the script's own trap has returned
+# exits at once on SIGTERM, its PID in $STARTED
 EXITS_AT_ONCE = "setsid bash -c 'trap \"exit 75\" TERM; echo $$ > \"$0\"; while :; do :; done' \"$STARTED\""
 
 
-def test_a_job_signalled_with_the_script_keeps_its_own_exit_status(tmp_path):
-    """scancel signals every process of the job, the ranks with the batch script: a job that has
-    exited by the time the script's trap returns reported 128 + the signal (143), not its own 75,
+def test_a_job_that_ends_during_the_scripts_trap_keeps_its_own_exit_status(tmp_path):
+    """scancel signals every process of the job, the ranks with the batch script: a job that ends
+    while the script's trap still runs was reported with 128 + the signal (143), not its own 75,
     because the trap ends `wait` early; the script now waits again for the job's own status."""
-    from launch.slurm import start_block
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    script = tmp_path / "end.sh"
-    script.write_text("set -euo pipefail\n" + start_block(EXITS_AT_ONCE, "true", 2, requeue=True) + "\n")
-    for attempt in range(5):
+    for attempt in range(3):
         started = tmp_path / f"started{attempt}"
-        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", STARTED=str(started))
-        env.pop("DRY_RUN", None)
-        proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+        proc = start_end_block(tmp_path, EXITS_AT_ONCE, started, slow_trap=True)
         end = time.monotonic() + 20
         while not (started.exists() and started.read_text().strip()) and time.monotonic() < end:
             time.sleep(0.01)
-        os.killpg(int(started.read_text()), signal.SIGTERM)  # the job's processes, as scancel's
-        proc.send_signal(signal.SIGTERM)  # and the batch script
+        proc.send_signal(signal.SIGTERM)  # the batch script: its trap runs 0.5 s
+        time.sleep(0.2)
+        os.killpg(int(started.read_text()), signal.SIGTERM)  # the job's processes, as scancel's: it ends
         assert proc.wait(timeout=20) == 75, (attempt, proc.stderr.read())
     assert not (tmp_path / "scontrol.log").exists()  # scancel: ended, not requeued
 
