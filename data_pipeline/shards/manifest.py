@@ -124,6 +124,15 @@ def write_manifest(out_dir: Union[str, Path], manifest: dict) -> Path:
     return write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(manifest))
 
 
+def shard_problem(out, shard: dict) -> Optional[str]:
+    """What is wrong with a shard a manifest lists, in ``out`` (a place of ``open_place``): "missing",
+    or "N bytes, written as M" when its size is not the one recorded; None when it is whole."""
+    st = out.stat(shard["name"])
+    if st is None:
+        return "missing"
+    return None if st["bytes"] == shard["bytes"] else f"{st['bytes']} bytes, written as {shard['bytes']}"
+
+
 MANIFEST_POLICY = RemotePolicy(retry_s=10.0)  # a manifest read without a data section's data.remote_* keys
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.shards.manifest import FORMAT, MANIFEST_NAME, SKIPPED_NAMES, VERSION, manifest_text
+from data_pipeline.shards.manifest import FORMAT, MANIFEST_NAME, SKIPPED_NAMES, VERSION, manifest_text, shard_problem
 from data_pipeline.storage.places import open_place
 from data_pipeline.storage.urls import is_remote
 
@@ -135,11 +135,9 @@ def merge_parts(out_dir, part_paths) -> dict:
             if s["name"] in names:
                 raise DataError(f"{p}: shard {s['name']} is also listed by {names[s['name']]}")
             names[s["name"]] = p
-            f, st = out.url(s["name"]), out.stat(s["name"])
-            if st is None:
-                raise DataError(f"{f}: shard of part {i} ({p}) is missing")
-            if st["bytes"] != s["bytes"]:
-                raise DataError(f"{f}: {st['bytes']} bytes, but part {i} ({p}) wrote {s['bytes']}")
+            why = shard_problem(out, s)
+            if why:
+                raise DataError(f"{out.url(s['name'])}: shard of part {i} ({p}) is {why}")
             shards.append(s)
         skipped.update(m.get("skipped", {}))
         for reason, files in (m.get("skipped_files") or {}).items():

@@ -63,6 +63,7 @@ from data_pipeline.shards.manifest import (
     SKIPPED_NAMES,
     VERSION,
     manifest_text,
+    shard_problem,
 )
 from data_pipeline.shards.parts import (
     PART_FORMAT,
@@ -247,10 +248,9 @@ def _check_still_whole(out, done: dict, part: tuple[int, int] | None) -> None:
     must still be there with the size written, else a DataError naming the first that is not and
     what rewrites it (the manifest's presence is what makes a rerun a no-op)."""
     for s in done["shards"]:
-        st = out.stat(s["name"])
-        if st is not None and st["bytes"] == s["bytes"]:
+        why = shard_problem(out, s)
+        if why is None:
             continue
-        why = "missing" if st is None else f"{st['bytes']} bytes, written as {s['bytes']}"
         if done.get("format") == PART_FORMAT:  # this part's own manifest
             remove = [part_manifest_name(part)]
         else:  # the job's manifest.json: a part's shard also needs that part's manifest gone

@@ -135,7 +135,7 @@ def test_merge_refuses_missing_duplicate_and_foreign_parts(folder, tmp_path, cap
     shard = out / json.loads(p3.read_text())["shards"][0]["name"]
     data = shard.read_bytes()
     shard.write_bytes(data[:-512])
-    assert f"{shard}: {len(data) - 512} bytes, but part 3 ({p3}) wrote {len(data)}" in _merge_fails(
+    assert f"{shard}: shard of part 3 ({p3}) is {len(data) - 512} bytes, written as {len(data)}" in _merge_fails(
         [out, p1, p2, p3], capsys)
     shard.unlink()
     assert f"{shard}: shard of part 3 ({p3}) is missing" in _merge_fails([out, p1, p2, p3], capsys)
