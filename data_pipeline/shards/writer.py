@@ -441,18 +441,23 @@ def _item_name(item, index: int) -> str:
     return getattr(item, "name", "") or getattr(item, "path", "") or f"item {index} of the source"
 
 
+def skipped_summary(counts: dict, names: list, show: int = 5) -> str:
+    """``skipped N files (reason: count, ...): name, name, ...``: the counts by reason and the first
+    ``show`` of ``names`` (the skipped files in order), as vit-shards and vit-analyze print them."""
+    total = sum(counts.values())
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    shown = ", ".join(names[:show]) + (", ..." if total > len(names[:show]) else "")
+    return f"skipped {total} file{'s' * (total != 1)} ({kinds}): {shown}"
+
+
 def skipped_line(manifest: dict, manifest_path, show: int = 5) -> str:
     """One line naming the first few skipped files and where the rest are listed ('' if none)."""
     counts = manifest.get("skipped") or {}
     if not counts:
         return ""
     names = [n for v in (manifest.get("skipped_files") or {}).values() for n in v]
-    total = sum(counts.values())
-    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-    shown = ", ".join(names[:show]) + (", ..." if total > len(names[:show]) else "")
-    where = "all names" if len(names) == total else f"the first {SKIPPED_NAMES} of each kind"
-    files = "file" if total == 1 else "files"
-    return f"skipped {total} {files} ({kinds}): {shown}; {where} under \"skipped_files\" in {manifest_path}"
+    where = "all names" if len(names) == sum(counts.values()) else f"the first {SKIPPED_NAMES} of each kind"
+    return f"{skipped_summary(counts, names, show)}; {where} under \"skipped_files\" in {manifest_path}"
 
 
 def write_demo_shards(out_dir, split: str = "train", n: int | None = None, shard_size: int = 256,

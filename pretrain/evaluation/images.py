@@ -11,6 +11,7 @@ import torch
 
 from data_pipeline.errors import ConfigError
 from data_pipeline.shards.sources import IMG_EXTENSIONS
+from data_pipeline.shards.writer import skipped_summary
 
 PROG = "vit-analyze"  # the command whose stderr lines these are
 SKIPPED_SHOWN = 5  # skipped file names printed in the one stderr line (analysis.json keeps 1,000)
@@ -91,9 +92,7 @@ class ImageSource:
         """One line naming the skipped files ('' if none), as vit-shards prints it."""
         if not self.skipped:
             return ""
-        total = sum(self.skipped.values())
-        shown = ", ".join(self.skipped_files[:SKIPPED_SHOWN]) + (", ..." if total > SKIPPED_SHOWN else "")
-        return f"{PROG}: --images {self.spec}: skipped {total} file{'s' * (total != 1)} ({self._counts()}): {shown}"
+        return f"{PROG}: --images {self.spec}: {skipped_summary(self.skipped, self.skipped_files, SKIPPED_SHOWN)}"
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         batches = self._folder() if self.files is not None else self._shards()
