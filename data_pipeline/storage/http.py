@@ -99,11 +99,7 @@ class HTTPShard(ResumableRead):
         if self.pos:
             self._check_same_file(resp)
         if self.pos and resp.status == 206:
-            m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
-            if not m or int(m.group(1)) != self.pos:
-                resp.close()
-                raise ConnectionError(f"resumed at byte {self.pos} but the server sent "
-                                      f"Content-Range {resp.headers.get('Content-Range')!r}")
+            self._check_resumed(resp.headers.get("Content-Range"), resp, "the server")
         elif self.pos:  # 200: the whole file again (no Range support); skip what was read
             left = self.pos
             while left:

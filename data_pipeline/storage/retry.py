@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -153,6 +154,14 @@ class ResumableRead(io.RawIOBase):
             except Exception:
                 pass
             self.body = None
+
+    def _check_resumed(self, content_range: Optional[str], body, sender: str) -> None:
+        """A resumed answer (asked from byte ``pos`` on) must say it begins there: else ``body`` is
+        closed and a ConnectionError (retried) names what ``sender`` sent instead."""
+        m = re.match(r"bytes (\d+)-", content_range or "")
+        if not m or int(m.group(1)) != self.pos:
+            body.close()
+            raise ConnectionError(f"resumed at byte {self.pos} but {sender} sent Content-Range {content_range!r}")
 
     def _retrying(self, op):
         return retrying(op, policy=self.policy, url=self.url, name=self.name, tally=self.tally, drop=self._drop)

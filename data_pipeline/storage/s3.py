@@ -174,11 +174,7 @@ class S3Object(ResumableRead):
         c = client(self.policy.timeout_s)
         resp = call(lambda: c.get_object(**kw), self.url, self.name, self.kind)
         if self.pos:
-            m = re.match(r"bytes (\d+)-", resp.get("ContentRange") or "")
-            if not m or int(m.group(1)) != self.pos:
-                resp["Body"].close()
-                raise ConnectionError(f"resumed at byte {self.pos} but the store sent "
-                                      f"Content-Range {resp.get('ContentRange')!r}")
+            self._check_resumed(resp.get("ContentRange"), resp["Body"], "the store")
         else:
             self.size, self.etag = resp.get("ContentLength"), resp.get("ETag")
         self.body = resp["Body"]

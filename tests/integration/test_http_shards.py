@@ -240,6 +240,25 @@ def test_shard_rewritten_while_the_server_was_away_is_one_line_not_a_mix(server,
                                               f"the server while it was being read at byte {size // 2} (ETag "), msg
 
 
+def test_resumed_answer_from_another_byte_is_refused_not_mixed(server, served):
+    """The server crashes mid-shard and comes back answering the resumed range from 100 bytes
+    before the one asked (its Content-Range says so): no byte of it reaches the reader, which tries
+    again until data.remote_retry_s and then names the range it was sent."""
+    name = "train-000005.tar"
+    at = (served / name).stat().st_size // 2
+    server.start("--die-after", f"{name}:{at}")
+    server.restart_after_death(0.2, "--range-early", "100")
+    got = bytearray()
+    with pytest.raises(StoreUnreachable) as e:
+        with HTTPShard(f"{server.url}/{name}", name, RemotePolicy(retry_s=3.0, timeout_s=5.0)) as f:
+            while chunk := f.read(4096):
+                got += chunk
+    assert bytes(got) == (served / name).read_bytes()[:at]
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{server.url}/{name}: server unreachable"), msg
+    assert f"last error: resumed at byte {at} but the server sent Content-Range 'bytes {at - 100}-" in msg, msg
+
+
 def test_server_gone_for_good_ends_within_the_bound(server, served):
     size = (served / "train-000002.tar").stat().st_size
     server.start("--die-after", f"train-000002.tar:{size // 3}")

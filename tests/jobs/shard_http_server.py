@@ -1,7 +1,8 @@
 """A small real HTTP file server for the remote-shard tests, run as its own process:
 
     python tests/jobs/shard_http_server.py DIR PORT [--rate BYTES_PER_S] [--die-after NAME:BYTES]
-                                               [--no-range] [--busy N [--busy-status CODE]
+                                               [--no-range] [--range-early BYTES]
+                                               [--busy N [--busy-status CODE]
                                                 [--retry-after S [--retry-after-date]]]
 
 Serves the files of DIR on 127.0.0.1:PORT with ``Range: bytes=A-`` / ``A-B`` support (206 with
@@ -10,10 +11,11 @@ anything else, one thread per connection. ``--rate`` paces every response body t
 bytes per second (a rate-limited object store). ``--die-after`` ends the whole process
 (``os._exit``, as a crash would) once BYTES bytes of file NAME's body are sent, mid-transfer; a
 restart without the flag serves normally. ``--no-range`` ignores ``Range`` (200 and the whole file,
-as some servers do); ``--busy N`` answers the first N requests with 503 (or ``--busy-status``),
-with ``Retry-After: S`` when ``--retry-after`` is given (``--retry-after-date``: as the HTTP-date S
-seconds after the answer, rounded up to the second). Each request is logged to stderr
-as ``GET /NAME range=... -> STATUS``.
+as some servers do); ``--range-early BYTES`` answers a range from that many bytes before the one
+asked (a misaligned answer, its ``Content-Range`` saying so); ``--busy N`` answers the first N
+requests with 503 (or ``--busy-status``), with ``Retry-After: S`` when ``--retry-after`` is given
+(``--retry-after-date``: as the HTTP-date S seconds after the answer, rounded up to the second).
+Each request is logged to stderr as ``GET /NAME range=... -> STATUS``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Handler(BaseHTTPRequestHandler):
     rate: float | None = None
     die: tuple[str, int] | None = None
     no_range = False
+    range_early = 0  # bytes before the asked range that an answer starts at
     busy = 0  # requests still to refuse with busy_status
     busy_status = 503
     retry_after: int | None = None  # seconds a busy answer asks the client to wait
@@ -67,6 +70,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_error(416, "Range Not Satisfiable")
                 return
             start, end = int(m.group(1)), min(int(m.group(2) or len(data) - 1), len(data) - 1)
+            start = max(0, start - self.range_early)
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         else:
@@ -115,6 +119,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float)
     ap.add_argument("--die-after")
     ap.add_argument("--no-range", action="store_true")
+    ap.add_argument("--range-early", type=int, default=0)
     ap.add_argument("--busy", type=int, default=0)
     ap.add_argument("--busy-status", type=int, default=503)
     ap.add_argument("--retry-after", type=int)
@@ -123,7 +128,7 @@ def main() -> None:
     Handler.retry_after, Handler.retry_after_date = args.retry_after, args.retry_after_date
     Handler.no_range, Handler.busy, Handler.busy_status = args.no_range, args.busy, args.busy_status
     Handler.root = Path(args.root)
-    Handler.rate = args.rate
+    Handler.rate, Handler.range_early = args.rate, args.range_early
     if args.die_after:
         name, _, at = args.die_after.rpartition(":")
         Handler.die = (name, int(at))
