@@ -50,13 +50,14 @@ def unwritable(folder: str | Path) -> Optional[str]:
     return None
 
 
-def check_output_dir(path: str | Path, flag: str = "--output") -> None:
+def check_output_dir(path: str | Path, flag: str = "--output", inside: tuple[str, ...] = ()) -> None:
     """ConfigError (one line naming ``flag`` and ``path``) when a command could not write into the
-    folder ``path``: a file there or on its way, or no file can be created in it (or in its nearest
-    existing parent). Commands call it before any work."""
-    why = unwritable(path)
-    if why:
-        raise ConfigError(f"{flag} {path}: {why}; choose a writable {flag} folder")
+    folder ``path`` or the subfolders ``inside`` it that it writes: a file there or on its way, or no
+    file can be created in it (or in its nearest existing parent). Commands call it before any work."""
+    for folder in (Path(path), *(Path(path) / sub for sub in inside)):
+        why = unwritable(folder)
+        if why:
+            raise ConfigError(f"{flag} {path}: {why}; choose a writable {flag} folder")
 
 
 def check_output_file(path: str | Path, reads: Optional[dict[str, str | Path]] = None, flag: str = "--output") -> None:

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors, path_arg
+from data_pipeline.files import check_output_dir
 from pretrain.evaluation.figures import (
     denormalize,
     draw_attention_distance,
@@ -322,17 +323,6 @@ def log_wandb(doc: dict, wandb_cfg, *, run_dir: Optional[str] = None) -> Optiona
 
 
 # --------------------------------------------------------------------------------------- CLI
-def check_output_dir(output: str) -> None:
-    """ConfigError (one line) when the figures cannot be written into ``output`` or its
-    ``rollout/`` folder: a file there, or no file can be created (nearest existing folder)."""
-    from data_pipeline.files import unwritable
-
-    for folder in (Path(output), Path(output) / "rollout"):
-        why = unwritable(folder)
-        if why:
-            raise ConfigError(f"--output {output}: {why}; choose a writable --output folder")
-
-
 def check_device(name: Optional[str]) -> str:
     """``--device``: a device torch knows and this machine has (default: cuda when available, else cpu)."""
     if name is None:
@@ -382,7 +372,7 @@ def main(argv=None) -> None:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}")
         device = check_device(args.device)
         cfg = load_config(args.config, args.overrides)
-        check_output_dir(args.output)  # before any work: a mistake costs a second, not the analysis
+        check_output_dir(args.output, inside=("rollout",))  # before any work: a mistake costs a second
         pre = load_pretrained(args.checkpoint, explicit_model_keys(args.config, args.overrides, cfg.model), PROG)
         if args.img_size is not None:
             from pretrain.models.arch import img_size_problem
