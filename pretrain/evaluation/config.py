@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
-__all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "SUITE_NEEDS_ROOT", "SUITES_OF_TASKS", "ValidationConfig",
-           "check_eval", "check_validation", "lower_is_better", "names_tasks", "target_metrics", "target_problem"]
+__all__ = ["EvalConfig", "FEWSHOT_DEFAULTS", "KNN_DEFAULTS", "PROTOCOL_KEYS", "SUITE_NEEDS_ROOT", "SUITES_OF_TASKS",
+           "ValidationConfig", "check_eval", "check_validation", "lower_is_better", "names_tasks", "target_metrics",
+           "target_problem", "unread_keys_note"]
 
 # transfer suites by name, and whether each needs a folder (eval.data_root, NAME:PATH); the
 # builders of each are pretrain/transfer/suites.py, which registers exactly these names
@@ -204,6 +205,38 @@ class EvalConfig:
     """`--watch`: seconds between looks for new checkpoints."""
     watch_idle_timeout_s: Optional[float] = None
     """`--watch`: stop after this long without a new checkpoint; null: never."""
+
+
+# The eval keys only some protocols read, and which: one config serves every protocol, so a key set
+# for one is no error under another, but a changed value the chosen protocol never reads is said
+# (``unread_keys_note``). Every other key is read by every protocol (``tasks`` by one suite).
+_FINETUNE_KEYS = ("recipe", "steps", "lr", "min_lr", "warmup_steps", "grad_clip", "weight_decay", "layer_decay",
+                  "label_smoothing", "mixup_alpha", "cutmix_alpha", "drop_path_rate", "ema_decay", "ema_warmup",
+                  "train_augment", "sweep_lr")
+PROTOCOL_KEYS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(_FINETUNE_KEYS, ("finetune",)),
+    "pool": ("linear", "fewshot", "knn"),  # frozen features; a fine-tune and the own head pool as the model does
+    "linear_l2": ("linear",), "sweep_linear_l2": ("linear",),
+    "fewshot_shots": ("fewshot",), "fewshot_seeds": ("fewshot",), "fewshot_l2": ("fewshot",),
+    "sweep_fewshot_l2": ("fewshot",),
+    "knn_k": ("knn",), "knn_temperature": ("knn",),
+    "real_labels": ("head",),
+}
+
+
+def unread_keys_note(ev: EvalConfig) -> Optional[str]:
+    """One line naming the keys of ``PROTOCOL_KEYS`` that ``ev`` sets away from their defaults
+    (in a config file or an override: the schema's defaults are the only other source) while
+    ``ev.protocol`` does not read them, each with the protocols that do; None when there are none."""
+    defaults = EvalConfig()
+    by_readers: dict[tuple[str, ...], list[str]] = {}
+    for key, readers in PROTOCOL_KEYS.items():
+        if ev.protocol not in readers and getattr(ev, key) != getattr(defaults, key):
+            by_readers.setdefault(readers, []).append(f"eval.{key}")
+    if not by_readers:
+        return None
+    said = "; ".join(f"{', '.join(keys)} (read by {' / '.join(readers)})" for readers, keys in by_readers.items())
+    return f"eval.protocol={ev.protocol} ignores {said}"
 
 
 def check_eval(ev: EvalConfig, fail: Callable[[str, str], None]) -> None:

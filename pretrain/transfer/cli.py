@@ -13,7 +13,8 @@ with layer decay, mixing and EMA); ``head`` scores the checkpoint's own classifi
 Flags set the ``eval`` keys of the same name; everything else is ``eval.*`` / ``model.*`` /
 ``zero.*`` keys in the config or as overrides (``eval.img_size=384 eval.steps=2500``).
 Results: ``--output`` (JSON), a Markdown table on stdout, W&B with ``eval.wandb=true``.
-A user mistake prints one line on stderr and exits 2.
+A user mistake prints one line on stderr and exits 2; an ``eval`` key set away from its default
+that only other protocols read (``pretrain.evaluation.config.PROTOCOL_KEYS``) is one note line.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Optional, TextIO
 
 from data_pipeline.errors import ConfigError, Parser, cli_errors, path_arg
 from pretrain.config import load_config
+from pretrain.evaluation.config import unread_keys_note
 from pretrain.perf.collector import after_imports
 from pretrain.transfer.errors import TransferError
 from pretrain.transfer.evaluate import evaluate_checkpoint
@@ -153,6 +155,8 @@ def main(argv=None) -> None:
                                                ("recipe", args.recipe), ("data_root", args.data_root))
                  if v is not None]
         cfg = load_config(args.config, [*args.overrides, *flags])
+        if (note := unread_keys_note(cfg.eval)) and os.environ.get("RANK", "0") == "0":  # once under deepspeed
+            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
         user_arch = explicit_model_keys(args.config, args.overrides, cfg.model)
         # before the evaluation: an unwritable --output costs a second, not the run
         check_output(args.output, watch=bool(args.watch))

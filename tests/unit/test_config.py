@@ -409,6 +409,30 @@ def test_eval_and_validation_share_the_fewshot_settings():
         load_config("configs/tiny_cpu.yaml", ["eval.minival_fraction=1.5"])
 
 
+def test_keys_only_other_protocols_read_are_named_with_their_protocols(tmp_path):
+    """One config serves every protocol: a key changed for one (in the file or an override) is named
+    under another, with the protocols that read it; defaults, and keys the protocol reads, are not."""
+    import typing
+
+    from pretrain.evaluation.config import PROTOCOL_KEYS, EvalConfig, unread_keys_note
+
+    fields = {f.name: f for f in dataclasses.fields(EvalConfig)}
+    protocols = set(typing.get_args(typing.get_type_hints(EvalConfig)["protocol"]))
+    assert set(PROTOCOL_KEYS) <= set(fields) and all(set(r) < protocols for r in PROTOCOL_KEYS.values())
+    cfg_file = write(tmp_path / "e.yaml", "eval:\n  real_labels: real.json\n  fewshot_shots: [1, 5]\n")
+    cfg = load_config(cfg_file, ["eval.protocol=linear", "eval.knn_k=[5]", "eval.linear_l2=0.1"])
+    assert unread_keys_note(cfg.eval) == ("eval.protocol=linear ignores eval.fewshot_shots (read by fewshot); "
+                                          "eval.knn_k (read by knn); eval.real_labels (read by head)")
+    assert unread_keys_note(load_config(cfg_file, ["eval.protocol=head"]).eval) == (
+        "eval.protocol=head ignores eval.fewshot_shots (read by fewshot)")
+    for protocol in sorted(protocols):  # the defaults, set again by hand, are no change
+        assert unread_keys_note(load_config(None, [f"eval.protocol={protocol}", "eval.knn_k=[10,20,100,200]",
+                                                   "eval.fewshot_l2=1024", "eval.steps=500"]).eval) is None
+    assert unread_keys_note(load_config(None, ["eval.protocol=knn", "eval.steps=5", "eval.warmup_steps=1",
+                                               "eval.pool=avg"]).eval) == (
+        "eval.protocol=knn ignores eval.steps, eval.warmup_steps (read by finetune)")
+
+
 def test_deepspeed_prints_the_config_deepspeed_parses(tmp_path, capsys):
     """``--deepspeed --world-size N``: the JSON a run hands DeepSpeed, read back by DeepSpeed's own
     parser (here a world of one); the world size sets the accumulation; without it, one line."""
