@@ -14,6 +14,9 @@ pre-training run.
      "groups": {"natural": {"mean", "tasks", "of"}, ...},      # vtab1k only
      "mean": 0.61, "missing": ["sun397", ...], "seconds": 812.0, "world_size": 1, "device_hours": 0.23}
 
+``num_train``: the training images the final fit uses (train and val together; 0 for ``head``); for
+few-shot, the pool each seed draws its ``k`` images per class from (the table's cell says
+``k x classes of pool``).
 ``pretraining``: what pre-training did and cost up to the evaluated step, as the checkpoint says it
 (a run's ``run.json``, a ``vit-export`` file's metadata); each figure None where it does not.
 ``seconds``, ``world_size`` and ``device_hours``: what this evaluation itself took (a fine-tune's
@@ -177,17 +180,23 @@ def markdown(doc: dict) -> str:
     seeds = (doc.get("settings") or {}).get("fewshot_seeds")
     nn = headline_k(doc) if doc["protocol"] == "knn" else None
     top1 = f"{k}-shot top-1 (%)" if k else f"{nn}-NN top-1 (%)" if nn else "Top-1 (%)"
+    # few-shot fits k images of each class drawn from the training split: the split is the pool, not
+    # what was fitted, so the cell says both
+    fewshot = doc["protocol"] == "fewshot"
+    train = "Train (shots x classes of pool)" if fewshot else "Train"
     lines = [f"**{doc['model']['name']}** ({step}, {doc['checkpoint']}{_cost(doc)}) -- {doc['suite']} / "
              f"{doc['protocol']} at {doc['img_size']} px" + (", swept on val" if doc.get("sweep") else "")
              + (f"; top-1 is {k}-shot" + (f", mean of {seeds} seed{'s' * (seeds != 1)}" if seeds else "")
                 + " (every shot count under Details)" if k else "")
              + (f"; top-1 is {nn}-NN (every k under Details)" if nn else ""), "",
-             f"| Task | Group | {top1} | Chance (%) | Setting | Details | Train | Test |",
+             f"| Task | Group | {top1} | Chance (%) | Setting | Details | {train} | Test |",
              "|---|---|---:|---:|---|---|---:|---:|"]
     for name, r in doc["tasks"].items():
         details = _details(r["details"])
+        shots = r["details"].get("headline_shots") if fewshot else None
+        n_train = f"{shots} x {r['num_classes']} of {r['num_train']}" if shots else r["num_train"]
         lines.append(f"| {name} | {r['group'] or ''} | {_pct(r['accuracy'])} | {_pct(r['chance'])} "
-                     f"| {_setting(r['setting'])} | {details} | {r['num_train']} | {r['num_test']} |")
+                     f"| {_setting(r['setting'])} | {details} | {n_train} | {r['num_test']} |")
     for g, s in (doc.get("groups") or {}).items():
         lines.append(f"| **{g}** ({s['tasks']}/{s['of']}) | | {_pct(s['mean'])} | | | | | |")
     if doc["suite"] == "vtab1k":

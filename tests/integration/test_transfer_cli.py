@@ -98,7 +98,7 @@ def test_cli_knn_from_an_export(tmp_path, colours, capsys):
     r = json.loads(out.read_text())["tasks"]["colours"]
     assert r["accuracy"] >= 0.75 and r["details"]["headline_k"] == 10 and set(r["details"]["k"]) == {"3", "10"}
     table, err = capsys.readouterr()
-    assert "| Task | Group | 10-NN top-1 (%) |" in table and "3-NN" in table
+    assert "| Task | Group | 10-NN top-1 (%) |" in table and "3-NN" in table and "| Train | Test |" in table
     # FAST's few-shot keys are no error under knn (one config serves every protocol), but said once
     notes = [x for x in err.splitlines() if x.startswith("vit-transfer: note:")]
     assert notes == ["vit-transfer: note: eval.protocol=knn ignores eval.fewshot_shots, eval.fewshot_seeds "
@@ -352,6 +352,8 @@ def test_fewshot_headline_names_its_shot_count(tmp_path, colours, capsys):
           "--output", str(tmp_path / "r.json"), *FAST])  # shots 1 and 5: no 10, so the headline is 5-shot
     out, err = capsys.readouterr()
     assert "top-1 is 5-shot, mean of 2 seeds" in out and "| Task | Group | 5-shot top-1 (%) |" in out
+    # the 5-shot fits 5 images of each of the 4 classes, drawn from the 32 of the training split
+    assert "| Train (shots x classes of pool) | Test |" in out and "| 5 x 4 of 32 | 24 |" in out, out
     assert "test 5-shot top-1 (mean of 2 seed(s))" in err and "note:" not in err
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["tasks"]["colours"]["details"]["headline_shots"] == 5
