@@ -391,13 +391,18 @@ def transfer_docs(root: Path) -> list[dict]:
 
 def transfer_table(docs: list[dict]) -> str:
     """One row per task (and a mean row per evaluation of several tasks; with the share of the
-    suite's tasks it is over where some were missing, as vit-transfer's own table says it)."""
+    suite's tasks it is over where some were missing, as vit-transfer's own table says it); a ReaL
+    top-1 (a set scored by ReaL labels alone) is marked in its cell."""
+    def real_only(r: dict) -> bool:  # as pretrain.transfer.results.real_only says it (a floor above)
+        d = r.get("details") or {}
+        return "real_top1" in d and "top1" not in d
+
     pct = lambda x: "-" if x is None else f"{100 * x:.2f}"  # noqa: E731
     rows = ["| Step | Suite | Protocol | Resolution | Task | Top-1 (%) |", "|---:|---|---|---:|---|---:|"]
     for d in docs:
         lead = f"| {d.get('step', '?')} | {d['suite']} | {d['protocol']} | {d.get('img_size', '')} "
         for task, r in d["tasks"].items():
-            rows.append(lead + f"| {task} | {pct(r.get('accuracy'))} |")
+            rows.append(lead + f"| {task} | {pct(r.get('accuracy'))}{' (ReaL)' if real_only(r) else ''} |")
         if len(d["tasks"]) > 1 and d.get("mean") is not None:
             n, missing = len(d["tasks"]), len(d.get("missing") or [])
             rows.append(lead + f"| **mean**{f' ({n}/{n + missing})' if missing else ''} | {pct(d['mean'])} |")

@@ -15,7 +15,9 @@ from pretrain.config import load_config
 from pretrain.transfer.data import make_view
 from pretrain.transfer.evaluate import evaluate_checkpoint
 from pretrain.transfer.protocols.head import predict
+from pretrain.transfer.results import markdown
 from pretrain.transfer.suites import labelled_folder
+from pretrain.weights.hf import transfer_table
 from pretrain.weights.pretrained import CheckpointError, build_classifier, load_pretrained
 
 CLASSES = ["0", "2", "5", "9"]  # ImageNet-V2's layout: the folder names are the head's indices
@@ -108,6 +110,8 @@ def test_protocol_scores_top1_top5_and_real_as_timm(checkpoints, v2_folder, tmp_
     assert d["top1"] == pytest.approx(float((logits.argmax(1) == y).double().mean()))
     assert d["top5"] == pytest.approx(float((logits.topk(5, 1).indices == y[:, None]).any(1).double().mean()))
     assert r["accuracy"] == d["top1"]
+    acc = f"{100 * d['top1']:.2f}"  # top-1 against the folders, with ReaL under Details
+    assert "| Task | Group | Top-1 (%) |" in markdown(doc) and f"| val | {acc} |" in transfer_table([doc])
     real_eval = RealLabelsImagenet(task.test.paths, real_json=str(tmp_path / "real.json"), topk=(1, 5))
     real_eval.add_result(logits)
     assert d["real_scored"] == 23
@@ -127,6 +131,10 @@ def test_a_flat_folder_is_scored_by_real_alone(checkpoints, v2_folder, tmp_path)
                               [task], [], log=lambda m: None)
     d = doc["tasks"]["flat"]["details"]
     assert "top1" not in d and d["real_scored"] == 24 and doc["tasks"]["flat"]["accuracy"] == d["real_top1"]
+    # the figure is ReaL top-1, and the table and the model card say so
+    acc = f"{100 * d['real_top1']:.2f}"
+    assert "| Task | Group | ReaL top-1 (%) |" in markdown(doc) and f"| flat |  | {acc} |" in markdown(doc)
+    assert f"| flat | {acc} (ReaL) |" in transfer_table([doc])
     with pytest.raises(ConfigError, match="no labelled images"):
         evaluate_checkpoint(_cfg(), load_pretrained(checkpoints["export"]), [task], [], log=lambda m: None)
     (tmp_path / "short.json").write_text(json.dumps([[1]] * 3))
