@@ -203,20 +203,10 @@ REQUEUE = """
 # (its launcher's code for a signalled job) or SLURM's signal, never 75; `vit-launch run` reads
 # status.json for the same reason
 RUN_STATUS = """
-  # the run's exit code, as rank 0 wrote it in status.json in this attempt (srun gives the runner's)
-  STATUS=$({python} - {status} "$STARTED_AT" "$STATUS" <<'EOF'
-import json, sys
-path, since, code = sys.argv[1:]
-try:
-    with open(path) as f:
-        doc = json.load(f)
-    if doc["state"] != "running" and doc["time"] >= float(since):
-        code = doc["exit_code"]
-except (OSError, ValueError, KeyError, TypeError):
-    pass
-print(code)
-EOF
-)"""
+  # the run's exit code, as rank 0 wrote it in status.json in this attempt (srun gives the runner's);
+  # srun's stands where there is none (or where the reader itself fails)
+  RUN_CODE=$({python} -m launch.supervise exit-code {status} "$STARTED_AT" "$STATUS" || true)
+  if [[ $RUN_CODE =~ ^[0-9]+$ ]]; then STATUS=$RUN_CODE; fi"""
 
 
 def start_block(launch: str, dry: str, grace: int, requeue: bool, status_file: Optional[str] = None) -> str:

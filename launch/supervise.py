@@ -24,6 +24,7 @@
   exception, a rank killed by a signal: DeepSpeed's launcher would pass on 245 or 247).
   ``status.json`` in the run directory, written by rank 0, decides between "completed" /
   "interrupted" and what the runner reported (DeepSpeed's launcher turns a signalled job into exit 1).
+  ``python -m launch.supervise exit-code`` reads it for the sbatch script of ``--launcher srun``.
 * ``--max-restarts N``: after a failure (not after a user error, a completed run or a stop asked
   for by a signal) start the job again, after ``min(backoff * 2**k, 300)`` seconds; a job that
   stopped after a checkpoint (75) with no stop asked for (its launcher or the runner went away)
@@ -95,7 +96,21 @@ def _read_status(path: Optional[Path], since: float) -> Optional[dict]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) and doc.get("time", 0) >= since else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("time", 0), (int, float)):
+        return None
+    return doc if doc.get("time", 0) >= since else None
+
+
+def run_exit_code(path: Path, since: float) -> Optional[int]:
+    """The exit code rank 0 wrote in status.json (``path``) in the attempt started at ``since``, once
+    the run has ended; None while it still runs, or when the file is absent, unreadable or older."""
+    status = _read_status(path, since)
+    if status is None or status.get("state") in (None, "running"):
+        return None
+    try:
+        return int(status["exit_code"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def outcome(code: int, again: Optional[str] = "the same command") -> tuple[int, str]:
@@ -304,3 +319,18 @@ class Supervisor:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m launch.supervise exit-code STATUS_JSON SINCE FALLBACK`` prints the run's exit code
+    (``run_exit_code``), or FALLBACK where there is none: the sbatch script of ``vit-launch slurm
+    --launcher srun`` asks it, since srun ends with the runner's code. Cheap: no torch import."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 4 or args[0] != "exit-code":
+        raise SystemExit(f"usage: python -m launch.supervise exit-code STATUS_JSON SINCE FALLBACK (got {args})")
+    code = run_exit_code(Path(args[1]), float(args[2]))
+    print(args[3] if code is None else code)
+
+
+if __name__ == "__main__":
+    main()

@@ -124,3 +124,27 @@ def test_a_stop_nobody_asked_for_is_restarted_at_once(job, tmp_path):
     """The ranks saved and stopped (75) because their launcher or runner went away: a restart."""
     assert supervisor(job("stopped,ok"), tmp_path).run(max_restarts=1, backoff_s=30.0) == 0
     assert len(attempts(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("status, printed", [
+    (None, "143"),
+    ({"state": "interrupted", "exit_code": 75, "time": 2e9}, "75"),
+    ({"state": "running", "exit_code": None, "time": 2e9}, "143"),
+    ({"state": "completed", "exit_code": 0, "time": 1.0}, "143"),  # before the attempt started
+    ({"state": "completed", "exit_code": 0, "time": "late"}, "143"),
+])
+def test_the_exit_code_entry_point_reads_status_json_without_torch(tmp_path, status, printed):
+    """`python -m launch.supervise exit-code STATUS_JSON SINCE FALLBACK`, what the sbatch script of
+    --launcher srun runs after the job: the run's code or the fallback, and no torch import (seconds
+    on a cold node)."""
+    import subprocess
+
+    path = tmp_path / "status.json"
+    if status is not None:
+        path.write_text(json.dumps(status))
+    check = "import runpy, sys; runpy.run_module('launch.supervise', run_name='__main__'); " \
+            "print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", check, "exit-code", str(path), "1e9", "143"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [printed, "False"]
