@@ -31,7 +31,9 @@ it resumes from that checkpoint, in the same W&B run. A plain ``scancel`` (SIGTE
 75 and is not requeued. A job that ends with exit 69 (the shard store stayed unreachable past
 ``data.remote_retry_s``) is requeued by the script too. The launcher
 runs in the background of the script (``wait``, re-``wait`` after the trap) because bash runs a
-trap only between commands.
+trap only between commands; a small bash around it writes its exit code to
+``<log-dir>/exit.<job id>``, which the script takes over ``wait``'s (bash can lose a job's status
+when the job ends just as the trap runs).
 
 The log folder (``--log-dir``) is created when the script is written: SLURM opens the
 ``--output`` file before the script runs, and a missing folder ends the job at once
@@ -142,6 +144,13 @@ def _header(job: SlurmJob, name: str, log_dir: Path) -> list[str]:
 # The launcher runs in the background so that the TERM trap runs at once (bash runs traps only
 # between commands); the job gets its own process group (setsid), which the trap signals as a
 # whole: the runner/supervisor, the node's launcher and ranks (they checkpoint at the next step).
+# That group's leader is a small bash (JOB) that runs the launcher and writes its exit code to a
+# file: `wait` in the script can lose the job's status when the job ends just as a trap runs (bash
+# keeps none, or the trap's 128 + signal stands), and a stop at the time limit would not be requeued.
+# JOB catches TERM/INT/USR1 with a no-op, so the group's SIGTERM stops the launcher, not JOB; a
+# caught signal is reset to its default in the commands JOB starts (an ignored one would be inherited;
+# INT and QUIT are ignored in any background job of a script, as they were before JOB).
+_JOB = """'trap : TERM INT USR1; "$@"; code=$?; echo "$code" > "$0"; exit "$code"'"""
 _START = """\
 # SIGTERM/SIGINT to this script (scancel, pre-emption, requeue) and USR1 (--signal=B:USR1@grace,
 # the time limit is near) are forwarded as SIGTERM to the job's process group: ranks checkpoint at
@@ -164,16 +173,24 @@ else
   trap forward TERM INT
   trap time_limit USR1
   STARTED_AT=$(date +%s)
-  {launch} &
+  # the launcher's exit code, written by JOB as it ends; kept beside the log (as the hostfile):
+  # it says how the last attempt ended, and a requeue (same job id) removes it before it starts
+  EXIT_FILE={exit_file}
+  rm -f "$EXIT_FILE"
+  JOB={job}
+  setsid bash -c "$JOB" "$EXIT_FILE" {launch} &
   JOB_PID=$!
   STATUS=0; wait "$JOB_PID" || STATUS=$?
   # a trap ends `wait` early with 128 + its signal, whether the job is still running or has just
-  # ended (scancel signals the job too): wait again for the job's own status (127 or -1: bash kept
-  # none, read already or lost as the job ended just before the trap: the first one stands)
+  # ended (scancel signals the job too): wait again until the job has ended (127 or 255: bash kept
+  # no status, read already or lost as the job ended just before the trap)
   while [[ -n "$SIGNALLED" ]]; do
     SIGNALLED=""; AGAIN=0; wait "$JOB_PID" 2>/dev/null || AGAIN=$?
-    (( AGAIN == 127 || AGAIN < 0 )) || STATUS=$AGAIN
+    (( AGAIN == 127 || AGAIN == 255 )) || STATUS=$AGAIN
   done
+  # the code JOB wrote stands over `wait`'s (no file: JOB itself was killed, `wait` says how)
+  RECORDED=$(cat "$EXIT_FILE" 2>/dev/null || true)
+  if [[ $RECORDED =~ ^[0-9]+$ ]]; then STATUS=$RECORDED; fi
   # ranks may still be saving after the runner ended; SLURM kills what is left when this script
   # ends, so give them up to {grace} s to finish
   for ((i = 0; i < {grace}; i++)); do kill -0 -- -"$JOB_PID" 2>/dev/null || break; sleep 1; done{run_status}
@@ -209,14 +226,17 @@ RUN_STATUS = """
   if [[ $RUN_CODE =~ ^[0-9]+$ ]]; then STATUS=$RUN_CODE; fi"""
 
 
-def start_block(launch: str, dry: str, grace: int, requeue: bool, status_file: Optional[str] = None) -> str:
-    """The end of the script: start the job (``launch``, or print ``dry`` under DRY_RUN), forward
-    signals to it, wait for it and, with ``requeue``, requeue what should go on. ``status_file``: the
-    run's status.json, whose exit code replaces the launcher's (``launch`` not `vit-launch run`)."""
+def start_block(launch: str, dry: str, grace: int, requeue: bool, logs: str,
+                status_file: Optional[str] = None) -> str:
+    """The end of the script: start the job (``launch``, words of bash, or print ``dry`` under
+    DRY_RUN), forward signals to it, wait for it and, with ``requeue``, requeue what should go on.
+    ``logs``: the log folder (a shell word), where the job's exit code is written as
+    ``exit.$SLURM_JOB_ID``. ``status_file``: the run's status.json, whose exit code replaces the
+    launcher's (``launch`` not `vit-launch run`)."""
     run_status = "" if status_file is None else RUN_STATUS.format(
         python=shell_word(sys.executable), status=shlex.quote(status_file))
     return _START.format(dry=dry, launch=launch, grace=grace, requeue=REQUEUE if requeue else "",
-                         run_status=run_status)
+                         run_status=run_status, job=_JOB, exit_file=f'{logs}/"exit.$SLURM_JOB_ID"')
 
 
 def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch") -> str:
@@ -236,7 +256,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
         # `vit-launch run` has no --no_ssh / --node_rank: srun starts the deepspeed runner itself
         cmd = ds_command(config, job.overrides, job.nodes, job.ranks, no_ssh=True)
         launch_array = bash_array("LAUNCH", cmd) + RESUME_LINES
-        run_line = ("setsid srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n"
+        run_line = ("srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n"
                     "    bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\"")
         dry = "run srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n" \
               "    bash -c 'exec \"$0\" --node_rank \"$SLURM_NODEID\" \"$@\"' \"${LAUNCH[@]}\""
@@ -251,7 +271,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "  LAUNCH+=(--hostfile \"$HOSTFILE\" --num-nodes \"${#HOSTS[@]}\")\n"
             "fi")
         status_file = None  # `vit-launch run` exits with the run's code
-        run_line = "setsid \"${LAUNCH[@]}\""
+        run_line = "\"${LAUNCH[@]}\""
         dry = "run \"${LAUNCH[@]}\""
         where = "# the runner on this (first) node starts every node's ranks (over ssh with pdsh if several)"
         env_file = (
@@ -260,7 +280,7 @@ def render(job: SlurmJob, cwd: Optional[Path] = None, output: str = "job.sbatch"
             "# (where the store is, never its secrets: those stay in ~/.aws/credentials, read on every node)\n"
             f"(umask 077; env | grep -E '^(TORCH_NCCL_[A-Z_]*|OMP_NUM_THREADS|{STORE_ENV.pattern})=' "
             "> \"$DS_ENV_FILE\") || true\n")
-    start = start_block(run_line, dry, job.signal_grace, job.requeue, status_file)
+    start = start_block(run_line, dry, job.signal_grace, job.requeue, logs, status_file)
     return f"""#!/bin/bash
 # vitscale pre-training on {job.nodes} node(s) x {what}, written by `vit-launch slurm`.
 #   config:    {config}

@@ -2,6 +2,7 @@
 runner accepts, and starts the runner with the right layout. The script really runs under bash
 in DRY_RUN mode; only `scontrol` (SLURM itself) is stood in for by a tiny script here. Real sbatch
 jobs (CPU-only, requeue) run in tests/cluster (`make test-cluster`)."""
+import json
 import os
 import shlex
 import shutil
@@ -141,7 +142,7 @@ def test_requeue_signals_the_batch_shell_which_forwards_to_the_job(tmp_path, cap
     # the launcher runs in its own process group in the background; the trap forwards TERM to it
     assert "trap forward TERM INT" in body and "trap time_limit USR1" in body
     assert 'kill -TERM -- -"$JOB_PID"' in body
-    assert 'setsid "${LAUNCH[@]}" &' in body and 'wait "$JOB_PID"' in body
+    assert 'setsid bash -c "$JOB" "$EXIT_FILE" "${LAUNCH[@]}" &' in body and 'wait "$JOB_PID"' in body
     # exit 69, the shard store away past data.remote_retry_s, or 75 at the time limit: requeued
     assert '    scontrol requeue "$SLURM_JOB_ID"' in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -247,24 +248,28 @@ def test_a_requeued_job_resumes_even_when_its_first_run_did_not(tmp_path, capsys
 
 
 # a stand-in for `vit-launch run`: checkpoints (here: nothing) and exits 75 on SIGTERM, as the job does
-STOPS_WITH_75 = "setsid bash -c 'trap \"exit 75\" TERM; touch \"$0\"; while :; do sleep 0.1; done' \"$STARTED\""
+STOPS_WITH_75 = "bash -c 'trap \"exit 75\" TERM; touch \"$0\"; while :; do sleep 0.1; done' \"$STARTED\""
 
 
-def start_end_block(tmp_path, job: str, started, slow_trap: bool = False) -> subprocess.Popen:
-    """The script's end (``start_block``, requeue on) around ``job`` as job 77, started in bash with
-    a stand-in scontrol that logs to ``tmp_path/scontrol.log``; ``$STARTED`` is ``started``.
-    ``slow_trap``: a stand-in date taking 0.5 s, so the script's trap (its log line) runs that long."""
+def start_end_block(tmp_path, job: str, started, slow_trap: bool = False, status_file=None,
+                    tools=None) -> subprocess.Popen:
+    """The script's end (``start_block``, requeue on, log folder ``tmp_path``) around ``job`` as job
+    77, started in bash with a stand-in scontrol that logs to ``tmp_path/scontrol.log``; ``$STARTED``
+    is ``started``. ``slow_trap``: a stand-in date taking 0.5 s, so the script's trap (its log line)
+    runs that long. ``status_file``: as ``start_block``'s (srun). ``tools``: more stand-ins, name: body."""
     from launch.slurm import start_block
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    (bin_dir / "scontrol").chmod(0o755)
+    tools = {"scontrol": f'echo "$@" >> {tmp_path / "scontrol.log"}', **(tools or {})}
     if slow_trap:
-        (bin_dir / "date").write_text(f'#!/bin/bash\nsleep 0.5\nexec {shutil.which("date")} "$@"\n')
-        (bin_dir / "date").chmod(0o755)
+        tools["date"] = f'sleep 0.5\nexec {shutil.which("date")} "$@"'
+    for name, body in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
     script = tmp_path / "end.sh"
-    script.write_text("set -euo pipefail\n" + start_block(job, "true", 2, requeue=True) + "\n")
+    script.write_text("set -euo pipefail\n" + start_block(job, "true", 2, requeue=True, logs=shlex.quote(str(tmp_path)),
+                                                         status_file=status_file and str(status_file)) + "\n")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", STARTED=str(started))
     env.pop("DRY_RUN", None)
     return subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
@@ -287,7 +292,7 @@ def test_a_stop_at_the_time_limit_is_requeued_and_a_scancel_is_not(tmp_path, sig
 
 
 # exits at once on SIGTERM, its PID in $STARTED
-EXITS_AT_ONCE = "setsid bash -c 'trap \"exit 75\" TERM; echo $$ > \"$0\"; while :; do :; done' \"$STARTED\""
+EXITS_AT_ONCE = "bash -c 'trap \"exit 75\" TERM; echo $$ > \"$0\"; while :; do :; done' \"$STARTED\""
 
 
 def test_a_job_that_ends_during_the_scripts_trap_keeps_its_own_exit_status(tmp_path):
@@ -302,9 +307,63 @@ def test_a_job_that_ends_during_the_scripts_trap_keeps_its_own_exit_status(tmp_p
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)  # the batch script: its trap runs 0.5 s
         time.sleep(0.2)
-        os.killpg(int(started.read_text()), signal.SIGTERM)  # the job's processes, as scancel's: it ends
+        os.killpg(os.getpgid(int(started.read_text())), signal.SIGTERM)  # the job's processes, as scancel's
         assert proc.wait(timeout=20) == 75, (attempt, proc.stderr.read())
     assert not (tmp_path / "scontrol.log").exists()  # scancel: ended, not requeued
+
+
+def test_the_job_records_its_own_exit_code_and_leaves_its_launchers_signals_alone(tmp_path):
+    """The job's wrapper writes the launcher's exit code beside the log; the launcher gets TERM and
+    USR1 with their default action (a signal the wrapper ignored would be inherited, and SIGTERM to
+    the process group would no longer stop the ranks)."""
+    started = tmp_path / "started"
+    job = "bash -c 'grep SigIgn /proc/$$/status > \"$0\"; exit 5' \"$STARTED\""
+    assert start_end_block(tmp_path, job, started).wait(timeout=20) == 5
+    assert (tmp_path / "exit.77").read_text() == "5\n"
+    ignored = int(started.read_text().split()[1], 16)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        assert not ignored & (1 << (sig - 1)), (sig.name, hex(ignored))
+
+
+def test_the_recorded_exit_code_stands_when_bash_loses_the_jobs_status(tmp_path):
+    """bash can lose a background job's status when the job ends just as a trap runs: `wait` then
+    gives 127 or 255, or the trap's 143 stands, and a job that should be requeued is not. Here a
+    stand-in setsid loses it every time (it runs the real one and exits 255): the job ends 69 (the
+    shard store stayed away), recorded by its wrapper, and is requeued."""
+    tools = {"setsid": f'{shutil.which("setsid")} "$@"\nexit 255'}
+    proc = start_end_block(tmp_path, "bash -c 'exit 69'", tmp_path / "started", tools=tools)
+    assert proc.wait(timeout=20) == 69, proc.stderr.read()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
+
+
+def test_a_killed_wrapper_leaves_waits_status_not_an_earlier_attempts_code(tmp_path):
+    """A requeued job keeps its job id, so its earlier attempt's code file has the same name: the
+    script removes it before the start, and where the wrapper itself is killed (no code written),
+    `wait`'s 137 stands, not the earlier 0."""
+    (tmp_path / "exit.77").write_text("0\n")
+    proc = start_end_block(tmp_path, "bash -c 'kill -KILL $PPID'", tmp_path / "started")
+    assert proc.wait(timeout=20) == 137, proc.stderr.read()
+    assert not (tmp_path / "exit.77").exists()
+
+
+@pytest.mark.parametrize("status, code", [
+    (None, 1),  # no status.json: srun's code
+    ({"state": "interrupted", "exit_code": 75}, 75),
+    ({"state": "failed", "exit_code": 2}, 2),
+    ({"state": "running", "exit_code": None}, 1),  # rank 0 never said how it ended
+    ({"state": "interrupted", "exit_code": 75, "time": 1.0}, 1),  # an earlier attempt's
+    ("{not json", 1),
+])
+def test_an_srun_job_exits_with_the_code_in_this_attempts_status_json(tmp_path, status, code):
+    """Under srun the script takes the run's exit code from status.json when this attempt wrote it
+    and the run has ended (`python -m launch.supervise exit-code`), and srun's otherwise."""
+    path = tmp_path / "status.json"
+    if isinstance(status, dict):
+        path.write_text(json.dumps({"time": time.time() + 3600, **status}))  # after the script starts
+    elif status is not None:
+        path.write_text(status)
+    proc = start_end_block(tmp_path, "bash -c 'exit 1'", tmp_path / "started", status_file=path)
+    assert proc.wait(timeout=60) == code, proc.stderr.read()
 
 
 # a stand-in for srun: the job checkpoints on SIGTERM (rank 0 writes status.json: interrupted, 75)
