@@ -4,7 +4,9 @@ Every ``validation.every_steps`` steps (0: off) the loop calls ``evaluator(step)
 
 * ``eval/loss``, ``eval/top1``, ``eval/top5`` (multi-label data: ``eval/prec@1``) over
   ``data.val_shards``: every validation sample exactly once across ranks (the loader's evaluation
-  stream), reduced with sums after the pass.
+  stream), reduced with sums after the pass; ``eval/data/<kind>``: what the pass's reading skipped
+  and why, and its retried requests, summed over ranks (``data_pipeline/tally.py``'s kinds; only
+  kinds that occurred), as ``train/data/*`` counts the training stream's.
 * with ``train.ema_decay``, the same again on the weights' moving average: ``eval/ema/loss``,
   ``eval/ema/top1``, ``eval/ema/fewshot/<suite>/<n>shot``, ... (the average swapped into the module
   for the pass, ``WeightEma.swapped``, and the weights swapped back bit for bit).
@@ -41,6 +43,7 @@ from pretrain.distributed import rng
 from pretrain.distributed.process import lockstep
 from pretrain.models.losses import classification_loss
 from pretrain.observability.clock import synced_now
+from pretrain.observability.window import sum_counters
 from pretrain.transfer.errors import TransferError
 
 
@@ -158,6 +161,13 @@ class _Knn:
                                          world=self.world)
 
 
+def pass_counts(before: dict, after: dict) -> dict:
+    """What one validation pass added to the loader's counters (they run on over the run's passes):
+    the samples it skipped and why, its retried requests; not ``samples`` (``eval/samples`` is the
+    pass's count over ranks)."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if k != "samples" and v != before.get(k, 0)}
+
+
 class InTrainingEval:
     """``val``: the ``validation`` section; ``data``: the ``data`` section (val shards, labels);
     ``batch``: images per forward; ``seed``: the validation loader's; ``device``: where its batches
@@ -224,6 +234,7 @@ class InTrainingEval:
         count), top-1 / top-5 (multi-label: precision@1), over every validation sample once."""
         device = engine.device
         sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top1, top5 (or prec@1), count
+        before = self.val.counters
         multi = self.data.multi_label
         for item in lockstep(self.val, device):
             if item is None:
@@ -243,9 +254,10 @@ class InTrainingEval:
         dist.all_reduce(sums)
         total, hit1, hit5, count = sums.tolist()  # the evaluation's one host read
         n = max(1.0, count)
+        data = {f"data/{k}": v for k, v in sum_counters(pass_counts(before, self.val.counters)).items()}
         if multi:
-            return {"loss": total / n, "prec@1": hit1 / n, "samples": int(count)}
-        return {"loss": total / n, "top1": hit1 / n, "top5": hit5 / n, "samples": int(count)}
+            return {"loss": total / n, "prec@1": hit1 / n, "samples": int(count), **data}
+        return {"loss": total / n, "top1": hit1 / n, "top5": hit5 / n, "samples": int(count), **data}
 
     def _suites(self) -> list[_Fewshot]:
         if self.fewshot is None:

@@ -2,6 +2,8 @@
 few-shot and kNN probes on the held-out demo shapes (from shards, as ``make demo`` evaluates), the same
 on the weights' EMA (train.ema_decay), and training bit-identical with evaluation on or off."""
 import json
+import shutil
+import tarfile
 
 import pytest
 from dist_utils import wandb_history
@@ -62,6 +64,7 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run,
     assert all(0 < hours[r["step"]] <= r["device_hours"] < hours.get(r["step"] + 1, 1e9) for r in evals), on
     for r in evals:
         assert r["eval/samples"] == 75  # every validation sample exactly once
+        assert not [k for k in r if "/data/" in k], r  # nothing skipped, nothing retried
         assert 0.0 <= r["eval/top1"] <= r["eval/top5"] <= 1.0 and r["eval/loss"] > 0
         assert 0.0 <= r["eval/fewshot/demo/1shot"] <= 1.0 and 0.0 <= r["eval/fewshot/demo/5shot"] <= 1.0
         assert 0.0 <= r["eval/knn/demo/5nn"] <= 1.0 and 0.0 <= r["eval/knn/demo/20nn"] <= 1.0
@@ -79,6 +82,29 @@ def test_evaluation_logs_val_and_fewshot_and_leaves_training_unchanged(tiny_run,
     train_on = [(r["step"], r["loss"]) for r in on if "loss" in r]
     train_off = [(r["step"], r["loss"]) for r in off if "loss" in r]
     assert train_on == train_off and len(train_on) == 6
+
+
+def test_a_corrupt_validation_image_is_skipped_and_counted_at_each_evaluation(tiny_run, val, tmp_path, shard_kit):
+    """One validation image that does not decode: each evaluation scores the other 74 and says why
+    one is missing, in its own record (1 per pass, not the passes' running total)."""
+    root = tmp_path / "val-bad"
+    shutil.copytree(val.parent, root)
+    manifest = json.loads(val.read_text())
+    first = manifest["shards"][0]
+    with tarfile.open(root / first["name"]) as t:
+        samples: dict = {}
+        for m in t:
+            key, ext = m.name.split(".", 1)
+            samples.setdefault(key, {})[ext] = t.extractfile(m).read()
+    key = next(iter(samples))
+    samples[key]["jpg"] = b"not a jpeg at all"
+    shard_kit.write_tar(root / first["name"], list(samples.items()))
+    first["bytes"] = (root / first["name"]).stat().st_size
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    evals = [r for r in records(six_steps(tiny_run, root / "manifest.json", "validation.every_steps=3",
+                                          "data.max_corrupt_rate=0.1")) if "eval/loss" in r]
+    assert [(r["step"], r["eval/samples"], r["eval/data/corrupt_image"]) for r in evals] == [(3, 74, 1), (6, 74, 1)]
+    assert not [k for r in evals for k in r if "/data/" in k and k != "eval/data/corrupt_image"], evals
 
 
 def test_two_ranks_zero3_evaluate_every_val_sample_once(tiny_run, val, held_out):
