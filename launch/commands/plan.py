@@ -263,7 +263,9 @@ def describe(p: perfmodel.Prediction, checkpointing: Optional[float] = None) -> 
     """The prediction in lines; ``checkpointing``: what the layout's checkpointing adds to its step."""
     lay = p.layout
     mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb_per_gpu.items() if k != "total")
-    comm = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.comm_bytes_per_gpu.items()) or "none"
+    # every GB on this screen is 2^30 bytes, as the memory estimate, `vit-launch check` and
+    # train/peak_memory_gb count it; the JSON keeps the bytes sent (comm_bytes_per_gpu)
+    comm = ", ".join(f"{k} {v / memory.GB:.2f} GB" for k, v in p.comm_bytes_per_gpu.items()) or "none"
     k = p.layout["global_batch"] or lay["micro_batch"] * lay["nodes"] * lay["gpus_per_node"]
     return "\n".join([
         f"{lay['model']} on {lay['nodes']} x {lay['gpus_per_node']} {lay['gpu']} ({lay['network']}), "
@@ -282,7 +284,7 @@ def describe(p: perfmodel.Prediction, checkpointing: Optional[float] = None) -> 
         + f"), optimizer {p.optimizer_seconds * 1e3:,.1f}, "
         f"exposed comm {p.exposed_comm_seconds * 1e3:,.1f} of {p.comm_seconds * 1e3:,.1f}",
         f"  kernels         {p.kernels_per_step:,} per GPU per step",
-        f"  sent per GPU    {comm} per step",
+        f"  sent per GPU    {comm} per step (GB of 2^30 bytes, as the memory below)",
         f"  input           {p.input_images_per_second:,.0f} img/s from the loaders ({p.input_limit} per node, "
         f"{lay['decode']} decode)" + (": INPUT-BOUND" if p.input_bound else ""),
         f"  memory per GPU  {p.memory_gb_per_gpu['total']:.1f} GB ({mem}) -> "

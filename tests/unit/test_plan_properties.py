@@ -486,3 +486,16 @@ def test_the_plan_prices_the_model_the_config_builds(arch, train):
     fewest = next((n for n in range(built.depth + 1) if predict(replace(lay, checkpointing=n)).fits), built.depth)
     if "train.activation_checkpointing=auto" in train:
         assert lay.checkpointing == fewest, (arch, train, lay.checkpointing, fewest)
+
+
+def test_the_plan_gives_bytes_sent_and_memory_in_one_labelled_unit(capsys):
+    """Every GB on the plan's screen is 2^30 bytes (the memory estimate's unit, `vit-launch check`'s
+    and train/peak_memory_gb's): the bytes each GPU sends, from --json's comm_bytes_per_gpu, are
+    printed in it too, and the line says so."""
+    flags = ["plan", "--model", "vit_large_patch16_224", "--gpu", "h100-sxm", "--nodes", "2", "--zero", "3"]
+    assert main_rc([*flags, "--json"]) == 0
+    sent = json.loads(capsys.readouterr().out)["comm_bytes_per_gpu"]
+    assert main_rc(flags) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  sent per GPU")]
+    words = ", ".join(f"{k} {v / 2 ** 30:.2f} GB" for k, v in sent.items())
+    assert line == f"  sent per GPU    {words} per step (GB of 2^30 bytes, as the memory below)", line
