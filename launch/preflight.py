@@ -14,7 +14,8 @@ line; a failure says what to change.
               its samples (members grouped by key, headers only) are counted against the manifest,
               for every local tar up to COUNT_SAMPLE of them, else for COUNT_SAMPLE spread over the list;
               s3:// tars: listed (existence, byte size), S3_HEADERS of them read for the tar header
-    run dir   output and checkpoint folders writable, room for a checkpoint (memory.checkpoint_bytes)
+    run dir   output and checkpoint folders writable, free space for the checkpoints still to be written
+              (memory.checkpoint_bytes each; checkpoint.keep_last + 1 less those a resume finds)
     memory    per-GPU estimate (memory.estimate) against --gpu-memory-gb; over it is a warning
 """
 from __future__ import annotations
@@ -398,17 +399,21 @@ def check_run_dir(cfg: Config, params: int) -> list[Finding]:
     earlier = f"; checkpoint.resume=false: the {have} checkpoint(s) there are kept in earlier-K/" if have and \
         not cfg.checkpoint.resume else ""
     have = have if cfg.checkpoint.resume else 0  # a fresh start keeps them beside its own
-    # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist
-    later = max(1, cfg.checkpoint.keep_last + 1 - have) * need
+    # a save writes the new checkpoint before pruning to keep_last, so keep_last + 1 coexist; those
+    # already there take no free space, so the free space is measured against the rest alone
+    keep = cfg.checkpoint.keep_last
+    to_write = max(1, keep + 1 - have)
+    later = to_write * need
     size = f"a checkpoint is about {_gb(need)} ({params / 1e6:.1f}M params x {need / params:.1f} B)"
     if free < need:
         return [Finding(FAIL, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free but {size}; free space "
                                          "or set checkpoint.dir to a larger disk")]
     if free < later:
-        return [Finding(FAIL, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free; {size} and "
-                                         f"checkpoint.keep_last={cfg.checkpoint.keep_last} (+1 while saving) need "
-                                         f"{_gb(later)}; lower checkpoint.keep_last, free space or set checkpoint.dir "
-                                         "to a larger disk")]
+        there = f", {have} there already" if have else ""
+        return [Finding(FAIL, "run dir", f"checkpoint.dir={ckpt_dir}: {_gb(free)} free; {size}; "
+                                         f"checkpoint.keep_last={keep} (+1 while saving) holds {keep + 1}{there}: "
+                                         f"the {to_write} still to write need {_gb(later)} more; lower "
+                                         "checkpoint.keep_last, free space or set checkpoint.dir to a larger disk")]
     if cfg.checkpoint.resume:
         from data_pipeline.errors import ConfigError
         from pretrain.checkpointing.checkpoint import check_resumable

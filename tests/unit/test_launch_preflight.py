@@ -215,8 +215,26 @@ def test_disk_space_for_checkpoints(id_dir, tmp_path):
     # since the run would fail at its second save
     params = int(free / 2 / (checkpoint_bytes(1, "fp32")))
     (f,) = preflight.check_run_dir(cfg, params=params)
-    assert f.level == "error" and "checkpoint.keep_last=3 (+1 while saving)" in f.message
+    assert f.level == "error" and "checkpoint.keep_last=3 (+1 while saving) holds 4: the 4 still to write" in f.message
     assert "lower checkpoint.keep_last" in f.message
+
+
+def test_a_resume_needs_free_space_for_the_checkpoints_still_to_write(id_dir, tmp_path):
+    """Resuming beside 2 complete checkpoints with keep_last=3: the 2 there hold their space already,
+    so the free space is measured against the 2 still to write (keep_last + 1 while saving, less
+    those), and the line says that figure is what is still needed, not what the folder will hold."""
+    cfg = load_config(CONFIG, args(id_dir, tmp_path)[1:][1:] + ["checkpoint.keep_last=3"])
+    for step in (4, 8):
+        ckpt = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "COMPLETE").write_text("{}")
+    free = shutil.disk_usage(tmp_path).free
+    params = int(free / 1.5 / checkpoint_bytes(1, "fp32"))  # one fits, the 2 still to write do not
+    need = checkpoint_bytes(params, "fp32")
+    (f,) = preflight.check_run_dir(cfg, params=params)
+    assert f.level == "error", f.message
+    assert ("checkpoint.keep_last=3 (+1 while saving) holds 4, 2 there already: the 2 still to write need "
+            f"{preflight._gb(2 * need)} more") in f.message, f.message
 
 
 def test_a_resume_with_changed_shape_keys_is_refused_before_the_gpus(id_dir, tmp_path):
