@@ -192,6 +192,15 @@ def busy_master_port(spec: LaunchSpec) -> Optional[int]:
     return None
 
 
+def master_port_problem(spec: LaunchSpec) -> Optional[str]:
+    """The one line that says :func:`busy_master_port`'s port is held; None when it is not."""
+    busy = busy_master_port(spec)
+    if busy is None:
+        return None
+    return (f"--master-port {busy} is in use on this machine (another job's rendezvous?); "
+            "choose a free one with --master-port")
+
+
 def shell_join(cmd: list[str]) -> str:
     return " ".join(shlex.quote(c) for c in cmd)
 

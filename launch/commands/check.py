@@ -8,12 +8,13 @@ import sys
 
 from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
 from launch.hostfile import LaunchError, world_size
-from launch.runner import check_spec, plan_ranks
+from launch.runner import check_spec, master_port_problem, plan_ranks
 from pretrain.config import ConfigError, check_world_size, load_config
 
 SUMMARY = "run the pre-flight checks alone: batch, shards, manifest, run dir, memory (no GPU claimed)"
 DESCRIPTION = ("Run the pre-flight checks for a config and a number of ranks, without claiming a GPU: batch "
-               "arithmetic, shards and manifest (sizes, headers, sample counts), run directory, memory estimate. "
+               "arithmetic, shards and manifest (sizes, headers, sample counts), run directory, memory estimate, "
+               "and that the rendezvous port is free where rank 0 runs on this machine. "
                "Exit 0 when none fails, 2 with one line per failure.")
 
 
@@ -36,11 +37,14 @@ def check_arguments(args) -> None:
 
 
 def command(args) -> int:
+    from launch.preflight import FAIL, Finding
+
     cfg = load_config(args.config, args.overrides)
+    spec = launch_spec(args)
     if args.world_size is not None:
         world, where, ranks = args.world_size, "--world-size", None
     else:
-        _, ranks = plan_ranks(launch_spec(args))
+        _, ranks = plan_ranks(spec)
         world = world_size(ranks)
         where = f"{len(ranks)} node(s)"
     memory_gb = args.gpu_memory_gb
@@ -48,7 +52,12 @@ def command(args) -> int:
         from pretrain.perf.hardware import GPUS
 
         memory_gb = GPUS[args.gpu].memory_gb if args.gpu else 80.0
-    ok = preflight(cfg, world, memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})")
+    more = []
+    if args.world_size is None or args.master_port is not None:  # the launch `run` would start: its port too
+        busy = master_port_problem(spec)
+        if busy:
+            more.append(Finding(FAIL, "port", busy))
+    ok = preflight(cfg, world, memory_gb, f"pre-flight: {args.config}, {world} rank(s) ({where})", more)
     if args.gpu:
         predict(cfg, args, world, ranks, memory_gb)
     return 0 if ok else 2

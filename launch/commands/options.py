@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Sequence
 
 from data_pipeline.errors import path_arg
 from launch.runner import LaunchSpec
@@ -50,12 +51,12 @@ def launch_spec(args) -> LaunchSpec:
                       master_port=args.master_port, include=args.include, exclude=args.exclude)
 
 
-def preflight(cfg, world: int, gpu_memory_gb: float, header: str) -> bool:
-    """Run the pre-flight checks for ``world`` ranks: ``header``, then findings on stdout, failures
-    one line each on stderr. True when none failed."""
+def preflight(cfg, world: int, gpu_memory_gb: float, header: str, more: Sequence = ()) -> bool:
+    """Run the pre-flight checks for ``world`` ranks and add the findings ``more``: ``header``, then
+    findings on stdout, failures one line each on stderr. True when none failed."""
     from launch.preflight import report, run_checks
 
     print(header, flush=True)
-    ok = report(run_checks(cfg, world, gpu_memory_gb=gpu_memory_gb), PROG, sys.stdout, sys.stderr)
+    ok = report(run_checks(cfg, world, gpu_memory_gb=gpu_memory_gb) + list(more), PROG, sys.stdout, sys.stderr)
     sys.stdout.flush()
     return ok

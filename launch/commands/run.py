@@ -11,7 +11,14 @@ import os
 
 from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
 from launch.hostfile import LaunchError
-from launch.runner import busy_master_port, check_spec, deepspeed_command, export_node_env, shell_join, spec_world_size
+from launch.runner import (
+    check_spec,
+    deepspeed_command,
+    export_node_env,
+    master_port_problem,
+    shell_join,
+    spec_world_size,
+)
 from pretrain.config import load_config
 
 SUMMARY = "(the default) run the pre-flight checks, then start the deepspeed runner and supervise the job"
@@ -78,10 +85,9 @@ def command(args) -> int:
         return 2
     if not os.path.exists(cmd[0]):
         raise LaunchError(f"deepspeed runner not found ({cmd[0]}); pip install deepspeed")
-    busy = busy_master_port(spec)
+    busy = master_port_problem(spec)
     if busy is not None:
-        raise LaunchError(f"--master-port {busy} is in use on this machine (another job's rendezvous?); "
-                          "choose a free one with --master-port")
+        raise LaunchError(busy)
     if spec.hostfile:  # other nodes' ranks see only what pdsh forwards and DS_ENV_FILE holds
         line = export_node_env(layout.root / "deepspeed_env")
         if line:

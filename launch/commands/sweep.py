@@ -11,7 +11,7 @@ from data_pipeline.errors import path_arg
 from launch import plot_scaling, sweep
 from launch.commands.options import PROG, config_arguments, preflight
 from launch.hostfile import LaunchError
-from launch.runner import LaunchSpec, busy_master_port, check_spec, export_node_env
+from launch.runner import LaunchSpec, check_spec, export_node_env, master_port_problem
 from pretrain.config import load_config
 
 SUMMARY = "run the same short job at several world sizes and plot the scaling curve"
@@ -62,10 +62,9 @@ def command(args) -> int:
     env = sweep.cpu_thread_env(p, args.hostfile)
     if env:
         print(f"CPU ranks: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} for every rank of every size", flush=True)
-    busy = busy_master_port(LaunchSpec(config=args.config, hostfile=args.hostfile, master_port=args.master_port))
+    busy = master_port_problem(LaunchSpec(config=args.config, hostfile=args.hostfile, master_port=args.master_port))
     if busy is not None:  # as `run` says it: the ranks of every size would stall at the rendezvous
-        raise LaunchError(f"--master-port {busy} is in use on this machine (another job's rendezvous?); "
-                          "choose a free one with --master-port")
+        raise LaunchError(busy)
     if args.hostfile:  # every size starts over pdsh: the ranks see only what it forwards and DS_ENV_FILE holds
         line = export_node_env(Path(p.root) / "deepspeed_env")
         if line:

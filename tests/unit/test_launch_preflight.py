@@ -409,6 +409,22 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
                                        "80 GB without checkpointing" in warn.message
 
 
+def test_check_says_when_the_master_port_is_taken(capsys, id_dir, tmp_path):
+    """`vit-launch check --master-port P` tests the port as `vit-launch run` does (rank 0 on this
+    machine): held by a socket here, it is one error line naming it and exit 2; free, no line."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = the_error(capsys, args(id_dir, tmp_path, "--gpus-per-node", "1", "--master-port", str(port)), "port")
+    assert line == (f"vit-launch: error: port: --master-port {port} is in use on this machine (another job's "
+                    "rendezvous?); choose a free one with --master-port")
+    code, out, err = check(capsys, args(id_dir, tmp_path, "--gpus-per-node", "1", "--master-port", str(port)))
+    assert code == 0 and err == [], err
+
+
 def test_with_a_gpu_type_check_fits_the_memory_that_gpu_reports(capsys, tmp_path):
     """`vit-launch check --gpu h100-sxm` measures the estimate against the memory an H100 80GB
     reports (nvidia-smi: 81,559 MiB, 79.6 GiB: every estimate is in GiB), not the 80 of its name,
