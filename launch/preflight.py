@@ -438,7 +438,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     """The estimate against ``gpu_memory_gb``, the config's ``auto`` levers decided as training
     decides them; a warning where it does not fit, where the config checkpoints more blocks than
     memory needs (each recomputed block costs its forward again), and where it runs ZeRO-3 although
-    ZeRO-2 fits (ZeRO-3 gathers the weights again in every micro-step)."""
+    ZeRO-2 fits (ZeRO-3 gathers the weights in every micro-step)."""
     from pretrain.perf import levers
 
     budget = gpu_memory_gb * memory.GB
@@ -480,8 +480,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
         if cfg.zero.stage == 3:
             z2 = memory.estimate(_with(cfg, stage=2), world, shape)
             if z2.total <= usable:
-                found.append(Finding(WARN, "memory", f"zero.stage=3 gathers each block's weights again in every "
-                                                     f"micro-step's forward and backward, but ZeRO-2 fits "
+                found.append(Finding(WARN, "memory", f"zero.stage=3 {_zero3_gathers(cfg, world)}, but ZeRO-2 fits "
                                                      f"{cap} GB ({_gb(z2.total)} per GPU; building the "
                                                      f"model then takes {_gb(z2.host_build)} host memory per rank): "
                                                      f"set zero.stage=2 unless that host memory is short "
@@ -508,6 +507,20 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
     return [Finding(WARN, "memory", f"estimated {detail} exceeds {_gb(usable)}, {memory.MEMORY_HEADROOM * 100:g} % of "
                                     f"{cap} GB (--gpu-memory-gb; the rest is the allocator's margin): "
                                     f"{advice}; {host}")]
+
+
+def _zero3_gathers(cfg: Config, world: int) -> str:
+    """What ZeRO-3 gathers in a micro-step of this (resolved) config, as the performance model has it
+    (``pretrain.perf.collectives.backward_gathers``): the forward's weights, and the backward's again
+    only where DeepSpeed released them after their forward use."""
+    from pretrain.perf import collectives, perfmodel
+
+    again, part = collectives.backward_gathers(perfmodel.layout_from_config(cfg, nodes=1, gpus_per_node=world,
+                                                                            gpu=None))
+    fwd = f"gathers the weights ({part / 1e6:,.0f}M partitioned elements) in every micro-step's forward"
+    if again:
+        return f"{fwd} and {again / 1e6:,.0f}M of them again in its backward"
+    return f"{fwd} and keeps them for its backward (within DeepSpeed's stage3_max_reuse_distance)"
 
 
 def _with(cfg: Config, stage: int) -> Config:

@@ -124,6 +124,13 @@ def released_numel(layout, tensors: list[int]) -> int:
     return out
 
 
+def backward_gathers(layout) -> tuple[int, int]:
+    """ZeRO-3's weights in elements: (gathered again in each micro-step's backward, gathered in its
+    forward): :func:`released_numel` of the :func:`partitioned` tensors, and their sum."""
+    tensors = partitioned(layout)
+    return released_numel(layout, tensors), sum(tensors)
+
+
 def collectives(layout, params: int) -> list[Collective]:
     """Every collective DeepSpeed issues per optimizer step (module docstring)."""
     n, k = layout.world, layout.accumulation
@@ -149,9 +156,7 @@ def collectives(layout, params: int) -> list[Collective]:
         calls, per = buckets(params, layout.allgather_bucket_size)
         out.append(Collective("all_gather", per * w, calls, n, multi, "", "updated weights after the step"))
     if layout.zero == 3:
-        tensors = partitioned(layout)
-        part = sum(tensors)
-        released = released_numel(layout, tensors)
+        released, part = backward_gathers(layout)
         fwd_w = 1 if layout.quantized_weights else w3  # qwZ: int8 blocks
         calls = k * max(1, math.ceil(part / layout.prefetch_bucket_size))
         out.append(Collective("all_gather", part * fwd_w * k / calls, calls, n, multi, "forward", "weights, forward"))

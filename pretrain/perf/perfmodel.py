@@ -47,7 +47,7 @@ from typing import Optional, Union
 from pretrain.config import compile_mode
 from pretrain.models import arch
 from pretrain.perf import inputs, kernels, memory
-from pretrain.perf.collectives import collective_seconds, collectives, partitioned, released_numel
+from pretrain.perf.collectives import backward_gathers, collective_seconds, collectives
 from pretrain.perf.compute import compute_seconds, optimizer_seconds
 from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu_of
 
@@ -251,8 +251,8 @@ def predict(layout: Layout) -> Prediction:
            "optimizer": est.states["optimizer"] / gib, "buffers": est.buffers / gib,
            "activations": est.activations / gib, "runtime": memory.RUNTIME_OVERHEAD_BYTES / gib}
     if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
-        tensors = partitioned(layout)
-        kept = sum(tensors) - released_numel(layout, tensors)
+        released, part = backward_gathers(layout)
+        kept = part - released
         mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / gib
     if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
         mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / gib
@@ -307,16 +307,17 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
 
 
 # ------------------------------------------------------------------------------ from configs
-def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
-                       **overrides) -> Layout:
+def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: Optional[str],
+                       network: Optional[str] = None, **overrides) -> Layout:
     """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs: the model
     its ``model:`` section builds (every option ``arch.config_options`` names, as ``vit-launch check``
     and training size it), its ``auto`` levers decided for them as training decides them
-    (``pretrain.perf.levers``; the GPU type's memory from its table entry)."""
+    (``pretrain.perf.levers``; the GPU type's memory from its table entry). ``gpu`` None: no type,
+    a layout for what does not depend on it (ZeRO-3's gathers), not for :func:`predict`."""
     from pretrain.config import image_size
     from pretrain.perf import levers
 
-    network = network or default_network(gpu)
+    network = network or default_network(gpu or "")
     memory_gb = overrides.get("memory_gb") or GPUS[gpu].memory_gb if gpu in GPUS else overrides.get("memory_gb")
     cfg, _ = levers.resolve(cfg, nodes * gpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu, network=network,
                             memory_bytes=memory_gb * memory.GB if memory_gb else None)

@@ -388,7 +388,11 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
                                "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"])
     ok, zero3 = preflight.check_memory(l16, 64, 80, model_shape(l16.model))
     assert ok.level == "ok" and zero3.level == "warning", (ok.message, zero3.message)
-    assert "zero.stage=3 gathers each block's weights again" in zero3.message
+    # L/16 is far under DeepSpeed's stage3_max_reuse_distance: the performance model has its weights
+    # gathered once per micro-step and kept for the backward, and the warning says so
+    assert "zero.stage=3 gathers the weights (" in zero3.message
+    assert "in every micro-step's forward and keeps them for its backward" in zero3.message
+    assert "again in its backward" not in zero3.message
     assert "but ZeRO-2 fits 80 GB (" in zero3.message and "set zero.stage=2 unless" in zero3.message
     g14 = load_config(CONFIG, ["model.name=vit_gigantic_patch14_224", "model.img_size=224", "train.micro_batch_size=8",
                                "train.global_batch_size=64", "train.precision=bf16", "zero.stage=3"])
@@ -407,6 +411,26 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     assert ok.level == "ok" and "checkpointing every block op by op (selective)" in ok.message
     assert warn.level == "warning" and "selective recomputes every block's element-wise work but the run fits " \
                                        "80 GB without checkpointing" in warn.message
+
+
+def test_the_zero3_warning_says_what_the_performance_model_gathers_in_the_backward():
+    """Above DeepSpeed's stage3_max_reuse_distance (G/14: 1.8B elements) some weights are released
+    after the forward and gathered again in the backward: the warning gives the performance
+    model's count (``collectives.backward_gathers``), not a rule of its own."""
+    from pretrain.perf import collectives, perfmodel
+
+    g14 = load_config(CONFIG, ["model.name=vit_gigantic_patch14_224", "model.img_size=224",
+                               "train.micro_batch_size=8", "train.global_batch_size=512", "train.precision=bf16",
+                               "zero.stage=3"])
+    ok, zero3 = preflight.check_memory(g14, 64, 80, model_shape(g14.model))
+    assert ok.level == "ok" and zero3.level == "warning", (ok.message, zero3.message)
+    resolved, _ = levers.resolve(g14, 64, memory_bytes=80 * memory.GB)
+    again, part = collectives.backward_gathers(perfmodel.layout_from_config(resolved, nodes=8, gpus_per_node=8,
+                                                                            gpu="h100-sxm"))
+    assert 0 < again < part, (again, part)
+    assert (f"zero.stage=3 gathers the weights ({part / 1e6:,.0f}M partitioned elements) in every micro-step's "
+            f"forward and {again / 1e6:,.0f}M of them again in its backward, but ZeRO-2 fits 80 GB") \
+        in zero3.message, zero3.message
 
 
 def test_check_says_when_the_master_port_is_taken(capsys, id_dir, tmp_path):
