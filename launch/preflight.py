@@ -16,7 +16,8 @@ line; a failure says what to change.
               s3:// tars: listed (existence, byte size), S3_HEADERS of them read for the tar header
     run dir   output and checkpoint folders writable, free space for the checkpoints still to be written
               (memory.checkpoint_bytes each; checkpoint.keep_last + 1 less those a resume finds)
-    memory    per-GPU estimate (memory.estimate) against --gpu-memory-gb; over it is a warning
+    memory    per-GPU estimate (memory.estimate) against --gpu-memory-gb, over it a warning; for a job on
+              DeepSpeed's CPU accelerator (gpu_memory_gb None) the estimate per rank, no device to fit
 """
 from __future__ import annotations
 
@@ -434,36 +435,32 @@ def _capacity(gb: float) -> str:
     return f"{gb:.1f}".removesuffix(".0")
 
 
-def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.ModelShape) -> list[Finding]:
+def check_memory(cfg: Config, world: int, gpu_memory_gb: Optional[float], shape: memory.ModelShape) -> list[Finding]:
     """The estimate against ``gpu_memory_gb``, the config's ``auto`` levers decided as training
     decides them; a warning where it does not fit, where the config checkpoints more blocks than
     memory needs (each recomputed block costs its forward again), and where it runs ZeRO-3 although
-    ZeRO-2 fits (ZeRO-3 gathers the weights in every micro-step)."""
+    ZeRO-2 fits (ZeRO-3 gathers the weights in every micro-step). ``gpu_memory_gb`` None: a job on
+    DeepSpeed's CPU accelerator, priced per rank in host memory, with no device to fit."""
     from pretrain.perf import levers
 
+    written = cfg.train.activation_checkpointing
+    if gpu_memory_gb is None:
+        cfg, _ = levers.resolve(cfg, world)  # as training on a CPU decides `auto`: nothing checkpointed
+        est = memory.estimate(cfg, world, shape, cuda=False)
+        detail = _estimate_words(cfg, world, shape, est, "per rank", auto=written == "auto")
+        return [Finding(OK, "memory", f"{detail} in this machine's memory (no GPU here: DeepSpeed's CPU "
+                                      f"accelerator, gloo; --gpu or --gpu-memory-gb checks a GPU job); "
+                                      f"{_host_words(cfg, est)}")]
     budget = gpu_memory_gb * memory.GB
     usable = budget * memory.MEMORY_HEADROOM
     cap = _capacity(gpu_memory_gb)
-    written = cfg.train.activation_checkpointing
     cfg, _ = levers.resolve(cfg, world, memory_bytes=budget)
     est = memory.estimate(cfg, world, shape)
-    s, t = est.states, cfg.train
+    t = cfg.train
     selective = selective_checkpointing(t.activation_checkpointing)
     n = shape.depth if selective else t.activation_checkpointing
-    ckpt = ("every block op by op (selective)" if selective
-            else f"{n} of {shape.depth} blocks" + (" (auto)" if written == "auto" else "")
-            + (f", their forward again: +{levers.recompute_share(cfg.model, n):.1%} FLOPs" if n else ""))
-    other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
-    micro = (f"micro batch {t.micro_batch_size}" if not t.resolution_schedule
-             else f"its largest phase: {est.largest[0]} px, micro batch {est.largest[1]}")
-    detail = (f"{_gb(est.total)} per GPU (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, {micro}): "
-              f"weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
-              f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
-              f"(checkpointing {ckpt}; {other}), runtime {_gb(memory.RUNTIME_OVERHEAD_BYTES)}")
-    if s["cpu"]:
-        detail += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
-    how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
-    host = f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
+    detail = _estimate_words(cfg, world, shape, est, "per GPU", auto=written == "auto")
+    host = _host_words(cfg, est)
     if est.total <= usable:
         found = [Finding(OK, "memory", f"{detail} of {cap} GB; {host}")]
         need = levers.fewest_checkpointed(cfg, world, shape, budget)
@@ -509,6 +506,35 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: float, shape: memory.Mo
                                     f"{advice}; {host}")]
 
 
+def _estimate_words(cfg: Config, world: int, shape: memory.ModelShape, est: memory.MemoryEstimate, per: str,
+                    auto: bool = False) -> str:
+    """The estimate ``per`` device (a GPU, or a rank on the CPU) and its parts; ``cfg`` resolved,
+    ``auto``: its checkpointing was ``auto`` as written."""
+    from pretrain.perf import levers
+
+    s, t = est.states, cfg.train
+    selective = selective_checkpointing(t.activation_checkpointing)
+    n = shape.depth if selective else t.activation_checkpointing
+    ckpt = ("every block op by op (selective)" if selective
+            else f"{n} of {shape.depth} blocks" + (" (auto)" if auto else "")
+            + (f", their forward again: +{levers.recompute_share(cfg.model, n):.1%} FLOPs" if n else ""))
+    other = f"{_gb(est.activations_other)} with activation checkpointing {'off' if n else 'on'}"
+    micro = (f"micro batch {t.micro_batch_size}" if not t.resolution_schedule
+             else f"its largest phase: {est.largest[0]} px, micro batch {est.largest[1]}")
+    words = (f"{_gb(est.total)} {per} (ZeRO-{cfg.zero.stage}, {world} rank(s), {t.precision}, {micro}): "
+             f"weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
+             f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
+             f"(checkpointing {ckpt}; {other})" + (f", runtime {_gb(est.runtime)}" if est.runtime else ""))
+    if s["cpu"]:
+        words += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
+    return words
+
+
+def _host_words(cfg: Config, est: memory.MemoryEstimate) -> str:
+    how = "one fp32 layer at a time under deepspeed.zero.Init" if cfg.zero.stage == 3 else "the whole fp32 model"
+    return f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
+
+
 def _zero3_gathers(cfg: Config, world: int) -> str:
     """What ZeRO-3 gathers in a micro-step of this (resolved) config, as the performance model has it
     (``pretrain.perf.collectives.backward_gathers``): the forward's weights, and the backward's again
@@ -538,7 +564,8 @@ def layout_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> li
             + check_memory(cfg, world, gpu_memory_gb, memory.model_shape(cfg.model)))
 
 
-def run_checks(cfg: Config, world: int, *, gpu_memory_gb: float = 80.0) -> list[Finding]:
+def run_checks(cfg: Config, world: int, *, gpu_memory_gb: Optional[float] = 80.0) -> list[Finding]:
+    """Every check; ``gpu_memory_gb`` None: the ranks run on DeepSpeed's CPU accelerator."""
     shape = memory.model_shape(cfg.model)
     return (check_batch(cfg, world) + check_deepspeed(cfg, world) + check_shards(cfg, world) + check_probe_suites(cfg)
             + check_run_dir(cfg, shape.params) + check_memory(cfg, world, gpu_memory_gb, shape))

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
+from launch.commands.options import (
+    CPU_MEMORY,
+    PROG,
+    config_arguments,
+    device_memory_gb,
+    launch_spec,
+    preflight,
+    resource_arguments,
+)
 from launch.hostfile import LaunchError, world_size
 from launch.runner import check_spec, master_port_problem, plan_ranks
 from pretrain.config import ConfigError, check_world_size, load_config
@@ -19,7 +27,7 @@ DESCRIPTION = ("Run the pre-flight checks for a config and a number of ranks, wi
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    config_arguments(ap, memory_default="the memory --gpu reports, else 80")
+    config_arguments(ap, memory_default="the memory --gpu reports, else " + CPU_MEMORY)
     resource_arguments(ap)
     ap.add_argument("--world-size", type=int, help="check for this many ranks instead of the resource options")
     ap.add_argument("--gpu", help="GPU type: also print the performance model's prediction for this layout "
@@ -47,11 +55,7 @@ def command(args) -> int:
         _, ranks = plan_ranks(spec)
         world = world_size(ranks)
         where = f"{len(ranks)} node(s)"
-    memory_gb = args.gpu_memory_gb
-    if memory_gb is None:  # the plan's memory for the GPU type, so check and plan fit the same device
-        from pretrain.perf.hardware import GPUS
-
-        memory_gb = GPUS[args.gpu].memory_gb if args.gpu else 80.0
+    memory_gb = device_memory_gb(args.gpu_memory_gb, args.hostfile, args.gpu)
     more = []
     if args.world_size is None or args.master_port is not None:  # the launch `run` would start: its port too
         busy = master_port_problem(spec)

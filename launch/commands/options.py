@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 from data_pipeline.errors import path_arg
 from launch.runner import LaunchSpec
 
 PROG = "vit-launch"
+# --gpu-memory-gb's default in words, for the commands that start ranks here (device_memory_gb)
+CPU_MEMORY = ("80; on a machine without a GPU and without --hostfile, none: the ranks run on DeepSpeed's CPU "
+              "accelerator and the estimate is per rank")
 
 
 def _device_gb(text: str) -> float:
@@ -32,6 +35,21 @@ def config_arguments(ap: argparse.ArgumentParser, memory_default: str = "80") ->
                     help=f"device memory the estimate is checked against, GB of 2^30 bytes (default {memory_default})")
 
 
+def device_memory_gb(gpu_memory_gb: Optional[float], hostfile: Optional[str], gpu: Optional[str] = None
+                     ) -> Optional[float]:
+    """The device memory the estimate is checked against: ``--gpu-memory-gb``, else ``--gpu``'s (the
+    plan's, so check and plan fit the same device), else 80 GB; None for a job on DeepSpeed's CPU
+    accelerator: no device named, no hostfile (the ranks run here) and no GPU on this machine."""
+    from launch.hostfile import local_gpu_count
+    from pretrain.perf.hardware import GPUS
+
+    if gpu_memory_gb is not None:
+        return gpu_memory_gb
+    if gpu:
+        return GPUS[gpu].memory_gb
+    return None if not hostfile and local_gpu_count() == 0 else 80.0
+
+
 def resource_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("where the ranks run (deepspeed runner options)")
     g.add_argument("--hostfile", type=path_arg, help="DeepSpeed hostfile: one 'HOST slots=N' line per node")
@@ -51,9 +69,10 @@ def launch_spec(args) -> LaunchSpec:
                       master_port=args.master_port, include=args.include, exclude=args.exclude)
 
 
-def preflight(cfg, world: int, gpu_memory_gb: float, header: str, more: Sequence = ()) -> bool:
-    """Run the pre-flight checks for ``world`` ranks and add the findings ``more``: ``header``, then
-    findings on stdout, failures one line each on stderr. True when none failed."""
+def preflight(cfg, world: int, gpu_memory_gb: Optional[float], header: str, more: Sequence = ()) -> bool:
+    """Run the pre-flight checks for ``world`` ranks (``gpu_memory_gb`` None: on DeepSpeed's CPU
+    accelerator) and add the findings ``more``: ``header``, then findings on stdout, failures one
+    line each on stderr. True when none failed."""
     from launch.preflight import report, run_checks
 
     print(header, flush=True)

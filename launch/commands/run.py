@@ -9,7 +9,15 @@ import argparse
 import math
 import os
 
-from launch.commands.options import PROG, config_arguments, launch_spec, preflight, resource_arguments
+from launch.commands.options import (
+    CPU_MEMORY,
+    PROG,
+    config_arguments,
+    device_memory_gb,
+    launch_spec,
+    preflight,
+    resource_arguments,
+)
 from launch.hostfile import LaunchError
 from launch.runner import (
     check_spec,
@@ -27,7 +35,7 @@ DESCRIPTION = ("Start pre-training through the deepspeed runner, on one node or 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    config_arguments(ap)
+    config_arguments(ap, memory_default=CPU_MEMORY)
     resource_arguments(ap)
     ap.add_argument("--dry-run", action="store_true", help="print the command and exit 0")
     ap.add_argument("--skip-checks", action="store_true", help="start without the pre-flight checks")
@@ -81,7 +89,8 @@ def command(args) -> int:
         print(shell_join(cmd))
         return 0
     header = f"pre-flight: {args.config}, {world} rank(s) on {nodes} node(s)"
-    if not args.skip_checks and not preflight(cfg, world, args.gpu_memory_gb, header):
+    memory_gb = device_memory_gb(args.gpu_memory_gb, spec.hostfile)
+    if not args.skip_checks and not preflight(cfg, world, memory_gb, header):
         return 2
     if not os.path.exists(cmd[0]):
         raise LaunchError(f"deepspeed runner not found ({cmd[0]}); pip install deepspeed")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from data_pipeline.errors import path_arg
 from launch import plot_scaling, sweep
-from launch.commands.options import PROG, config_arguments, preflight
+from launch.commands.options import CPU_MEMORY, PROG, config_arguments, device_memory_gb, preflight
 from launch.hostfile import LaunchError
 from launch.runner import LaunchSpec, check_spec, export_node_env, master_port_problem
 from pretrain.config import load_config
@@ -20,7 +20,7 @@ DESCRIPTION = ("Scaling sweep: the same short job at each world size, one after 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    config_arguments(ap)
+    config_arguments(ap, memory_default=CPU_MEMORY)
     ap.add_argument("--world-sizes", required=True, help="comma-separated, e.g. 1,2,4,8")
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
     ap.add_argument("--scaling", default="weak", choices=["weak", "strong"],
@@ -53,10 +53,10 @@ def command(args) -> int:
     print(sweep.describe(p), flush=True)
     if args.dry_run:
         return 0
-    ok = True
+    ok, memory_gb = True, device_memory_gb(args.gpu_memory_gb, args.hostfile)
     for r in p.runs:  # every size passes pre-flight before the first job starts
         run_cfg = load_config(args.config, r.overrides)
-        ok &= preflight(run_cfg, r.world_size, args.gpu_memory_gb, f"pre-flight: world size {r.world_size}")
+        ok &= preflight(run_cfg, r.world_size, memory_gb, f"pre-flight: world size {r.world_size}")
     if not ok:
         return 2
     env = sweep.cpu_thread_env(p, args.hostfile)

@@ -303,11 +303,12 @@ class MemoryEstimate:
     checkpointing: int | str  # blocks checkpointed, or "selective"
     host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
     largest: tuple[int, int] = (0, 0)  # (px, micro batch) of the phase with the most activations
+    runtime: float = RUNTIME_OVERHEAD_BYTES  # CUDA's context and workspaces; none on a CPU
 
     @property
     def total(self) -> float:
         s = self.states
-        return s["weights"] + s["gradients"] + s["optimizer"] + self.buffers + self.activations + RUNTIME_OVERHEAD_BYTES
+        return s["weights"] + s["gradients"] + s["optimizer"] + self.buffers + self.activations + self.runtime
 
     def total_if_checkpointing(self, on: bool) -> float:
         act = self.activations if on == bool(self.checkpointing) else self.activations_other
@@ -320,8 +321,10 @@ def host_build_bytes(shape: ModelShape, stage: int) -> float:
     return 4.0 * (shape.largest_layer if stage == 3 else shape.params)
 
 
-def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate:
-    """Per-GPU estimate for a full ``pretrain.config.Config`` at this world size."""
+def estimate(cfg, world: int, shape: ModelShape | None = None, *, cuda: bool = True) -> MemoryEstimate:
+    """Per-rank estimate for a full ``pretrain.config.Config`` at this world size: a GPU's memory,
+    or with ``cuda`` false the host memory of a rank on DeepSpeed's CPU accelerator (no CUDA
+    runtime to carry)."""
     shape = shape or model_shape(cfg.model)
     t = cfg.train
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
@@ -341,7 +344,8 @@ def estimate(cfg, world: int, shape: ModelShape | None = None) -> MemoryEstimate
                                 leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=n,
-                          host_build=host_build_bytes(shape, cfg.zero.stage), largest=(trained.img_size, micro))
+                          host_build=host_build_bytes(shape, cfg.zero.stage), largest=(trained.img_size, micro),
+                          runtime=RUNTIME_OVERHEAD_BYTES if cuda else 0.0)
 
 
 def _sized_buckets(cfg, world: int, shape: ModelShape):

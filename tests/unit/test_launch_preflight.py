@@ -433,6 +433,44 @@ def test_the_zero3_warning_says_what_the_performance_model_gathers_in_the_backwa
         in zero3.message, zero3.message
 
 
+def test_on_a_machine_without_a_gpu_check_prices_the_cpu_job_per_rank(capsys, monkeypatch, tmp_path):
+    """No GPU here, no hostfile and no device named: the ranks would run on DeepSpeed's CPU
+    accelerator (gloo), so the estimate is per rank in host memory, with no CUDA runtime and no
+    device memory to fit. Naming a device, or GPUs on this machine, keeps the per-GPU estimate."""
+    over = ["--world-size", "2", "data.synthetic=true", f"train.output_dir={tmp_path}/run"]
+
+    def memory_line(*extra):
+        code, out, err = check(capsys, ["--config", CONFIG, *over, *extra])
+        assert code == 0, (out, err)
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("  ok  memory:")]
+        return line
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU
+    cpu = memory_line()
+    assert " GB per rank (ZeRO-" in cpu and "per GPU" not in cpu and "runtime" not in cpu, cpu
+    assert "no GPU here: DeepSpeed's CPU accelerator, gloo" in cpu and " of 80 GB" not in cpu, cpu
+    named = memory_line("--gpu-memory-gb", "80")
+    assert " GB per GPU (ZeRO-" in named and "runtime 1.00 GB of 80 GB" in named, named
+    # the same states and activations: the GPU's figure is the CPU's and the CUDA runtime
+    per_rank, per_gpu = (float(x.split("memory: ")[1].split(" GB")[0]) for x in (cpu, named))
+    assert per_gpu - per_rank == pytest.approx(1.0, abs=0.011), (cpu, named)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a machine with GPUs: a GPU job
+    assert "per GPU" in memory_line() and "of 80 GB" in memory_line()
+
+
+def test_run_prices_the_cpu_job_it_starts_per_rank(capsys, monkeypatch, tmp_path):
+    """`vit-launch` on a machine without a GPU starts its ranks on DeepSpeed's CPU accelerator: its
+    pre-flight prices them as `check` does, per rank (here it stops on the missing shards)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit) as e:
+        main(["--config", CONFIG, "--gpus-per-node", "1", f"data.train_shards={tmp_path}/none/manifest.json",
+              f"train.output_dir={tmp_path}/run"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "vit-launch: error: shards:" in err, err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("  ok  memory:")]
+    assert " GB per rank (ZeRO-" in line and "runtime" not in line, line
+
+
 def test_check_says_when_the_master_port_is_taken(capsys, id_dir, tmp_path):
     """`vit-launch check --master-port P` tests the port as `vit-launch run` does (rank 0 on this
     machine): held by a socket here, it is one error line naming it and exit 2; free, no line."""
