@@ -172,7 +172,7 @@ else
   time_limit() {{ TIME_LIMIT=1; forward; }}
   trap forward TERM INT
   trap time_limit USR1
-  STARTED_AT=$(date +%s)
+  STARTED_AT=$(date +%s.%N)  # to the fraction: a requeue may start in the second its attempt ended
   # the launcher's exit code, written by JOB as it ends; kept beside the log (as the hostfile):
   # it says how the last attempt ended, and a requeue (same job id) removes it before it starts
   EXIT_FILE={exit_file}

@@ -366,11 +366,25 @@ def test_an_srun_job_exits_with_the_code_in_this_attempts_status_json(tmp_path, 
     assert proc.wait(timeout=60) == code, proc.stderr.read()
 
 
+def test_an_srun_attempts_start_counts_to_the_fraction_of_a_second(tmp_path):
+    """A requeued attempt that starts in the second the one before it ended (its status.json
+    written at 1000.5 s, this start at 1000.9 s) does not take that attempt's code for its own: the
+    start was read in whole seconds (1000), and a requeue whose srun failed at once took the earlier
+    stop's 75 and was requeued again."""
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps({"state": "interrupted", "exit_code": 75, "time": 1000.5}))
+    clock = ('case "$1" in +%s) echo 1000 ;; +%s.%N) echo 1000.900000000 ;; '
+             f'*) exec {shutil.which("date")} "$@" ;; esac')
+    proc = start_end_block(tmp_path, "bash -c 'exit 1'", tmp_path / "started", status_file=path,
+                           tools={"date": clock})
+    assert proc.wait(timeout=60) == 1, proc.stderr.read()
+
+
 # a stand-in for srun: the job checkpoints on SIGTERM (rank 0 writes status.json: interrupted, 75)
 # and the deepspeed runner under srun ends with its launcher's code for a signalled job, 1
 SRUN_STOPS_WITH_1 = """#!/bin/bash
 trap 'printf "{{\\"state\\": \\"interrupted\\", \\"step\\": 4, \\"time\\": %s, \\"exit_code\\": 75}}" \\
-  "$(date +%s)" > {status}; exit 1' TERM
+  "$(date +%s.%N)" > {status}; exit 1' TERM
 touch {started}
 while :; do sleep 0.1; done
 """
