@@ -10,12 +10,18 @@ Requeue: ``scontrol requeue`` ends the running job the way a pre-emption does (S
 process of the job, SIGKILL after KillWait) and puts it back in the queue. SLURM then holds a
 requeued job for about two minutes (BeginTime = now + 121 s here); the test lifts that hold with
 ``scontrol update JobId=J StartTime=now`` to keep the tier short.
+
+Time limit: a ``--requeue --time 2`` job is left to run into its limit; SLURM itself sends the batch
+shell USR1 (``--signal=B:USR1@grace``), and the script stops the job and requeues it. The next
+attempt gets a longer limit (``scontrol update JobId=J TimeLimit=...``) and is cancelled once it has
+resumed and saved past the stop: the steps are set so that no attempt finishes, whatever the speed.
 """
 import json
 import os
 import re
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 from conftest import REPO, kill_pids, procs, train_overrides, wait_until
@@ -151,3 +157,78 @@ def test_requeued_job_resumes_in_the_same_wandb_run(slurm, jobs, demo_manifest, 
     assert str(summary["wandb_dir"]).endswith(run_id), summary["wandb_dir"]
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) >= 2 and all(d.name.endswith(run_id) for d in runs), runs
+
+
+# The time limit of test_time_limit_requeues_and_resumes: SLURM's shortest (whole minutes). slurmctld
+# looks at time limits periodically and may send --signal up to 60 s early (`man sbatch`; no
+# slurm.conf option makes the look more frequent), so USR1 comes 30-90 s into the job: after the
+# ranks are training (their first checkpoint, every 20 steps, is saved about 16 s in), and at least
+# 30 s before SLURM would end the job, for a stop that takes about 3 s.
+LIMIT_MIN, GRACE_S = 2, 30
+
+
+def _local(stamp: str) -> datetime:
+    """A time from the job log (`date -Is`, with its offset) or from scontrol (local, none)."""
+    t = datetime.fromisoformat(stamp)
+    return t.astimezone().replace(tzinfo=None) if t.tzinfo else t
+
+
+def test_time_limit_requeues_and_resumes(slurm, jobs, demo_manifest, tmp_path):
+    """SLURM itself signals the job near its time limit (``--signal=B:USR1@grace``); the script
+    stops the job (a checkpoint, exit 75) and requeues it; the next attempt resumes from that
+    checkpoint."""
+    ids, run_dirs = jobs
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run_dirs.append(run_dir)
+    steps = 1_000_000  # never reached: only the time limit stops the first attempt
+    script, logs = write_script(tmp_path, demo_manifest, run_dir, "--requeue", "--time", str(LIMIT_MIN),
+                                "--signal-grace", str(GRACE_S),
+                                overrides=(f"train.steps={steps}", "checkpoint.every_steps=20",
+                                           "checkpoint.keep_last=2"))
+    assert f"#SBATCH --time={LIMIT_MIN}\n" in script.read_text()
+    job = submit(slurm, script)
+    ids.append(job)
+    wait_state(slurm, job, ("RUNNING",), 60, logs)
+    end = _local(slurm.job(job)["EndTime"])
+
+    def requeued():
+        info = slurm.job(job)
+        if info.get("JobState") not in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"):
+            raise AssertionError(f"job {job} ended instead of being requeued: {info}\n{job_log(logs)[-4000:]}")
+        return info.get("JobState") == "PENDING" and info.get("Restarts") == "1"
+    # the time limit, SLURM's look at it (periodic), the stop (seconds): well within this bound
+    wait_until(requeued, LIMIT_MIN * 60 + 90, f"job {job} to be requeued at its time limit", 1)
+    out = job_log(logs)
+    first = out.split("(restart 1)")[0]
+    assert "(restart 0)" in first, out[-3000:]
+    signalled = re.findall(r"^(\S+) batch script: signal", first, re.M)
+    assert len(signalled) == 1, first[-3000:]
+    lead = (end - _local(signalled[0])).total_seconds()
+    assert GRACE_S - 5 <= lead <= GRACE_S + 65, (f"USR1 came {lead:.0f} s before the end {end}, not "
+                                                 f"--signal-grace {GRACE_S} s (+ up to 60 s early)")
+    assert "job exited with status 75" in first, first[-3000:]
+    ctld = (slurm.root / "log" / "slurmctld.log").read_text()
+    assert f"Requeuing JobId={job}\n" in ctld  # the script's `scontrol requeue` (the test sent none)
+    assert f"Time limit exhausted for JobId={job}\n" not in ctld, "SLURM killed the job: it did not stop in time"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["exit_code"] == 75, status
+    stop_step = status["step"]
+    saved = checkpoint.latest_complete(ckpts)
+    assert saved is not None and json.loads((saved / "run.json").read_text())["step"] == stop_step, (saved, status)
+    leftovers = {p for p, (_, _, cmd) in procs().items() if str(run_dir) in cmd}
+    assert not leftovers, f"processes of the requeued job still alive: {leftovers}"
+
+    # the second attempt: a longer limit, so no second signal comes while it is looked at
+    slurm.cmd("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    slurm.cmd("scontrol", "update", f"JobId={job}", "StartTime=now")  # lift SLURM's ~2 min requeue hold
+
+    def trained_past_the_stop():
+        info = slurm.job(job)
+        if info.get("JobState") not in ("PENDING", "RUNNING"):
+            raise AssertionError(f"job {job} is {info} after its requeue\n{job_log(logs)[-4000:]}")
+        latest = checkpoint.latest_complete(ckpts) if ckpts.is_dir() else None
+        return latest is not None and json.loads((latest / "run.json").read_text())["step"] > stop_step
+    wait_until(trained_past_the_stop, 240, f"the requeued job's first checkpoint past step {stop_step}", 0.5)
+    again = job_log(logs).split("(restart 1)", 1)[1]
+    assert re.findall(r"resuming from step (\d+)", again) == [str(stop_step)], again[-3000:]
+    slurm.cmd("scancel", job)  # the jobs fixture waits for it to end
