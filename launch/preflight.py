@@ -525,6 +525,9 @@ def _estimate_words(cfg: Config, world: int, shape: memory.ModelShape, est: memo
              f"weights {_gb(s['weights'])}, gradients {_gb(s['gradients'])}, optimizer "
              f"{_gb(s['optimizer'])}, ZeRO buffers {_gb(est.buffers)}, activations {_gb(est.activations)} "
              f"(checkpointing {ckpt}; {other})" + (f", runtime {_gb(est.runtime)}" if est.runtime else ""))
+    # ZeRO-3's terms under the names `vit-launch plan` gives them
+    words += "".join(f", {name} {_gb(v)}" for name, v in (("gathered_weights", est.gathered_weights),
+                                                          ("hpz_secondary", est.hpz_secondary)) if v)
     if s["cpu"]:
         words += f"; {_gb(s['cpu'])} host memory per rank for offloaded optimizer states"
     return words

@@ -15,7 +15,7 @@ of bf16-autocast with ``train.reduce_dtype=bf16``, which sends the matmul weight
 - stage 3: each micro-step all-gathers the partitioned weights for the forward (tensors of at
   most ``stage3_param_persistence_threshold`` elements stay whole on every rank; the trace's
   prefetch coalesces up to ``stage3_prefetch_bucket_size`` elements per call), gathers again in
-  the backward only what was released after the forward (:func:`released_numel`: nothing for
+  the backward only what was released after the forward (``memory.zero3_released``: nothing for
   models under ~1e9 elements with DeepSpeed's defaults), reduce-scatters every gradient in
   ``reduce_bucket_size`` buckets; after the step one all-gather refreshes the persistent
   tensors on every rank.
@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.models import arch
 from pretrain.perf import memory
 from pretrain.perf.hardware import LATENCY_S, LINK_EFFICIENCY, NETWORKS, gpu_of
 
@@ -85,9 +84,8 @@ def collective_seconds(layout, c: Collective) -> float:
 
 def partitioned(layout) -> list[int]:
     """Element counts of the tensors ZeRO-3 partitions (and gathers one module at a time):
-    those above the persistence threshold; the rest stay whole on every rank."""
-    return [n for n in arch.param_tensors(layout.model, layout.img_size, layout.num_classes, **layout.arch)
-            if n > layout.persistence_threshold]
+    ``memory.zero3_partitioned`` of the layout's model."""
+    return memory.zero3_partitioned(layout.shape().tensors, layout.persistence_threshold)
 
 
 # modules of pretrain.models.layers' Block (itself, norms, attention and MLP with their linears, dropouts,
@@ -108,27 +106,11 @@ def zero3_hooked(layout) -> int:
     return OTHER_MODULES + patch_drop + pool + depth * (1 if layout.leaf_blocks else BLOCK_MODULES)
 
 
-def released_numel(layout, tensors: list[int]) -> int:
-    """Elements ZeRO-3 frees after their forward use and gathers again in the backward.
-    ``PartitionedParameterCoordinator.__params_to_release`` keeps a parameter gathered when it
-    is used again within ``stage3_max_reuse_distance`` elements of other parameters (DeepSpeed's
-    default 1e9): a tensor with ``x`` elements after it in the forward comes back after about
-    ``2 x`` (the rest of the forward, then the backward down to it). So models under about a
-    billion partitioned elements gather each weight once per micro-step and keep it until the
-    backward has used it."""
-    after, out = sum(tensors), 0
-    for t in tensors:
-        after -= t
-        if 2 * after >= layout.max_reuse_distance:
-            out += t
-    return out
-
-
 def backward_gathers(layout) -> tuple[int, int]:
     """ZeRO-3's weights in elements: (gathered again in each micro-step's backward, gathered in its
-    forward): :func:`released_numel` of the :func:`partitioned` tensors, and their sum."""
+    forward): ``memory.zero3_released`` of the :func:`partitioned` tensors, and their sum."""
     tensors = partitioned(layout)
-    return released_numel(layout, tensors), sum(tensors)
+    return memory.zero3_released(tensors, layout.max_reuse_distance), sum(tensors)
 
 
 def collectives(layout, params: int) -> list[Collective]:

@@ -26,6 +26,12 @@ unit at a time beyond the partitions: a whole Transformer block with ``zero.leaf
 default; ``train.compile`` too: each block is one DeepSpeed leaf module, fetched whole), else the
 largest single module (DeepSpeed fetches each module's own parameters); the patch embedding and the
 head are single modules either way, so the unit is the larger of a block and the largest module.
+Two more terms at ZeRO-3 (``vit-launch plan`` and ``check`` name them as here):
+``gathered_weights``, the weights DeepSpeed keeps gathered from their forward use to their backward
+use (:func:`zero3_released`: every partitioned weight of a model under about a billion partitioned
+elements, in the module's dtype), and with ZeRO++ hpZ (``zero.hpz_partition_size`` between 1 and
+the world size) ``hpz_secondary``, the secondary copy of the weights partitioned inside groups of
+that many GPUs (``2 P / hpz`` bytes).
 
 The "bf16" column is ``train.precision`` bf16 and fp16 (DeepSpeed keeps the module in 16 bits).
 ``bf16-autocast`` keeps the module fp32: its weights, gradients and masters are the fp32 column (no
@@ -86,6 +92,9 @@ GB = 2 ** 30
 # CUDA context, cuBLAS / NCCL workspaces and allocator fragmentation: not in any formula above;
 # about 0.5-1.5 GB in practice, so the estimate carries 1 GB for it.
 RUNTIME_OVERHEAD_BYTES = 1 * GB
+# DeepSpeed's stage3_max_reuse_distance as training sets it (pretrain.distributed.engine): the
+# elements of other parameters within which ZeRO-3 keeps a used parameter gathered for its next use
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
 # the share of a device's memory an estimate may fill (`auto` checkpointing, `vit-launch plan` and
 # `vit-launch check` alike): the rest is the allocator's margin for what the estimate misses
 MEMORY_HEADROOM = 0.95
@@ -96,6 +105,8 @@ class ModelShape:
     params: int
     largest_layer: int  # parameters of the largest single module (ZeRO-3's unit without leaf blocks)
     block_params: int  # parameters of one Transformer block (ZeRO-3's unit for a leaf block)
+    # element counts of the parameter tensors in the order of the forward (ZeRO-3 partitions them one by one)
+    tensors: tuple[int, ...] = dataclasses.field(repr=False)
     seq_len: int
     width: int
     depth: int
@@ -144,17 +155,20 @@ def analytic_shape(name: str, *, img_size=None, num_classes: int = 1000, represe
                    reg_tokens: int = 0, class_token: bool = True, pos_embed: str = "learned") -> ModelShape:
     """The shape of a registered model from its architecture alone (``pretrain.models.arch``; no torch).
     ``params`` counts the trainable tensors (a fixed sin-cos position embedding is none)."""
-    from pretrain.models.arch import block_param_count, model_defaults, param_count, prefix_tokens, seq_len
+    from pretrain.models import arch
 
-    d = model_defaults(name)
+    d = arch.model_defaults(name)
     img = img_size or d["img_size"]
-    params, largest = param_count(name, img, num_classes, global_pool, representation_size, qk_norm, layer_scale,
-                                  reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
-    return ModelShape(params=params, largest_layer=largest, block_params=block_param_count(name, qk_norm, layer_scale),
-                      seq_len=seq_len(name, img, reg_tokens, class_token), width=d["embed_dim"],
+    options = dict(global_pool=global_pool, representation_size=representation_size, qk_norm=qk_norm,
+                   layer_scale=layer_scale, reg_tokens=reg_tokens, class_token=class_token, pos_embed=pos_embed)
+    params, largest = arch.param_count(name, img, num_classes, **options)
+    return ModelShape(params=params, largest_layer=largest,
+                      block_params=arch.block_param_count(name, qk_norm, layer_scale),
+                      tensors=tuple(arch.param_tensors(name, img, num_classes, **options)),
+                      seq_len=arch.seq_len(name, img, reg_tokens, class_token), width=d["embed_dim"],
                       depth=d["depth"], heads=d["num_heads"], img_size=img, num_classes=num_classes,
                       mlp_hidden=d["mlp_hidden"], qk_norm=qk_norm, layer_scale=layer_scale,
-                      prefix_tokens=prefix_tokens(reg_tokens, class_token), stride=d["stride"],
+                      prefix_tokens=arch.prefix_tokens(reg_tokens, class_token), stride=d["stride"],
                       stem=bool(d["stem_layers"]))
 
 
@@ -214,6 +228,43 @@ def zero3_gathered_params(shape: ModelShape, leaf_blocks: bool) -> int:
     blocks are leaf modules, never less than the largest single module (the patch embedding and the
     head are gathered alone either way)."""
     return max(shape.block_params, shape.largest_layer) if leaf_blocks else shape.largest_layer
+
+
+def zero3_partitioned(tensors, persistence_threshold: int) -> list[int]:
+    """Element counts of the tensors ZeRO-3 partitions (and gathers one module at a time), of the
+    model's ``tensors`` in forward order: those above ``zero.stage3_param_persistence_threshold``;
+    the rest stay whole on every rank."""
+    return [n for n in tensors if n > persistence_threshold]
+
+
+def zero3_released(partitioned, max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> int:
+    """Elements of the ``partitioned`` tensors (forward order) ZeRO-3 frees after their forward use
+    and gathers again in the backward. ``PartitionedParameterCoordinator.__params_to_release`` keeps
+    a parameter gathered when it is used again within ``stage3_max_reuse_distance`` elements of other
+    parameters: a tensor with ``x`` elements after it in the forward comes back after about ``2 x``
+    (the rest of the forward, then the backward down to it). So models under about a billion
+    partitioned elements gather each weight once per micro-step and keep it until the backward has
+    used it: the rest of the partitioned elements stay gathered (``gathered_weights``)."""
+    after, out = sum(partitioned), 0
+    for t in partitioned:
+        after -= t
+        if 2 * after >= max_reuse_distance:
+            out += t
+    return out
+
+
+def zero3_kept_bytes(shape: ModelShape, zero_cfg, precision: str, world: int,
+                     max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> dict[str, float]:
+    """ZeRO-3's bytes per GPU beyond the partitions and the gathered unit (module docstring):
+    ``gathered_weights``, the partitioned weights kept gathered from their forward to their backward
+    use, and ``hpz_secondary``, hpZ's secondary partition; both 0 below stage 3."""
+    if zero_cfg.stage != 3:
+        return {"gathered_weights": 0.0, "hpz_secondary": 0.0}
+    e = weight_bytes(precision)
+    part = zero3_partitioned(shape.tensors, zero_cfg.stage3_param_persistence_threshold)
+    kept = sum(part) - zero3_released(part, max_reuse_distance)
+    hpz = zero_cfg.hpz_partition_size
+    return {"gathered_weights": e * kept, "hpz_secondary": 2.0 * shape.params / hpz if 1 < hpz < world else 0.0}
 
 
 def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str, *, leaf_blocks: bool) -> float:
@@ -304,11 +355,14 @@ class MemoryEstimate:
     host_build: float = 0.0  # host (CPU) bytes per rank while the model is built (module docstring)
     largest: tuple[int, int] = (0, 0)  # (px, micro batch) of the phase with the most activations
     runtime: float = RUNTIME_OVERHEAD_BYTES  # CUDA's context and workspaces; none on a CPU
+    gathered_weights: float = 0.0  # ZeRO-3: weights kept gathered from their forward to their backward use
+    hpz_secondary: float = 0.0  # ZeRO++ hpZ: the secondary weight partition
 
     @property
     def total(self) -> float:
         s = self.states
-        return s["weights"] + s["gradients"] + s["optimizer"] + self.buffers + self.activations + self.runtime
+        return (s["weights"] + s["gradients"] + s["optimizer"] + self.buffers + self.activations + self.runtime
+                + self.gathered_weights + self.hpz_secondary)
 
     def total_if_checkpointing(self, on: bool) -> float:
         act = self.activations if on == bool(self.checkpointing) else self.activations_other
@@ -321,10 +375,12 @@ def host_build_bytes(shape: ModelShape, stage: int) -> float:
     return 4.0 * (shape.largest_layer if stage == 3 else shape.params)
 
 
-def estimate(cfg, world: int, shape: ModelShape | None = None, *, cuda: bool = True) -> MemoryEstimate:
+def estimate(cfg, world: int, shape: ModelShape | None = None, *, cuda: bool = True,
+             max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> MemoryEstimate:
     """Per-rank estimate for a full ``pretrain.config.Config`` at this world size: a GPU's memory,
     or with ``cuda`` false the host memory of a rank on DeepSpeed's CPU accelerator (no CUDA
-    runtime to carry)."""
+    runtime to carry). ``max_reuse_distance``: DeepSpeed's ``stage3_max_reuse_distance``, which
+    decides ZeRO-3's ``gathered_weights`` (training's unless a performance-model layout says otherwise)."""
     shape = shape or model_shape(cfg.model)
     t = cfg.train
     states = model_state_bytes(shape.params, stage=cfg.zero.stage, world=world, precision=t.precision,
@@ -345,7 +401,8 @@ def estimate(cfg, world: int, shape: ModelShape | None = None, *, cuda: bool = T
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=n,
                           host_build=host_build_bytes(shape, cfg.zero.stage), largest=(trained.img_size, micro),
-                          runtime=RUNTIME_OVERHEAD_BYTES if cuda else 0.0)
+                          runtime=RUNTIME_OVERHEAD_BYTES if cuda else 0.0,
+                          **zero3_kept_bytes(shape, cfg.zero, t.precision, world, max_reuse_distance))
 
 
 def _sized_buckets(cfg, world: int, shape: ModelShape):

@@ -19,7 +19,9 @@ communication
 memory
     ``pretrain.perf.memory``: model states by stage (DeepSpeed's estimators' 2 + 18 bytes/param for bf16
     + AdamW, not the paper's 16), fixed communication buffers, activations (Korthikanti et al.
-    with SDPA's fused attention), 1 GB of runtime.
+    with SDPA's fused attention), 1 GB of runtime, and at ZeRO-3 the weights kept gathered for the
+    backward and hpZ's secondary partition: the one estimate ``vit-launch check`` and ``auto``
+    checkpointing fit, read as it is.
 
 input
     ``pretrain.perf.inputs``: the images per second a node's loaders decode on the run's path
@@ -47,7 +49,7 @@ from typing import Optional, Union
 from pretrain.config import compile_mode
 from pretrain.models import arch
 from pretrain.perf import inputs, kernels, memory
-from pretrain.perf.collectives import backward_gathers, collective_seconds, collectives
+from pretrain.perf.collectives import collective_seconds, collectives
 from pretrain.perf.compute import compute_seconds, optimizer_seconds
 from pretrain.perf.hardware import GPUS, NETWORKS, default_network, gpu_key, gpu_of
 
@@ -94,7 +96,7 @@ class Layout:
     prefetch_bucket_size: int = 50_000_000
     persistence_threshold: int = 100_000
     leaf_blocks: bool = True  # zero.leaf_blocks: each block one ZeRO-3 leaf module
-    max_reuse_distance: int = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
+    max_reuse_distance: int = memory.ZERO3_MAX_REUSE_DISTANCE  # DeepSpeed's stage3_max_reuse_distance
     hpz_partition_size: int = 1
     quantized_weights: bool = False
     quantized_gradients: bool = False
@@ -249,14 +251,12 @@ def predict(layout: Layout) -> Prediction:
     gib = memory.GB
     mem = {"weights": est.states["weights"] / gib, "gradients": est.states["gradients"] / gib,
            "optimizer": est.states["optimizer"] / gib, "buffers": est.buffers / gib,
-           "activations": est.activations / gib, "runtime": memory.RUNTIME_OVERHEAD_BYTES / gib}
-    if layout.zero == 3:  # weights kept gathered from their forward use to their backward use
-        released, part = backward_gathers(layout)
-        kept = part - released
-        mem["gathered_weights"] = kept * memory.weight_bytes(layout.precision) / gib
-    if layout.zero == 3 and 1 < layout.hpz_partition_size < layout.world:
-        mem["hpz_secondary"] = 2.0 * shape.params / layout.hpz_partition_size / gib
-    mem["total"] = sum(mem.values())
+           "activations": est.activations / gib, "runtime": est.runtime / gib}
+    if layout.zero == 3:
+        mem["gathered_weights"] = est.gathered_weights / gib
+    if est.hpz_secondary:
+        mem["hpz_secondary"] = est.hpz_secondary / gib
+    mem["total"] = est.total / gib
     fits = mem["total"] <= g.memory_gb * memory.MEMORY_HEADROOM if g.memory_gb else True
 
     by_kind: dict[str, float] = {}
@@ -297,13 +297,15 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
 
     zero = NS(stage=layout.zero, contiguous_gradients=True, overlap_comm=layout.overlap_comm,
               reduce_bucket_size=layout.reduce_bucket_size, stage3_prefetch_bucket_size=layout.prefetch_bucket_size,
-              offload_optimizer=False, offload_params=False, leaf_blocks=layout.leaf_blocks)
+              offload_optimizer=False, offload_params=False, leaf_blocks=layout.leaf_blocks,
+              stage3_param_persistence_threshold=layout.persistence_threshold,
+              hpz_partition_size=layout.hpz_partition_size)
     cfg = NS(zero=zero, model=NS(drop_rate=layout.drop_rate, patch_drop_rate=layout.patch_drop_rate),
              optim=NS(name=layout.optimizer),
              train=NS(precision=layout.precision, micro_batch_size=layout.micro_batch,
                       activation_checkpointing=layout.checkpointing, compile=layout.compile,
                       ema_decay=0.9999 if layout.ema else 0.0))
-    return memory.estimate(cfg, layout.world, shape)
+    return memory.estimate(cfg, layout.world, shape, max_reuse_distance=layout.max_reuse_distance)
 
 
 # ------------------------------------------------------------------------------ from configs

@@ -226,3 +226,33 @@ def test_zero3_gathers_a_whole_leaf_block_at_once():
     # ImageNet-21k's head (21,843 classes: 22.4 M parameters, one module) is larger than a block:
     # it is the largest gathered unit either way
     assert buffers(classes=21843) == buffers("zero.leaf_blocks=false", classes=21843)
+
+
+def test_zero3_counts_the_weights_kept_for_the_backward_and_hpz_secondary():
+    """Under DeepSpeed's stage3_max_reuse_distance ZeRO-3 keeps every partitioned weight (the tensors
+    above stage3_param_persistence_threshold, counted on the built model) gathered from its forward
+    to its backward use; above it (G/14) some are released and gathered again. hpZ adds its
+    secondary partition where its groups are smaller than the world. Both are in the total that
+    `check`, `auto` checkpointing and `plan` fit."""
+    with torch.device("meta"):
+        model = create_model("vit_large_patch16_224", num_classes=1000, defer_init=True)
+    partitioned = sum(p.numel() for p in model.parameters() if p.numel() > 100_000)
+
+    def est(*over, world=16, name="vit_large_patch16_224"):
+        cfg = load_config("configs/vit_l16_in21k.yaml", [f"model.name={name}", "model.num_classes=1000",
+                                                         "train.precision=bf16", *over])
+        return memory.estimate(cfg, world=world)
+
+    z3 = est("zero.stage=3")
+    assert z3.gathered_weights == 2 * partitioned and z3.hpz_secondary == 0
+    s = z3.states
+    assert z3.total == pytest.approx(s["weights"] + s["gradients"] + s["optimizer"] + z3.buffers + z3.activations
+                                     + z3.runtime + z3.gathered_weights)
+    hpz = est("zero.stage=3", "zero.hpz_partition_size=8")
+    assert hpz.hpz_secondary == 2 * hpz.params / 8 and hpz.total == pytest.approx(z3.total + hpz.hpz_secondary)
+    assert est("zero.stage=3", "zero.hpz_partition_size=8", world=8).hpz_secondary == 0  # one group: no copy
+    assert est("zero.stage=2").gathered_weights == 0
+    g14 = est("zero.stage=3", name="vit_gigantic_patch14_224", world=64)
+    part = sum(memory.zero3_partitioned(memory.model_shape(ModelConfig(name="vit_gigantic_patch14_224")).tensors,
+                                        100_000))
+    assert 0 < g14.gathered_weights < 2 * part

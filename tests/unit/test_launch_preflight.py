@@ -373,9 +373,12 @@ def test_auto_checkpointing_is_decided_and_needless_checkpointing_is_a_warning()
     big = ["model.name=vit_huge_patch14_224", "model.img_size=224", "train.micro_batch_size=256",
            "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3"]
     cfg = load_config(CONFIG, big)
-    (f,) = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))  # ZeRO-2 at those blocks: over 95 %
+    f, zero3 = preflight.check_memory(cfg, 16, 80, model_shape(cfg.model))
     n = int(f.message.split("checkpointing ")[1].split(" of 32 blocks (auto)")[0])
     assert f.level == "ok" and 0 < n < 32, f.message  # some blocks, not all: the estimate fits 80 GB
+    # ZeRO-3 keeps 504M of H/14's 630M partitioned weights gathered from their forward to their
+    # backward use (gathered_weights), so ZeRO-2 fits at as many blocks: the ZeRO-3 warning
+    assert zero3.level == "warning" and "but ZeRO-2 fits 80 GB" in zero3.message, zero3.message
     # and what they cost: their forward again, the share of the step's FLOPs that HFU adds to MFU
     # (training's own count: observability.flops.train_flops_per_image over the analytic MACs)
     share = recomputed_share(cfg, n, 32)
@@ -431,6 +434,29 @@ def test_the_zero3_warning_says_what_the_performance_model_gathers_in_the_backwa
     assert (f"zero.stage=3 gathers the weights ({part / 1e6:,.0f}M partitioned elements) in every micro-step's "
             f"forward and {again / 1e6:,.0f}M of them again in its backward, but ZeRO-2 fits 80 GB") \
         in zero3.message, zero3.message
+
+
+def test_the_memory_line_names_zero3s_terms_as_the_plan_does():
+    """At ZeRO-3 the estimate carries the weights kept gathered for the backward and hpZ's
+    secondary partition; `check` prints them under the plan's names, with the plan's total."""
+    from pretrain.perf import perfmodel
+
+    l16 = load_config(CONFIG, ["model.name=vit_large_patch16_224", "model.img_size=224", "train.micro_batch_size=64",
+                               "train.global_batch_size=4096", "train.precision=bf16", "zero.stage=3",
+                               "zero.hpz_partition_size=8"])
+    ok = preflight.check_memory(l16, 64, 80, model_shape(l16.model))[0]
+    resolved, _ = levers.resolve(l16, 64, memory_bytes=80 * memory.GB)
+    est = memory.estimate(resolved, 64, model_shape(l16.model))
+    assert est.gathered_weights > 0 and est.hpz_secondary > 0
+    assert ok.level == "ok" and ok.message.startswith(f"{preflight._gb(est.total)} per GPU (ZeRO-3"), ok.message
+    gb = preflight._gb
+    assert (f"runtime 1.00 GB, gathered_weights {gb(est.gathered_weights)}, hpz_secondary {gb(est.hpz_secondary)} "
+            f"of 80 GB") in ok.message, ok.message
+    plan = perfmodel.predict(perfmodel.layout_from_config(resolved, nodes=8, gpus_per_node=8, gpu="h100-sxm"))
+    assert {"gathered_weights", "hpz_secondary"} <= plan.memory_gb_per_gpu.keys()
+    assert plan.memory_gb_per_gpu["total"] == pytest.approx(est.total / memory.GB, rel=1e-9)
+    z2 = preflight.check_memory(preflight._with(resolved, stage=2), 64, 80, model_shape(l16.model))[0]
+    assert "gathered_weights" not in z2.message and "hpz_secondary" not in z2.message
 
 
 def test_on_a_machine_without_a_gpu_check_prices_the_cpu_job_per_rank(capsys, monkeypatch, tmp_path):

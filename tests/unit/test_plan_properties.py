@@ -461,13 +461,16 @@ ARCH_OVERRIDES = (["model.qk_norm=true"], ["model.init_values=null"], ["model.re
 @pytest.mark.parametrize("arch", ARCH_OVERRIDES, ids=lambda o: ",".join(x.split(".")[1] for x in o))
 @pytest.mark.parametrize("train", [["train.micro_batch_size=512", "train.activation_checkpointing=false"],
                                    ["train.micro_batch_size=512", "train.activation_checkpointing=auto"],
-                                   ["zero.stage=2", "train.activation_checkpointing=auto"]],
-                         ids=["512-none", "512-auto", "zero2-auto"])
+                                   ["zero.stage=2", "train.activation_checkpointing=auto"],
+                                   ["train.micro_batch_size=512", "zero.stage=3", "zero.hpz_partition_size=2",
+                                    "train.activation_checkpointing=auto"]],
+                         ids=["512-none", "512-auto", "zero2-auto", "zero3-hpz-auto"])
 def test_the_plan_prices_the_model_the_config_builds(arch, train):
     """The plan's memory is the estimate `vit-launch check` and training size the job by (the resolved
     config's, from its whole model section: LayerScale, qk_norm, the pre-logits layer, the position
     embedding, the tokens and pooling), so both say alike whether it fits, and the plan's `auto`
-    checkpointing is the count training picks (the DeiT III L/16 recipe, LayerScale on, 4 H100s)."""
+    checkpointing is the count training picks (the DeiT III L/16 recipe, LayerScale on, 4 H100s);
+    at ZeRO-3 with hpZ too, whose kept-gathered weights and secondary partition are in both."""
     from pretrain.config import load_config
     from pretrain.perf import levers, memory
     from pretrain.perf.hardware import GPUS
