@@ -31,7 +31,8 @@ Two more terms at ZeRO-3 (``vit-launch plan`` and ``check`` name them as here):
 use (:func:`zero3_released`: every partitioned weight of a model under about a billion partitioned
 elements, in the module's dtype), and with ZeRO++ hpZ (``zero.hpz_partition_size`` between 1 and
 the world size) ``hpz_secondary``, the secondary copy of the weights partitioned inside groups of
-that many GPUs (``2 P / hpz`` bytes).
+that many GPUs (``P / hpz`` weights in the module's dtype, as DeepSpeed 0.19's
+``_partition_param_sec`` allocates it: ``2 P / hpz`` bytes in bf16).
 
 The "bf16" column is ``train.precision`` bf16 and fp16 (DeepSpeed keeps the module in 16 bits).
 ``bf16-autocast`` keeps the module fp32: its weights, gradients and masters are the fp32 column (no
@@ -264,7 +265,7 @@ def zero3_kept_bytes(shape: ModelShape, zero_cfg, precision: str, world: int,
     part = zero3_partitioned(shape.tensors, zero_cfg.stage3_param_persistence_threshold)
     kept = sum(part) - zero3_released(part, max_reuse_distance)
     hpz = zero_cfg.hpz_partition_size
-    return {"gathered_weights": e * kept, "hpz_secondary": 2.0 * shape.params / hpz if 1 < hpz < world else 0.0}
+    return {"gathered_weights": e * kept, "hpz_secondary": e * shape.params / hpz if 1 < hpz < world else 0.0}
 
 
 def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str, *, leaf_blocks: bool) -> float:

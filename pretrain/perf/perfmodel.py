@@ -36,7 +36,8 @@ fewer tokens
 
 ZeRO++ (Wang et al. 2023): ``quantized_weights`` (qwZ) sends the forward all-gather in int8 (half
 of bf16); ``hpz_partition_size`` (hpZ) keeps a secondary copy of the weights partitioned inside
-groups of that many GPUs (``2 P / hpz`` bytes) so the backward all-gather stays inside a node;
+groups of that many GPUs (``P / hpz`` weights in the module's dtype) so the backward all-gather
+stays inside a node;
 ``quantized_gradients`` (qgZ) replaces the gradient reduce-scatter with an int4 all-to-all
 (a quarter of the bf16 bytes, over the same ring volume).
 """

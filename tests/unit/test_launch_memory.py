@@ -251,6 +251,9 @@ def test_zero3_counts_the_weights_kept_for_the_backward_and_hpz_secondary():
     hpz = est("zero.stage=3", "zero.hpz_partition_size=8")
     assert hpz.hpz_secondary == 2 * hpz.params / 8 and hpz.total == pytest.approx(z3.total + hpz.hpz_secondary)
     assert est("zero.stage=3", "zero.hpz_partition_size=8", world=8).hpz_secondary == 0  # one group: no copy
+    # DeepSpeed allocates the secondary partition in the parameters' dtype: an fp32 module's is fp32
+    fp32 = est("zero.stage=3", "zero.hpz_partition_size=8", "train.precision=fp32")
+    assert fp32.hpz_secondary == 4 * fp32.params / 8 and fp32.gathered_weights == 4 * partitioned
     assert est("zero.stage=2").gathered_weights == 0
     g14 = est("zero.stage=3", name="vit_gigantic_patch14_224", world=64)
     part = sum(memory.zero3_partitioned(memory.model_shape(ModelConfig(name="vit_gigantic_patch14_224")).tensors,
