@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Union
 
-__all__ = ["ZeroConfig", "check_zero"]
+__all__ = ["STAGE3_MAX_LIVE_PARAMETERS", "STAGE3_MAX_REUSE_DISTANCE", "ZeroConfig", "check_zero"]
+
+# ZeRO-3's limits on gathered weights (elements), set by training (``pretrain.distributed.engine``)
+# and read by the memory model (``pretrain.perf.memory``): at most this many gathered at once, and
+# a used weight kept gathered when its next use comes within this many elements of other weights
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from pretrain.config import ConfigError, check_world_size, checkpoint_count, compile_mode, selective_checkpointing
 from pretrain.config.schema import OptimConfig, TrainConfig
 from pretrain.distributed import ds_compat, ds_masters, schedule
-from pretrain.distributed.config import ZeroConfig
+from pretrain.distributed.config import STAGE3_MAX_LIVE_PARAMETERS, STAGE3_MAX_REUSE_DISTANCE, ZeroConfig
 from pretrain.distributed.lamb import Lamb, ShardLayout
 from pretrain.distributed.layer_decay import layer_decay_groups
 
@@ -49,7 +49,8 @@ def deepspeed_config(optim: OptimConfig, train: TrainConfig, zero: ZeroConfig, w
     if zero.stage == 3:
         z.update(stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
                  stage3_param_persistence_threshold=zero.stage3_param_persistence_threshold,
-                 stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
+                 stage3_max_live_parameters=STAGE3_MAX_LIVE_PARAMETERS,
+                 stage3_max_reuse_distance=STAGE3_MAX_REUSE_DISTANCE,
                  sub_group_size=1_000_000_000,
                  # export consolidates from the fp32 shards; no 16-bit gather at save time
                  stage3_gather_16bit_weights_on_model_save=False,

@@ -89,13 +89,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pretrain.distributed.config import STAGE3_MAX_REUSE_DISTANCE
+
 GB = 2 ** 30
 # CUDA context, cuBLAS / NCCL workspaces and allocator fragmentation: not in any formula above;
 # about 0.5-1.5 GB in practice, so the estimate carries 1 GB for it.
 RUNTIME_OVERHEAD_BYTES = 1 * GB
-# DeepSpeed's stage3_max_reuse_distance as training sets it (pretrain.distributed.engine): the
-# elements of other parameters within which ZeRO-3 keeps a used parameter gathered for its next use
-ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
 # the share of a device's memory an estimate may fill (`auto` checkpointing, `vit-launch plan` and
 # `vit-launch check` alike): the rest is the allocator's margin for what the estimate misses
 MEMORY_HEADROOM = 0.95
@@ -238,7 +237,7 @@ def zero3_partitioned(tensors, persistence_threshold: int) -> list[int]:
     return [n for n in tensors if n > persistence_threshold]
 
 
-def zero3_released(partitioned, max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> int:
+def zero3_released(partitioned, max_reuse_distance: int = STAGE3_MAX_REUSE_DISTANCE) -> int:
     """Elements of the ``partitioned`` tensors (forward order) ZeRO-3 frees after their forward use
     and gathers again in the backward. ``PartitionedParameterCoordinator.__params_to_release`` keeps
     a parameter gathered when it is used again within ``stage3_max_reuse_distance`` elements of other
@@ -255,7 +254,7 @@ def zero3_released(partitioned, max_reuse_distance: int = ZERO3_MAX_REUSE_DISTAN
 
 
 def zero3_kept_bytes(shape: ModelShape, zero_cfg, precision: str, world: int,
-                     max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> dict[str, float]:
+                     max_reuse_distance: int = STAGE3_MAX_REUSE_DISTANCE) -> dict[str, float]:
     """ZeRO-3's bytes per GPU beyond the partitions and the gathered unit (module docstring):
     ``gathered_weights``, the partitioned weights kept gathered from their forward to their backward
     use, and ``hpz_secondary``, hpZ's secondary partition; both 0 below stage 3."""
@@ -377,7 +376,7 @@ def host_build_bytes(shape: ModelShape, stage: int) -> float:
 
 
 def estimate(cfg, world: int, shape: ModelShape | None = None, *, cuda: bool = True,
-             max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> MemoryEstimate:
+             max_reuse_distance: int = STAGE3_MAX_REUSE_DISTANCE) -> MemoryEstimate:
     """Per-rank estimate for a full ``pretrain.config.Config`` at this world size: a GPU's memory,
     or with ``cuda`` false the host memory of a rank on DeepSpeed's CPU accelerator (no CUDA
     runtime to carry). ``max_reuse_distance``: DeepSpeed's ``stage3_max_reuse_distance``, which

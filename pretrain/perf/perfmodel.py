@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Union
 
 from pretrain.config import compile_mode
+from pretrain.distributed.config import STAGE3_MAX_REUSE_DISTANCE
 from pretrain.models import arch
 from pretrain.perf import inputs, kernels, memory
 from pretrain.perf.collectives import collective_seconds, collectives
@@ -97,7 +98,7 @@ class Layout:
     prefetch_bucket_size: int = 50_000_000
     persistence_threshold: int = 100_000
     leaf_blocks: bool = True  # zero.leaf_blocks: each block one ZeRO-3 leaf module
-    max_reuse_distance: int = memory.ZERO3_MAX_REUSE_DISTANCE  # DeepSpeed's stage3_max_reuse_distance
+    max_reuse_distance: int = STAGE3_MAX_REUSE_DISTANCE  # as training sets it
     hpz_partition_size: int = 1
     quantized_weights: bool = False
     quantized_gradients: bool = False
