@@ -58,7 +58,7 @@ class ZeroConfig:
     hpz_partition_size: int = 1
     """ZeRO++ hpZ (stage 3 only): a secondary weight partition inside groups of this many GPUs (a
     node), so the backward all-gather stays on NVLink, for `params / hpz` weights per GPU in the
-    module's dtype (2 bytes each in bf16)."""
+    module's dtype (2 bytes each in bf16; in host memory with `zero.offload_params`)."""
     quantized_weights: bool = False
     """ZeRO++ qwZ (stage 3): int8 weight all-gather; needs DeepSpeed's CUDA quantizer, so a CPU
     run refuses it in one line."""

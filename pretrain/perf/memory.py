@@ -29,10 +29,13 @@ head are single modules either way, so the unit is the larger of a block and the
 Two more terms at ZeRO-3 (``vit-launch plan`` and ``check`` name them as here):
 ``gathered_weights``, the weights DeepSpeed keeps gathered from their forward use to their backward
 use (:func:`zero3_released`: every partitioned weight of a model under about a billion partitioned
-elements, in the module's dtype), and with ZeRO++ hpZ (``zero.hpz_partition_size`` between 1 and
-the world size) ``hpz_secondary``, the secondary copy of the weights partitioned inside groups of
-that many GPUs (``P / hpz`` weights in the module's dtype, as DeepSpeed 0.19's
-``_partition_param_sec`` allocates it: ``2 P / hpz`` bytes in bf16).
+elements, in the module's dtype) beyond the unit above and the ``zero.stage3_prefetch_bucket_size``
+weights fetched ahead of it (:func:`zero_buffer_bytes` counts both; at the end of the forward,
+where the activations peak too, they are among the kept weights), and with ZeRO++ hpZ
+(``zero.hpz_partition_size`` between 1 and the world size) ``hpz_secondary``, the secondary copy of
+the weights partitioned inside groups of that many GPUs (``P / hpz`` weights in the module's dtype,
+as DeepSpeed 0.19's ``_partition_param_sec`` allocates it: ``2 P / hpz`` bytes in bf16; in host
+memory with ``zero.offload_params``, as it goes to the offload device).
 
 The "bf16" column is ``train.precision`` bf16 and fp16 (DeepSpeed keeps the module in 16 bits).
 ``bf16-autocast`` keeps the module fp32: its weights, gradients and masters are the fp32 column (no
@@ -254,17 +257,26 @@ def zero3_released(partitioned, max_reuse_distance: int = STAGE3_MAX_REUSE_DISTA
 
 
 def zero3_kept_bytes(shape: ModelShape, zero_cfg, precision: str, world: int,
-                     max_reuse_distance: int = STAGE3_MAX_REUSE_DISTANCE) -> dict[str, float]:
-    """ZeRO-3's bytes per GPU beyond the partitions and the gathered unit (module docstring):
+                     max_reuse_distance: int = STAGE3_MAX_REUSE_DISTANCE, *,
+                     leaf_blocks: bool = True) -> dict[str, float]:
+    """ZeRO-3's bytes per GPU beyond the partitions and :func:`zero_buffer_bytes` (module docstring):
     ``gathered_weights``, the partitioned weights kept gathered from their forward to their backward
-    use, and ``hpz_secondary``, hpZ's secondary partition; both 0 below stage 3."""
+    use, and ``hpz_secondary``, hpZ's secondary partition; both 0 below stage 3. At the end of the
+    forward the gathered weights are the kept ones, among which the unit being computed and those
+    prefetched for the next: ``zero_buffer_bytes`` counts those (``zero_cfg``'s prefetch bucket
+    sized, not ``auto``), so ``gathered_weights`` is only what is kept beyond them."""
     if zero_cfg.stage != 3:
         return {"gathered_weights": 0.0, "hpz_secondary": 0.0}
     e = weight_bytes(precision)
     part = zero3_partitioned(shape.tensors, zero_cfg.stage3_param_persistence_threshold)
     kept = sum(part) - zero3_released(part, max_reuse_distance)
+    in_buffers = zero3_gathered_params(shape, leaf_blocks) + zero_cfg.stage3_prefetch_bucket_size
     hpz = zero_cfg.hpz_partition_size
-    return {"gathered_weights": e * kept, "hpz_secondary": e * shape.params / hpz if 1 < hpz < world else 0.0}
+    # every parameter, the persistent ones too (zero.Init partitions each: _zero_init_param calls
+    # param.partition(), so _partition_param_sec gives it aligned numel / hpz elements), until the
+    # step's invalidate_secondary_tensor; the first micro-step holds them all
+    return {"gathered_weights": e * max(0, kept - in_buffers),
+            "hpz_secondary": e * shape.params / hpz if 1 < hpz < world else 0.0}
 
 
 def zero_buffer_bytes(zero_cfg, shape: ModelShape, precision: str, *, leaf_blocks: bool) -> float:
@@ -396,13 +408,17 @@ def estimate(cfg, world: int, shape: ModelShape | None = None, *, cuda: bool = T
     act, trained, micro = max(((activation_bytes(s, b, checkpointing=n, **kw), s, b)
                                for s, b in training_shapes(cfg, shape)), key=lambda e: e[0])
     other = activation_bytes(trained, micro, checkpointing=0 if n else shape.depth, **kw)
-    buffers = zero_buffer_bytes(_sized_buckets(cfg, world, shape), shape, t.precision,
-                                leaf_blocks=cfg.zero.leaf_blocks or bool(t.compile))
+    sized, leaf = _sized_buckets(cfg, world, shape), cfg.zero.leaf_blocks or bool(t.compile)
+    buffers = zero_buffer_bytes(sized, shape, t.precision, leaf_blocks=leaf)
+    kept = zero3_kept_bytes(shape, sized, t.precision, world, max_reuse_distance, leaf_blocks=leaf)
+    if cfg.zero.offload_params:  # _partition_param_sec allocates it on the remote (offload) device
+        states["cpu"] += kept["hpz_secondary"]
+        kept["hpz_secondary"] = 0.0
     return MemoryEstimate(params=shape.params, states=states, buffers=buffers,
                           activations=act, activations_other=other, checkpointing=n,
                           host_build=host_build_bytes(shape, cfg.zero.stage), largest=(trained.img_size, micro),
                           runtime=RUNTIME_OVERHEAD_BYTES if cuda else 0.0,
-                          **zero3_kept_bytes(shape, cfg.zero, t.precision, world, max_reuse_distance))
+                          **kept)
 
 
 def _sized_buckets(cfg, world: int, shape: ModelShape):
