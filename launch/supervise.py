@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from data_pipeline.errors import EXIT_UNAVAILABLE
+from data_pipeline.errors import EXIT_UNAVAILABLE, Parser
 from data_pipeline.files import write_atomic
 from launch.hostfile import LaunchError
 from pretrain.resilience.lifecycle import EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
@@ -325,11 +325,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     """``python -m launch.supervise exit-code STATUS_JSON SINCE FALLBACK`` prints the run's exit code
     (``run_exit_code``), or FALLBACK where there is none: the sbatch script of ``vit-launch slurm
     --launcher srun`` asks it, since srun ends with the runner's code. Cheap: no torch import."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4 or args[0] != "exit-code":
-        raise SystemExit(f"usage: python -m launch.supervise exit-code STATUS_JSON SINCE FALLBACK (got {args})")
-    code = run_exit_code(Path(args[1]), float(args[2]))
-    print(args[3] if code is None else code)
+    ap = Parser(prog="python -m launch.supervise", description="What the batch script of `vit-launch slurm "
+                "--launcher srun` asks of a run it started.")
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("exit-code", help="print the exit code rank 0 wrote in status.json since SINCE, "
+                                         "else FALLBACK (still running, absent, unreadable or older)")
+    p.add_argument("status_json", type=Path, metavar="STATUS_JSON", help="the run's status.json")
+    p.add_argument("since", type=float, metavar="SINCE", help="the attempt's start, in seconds since the epoch")
+    p.add_argument("fallback", metavar="FALLBACK", help="what to print where status.json gives no code")
+    args = ap.parse_args(argv)
+    code = run_exit_code(args.status_json, args.since)
+    print(args.fallback if code is None else code)
 
 
 if __name__ == "__main__":

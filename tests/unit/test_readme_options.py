@@ -109,7 +109,8 @@ NAMED = ["vit-launch run", "vit-launch check", "vit-launch plan", "vit-launch sl
          "vit-transfer", "vit-shards", "vit-train", "vit-export", "vit-config", "vit-analyze", "vit-audit",
          "vit-flops", "python -m launch.demo", "python -m data_pipeline.loading.plan",
          "python -m data_pipeline.write_shards", "python -m launch.plot_scaling",
-         "python -m pretrain.checkpointing.elastic", "python -m pretrain.export", "python -m pretrain.train"]
+         "python -m pretrain.checkpointing.elastic", "python -m pretrain.export", "python -m pretrain.train",
+         "python -m launch.supervise"]
 
 
 @pytest.mark.parametrize("command", NAMED)
