@@ -198,7 +198,8 @@ def test_evaluation_of_a_training_batch_reports_the_training_loss(one_rank_group
     y = (torch.rand(6, 30) < 0.1).long() if multi else torch.randint(0, 30, (6,))
     train_loss = classification_loss(model(x), y, multi_label=multi, loss=loss)
     ev = InTrainingEval.__new__(InTrainingEval)  # the validation pass alone, on one batch
-    ev.val, ev.data, ev.img_size, ev.dtype = [(x, y)], SimpleNamespace(multi_label=multi), 8, torch.float32
+    loader = type("OneBatch", (list,), {"counters": {}})([(x, y)])  # its batches; nothing skipped
+    ev.val, ev.data, ev.img_size, ev.dtype = loader, SimpleNamespace(multi_label=multi), 8, torch.float32
     ev.loss = loss  # optim.loss
     engine = type("Engine", (), {"device": torch.device("cpu"), "__call__": lambda self, t: model(t)})()
     with torch.no_grad():
