@@ -477,7 +477,7 @@ def check_memory(cfg: Config, world: int, gpu_memory_gb: Optional[float], shape:
         if cfg.zero.stage == 3:
             z2 = memory.estimate(_with(cfg, stage=2), world, shape)
             if z2.total <= usable:
-                found.append(Finding(WARN, "memory", f"zero.stage=3 {_zero3_gathers(cfg, world)}, but ZeRO-2 fits "
+                found.append(Finding(WARN, "memory", f"zero.stage=3 {_zero3_gathers(cfg, shape)}, but ZeRO-2 fits "
                                                      f"{cap} GB ({_gb(z2.total)} per GPU; building the "
                                                      f"model then takes {_gb(z2.host_build)} host memory per rank): "
                                                      f"set zero.stage=2 unless that host memory is short "
@@ -538,14 +538,12 @@ def _host_words(cfg: Config, est: memory.MemoryEstimate) -> str:
     return f"building the model takes {_gb(est.host_build)} host memory per rank ({how})"
 
 
-def _zero3_gathers(cfg: Config, world: int) -> str:
-    """What ZeRO-3 gathers in a micro-step of this (resolved) config, as the performance model has it
-    (``pretrain.perf.collectives.backward_gathers``): the forward's weights, and the backward's again
-    only where DeepSpeed released them after their forward use."""
-    from pretrain.perf import collectives, perfmodel
-
-    again, part = collectives.backward_gathers(perfmodel.layout_from_config(cfg, nodes=1, gpus_per_node=world,
-                                                                            gpu=None))
+def _zero3_gathers(cfg: Config, shape: memory.ModelShape) -> str:
+    """What ZeRO-3 gathers in a micro-step of this config, by the memory model's rule
+    (``memory.zero3_partitioned``, ``memory.zero3_released``): the forward's weights, and the
+    backward's again only where DeepSpeed released them after their forward use."""
+    tensors = memory.zero3_partitioned(shape.tensors, cfg.zero.stage3_param_persistence_threshold)
+    again, part = memory.zero3_released(tensors), sum(tensors)
     fwd = f"gathers the weights ({part / 1e6:,.0f}M partitioned elements) in every micro-step's forward"
     if again:
         return f"{fwd} and {again / 1e6:,.0f}M of them again in its backward"

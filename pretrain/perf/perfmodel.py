@@ -311,17 +311,16 @@ def _memory(layout: Layout, shape: memory.ModelShape, img: int) -> memory.Memory
 
 
 # ------------------------------------------------------------------------------ from configs
-def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: Optional[str],
-                       network: Optional[str] = None, **overrides) -> Layout:
+def layout_from_config(cfg, *, nodes: int, gpus_per_node: int, gpu: str, network: Optional[str] = None,
+                       **overrides) -> Layout:
     """The layout a ``pretrain.config.Config`` trains with on ``nodes x gpus_per_node`` GPUs: the model
     its ``model:`` section builds (every option ``arch.config_options`` names, as ``vit-launch check``
     and training size it), its ``auto`` levers decided for them as training decides them
-    (``pretrain.perf.levers``; the GPU type's memory from its table entry). ``gpu`` None: no type,
-    a layout for what does not depend on it (ZeRO-3's gathers), not for :func:`predict`."""
+    (``pretrain.perf.levers``; the GPU type's memory from its table entry)."""
     from pretrain.config import image_size
     from pretrain.perf import levers
 
-    network = network or default_network(gpu or "")
+    network = network or default_network(gpu)
     memory_gb = overrides.get("memory_gb") or GPUS[gpu].memory_gb if gpu in GPUS else overrides.get("memory_gb")
     cfg, _ = levers.resolve(cfg, nodes * gpus_per_node, gpus_per_node=gpus_per_node, gpu=gpu, network=network,
                             memory_bytes=memory_gb * memory.GB if memory_gb else None)
